@@ -1,0 +1,143 @@
+"""Test conventions every test file shares.
+
+* ``run_workers(fn, n, *args)``: run ``fn(ctx, *args)`` on n spawned gloo workers (no
+  port, a timeout on the whole group) and return each rank's result, so the parent can
+  compare them with a single-process oracle. Run a whole grid of cases inside one call:
+  spawning a worker costs seconds (importing torch), a case costs milliseconds.
+* ``run_torchrun(script, n, *args)``: run a script through the real torchrun
+  (``--standalone`` picks a free port) with a timeout; the whole process group is killed
+  when it expires.
+* ``CollectiveCounter``: counts calls into ``torch.distributed`` inside a worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from dist_utils import launch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Generous for a loaded 2-core machine, yet far below gloo's 30-minute default.
+WORKERS_TIMEOUT_S = 180.0
+PG_TIMEOUT_S = 30.0
+
+
+def run_workers(fn, world_size: int, *args, timeout_s: float = WORKERS_TIMEOUT_S, pg_timeout_s: float = PG_TIMEOUT_S):
+    """``dist_utils.launch`` with the suite's timeouts: one spawned group, every rank's result."""
+    return launch(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, check: bool = True,
+                 torchrun_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``torchrun --standalone --nproc_per_node nproc script args`` from the repository root.
+
+    Returns the completed process (stdout and stderr as text). With ``check``, a non-zero
+    exit fails the test with both streams. On timeout every process of the run is killed.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *torchrun_args, str(REPO / script), *args]
+    # See pytorch/pytorch#135712: restarted workers may fail to reconnect to a shared store.
+    full_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
+    process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"timed out after {timeout_s} s: {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr[-5000:]}")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit code {result.returncode}: {' '.join(command)}\n"
+                             f"--- stdout\n{stdout[-5000:]}\n--- stderr\n{stderr[-5000:]}")
+    return result
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "reduce", "gather", "scatter",
+               "all_to_all", "all_to_all_single", "barrier")
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+class CollectiveCounter:
+    """Counts calls into ``torch.distributed`` while active, and bytes sent point to point.
+
+    Both ``torch.distributed.X`` and ``distributed_c10d.X`` are wrapped, so code that calls
+    ``dist.all_reduce`` is seen, and ``P2POp(dist.isend, ...)`` still passes torch's check
+    that its op is ``isend``. Only the outermost call counts: ``send`` is implemented
+    with ``isend`` and ``batch_isend_irecv`` calls each op's function, and those inner
+    calls are part of the one the caller made. ``calls`` maps a function name to its
+    number of calls; ``sent_bytes`` adds up the tensors sent by ``send``, ``isend`` and
+    the ``isend`` ops of ``batch_isend_irecv``.
+    """
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.sent_bytes = 0
+        self._depth = 0
+        self._saved = []
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.calls[name] for name in COLLECTIVES)
+
+    @property
+    def point_to_point(self) -> int:
+        return sum(self.calls[name] for name in POINT_TO_POINT)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.sent_bytes = 0
+
+    @staticmethod
+    def _bytes_sent(name, args, kwargs) -> int:
+        if name in ("send", "isend"):
+            tensor = args[0] if args else kwargs["tensor"]
+            return tensor.numel() * tensor.element_size()
+        if name == "batch_isend_irecv":
+            ops = args[0] if args else kwargs["p2p_op_list"]
+            return sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op.__name__ == "isend")
+        return 0
+
+    def _wrap(self, name, original):
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if self._depth:
+                return original(*args, **kwargs)
+            self.calls[name] += 1
+            self.sent_bytes += self._bytes_sent(name, args, kwargs)
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in COLLECTIVES + POINT_TO_POINT:
+            original = getattr(c10d, name)
+            wrapped = self._wrap(name, original)
+            for module in (dist, c10d):
+                self._saved.append((module, name, getattr(module, name)))
+                setattr(module, name, wrapped)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()

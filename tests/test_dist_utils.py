@@ -1,0 +1,182 @@
+"""The shared helpers: the local launcher's success and failure paths, timing, memory, results."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_utils
+from common import CollectiveCounter, run_workers
+from dist_utils import PeakMemory, PeerFailedError, WorkerError, launch, markdown_table, percentile, saved_tensor_bytes
+
+
+def _probe(ctx, payload):
+    """Several successful-path checks in one spawned group (spawning costs seconds, a check milliseconds)."""
+    total = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(total)
+    # Rank 1 is slower; every iteration counts as long as its slowest rank.
+    timing = dist_utils.time_iterations(lambda: time.sleep(0.02 * ctx.rank), iters=5, warmup=1)
+    with CollectiveCounter() as counter:
+        dist.all_reduce(torch.ones(2))
+        peer = (ctx.rank + 1) % ctx.world_size
+        ops = [dist.P2POp(dist.isend, torch.ones(3), peer),
+               dist.P2POp(dist.irecv, torch.empty(3), (ctx.rank - 1) % ctx.world_size)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if ctx.rank == 0:
+            dist.send(torch.ones(5), dst=1)
+        elif ctx.rank == 1:
+            dist.recv(torch.empty(5), src=0)
+    return {"rank": ctx.rank, "world": ctx.world_size, "sum": total.item(), "payload": payload,
+            "threads": torch.get_num_threads(), "timing": timing,
+            "counted": (dict(counter.calls), counter.sent_bytes, counter.collectives, counter.point_to_point)}
+
+
+@pytest.fixture(scope="module")
+def three_workers():
+    return run_workers(_probe, 3, "x")
+
+
+def test_launch_returns_every_rank_result_in_rank_order(three_workers):
+    assert [r["rank"] for r in three_workers] == [0, 1, 2]
+    assert all(r["world"] == 3 and r["sum"] == 3.0 and r["payload"] == "x" for r in three_workers)
+    assert all(r["threads"] == 1 for r in three_workers), "workers run one intra-op thread by default"
+
+
+def test_time_iterations_gathers_every_rank_and_reports_the_slowest(three_workers):
+    timing = three_workers[0]["timing"]
+    assert timing.per_rank.shape == (3, 5)
+    assert timing.samples == timing.per_rank.max(dim=0).values.tolist()
+    assert min(timing.samples) >= 0.04, "rank 2 sleeps 40 ms per iteration"
+    assert timing.median == pytest.approx(np.median(timing.samples))
+    assert all(torch.equal(r["timing"].per_rank, timing.per_rank) for r in three_workers), "every rank has every sample"
+
+
+def test_collective_counter_sees_collectives_and_bytes_sent(three_workers):
+    calls, sent, collectives, p2p = three_workers[0]["counted"]
+    assert calls == {"all_reduce": 1, "batch_isend_irecv": 1, "send": 1}, "the isend/irecv inside batch and send are theirs"
+    assert (sent, collectives, p2p) == (12 + 20, 1, 2)
+    calls, sent, _, _ = three_workers[1]["counted"]
+    assert calls == {"all_reduce": 1, "batch_isend_irecv": 1, "recv": 1} and sent == 12
+
+
+def _raise_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()  # rank 0 waits for a peer that is gone: the launcher must not wait with it
+
+
+def _hang_on_rank_0(ctx):
+    if ctx.rank == 0:
+        time.sleep(600)
+
+
+def _exit_abruptly(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _silent_peer(ctx):
+    """Rank 1 stays alive but never answers, so only the process-group timeout can end rank 0's wait."""
+    if ctx.rank == 1:
+        time.sleep(600)
+    dist.recv(torch.zeros(1), src=1)
+
+
+def _assert_all_dead(pids):
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_worker_that_raises_fails_the_launch_with_its_traceback_and_leaves_no_process():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as failure:
+        launch(_raise_on_rank_1, 2, timeout_s=120, pg_timeout_s=60)
+    assert "rank 1 of 2 failed" in str(failure.value)
+    assert "ValueError: boom from rank 1" in str(failure.value)
+    assert time.monotonic() - start < 50, "the launcher must not wait for the peers' timeout"
+    _assert_all_dead(failure.value.pids)
+
+
+def test_a_hung_worker_fails_the_launch_at_the_timeout_and_is_killed():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as failure:
+        launch(_hang_on_rank_0, 2, timeout_s=8, pg_timeout_s=60)
+    assert "ranks [0" in str(failure.value) and "of 2 still running after 8 s" in str(failure.value)
+    assert time.monotonic() - start < 40
+    _assert_all_dead(failure.value.pids)
+
+
+def test_a_worker_that_dies_without_a_traceback_is_reported_with_its_exit_code():
+    with pytest.raises(WorkerError) as failure:
+        launch(_exit_abruptly, 2, timeout_s=120, pg_timeout_s=60)
+    assert "rank 1 of 2 failed" in str(failure.value) and "exit code 3" in str(failure.value)
+    _assert_all_dead(failure.value.pids)
+
+
+def test_a_silent_peer_fails_the_waiting_rank_within_the_process_group_timeout():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as failure:
+        launch(_silent_peer, 2, timeout_s=120, pg_timeout_s=3)
+    message = str(failure.value)
+    assert "rank 0 of 2 failed" in message
+    assert PeerFailedError.__name__ in message and "a peer failed" in message and "3 s process-group timeout" in message
+    assert time.monotonic() - start < 40
+    _assert_all_dead(failure.value.pids)
+
+
+def test_percentile_interpolates_like_numpy():
+    samples = [0.3, 0.1, 0.4, 0.15, 0.9, 0.2]
+    for q in (0, 50, 75, 90, 95, 100):
+        assert percentile(samples, q) == pytest.approx(np.percentile(samples, q))
+
+
+def test_peak_memory_on_cpu_sees_torch_allocations_and_their_frees():
+    with PeakMemory("cpu") as peak:
+        big = torch.empty(1_000_000)  # 4 MB, freed before the 1 MB one is made
+        del big
+        small = torch.empty(250_000)
+    assert 4_000_000 <= peak.bytes < 4_100_000
+    with PeakMemory("cpu") as nothing:
+        small.add_(1)  # in place: no new memory
+    assert nothing.bytes < 1_000
+
+
+def test_saved_tensor_bytes_counts_each_saved_storage_once():
+    x = torch.randn(1000, requires_grad=True)
+    w = torch.randn(1000)
+    assert saved_tensor_bytes(lambda: (x * w).sum()) == 4000  # d/dx needs w only
+    w.requires_grad_()
+    assert saved_tensor_bytes(lambda: (x * w).sum()) == 8000  # now both, 4000 bytes each
+    assert saved_tensor_bytes(lambda: (x * x).sum()) == 4000  # x saved twice, stored once
+    assert saved_tensor_bytes(lambda: (x + w).sum()) == 0
+
+
+def test_results_round_trip_in_the_shared_layout(tmp_path):
+    env = dist_utils.environment("gloo", "cpu", 2)
+    assert {"torch", "backend", "device", "device_model", "threads", "world_size", "command"} <= env.keys()
+    path = tmp_path / "r.json"
+    dist_utils.write_results(str(path), "demo", env, {"iters": 3}, [{"size": 1, "time_s": 0.5}])
+    doc = dist_utils.read_results(str(path))
+    assert doc["benchmark"] == "demo" and doc["config"] == {"iters": 3} and doc["results"] == [{"size": 1, "time_s": 0.5}]
+    path.write_text('{"schema": "other"}')
+    with pytest.raises(ValueError, match="not a results file"):
+        dist_utils.read_results(str(path))
+
+
+def test_markdown_table_formats_and_marks_missing_values():
+    table = markdown_table([{"n": 2, "t": 0.5}, {"n": 4}], [("n", "world", "d"), ("t", "time (s)", ".3f")])
+    assert table.splitlines() == ["| world | time (s) |", "|-------|----------|", "| 2 | 0.500 |", "| 4 | - |"]
+
+
+def test_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with dist_utils.distributed("gloo", timeout_s=10) as ctx:
+        assert (ctx.rank, ctx.world_size, ctx.device.type) == (0, 1, "cpu")
+        assert dist.is_initialized() and dist.get_world_size() == 1
+    assert not dist.is_initialized(), "torn down on exit"
