@@ -310,7 +310,7 @@ def _arrival_order(ctx):
 
 
 def _second_backward(ctx):
-    """Two synchronised backward passes without finish_gradient_synchronization in between."""
+    """Two synchronised backward passes without finish_gradient_synchronization in between; then a double backward."""
     model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
     x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
     F.mse_loss(model(x), y).backward()
@@ -320,7 +320,12 @@ def _second_backward(ctx):
     except RuntimeError as error:
         message = str(error)
     model.finish_gradient_synchronization()  # every bucket was launched once: this completes the step
-    return message
+    try:
+        F.mse_loss(model(x), y).backward(create_graph=True)
+        double = None
+    except RuntimeError as error:
+        double = str(error)
+    return message, double
 
 
 def _against_pytorch(ctx):
@@ -540,11 +545,12 @@ def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_
         assert_trains_like(results[rank]["unused"][cap], expected)
 
 
-def test_second_synchronised_backward_before_finish_is_an_error(two):
+def test_second_synchronised_backward_before_finish_and_double_backward_are_errors(two):
     for rank in range(2):
-        message = two[rank]["second_backward"]
+        message, double = two[rank]["second_backward"]
         assert message is not None and "second gradient before finish_gradient_synchronization()" in message
         assert "no_sync()" in message
+        assert double is not None and "create_graph=True" in double
 
 
 def test_negative_bucket_cap_and_unknown_variant_are_rejected():
