@@ -137,7 +137,6 @@ def implementations(device: torch.device) -> list[str]:
 def run(ctx, args) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     impls = implementations(ctx.device)
     cases = [(batch, hidden) for batch in args.batch for hidden in args.hidden]
     rows = []
