@@ -121,10 +121,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
     y = (x - shift) * scale + (bias + delta * scale), scale = weight / sqrt(var + eps).
 
     Saved for backward: x (usually kept alive anyway by the layer before) and four (C)
-    vectors, no more bytes than BatchNorm saves. Each tensor operation costs a few
-    microseconds of dispatch, which dominates at the sizes of a BatchNorm layer on the
-    CPU, so the per-channel arithmetic uses few operations (fused ``addcmul``, in-place
-    updates, one dtype conversion for several vectors).
+    vectors, no more bytes than BatchNorm saves; backward allocates one tensor of x's
+    size (it becomes the input gradient). Each tensor operation costs a few microseconds
+    of dispatch, which dominates at the sizes of a BatchNorm layer on the CPU, so the
+    per-channel arithmetic uses few operations (fused ``addcmul``, in-place updates).
+    On CUDA, reading the global count (``.item()``) is one host synchronisation per
+    forward: every rank needs it on the host to raise the same error.
     """
 
     @staticmethod
