@@ -342,8 +342,9 @@ def _arrival_order(ctx):
     return result
 
 
-def _second_backward(ctx):
-    """Two synchronised backward passes without finish_gradient_synchronization in between; then a double backward."""
+def _misuse(ctx):
+    """Two synchronised backward passes without finish_gradient_synchronization in between; a double
+    backward; an exception inside no_sync()."""
     model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
     x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
     F.mse_loss(model(x), y).backward()
@@ -358,7 +359,12 @@ def _second_backward(ctx):
         double = None
     except RuntimeError as error:
         double = str(error)
-    return message, double
+    try:
+        with model.no_sync():
+            raise KeyError("user code fails inside no_sync")
+    except KeyError:
+        pass
+    return message, double, model.require_backward_grad_sync
 
 
 def _against_pytorch(ctx):
@@ -380,7 +386,7 @@ def _against_pytorch(ctx):
 def _two_rank_cases(ctx):
     return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
-            "second_backward": _second_backward(ctx), "pytorch": _against_pytorch(ctx)}
+            "misuse": _misuse(ctx), "pytorch": _against_pytorch(ctx)}
 
 
 def _three_rank_cases(ctx):
@@ -527,6 +533,9 @@ def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
 def test_one_all_reduce_per_bucket_all_launched_during_backward_none_inside_no_sync(two, name, cap, zero_mode, accum):
     result = two[0]["ddp"][name, cap, zero_mode, accum]
     buckets = result["buckets"]
+    trainable = sum(p.requires_grad for p in build(MODELS[name], 0).parameters())
+    expected = {"0": trainable, "1000MiB": 1}.get(cap, len(BIG_LAYOUTS[cap]) if name == "big" else buckets)
+    assert buckets == expected, "one bucket per parameter at cap 0, one in all at 1000 MiB, big's by hand"
     assert result["counts"] == [(0, buckets, buckets)] * STEPS
 
 
@@ -580,10 +589,14 @@ def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_
 
 def test_second_synchronised_backward_before_finish_and_double_backward_are_errors(two):
     for rank in range(2):
-        message, double = two[rank]["second_backward"]
+        message, double, _ = two[rank]["misuse"]
         assert message is not None and "second gradient before finish_gradient_synchronization()" in message
         assert "no_sync()" in message
         assert double is not None and "create_graph=True" in double
+
+
+def test_no_sync_restores_synchronisation_when_its_body_raises(two):
+    assert all(two[rank]["misuse"][2] is True for rank in range(2))
 
 
 def test_negative_bucket_cap_and_unknown_variant_are_rejected():
