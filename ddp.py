@@ -1,0 +1,540 @@
+"""Hand-written data parallelism: every rank ends a step with the same, averaged gradients.
+
+Not a script; import it inside an initialised process group (``dist_utils.distributed``)::
+
+    from ddp import DDP
+    model = DDP(net, bucket_cap_mb=25.0)           # broadcasts rank 0's weights and buffers
+    for micro_batches in loader:                    # one optimizer step per item
+        for x, y in micro_batches[:-1]:
+            with model.no_sync():                   # accumulation: no communication at all
+                (loss_fn(model(x), y) / len(micro_batches)).backward()
+        x, y = micro_batches[-1]
+        (loss_fn(model(x), y) / len(micro_batches)).backward()   # buckets all-reduced during backward
+        model.finish_gradient_synchronization()     # wait; every param.grad = average over ranks
+        optimizer.step()
+        optimizer.zero_grad()
+
+The variants the benchmark compares, all with that interface (``make_ddp`` selects by name):
+
+=========  ==============================================================================
+bucketed   ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each all-reduced
+           asynchronously as soon as it is complete, overlapping the rest of backward.
+overlap    ``DDP(module, bucket_cap_mb=0)``: the same, one bucket (all-reduce) per parameter.
+flat       ``FlatDDP``: after backward, all gradients copied into one flat tensor, one all-reduce.
+naive      ``NaiveDDP``: after backward, one blocking all-reduce per parameter.
+pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
+=========  ==============================================================================
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dist_utils import synchronize
+
+MIB = 2**20
+# Largest single broadcast of module state at construction, PyTorch DDP's value (250 MiB):
+# few collectives, yet a bounded temporary copy for very large models.
+BROADCAST_CHUNK_BYTES = 250 * MIB
+VARIANTS = ("bucketed", "overlap", "flat", "naive", "pytorch")
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def broadcast_module_state(module: nn.Module, process_group=None) -> int:
+    """Copy the group's rank 0 parameters (trainable or frozen) and buffers into every rank's ``module``.
+
+    Tensors are coalesced: one flat buffer per (dtype, device), split into chunks of at
+    most ``BROADCAST_CHUNK_BYTES``, one broadcast per chunk. A collective costs a round
+    trip whatever its size, so resnet18's 122 tensors cost one broadcast per dtype
+    (float32 weights, int64 ``num_batches_tracked``) instead of 122. Returns the number
+    of broadcasts made (the same on every rank).
+    """
+    tensors = [p.detach() for p in module.parameters()] + [b for b in module.buffers() if b.numel()]
+    is_source = dist.get_rank(process_group) == 0
+    count = 0
+    with torch.no_grad():
+        for chunk in _coalesce(tensors, BROADCAST_CHUNK_BYTES):
+            flat = _flatten_dense_tensors(chunk)  # (sum of numels,) copy; every rank sends or receives it whole
+            dist.broadcast(flat, group_src=0, group=process_group)
+            count += 1
+            if not is_source:
+                for tensor, value in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+                    tensor.copy_(value)
+    return count
+
+
+def _coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Runs of same-(dtype, device) tensors of at most ``cap_bytes`` each (a bigger tensor alone)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for group in groups.values():
+        chunk, size = [], 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > cap_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        yield chunk
+
+
+# Every variant divides by the world size BEFORE the sum, as PyTorch's DDP does, because:
+# * it is free where a gradient is copied into a bucket anyway (torch.div(grad, w, out=slot) is
+#   one pass, like the copy alone), whereas dividing after the sum is one more pass over all
+#   gradients, exposed after the last wait;
+# * the sum cannot overflow: in float16 (max 65504) w gradients of 65504 / w would sum to inf.
+# Precision: for a power-of-two world size both orders are exact (halving is exact in binary
+# floating point, barring subnormals), so results are bitwise PyTorch's; otherwise each
+# rank's g / w rounds once more than a single division of the sum, a round-off-level difference.
+
+
+class _DataParallel(nn.Module):
+    """What every hand-written variant shares: the wrapped module, the broadcast, forward, ``no_sync``, timing.
+
+    ``state_dict()`` keys carry the ``module.`` prefix (as PyTorch's DDP's do): load a
+    plain model's state into ``wrapper.module``, or strip the prefix. No parameter or
+    buffer is added: ``parameters()`` and ``named_parameters()`` are the wrapped module's.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist_utils.distributed)")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        # The trainable parameters in registration order; a tied weight appears once.
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        # False inside no_sync(); read by the gradient hooks when backward runs.
+        self.require_backward_grad_sync = True
+        # Host seconds the last finish_gradient_synchronization() took: the communication
+        # left exposed after backward. On CUDA set sync_device_for_timing to include the
+        # device-side wait (it synchronises the device before and after: measurement only).
+        self.last_wait_s = 0.0
+        self.sync_device_for_timing = False
+        self.broadcasts = broadcast_module_state(module, process_group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Skip gradient communication for the backward passes run inside (gradient accumulation).
+
+        Gradients keep adding up in ``param.grad``; the first synchronised backward after
+        the context (and ``finish_gradient_synchronization``) averages the accumulated sum.
+
+        Note: the flag is read when backward runs, so the ``backward()`` call must be
+        inside the context (in PyTorch's DDP the forward decides; run both inside, as its
+        documentation shows, and the two agree).
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def finish_gradient_synchronization(self) -> None:
+        """Finish communication: afterwards each trainable ``param.grad`` is its average over ranks.
+
+        Every rank must call it once per optimizer step, after the last backward. Inside
+        ``no_sync()`` with nothing in flight it does nothing. Records ``last_wait_s``.
+        """
+        if not self.require_backward_grad_sync and not self._in_flight():
+            return
+        device = self._trainable[0].device if self._trainable else torch.device("cpu")
+        if self.sync_device_for_timing:
+            synchronize(device)  # so the clock below measures communication, not queued backward
+        start = time.perf_counter()
+        with torch.no_grad():
+            self._finish()
+        if self.sync_device_for_timing:
+            synchronize(device)
+        self.last_wait_s = time.perf_counter() - start
+
+    def _in_flight(self) -> bool:
+        return False
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _name(self, param: torch.Tensor) -> str:
+        return self._names.get(id(param), "<unnamed>")
+
+
+def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient; a missing one becomes zeros, set as its .grad (rank-consistent)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+# --------------------------------------------------------------------------- after-backward baselines
+
+
+class NaiveDDP(_DataParallel):
+    """One blocking all-reduce per trainable parameter, after backward.
+
+    ``NaiveDDP(module, process_group=None)``. The baseline: no overlap with backward and
+    one collective (one round trip) per parameter.
+
+    Note: a parameter whose ``.grad`` is None on a rank contributes zeros and, like every
+    other, ends with the average as its gradient (zeros if no rank had one). ``DDP``
+    instead leaves None where no rank had a gradient.
+    """
+
+    def _finish(self) -> None:
+        for grad in _grads_or_zeros(self._trainable):
+            grad.div_(self.world_size)  # before the sum: see the note above _DataParallel
+            dist.all_reduce(grad, group=self.process_group)
+
+
+class FlatDDP(_DataParallel):
+    """All gradients flattened into one tensor (per dtype and device), one all-reduce, after backward.
+
+    ``FlatDDP(module, process_group=None)``. One round trip per step, but no overlap
+    with backward, and two extra copies of the gradients (into the flat tensor and back)
+    with a temporary flat tensor as big as all gradients.
+
+    Note: missing gradients are handled as in ``NaiveDDP`` (zeros in, average out).
+    """
+
+    def _finish(self) -> None:
+        for grads in _coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
+            flat = _flatten_dense_tensors(grads)  # (total numel,) in registration order
+            flat.div_(self.world_size)
+            dist.all_reduce(flat, group=self.process_group)
+            for grad, average in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                grad.copy_(average)
+
+
+# --------------------------------------------------------------------------- bucketed, overlapped
+
+
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """Indices into ``params`` for each bucket, in launch order.
+
+    Parameters are taken in reverse order (backward produces the last layers' gradients
+    first, as PyTorch's DDP assumes) and packed greedily while a bucket's gradient bytes
+    stay <= ``cap_bytes``; a parameter bigger than the cap gets a bucket of its own;
+    ``cap_bytes == 0`` gives one bucket per parameter. Parameters of different dtype or
+    device never share a bucket: each (dtype, device) has its own open bucket.
+    """
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, gradient bytes)
+    for index in reversed(range(len(params))):
+        p = params[index]
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        indices, size = open_bucket.get(key, (None, 0))
+        if indices is None or cap_bytes == 0 or size + nbytes > cap_bytes:
+            indices, size = [], 0
+            buckets.append(indices)
+        indices.append(index)
+        open_bucket[key] = (indices, size + nbytes)
+    return buckets
+
+
+def _dense_strides(p: torch.Tensor) -> tuple[int, ...]:
+    """The strides autograd gives p's gradient: p's own if p is dense and non-overlapping
+    (e.g. channels_last), else contiguous. empty_like follows exactly that rule; on the meta
+    device it allocates nothing."""
+    return torch.empty_like(p, device="meta").stride()
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One all-reduce's worth of gradients (read-only for users; tests inspect the layout).
+
+    ``flat`` is (n + k,) for k parameters holding n gradient elements:
+    ``flat[:n]`` (``grads``) holds the gradients back to back in ``params`` order, and
+    after the first synchronised step each ``param.grad`` IS its slice ``views[i]``
+    (PyTorch's ``gradient_as_bucket_view``), so autograd accumulates straight into the
+    bucket and nothing is copied back. ``flat[n:]`` (``flags``) says per parameter
+    whether the rank had a gradient: their sum over ranks tells whether anyone did.
+    """
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    positions: list[int]  # each param's index in DDP's trainable list (registration order)
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    nbytes: int  # gradient bytes, flags excluded
+    pending: int = 0  # parameters whose gradient has not arrived in this step
+    missing: list[int] = field(default_factory=list)  # slots whose param had no gradient at launch
+    work: dist.Work | None = None
+
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.flat[: self.flat.numel() - len(self.params)]
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.flat[self.flat.numel() - len(self.params):]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
+
+def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], positions: list[int]) -> Bucket:
+    numel = sum(p.numel() for p in params)
+    first = params[0]
+    flat = torch.zeros(numel + len(params), dtype=first.dtype, device=first.device)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat.as_strided(p.shape, _dense_strides(p), offset))
+        offset += p.numel()
+    return Bucket(index, params, names, positions, flat, views, numel * first.element_size(), pending=len(params))
+
+
+def _adopt_grad(param: nn.Parameter, view: torch.Tensor, world_size: torch.Tensor) -> None:
+    """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it
+    dispatches 3x faster than a Python number) into ``view`` (its slice of its bucket), and
+    make ``view`` its ``.grad``.
+
+    One pass over the gradient either way: an in-place division when autograd already
+    accumulated into the view (``zero_grad(set_to_none=False)``, or no zero_grad), a
+    dividing copy when the gradient lives elsewhere (the first step, after
+    ``zero_grad(set_to_none=True)`` autograd makes a fresh gradient, or after a user
+    replaced ``param.grad``).
+    """
+    grad = param.grad
+    if grad is view:
+        view.div_(world_size)
+        return
+    if grad.is_sparse:
+        raise RuntimeError("DDP does not support sparse gradients (e.g. nn.Embedding(sparse=True))")
+    torch.div(grad, world_size, out=view)
+    param.grad = view
+
+
+def _hook(ddp_ref: weakref.ref, position: int):
+    """A post-accumulate-grad hook; a weak reference so a discarded DDP does not live on in its hooks."""
+
+    def on_grad_ready(param: nn.Parameter) -> None:
+        ddp = ddp_ref()
+        if ddp is not None:
+            ddp._on_grad_ready(position, param)
+
+    return on_grad_ready
+
+
+class DDP(_DataParallel):
+    """Data parallelism with bucketed gradient all-reduces overlapped with backward.
+
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None)``
+
+    * Construction broadcasts the group's rank 0 parameters (trainable and frozen) and
+      buffers to every rank, coalesced (see ``broadcast_module_state``). Buffers are not
+      broadcast again (PyTorch's DDP re-broadcasts rank 0's before every forward by
+      default: ``forward_sync_buffers``/``broadcast_buffers``); use synchronised
+      BatchNorm to keep running statistics equal.
+    * Trainable parameters (``requires_grad=True``; a tied weight counts once) are packed
+      into buckets in reverse registration order, at most ``bucket_cap_mb`` MiB
+      (``bucket_cap_mb * 2**20`` bytes) of gradients each; a bigger parameter gets its own
+      bucket; ``bucket_cap_mb=0`` means one bucket per parameter; parameters of different
+      dtype or device never share one. Unlike PyTorch's DDP there is no smaller first
+      bucket and no re-bucketing by observed gradient order. ``buckets`` shows the layout.
+    * During a synchronised backward, a post-accumulate-grad hook marks each gradient
+      ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
+      are launched strictly in index order on every rank: gloo and NCCL match collectives
+      by call order, and ranks may finish gradients in different orders.
+    * Each gradient is divided by the world size as it enters its bucket (before the
+      sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
+      ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
+      every bucket. Each trainable ``param.grad`` is then the average over ranks and a
+      view of its bucket.
+    * Gradient accumulation: inside ``no_sync()`` backward communicates nothing.
+    * ``forward`` delegates to ``module``; ``parameters()`` and ``named_parameters()`` are
+      the module's (nothing is registered besides it), and ``state_dict()`` keys carry the
+      ``module.`` prefix, as with PyTorch's DDP: save ``ddp.module.state_dict()`` for a
+      checkpoint that loads into the plain model.
+    * ``last_wait_s``: seconds the last ``finish_gradient_synchronization()`` took, i.e.
+      communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA).
+
+    Which gradient is averaged: each rank contributes the ``param.grad`` it holds at the
+    end of the step (the sum of everything accumulated since the last ``zero_grad``,
+    including ``no_sync`` passes); a rank whose ``param.grad`` is None contributes zeros.
+    If every rank had None, ``param.grad`` stays None everywhere (so, as in single-process
+    training, the optimizer skips the parameter); if any rank had a gradient, every rank
+    gets the average. A one-element flag per parameter rides in its bucket's all-reduce
+    to decide this, so no extra collective is needed; it matches PyTorch's DDP with
+    ``find_unused_parameters=True``. A parameter without a gradient delays its bucket
+    (and all later ones) to ``finish_gradient_synchronization``.
+
+    Works with any optimizer and with ``zero_grad(set_to_none=True)`` (the default: one
+    dividing copy into the bucket per step) or ``set_to_none=False`` (no copy: autograd
+    accumulates into the bucket, divided in place). Memory: one bucket copy of the
+    trainable parameters, which also serves as the gradients; PyTorch's DDP (default
+    ``gradient_as_bucket_view=False``) keeps the gradients besides its buckets and copies
+    the averages back into them.
+
+    Warnings:
+        * Call ``finish_gradient_synchronization()`` once after each synchronised backward:
+          a second synchronised backward before it raises RuntimeError (its gradients
+          would land in buckets already sent).
+        * Wrap a module once, after moving it to its device; every rank must wrap an
+          identical model. Sparse gradients and double backward are not supported.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None):
+        if bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        super().__init__(module, process_group)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
+        self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)  # see _adopt_grad
+        self.buckets: list[Bucket] = []
+        self._slot_of: list[tuple[Bucket, int]] = [None] * len(self._trainable)  # position -> (bucket, slot)
+        for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes)):
+            params = [self._trainable[i] for i in positions]
+            bucket = _make_bucket(index, params, [self._name(p) for p in params], positions)
+            self.buckets.append(bucket)
+            for slot, position in enumerate(positions):
+                self._slot_of[position] = (bucket, slot)
+        self._reset_step()
+        self_ref = weakref.ref(self)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
+                              for position, p in enumerate(self._trainable)]
+
+    def remove_hooks(self) -> None:
+        """Detach from the module's parameters: later backward passes are plain local ones."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    # ---- per step state: which gradients arrived, which buckets are launched
+
+    def _reset_step(self) -> None:
+        self._ready = [False] * len(self._trainable)
+        self._ready_count = 0
+        self._next_launch = 0  # buckets [0, _next_launch) are launched, on every rank in this order
+        for bucket in self.buckets:
+            bucket.pending, bucket.missing, bucket.work = len(bucket.params), [], None
+
+    def _in_flight(self) -> bool:
+        return self._ready_count > 0 or self._next_launch > 0
+
+    def _on_grad_ready(self, position: int, param: nn.Parameter) -> None:
+        """Backward finished accumulating ``param.grad`` (hook); may launch buckets.
+
+        Runs once per parameter per backward, so it stays lean: no ``torch.no_grad()``
+        (10 us a call), since backward runs hooks with gradients off unless create_graph.
+        """
+        if not self.require_backward_grad_sync:
+            return  # accumulation micro-batch: the gradient stays in param.grad
+        if torch.is_grad_enabled():
+            raise RuntimeError("DDP does not support backward(create_graph=True) (double backward)")
+        if self._ready[position]:
+            raise RuntimeError(
+                f"DDP: parameter {self._name(param)!r} received a second gradient before "
+                "finish_gradient_synchronization(). Call it after every synchronised backward, and "
+                "run the backward passes that only accumulate inside no_sync().")
+        self._ready[position] = True
+        self._ready_count += 1
+        bucket, slot = self._slot_of[position]
+        _adopt_grad(param, bucket.views[slot], self._divisor)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        # Bucket k goes only after buckets 0..k-1: the call order must be the same on all ranks.
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start the bucket's asynchronous sum; gradients that never arrived are filled in first."""
+        if bucket.pending:  # only from finish: take param.grad as it is, or zeros
+            for slot, (param, position) in enumerate(zip(bucket.params, bucket.positions)):
+                if self._ready[position]:
+                    continue
+                if param.grad is None:
+                    bucket.views[slot].zero_()
+                    bucket.missing.append(slot)
+                else:
+                    _adopt_grad(param, bucket.views[slot], self._divisor)
+        bucket.flags.fill_(1)
+        if bucket.missing:
+            bucket.flags[bucket.missing] = 0
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+
+    def _finish(self) -> None:
+        for bucket in self.buckets[self._next_launch:]:
+            self._launch(bucket)
+        self._next_launch = len(self.buckets)
+        for bucket in self.buckets:
+            self._complete(bucket)
+        self._reset_step()
+
+    def _complete(self, bucket: Bucket) -> None:
+        bucket.work.wait()
+        if bucket.missing:
+            # Reading the flags waits for the device; only ranks with a missing gradient pay it.
+            had_grad = bucket.flags.tolist()  # (k,) number of ranks that had each gradient
+            for slot in bucket.missing:
+                if had_grad[slot] > 0:
+                    bucket.params[slot].grad = bucket.views[slot]
+
+
+# --------------------------------------------------------------------------- selection by name
+
+
+def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+             **pytorch_kwargs) -> nn.Module:
+    """Wrap ``module`` in the data-parallel variant named ``variant`` (one of ``VARIANTS``).
+
+    ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``.
+    ``pytorch`` is ``torch.nn.parallel.DistributedDataParallel`` with
+    ``forward_sync_buffers=False`` (torch >= 2.14's name for ``broadcast_buffers=False``),
+    so it behaves like ours (buffers broadcast once, at construction) and pays no extra
+    collective per forward; its other arguments keep their defaults (e.g.
+    ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them.
+
+    Drive every variant the same way: ``no_sync()`` around the backward passes that only
+    accumulate, ``sync_gradients(model)`` before the optimizer step.
+    """
+    if variant == "bucketed":
+        return DDP(module, bucket_cap_mb, process_group)
+    if variant == "overlap":
+        return DDP(module, 0.0, process_group)
+    if variant == "flat":
+        return FlatDDP(module, process_group)
+    if variant == "naive":
+        return NaiveDDP(module, process_group)
+    if variant == "pytorch":
+        device = next(module.parameters()).device
+        kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
+                      process_group=process_group, forward_sync_buffers=False)
+        return torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
+    raise ValueError(f"unknown DDP variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+
+
+def sync_gradients(model: nn.Module) -> None:
+    """End a synchronised step: ``finish_gradient_synchronization()`` for ours; nothing for
+    PyTorch's DDP, whose backward already waited for its all-reduces."""
+    finish = getattr(model, "finish_gradient_synchronization", None)
+    if finish is not None:
+        finish()

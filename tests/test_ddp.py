@@ -1,0 +1,637 @@
+"""ddp.py: every variant trains exactly like one process on the global batch.
+
+Two spawned groups (2 and 3 workers, started together) run every case; the parent
+trains the same models from the same initial weights on the whole global batch in one
+process (the oracle) and compares. Models are float64, so "exactly" means agreement to
+1e-9 relative: the only differences are summation orders (mean of per-rank means vs
+one mean). A summed instead of averaged gradient, a lost micro-batch, a gradient of
+the wrong parameter or a skipped step is off by far more. The comparison with PyTorch's
+DDP runs in float32, as real training does.
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from common import CollectiveCounter, run_workers
+from ddp import DDP, FlatDDP, NaiveDDP, assign_buckets, make_ddp, sync_gradients
+
+D_IN, D_OUT = 5, 3
+MICRO = 4  # samples per rank in a micro-batch
+STEPS = 3  # optimizer steps per run
+LR, MOMENTUM = 0.1, 0.9
+KIB = 1 / 1024  # in MiB, the unit of bucket_cap_mb
+CAPS = {"0": 0.0, "4KiB": 4 * KIB, "20KiB": 20 * KIB, "1000MiB": 1000.0}
+ZERO_MODES = ("set_to_none", "zeros", "replaced")  # how gradients are cleared between steps
+ACCUMS = (1, 3)  # micro-batches per optimizer step
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Frozen(nn.Module):
+    """The first layer is frozen: it is broadcast but never synchronised or stepped."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(D_IN, 8).requires_grad_(False)
+        self.hidden = nn.Linear(8, 8)
+        self.out = nn.Linear(8, D_OUT)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
+
+
+class Tied(nn.Module):
+    """``a`` and ``b`` share one weight: one parameter, two uses, synchronised once."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(D_IN, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(8, D_OUT)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(torch.tanh(self.inp(x)))))))
+
+
+def big():
+    """``2.weight`` (48 x 48 float64 = 18 KiB) is bigger than the 4 KiB bucket.
+
+    Gradient bytes in registration order: 0.weight 1920, 0.bias 384, 2.weight 18432,
+    2.bias 384, 4.weight 1152, 4.bias 24.
+    """
+    return nn.Sequential(nn.Linear(D_IN, 48), nn.Tanh(), nn.Linear(48, 48), nn.Tanh(), nn.Linear(48, D_OUT))
+
+
+class Partial(nn.Module):
+    """``extra`` is used only where ``use_extra`` (one rank); ``never`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(D_IN, D_OUT)
+        self.extra = nn.Linear(D_IN, D_OUT)
+        self.never = nn.Linear(D_IN, D_OUT)
+
+    def forward(self, x, use_extra=False):
+        y = self.body(x)
+        return y + self.extra(x) if use_extra else y
+
+
+class TwoBranches(nn.Module):
+    """Equal-shaped branches; the forward order decides which branch's gradients come first."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_IN, D_OUT)
+        self.b = nn.Linear(D_IN, D_OUT)
+
+    def forward(self, x, a_first=True):
+        if a_first:
+            ya = self.a(x)
+            yb = self.b(x)
+        else:
+            yb = self.b(x)
+            ya = self.a(x)
+        return ya * yb
+
+
+class Mixed(nn.Module):
+    """float64, float32, float64 layers: buckets never mix dtypes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2).double()
+        self.b = nn.Linear(2, 2).float()
+        self.c = nn.Linear(2, 2).double()
+
+
+class WithState(nn.Module):
+    """Trainable and frozen parameters and buffers of two dtypes, for the construction broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(D_IN, 4).requires_grad_(False)
+        self.bn = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, D_OUT)
+
+    def forward(self, x):
+        return self.out(self.bn(self.frozen(x)))
+
+
+def conv_net():
+    """A float32 CNN with BatchNorm for the comparison with PyTorch's DDP (inputs 3 x 6 x 6)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, D_OUT))
+
+
+MODELS = {"frozen": Frozen, "tied": Tied, "big": big}
+
+
+def build(factory, seed, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return factory().to(dtype)
+
+
+# --------------------------------------------------------------------------- data and training loop
+
+
+def global_batch(step, micro, world, shape=(D_IN,), dtype=torch.float64):
+    """The whole micro-batch of all ranks: x (world * MICRO, *shape), y (world * MICRO, D_OUT)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return (torch.randn(world * MICRO, *shape, generator=g, dtype=dtype),
+            torch.randn(world * MICRO, D_OUT, generator=g, dtype=dtype))
+
+
+def shard(batch, rank):
+    return tuple(t[rank * MICRO:(rank + 1) * MICRO] for t in batch)
+
+
+class MomentumSGD:
+    """``torch.optim.SGD(params, lr, momentum)``, the same arithmetic, without torch.optim.
+
+    Constructing any torch optimizer imports torch._dynamo: 2.4 s of CPU per process. The
+    parent's oracles and the 3-rank group use this one; the 2-rank group, which imports
+    it anyway for PyTorch's DDP, drives the DDP under test with torch.optim.SGD.
+    """
+
+    def __init__(self, params, lr, momentum):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.buffers[i] is None:
+                self.buffers[i] = p.grad.clone()
+            else:
+                self.buffers[i].mul_(self.momentum).add_(p.grad)
+            p.add_(self.buffers[i], alpha=-self.lr)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
+def clear_grads(model, optimizer, zero_mode):
+    if zero_mode == "zeros":
+        optimizer.zero_grad(set_to_none=False)
+        return
+    optimizer.zero_grad(set_to_none=True)
+    if zero_mode == "replaced":  # the user puts their own tensors in .grad
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+
+
+def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter=None, on_sync=None,
+          optimizer=MomentumSGD):
+    """SGD with momentum for ``steps`` steps of ``accum`` micro-batches, the loss divided by ``accum``.
+
+    ``loss_of(step, micro)`` computes one micro-batch's loss. Data-parallel wrappers get
+    ``no_sync()`` on all micro-batches but the last and ``sync_gradients`` before the step.
+    Returns the final parameters and buffers, the last step's gradients (None where None)
+    and, per step, collectives counted inside no_sync, all_reduces launched by the end of
+    the synchronised backward, and all_reduces in total. ``on_sync(model)`` runs after
+    every synchronisation; its answers are returned too.
+    """
+    optimizer = optimizer(model.parameters(), lr=LR, momentum=MOMENTUM)
+    clear_grads(model, optimizer, zero_mode)
+    counter = counter or CollectiveCounter()
+    counts, grads, seen = [], {}, []
+    for step in range(steps):
+        in_no_sync = 0
+        counter.reset()
+        for micro in range(accum):
+            last = micro == accum - 1
+            with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                (loss_of(step, micro) / accum).backward()
+            if not last:
+                in_no_sync += counter.collectives
+                counter.reset()
+        after_backward = counter.calls["all_reduce"]
+        sync_gradients(model)
+        counts.append((in_no_sync, after_backward, counter.calls["all_reduce"]))
+        seen.append(on_sync(model) if on_sync else None)
+        grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        clear_grads(model, optimizer, zero_mode)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {"state": state, "grads": grads, "counts": counts, "on_sync": seen}
+
+
+def mse_loss(model, world, rank=None, **forward_kwargs):
+    """The loss on the global batch (rank None) or on ``rank``'s shard of it."""
+    def loss_of(step, micro):
+        batch = global_batch(step, micro, world)
+        x, y = batch if rank is None else shard(batch, rank)
+        return F.mse_loss(model(x, **forward_kwargs), y)
+
+    return loss_of
+
+
+def strip_module(state):
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------- the workers
+
+
+def _grads_are_bucket_views(model):
+    return all(p.grad.untyped_storage().data_ptr() == b.flat.untyped_storage().data_ptr()
+               for b in model.buckets for p in b.params)
+
+
+def _ddp_runs(ctx):
+    """Every (model, cap, zero mode, accumulation) run of the hand-written DDP."""
+    out = {}
+    with CollectiveCounter() as counter:
+        for name, factory in MODELS.items():
+            for cap_name, cap in CAPS.items():
+                for zero_mode in ZERO_MODES:
+                    for accum in ACCUMS:
+                        model = DDP(build(factory, seed=0), bucket_cap_mb=cap)
+                        result = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum, zero_mode,
+                                       counter=counter, on_sync=_grads_are_bucket_views, optimizer=torch.optim.SGD)
+                        result["buckets"] = len(model.buckets)
+                        out[name, cap_name, zero_mode, accum] = result
+    return out
+
+
+def _baseline_runs(ctx):
+    """NaiveDDP and FlatDDP on every model, with and without accumulation."""
+    out = {}
+    with CollectiveCounter() as counter:
+        for wrapper in (NaiveDDP, FlatDDP):
+            for name, factory in MODELS.items():
+                for accum in ACCUMS:
+                    model = wrapper(build(factory, seed=0))
+                    out[wrapper.__name__, name, accum] = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum,
+                                                               counter=counter, optimizer=torch.optim.SGD)
+    return out
+
+
+def _layouts(ctx):
+    """Bucket layouts read off DDP objects: names, gradient bytes, dtypes."""
+    def layout(model, cap):
+        ddp = DDP(model, bucket_cap_mb=cap)
+        return [(b.names, b.nbytes, b.dtype) for b in ddp.buckets]
+
+    out = {("big", cap_name): layout(build(big, 0), cap) for cap_name, cap in CAPS.items()}
+    out["frozen", "1000MiB"] = layout(build(Frozen, 0), 1000.0)
+    out["tied", "0"] = layout(build(Tied, 0), 0.0)
+    torch.manual_seed(0)
+    out["mixed", "1000MiB"] = layout(Mixed(), 1000.0)
+    return out
+
+
+def _construction(ctx):
+    """Different initial weights and buffers on each rank; DDP's constructor makes them rank 0's."""
+    net = build(WithState, seed=10 + ctx.rank)
+    with torch.no_grad():
+        net.bn.running_mean.fill_(ctx.rank + 1.0)
+        net.bn.num_batches_tracked.fill_(ctx.rank + 5)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with CollectiveCounter() as counter:
+        ddp = DDP(net)
+    return {
+        "before": before,
+        "after": {k: v.clone() for k, v in net.state_dict().items()},
+        "calls": dict(counter.calls),
+        "state_dict_keys": list(ddp.state_dict()),
+        "module_keys": list(net.state_dict()),
+        "same_parameters": [id(p) for p in ddp.parameters()] == [id(p) for p in net.parameters()],
+        "same_named_parameters": [(n, id(p)) for n, p in ddp.named_parameters()]
+        == [("module." + n, id(p)) for n, p in net.named_parameters()],
+        "same_buffers": [id(b) for b in ddp.buffers()] == [id(b) for b in net.buffers()],
+    }
+
+
+def _unused(ctx):
+    """``extra`` is used by rank 1 only and ``never`` by nobody; one bucket per parameter and one for all."""
+    out = {}
+    for cap_name in ("0", "1000MiB"):
+        model = DDP(build(Partial, seed=0), bucket_cap_mb=CAPS[cap_name])
+        out[cap_name] = train(model, mse_loss(model, ctx.world_size, ctx.rank, use_extra=ctx.rank == 1))
+    return out
+
+
+def _arrival_order(ctx):
+    """Rank 0 runs branch a first, the others b first, so their gradients arrive in opposite orders."""
+    model = DDP(build(TwoBranches, seed=0), bucket_cap_mb=0.0)
+    arrived = []
+    for name, p in model.module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: arrived.append(name))
+    result = train(model, mse_loss(model, ctx.world_size, ctx.rank, a_first=ctx.rank == 0), steps=1)
+    result["arrived"] = arrived
+    return result
+
+
+def _misuse(ctx):
+    """Two synchronised backward passes without finish_gradient_synchronization in between; a double
+    backward; an exception inside no_sync()."""
+    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
+    x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
+    F.mse_loss(model(x), y).backward()
+    try:
+        F.mse_loss(model(x), y).backward()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    model.finish_gradient_synchronization()  # every bucket was launched once: this completes the step
+    try:
+        F.mse_loss(model(x), y).backward(create_graph=True)
+        double = None
+    except RuntimeError as error:
+        double = str(error)
+    try:
+        with model.no_sync():
+            raise KeyError("user code fails inside no_sync")
+    except KeyError:
+        pass
+    return message, double, model.require_backward_grad_sync
+
+
+def _against_pytorch(ctx):
+    """The same float32 CNN and data through PyTorch's DDP and ours, with accumulation (no_sync in both)."""
+    def loss_fn(model):
+        def loss_of(step, micro):
+            x, y = shard(global_batch(step, micro, ctx.world_size, shape=(3, 6, 6), dtype=torch.float32), ctx.rank)
+            return F.mse_loss(model(x), y)
+        return loss_of
+
+    out = {}
+    for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
+        # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
+        model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=torch.float32), bucket_cap_mb=cap)
+        out[variant, cap] = train(model, loss_fn(model), accum=3, steps=4, optimizer=torch.optim.SGD)
+    return out
+
+
+def _two_rank_cases(ctx):
+    return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
+            "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
+            "misuse": _misuse(ctx), "pytorch": _against_pytorch(ctx)}
+
+
+def _three_rank_cases(ctx):
+    """An odd world size (division by 3), and a DDP on the subgroup of ranks 1 and 2."""
+    out = {"unused": _unused(ctx)}
+    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
+    out["big"] = train(model, mse_loss(model, 3, ctx.rank), accum=3)
+    for wrapper in (NaiveDDP, FlatDDP):
+        model = wrapper(build(big, seed=0))
+        out[wrapper.__name__] = train(model, mse_loss(model, 3, ctx.rank), accum=3)
+    subgroup = dist.new_group([1, 2])  # every rank must call new_group
+    if ctx.rank in (1, 2):
+        model = DDP(build(big, seed=30 + ctx.rank), bucket_cap_mb=4 * KIB, process_group=subgroup)
+        out["subgroup"] = train(model, mse_loss(model, 2, ctx.rank - 1), accum=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """Both spawned groups at once: each worker spends seconds importing torch, so overlap them."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        two, three = pool.submit(run_workers, _two_rank_cases, 2), pool.submit(run_workers, _three_rank_cases, 3)
+        return {2: two.result(), 3: three.result()}
+
+
+@pytest.fixture(scope="module")
+def two(groups):
+    return groups[2]
+
+
+@pytest.fixture(scope="module")
+def three(groups):
+    return groups[3]
+
+
+# --------------------------------------------------------------------------- oracles
+
+
+@functools.lru_cache(maxsize=None)
+def oracle(name, accum, world, seed=0, steps=STEPS):
+    """One process, the whole global batch: the result every rank of a data-parallel run must reach."""
+    model = build(MODELS[name], seed)
+    return train(model, mse_loss(model, world), accum, steps=steps)
+
+
+def oracle_partial(world):
+    """Single-process training on the loss every rank computes, averaged: rank r uses ``extra`` iff r == 1."""
+    model = build(Partial, seed=0)
+    losses = [mse_loss(model, world, rank, use_extra=rank == 1) for rank in range(world)]
+    return train(model, lambda step, micro: sum(loss(step, micro) for loss in losses) / world)
+
+
+def oracle_branches(world):
+    model = build(TwoBranches, seed=0)
+    return train(model, mse_loss(model, world), steps=1)
+
+
+def assert_trains_like(result, expected, rtol=1e-9, atol=1e-12):
+    """Same final parameters and buffers, and the same last-step gradients (None where None)."""
+    state, expected_state = strip_module(result["state"]), strip_module(expected["state"])
+    assert state.keys() == expected_state.keys()
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=rtol, atol=atol, msg=key)
+    grads, expected_grads = strip_module(result["grads"]), strip_module(expected["grads"])
+    assert {k: g is None for k, g in grads.items()} == {k: g is None for k, g in expected_grads.items()}
+    for key, grad in expected_grads.items():
+        if grad is not None:
+            torch.testing.assert_close(grads[key], grad, rtol=rtol, atol=atol, msg=key)
+
+
+# --------------------------------------------------------------------------- tests: training equals one process
+
+
+DDP_CASES = [(name, cap, zero_mode, accum) for name in MODELS for cap in CAPS for zero_mode in ZERO_MODES
+             for accum in ACCUMS]
+
+
+@pytest.mark.parametrize("name, cap, zero_mode, accum", DDP_CASES)
+def test_ddp_trains_like_one_process_on_the_global_batch(two, name, cap, zero_mode, accum):
+    """Frozen, tied and bigger-than-bucket parameters; buckets of 0, 4 KiB, 20 KiB, 1000 MiB;
+    grads cleared to None, zeroed in place or replaced by the user; no_sync accumulation over 1 or 3
+    micro-batches equals one large batch."""
+    for rank in range(2):
+        assert_trains_like(two[rank]["ddp"][name, cap, zero_mode, accum], oracle(name, accum, world=2))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_are_averaged_not_summed(two, name):
+    """The last step's gradient equals the single-process one, which is the average: a sum is twice it."""
+    expected = oracle(name, 1, world=2)["grads"]
+    got = strip_module(two[0]["ddp"][name, "4KiB", "set_to_none", 1]["grads"])
+    for key, grad in expected.items():
+        if grad is not None:
+            assert grad.norm() > 1e-3, "a zero gradient could not tell a sum from an average"
+            torch.testing.assert_close(got[key], grad, rtol=1e-9, atol=0)
+
+
+def test_frozen_parameters_get_no_gradient_and_do_not_move(two):
+    result = two[1]["ddp"]["frozen", "4KiB", "set_to_none", 3]
+    assert result["grads"]["module.embed.weight"] is None and result["grads"]["module.embed.bias"] is None
+    initial = build(Frozen, seed=0).state_dict()
+    torch.testing.assert_close(result["state"]["module.embed.weight"], initial["embed.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrapper", ["NaiveDDP", "FlatDDP"])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("accum", ACCUMS)
+def test_naive_and_flat_train_like_one_process(two, wrapper, name, accum):
+    for rank in range(2):
+        assert_trains_like(two[rank]["baselines"][wrapper, name, accum], oracle(name, accum, world=2))
+
+
+def test_odd_world_size_of_three(three):
+    for rank in range(3):
+        assert_trains_like(three[rank]["big"], oracle("big", 3, world=3))
+        for wrapper in ("NaiveDDP", "FlatDDP"):
+            assert_trains_like(three[rank][wrapper], oracle("big", 3, world=3))
+
+
+def test_ddp_on_a_subgroup_broadcasts_from_its_first_rank_and_divides_by_its_size(three):
+    assert "subgroup" not in three[0]
+    for rank in (1, 2):  # initial weights: the subgroup's rank 0 is global rank 1 (seed 31)
+        assert_trains_like(three[rank]["subgroup"], oracle("big", 2, world=2, seed=31))
+
+
+def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
+    """float32 CNN, 4 steps of 3 micro-batches, no_sync in both: equal up to float32 round-off.
+
+    (With 2 ranks they are in fact bitwise equal: PyTorch halves before the sum, we after it,
+    and halving is exact in binary floating point.)"""
+    for rank in range(2):
+        runs = two[rank]["pytorch"]
+        reference = runs["pytorch", 25.0]
+        for key in [("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)]:
+            assert_trains_like(runs[key], reference, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0]["state"]["module.0.weight"],
+                           build(conv_net, seed=20, dtype=torch.float32).state_dict()["0.weight"]), "training moved"
+
+
+# --------------------------------------------------------------------------- tests: communication
+
+
+@pytest.mark.parametrize("name, cap, zero_mode, accum", DDP_CASES)
+def test_one_all_reduce_per_bucket_all_launched_during_backward_none_inside_no_sync(two, name, cap, zero_mode, accum):
+    result = two[0]["ddp"][name, cap, zero_mode, accum]
+    buckets = result["buckets"]
+    trainable = sum(p.requires_grad for p in build(MODELS[name], 0).parameters())
+    expected = {"0": trainable, "1000MiB": 1}.get(cap, len(BIG_LAYOUTS[cap]) if name == "big" else buckets)
+    assert buckets == expected, "one bucket per parameter at cap 0, one in all at 1000 MiB, big's by hand"
+    assert result["counts"] == [(0, buckets, buckets)] * STEPS
+
+
+def test_baselines_all_reduce_once_per_parameter_or_once_in_all(two):
+    for name, factory in MODELS.items():
+        trainable = sum(p.requires_grad for p in build(factory, 0).parameters())
+        assert two[0]["baselines"]["NaiveDDP", name, 3]["counts"] == [(0, 0, trainable)] * STEPS
+        assert two[0]["baselines"]["FlatDDP", name, 3]["counts"] == [(0, 0, 1)] * STEPS
+
+
+def test_buckets_are_launched_in_the_same_order_on_ranks_that_finish_gradients_in_different_orders(two):
+    orders = [two[rank]["arrival"]["arrived"] for rank in range(2)]
+    assert orders[0] != orders[1], "precondition: the ranks' gradients must arrive in different orders"
+    for rank in range(2):
+        assert_trains_like(two[rank]["arrival"], oracle_branches(world=2))
+
+
+def test_constructor_broadcasts_rank0_weights_and_buffers_in_one_collective_per_dtype(two):
+    rank0, rank1 = two[0]["construction"], two[1]["construction"]
+    assert any(not torch.equal(rank0["before"][k], rank1["before"][k]) for k in rank0["before"]), "precondition"
+    for k, value in rank0["before"].items():
+        assert torch.equal(rank0["after"][k], value), k
+        assert torch.equal(rank1["after"][k], value), k
+    dtypes = {v.dtype for v in rank0["before"].values()}
+    assert rank0["calls"] == {"broadcast": len(dtypes)} == rank1["calls"]
+
+
+def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two):
+    result = two[0]["construction"]
+    assert result["same_parameters"] and result["same_named_parameters"] and result["same_buffers"]
+    assert result["state_dict_keys"] == ["module." + k for k in result["module_keys"]]
+
+
+def test_grads_are_views_of_the_buckets_after_synchronisation(two):
+    """No copy back: after each step, every gradient is its bucket's memory, whatever zero_grad did."""
+    assert all(result["on_sync"] == [True] * STEPS for result in two[0]["ddp"].values())
+
+
+# --------------------------------------------------------------------------- tests: unused parameters, errors
+
+
+@pytest.mark.parametrize("cap", ["0", "1000MiB"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_none(two, three, world, cap):
+    results = two if world == 2 else three
+    expected = oracle_partial(world)
+    assert expected["grads"]["never.weight"] is None and expected["grads"]["extra.weight"] is not None
+    for rank in range(world):
+        assert_trains_like(results[rank]["unused"][cap], expected)
+
+
+def test_second_synchronised_backward_before_finish_and_double_backward_are_errors(two):
+    for rank in range(2):
+        message, double, _ = two[rank]["misuse"]
+        assert message is not None and "second gradient before finish_gradient_synchronization()" in message
+        assert "no_sync()" in message
+        assert double is not None and "create_graph=True" in double
+
+
+def test_no_sync_restores_synchronisation_when_its_body_raises(two):
+    assert all(two[rank]["misuse"][2] is True for rank in range(2))
+
+
+def test_negative_bucket_cap_and_unknown_variant_are_rejected():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        DDP(nn.Linear(1, 1), bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match="unknown DDP variant 'fast'"):
+        make_ddp("fast", nn.Linear(1, 1))
+
+
+# --------------------------------------------------------------------------- tests: bucket layout
+
+
+BIG_REVERSED = ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+BIG_LAYOUTS = {  # derived by hand from the byte sizes in big()'s docstring
+    "0": [[name] for name in BIG_REVERSED],
+    "4KiB": [["4.bias", "4.weight", "2.bias"], ["2.weight"], ["0.bias", "0.weight"]],
+    "20KiB": [["4.bias", "4.weight", "2.bias", "2.weight", "0.bias"], ["0.weight"]],
+    "1000MiB": [BIG_REVERSED],
+}
+
+
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_bucket_layout_reverse_order_cap_respected_big_parameter_alone(two, cap):
+    layout = two[0]["layouts"]["big", cap]
+    assert [names for names, _, _ in layout] == BIG_LAYOUTS[cap]
+    for names, nbytes, _ in layout:
+        assert nbytes <= CAPS[cap] * 2**20 or len(names) == 1, "over the cap only as a bucket of its own"
+    assert assign_buckets(list(build(big, 0).parameters()), int(CAPS[cap] * 2**20)) == [
+        [BIG_REVERSED[::-1].index(n) for n in names] for names in BIG_LAYOUTS[cap]]
+
+
+def test_bucket_layout_skips_frozen_counts_tied_once_and_never_mixes_dtypes(two):
+    layouts = two[0]["layouts"]
+    assert [n for n, _, _ in layouts["frozen", "1000MiB"]] == [["out.bias", "out.weight", "hidden.bias", "hidden.weight"]]
+    assert [n for n, _, _ in layouts["tied", "0"]] == [["out.bias"], ["out.weight"], ["b.bias"], ["a.bias"],
+                                                       ["a.weight"], ["inp.bias"], ["inp.weight"]]
+    assert [(n, d) for n, _, d in layouts["mixed", "1000MiB"]] == [
+        (["c.bias", "c.weight", "a.bias", "a.weight"], torch.float64), (["b.bias", "b.weight"], torch.float32)]
