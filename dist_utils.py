@@ -365,16 +365,20 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: torch.device | str = "cpu",
-                    group=None, barrier_each: bool = True) -> Timing:
+                    group=None, barrier_each: bool = True, setup: Callable[[], Any] | None = None) -> Timing:
     """Time ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every rank must call this.
 
     A barrier precedes the timed region (and, with ``barrier_each``, every iteration, so
     all ranks start each iteration together and a rank's time includes waiting for its
     slowest peer only inside ``fn``). GPU work is synchronised before the clock is read.
-    Inputs must be made by the caller, outside ``fn``.
+    Inputs must be made by the caller, outside ``fn``; ``setup``, if given, runs before
+    every call (warm-up included) outside the timed region, e.g. to restore an input that
+    an in-place ``fn`` changed.
     """
     device = torch.device(device)
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     synchronize(device)
     initialized = dist.is_initialized()
@@ -382,6 +386,8 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
         dist.barrier(group=group)
     times = []
     for _ in range(iters):
+        if setup is not None:
+            setup()
         if barrier_each and initialized:
             dist.barrier(group=group)
         synchronize(device)
