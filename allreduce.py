@@ -37,6 +37,7 @@ float64, every rank holding different random data).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -46,16 +47,17 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import (PeakMemory, add_common_args, environment, format_environment, gather_rows, launch, markdown_table,
-                        progress, resolve_backend, time_iterations, write_results)
+                        progress, resolve_backend, time_interleaved, write_results)
 
 OPS = ("mean", "sum")
 
-# Ring pipelining, tuned on gloo/CPU (see the module's report in the README): segments this
-# large keep gloo's per-message overhead (tens of microseconds) small against the transfer,
-# and this many segments in flight overlap the transfers with the additions.
-SEGMENT_BYTES = 1 << 20
-IN_FLIGHT = 4
-MIN_SEGMENTS = 1
+# Pipelining, tuned on gloo/CPU by measurement (2 and 4 processes, 10 MB and 100 MB, 1 to 16 MiB
+# segments, 1 to 4 in flight). A gloo point-to-point message costs far more than the messages of
+# gloo's own all-reduce (hundreds of microseconds of CPU in gloo's transport thread, more under
+# load), so segments must be large: 4 MiB with two in flight overlaps one transfer with one
+# addition, as gloo's own ring does with its (1 MiB) segments.
+SEGMENT_BYTES = 4 << 20
+IN_FLIGHT = 2
 
 
 # --------------------------------------------------------------------------- the common frame
@@ -151,10 +153,10 @@ class _Exchange:
         pending: deque = deque()
         for index, tick in enumerate(self.ticks):
             while pending and (len(pending) >= self.in_flight or pending[0][0] <= tick.needs):
-                self._finish(*pending.popleft())
+                self._finish(*pending.popleft()[1:])
             pending.append((index, tick, *self._post(tick)))
         while pending:
-            self._finish(*pending.popleft())
+            self._finish(*pending.popleft()[1:])
 
     def _post(self, tick: _Tick):
         """Post the tick's receive, then its send (the receive first, so the sender never waits to be matched)."""
@@ -170,7 +172,7 @@ class _Exchange:
         return target, dist.batch_isend_irecv(ops) if ops else []
 
     @staticmethod
-    def _finish(index, tick, target, works) -> None:
+    def _finish(tick, target, works) -> None:
         # gloo returns one work per op (receive first), NCCL one for the whole batch. Add as soon as the
         # receive is done; the send must be done before the tick counts as finished, because a finished
         # tick's pieces may be overwritten.
@@ -191,14 +193,14 @@ def _segments(piece: torch.Tensor, count: int) -> list[torch.Tensor | None]:
     return [piece[b[i]:b[i + 1]] if b[i + 1] > b[i] else None for i in range(count)]
 
 
-def _segment_count(numel: int, element_size: int, segment_bytes: int, minimum: int = 1) -> int:
-    return max(minimum, math.ceil(numel * element_size / max(1, segment_bytes)))
+def _segment_count(numel: int, element_size: int, segment_bytes: int) -> int:
+    return max(1, math.ceil(numel * element_size / max(1, segment_bytes)))
 
 
 # --------------------------------------------------------------------------- ring
 
 
-def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int, min_segments: int) -> list[_Tick]:
+def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int) -> list[_Tick]:
     """Reduce-scatter then all-gather around the ring, each chunk cut into the same number of segments.
 
     Reduce-scatter step s (0..n-2): send chunk (rank - s), receive chunk (rank - s - 1) from the left
@@ -209,7 +211,7 @@ def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: i
     """
     b = bounds(flat.numel(), n)
     chunks = [flat[b[i]:b[i + 1]] for i in range(n)]
-    per_chunk = _segment_count(b[1] - b[0], flat.element_size(), segment_bytes, min_segments)
+    per_chunk = _segment_count(b[1] - b[0], flat.element_size(), segment_bytes)
     segments = [_segments(chunk, per_chunk) for chunk in chunks]
     right, left = (rank + 1) % n, (rank - 1) % n
     ticks = []
@@ -226,12 +228,12 @@ def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: i
     return ticks
 
 
-def _ring(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT, min_segments=MIN_SEGMENTS) -> None:
-    _Exchange(_ring_ticks(flat, rank, n, op, segment_bytes, min_segments), group, in_flight).run()
+def _ring(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
+    _Exchange(_ring_ticks(flat, rank, n, op, segment_bytes), group, in_flight).run()
 
 
 def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = SEGMENT_BYTES,
-                   in_flight: int = IN_FLIGHT, min_segments: int = MIN_SEGMENTS) -> torch.Tensor:
+                   in_flight: int = IN_FLIGHT) -> torch.Tensor:
     """Ring all-reduce in place: reduce-scatter then all-gather, pipelined in segments.
 
     Each rank sends 2(n-1) chunks of ceil(numel/n) elements at most (bandwidth-optimal), in
@@ -239,8 +241,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
     one being added. Extra memory: ``in_flight`` segments, never more than ``in_flight`` chunks
     (plus ``numel`` for a non-contiguous input).
     """
-    return _allreduce(tensor, op, group, _ring, segment_bytes=segment_bytes, in_flight=in_flight,
-                      min_segments=min_segments)
+    return _allreduce(tensor, op, group, _ring, segment_bytes=segment_bytes, in_flight=in_flight)
 
 
 # --------------------------------------------------------------------------- halving-doubling
@@ -311,7 +312,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=Non
     (vs 2(n-1) for the ring: fewer, larger messages). Otherwise the n - p ranks beyond the
     largest power of two p send their tensor to a partner and get the result back: they send
     one tensor, their partners one tensor more than the 2(p-1)/p of the others.
-    Extra memory: ``in_flight`` segments of about ``segment_bytes``.
+    Extra memory: ``in_flight`` pieces of at most ``segment_bytes`` and at most half the tensor.
     """
     return _allreduce(tensor, op, group, _halving_doubling, segment_bytes=segment_bytes, in_flight=in_flight)
 
@@ -386,31 +387,38 @@ def rank_data(seed: int, numel: int, rank: int) -> torch.Tensor:
     return torch.randn(numel, generator=generator, dtype=torch.float64)
 
 
-def _measure(ctx, name: str, numel: int, dtype: torch.dtype, repeats: int, warmup: int, seed: int) -> dict:
-    """Accuracy, memory and time of one algorithm on one size; every rank calls this with the same arguments."""
-    allreduce = ALGORITHMS[name]
+def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, repeats: int, warmup: int,
+                  seed: int) -> list[dict]:
+    """Accuracy, memory and time of every algorithm on one size; every rank calls this with the same arguments."""
     mine = rank_data(seed, numel, ctx.rank).to(dtype)
     # The exact mean of what the ranks hold (after rounding to dtype), in float64: the oracle.
     exact = torch.stack([rank_data(seed, numel, r).to(dtype).double() for r in range(ctx.world_size)]).mean(0)
     saved = mine.to(ctx.device)
     x = saved.clone()
-    allreduce(x, "mean")
-    error = (x.cpu().double() - exact).abs().max().item() if numel else 0.0
-    x.copy_(saved)
-    with PeakMemory(ctx.device) as peak:  # a separate call: profiling slows the timed one down
-        allreduce(x, "mean")
-    timing = time_iterations(lambda: allreduce(x, "mean"), repeats, warmup, ctx.device, setup=lambda: x.copy_(saved))
-    worst = gather_rows([error, float(peak.bytes)]).max(0).values.tolist()
-    return {"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""), "algorithm": name,
-            "time_s": timing.median, "time_p90_s": timing.percentile(90), "memory_bytes": int(worst[1]),
-            "max_abs_error": worst[0]}
+    measured = []  # per algorithm: max abs error, peak extra bytes
+    for name in algorithms:
+        x.copy_(saved)
+        ALGORITHMS[name](x, "mean")
+        error = (x.cpu().double() - exact).abs().max().item() if numel else 0.0
+        x.copy_(saved)
+        with PeakMemory(ctx.device) as peak:  # a separate call: profiling slows the timed one down
+            ALGORITHMS[name](x, "mean")
+        measured += [error, float(peak.bytes)]
+    worst = gather_rows(measured).max(0).values.tolist()
+    # Interleaved rounds, each call on the same saved input: load drifts hit every algorithm alike.
+    timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "mean") for name in algorithms},
+                               repeats, warmup, rounds=2, device=ctx.device, setup=lambda: x.copy_(saved))
+    return [{"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""), "algorithm": name,
+             "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
+             "memory_bytes": int(worst[2 * i + 1]), "max_abs_error": worst[2 * i]}
+            for i, name in enumerate(algorithms)]
 
 
 def compare_worker(ctx, sizes: list[int], algorithms: list[str], repeats: int, warmup: int, seed: int,
                    dtype: str) -> list[dict]:
     """Every size and algorithm for one world size, in one spawned group (spawning costs seconds)."""
-    return [_measure(ctx, name, numel, getattr(torch, dtype), repeats, warmup, seed)
-            for numel in sizes for name in algorithms]
+    return [row for numel in sizes
+            for row in _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed)]
 
 
 def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
@@ -463,12 +471,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="element type (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every rank's random data (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a small fast subset for regenerating the report: {QUICK} (overrides those flags)")
+                        help=f"a small fast subset for regenerating the report: {QUICK} (explicit flags win)")
     add_common_args(parser)
     parser.set_defaults(backend="gloo")  # the homework compares CPU speed; nccl allows one process per GPU only
     args = parser.parse_args(argv)
-    if args.quick:
-        vars(args).update(QUICK)
+    if args.quick:  # the quick subset replaces the defaults; flags given explicitly still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
     if min(args.world_sizes) < 1 or min(args.sizes) < 0 or args.repeats < 1 or args.warmup < 0:
         parser.error("world sizes and --repeats must be at least 1, sizes and --warmup at least 0")
     return args
@@ -480,7 +489,8 @@ def main(args: argparse.Namespace) -> list[dict]:
         raise SystemExit(f"nccl runs one process per GPU: world sizes above {torch.cuda.device_count()} need --backend gloo")
     device = "cuda" if backend == "nccl" else "cpu"
     env = environment(backend, device, max(args.world_sizes), threads=1, world_sizes=args.world_sizes)
-    print(format_environment(env), flush=True)
+    print(format_environment(env) + f"\n* world sizes {args.world_sizes}, sizes {args.sizes} elements of {args.dtype}",
+          flush=True)
     rows = []
     for world_size in progress(args.world_sizes, desc="world sizes"):
         # A generous whole-group limit: 32 oversubscribed workers spend most of a minute importing torch.

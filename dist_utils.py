@@ -398,6 +398,27 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
     return Timing(gather_rows(times, group))
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
+                     device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
+    """``time_iterations`` for several functions, their iterations split into ``rounds`` interleaved rounds.
+
+    Round r times each function in turn (the order rotated every round), so a change in the
+    machine's load during the run hits every function alike and their ratios stay meaningful.
+    Each function gets ``iters`` timed calls in all (at least one per round) and ``warmup``
+    untimed calls in its first round; every rank must call this with the same functions.
+    """
+    names = list(fns)
+    rounds = max(1, min(rounds, iters))
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
+            parts[name].append(timing.per_rank)
+    return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
+
+
 @contextmanager
 def _quiet_stderr():
     """Silence fd 2 while the profiler starts and stops: kineto writes status lines there."""
