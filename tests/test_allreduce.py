@@ -164,8 +164,8 @@ def tolerance(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
     magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
     result = exact(inputs, op).abs()
     bound = gamma * magnitude
-    if op == "mean":
-        bound = bound / n + u * result * (1 + gamma)
+    if op == "mean":  # |fl(fl(S)/n) - S/n| <= |fl(S) - S|/n (1 + u) + u |S/n|
+        bound = bound / n * (1 + u) + u * result
     return bound + 2 * UNIT_ROUNDOFF["float64"] * result
 
 
