@@ -51,11 +51,13 @@ from dist_utils import (PeakMemory, add_common_args, environment, format_environ
 
 OPS = ("mean", "sum")
 
-# Pipelining, tuned on gloo/CPU by measurement (2 and 4 processes, 10 MB and 100 MB, 1 to 16 MiB
-# segments, 1 to 4 in flight). A gloo point-to-point message costs far more than the messages of
-# gloo's own all-reduce (hundreds of microseconds of CPU in gloo's transport thread, more under
-# load), so segments must be large: 4 MiB with two in flight overlaps one transfer with one
-# addition, as gloo's own ring does with its (1 MiB) segments.
+# Pipelining on gloo/CPU. A gloo point-to-point message costs far more than one of gloo's own
+# all-reduce (a dependent exchange takes milliseconds here, not the ~0.1 ms of an isolated one),
+# so segments must be large: 4 MiB with two in flight overlaps one transfer with one addition,
+# as gloo's own ring does with 1 MiB segments. Among the settings measured (1 to 16 MiB, 1 to 4
+# in flight, 2 and 4 processes, 10 and 100 MB) it was among the best, but on a loaded 2-core
+# machine the differences were within the noise: re-tune on a quiet machine with
+# ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
 SEGMENT_BYTES = 4 << 20
 IN_FLIGHT = 2
 
