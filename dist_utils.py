@@ -365,16 +365,20 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: torch.device | str = "cpu",
-                    group=None, barrier_each: bool = True) -> Timing:
+                    group=None, barrier_each: bool = True, setup: Callable[[], Any] | None = None) -> Timing:
     """Time ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every rank must call this.
 
     A barrier precedes the timed region (and, with ``barrier_each``, every iteration, so
     all ranks start each iteration together and a rank's time includes waiting for its
     slowest peer only inside ``fn``). GPU work is synchronised before the clock is read.
-    Inputs must be made by the caller, outside ``fn``.
+    Inputs must be made by the caller, outside ``fn``; ``setup``, if given, runs before
+    every call (warm-up included) outside the timed region, e.g. to restore an input that
+    an in-place ``fn`` changed.
     """
     device = torch.device(device)
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     synchronize(device)
     initialized = dist.is_initialized()
@@ -382,6 +386,8 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
         dist.barrier(group=group)
     times = []
     for _ in range(iters):
+        if setup is not None:
+            setup()
         if barrier_each and initialized:
             dist.barrier(group=group)
         synchronize(device)
@@ -390,6 +396,27 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
         synchronize(device)
         times.append(time.perf_counter() - start)
     return Timing(gather_rows(times, group))
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
+                     device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
+    """``time_iterations`` for several functions, their iterations split into ``rounds`` interleaved rounds.
+
+    Round r times each function in turn (the order rotated every round), so a change in the
+    machine's load during the run hits every function alike and their ratios stay meaningful.
+    Each function gets ``iters`` timed calls in all (at least one per round) and ``warmup``
+    untimed calls in its first round; every rank must call this with the same functions.
+    """
+    names = list(fns)
+    rounds = max(1, min(rounds, iters))
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
+            parts[name].append(timing.per_rank)
+    return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
 
 
 @contextmanager
