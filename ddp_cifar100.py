@@ -46,12 +46,13 @@ How it works, and the choices made:
   the correct predictions of its valid samples; one ``all_reduce`` of float64
   [loss sum, correct, count] gives accuracy exactly equal to a single-process evaluation,
   whatever the world size and set size. Before validating, every rank takes rank 0's
-  buffers, so all ranks evaluate the same model (rank 0's) even with per-rank BatchNorm.
+  parameters and buffers, so all ranks evaluate rank 0's model even with per-rank BatchNorm.
 * Logging: rank 0 only: a progress bar per epoch and one summary line per epoch. The train
   loss is the global mean over the epoch (reduced sums and counts), not rank 0's.
 * Checkpoints (``--checkpoint-dir``): after every complete epoch rank 0 writes model,
   optimizer, epoch, step and the metrics so far to a temporary file and renames it. At start
-  every rank loads the newest checkpoint that rank 0 can read. No RNG state needs saving:
+  every rank loads the newest checkpoint that rank 0 can read (the directory must be visible
+  to every rank), and refuses one written by a run with other settings. No RNG state needs saving:
   every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
   short by ``--max-steps`` is not checkpointed, so resuming always redoes whole epochs.
 * Determinism: on CPU ``torch.use_deterministic_algorithms(True)``, and with the same seed,
@@ -98,6 +99,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp import broadcast_module_state, make_ddp, sync_gradients
 from dist_utils import (PeakMemory, add_common_args, distributed, environment, format_environment, gather_rows,
                         markdown_table, print0, progress, synchronize, write_results)
+from syncbn import convert_sync_batchnorm
 
 NUM_CLASSES = 100
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
@@ -222,7 +224,8 @@ def choose_dataset(requested: str, data_dir: str, ctx, download: bool = True) ->
     """The data set every rank trains on, 'cifar100' or 'synthetic', and notices for the log and metrics.
 
     All ranks take part and agree. When CIFAR-100 is missing, each node's local rank 0
-    downloads it while the other ranks wait (in a gloo group with a long timeout).
+    downloads it while the other ranks wait (in a gloo group with a long timeout); nodes that
+    share one file system should download it beforehand.
     ``requested='cifar100'`` raises ``FileNotFoundError`` instead of falling back.
     """
     if requested == "synthetic":
@@ -231,8 +234,8 @@ def choose_dataset(requested: str, data_dir: str, ctx, download: bool = True) ->
     failure = "not on disk, and downloading is off"
     if not present and download:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DOWNLOAD_WAIT_S)) if dist.is_initialized() else None
-        failure = download_cifar100(data_dir) if ctx.local_rank == 0 else None
-        _everywhere(failure is None, ctx, group)  # the wait for every node's download
+        failure = download_cifar100(data_dir) if ctx.local_rank == 0 else "see local rank 0's download error"
+        _everywhere(True, ctx, group)  # the wait for every node's download
         present = _everywhere(cifar100_on_disk(data_dir), ctx)
     if present:
         return "cifar100", []
@@ -318,8 +321,6 @@ def resolve_sync_bn(requested: str, impl: str, device: torch.device) -> tuple[st
 
 def convert_batchnorm(model: nn.Module, sync_bn: str) -> nn.Module:
     if sync_bn == "selfmade":
-        from syncbn import convert_sync_batchnorm
-
         return convert_sync_batchnorm(model)
     if sync_bn == "pytorch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -725,9 +726,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "back; synthetic: CIFAR-shaped, learnable, no files (default: %(default)s)")
     p.add_argument("--data-dir", default="./data", help="where cifar-100-python/ is or goes (default: %(default)s)")
     p.add_argument("--train-size", type=int, default=None,
-                   help="use this many training images (CIFAR-100: the first N); default: all 50,000")
+                   help="use this many training images (CIFAR-100: the first N) (default: all 50,000)")
     p.add_argument("--val-size", type=int, default=None,
-                   help="use this many validation images (CIFAR-100: the first N of the test split); default: all 10,000")
+                   help="use this many validation images (CIFAR-100: the first N of the test split) (default: all 10,000)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: no limit)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DDPs (default: %(default)s)")
     p.add_argument("--num-workers", type=int, default=0,

@@ -398,7 +398,7 @@ class PeakMemory:
     On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
     what was allocated at entry.
     On CPU: torch has no allocator statistics, and tracemalloc does not see its buffers.
-    We record the block with ``torch.profiler`` (``profile_memory=True``), which logs every
+    We record the block with the autograd profiler (``profile_memory=True``), which logs every
     allocation and free of torch's CPU allocator, and take the maximum of the running total
     in time order. It counts tensors, autograd's saved tensors and operator workspaces on
     every thread; it does not count Python objects or gloo's own transport buffers.
