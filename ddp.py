@@ -91,15 +91,14 @@ def _coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[
         yield chunk
 
 
-def _predivides(dtype: torch.dtype) -> bool:
-    """Whether to divide by the world size before the sum (True) or after it (False).
-
-    After is more precise: one rounding (x / w) instead of one per rank (and for a power
-    of two world size both are exact). Before only pays off where the sum itself can
-    overflow: float16 tops out at 65504, so w gradients of 65504 / w would sum to inf.
-    float32, float64 and bfloat16 have float32's range or more.
-    """
-    return dtype == torch.float16
+# Every variant divides by the world size BEFORE the sum, as PyTorch's DDP does, because:
+# * it is free where a gradient is copied into a bucket anyway (torch.div(grad, w, out=slot) is
+#   one pass, like the copy alone), whereas dividing after the sum is one more pass over all
+#   gradients, exposed after the last wait;
+# * the sum cannot overflow: in float16 (max 65504) w gradients of 65504 / w would sum to inf.
+# Precision: for a power-of-two world size both orders are exact (halving is exact in binary
+# floating point, barring subnormals), so results are bitwise PyTorch's; otherwise each
+# rank's g / w rounds once more than a single division of the sum, a round-off-level difference.
 
 
 class _DataParallel(nn.Module):
@@ -202,11 +201,8 @@ class NaiveDDP(_DataParallel):
 
     def _finish(self) -> None:
         for grad in _grads_or_zeros(self._trainable):
-            if _predivides(grad.dtype):
-                grad.div_(self.world_size)
+            grad.div_(self.world_size)  # before the sum: see the note above _DataParallel
             dist.all_reduce(grad, group=self.process_group)
-            if not _predivides(grad.dtype):
-                grad.div_(self.world_size)
 
 
 class FlatDDP(_DataParallel):
@@ -222,11 +218,8 @@ class FlatDDP(_DataParallel):
     def _finish(self) -> None:
         for grads in _coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
             flat = _flatten_dense_tensors(grads)  # (total numel,) in registration order
-            if _predivides(flat.dtype):
-                flat.div_(self.world_size)
+            flat.div_(self.world_size)
             dist.all_reduce(flat, group=self.process_group)
-            if not _predivides(flat.dtype):
-                flat.div_(self.world_size)
             for grad, average in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(average)
 
@@ -283,7 +276,6 @@ class Bucket:
     flat: torch.Tensor
     views: list[torch.Tensor]
     nbytes: int  # gradient bytes, flags excluded
-    predivide: bool
     pending: int = 0  # parameters whose gradient has not arrived in this step
     missing: list[int] = field(default_factory=list)  # slots whose param had no gradient at launch
     work: dist.Work | None = None
@@ -313,23 +305,27 @@ def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], posit
     for p in params:
         views.append(flat.as_strided(p.shape, _dense_strides(p), offset))
         offset += p.numel()
-    return Bucket(index, params, names, positions, flat, views, numel * first.element_size(),
-                  _predivides(first.dtype), pending=len(params))
+    return Bucket(index, params, names, positions, flat, views, numel * first.element_size(), pending=len(params))
 
 
-def _adopt_grad(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` (param's slice of its bucket) hold param's gradient and become ``param.grad``.
+def _adopt_grad(param: nn.Parameter, view: torch.Tensor, world_size: torch.Tensor) -> None:
+    """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it
+    dispatches 3x faster than a Python number) into ``view`` (its slice of its bucket), and
+    make ``view`` its ``.grad``.
 
-    Free in the steady state (autograd accumulated into the view in place). One copy when
-    the gradient lives elsewhere: the first step, after ``zero_grad(set_to_none=True)``
-    (autograd then made a fresh gradient), or after a user replaced ``param.grad``.
+    One pass over the gradient either way: an in-place division when autograd already
+    accumulated into the view (``zero_grad(set_to_none=False)``, or no zero_grad), a
+    dividing copy when the gradient lives elsewhere (the first step, after
+    ``zero_grad(set_to_none=True)`` autograd makes a fresh gradient, or after a user
+    replaced ``param.grad``).
     """
     grad = param.grad
     if grad is view:
+        view.div_(world_size)
         return
     if grad.is_sparse:
         raise RuntimeError("DDP does not support sparse gradients (e.g. nn.Embedding(sparse=True))")
-    view.copy_(grad)
+    torch.div(grad, world_size, out=view)
     param.grad = view
 
 
@@ -364,11 +360,18 @@ class DDP(_DataParallel):
       ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
       are launched strictly in index order on every rank: gloo and NCCL match collectives
       by call order, and ranks may finish gradients in different orders.
-    * ``finish_gradient_synchronization()`` launches what is left (in order), waits for
-      every bucket and divides by the world size (after the sum, except float16: see
-      ``_predivides``). Each trainable ``param.grad`` is then the average over ranks and a
+    * Each gradient is divided by the world size as it enters its bucket (before the
+      sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
+      ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
+      every bucket. Each trainable ``param.grad`` is then the average over ranks and a
       view of its bucket.
     * Gradient accumulation: inside ``no_sync()`` backward communicates nothing.
+    * ``forward`` delegates to ``module``; ``parameters()`` and ``named_parameters()`` are
+      the module's (nothing is registered besides it), and ``state_dict()`` keys carry the
+      ``module.`` prefix, as with PyTorch's DDP: save ``ddp.module.state_dict()`` for a
+      checkpoint that loads into the plain model.
+    * ``last_wait_s``: seconds the last ``finish_gradient_synchronization()`` took, i.e.
+      communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA).
 
     Which gradient is averaged: each rank contributes the ``param.grad`` it holds at the
     end of the step (the sum of everything accumulated since the last ``zero_grad``,
@@ -381,9 +384,11 @@ class DDP(_DataParallel):
     (and all later ones) to ``finish_gradient_synchronization``.
 
     Works with any optimizer and with ``zero_grad(set_to_none=True)`` (the default: one
-    copy into the bucket per step) or ``set_to_none=False`` (no copy: autograd
-    accumulates into the bucket). Memory: one bucket copy of the trainable parameters,
-    which also serves as the gradients.
+    dividing copy into the bucket per step) or ``set_to_none=False`` (no copy: autograd
+    accumulates into the bucket, divided in place). Memory: one bucket copy of the
+    trainable parameters, which also serves as the gradients; PyTorch's DDP (default
+    ``gradient_as_bucket_view=False``) keeps the gradients besides its buckets and copies
+    the averages back into them.
 
     Warnings:
         * Call ``finish_gradient_synchronization()`` once after each synchronised backward:
@@ -399,6 +404,7 @@ class DDP(_DataParallel):
         super().__init__(module, process_group)
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
+        self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)  # see _adopt_grad
         self.buckets: list[Bucket] = []
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self._trainable)  # position -> (bucket, slot)
         for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes)):
@@ -431,9 +437,15 @@ class DDP(_DataParallel):
         return self._ready_count > 0 or self._next_launch > 0
 
     def _on_grad_ready(self, position: int, param: nn.Parameter) -> None:
-        """Backward finished accumulating ``param.grad`` (hook); may launch buckets."""
+        """Backward finished accumulating ``param.grad`` (hook); may launch buckets.
+
+        Runs once per parameter per backward, so it stays lean: no ``torch.no_grad()``
+        (10 us a call), since backward runs hooks with gradients off unless create_graph.
+        """
         if not self.require_backward_grad_sync:
             return  # accumulation micro-batch: the gradient stays in param.grad
+        if torch.is_grad_enabled():
+            raise RuntimeError("DDP does not support backward(create_graph=True) (double backward)")
         if self._ready[position]:
             raise RuntimeError(
                 f"DDP: parameter {self._name(param)!r} received a second gradient before "
@@ -442,11 +454,10 @@ class DDP(_DataParallel):
         self._ready[position] = True
         self._ready_count += 1
         bucket, slot = self._slot_of[position]
-        with torch.no_grad():
-            _adopt_grad(param, bucket.views[slot])
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                self._launch_complete_buckets()
+        _adopt_grad(param, bucket.views[slot], self._divisor)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_complete_buckets()
 
     def _launch_complete_buckets(self) -> None:
         # Bucket k goes only after buckets 0..k-1: the call order must be the same on all ranks.
@@ -464,12 +475,10 @@ class DDP(_DataParallel):
                     bucket.views[slot].zero_()
                     bucket.missing.append(slot)
                 else:
-                    _adopt_grad(param, bucket.views[slot])
+                    _adopt_grad(param, bucket.views[slot], self._divisor)
         bucket.flags.fill_(1)
         if bucket.missing:
             bucket.flags[bucket.missing] = 0
-        if bucket.predivide:
-            bucket.grads.div_(self.world_size)
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
 
     def _finish(self) -> None:
@@ -482,8 +491,6 @@ class DDP(_DataParallel):
 
     def _complete(self, bucket: Bucket) -> None:
         bucket.work.wait()
-        if not bucket.predivide and self.world_size > 1:
-            bucket.grads.div_(self.world_size)
         if bucket.missing:
             # Reading the flags waits for the device; only ranks with a missing gradient pay it.
             had_grad = bucket.flags.tolist()  # (k,) number of ranks that had each gradient
@@ -504,8 +511,10 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     ``forward_sync_buffers=False`` (torch >= 2.14's name for ``broadcast_buffers=False``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
     collective per forward; its other arguments keep their defaults (e.g.
-    ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them. Drive every variant the same way: ``no_sync()`` for
-    accumulation, ``sync_gradients(model)`` before the optimizer step.
+    ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them.
+
+    Drive every variant the same way: ``no_sync()`` around the backward passes that only
+    accumulate, ``sync_gradients(model)`` before the optimizer step.
     """
     if variant == "bucketed":
         return DDP(module, bucket_cap_mb, process_group)

@@ -209,17 +209,30 @@ def _stop(processes) -> None:
             p.join()
 
 
-def _first_error(out_dir: str) -> tuple[int, str] | None:
-    errors = []
+def _root_cause(out_dir: str, processes) -> tuple[int, str]:
+    """The failure to report among the dead workers, with its rank.
+
+    A failing rank takes its peers down with it, and they fail too, with
+    ``PeerFailedError``. So the root cause is, in this order: the earliest error a rank
+    raised for its own reason; else a rank that died without a traceback (killed,
+    ``os._exit``, a crash outside Python); else the earliest ``PeerFailedError``.
+    """
+    raised = []
     for name in os.listdir(out_dir):
         if name.startswith("error-"):
             with open(os.path.join(out_dir, name)) as f:
                 stamp, text = f.read().split("\n", 1)
-            errors.append((float(stamp), int(name[6:-4]), text))
-    if not errors:
-        return None
-    _, rank, text = min(errors)
-    return rank, text
+            consequence = f"{PeerFailedError.__name__}:" in text.strip().splitlines()[-1]
+            raised.append((consequence, float(stamp), int(name[6:-4]), text))
+    ranks_raised = {rank for _, _, rank, _ in raised}
+    silent = [(rank, p.exitcode) for rank, p in enumerate(processes)
+              if p.exitcode not in (None, 0) and rank not in ranks_raised]
+    own = [r for r in raised if not r[0]]
+    if own or not silent:
+        _, _, rank, text = min(own or raised)
+        return rank, text
+    rank, code = silent[0]
+    return rank, f"exit code {code}, no traceback (killed, os._exit, or a crash outside Python)\n"
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
@@ -231,10 +244,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     ``threads`` intra-op threads. ``fn`` must be importable (defined at module level)
     and its result picklable by ``torch.save``.
 
-    The whole group must finish within ``timeout_s``. The first worker to raise (or to
-    exit without a result) fails the launch with its traceback; a hang past the
-    timeout fails it naming the ranks still running. Either way every worker is
-    terminated and reaped before ``WorkerError`` is raised.
+    The whole group must finish within ``timeout_s``. A worker that raises or exits
+    without a result fails the launch with the root cause's traceback (see
+    ``_root_cause``); a hang past the timeout fails it naming the ranks still running.
+    Either way every worker is terminated and reaped before ``WorkerError`` is raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -248,22 +261,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
             p.start()
             processes.append(p)
         deadline = time.monotonic() + timeout_s
-        running = list(processes)
-        while running:
+        while True:
+            alive = [p for p in processes if p.is_alive()]  # is_alive() also reaps, setting exitcode
+            if any(p.exitcode not in (None, 0) for p in processes):
+                time.sleep(0.5)  # let the peers it took down record their errors: the root cause may be among them
+                for p in processes:
+                    p.is_alive()
+                rank, text = _root_cause(tmp, processes)
+                raise WorkerError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{text}",
+                                  [p.pid for p in processes])
+            if not alive:
+                break
             left = deadline - time.monotonic()
             if left <= 0:
-                ranks = [processes.index(p) for p in running]
+                ranks = [processes.index(p) for p in alive]
                 raise WorkerError(f"{fn.__name__}: ranks {ranks} of {world_size} still running after {timeout_s:g} s; "
                                   "all workers were terminated", [p.pid for p in processes])
-            multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
-            for p in [p for p in running if not p.is_alive()]:
-                p.join()
-                running.remove(p)
-                if p.exitcode != 0:
-                    first = _first_error(tmp)
-                    rank, text = first if first else (processes.index(p), f"exit code {p.exitcode}, no traceback\n")
-                    raise WorkerError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{text}",
-                                      [q.pid for q in processes])
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=left)
         return [torch.load(os.path.join(tmp, f"result-{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
         _stop(processes)
