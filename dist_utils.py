@@ -436,7 +436,8 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             # The autograd profiler torch.profiler.profile wraps: the wrapper's start imports
-            # torch._inductor (about 2 s of CPU per process, for a cudagraphs setting).
+            # torch._inductor, about 2 s of CPU in a process that has not imported torch._dynamo
+            # yet (building a torch.optim optimizer imports that too).
             self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
             with _quiet_stderr():
                 self._profiler.__enter__()
