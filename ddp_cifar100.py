@@ -645,6 +645,27 @@ def summarize(trainer: Trainer, ctx) -> tuple[dict, list[dict]]:
     return final, ranks
 
 
+def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, train_size: int) -> dict:
+    """Everything that shapes the training trajectory: a checkpoint resumes only into the same."""
+    return {"distributed_impl": args.distributed_impl, "model": args.model, "sync_bn": sync_bn, "dataset": dataset,
+            "train_size": train_size, "batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
+            "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "world_size": ctx.world_size}
+
+
+def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list[str], trainer: Trainer) -> dict:
+    """The flags, what they resolved to, and what the measurements mean: printed once, stored in the metrics."""
+    return {**vars(args), **{f"{k}_used": v for k, v in identity.items()}, "notices": notices,
+            "global_batch": args.batch_size * args.grad_accum_steps * ctx.world_size,
+            "steps_per_epoch": sum(steps for steps, _ in trainer.plan), "device": str(ctx.device),
+            "val_size_used": len(trainer.val_set) if trainer.val_set is not None else None,
+            "resumed_from": trainer.resumed_from,
+            "time_scope": "training loops only (validation and checkpoints excluded); step time = median over "
+                          f"optimizer steps after the first {MEMORY_PROBE_STEPS} of the slowest rank",
+            "memory_scope": "peak tensor bytes above the level before resuming and wrapping the model, through "
+                            f"optimizer step {MEMORY_PROBE_STEPS}: DDP buffers, gradients, optimizer state, activations "
+                            "(torch profiler on CPU, CUDA allocator statistics on GPU)"}
+
+
 def main(ctx, args: argparse.Namespace) -> None:
     sync_bn, notices = resolve_sync_bn(args.sync_bn, args.distributed_impl, ctx.device)
     if ctx.device.type == "cpu":
@@ -657,22 +678,11 @@ def main(ctx, args: argparse.Namespace) -> None:
         for notice in notices:
             print(f"\n{'!' * 100}\nNOTICE: {notice}\n{'!' * 100}\n", flush=True)
     train_set, val_set = build_datasets(dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
-    identity = {"distributed_impl": args.distributed_impl, "model": args.model, "sync_bn": sync_bn, "dataset": dataset,
-                "train_size": len(train_set), "batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
-                "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "world_size": ctx.world_size}
+    identity = run_identity(args, ctx, sync_bn, dataset, len(train_set))
     trainer = build_trainer(args, ctx, sync_bn, train_set, val_set, identity)
-    config = {**vars(args), **{f"{k}_used": v for k, v in identity.items()}, "notices": notices,
-              "global_batch": args.batch_size * args.grad_accum_steps * ctx.world_size,
-              "steps_per_epoch": sum(steps for steps, _ in trainer.plan), "device": str(ctx.device),
-              "val_size_used": len(val_set) if val_set is not None else None, "resumed_from": trainer.resumed_from,
-              "time_scope": "training loops only (validation and checkpoints excluded); step time = median over "
-                            f"optimizer steps after the first {MEMORY_PROBE_STEPS} of the slowest rank",
-              "memory_scope": "peak tensor bytes above the level before resuming and wrapping the model, through "
-                              f"optimizer step {MEMORY_PROBE_STEPS}: DDP buffers, gradients, optimizer state, activations "
-                              "(torch profiler on CPU, CUDA allocator statistics on GPU)"}
-    print0(textwrap.fill("config: " + " ".join(f"{k}={v}" for k, v in config.items() if k not in ("notices", "time_scope",
-                                                                                                 "memory_scope")),
-                         width=120, subsequent_indent="    "))
+    config = resolved_config(args, ctx, identity, notices, trainer)
+    shown = " ".join(f"{k}={v}" for k, v in config.items() if k not in ("notices", "time_scope", "memory_scope"))
+    print0(textwrap.fill(f"config: {shown}", width=120, subsequent_indent="    "))
     trainer.train()
     final, ranks = summarize(trainer, ctx)
     if ctx.is_master:
