@@ -374,7 +374,7 @@ def _scatter_rounds(val_set: Dataset, per_rank: int, world: int, device: torch.d
     """
     loader = DataLoader(val_set, batch_size=world * per_rank, shuffle=False, num_workers=num_workers)
     for images, labels in loader:
-        rows = torch.cat([images.flatten(1), labels.to(images.dtype).unsqueeze(1)], dim=1)
+        rows = torch.cat([images.flatten(1).float(), labels.float().unsqueeze(1)], dim=1)
         padded = rows.new_zeros(world * per_rank, rows.shape[1])
         padded[:, -1] = -1
         padded[:len(rows)] = rows
