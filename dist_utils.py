@@ -439,7 +439,7 @@ class PeakMemory:
     On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
     what was allocated at entry.
     On CPU: torch has no allocator statistics, and tracemalloc does not see its buffers.
-    We record the block with ``torch.profiler`` (``profile_memory=True``), which logs every
+    We record the block with the autograd profiler (``profile_memory=True``), which logs every
     allocation and free of torch's CPU allocator, and take the maximum of the running total
     in time order. It counts tensors, autograd's saved tensors and operator workspaces on
     every thread; it does not count Python objects or gloo's own transport buffers.
@@ -462,7 +462,10 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
-            self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            # The autograd profiler torch.profiler.profile wraps: the wrapper's start imports
+            # torch._inductor, about 2 s of CPU in a process that has not imported torch._dynamo
+            # yet (building a torch.optim optimizer imports that too).
+            self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
             with _quiet_stderr():
                 self._profiler.__enter__()
         return self
@@ -476,7 +479,7 @@ class PeakMemory:
             self._profiler.__exit__(*exc)
         if exc[0] is not None:
             return
-        events = [e for e in self._profiler.profiler.kineto_results.events()
+        events = [e for e in self._profiler.kineto_results.events()
                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
         live = peak = 0
         for event in sorted(events, key=lambda e: e.start_ns()):

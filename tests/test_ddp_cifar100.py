@@ -1,0 +1,433 @@
+"""The CIFAR-100 trainer (issue 5, part 2), checked against single-process oracles and uninterrupted runs.
+
+Spawn budget: three torchrun jobs of two workers (one of them restarted once after a
+simulated crash) share one module fixture, and one group of three workers runs the
+in-process cases (both implementations side by side among them); the remaining tests run
+in the pytest process without spawning.
+"""
+
+import io
+import os
+import pickle
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import ddp_cifar100 as trainer
+from common import run_torchrun, run_workers
+from dist_utils import read_results
+
+SCRIPT = "ddp_cifar100.py"
+IMPLS = ("selfmade", "pytorch")
+# 256 images over 2 ranks = 8 micro-batches of 16 per rank and epoch; 3 per optimizer step
+# gives windows of 3, 3 and 2 micro-batches: 3 optimizer steps per epoch, 9 in 3 epochs.
+TINY_RUN = ("--dataset", "synthetic", "--train-size", "256", "--val-size", "101", "--batch-size", "16",
+            "--val-batch-size", "16", "--grad-accum-steps", "3", "--num-epochs", "3")
+STEPS_PER_EPOCH, EPOCHS = 3, 3
+CRASH_STEP = 7  # the first optimizer step of epoch 3: checkpoints of epochs 1 and 2 exist by then
+
+
+# --------------------------------------------------------------------------- tiny CIFAR-100 files
+
+
+class _Py2Pickler(pickle._Pickler):
+    """Pickles bytes as Python 2 ``str`` (opcodes U/T), as in the real cifar-100-python files.
+
+    Read with ``encoding='latin1'`` (torchvision) the keys are 'data', ...; read with
+    ``encoding='bytes'`` (most hand-written loaders) they are b'data', ..., as for the real files.
+    """
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def _save_py2_str(self, obj: bytes):
+        header = pickle.SHORT_BINSTRING + bytes([len(obj)]) if len(obj) < 256 else pickle.BINSTRING + struct.pack("<i", len(obj))
+        self.write(header + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_py2_str
+
+
+def _write_pickle(path, obj) -> None:
+    buffer = io.BytesIO()
+    _Py2Pickler(buffer, protocol=2).dump(obj)
+    path.write_bytes(buffer.getvalue())
+
+
+def write_tiny_cifar100(root, n_train: int, n_test: int, seed: int = 0) -> dict:
+    """cifar-100-python/{train,test,meta} in the on-disk format torchvision reads; returns the raw arrays."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for name, n in (("train", n_train), ("test", n_test)):
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)  # row: 1024 red, 1024 green, 1024 blue, row-major
+        fine = rng.integers(0, 100, size=n).tolist()
+        _write_pickle(folder / name, {b"filenames": [b"img_%05d.png" % i for i in range(n)], b"batch_label": b"tiny " + name.encode(),
+                                      b"fine_labels": fine, b"coarse_labels": [f // 5 for f in fine], b"data": data})
+        raw[name] = (data, fine)
+    _write_pickle(folder / "meta", {b"fine_label_names": [b"fine%d" % i for i in range(100)],
+                                    b"coarse_label_names": [b"coarse%d" % i for i in range(20)]})
+    return raw
+
+
+@pytest.fixture(scope="module")
+def tiny_cifar(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar")
+    return root, write_tiny_cifar100(root, n_train=40, n_test=13)
+
+
+# --------------------------------------------------------------------------- torchrun jobs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_cifar):
+    """Three torchrun jobs, two at a time (each starts with seconds of importing torch per process)."""
+    out = tmp_path_factory.mktemp("runs")
+    paths = {name: {"ckpt": out / f"{name}-ckpt", "model": out / f"{name}.pt", "json": out / f"{name}.json"}
+             for name in ("selfmade", "resumed", "cifar")}
+
+    def outputs(name):
+        return ("--save-model", str(paths[name]["model"]), "--metrics-json", str(paths[name]["json"]))
+
+    jobs = {
+        # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
+        "selfmade": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["selfmade"]["ckpt"]),
+                               *outputs("selfmade")), torchrun_args=("--tee", "3")),
+        "resumed": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["resumed"]["ckpt"]),
+                              *outputs("resumed")), torchrun_args=("--max-restarts", "1"),
+                        env={trainer.CRASH_ENV: str(CRASH_STEP)}),
+        "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
+                            "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs", "1",
+                            *outputs("cifar"))),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_torchrun, SCRIPT, 2, *job["args"], torchrun_args=job.get("torchrun_args", ()),
+                                     env=job.get("env")) for name, job in jobs.items()}
+        return {name: SimpleNamespace(process=f.result(), **paths[name]) for name, f in futures.items()}
+
+
+def _state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _initial_state(seed=0):
+    torch.manual_seed(seed)
+    return trainer.Net().state_dict()
+
+
+def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs):
+    resumed = runs["resumed"]
+    assert f"exiting abruptly after optimizer step {CRASH_STEP}" in resumed.process.stderr
+    assert f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done" in resumed.process.stdout
+    uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
+    assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
+    epochs = [[row for row in read_results(runs[name].json)["results"] if row["kind"] == "epoch"] for name in ("selfmade", "resumed")]
+    keys = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_count")
+    assert [[row[k] for k in keys] for row in epochs[0]] == [[row[k] for k in keys] for row in epochs[1]]
+
+
+def test_two_runs_with_the_same_seed_are_bit_identical(runs):
+    """Epochs 1 and 2 of the crashed job ran in fresh processes before the crash, like the uninterrupted job's."""
+    first, second = (_state(runs[name].ckpt / "epoch-0002.pt") for name in ("selfmade", "resumed"))
+    assert first["step"] == second["step"] == 2 * STEPS_PER_EPOCH
+    assert all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
+    momentum = [(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(first["optimizer"]["state"].values(),
+                                                                           second["optimizer"]["state"].values())]
+    assert momentum and all(torch.equal(a, b) for a, b in momentum)
+    assert sorted(os.listdir(runs["selfmade"].ckpt)) == ["epoch-0002.pt", "epoch-0003.pt"], "the two newest are kept"
+
+
+def test_only_rank_0_logs_one_line_per_epoch(runs):
+    process = runs["selfmade"].process
+    assert not [line for line in process.stdout.splitlines() if not line.startswith("[default0]:")]
+    assert not [line for line in process.stderr.splitlines() if line.startswith("[default1]:")]
+    summaries = [line for line in process.stdout.splitlines() if line.startswith("[default0]:epoch ")]
+    assert [line.split("|")[0].split(":")[1].split()[1] for line in summaries] == ["1/3", "2/3", "3/3"]
+    assert "epoch 1/3:" in process.stderr, "rank 0 shows a progress bar per epoch"
+
+
+def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
+    doc = read_results(runs["selfmade"].json)
+    assert doc["benchmark"] == "ddp_cifar100" and doc["env"]["world_size"] == 2
+    config = doc["config"]
+    assert (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"]) == ("synthetic", "selfmade", "selfmade")
+    assert (config["global_batch"], config["steps_per_epoch"], config["notices"]) == (16 * 3 * 2, STEPS_PER_EPOCH, [])
+    rows = doc["results"]
+    assert [row["kind"] for row in rows] == ["epoch"] * EPOCHS + ["final", "rank", "rank"]
+    assert [row["steps"] for row in rows[:EPOCHS]] == [STEPS_PER_EPOCH * (e + 1) for e in range(EPOCHS)]
+    final = rows[EPOCHS]
+    assert final["steps"] == STEPS_PER_EPOCH * EPOCHS and final["val_acc"] == rows[EPOCHS - 1]["val_acc"]
+    ranks = rows[EPOCHS + 1:]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["train_time_s"] > 0 and r["peak_memory_bytes"] > 0 and r["step_time_median_s"] > 0 for r in ranks)
+    assert final["train_time_max_s"] == max(r["train_time_s"] for r in ranks)
+
+
+def test_end_to_end_with_pytorch_ddp_on_cifar100_files_and_the_cpu_sync_bn_notice(runs, tiny_cifar):
+    doc = read_results(runs["cifar"].json)
+    assert (doc["config"]["dataset_used"], doc["config"]["distributed_impl"]) == ("cifar100", "pytorch")
+    assert _state(runs["cifar"].model).keys() == _initial_state().keys()
+    assert doc["results"][0]["val_count"] == 13, "every test image counted once"
+    assert doc["config"]["sync_bn_used"] == "selfmade"
+    assert any("torch.nn.SyncBatchNorm cannot run on CPU" in notice for notice in doc["config"]["notices"])
+    assert "NOTICE: --sync-bn auto" in runs["cifar"].process.stdout
+
+
+# --------------------------------------------------------------------------- in-process cases on 3 workers
+
+WORLD = 3
+ACCUM, BATCH = 4, 8
+PER_RANK = 75  # 10 micro-batches per rank: windows of 4, 4 and 2 (the last micro-batch holds 3 samples)
+VAL_SIZE, VAL_PIECES = 101, (1, 8, 64)  # 101 is not divisible by 3; with 64 per rank, rank 2 gets padding only
+VAL_DTYPES = (torch.float32, torch.float64)
+
+
+class _Linear(nn.Module):
+    """No dropout or BatchNorm: the step's gradient is a plain function of the window's samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3 * 32 * 32, 100)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records, at every step, how many micro-batches the model has seen and the gradients."""
+
+    def __init__(self, params, forwards):
+        super().__init__(params, lr=0.0)  # lr 0: parameters stay put, so the oracle needs no updates
+        self.forwards, self.steps = forwards, []
+
+    def step(self, closure=None):
+        self.steps.append((self.forwards[0], [p.grad.clone() for p in self.param_groups[0]["params"]]))
+        return super().step(closure)
+
+
+def _accumulation_case(ctx, impl, train, val):
+    torch.manual_seed(0)
+    model = _Linear()
+    forwards = [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    optimizer = _RecordingSGD(model.parameters(), forwards)
+    args = trainer.parse_args(["--distributed-impl", impl, "--grad-accum-steps", str(ACCUM), "--batch-size", str(BATCH),
+                               "--num-epochs", "1", "--val-batch-size", "16"])
+    loader = trainer.train_loader(train, ctx, BATCH, args.seed, 0)
+    run = trainer.Trainer(model, optimizer, loader, val if ctx.is_master else None, ctx, args)
+    no_sync_at = []
+    original = run.model.no_sync
+    run.model.no_sync = lambda: (no_sync_at.append(forwards[0]), original())[1]
+    run.train()
+    return {"steps": optimizer.steps, "no_sync_at": no_sync_at, "train_loss": run.history[0]["train_loss"]}
+
+
+def _training_case(ctx, impl, checkpoint_dir):
+    """The trainer as main() builds it, on tiny synthetic data, for two epochs; then a run
+    with another learning rate refuses the checkpoint it left."""
+    flags = [*TINY_RUN, "--distributed-impl", impl, "--num-epochs", "2", "--checkpoint-dir", f"{checkpoint_dir}/{impl}"]
+    args = trainer.parse_args(flags)
+    sync_bn, _ = trainer.resolve_sync_bn(args.sync_bn, impl, ctx.device)
+    train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
+    run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set, identity={"lr": args.lr})
+    run.train()
+    refused = None
+    try:
+        trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set, identity={"lr": 0.5})
+    except ValueError as error:
+        refused = str(error)
+    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn, "refused": refused}
+
+
+def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
+    results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
+    results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
+    net = trainer.Net()
+    net.load_state_dict(net_state)
+    results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
+                             for dtype in VAL_DTYPES for per_rank in VAL_PIECES}
+    return results
+
+
+@pytest.fixture(scope="module")
+def in_process(tmp_path_factory):
+    gen = torch.Generator().manual_seed(1)
+    train = TensorDataset(torch.randn(WORLD * PER_RANK + 2, 3, 32, 32, generator=gen),  # +2: dropped by the sampler
+                          torch.randint(0, 100, (WORLD * PER_RANK + 2,), generator=gen))
+    net = trainer.Net().eval()
+    images = torch.randn(VAL_SIZE, 3, 32, 32, generator=gen)
+    with torch.no_grad():
+        predicted = net(images).argmax(dim=1)
+    # About 60 % of the labels are the model's own prediction, so the correct count is far from 0.
+    labels = torch.where(torch.rand(VAL_SIZE, generator=gen) < 0.6, predicted, torch.randint(0, 100, (VAL_SIZE,), generator=gen))
+    val = TensorDataset(images, labels)
+    return SimpleNamespace(train=train, val=val, net=net, results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(),
+                                                                          str(tmp_path_factory.mktemp("ckpt"))))
+
+
+def _global_window_gradients(train):
+    """Single process: the gradient of the mean loss over each optimizer step's samples from all ranks."""
+    shards = []
+    for rank in range(WORLD):
+        sampler = DistributedSampler(train, num_replicas=WORLD, rank=rank, shuffle=True, seed=0, drop_last=True)
+        sampler.set_epoch(0)
+        shards.append(list(sampler))
+    torch.manual_seed(0)
+    model = _Linear()
+    expected = []
+    for start in range(0, PER_RANK, ACCUM * BATCH):
+        indices = [i for shard in shards for i in shard[start:start + ACCUM * BATCH]]
+        images, labels = train[indices]
+        model.zero_grad()
+        F.cross_entropy(model(images), labels).backward()
+        expected.append([p.grad.clone() for p in model.parameters()])
+    return expected, model
+
+
+def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
+    """Same seed, data order and loop: ours and PyTorch's DDP (both with syncbn.py's SyncBatchNorm
+    on CPU) end with the same weights; 3 ranks, so averaging rounds differently in each."""
+    initial = _initial_state()
+    for rank, result in enumerate(in_process.results):
+        ours, theirs = result["training"]["selfmade"], result["training"]["pytorch"]
+        assert ours["sync_bn"] == theirs["sync_bn"] == "selfmade"
+        assert ours["state"].keys() == theirs["state"].keys() == initial.keys(), "unwrapped, the same keys"
+        assert not torch.equal(ours["state"]["fc1.weight"], initial["fc1.weight"]), "it trained"
+        for key in ours["state"]:
+            torch.testing.assert_close(ours["state"][key], theirs["state"][key], msg=f"rank {rank}: {key}")
+        for a, b in zip(ours["history"], theirs["history"], strict=True):
+            assert a["steps"] == b["steps"] and a["val_count"] == b["val_count"] == 101
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+        assert torch.equal(ours["state"]["fc1.weight"], in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
+
+
+def test_a_checkpoint_of_another_run_is_refused(in_process):
+    for result in in_process.results:
+        for impl in IMPLS:
+            assert "epoch-0002.pt belongs to a different run (lr differ)" in result["training"][impl]["refused"]
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path):
+    torch.save({"epoch": 2}, trainer.checkpoint_path(str(tmp_path), 2))
+    with open(trainer.checkpoint_path(str(tmp_path), 3), "wb") as f:
+        f.write(b"half a checkpoint")
+    (tmp_path / "epoch-0004.pt.tmp123").write_bytes(b"an interrupted save")
+    assert trainer.checkpoint_epochs(str(tmp_path)) == [3, 2]
+    assert trainer.newest_readable_checkpoint(str(tmp_path)) == 2
+    assert trainer.newest_readable_checkpoint(str(tmp_path / "missing")) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_optimizer_steps_every_k_micro_batches_with_the_global_mean_gradient(in_process, impl):
+    expected, model = _global_window_gradients(in_process.train)
+    for rank, result in enumerate(in_process.results):
+        steps = result[impl]["steps"]
+        # 10 micro-batches, 4 per step: steps after 4 and 8; the leftover 2 step after 10, not carried over.
+        assert [seen for seen, _ in steps] == [4, 8, 10], f"rank {rank}"
+        # Counted on entry, before that micro-batch's forward: micro-batches 1-3, 5-7 and 9 (of 1-10).
+        assert result[impl]["no_sync_at"] == [0, 1, 2, 4, 5, 6, 8], "no_sync on every micro-batch that does not step"
+        for (_, grads), oracle in zip(steps, expected):
+            for grad, want in zip(grads, oracle):
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_train_loss_is_the_global_mean_over_the_epoch(in_process, impl):
+    torch.manual_seed(0)
+    model = _Linear()
+    indices = [i for rank in range(WORLD) for i in DistributedSampler(in_process.train, WORLD, rank, seed=0, drop_last=True)]
+    images, labels = in_process.train[indices]
+    with torch.no_grad():
+        want = F.cross_entropy(model(images), labels).item()  # lr 0: the weights never move
+    assert [r[impl]["train_loss"] for r in in_process.results] == pytest.approx([want] * WORLD, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", VAL_DTYPES)
+@pytest.mark.parametrize("per_rank", VAL_PIECES)
+def test_scatter_validation_equals_single_process_evaluation(in_process, per_rank, dtype):
+    """The correct count is exact. The loss sum is exact up to the order of float64 additions when
+    the model runs in float64; in float32, CPU kernels round a sample's logits differently
+    depending on the batch it is in (about 1e-7 relative), and the sum inherits that."""
+    images, labels = in_process.val.tensors
+    with torch.no_grad():
+        logits = in_process.net.to(dtype)(images.to(dtype))
+    want_loss = F.cross_entropy(logits.double(), labels, reduction="sum").item()
+    want_correct = (logits.argmax(dim=1) == labels).sum().item()
+    assert want_correct > VAL_SIZE // 2
+    for result in in_process.results:
+        loss, correct, count = result["validation"][dtype, per_rank].tolist()
+        assert (correct, count) == (want_correct, VAL_SIZE)
+        assert loss == pytest.approx(want_loss, rel=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+# --------------------------------------------------------------------------- in the pytest process
+
+
+def test_micro_batch_plan_steps_every_k_and_the_leftover_window_steps_with_its_own_count():
+    # 75 samples in micro-batches of 8: ten micro-batches, the last with 3 samples.
+    plan = trainer.micro_batch_plan(samples=75, batch_size=8, accum=4)
+    assert [j for j, (steps, _) in enumerate(plan) if steps] == [3, 7, 9]
+    assert [window for _, window in plan] == [32] * 4 + [32] * 4 + [8 + 3] * 2
+    assert trainer.micro_batch_plan(samples=64, batch_size=8, accum=1) == [(True, 8)] * 8
+    assert trainer.micro_batch_plan(samples=16, batch_size=8, accum=5) == [(False, 16), (True, 16)]
+
+
+def test_tiny_cifar100_files_load_through_torchvision(tiny_cifar):
+    root, raw = tiny_cifar
+    train, val = trainer.build_datasets("cifar100", str(root), None, None, with_val=True)
+    for dataset, (data, fine) in ((train, raw["train"]), (val, raw["test"])):
+        assert len(dataset) == len(fine)
+        images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+        assert [dataset[i][1] for i in range(len(dataset))] == fine
+        pixels = torch.from_numpy(data).float().view(-1, 3, 32, 32) / 255  # (N, C, H, W) from the row layout
+        mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (trainer.CIFAR100_MEAN, trainer.CIFAR100_STD))
+        torch.testing.assert_close(images, (pixels - mean) / std)
+    assert train.classes[:2] == ["fine0", "fine1"], "meta read too"
+    first, only_val = trainer.build_datasets("cifar100", str(root), 5, 3, with_val=False)
+    assert (len(first), only_val) == (5, None)
+    assert torch.equal(first[4][0], train[4][0])
+    with pytest.raises(ValueError, match="asked for 41 training images, the split has 40"):
+        trainer.build_datasets("cifar100", str(root), 41, None, with_val=False)
+
+
+def test_missing_cifar100_fails_clearly_or_falls_back_loudly(tmp_path, tiny_cifar):
+    solo = SimpleNamespace(local_rank=0, device=torch.device("cpu"))  # no process group: a world of one
+    with pytest.raises(FileNotFoundError, match=f"CIFAR-100 is not in {tmp_path / 'cifar-100-python'}"):
+        trainer.choose_dataset("cifar100", str(tmp_path), solo, download=False)
+    with pytest.raises(FileNotFoundError, match="must contain the files train, test, meta"):
+        trainer.load_cifar100(str(tmp_path), train=True)
+    name, notices = trainer.choose_dataset("auto", str(tmp_path), solo, download=False)
+    assert name == "synthetic" and len(notices) == 1 and "SYNTHETIC" in notices[0]
+    assert trainer.choose_dataset("auto", str(tiny_cifar[0]), solo, download=False) == ("cifar100", [])
+    assert trainer.choose_dataset("synthetic", str(tiny_cifar[0]), solo) == ("synthetic", [])
+
+
+def test_synthetic_data_is_cifar_shaped_and_a_pure_function_of_the_index():
+    small, big, val = trainer.SyntheticCIFAR100(50, train=True), trainer.SyntheticCIFAR100(80, train=True), trainer.SyntheticCIFAR100(50, train=False)
+    image, label = small[7]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 100
+    assert all(torch.equal(small[i][0], big[i][0]) and small[i][1] == big[i][1] for i in range(50)), "a smaller set is a prefix"
+    assert not torch.equal(small[0][0], val[0][0]), "train and validation samples differ"
+    assert len(set(big.targets)) > 40, "labels spread over the classes"
+    # Pixels in [0, 1] normalised with CIFAR-100's constants.
+    lowest = (0 - torch.tensor(trainer.CIFAR100_MEAN)) / torch.tensor(trainer.CIFAR100_STD)
+    assert torch.all(image >= lowest.view(3, 1, 1) - 1e-6)
+
+
+def test_sync_bn_choice_on_cpu():
+    cpu = torch.device("cpu")
+    assert trainer.resolve_sync_bn("auto", "selfmade", cpu) == ("selfmade", [])
+    used, notices = trainer.resolve_sync_bn("auto", "pytorch", cpu)
+    assert used == "selfmade" and "cannot run on CPU" in notices[0]
+    assert trainer.resolve_sync_bn("none", "pytorch", cpu) == ("none", [])
+    with pytest.raises(RuntimeError, match="torch.nn.SyncBatchNorm only runs on CUDA"):
+        trainer.resolve_sync_bn("pytorch", "pytorch", cpu)
