@@ -366,6 +366,12 @@ class DDP(_DataParallel):
       every bucket. Each trainable ``param.grad`` is then the average over ranks and a
       view of its bucket.
     * Gradient accumulation: inside ``no_sync()`` backward communicates nothing.
+    * ``forward`` delegates to ``module``; ``parameters()`` and ``named_parameters()`` are
+      the module's (nothing is registered besides it), and ``state_dict()`` keys carry the
+      ``module.`` prefix, as with PyTorch's DDP: save ``ddp.module.state_dict()`` for a
+      checkpoint that loads into the plain model.
+    * ``last_wait_s``: seconds the last ``finish_gradient_synchronization()`` took, i.e.
+      communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA).
 
     Which gradient is averaged: each rank contributes the ``param.grad`` it holds at the
     end of the step (the sum of everything accumulated since the last ``zero_grad``,
@@ -505,8 +511,10 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     ``forward_sync_buffers=False`` (torch >= 2.14's name for ``broadcast_buffers=False``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
     collective per forward; its other arguments keep their defaults (e.g.
-    ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them. Drive every variant the same way: ``no_sync()`` for
-    accumulation, ``sync_gradients(model)`` before the optimizer step.
+    ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them.
+
+    Drive every variant the same way: ``no_sync()`` around the backward passes that only
+    accumulate, ``sync_gradients(model)`` before the optimizer step.
     """
     if variant == "bucketed":
         return DDP(module, bucket_cap_mb, process_group)

@@ -209,17 +209,30 @@ def _stop(processes) -> None:
             p.join()
 
 
-def _first_error(out_dir: str) -> tuple[int, str] | None:
-    errors = []
+def _root_cause(out_dir: str, processes) -> tuple[int, str]:
+    """The failure to report among the dead workers, with its rank.
+
+    A failing rank takes its peers down with it, and they fail too, with
+    ``PeerFailedError``. So the root cause is, in this order: the earliest error a rank
+    raised for its own reason; else a rank that died without a traceback (killed,
+    ``os._exit``, a crash outside Python); else the earliest ``PeerFailedError``.
+    """
+    raised = []
     for name in os.listdir(out_dir):
         if name.startswith("error-"):
             with open(os.path.join(out_dir, name)) as f:
                 stamp, text = f.read().split("\n", 1)
-            errors.append((float(stamp), int(name[6:-4]), text))
-    if not errors:
-        return None
-    _, rank, text = min(errors)
-    return rank, text
+            consequence = f"{PeerFailedError.__name__}:" in text.strip().splitlines()[-1]
+            raised.append((consequence, float(stamp), int(name[6:-4]), text))
+    ranks_raised = {rank for _, _, rank, _ in raised}
+    silent = [(rank, p.exitcode) for rank, p in enumerate(processes)
+              if p.exitcode not in (None, 0) and rank not in ranks_raised]
+    own = [r for r in raised if not r[0]]
+    if own or not silent:
+        _, _, rank, text = min(own or raised)
+        return rank, text
+    rank, code = silent[0]
+    return rank, f"exit code {code}, no traceback (killed, os._exit, or a crash outside Python)\n"
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
@@ -231,10 +244,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     ``threads`` intra-op threads. ``fn`` must be importable (defined at module level)
     and its result picklable by ``torch.save``.
 
-    The whole group must finish within ``timeout_s``. The first worker to raise (or to
-    exit without a result) fails the launch with its traceback; a hang past the
-    timeout fails it naming the ranks still running. Either way every worker is
-    terminated and reaped before ``WorkerError`` is raised.
+    The whole group must finish within ``timeout_s``. A worker that raises or exits
+    without a result fails the launch with the root cause's traceback (see
+    ``_root_cause``); a hang past the timeout fails it naming the ranks still running.
+    Either way every worker is terminated and reaped before ``WorkerError`` is raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -248,22 +261,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
             p.start()
             processes.append(p)
         deadline = time.monotonic() + timeout_s
-        running = list(processes)
-        while running:
+        while True:
+            alive = [p for p in processes if p.is_alive()]  # is_alive() also reaps, setting exitcode
+            if any(p.exitcode not in (None, 0) for p in processes):
+                time.sleep(0.5)  # let the peers it took down record their errors: the root cause may be among them
+                for p in processes:
+                    p.is_alive()
+                rank, text = _root_cause(tmp, processes)
+                raise WorkerError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{text}",
+                                  [p.pid for p in processes])
+            if not alive:
+                break
             left = deadline - time.monotonic()
             if left <= 0:
-                ranks = [processes.index(p) for p in running]
+                ranks = [processes.index(p) for p in alive]
                 raise WorkerError(f"{fn.__name__}: ranks {ranks} of {world_size} still running after {timeout_s:g} s; "
                                   "all workers were terminated", [p.pid for p in processes])
-            multiprocessing.connection.wait([p.sentinel for p in running], timeout=left)
-            for p in [p for p in running if not p.is_alive()]:
-                p.join()
-                running.remove(p)
-                if p.exitcode != 0:
-                    first = _first_error(tmp)
-                    rank, text = first if first else (processes.index(p), f"exit code {p.exitcode}, no traceback\n")
-                    raise WorkerError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{text}",
-                                      [q.pid for q in processes])
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=left)
         return [torch.load(os.path.join(tmp, f"result-{r}.pt"), weights_only=False) for r in range(world_size)]
     finally:
         _stop(processes)
@@ -351,16 +365,20 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: torch.device | str = "cpu",
-                    group=None, barrier_each: bool = True) -> Timing:
+                    group=None, barrier_each: bool = True, setup: Callable[[], Any] | None = None) -> Timing:
     """Time ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every rank must call this.
 
     A barrier precedes the timed region (and, with ``barrier_each``, every iteration, so
     all ranks start each iteration together and a rank's time includes waiting for its
     slowest peer only inside ``fn``). GPU work is synchronised before the clock is read.
-    Inputs must be made by the caller, outside ``fn``.
+    Inputs must be made by the caller, outside ``fn``; ``setup``, if given, runs before
+    every call (warm-up included) outside the timed region, e.g. to restore an input that
+    an in-place ``fn`` changed.
     """
     device = torch.device(device)
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     synchronize(device)
     initialized = dist.is_initialized()
@@ -368,6 +386,8 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
         dist.barrier(group=group)
     times = []
     for _ in range(iters):
+        if setup is not None:
+            setup()
         if barrier_each and initialized:
             dist.barrier(group=group)
         synchronize(device)
@@ -376,6 +396,27 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
         synchronize(device)
         times.append(time.perf_counter() - start)
     return Timing(gather_rows(times, group))
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
+                     device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
+    """``time_iterations`` for several functions, their iterations split into ``rounds`` interleaved rounds.
+
+    Round r times each function in turn (the order rotated every round), so a change in the
+    machine's load during the run hits every function alike and their ratios stay meaningful.
+    Each function gets ``iters`` timed calls in all (at least one per round) and ``warmup``
+    untimed calls in its first round; every rank must call this with the same functions.
+    """
+    names = list(fns)
+    rounds = max(1, min(rounds, iters))
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
+            parts[name].append(timing.per_rank)
+    return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
 
 
 @contextmanager
@@ -398,7 +439,7 @@ class PeakMemory:
     On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
     what was allocated at entry.
     On CPU: torch has no allocator statistics, and tracemalloc does not see its buffers.
-    We record the block with ``torch.profiler`` (``profile_memory=True``), which logs every
+    We record the block with the autograd profiler (``profile_memory=True``), which logs every
     allocation and free of torch's CPU allocator, and take the maximum of the running total
     in time order. It counts tensors, autograd's saved tensors and operator workspaces on
     every thread; it does not count Python objects or gloo's own transport buffers.
@@ -422,7 +463,8 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             # The autograd profiler torch.profiler.profile wraps: the wrapper's start imports
-            # torch._inductor (about 2 s of CPU per process, for a cudagraphs setting).
+            # torch._inductor, about 2 s of CPU in a process that has not imported torch._dynamo
+            # yet (building a torch.optim optimizer imports that too).
             self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
             with _quiet_stderr():
                 self._profiler.__enter__()

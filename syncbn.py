@@ -12,23 +12,24 @@ tensors) and on CUDA with NCCL. ``python syncbn_benchmark.py`` measures it;
 
 How the statistics stay exact with one collective per pass
 -----------------------------------------------------------
-Forward: each rank computes, over its n_r local values per channel, the local mean m_r
-and the centred sum of squares M2_r = sum((x - m_r)^2) in the input's precision, then
-sends, in float64, the sums [n_r * m_r, M2_r + n_r * m_r^2, n_r] (C, C, 1 -> 2C + 1) in
-one ``all_reduce(SUM)``. Since sum((x - m)^2) + n * m^2 = sum(x^2) for any m, the
-reduced vector holds the global sum, sum of squares and count, so the global mean and
-biased variance follow from E[x^2] - E[x]^2 in float64. The float32 part is centred,
-so nothing large is squared in float32: inputs drawn from N(1000, 1) keep their
-variance, where E[x^2] - E[x]^2 in float32 is off by tens of percent. Sums and counts
-are reduced, never means, so ranks may hold different numbers of samples (even none).
+Forward: each rank centres its n_r local values per channel on shift = their mean in
+float32 (so x - shift is exact near the mean), and sums only centred values in float32:
+C1 = sum(x - shift), C2 = sum((x - shift)^2). In float64, for any shift,
+sum(x) = n_r * shift + C1 and sum(x^2) = C2 + shift * (C1 + sum(x)) exactly, and one
+``all_reduce(SUM)`` of [sum(x), sum(x^2), n_r] (C, C, 1 -> 2C + 1) gives every rank the
+global sums, from which mean and biased variance follow in float64 (E[x^2] - E[x]^2 is
+harmless in float64 once the float32 part was centred). Inputs drawn from N(1000, 1)
+keep their variance, where E[x^2] - E[x]^2 in float32 is off by tens of percent. Sums
+and counts are reduced, never means, so ranks may hold different numbers of samples,
+even none: an empty rank sends zeros and still joins the collective.
+
+Outputs use x - mean = (x - shift) + delta, delta = shift - mean a small float32 number
+per channel, so they keep float32 accuracy relative to the standard deviation however
+large |mean| is (float32 BatchNorm loses ~|mean| / std * 1e-7).
 
 Backward: one ``all_reduce`` of the two per-channel sums the input gradient needs,
 [sum(dy), sum(dy * (x - mean))] (C, C -> 2C). The gradients of weight and bias are the
 local sums, as in PyTorch: DDP averages them across ranks like any other gradient.
-
-The global mean is applied as hi + lo, two float32 numbers whose sum is the float64
-mean: x - hi is exact for x near the mean, and lo is folded into the per-channel shift,
-so outputs keep float32 accuracy even when |mean| >> std.
 
 The module decides (eval mode: running statistics, plain tensor arithmetic, no
 communication; world size 1 or no process group: the same math without communication);
@@ -70,31 +71,32 @@ def _local_moments(x: torch.Tensor, count: int):
 
     Returns ``(sums, parts, shift, centred, scratch)``: ``parts`` are views of the three
     blocks of ``sums`` (after the all_reduce they hold the global sums), ``shift`` (C)
-    is the value each channel is centred on, ``centred`` = x - shift, and ``scratch`` a
+    the value each channel is centred on, ``centred`` = x - shift, and ``scratch`` a
     spare tensor of x's shape for the output.
 
-    sum(x) is accumulated in float64, and shift = the local mean m rounded to x's
-    precision, so x - shift is exact for x near the mean. Only centred values are squared
-    in x's precision: M2 = sum((x - shift)^2); then, in float64,
-    sum(x^2) = M2 + n * (m^2 - (m - shift)^2) exactly, whatever the offset |m| / std.
-    An empty local batch contributes zeros: it still joins the collective.
+    shift = the local mean in x's precision, so x - shift is exact for x near the mean
+    and only centred values are summed and squared in x's precision: C1 = sum(x - shift),
+    C2 = sum((x - shift)^2). In float64, for any shift,
+    sum(x) = n * shift + C1 and sum(x^2) = C2 + shift * (C1 + sum(x)) exactly, however
+    large |mean| / std is. An empty local batch contributes zeros and still joins the
+    collective.
     """
     channels = x.size(1)
     if count == 0:
         sums = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-        return sums, sums.split((channels, channels, 1)), x.new_zeros(channels, dtype=_compute_dtype(x)), x, x
+        return (sums, sums.split((channels, channels, 1)), x.new_zeros(channels, dtype=_compute_dtype(x)), x,
+                x.new_empty(x.shape, dtype=_compute_dtype(x)))
     dims = _reduce_dims(x)
     if x.dtype != _compute_dtype(x):
         x = x.to(_compute_dtype(x))
-    sum_x = x.sum(dims, dtype=torch.float64)  # (C)
-    mean = sum_x.div(count)
-    shift = mean.to(x.dtype)
+    shift = x.mean(dims)  # (C)
     centred = torch.sub(x, _per_channel(shift, x))
     squares = centred * centred
-    sums = torch.cat((sum_x, squares.sum(dims), _constant(count, x.device)))  # [sum(x), M2, n], float64
+    residual = centred.sum(dims)  # C1, small
+    sums = torch.cat((residual, squares.sum(dims), _constant(count, x.device)))  # [C1, C2, n], float64
     parts = sums.split((channels, channels, 1))
-    rounding = mean.sub(shift)  # m - shift, tiny
-    parts[1].addcmul_(sum_x, mean).addcmul_(rounding, rounding, value=-count)  # M2 + n*m^2 - n*(m - shift)^2
+    parts[0].add_(shift, alpha=count)  # sum(x) = n * shift + C1
+    parts[1].addcmul_(shift, parts[0].add(residual))  # sum(x^2) = C2 + shift * (sum(x) + C1)
     return sums, parts, shift, centred, squares
 
 
@@ -119,10 +121,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
     y = (x - shift) * scale + (bias + delta * scale), scale = weight / sqrt(var + eps).
 
     Saved for backward: x (usually kept alive anyway by the layer before) and four (C)
-    vectors, no more bytes than BatchNorm saves. Each tensor operation costs a few
-    microseconds of dispatch, which dominates at the sizes of a BatchNorm layer on the
-    CPU, so the per-channel arithmetic uses few operations (fused ``addcmul``, in-place
-    updates, one dtype conversion for several vectors).
+    vectors, no more bytes than BatchNorm saves; backward allocates one tensor of x's
+    size (it becomes the input gradient). Each tensor operation costs a few microseconds
+    of dispatch, which dominates at the sizes of a BatchNorm layer on the CPU, so the
+    per-channel arithmetic uses few operations (fused ``addcmul``, in-place updates).
+    On CUDA, reading the global count (``.item()``) is one host synchronisation per
+    forward: every rank needs it on the host to raise the same error.
     """
 
     @staticmethod
@@ -166,12 +170,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, zeros.to(weight_dtype) if need_weight else None,
                     zeros.to(bias_dtype) if need_bias else None, None, None, None, None, None)
         x, shift, delta, invstd, scale = ctx.saved_tensors
-        dims = _reduce_dims(x)
-        centred = torch.sub(x, _per_channel(shift, x))  # the same x - shift as in forward
-        product = dy * centred
+        dims, shift = _reduce_dims(x), _per_channel(shift, x)
+        # One tensor of x's size, like BatchNorm's grad_input: dy * (x - shift), then the input gradient.
+        buffer = torch.sub(x, shift)
+        sum_dy = dy.sum(dims, dtype=buffer.dtype)
         # sum(dy * (x - mean)) = sum(dy * (x - shift)) + delta * sum(dy): it adds up across ranks.
-        sum_dy = dy.sum(dims)
-        sum_dy_xmu = torch.addcmul(product.sum(dims), delta, sum_dy)
+        sum_dy_xmu = torch.addcmul(buffer.mul_(dy).sum(dims), delta, sum_dy)
         grad_weight = grad_bias = grad_x = None
         if need_weight:  # local sum(dy * x_hat)
             grad_weight = sum_dy_xmu * invstd
@@ -182,23 +186,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
             sums = torch.stack((sum_dy, sum_dy_xmu))  # (C, C -> 2C)
             if ctx.group is not None:
                 dist.all_reduce(sums, group=ctx.group)
-            grad_x = _input_grad(dy, centred, product, sums, ctx.total, delta, invstd, scale)
+            grad_x = _input_grad(dy, torch.sub(x, shift, out=buffer), sums, ctx.total, delta, invstd, scale)
             grad_x = grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _input_grad(dy, centred, out, sums, total, delta, invstd, scale):
-    """scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)) over the global batch, written into ``out``.
+def _input_grad(dy, centred, sums, total, delta, invstd, scale):
+    """scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)) over the global batch, computed in ``centred``.
 
-    ``sums`` are the global [sum(dy), sum(dy * (x - mean))] (2, C) and x - mean = centred + delta,
-    x_hat = (x - mean) * invstd. With a = -mean(dy), b = -mean(dy * (x - mean)) * invstd^2 * scale:
-    grad = scale * dy + b * centred + (a * scale + b * delta).
+    ``centred`` is x - shift; ``sums`` are the global [sum(dy), sum(dy * (x - mean))] (2, C);
+    x - mean = centred + delta and x_hat = (x - mean) * invstd. With a = -mean(dy) and
+    b = -mean(dy * (x - mean)) * invstd^2 * scale: grad = scale * dy + b * centred + (a * scale + b * delta).
     """
     a, b = sums.div_(-total).unbind()
     b.mul_(invstd.square().mul_(scale))
     offset = torch.addcmul(a.mul_(scale), b, delta)
-    torch.addcmul(_per_channel(offset, dy), centred, _per_channel(b, dy), out=out)
-    return out.addcmul_(dy, _per_channel(scale, dy))
+    return centred.mul_(_per_channel(b, dy)).add_(_per_channel(offset, dy)).addcmul_(dy, _per_channel(scale, dy))
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -278,7 +281,8 @@ class SyncBatchNorm(_BatchNorm):
         if self.weight is not None:
             scale = scale * self.weight
         y = torch.sub(x, _per_channel(self.running_mean, x))  # exact for x near the mean
-        y = y * _per_channel(scale, x) if self.bias is None else torch.addcmul(_per_channel(self.bias, x), y, _per_channel(scale, x))
+        scale = _per_channel(scale, x)
+        y = y * scale if self.bias is None else torch.addcmul(_per_channel(self.bias, x), y, scale)
         return y.to(x.dtype)
 
 

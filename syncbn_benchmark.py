@@ -137,7 +137,6 @@ def implementations(device: torch.device) -> list[str]:
 def run(ctx, args) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     impls = implementations(ctx.device)
     cases = [(batch, hidden) for batch in args.batch for hidden in args.hidden]
     rows = []
@@ -162,10 +161,10 @@ PER_IMPL_COLUMNS = [("batch", "batch_size", "d"), ("hidden", "hidden_dim", "d"),
                     ("peak_bytes", "peak memory (bytes)", "d"), ("saved_bytes", "saved for backward (bytes)", "d")]
 
 
-def comparison(rows: list[dict], device: str) -> tuple[str, list[dict], bool]:
-    """The table of ratios against the reference of this device, and whether every target is met."""
+def comparison(rows: list[dict], device: str) -> tuple[str, list[dict]]:
+    """The table of ratios against this device's reference, one entry per size, each saying whether the target is met."""
     ours, local, reference, torch_sync = (_by(rows, impl, device) for impl in (OURS, LOCAL, REFERENCE, TORCH_SYNC))
-    table, met = [], True
+    table = []
     for key, row in ours.items():
         entry = {"batch": key[0], "hidden": key[1], "ours_ms": 1e3 * row["time_s"],
                  "local_ms": 1e3 * local[key]["time_s"], "reference_ms": 1e3 * reference[key]["time_s"],
@@ -178,7 +177,6 @@ def comparison(rows: list[dict], device: str) -> tuple[str, list[dict], bool]:
         else:
             ok = entry["vs_reference"] <= CPU_TARGET and entry["saved_ratio"] <= 1
         entry["target"] = "met" if ok else "NOT met"
-        met &= ok
         table.append(entry)
     columns = [("batch", "batch", "d"), ("hidden", "hidden", "d"), ("ours_ms", "ours (ms)", ".3f"),
                ("local_ms", "BN local (ms)", ".3f"), ("reference_ms", "BN + 2 AR (ms)", ".3f")]
@@ -187,7 +185,7 @@ def comparison(rows: list[dict], device: str) -> tuple[str, list[dict], bool]:
                     ("peak_ratio", "peak ours / torch", ".2f")]
     columns += [("vs_reference", "ours / (BN + 2 AR)", ".2f"), ("vs_local", "ours / BN local", ".2f"),
                 ("saved_ratio", "saved ours / BN", ".2f"), ("target", "target", "s")]
-    return markdown_table(table, columns), table, met
+    return markdown_table(table, columns), table
 
 
 def report(rows: list[dict], env: dict, args) -> None:
@@ -202,13 +200,14 @@ def report(rows: list[dict], env: dict, args) -> None:
             impl_rows = [r for r in rows if r["impl"] == impl and r["device"] == device]
             if impl_rows:
                 print(f"\n{impl} ({device})\n{markdown_table(_with_ms(impl_rows), PER_IMPL_COLUMNS)}")
-        table, _, met = comparison(rows, device)
+        table, entries = comparison(rows, device)
         if device == "cuda":
             target = "ours faster than torch.nn.SyncBatchNorm, with no more peak memory"
         else:
             target = f"ours <= {CPU_TARGET} x (BatchNorm1d + 2 all_reduce of 2C+1 floats), and saved bytes <= BatchNorm1d's"
         print(f"\nComparison ({device}); target: {target}\n{table}")
-        print(f"Target {'met' if met else 'NOT met'} on every size ({device}).")
+        met = sum(e["target"] == "met" for e in entries)
+        print(f"Target met on {met} of {len(entries)} sizes ({device}).")
 
 
 # --------------------------------------------------------------------------- entry points
@@ -232,11 +231,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="interleaved rounds the iterations are split into (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed iterations before the first round (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a fast run: 200 iterations in 8 rounds, 10 warm-up (default: off)")
+    parser.add_argument("--quick", action="store_true", help="a fast run: 100 iterations in 4 rounds, 5 warm-up (default: off)")
     add_common_args(parser)
     args = parser.parse_args(argv)
     if args.quick:
-        args.iters, args.rounds, args.warmup = 200, 8, 10
+        args.iters, args.rounds, args.warmup = 100, 4, 5
     if args.workers < 1 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--workers, --iters, --rounds and --threads must be at least 1, --warmup at least 0")
     if args.rounds > args.iters:

@@ -8,6 +8,8 @@
   (``--standalone`` picks a free port) with a timeout; the whole process group is killed
   when it expires.
 * ``CollectiveCounter``: counts calls into ``torch.distributed`` inside a worker.
+* ``launch_expecting_peer_failure``: a group in which one rank must fail because a peer
+  stopped answering, with the message and the time it took.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dist_utils import launch
+from dist_utils import PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,6 +38,25 @@ PG_TIMEOUT_S = 30.0
 def run_workers(fn, world_size: int, *args, timeout_s: float = WORKERS_TIMEOUT_S, pg_timeout_s: float = PG_TIMEOUT_S):
     """``dist_utils.launch`` with the suite's timeouts: one spawned group, every rank's result."""
     return launch(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+
+
+def launch_expecting_peer_failure(fn, world_size: int, *args, rank: int = 0, pg_timeout_s: float,
+                                  timeout_s: float = 120.0) -> tuple[str, float]:
+    """Launch ``fn``; it must fail on ``rank`` with ``PeerFailedError`` naming the process-group timeout.
+
+    Returns the launcher's message and the seconds the launch took.
+    """
+    start = time.monotonic()
+    try:
+        launch(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+    except WorkerError as failure:
+        message = str(failure)
+    else:
+        raise AssertionError(f"{fn.__name__}: every rank succeeded; rank {rank} should have failed")
+    assert f"rank {rank} of {world_size} failed" in message, message
+    assert PeerFailedError.__name__ in message and "a peer failed" in message, message
+    assert f"{pg_timeout_s:g} s process-group timeout" in message, message
+    return message, time.monotonic() - start
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, check: bool = True,

@@ -156,6 +156,38 @@ def shard(batch, rank):
     return tuple(t[rank * MICRO:(rank + 1) * MICRO] for t in batch)
 
 
+class MomentumSGD:
+    """``torch.optim.SGD(params, lr, momentum)``, the same arithmetic, without torch.optim.
+
+    Constructing any torch optimizer imports torch._dynamo: 2.4 s of CPU per process. The
+    parent's oracles and the 3-rank group use this one; the 2-rank group, which imports
+    it anyway for PyTorch's DDP, drives the DDP under test with torch.optim.SGD.
+    """
+
+    def __init__(self, params, lr, momentum):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers = [None] * len(self.params)
+
+    @torch.no_grad()
+    def step(self):
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if self.buffers[i] is None:
+                self.buffers[i] = p.grad.clone()
+            else:
+                self.buffers[i].mul_(self.momentum).add_(p.grad)
+            p.add_(self.buffers[i], alpha=-self.lr)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+
 def clear_grads(model, optimizer, zero_mode):
     if zero_mode == "zeros":
         optimizer.zero_grad(set_to_none=False)
@@ -167,7 +199,8 @@ def clear_grads(model, optimizer, zero_mode):
                 p.grad = torch.zeros_like(p)
 
 
-def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter=None, on_sync=None):
+def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter=None, on_sync=None,
+          optimizer=MomentumSGD):
     """SGD with momentum for ``steps`` steps of ``accum`` micro-batches, the loss divided by ``accum``.
 
     ``loss_of(step, micro)`` computes one micro-batch's loss. Data-parallel wrappers get
@@ -175,12 +208,12 @@ def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter
     Returns the final parameters and buffers, the last step's gradients (None where None)
     and, per step, collectives counted inside no_sync, all_reduces launched by the end of
     the synchronised backward, and all_reduces in total. ``on_sync(model)`` runs after
-    every synchronisation; its last answer is returned too.
+    every synchronisation; its answers are returned too.
     """
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    optimizer = optimizer(model.parameters(), lr=LR, momentum=MOMENTUM)
     clear_grads(model, optimizer, zero_mode)
     counter = counter or CollectiveCounter()
-    counts, grads, seen = [], {}, None
+    counts, grads, seen = [], {}, []
     for step in range(steps):
         in_no_sync = 0
         counter.reset()
@@ -194,7 +227,7 @@ def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter
         after_backward = counter.calls["all_reduce"]
         sync_gradients(model)
         counts.append((in_no_sync, after_backward, counter.calls["all_reduce"]))
-        seen = on_sync(model) if on_sync else None
+        seen.append(on_sync(model) if on_sync else None)
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
         clear_grads(model, optimizer, zero_mode)
@@ -234,7 +267,7 @@ def _ddp_runs(ctx):
                     for accum in ACCUMS:
                         model = DDP(build(factory, seed=0), bucket_cap_mb=cap)
                         result = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum, zero_mode,
-                                       counter=counter, on_sync=_grads_are_bucket_views)
+                                       counter=counter, on_sync=_grads_are_bucket_views, optimizer=torch.optim.SGD)
                         result["buckets"] = len(model.buckets)
                         out[name, cap_name, zero_mode, accum] = result
     return out
@@ -248,8 +281,8 @@ def _baseline_runs(ctx):
             for name, factory in MODELS.items():
                 for accum in ACCUMS:
                     model = wrapper(build(factory, seed=0))
-                    out[wrapper.__name__, name, accum] = train(
-                        model, mse_loss(model, ctx.world_size, ctx.rank), accum, "set_to_none", counter=counter)
+                    out[wrapper.__name__, name, accum] = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum,
+                                                               counter=counter, optimizer=torch.optim.SGD)
     return out
 
 
@@ -309,8 +342,9 @@ def _arrival_order(ctx):
     return result
 
 
-def _second_backward(ctx):
-    """Two synchronised backward passes without finish_gradient_synchronization in between; then a double backward."""
+def _misuse(ctx):
+    """Two synchronised backward passes without finish_gradient_synchronization in between; a double
+    backward; an exception inside no_sync()."""
     model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
     x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
     F.mse_loss(model(x), y).backward()
@@ -325,7 +359,12 @@ def _second_backward(ctx):
         double = None
     except RuntimeError as error:
         double = str(error)
-    return message, double
+    try:
+        with model.no_sync():
+            raise KeyError("user code fails inside no_sync")
+    except KeyError:
+        pass
+    return message, double, model.require_backward_grad_sync
 
 
 def _against_pytorch(ctx):
@@ -340,14 +379,14 @@ def _against_pytorch(ctx):
     for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
         # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
         model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=torch.float32), bucket_cap_mb=cap)
-        out[variant, cap] = train(model, loss_fn(model), accum=3, steps=4)
+        out[variant, cap] = train(model, loss_fn(model), accum=3, steps=4, optimizer=torch.optim.SGD)
     return out
 
 
 def _two_rank_cases(ctx):
     return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
-            "second_backward": _second_backward(ctx), "pytorch": _against_pytorch(ctx)}
+            "misuse": _misuse(ctx), "pytorch": _against_pytorch(ctx)}
 
 
 def _three_rank_cases(ctx):
@@ -494,6 +533,9 @@ def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
 def test_one_all_reduce_per_bucket_all_launched_during_backward_none_inside_no_sync(two, name, cap, zero_mode, accum):
     result = two[0]["ddp"][name, cap, zero_mode, accum]
     buckets = result["buckets"]
+    trainable = sum(p.requires_grad for p in build(MODELS[name], 0).parameters())
+    expected = {"0": trainable, "1000MiB": 1}.get(cap, len(BIG_LAYOUTS[cap]) if name == "big" else buckets)
+    assert buckets == expected, "one bucket per parameter at cap 0, one in all at 1000 MiB, big's by hand"
     assert result["counts"] == [(0, buckets, buckets)] * STEPS
 
 
@@ -529,7 +571,7 @@ def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two
 
 def test_grads_are_views_of_the_buckets_after_synchronisation(two):
     """No copy back: after each step, every gradient is its bucket's memory, whatever zero_grad did."""
-    assert all(result["on_sync"] is True for result in two[0]["ddp"].values())
+    assert all(result["on_sync"] == [True] * STEPS for result in two[0]["ddp"].values())
 
 
 # --------------------------------------------------------------------------- tests: unused parameters, errors
@@ -547,10 +589,14 @@ def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_
 
 def test_second_synchronised_backward_before_finish_and_double_backward_are_errors(two):
     for rank in range(2):
-        message, double = two[rank]["second_backward"]
+        message, double, _ = two[rank]["misuse"]
         assert message is not None and "second gradient before finish_gradient_synchronization()" in message
         assert "no_sync()" in message
         assert double is not None and "create_graph=True" in double
+
+
+def test_no_sync_restores_synchronisation_when_its_body_raises(two):
+    assert all(two[rank]["misuse"][2] is True for rank in range(2))
 
 
 def test_negative_bucket_cap_and_unknown_variant_are_rejected():

@@ -230,19 +230,26 @@ def _accumulation_case(ctx, impl, train, val):
     return {"steps": optimizer.steps, "no_sync_at": no_sync_at, "train_loss": run.history[0]["train_loss"]}
 
 
-def _training_case(ctx, impl):
-    """The trainer as main() builds it, on tiny synthetic data, for two epochs."""
-    args = trainer.parse_args([*TINY_RUN, "--distributed-impl", impl, "--num-epochs", "2"])
+def _training_case(ctx, impl, checkpoint_dir):
+    """The trainer as main() builds it, on tiny synthetic data, for two epochs; then a run
+    with another learning rate refuses the checkpoint it left."""
+    flags = [*TINY_RUN, "--distributed-impl", impl, "--num-epochs", "2", "--checkpoint-dir", f"{checkpoint_dir}/{impl}"]
+    args = trainer.parse_args(flags)
     sync_bn, _ = trainer.resolve_sync_bn(args.sync_bn, impl, ctx.device)
     train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
-    run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set)
+    run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set, identity={"lr": args.lr})
     run.train()
-    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn}
+    refused = None
+    try:
+        trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set, identity={"lr": 0.5})
+    except ValueError as error:
+        refused = str(error)
+    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn, "refused": refused}
 
 
-def _in_process_cases(ctx, train, val, net_state):
+def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
-    results["training"] = {impl: _training_case(ctx, impl) for impl in IMPLS}
+    results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
     net = trainer.Net()
     net.load_state_dict(net_state)
     results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
@@ -251,7 +258,7 @@ def _in_process_cases(ctx, train, val, net_state):
 
 
 @pytest.fixture(scope="module")
-def in_process():
+def in_process(tmp_path_factory):
     gen = torch.Generator().manual_seed(1)
     train = TensorDataset(torch.randn(WORLD * PER_RANK + 2, 3, 32, 32, generator=gen),  # +2: dropped by the sampler
                           torch.randint(0, 100, (WORLD * PER_RANK + 2,), generator=gen))
@@ -262,7 +269,8 @@ def in_process():
     # About 60 % of the labels are the model's own prediction, so the correct count is far from 0.
     labels = torch.where(torch.rand(VAL_SIZE, generator=gen) < 0.6, predicted, torch.randint(0, 100, (VAL_SIZE,), generator=gen))
     val = TensorDataset(images, labels)
-    return SimpleNamespace(train=train, val=val, net=net, results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict()))
+    return SimpleNamespace(train=train, val=val, net=net, results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(),
+                                                                          str(tmp_path_factory.mktemp("ckpt"))))
 
 
 def _global_window_gradients(train):
@@ -300,6 +308,22 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
         assert torch.equal(ours["state"]["fc1.weight"], in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
+
+
+def test_a_checkpoint_of_another_run_is_refused(in_process):
+    for result in in_process.results:
+        for impl in IMPLS:
+            assert "epoch-0002.pt belongs to a different run (lr differ)" in result["training"][impl]["refused"]
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path):
+    torch.save({"epoch": 2}, trainer.checkpoint_path(str(tmp_path), 2))
+    with open(trainer.checkpoint_path(str(tmp_path), 3), "wb") as f:
+        f.write(b"half a checkpoint")
+    (tmp_path / "epoch-0004.pt.tmp123").write_bytes(b"an interrupted save")
+    assert trainer.checkpoint_epochs(str(tmp_path)) == [3, 2]
+    assert trainer.newest_readable_checkpoint(str(tmp_path)) == 2
+    assert trainer.newest_readable_checkpoint(str(tmp_path / "missing")) == 0
 
 
 @pytest.mark.parametrize("impl", IMPLS)

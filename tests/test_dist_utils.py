@@ -180,3 +180,13 @@ def test_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
         assert (ctx.rank, ctx.world_size, ctx.device.type) == (0, 1, "cpu")
         assert dist.is_initialized() and dist.get_world_size() == 1
     assert not dist.is_initialized(), "torn down on exit"
+
+
+def test_time_interleaved_rotates_the_order_and_runs_setup_before_every_call():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    timings = dist_utils.time_interleaved(fns, iters=3, warmup=1, rounds=2, setup=lambda: calls.append("setup"))
+    assert {name: t.per_rank.shape for name, t in timings.items()} == {"a": (1, 3), "b": (1, 3)}
+    # Round 1: a (warm-up + 2 timed), then b (same); round 2, rotated: b then a, 1 timed call each.
+    assert [c for c in calls if c != "setup"] == ["a"] * 3 + ["b"] * 3 + ["b", "a"]
+    assert calls[0::2] == ["setup"] * 8, "setup precedes every call, warm-up included"
