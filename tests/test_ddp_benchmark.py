@@ -81,6 +81,7 @@ def test_percentiles_are_over_the_slowest_rank_of_each_iteration(sweep, label):
     assert row["samples_s"] == per_rank.max(dim=0).values.tolist()
     assert row["p50_s"] == pytest.approx(statistics.median(row["samples_s"]))
     assert row["p50_s"] <= row["p75_s"] <= row["p90_s"] <= row["p95_s"] <= max(row["samples_s"])
+    assert row["round_p50_s"] == row["samples_s"]  # 2 iterations in 2 rounds: one per round
     assert row["global_batch"] == BATCH * WORLD
     for p in bench.PERCENTILES:
         assert row[f"p{p}_ex_per_s"] == pytest.approx(BATCH * WORLD / row[f"p{p}_s"])
@@ -136,6 +137,7 @@ def test_report_prints_every_row_and_the_targets(sweep):
         assert sum(line.startswith(prefix) for line in printed.splitlines()) == 2  # and the communication table
     assert "Targets (issue 6" in printed
     assert "bucketed 25M p50 / pytorch 25M p50" in printed
+    assert f"median of the {ROUNDS} per-round ratios" in printed
 
 
 def test_every_variant_writes_a_loadable_chrome_trace_per_rank(sweep):
