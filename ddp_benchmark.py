@@ -42,7 +42,7 @@ DDP study, seed 002):
   resnet18, bucketed 25M p50 <= 1.05 x pytorch 25M p50, and the exposed wait of overlap and
   every bucketed size <= 0.50 x naive's all-reduce time.
 
-The sweep runs world size 1 in its own process and every other world size through
+The sweep runs world size 1 in the sweep's own process and every other world size through
 ``dist_utils.launch`` (spawned workers meeting through a file, so no port; every rank's rows
 come back as Python objects; a failing or hung worker fails the sweep with its traceback).
 If 1 is not among the world sizes, the single-process no-ddp row is still measured.
@@ -525,10 +525,10 @@ def targets_text(checks: list[dict]) -> list[str]:
         return lines + ["  not evaluated: needs at least 2 ranks and the pytorch 25M, bucketed 25M and naive variants"]
     for c in checks:
         official = c["model"] == "resnet18" and c["world_size"] == 2
-        verdict = "met" if c["met"] else f"MISSED by {c['value'] - c['limit']:.3f} ({100 * (c['value'] / c['limit'] - 1):.0f}% over)"
+        verdict = "met" if c["met"] else f"MISSED by {c['value'] - c['limit']:.4f} ({100 * (c['value'] / c['limit'] - 1):.1f}% over)"
         where = f"{c['model']}, {c['world_size']} ranks{'' if official else ' (information)'}"
         note = f"  [{c['note']}]" if c["note"] else ""
-        lines.append(f"  {where:<28s} {c['label']:>14s} {c['target']:<40s} {c['value']:6.3f} <= {c['limit']:.2f}: "
+        lines.append(f"  {where:<28s} {c['label']:>14s} {c['target']:<40s} {c['value']:6.4f} <= {c['limit']:.2f}: "
                      f"{verdict}{note}")
     return lines
 
