@@ -467,7 +467,12 @@ class PeakMemory:
             # yet (building a torch.optim optimizer imports that too).
             self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
             with _quiet_stderr():
+                # The first free of a block allocated before profiling makes torch warn, once per
+                # process ("Memory block of unknown size..."): a free we do not count anyway
+                # (it is below the level at entry). Trigger that warning here, silenced.
+                before = torch.empty(1)
                 self._profiler.__enter__()
+                del before
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,191 @@
+"""Regenerate every result file the report reads, then re-execute the report.
+
+    python run_experiments.py --quick --report    # every experiment, small settings: under 10 minutes on 2 CPU cores
+    python run_experiments.py --report            # the full settings (seed 000's 16 epochs, 1 GB messages, ...): for GPU machines
+    python run_experiments.py --quick --only syncbn allreduce
+    python run_experiments.py --list              # what would run, and the exact commands
+
+Each experiment is one command of this repository's own scripts, run as a subprocess with
+a time limit; its JSON (the shared layout of ``dist_utils.write_results``) goes to
+``--out`` (default ``results/``), its console output to ``<out>/logs/<name>.log``. A failing
+experiment does not stop the others; the run exits non-zero and names it. ``--report``
+then executes ``report.ipynb`` top to bottom in place (it only reads ``<out>``), so the
+committed notebook always shows the committed results. ``<out>/manifest.json`` records
+what ran, how long it took and how it ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dist_utils import environment, format_environment, markdown_table, write_results
+
+REPO = Path(__file__).resolve().parent
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    what: str
+    quick: tuple[str, ...]  # arguments after the launcher, in quick mode
+    full: tuple[str, ...]
+    nproc: int = 0  # 0: plain python (the script spawns its own workers); N: torchrun with N processes
+
+    def command(self, quick: bool, out: Path) -> list[str]:
+        """The command, run from the repository root; ``out`` is shown relative to it where it lies inside."""
+        where = os.path.relpath(out, REPO) if out.is_relative_to(REPO) else str(out)
+        args = [a.format(out=where) for a in (self.quick if quick else self.full)]
+        launcher = [*TORCHRUN, f"--nproc_per_node={self.nproc}"] if self.nproc else [sys.executable]
+        return [*launcher, *args]
+
+
+# Quick training: seed 000's schedule (4 micro-batches per step) on a small synthetic set, 3 epochs.
+_QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", "2048", "--num-epochs", "3",
+                "--grad-accum-steps", "4")
+_FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
+
+EXPERIMENTS = (
+    Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
+               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider", "--junitxml={out}/syncbn_tests.xml"),
+               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider", "--junitxml={out}/syncbn_tests.xml")),
+    Experiment("syncbn", "SyncBatchNorm time and memory, ours vs PyTorch",
+               ("syncbn_benchmark.py", "--quick", "--json", "{out}/syncbn.json"),
+               ("syncbn_benchmark.py", "--json", "{out}/syncbn.json")),
+    Experiment("train_selfmade", "CIFAR-100 training, our DDP + SyncBatchNorm",
+               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_QUICK_TRAIN, "--metrics-json", "{out}/train_selfmade.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_FULL_TRAIN, "--metrics-json", "{out}/train_selfmade.json"),
+               nproc=2),
+    Experiment("train_pytorch", "CIFAR-100 training, PyTorch's DDP (+ its SyncBatchNorm on GPU)",
+               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_QUICK_TRAIN, "--metrics-json", "{out}/train_pytorch.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_FULL_TRAIN, "--metrics-json", "{out}/train_pytorch.json"),
+               nproc=2),
+    Experiment("allreduce", "ring / butterfly / halving-doubling vs torch.distributed.all_reduce (homework Task 4)",
+               ("allreduce.py", "--quick", "--json", "{out}/allreduce.json"),
+               ("allreduce.py", "--json", "{out}/allreduce.json")),
+    Experiment("collectives", "all-reduce bandwidth sweep (seed 001, nccl-tests conventions)",
+               ("collectives_benchmark.py", "--quick", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots"),
+               ("collectives_benchmark.py", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots")),
+    Experiment("ddp_benchmark", "iteration time of every DDP variant and bucket size (seeds 002 and 004)",
+               ("ddp_benchmark.py", "--quick", "--json", "{out}/ddp_benchmark.json"),
+               ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
+    Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
+               ("ddp_benchmark.py", "sweep", "--quick", "--world-sizes", "1", "2", "--json", "{out}/ddp_sweep.json"),
+               ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
+)
+NAMES = tuple(e.name for e in EXPERIMENTS)
+
+
+def run_one(command: list[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
+    """Run ``command`` from the repository root, its output both on the console and in ``log_path``.
+
+    Returns (exit code, seconds). Past ``timeout_s`` the command's whole process group
+    (torchrun and its workers, or spawned workers) is killed and the code is -9.
+    """
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TQDM_MININTERVAL": "10"})
+        try:
+            for line in _lines_until(process, start + timeout_s):
+                sys.stdout.write(line)
+                log.write(line)
+            return process.wait(), time.monotonic() - start
+        except BaseException:  # timeout or Ctrl-C: nothing this run started may outlive it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            raise
+        finally:
+            sys.stdout.flush()
+
+
+class ExperimentTimeout(Exception):
+    pass
+
+
+def _lines_until(process: subprocess.Popen, deadline: float):
+    """The process's output lines; raises ExperimentTimeout once ``deadline`` (monotonic) passes."""
+    def alarm(*_):
+        raise ExperimentTimeout()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(0.01, deadline - time.monotonic()))
+    try:
+        yield from process.stdout
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def execute_report(out: Path, timeout_s: float) -> None:
+    """Run report.ipynb top to bottom on ``out`` and save it with its outputs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = REPO / "report.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    os.environ["REPORT_RESULTS"] = str(out.resolve())
+    NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    nbformat.write(notebook, path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small settings, under 10 minutes on 2 CPU cores (default: off)")
+    parser.add_argument("--only", nargs="+", choices=NAMES, default=list(NAMES), metavar="NAME",
+                        help=f"run only these experiments, of: {', '.join(NAMES)} (default: all)")
+    parser.add_argument("--out", type=Path, default=REPO / "results", help="where results go (default: results/)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds one experiment may take before it is killed (default: 900 with --quick, else 86400)")
+    parser.add_argument("--report", action="store_true", help="then execute report.ipynb in place on --out (default: off)")
+    parser.add_argument("--list", action="store_true", help="print the experiments and their commands, run nothing")
+    args = parser.parse_args(argv)
+    if args.timeout is None:
+        args.timeout = 900.0 if args.quick else 86400.0
+    return args
+
+
+def main(args: argparse.Namespace) -> int:
+    chosen = [e for e in EXPERIMENTS if e.name in args.only]
+    out = args.out if args.out.is_absolute() else Path.cwd() / args.out
+    if args.list:
+        for e in chosen:
+            print(f"{e.name}: {e.what}\n    {' '.join(e.command(args.quick, out))}")
+        return 0
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = environment("-", "cpu", 1)
+    print(format_environment(env), flush=True)
+    rows = []
+    for i, experiment in enumerate(chosen, 1):
+        command = experiment.command(args.quick, out)
+        print(f"\n=== [{i}/{len(chosen)}] {experiment.name}: {experiment.what}\n$ {' '.join(command)}", flush=True)
+        try:
+            code, seconds = run_one(command, out / "logs" / f"{experiment.name}.log", args.timeout)
+            status = "ok" if code == 0 else f"failed (exit code {code})"
+        except ExperimentTimeout:
+            code, seconds, status = -9, args.timeout, f"killed after {args.timeout:g} s"
+        rows.append({"experiment": experiment.name, "status": status, "seconds": seconds, "command": " ".join(command)})
+        print(f"=== {experiment.name}: {status} in {seconds:.0f} s", flush=True)
+    write_results(str(out / "manifest.json"), "run_experiments", env, {"quick": args.quick, "only": args.only}, rows)
+    print("\n" + markdown_table(rows, [("experiment", "experiment", "s"), ("status", "status", "s"), ("seconds", "seconds", ".0f")]))
+    failed = [r["experiment"] for r in rows if r["status"] != "ok"]
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}; see {out / 'logs'}", file=sys.stderr)
+        return 1
+    if args.report:
+        start = time.monotonic()
+        execute_report(out, args.timeout)
+        print(f"report.ipynb executed on {out} in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
