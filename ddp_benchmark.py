@@ -1,0 +1,844 @@
+"""Time per training iteration of every data-parallel variant of ddp.py against PyTorch's DDP.
+
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py                  # every variant; CNN + resnet18 on CPU
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --quick --json results/ddp_quick.json   # ~2 minutes
+    python ddp_benchmark.py sweep --world-sizes 1 2 4 --json results/ddp_sweep.json           # seed 004's rows
+    python ddp_benchmark.py diff results/base.json results/test.json                         # seed 004's A/B diff
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --profile traces/
+
+What is measured (PyTorch's ``benchmarks/distributed/ddp`` tool, seed 004, and the bucketed
+DDP study, seed 002):
+
+* An iteration = forward, cross-entropy loss, backward, gradient synchronisation
+  (``ddp.sync_gradients``), SGD step with momentum, ``zero_grad(set_to_none=True)``. Inputs
+  and targets are random (fixed seed per rank) and made once, outside every timed region.
+  Every iteration starts with a barrier and counts as long as its slowest rank
+  (``dist_utils.time_iterations``); sec/iter is reported at p50/p75/p90/p95 over the
+  iterations, and ex/sec = global batch (batch per rank x world size) / sec/iter.
+* Variants (``--variants``, ``--bucket-sizes``): ``no ddp`` (each rank trains its own copy,
+  no communication: the baseline, always measured), ``pytorch`` at its default 25 MiB
+  bucket and at each of our bucket sizes, and ddp.py's ``naive``, ``flat``, ``overlap``
+  (one bucket per parameter) and ``bucketed`` at each bucket size.
+* Drift of a shared machine: the timed iterations of a variant are split into ``--rounds``
+  rounds; each round runs every variant once, in an order rotated from round to round,
+  and the samples of a variant's rounds are pooled. Each round builds the variant afresh
+  (model seeded identically for every variant, round and rank; a new optimizer) and runs
+  ``--warmup`` untimed iterations first (PyTorch's DDP rebuilds its buckets in the second).
+  Only one variant's model lives at a time, so big models fit.
+* Exposed communication wait ("comm wait"): for ddp.py's variants, the time spent in
+  ``finish_gradient_synchronization`` (``last_wait_s``), i.e. the communication that backward
+  did not hide; for naive and flat that is all of their all-reduce time. Per iteration the
+  mean over ranks; the table gives its median, and "of iter" the total wait over the total
+  iteration time of all ranks (seed 002's "ratio grad all reduce to train time"). On CUDA
+  the wait needs device synchronisations that would perturb the timing, so it is measured
+  in as many separate iterations right after the timed ones. PyTorch's DDP waits inside
+  backward, where no host clock can isolate it; so for every variant alike, "DDP overhead"
+  = its p50 minus the no-ddp p50 of the same run.
+* Peak memory: after a variant's last round, one more, untimed iteration under
+  ``dist_utils.PeakMemory`` gives the most tensor bytes above the level before it
+  (activations, gradients, communication temporaries; maximum over ranks); the DDP's buckets,
+  kept between iterations, are added: ours hold the gradients, PyTorch's are besides them.
+* Targets (issue 6; printed with every run that has the variants): on CPU with 2 ranks and
+  resnet18, bucketed 25M p50 <= 1.05 x pytorch 25M p50, and the exposed wait of overlap and
+  every bucketed size <= 0.50 x naive's all-reduce time.
+
+The sweep runs world size 1 in the sweep's own process and every other world size through
+``dist_utils.launch`` (spawned workers meeting through a file, so no port; every rank's rows
+come back as Python objects; a failing or hung worker fails the sweep with its traceback).
+If 1 is not among the world sizes, the single-process no-ddp row is still measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
+from ddp_cifar100 import NUM_CLASSES
+from ddp_cifar100 import build_model as build_homework_model
+from dist_utils import (PeakMemory, add_common_args, chrome_trace, distributed, environment, format_environment,
+                        gather_rows, launch, percentile, print0, progress, read_results, resolve_backend,
+                        time_iterations, write_results)
+
+BENCHMARK = "ddp_benchmark"
+NO_DDP = "no_ddp"
+DDP_KINDS = ("pytorch", "naive", "flat", "overlap", "bucketed")  # also the order of the rows
+PYTORCH_DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's default bucket_cap_mb
+MODELS = ("cnn", "resnet18", "resnet50", "gpt")
+CPU_MODELS = ("cnn", "resnet18")  # the default without a GPU; with one, all of MODELS
+PERCENTILES = (50, 75, 90, 95)  # the benchmark table (seed 004)
+DIFF_PERCENTILES = (75, 95)  # the diff table (seed 004)
+# SGD with momentum, as seed 004. A small learning rate keeps many steps on random labels finite.
+LR, MOMENTUM = 0.01, 0.9
+PROFILE_ITERS = 3
+TARGET_VS_PYTORCH = 1.05  # bucketed 25M p50 / pytorch 25M p50
+TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and bucketed
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------- variants
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of a benchmark block: a kind (``no_ddp`` or one of ddp.VARIANTS) and its bucket size in MiB."""
+
+    kind: str
+    bucket_mb: float | None = None  # pytorch and bucketed; 0 for overlap; None otherwise
+
+    @property
+    def label(self) -> str:
+        if self.kind == NO_DDP:
+            return "no ddp"
+        if self.kind in ("pytorch", "bucketed"):
+            return f"{self.kind} {self.bucket_mb:g}M"
+        return self.kind
+
+    @property
+    def slug(self) -> str:
+        return self.label.replace(" ", "-")
+
+
+def variants_for(kinds, bucket_sizes) -> list[Variant]:
+    """The no-ddp baseline, then the requested kinds in DDP_KINDS order, each at its bucket sizes."""
+    variants = [Variant(NO_DDP)]
+    for kind in DDP_KINDS:
+        if kind not in kinds:
+            continue
+        if kind == "pytorch":
+            variants += [Variant(kind, mb) for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
+        elif kind == "bucketed":
+            variants += [Variant(kind, mb) for mb in bucket_sizes]
+        else:
+            variants.append(Variant(kind, 0.0 if kind == "overlap" else None))
+    return variants
+
+
+def schedule(variants: list[Variant], rounds: int) -> list[tuple[int, Variant]]:
+    """(round, variant) in run order. Round r starts at variant r * n / rounds, so over the
+    rounds each variant takes positions spread over the whole order, and slow drift of a
+    shared machine lands on every variant alike instead of on the last ones."""
+    n = len(variants)
+    return [(r, variants[(r * n // rounds + i) % n]) for r in range(rounds) for i in range(n)]
+
+
+def round_iters(iters: int, rounds: int, round_: int) -> int:
+    """Timed iterations in round ``round_``: ``iters`` split as evenly as possible."""
+    return iters // rounds + (round_ < iters % rounds)
+
+
+# --------------------------------------------------------------------------- models and data
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a 4x-wide MLP, each added to the residual."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape                                                     # (B, T, C)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # each (B, H, T, C/H)
+                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)           # (B, H, T, C/H)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style language model: token and learned position embeddings, ``depth`` blocks, a final
+    LayerNorm and an output layer tied to the token embedding (one parameter used twice)."""
+
+    def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) token ids -> (B, T, vocab) logits
+        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def build_model(name: str, args: argparse.Namespace) -> nn.Module:
+    """A fresh, randomly initialised model (seed before calling)."""
+    if name in ("cnn", "resnet18"):
+        return build_homework_model(name)  # ddp_cifar100.py's: the homework CNN, or resnet18 with 100 classes
+    if name == "resnet50":
+        from torchvision.models import resnet50  # imported here: torchvision costs seconds per process
+
+        return resnet50(num_classes=NUM_CLASSES)
+    if name == "gpt":
+        return GPT(args.gpt_vocab, args.gpt_seq_len, args.gpt_width, args.gpt_depth, args.gpt_heads)
+    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+
+
+def image_size(name: str, args: argparse.Namespace) -> int:
+    return 32 if name == "cnn" else args.image_size  # the CNN's fc layer is sized for 32x32 inputs
+
+
+def input_shape(name: str, args: argparse.Namespace) -> str:
+    if name == "gpt":
+        return f"{args.gpt_seq_len} tokens"
+    size = image_size(name, args)
+    return f"3x{size}x{size}"
+
+
+def make_batch(name: str, args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets): random, seeded per rank (ranks hold different data), made once."""
+    generator = torch.Generator().manual_seed(args.seed + 1 + rank)
+    if name == "gpt":
+        tokens = torch.randint(args.gpt_vocab, (args.batch_size, args.gpt_seq_len + 1), generator=generator)
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T): predict the next token
+    else:
+        size = image_size(name, args)
+        inputs = torch.randn(args.batch_size, 3, size, size, generator=generator)
+        targets = torch.randint(NUM_CLASSES, (args.batch_size,), generator=generator)
+    return inputs.to(device), targets.to(device)
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy: logits (N, classes) with targets (N,), or (B, T, vocab) with (B, T)."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+# --------------------------------------------------------------------------- one variant on this rank
+
+
+@dataclass
+class Replica:
+    """A variant's model, optimizer and batch on this rank; ``step()`` is one timed iteration."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    waits: list[float]  # each step's exposed communication wait (0 where there is none to read)
+
+    def step(self) -> None:
+        # The labels show in --profile traces; outside a profiler record_function costs about a microsecond.
+        with record_function("forward"):
+            loss = loss_of(self.model(self.inputs), self.targets)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("sync_gradients"):
+            sync_gradients(self.model)
+        self.waits.append(getattr(self.model, "last_wait_s", 0.0))
+        with record_function("optimizer_step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> nn.Module:
+    torch.manual_seed(args.seed)  # the same initial weights for every variant, round and rank
+    return build_model(name, args).to(device).train()
+
+
+def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Replica:
+    if variant.kind == NO_DDP:
+        model = module
+    else:
+        bucket_mb = PYTORCH_DEFAULT_BUCKET_MB if variant.bucket_mb is None else variant.bucket_mb
+        model = make_ddp(variant.kind, module, bucket_mb)
+    return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
+
+
+def _pytorch_bucket_bytes(model: nn.parallel.DistributedDataParallel) -> list[int] | None:
+    """The byte size of each of PyTorch's buckets, from its logging data (a private API: None if that
+    changes). It rebuilds its buckets after the first step, and the logging data shows the rebuilt
+    layout from the third step on."""
+    try:
+        data = model._get_ddp_logging_data()
+        sizes = data["rebuilt_bucket_sizes" if data.get("has_rebuilt_buckets") else "bucket_sizes"]
+        return [int(size) for size in sizes.split(",") if size.strip()]  # "29057424, 15853824"
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def communication_layout(model: nn.Module) -> tuple[int | None, int | None]:
+    """(gradient all-reduces per synchronised step, bytes of communication buffers kept between steps)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(model, DDP):  # the buckets, which also hold the gradients
+        return len(model.buckets), sum(b.flat.numel() * b.flat.element_size() for b in model.buckets)
+    if isinstance(model, NaiveDDP):
+        return len(trainable), 0
+    if isinstance(model, FlatDDP):  # its flat copy lives only inside a step
+        return len({(p.dtype, p.device) for p in trainable}), 0
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # buckets besides the gradients
+        sizes = _pytorch_bucket_bytes(model)
+        return (None, None) if sizes is None else (len(sizes), sum(sizes))
+    return 0, 0
+
+
+@dataclass
+class RoundResult:
+    """Per-rank (world, iters) samples of one round."""
+
+    times: torch.Tensor  # timed iterations
+    waits: torch.Tensor  # exposed communication wait of each iteration
+    wait_times: torch.Tensor  # the iterations the waits were taken in (``times`` itself on CPU)
+
+
+def time_round(ctx, args, replica: Replica, iters: int) -> RoundResult:
+    """Warm up and time ``iters`` iterations of a freshly built replica."""
+    times = time_iterations(replica.step, iters, args.warmup, ctx.device).per_rank
+    wait_times = times
+    if ctx.device.type == "cuda" and hasattr(replica.model, "sync_device_for_timing"):
+        # A host clock sees the device's all-reduce only if the device is synchronised around
+        # the wait; those synchronisations would perturb the timed iterations above.
+        replica.model.sync_device_for_timing = True
+        wait_times = time_iterations(replica.step, iters, 0, ctx.device).per_rank
+        replica.model.sync_device_for_timing = False
+    return RoundResult(times, gather_rows(replica.waits[-iters:]), wait_times)
+
+
+def measure_memory(ctx, replica: Replica) -> dict:
+    """Memory of a warmed-up replica: one more, untimed iteration under PeakMemory, max over ranks.
+
+    ``iteration_peak_bytes``: the most tensor bytes above the level before the iteration
+    (activations, gradients, communication temporaries). ``ddp_buffer_bytes``: what the
+    DDP keeps between iterations (its buckets). ``peak_bytes``, their sum, compares the
+    variants: ours keeps the gradients in its buckets, PyTorch's besides them.
+
+    Why not from wrapping on (the level before the DDP exists)? On CPU, PeakMemory misses a
+    free made on one of gloo's threads, and gloo's worker sometimes drops the last reference
+    to a buffer after the caller has (the coalesced broadcast at construction): a whole
+    model's worth, at random. In a steady-state iteration the caller holds its buffers
+    longer than gloo does.
+    """
+    with PeakMemory(ctx.device) as peak:
+        replica.step()
+    all_reduces, buffers = communication_layout(replica.model)
+    iteration_peak = int(gather_rows([peak.bytes]).max())
+    return {"all_reduces": all_reduces, "iteration_peak_bytes": iteration_peak, "ddp_buffer_bytes": buffers,
+            "peak_bytes": None if buffers is None else iteration_peak + buffers}
+
+
+def write_trace(ctx, args, name: str, variant: Variant, replica: Replica) -> str:
+    """A Chrome trace of PROFILE_ITERS iterations of a warmed-up replica, one file per rank; returns its path."""
+    path = os.path.join(args.profile, f"{name}-{ctx.world_size}ranks-{variant.slug}-rank{ctx.rank}.json")
+    with chrome_trace(path, ctx.device):
+        for i in range(PROFILE_ITERS):
+            with record_function(f"iteration {i}"):
+                replica.step()
+    return path
+
+
+# --------------------------------------------------------------------------- one model, every variant
+
+
+def model_facts(module: nn.Module) -> dict:
+    params = list(module.parameters())  # a tied weight counts once
+    trainable = [p for p in params if p.requires_grad]
+    return {"params": sum(p.numel() for p in params),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in trainable)}
+
+
+def benchmark_model(ctx, args, name: str, variants: list[Variant]) -> list[dict]:
+    """Every variant on one model: interleaved timed rounds; after a variant's last round, its memory
+    (and trace) from the same, warmed-up replica."""
+    batch = make_batch(name, args, ctx.rank, ctx.device)
+    rounds: dict[Variant, list[RoundResult]] = {v: [] for v in variants}
+    memory: dict[Variant, dict] = {}
+    steps = schedule(variants, args.rounds)
+    for round_, variant in progress(steps, desc=f"{name}: {len(variants)} variants x {args.rounds} rounds"):
+        replica = make_replica(variant, fresh_module(args, name, ctx.device), batch)
+        rounds[variant].append(time_round(ctx, args, replica, round_iters(args.iters, args.rounds, round_)))
+        if round_ == args.rounds - 1:
+            memory[variant] = measure_memory(ctx, replica)
+            if args.profile:
+                write_trace(ctx, args, name, variant, replica)
+        del replica  # freed before the next one is built: one model at a time in memory
+    with torch.device("meta"):  # sizes only: no memory, no initialisation work
+        facts = {"model": name, "batch_size": args.batch_size, "input": input_shape(name, args),
+                 **model_facts(build_model(name, args))}
+    return [make_row(ctx, args, facts, v, rounds[v], memory[v]) for v in variants]
+
+
+def make_row(ctx, args, facts: dict, variant: Variant, rounds: list[RoundResult], memory: dict) -> dict:
+    """One flat result row (times in seconds, memory in bytes), pooled over the variant's rounds."""
+    times = torch.cat([r.times for r in rounds], dim=1)  # (world, iters)
+    waits = torch.cat([r.waits for r in rounds], dim=1)
+    wait_times = torch.cat([r.wait_times for r in rounds], dim=1)
+    samples = times.max(dim=0).values.tolist()  # an iteration lasts as long as its slowest rank
+    global_batch = args.batch_size * ctx.world_size
+    row = {**facts, "variant": variant.kind, "bucket_cap_mb": variant.bucket_mb, "label": variant.label,
+           "world_size": ctx.world_size, "global_batch": global_batch, "device": ctx.device.type,
+           "iters": len(samples), "rounds": args.rounds, "warmup": args.warmup, **memory}
+    for p in PERCENTILES:
+        row[f"p{p}_s"] = percentile(samples, p)
+        row[f"p{p}_ex_per_s"] = global_batch / row[f"p{p}_s"]
+    readable = variant.kind not in (NO_DDP, "pytorch")  # variants whose wait a host clock can isolate
+    row["comm_wait_s"] = statistics.median(waits.mean(dim=0).tolist()) if readable else None
+    # Sums over ranks and iterations, then one division: seed 002's ratio of totals.
+    row["comm_share"] = (waits.sum() / wait_times.sum()).item() if readable else None
+    # Each round's own p50: rows compared round by round were measured minutes apart at most.
+    row["round_p50_s"] = [statistics.median(r.times.max(dim=0).values.tolist()) for r in rounds]
+    row.update(samples_s=samples, per_rank_s=times.tolist(), comm_wait_per_rank_s=waits.tolist() if readable else None,
+               comm_probe_per_rank_s=wait_times.tolist() if readable and wait_times is not times else None)
+    return row
+
+
+def run(ctx, args, models: list[str], kinds) -> list[dict]:
+    """Every model and variant on this process group; every rank returns the same rows."""
+    torch.set_num_threads(args.threads)
+    variants = variants_for(kinds, args.bucket_sizes)
+    rows = []
+    for name in models:
+        rows += benchmark_model(ctx, args, name, variants)
+    return rows
+
+
+# --------------------------------------------------------------------------- comparisons within a run
+
+
+def block_key(row: dict) -> tuple:
+    return row["model"], row["batch_size"], row["input"]
+
+
+def relate(rows: list[dict]) -> None:
+    """Add to every row its DDP overhead (p50 minus the no-ddp p50) and its p50 / pytorch 25M's,
+    both against rows of the same model, batch, input and world size (hence of the same run)."""
+    pytorch_label = Variant("pytorch", PYTORCH_DEFAULT_BUCKET_MB).label
+    peers = {(block_key(r), r["world_size"], r["label"]): r for r in rows}
+    for row in rows:
+        base = peers.get((block_key(row), row["world_size"], Variant(NO_DDP).label))
+        reference = peers.get((block_key(row), row["world_size"], pytorch_label))
+        row["overhead_s"] = row["p50_s"] - base["p50_s"] if base else None
+        row["overhead_frac"] = row["overhead_s"] / base["p50_s"] if base else None
+        row["vs_pytorch"] = row["p50_s"] / reference["p50_s"] if reference else None
+
+
+def _check(block: tuple, world: int, target: str, label: str, value: float, limit: float, note: str = "") -> dict:
+    model, batch, shape = block
+    return {"model": model, "batch_size": batch, "input": shape, "world_size": world, "target": target,
+            "label": label, "value": value, "limit": limit, "met": value <= limit, "note": note}
+
+
+def _paired_note(ours: dict, theirs: dict) -> str:
+    """The median over rounds of the per-round p50 ratio: on a machine whose load drifts, a check on
+    the pooled ratio (each variant's rounds ran at the same moments as the other's)."""
+    ratios = [a / b for a, b in zip(ours["round_p50_s"], theirs["round_p50_s"])]
+    return f"median of the {len(ratios)} per-round ratios: {statistics.median(ratios):.3f}"
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    """Issue 6's targets, evaluated on every block with at least 2 ranks that has the rows they need.
+
+    The issue sets them for CPU, 2 ranks, resnet18; elsewhere they are reported for information.
+    """
+    checks = []
+    groups: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        if row["world_size"] >= 2:
+            groups.setdefault((block_key(row), row["world_size"]), {})[row["label"]] = row
+    for (block, world), by_label in groups.items():
+        ours = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB).label)
+        theirs = by_label.get(Variant("pytorch", PYTORCH_DEFAULT_BUCKET_MB).label)
+        if ours and theirs:
+            checks.append(_check(block, world, "p50 / pytorch 25M p50", ours["label"], ours["p50_s"] / theirs["p50_s"],
+                                 TARGET_VS_PYTORCH, _paired_note(ours, theirs)))
+        naive = by_label.get("naive")
+        if not naive or not naive["comm_wait_s"]:
+            continue
+        for row in by_label.values():
+            if row["variant"] in ("overlap", "bucketed"):
+                ratio = row["comm_wait_s"] / naive["comm_wait_s"]
+                note = ("one bucket holds every gradient: it is complete only when backward ends, so nothing can "
+                        "overlap" if row["all_reduces"] == 1 and ratio > TARGET_HIDDEN else "")
+                checks.append(_check(block, world, "exposed wait / naive's all-reduce time", row["label"], ratio,
+                                     TARGET_HIDDEN, note))
+    return checks
+
+
+# --------------------------------------------------------------------------- report
+
+
+def row_prefix(row: dict) -> str:
+    return f"{row['world_size']:4d} ranks -- {row['label']:>14s}:"
+
+
+def _seconds(value: float | None, width: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width - 1}.4f}s"
+
+
+def _percent(value: float | None, width: int, sign: str = "") -> str:
+    return f"{'-':>{width}s}" if value is None else f"{100 * value:{sign}{width - 1}.1f}%"
+
+
+def _mib(value: int | None, width: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value / MIB:{width - 4}.1f} MiB"
+
+
+def percentile_table(rows: list[dict]) -> list[str]:
+    """Seed 004's block: sec/iter and ex/sec at every percentile, one fixed-width line per row."""
+    header = " " * len(row_prefix(rows[0])) + "".join(f"{'sec/iter':>16s}{'ex/sec':>10s}" for _ in PERCENTILES)
+    lines = [header]
+    for row in rows:
+        cells = "".join(f"  p{p:02d}: {row[f'p{p}_s']:8.4f}s {row[f'p{p}_ex_per_s']:7.0f}/s" for p in PERCENTILES)
+        lines.append(row_prefix(row) + cells)
+    return lines
+
+
+COMM_COLUMNS = ("p50 sec/iter", "comm wait", "of iter", "DDP overhead", "vs pytorch 25M", "all-reduces", "peak memory")
+
+
+def comm_table(rows: list[dict]) -> list[str]:
+    """Communication, overhead and memory of each row."""
+    widths = (13, 11, 9, 19, 15, 12, 13)
+    lines = [" " * len(row_prefix(rows[0])) + "".join(f"{h:>{w}s}" for h, w in zip(COMM_COLUMNS, widths))]
+    for row in rows:
+        overhead = "-" if row.get("overhead_s") is None or row["variant"] == NO_DDP else (
+            f"{row['overhead_s']:+.4f}s {100 * row['overhead_frac']:+5.1f}%")
+        ratio = "-" if row.get("vs_pytorch") is None else f"{row['vs_pytorch']:.3f}x"
+        reduces = "-" if row["all_reduces"] is None or row["variant"] == NO_DDP else str(row["all_reduces"])
+        cells = (_seconds(row["p50_s"], widths[0]), _seconds(row["comm_wait_s"], widths[1]),
+                 _percent(row["comm_share"], widths[2]), f"{overhead:>{widths[3]}s}", f"{ratio:>{widths[4]}s}",
+                 f"{reduces:>{widths[5]}s}", _mib(row["peak_bytes"], widths[6]))
+        lines.append(row_prefix(row) + "".join(cells))
+    return lines
+
+
+def targets_text(checks: list[dict]) -> list[str]:
+    lines = [f"Targets (issue 6, set for CPU, 2 ranks, resnet18): {Variant('bucketed', 25.0).label} p50 <= "
+             f"{TARGET_VS_PYTORCH:.2f} x pytorch 25M p50; exposed wait of overlap and bucketed <= "
+             f"{TARGET_HIDDEN:.2f} x naive's all-reduce time. Ratios within one run."]
+    if not checks:
+        return lines + ["  not evaluated: needs at least 2 ranks and the pytorch 25M, bucketed 25M and naive variants"]
+    for c in checks:
+        official = c["model"] == "resnet18" and c["world_size"] == 2
+        verdict = "met" if c["met"] else f"MISSED by {c['value'] - c['limit']:.4f} ({100 * (c['value'] / c['limit'] - 1):.1f}% over)"
+        where = f"{c['model']}, {c['world_size']} ranks{'' if official else ' (information)'}"
+        note = f"  [{c['note']}]" if c["note"] else ""
+        lines.append(f"  {where:<28s} {c['label']:>14s} {c['target']:<40s} {c['value']:6.4f} <= {c['limit']:.2f}: "
+                     f"{verdict}{note}")
+    return lines
+
+
+def legend(config: dict) -> list[str]:
+    return [
+        f"* {config['iters']} timed iterations per variant in {config['rounds']} rotated rounds, each after "
+        f"{config['warmup']} warm-up iterations of a freshly built variant; batch {config['batch_size']} per rank",
+        "* sec/iter: percentiles over iterations of the slowest rank's time (forward, loss, backward, gradient "
+        "sync, SGD step); ex/sec = global batch / sec/iter",
+        "* comm wait: median per-iteration exposed communication wait (time in finish_gradient_synchronization, "
+        "mean over ranks); of iter: total wait / total iteration time. PyTorch's DDP waits inside backward: "
+        "compare all variants by DDP overhead = p50 - the no-ddp p50 of the same run",
+        "* peak memory: most tensor bytes of one untimed iteration above the level before it, max over ranks, "
+        "plus the DDP's buckets (kept between iterations)",
+    ]
+
+
+def header(env: dict, config: dict) -> str:
+    title = "Data-parallel benchmark: ddp.py's variants against PyTorch's DDP"
+    variants = ", ".join(config["variants"])
+    return "\n".join(["-" * len(title), title, "-" * len(title), "", format_environment(env),
+                      f"* models: {' '.join(config['models'])}; variants: {variants}", *legend(config)])
+
+
+def report(rows: list[dict]) -> str:
+    """Per model block: seed 004's percentile table, then communication, overhead and memory; then the targets."""
+    lines = []
+    blocks: dict[tuple, list[dict]] = {}
+    for row in rows:
+        blocks.setdefault(block_key(row), []).append(row)
+    for (model, batch, shape), block in blocks.items():
+        block = sorted(block, key=lambda r: r["world_size"])  # stable: variant order kept within a world size
+        first = block[0]
+        lines += ["", f"Benchmark: {model} with batch size {batch} per rank, {shape} inputs; "
+                      f"{first['params'] / 1e6:.2f}M parameters, {first['grad_bytes'] / MIB:.1f} MiB of gradients", ""]
+        lines += percentile_table(block) + [""] + comm_table(block)
+    return "\n".join(lines + [""] + targets_text(target_checks(rows)))
+
+
+def finish(rows: list[dict], env: dict, config: dict, args: argparse.Namespace) -> None:
+    relate(rows)
+    print(report(rows), flush=True)
+    if args.json:
+        write_results(args.json, BENCHMARK, env, config, rows)
+        print(f"\nwrote {args.json}", flush=True)
+
+
+# --------------------------------------------------------------------------- diff (seed 004's diff.py)
+
+
+DIFF_ENV_KEYS = ("torch", "cuda", "torchvision", "backend", "device_model", "threads", "world_size", "git_commit")
+DIFF_CONFIG_KEYS = ("bucket_sizes", "batch_size", "image_size", "iters", "rounds", "warmup")
+DIFF_IGNORED = {"json", "profile", "command", "time", "host"}  # always differ; say nothing about the measurement
+
+
+def row_key(row: dict) -> tuple:
+    return (*block_key(row), row["world_size"], row["label"])
+
+
+def diff_rows(base: dict, test: dict) -> tuple[list[dict], list[str]]:
+    """Rows of two result files matched by (model, batch, input, world size, variant).
+
+    For each p in DIFF_PERCENTILES: test's sec/iter and ex/sec, and the % difference in time,
+    negated as in PyTorch's diff.py (lower time is better): +10% = test 10% faster. Percentiles
+    are recomputed from the per-iteration samples. Also returns the unmatched rows, described.
+    """
+    base_rows = {row_key(r): r for r in base["results"]}
+    test_rows = {row_key(r): r for r in test["results"]}
+    diffs = []
+    for key, b in base_rows.items():
+        t = test_rows.get(key)
+        if t is None:
+            continue
+        entry = {"model": key[0], "batch_size": key[1], "input": key[2], "world_size": key[3], "label": key[4]}
+        for p in DIFF_PERCENTILES:
+            vb, vt = percentile(b["samples_s"], p), percentile(t["samples_s"], p)
+            entry.update({f"p{p}_base_s": vb, f"p{p}_test_s": vt, f"p{p}_test_ex_per_s": t["global_batch"] / vt,
+                          f"p{p}_diff_pct": -100 * (vt - vb) / vb})
+        diffs.append(entry)
+    unmatched = [f"only in baseline: {_describe(k)}" for k in base_rows if k not in test_rows]
+    unmatched += [f"only in test: {_describe(k)}" for k in test_rows if k not in base_rows]
+    return diffs, unmatched
+
+
+def _describe(key: tuple) -> str:
+    model, batch, shape, world, label = key
+    return f"{model} (batch {batch}, {shape}), {world} ranks, {label}"
+
+
+def _header_lines(base: dict, test: dict) -> list[str]:
+    """Seed 004's header: chosen env and config values side by side, plus any other config key that differs."""
+    pairs = [(k, base["env"].get(k, "-"), test["env"].get(k, "-")) for k in DIFF_ENV_KEYS]
+    keys = list(DIFF_CONFIG_KEYS) + sorted((set(base["config"]) | set(test["config"])) - set(DIFF_CONFIG_KEYS) - DIFF_IGNORED)
+    for k in keys:
+        vb, vt = base["config"].get(k, "-"), test["config"].get(k, "-")
+        if k in DIFF_CONFIG_KEYS or vb != vt:
+            pairs.append((k, vb, vt))
+    lines = [f"{'':20s} {'baseline':>24s}      {'test':>24s}", f"{'':20s} {'-' * 24:>24s}      {'-' * 24:>24s}"]
+    for k, vb, vt in pairs:
+        mark = "" if vb == vt else "   <- differs"
+        lines.append(f"{k + ':':20s} {_text(vb):>24s}  vs  {_text(vt):>24s}{mark}")
+    return lines
+
+
+def _text(value) -> str:
+    return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+def format_diff(base: dict, test: dict) -> str:
+    diffs, unmatched = diff_rows(base, test)
+    lines = _header_lines(base, test)
+    blocks: dict[tuple, list[dict]] = {}
+    for d in diffs:
+        blocks.setdefault((d["model"], d["batch_size"], d["input"]), []).append(d)
+    for (model, batch, shape), block in blocks.items():
+        lines += ["", f"Benchmark: {model} with batch size {batch} per rank, {shape} inputs", ""]
+        pad = len(row_prefix(block[0]))
+        lines.append(" " * pad + "".join(f"{'sec/iter':>16s}{'ex/sec':>10s}{'diff':>10s}" for _ in DIFF_PERCENTILES))
+        for d in block:
+            cells = "".join(f"  p{p:02d}: {d[f'p{p}_test_s']:8.4f}s {d[f'p{p}_test_ex_per_s']:7.0f}/s "
+                            f"{d[f'p{p}_diff_pct']:+8.1f}%" for p in DIFF_PERCENTILES)
+            lines.append(row_prefix(d) + cells)
+    lines += ["", "diff: % change in time, sign flipped (positive = test faster); sec/iter and ex/sec are the test's"]
+    return "\n".join(lines + [""] + unmatched if unmatched else lines)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def default_models(args: argparse.Namespace, device: torch.device) -> list[str]:
+    if args.models:
+        return list(args.models)
+    return list(MODELS if device.type == "cuda" else CPU_MODELS)
+
+
+def benchmark_environment(backend: str, device: torch.device, world_size, args, models: list[str]) -> dict:
+    extra = {"threads": args.threads}
+    if any(m.startswith("resnet") for m in models):
+        import torchvision
+
+        extra["torchvision"] = torchvision.__version__
+    return environment(backend, device, world_size, **extra)
+
+
+def benchmark_config(args: argparse.Namespace, models: list[str], world_sizes=None) -> dict:
+    config = {k: v for k, v in vars(args).items() if k not in ("command", "world_sizes")}
+    config.update(models=models, variants=[v.label for v in variants_for(args.variants, args.bucket_sizes)],
+                  lr=LR, momentum=MOMENTUM)
+    if world_sizes is not None:
+        config["world_sizes"] = world_sizes
+    return config
+
+
+def run_command(args: argparse.Namespace) -> None:
+    """``torchrun ... ddp_benchmark.py [run] [flags]``: this process is one rank (a world of one without torchrun)."""
+    with distributed(args.backend, args.timeout) as ctx:
+        torch.set_num_threads(args.threads)
+        models = default_models(args, ctx.device)
+        env = benchmark_environment(ctx.backend, ctx.device, ctx.world_size, args, models)
+        config = benchmark_config(args, models)
+        print0(header(env, config))
+        rows = run(ctx, args, models, args.variants)
+    if ctx.is_master:
+        finish(rows, env, config, args)
+
+
+def _sweep_worker(ctx, args: argparse.Namespace, models: list[str]) -> list[dict] | None:
+    rows = run(ctx, args, models, args.variants)
+    return rows if ctx.is_master else None
+
+
+def run_in_this_process(args: argparse.Namespace, models: list[str], kinds) -> list[dict]:
+    """World size 1 without spawning: this process joins a world of one, then gets its thread count back."""
+    threads = torch.get_num_threads()
+    try:
+        with distributed(args.backend, args.timeout) as ctx:
+            return run(ctx, args, models, kinds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Seed 004's rows: world size 1 here (or only its no-ddp row), each other world size through launch."""
+    if "RANK" in os.environ:
+        sys.exit("error: run the sweep with plain python, not torchrun: it starts every world size's processes itself")
+    backend = resolve_backend(args.backend)
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    world_sizes = sorted({1, *args.world_sizes})  # the single-process no-ddp row is always measured
+    if backend == "nccl" and world_sizes[-1] > torch.cuda.device_count():
+        sys.exit(f"error: world size {world_sizes[-1]} needs {world_sizes[-1]} GPUs with nccl; "
+                 f"{torch.cuda.device_count()} visible")
+    models = default_models(args, device)
+    env = benchmark_environment(backend, device, world_sizes, args, models)
+    config = benchmark_config(args, models, world_sizes)
+    print(header(env, config), flush=True)
+    rows = run_in_this_process(args, models, args.variants if 1 in args.world_sizes else ())
+    for world in world_sizes:
+        if world > 1:
+            rows += launch(_sweep_worker, world, args, models, backend=backend, timeout_s=args.max_time,
+                           pg_timeout_s=args.timeout, threads=args.threads)[0]
+    finish(rows, env, config, args)
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                        help=f"models to benchmark (default: {' '.join(CPU_MODELS)} on CPU; {' '.join(MODELS)} on GPU)")
+    parser.add_argument("--variants", nargs="+", choices=DDP_KINDS, default=list(DDP_KINDS),
+                        help="DDP variants; the no-ddp baseline is always measured (default: %(default)s)")
+    parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=[1.0, 10.0, 25.0, 100.0, 1000.0],
+                        metavar="MIB", help="bucket caps in MiB for bucketed and pytorch; pytorch also runs at its "
+                                            "default 25 (default: %(default)s)")
+    parser.add_argument("--batch-size", type=_positive(int), default=32,
+                        help="examples (images or sequences) per rank per iteration (default: %(default)s)")
+    parser.add_argument("--image-size", type=_positive(int), default=32,
+                        help="input height and width for the resnets; the CNN always takes 32 (default: %(default)s)")
+    parser.add_argument("--gpt-width", type=_positive(int), default=768, help="GPT model width (default: %(default)s)")
+    parser.add_argument("--gpt-depth", type=_positive(int), default=12, help="GPT blocks (default: %(default)s)")
+    parser.add_argument("--gpt-heads", type=_positive(int), default=12, help="GPT attention heads (default: %(default)s)")
+    parser.add_argument("--gpt-seq-len", type=_positive(int), default=256, help="GPT tokens per sequence (default: %(default)s)")
+    parser.add_argument("--gpt-vocab", type=_positive(int), default=50304, help="GPT vocabulary size (default: %(default)s)")
+    parser.add_argument("--iters", type=_positive(int), default=40,
+                        help="timed iterations per variant, over all rounds (default: %(default)s)")
+    parser.add_argument("--rounds", type=_positive(int), default=4,
+                        help="rounds the timed iterations are split into, variants rotated (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed iterations before each round of each variant (default: %(default)s)")
+    parser.add_argument("--threads", type=_positive(int), default=1, help="intra-op threads per process (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the inputs (default: %(default)s)")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help=f"write a Chrome trace of {PROFILE_ITERS} iterations per variant and rank here (default: none)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a fast run: cnn and resnet18, batch 16, 4 iterations in 2 rounds, 2 warm-up (default: off)")
+    add_common_args(parser)
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.quick:
+        args.models = args.models or list(CPU_MODELS)
+        args.batch_size, args.iters, args.rounds, args.warmup = 16, 4, 2, 2
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
+    if args.rounds > args.iters:
+        parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
+    if args.gpt_width % args.gpt_heads:
+        parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
+    if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:
+        parser.error("--batch-size must be at least 2 for the CNN and resnets: BatchNorm needs 2 samples per rank to train")
+    args.bucket_sizes = sorted(set(args.bucket_sizes))
+    if getattr(args, "world_sizes", None) and min(args.world_sizes) < 1:
+        parser.error("--world-sizes must be at least 1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="{run,sweep,diff}",
+                                     help="run (the default when no command is given), sweep or diff; "
+                                          "'ddp_benchmark.py COMMAND --help' lists a command's flags")
+    run_parser = commands.add_parser("run", help="measure on this process group (one rank under torchrun)",
+                                     description="Measure every variant on the process group torchrun starts "
+                                                 "(a world of one without torchrun).")
+    add_benchmark_args(run_parser)
+    sweep_parser = commands.add_parser("sweep", help="run every world size, plus the single-process no-ddp row",
+                                       description="Run the benchmark at each world size (1 in this process, the "
+                                                   "others spawned through dist_utils.launch) into one report and JSON.")
+    add_benchmark_args(sweep_parser)
+    sweep_parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4],
+                              help="process counts to run (default: %(default)s)")
+    sweep_parser.add_argument("--max-time", type=_positive(float), default=7200.0,
+                              help="seconds after which a world size's processes are stopped; a stuck peer fails "
+                                   "much sooner through --timeout (default: %(default)s)")
+    diff_parser = commands.add_parser("diff", help="compare two result files side by side (seed 004's diff.py)",
+                                      description="Print test's p75 and p95 sec/iter and ex/sec per row with the % "
+                                                  "difference from baseline, after the settings of both runs.")
+    diff_parser.add_argument("base", help="baseline results (JSON written with --json)")
+    diff_parser.add_argument("test", help="test results (JSON written with --json)")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse a command line; without a command (as under torchrun) the command is ``run``."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("run", "sweep", "diff", "-h", "--help"):
+        argv.insert(0, "run")
+    args = parser.parse_args(argv)
+    if args.command != "diff":
+        commands = next(a for a in parser._actions if a.dest == "command")
+        check_args(commands.choices[args.command], args)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.command == "diff":
+        print(format_diff(read_results(args.base), read_results(args.test)))
+    elif args.command == "sweep":
+        sweep(args)
+    else:
+        run_command(args)
+
+
+if __name__ == "__main__":
+    main()
