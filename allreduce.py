@@ -51,14 +51,14 @@ from dist_utils import (PeakMemory, add_common_args, environment, format_environ
 
 OPS = ("mean", "sum")
 
-# Pipelining on gloo/CPU. A gloo point-to-point message costs far more than one of gloo's own
-# all-reduce (a dependent exchange takes milliseconds here, not the ~0.1 ms of an isolated one),
-# so segments must be large: 4 MiB with two in flight overlaps one transfer with one addition,
-# as gloo's own ring does with 1 MiB segments. Among the settings measured (1 to 16 MiB, 1 to 4
-# in flight, 2 and 4 processes, 10 and 100 MB) it was among the best, but on a loaded 2-core
-# machine the differences were within the noise: re-tune on a quiet machine with
+# Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
+# all-reduce (on 2 cores each dependent hop waits for a scheduler wake-up), so segments must be
+# large. Measured with receives posted early (see _Exchange), `collectives_benchmark.py --procs 2 4
+# --sizes 10MB 100MB --iters 40`: 8 MiB segments with 2 in flight gave ring/torch 0.91-1.04 at 10 and
+# 100 MB with 2 and 4 processes, where 4 MiB left 4 processes at 10 MB at 1.2x (one segment per
+# 2.5 MB chunk either way, but fewer messages in the all-gather). Re-tune on other machines with
 # ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
-SEGMENT_BYTES = 4 << 20
+SEGMENT_BYTES = 8 << 20
 IN_FLIGHT = 2
 
 
@@ -132,12 +132,26 @@ class _Tick:
 
 
 class _Exchange:
-    """Runs a list of ticks with up to ``in_flight`` posted ahead of the one being finished.
+    """Runs a list of ticks with up to ``in_flight`` of them in flight.
 
-    Every rank posts its ticks in order, each as one ``batch_isend_irecv``, and the peers of a
-    tick post the matching tick in the same position of their own lists. That lock-step is
-    what NCCL needs (a batch completes only when its peers' batches do, so a batch must never
-    wait for a later one); gloo only needs the per-pair order of messages to agree.
+    Two schedules, one per backend, both posting every rank's receives and sends in tick
+    order, so the per-pair order of messages agrees between sender and receiver:
+
+    * gloo (``_run_early_receives``): receives are posted up to ``in_flight`` ticks ahead of
+      the one being finished, independently of the sends. A gloo message moves only once its
+      receive is posted (the receiver tells the sender it is ready), so a receive posted late
+      puts one more round trip, and a scheduler wake-up on an oversubscribed machine, on the
+      critical path of every dependent step. Posting it early is safe for our schedules: an
+      in-place receive gets data that causally follows every earlier send from that region
+      (the ring's all-gather carries sums that include what this rank sent), and a reduced
+      piece lands in a scratch slot that is reused only after the tick using it finished.
+      Measured on 2 cores with 4 processes, 10 MB: the ring went from 1.2x to about 1.05x
+      the time of ``torch.distributed.all_reduce``.
+    * NCCL and others (``_run_lockstep``): each tick is one ``batch_isend_irecv``, and the
+      peers of a tick post the matching tick in the same position of their own lists. NCCL
+      needs that lock-step: a receive queued alone on the stream would block the sends queued
+      behind it, and a batch completes only when its peers' batches do.
+
     Scratch memory: ``in_flight`` buffers of the largest reduced piece.
     """
 
@@ -152,6 +166,52 @@ class _Exchange:
         self.next_slot = 0
 
     def run(self) -> None:
+        if dist.get_backend(self.group) == dist.Backend.GLOO:
+            self._run_early_receives()
+        else:
+            self._run_lockstep()
+
+    def _run_early_receives(self) -> None:
+        """gloo: receives posted ``in_flight`` ticks ahead; a send posted as soon as the tick it needs is finished."""
+        ticks, receives, sends = self.ticks, {}, []
+        next_receive = next_send = 0
+        for index, tick in enumerate(ticks):
+            while next_receive < min(len(ticks), index + self.in_flight):
+                receives[next_receive] = self._post_receive(ticks[next_receive])
+                next_receive += 1
+            while next_send < len(ticks) and ticks[next_send].needs < index:  # ticks before ``index`` are finished
+                if ticks[next_send].send is not None:
+                    sends.append(dist.isend(ticks[next_send].send, group=self.group, group_dst=ticks[next_send].send_peer))
+                next_send += 1
+            target, work = receives.pop(index)
+            if work is not None:
+                work.wait()
+            self._reduce(tick, target)
+        for work in sends:
+            work.wait()
+
+    def _post_receive(self, tick: _Tick):
+        target = self._target(tick)
+        if target is None:
+            return None, None
+        return target, dist.irecv(target, group=self.group, group_src=tick.recv_peer)
+
+    def _target(self, tick: _Tick) -> torch.Tensor | None:
+        """Where the tick's piece arrives: in place, or a scratch slot when it is to be added."""
+        if tick.recv is None or not tick.reduce:
+            return tick.recv
+        target = self.scratch[self.next_slot, :tick.recv.numel()]
+        self.next_slot = (self.next_slot + 1) % self.scratch.shape[0]
+        return target
+
+    @staticmethod
+    def _reduce(tick: _Tick, target: torch.Tensor | None) -> None:
+        if tick.recv is not None and tick.reduce:
+            tick.recv.add_(target)
+        if tick.recv is not None and tick.divide is not None:
+            tick.recv.div_(tick.divide)
+
+    def _run_lockstep(self) -> None:
         pending: deque = deque()
         for index, tick in enumerate(self.ticks):
             while pending and (len(pending) >= self.in_flight or pending[0][0] <= tick.needs):
@@ -162,12 +222,8 @@ class _Exchange:
 
     def _post(self, tick: _Tick):
         """Post the tick's receive, then its send (the receive first, so the sender never waits to be matched)."""
-        ops, target = [], None
-        if tick.recv is not None:
-            target = tick.recv
-            if tick.reduce:
-                target = self.scratch[self.next_slot, :tick.recv.numel()]
-                self.next_slot = (self.next_slot + 1) % self.scratch.shape[0]
+        ops, target = [], self._target(tick)
+        if target is not None:
             ops.append(dist.P2POp(dist.irecv, target, group=self.group, group_peer=tick.recv_peer))
         if tick.send is not None:
             ops.append(dist.P2POp(dist.isend, tick.send, group=self.group, group_peer=tick.send_peer))
@@ -181,10 +237,7 @@ class _Exchange:
         first = 1 if tick.recv is not None and len(works) == 2 else len(works)
         for work in works[:first]:
             work.wait()
-        if tick.recv is not None and tick.reduce:
-            tick.recv.add_(target)
-        if tick.recv is not None and tick.divide is not None:
-            tick.recv.div_(tick.divide)
+        _Exchange._reduce(tick, target)
         for work in works[first:]:
             work.wait()
 

@@ -441,8 +441,13 @@ class PeakMemory:
     On CPU: torch has no allocator statistics, and tracemalloc does not see its buffers.
     We record the block with the autograd profiler (``profile_memory=True``), which logs every
     allocation and free of torch's CPU allocator, and take the maximum of the running total
-    in time order. It counts tensors, autograd's saved tensors and operator workspaces on
-    every thread; it does not count Python objects or gloo's own transport buffers.
+    in time order. It counts tensors, autograd's saved tensors and operator workspaces
+    allocated on the thread that entered the block; it does not count Python objects or
+    gloo's own transport buffers.
+    Limitation: a tensor whose last reference is dropped on another thread (e.g. a gloo
+    worker finishing a collective after the caller let go of its buffer) is freed without
+    an event, so a block that ends such collectives can overstate the peak by that buffer.
+    Measure steady-state steps (after construction broadcasts) where that matters.
     Profiling slows the block down: measure memory and time in separate runs.
 
     Usage::
