@@ -47,8 +47,8 @@ class Experiment:
         return [*launcher, *args]
 
 
-# Quick training: seed 000's schedule (4 micro-batches per step) on a small synthetic set, 3 epochs.
-_QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", "2048", "--num-epochs", "3",
+# Quick training: seed 000's schedule and hyper-parameters (4 micro-batches per step) on a small synthetic set.
+_QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "16384", "--val-size", "2048", "--num-epochs", "3",
                 "--grad-accum-steps", "4")
 _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
@@ -68,16 +68,21 @@ EXPERIMENTS = (
                ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_FULL_TRAIN, "--metrics-json", "{out}/train_pytorch.json"),
                nproc=2),
     Experiment("allreduce", "ring / butterfly / halving-doubling vs torch.distributed.all_reduce (homework Task 4)",
-               ("allreduce.py", "--quick", "--json", "{out}/allreduce.json"),
+               ("allreduce.py", "--quick", "--world-sizes", "1", "2", "4", "8", "--sizes", "1000", "10000", "100000",
+                "--json", "{out}/allreduce.json"),
                ("allreduce.py", "--json", "{out}/allreduce.json")),
     Experiment("collectives", "all-reduce bandwidth sweep (seed 001, nccl-tests conventions)",
-               ("collectives_benchmark.py", "--quick", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots"),
+               ("collectives_benchmark.py", "--quick", "--sizes", "64KB", "1MB", "10MB", "100MB", "--json", "{out}/collectives.json",
+                "--plot-dir", "{out}/plots"),
                ("collectives_benchmark.py", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots")),
     Experiment("ddp_benchmark", "iteration time of every DDP variant and bucket size (seeds 002 and 004)",
-               ("ddp_benchmark.py", "--quick", "--json", "{out}/ddp_benchmark.json"),
+               ("ddp_benchmark.py", "--batch-size", "16", "--iters", "12", "--rounds", "4", "--warmup", "1",
+                "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
-               ("ddp_benchmark.py", "sweep", "--quick", "--world-sizes", "1", "2", "--json", "{out}/ddp_sweep.json"),
+               ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants", "pytorch",
+                "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
+                "--json", "{out}/ddp_sweep.json"),
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
