@@ -10,8 +10,10 @@ Backend gloo on CPU, nccl on GPU when one is present (``--backend``). Without to
 spawns each process count of ``--procs`` itself. For each size of a geometric sweep (float32,
 default 1 MB to 1 GB; 1 MB = 2^20 bytes as in nccl-tests) and each algorithm: warm-up calls,
 then timed calls, each starting at a barrier with the input refilled outside the timed region;
-a call takes as long as its slowest rank. The algorithms' calls are interleaved in rounds so a
-change of machine load hits all of them alike.
+a call takes as long as its slowest rank. The algorithms take turns call by call (A B C, then
+B C A, ...), so a change of machine load hits all of them alike: with 2 blocks of calls per
+algorithm the ring/torch ratio at 10 MB moved by +-15 % between runs on a 2-core machine, call
+by call by about +-8 %.
 
 Columns, as in nccl-tests: average time, p50 and p95; algbw = bytes / average time; busbw =
 algbw x 2(n-1)/n, the bytes each rank must move in an all-reduce over the time, which makes
@@ -34,7 +36,7 @@ from dist_utils import (add_common_args, distributed, environment, format_enviro
                         progress, read_results, resolve_backend, time_interleaved, write_results)
 
 DEFAULT_SIZES = ["1MB", "10MB", "100MB", "1GB"]
-QUICK = dict(sizes=["64KB", "1MB", "10MB"], procs=[2, 4], iters=6, warmup=2)
+QUICK = dict(sizes=["64KB", "1MB", "10MB"], procs=[2, 4], iters=16, warmup=2)
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PERIOD = 1024  # the correctness pattern repeats every PERIOD elements
 TARGET = 1.10  # ring time / torch time at 10 MB and 100 MB (issue 4)
@@ -104,12 +106,12 @@ def _algorithm(name: str, pipeline: dict):
 
 
 def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
-    """One size: a correctness call per algorithm, then interleaved timed rounds; the same rows on every rank."""
+    """One size: a correctness call per algorithm, then timed calls taking turns; the same rows on every rank."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
     errors = {name: _check(ctx, x, _algorithm(name, pipeline)) for name in algorithms}
     # Summing in place makes x grow n-fold per call: refill it (untimed) before each one.
     timings = time_interleaved({name: functools.partial(_algorithm(name, pipeline), x, "sum") for name in algorithms},
-                               iters, warmup, rounds=2, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
+                               iters, warmup, rounds=iters, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
     n, size = ctx.world_size, x.numel() * x.element_size()
     torch_p50 = timings["torch"].median if "torch" in timings else None
     rows = []
