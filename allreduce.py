@@ -29,7 +29,8 @@ Running the file spawns its own workers (one launch per world size, one intra-op
 each) and prints the homework's two tables: the three algorithms for 1 to 32 workers, and
 ring against ``torch.distributed.all_reduce`` for 1 to 16 processes and 1,000 to 100,000
 elements. Columns: time (maximum over ranks, median of the repeats after warm-up),
-memory (the extra bytes the call allocates, measured in a separate untimed call) and the
+memory (the extra bytes the call allocates, measured in a separate untimed call with the
+scratch buffers of earlier calls released first) and the
 accuracy of averaging (maximum absolute difference from the exact mean computed in
 float64, every rank holding different random data).
 """
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -53,13 +55,13 @@ OPS = ("mean", "sum")
 
 # Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
 # all-reduce (on 2 cores each dependent hop waits for a scheduler wake-up), so segments must be
-# large. Measured with receives posted early (see _Exchange), `collectives_benchmark.py --procs 2 4
-# --sizes 10MB 100MB --iters 40`: 8 MiB segments with 2 in flight gave ring/torch 0.91-1.04 at 10 and
-# 100 MB with 2 and 4 processes, where 4 MiB left 4 processes at 10 MB at 1.2x (one segment per
-# 2.5 MB chunk either way, but fewer messages in the all-gather). Re-tune on other machines with
+# large: 1-2 MiB segments left 4 processes at 10 MB at 1.2-1.3x torch's time. Same-run A/B (the
+# configurations taking turns call by call, 40-50 calls, receives posted early, scratch kept):
+# 4 MiB with 4 in flight beat 8 MiB with 2 in 5 of 5 pairs at 10 MB (ring/torch 1.00-1.11 against
+# 1.05-1.15 with 2 and 4 processes) and gave 0.80-0.88 at 100 MB. Re-tune on other machines with
 # ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
-SEGMENT_BYTES = 8 << 20
-IN_FLIGHT = 2
+SEGMENT_BYTES = 4 << 20
+IN_FLIGHT = 4
 
 
 # --------------------------------------------------------------------------- the common frame
@@ -152,7 +154,8 @@ class _Exchange:
       needs that lock-step: a receive queued alone on the stream would block the sends queued
       behind it, and a batch completes only when its peers' batches do.
 
-    Scratch memory: ``in_flight`` buffers of the largest reduced piece.
+    Scratch memory: ``in_flight`` buffers of the largest reduced piece, taken from the calling
+    thread's scratch buffer (see ``_scratch``), which outlives the call.
     """
 
     def __init__(self, ticks: list[_Tick], group, in_flight: int):
@@ -162,7 +165,7 @@ class _Exchange:
         slots = min(self.in_flight, len(reduced))
         # (slots, largest piece): tick j uses row (j-th reduce tick) % slots; a row is reused only after the
         # tick that used it was finished, because at most in_flight ticks are ever outstanding.
-        self.scratch = like.new_empty((slots, max(reduced))) if reduced else None
+        self.scratch = _scratch(like, slots, max(reduced)) if reduced else None
         self.next_slot = 0
 
     def run(self) -> None:
@@ -242,6 +245,31 @@ class _Exchange:
             work.wait()
 
 
+_SCRATCH = threading.local()  # .buffers: {(dtype, device): 1-D tensor}, one set per thread
+
+
+def _scratch(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device, grown as needed.
+
+    Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
+    is paid for again in page faults on first touch (about 0.6 ms for 10 MB here, 5 % of a 10 MB
+    all-reduce; a same-run A/B over 40 calls: ring/torch 1.01-1.15 with the buffer kept, 1.07-1.28
+    without). It holds ``in_flight`` segments of the largest call so far, O(numel / n) as before;
+    ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
+    """
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    key, needed = (like.dtype, like.device), rows * columns
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < needed:
+        buffer = buffers[key] = like.new_empty(needed)
+    return buffer[:needed].view(rows, columns)
+
+
+def release_scratch() -> None:
+    """Free the calling thread's scratch buffers (the next ring or halving-doubling call allocates them again)."""
+    _SCRATCH.__dict__.pop("buffers", None)
+
+
 def _segments(piece: torch.Tensor, count: int) -> list[torch.Tensor | None]:
     """``piece`` cut into ``count`` near-equal views; an empty one is None (nothing to send)."""
     b = bounds(piece.numel(), count)
@@ -294,7 +322,8 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
     Each rank sends 2(n-1) chunks of ceil(numel/n) elements at most (bandwidth-optimal), in
     messages of about ``segment_bytes``, with up to ``in_flight`` segments posted ahead of the
     one being added. Extra memory: ``in_flight`` segments, never more than ``in_flight`` chunks
-    (plus ``numel`` for a non-contiguous input).
+    (plus ``numel`` for a non-contiguous input), in a scratch buffer kept for the next call
+    (``release_scratch()`` frees it).
     """
     return _allreduce(tensor, op, group, _ring, segment_bytes=segment_bytes, in_flight=in_flight)
 
@@ -456,13 +485,14 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
         ALGORITHMS[name](x, "mean")
         error = (x.cpu().double() - exact).abs().max().item() if numel else 0.0
         x.copy_(saved)
+        release_scratch()  # count the scratch the call needs, not what an earlier call left
         with PeakMemory(ctx.device) as peak:  # a separate call: profiling slows the timed one down
             ALGORITHMS[name](x, "mean")
         measured += [error, float(peak.bytes)]
     worst = gather_rows(measured).max(0).values.tolist()
-    # Interleaved rounds, each call on the same saved input: load drifts hit every algorithm alike.
+    # The algorithms take turns call by call, each on the same saved input: load drifts hit all alike.
     timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "mean") for name in algorithms},
-                               repeats, warmup, rounds=2, device=ctx.device, setup=lambda: x.copy_(saved))
+                               repeats, warmup, rounds=repeats, device=ctx.device, setup=lambda: x.copy_(saved))
     return [{"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""), "algorithm": name,
              "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
              "memory_bytes": int(worst[2 * i + 1]), "max_abs_error": worst[2 * i]}

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import allreduce
 from common import CollectiveCounter, run_workers
-from dist_utils import WorkerError, launch
+from dist_utils import PeakMemory, WorkerError, launch
 
 # Rounds of groups over a world of 8; None is the default group (all 8).
 ROUNDS = ([[1, 5, 6], [0, 2, 3, 4, 7]], [[0, 3, 5, 6], [2, 7], [4]], [None])
@@ -92,11 +92,23 @@ def _refused(variant, tensor, op, group) -> dict:
     return {"error": error, "calls": dict(counter.calls)}
 
 
+def _ring_scratch_bytes(group) -> list[int]:
+    """Bytes the ring allocates on 1003 float32 elements with its scratch released, then on the next call."""
+    x = rank_input(1003, dist.get_rank(group), "float32")
+    allreduce.release_scratch()
+    peaks = []
+    for _ in range(2):
+        with PeakMemory() as peak:
+            allreduce.ring_allreduce(x, "sum", group)
+        peaks.append(peak.bytes)
+    return peaks
+
+
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {"group_rank": rank, "cases": {case: _run_case(group, *case) for case in cases(n)},
-           "noncontiguous": {}, "empty": {}, "refused": {}}
+           "noncontiguous": {}, "empty": {}, "refused": {}, "ring_scratch": _ring_scratch_bytes(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
         matrix = rank_input(2006, rank, "float64", salt=1).view(1003, 2)
@@ -264,6 +276,18 @@ def test_halving_doubling_sends_the_optimal_bytes_on_powers_of_two_and_the_fold_
         if n == p:
             assert all(r["cases"][variant, numel, dtype, op]["sent_bytes"] <= bandwidth_optimal_bytes(numel, n, element_size)
                        for r in grids[n])
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_ring_needs_scratch_of_order_numel_over_n_and_keeps_it_for_the_next_call(grids, n):
+    chunk_bytes = math.ceil(1003 / n) * 4
+    for out in grids[n]:
+        first, second = out["ring_scratch"]
+        if n == 1:
+            assert first == 0  # nothing to exchange
+        else:  # at most in_flight chunks (one segment each at the default segment size)
+            assert 0 < first <= min(allreduce.IN_FLIGHT, n - 1) * chunk_bytes
+        assert second == 0
 
 
 # --------------------------------------------------------------------------- other inputs
