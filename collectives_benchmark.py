@@ -11,9 +11,9 @@ spawns each process count of ``--procs`` itself. For each size of a geometric sw
 default 1 MB to 1 GB; 1 MB = 2^20 bytes as in nccl-tests) and each algorithm: warm-up calls,
 then timed calls, each starting at a barrier with the input refilled outside the timed region;
 a call takes as long as its slowest rank. The algorithms take turns call by call (A B C, then
-B C A, ...), so a change of machine load hits all of them alike: with 2 blocks of calls per
-algorithm the ring/torch ratio at 10 MB moved by +-15 % between runs on a 2-core machine, call
-by call by about +-8 %.
+B C A, ...), so a change of machine load hits all of them alike: timed in 2 blocks of calls per
+algorithm, one configuration gave ring/torch 0.84x and 1.34x at 10 MB in consecutive runs on a
+2-core machine.
 
 Columns, as in nccl-tests: average time, p50 and p95; algbw = bytes / average time; busbw =
 algbw x 2(n-1)/n, the bytes each rank must move in an all-reduce over the time, which makes
