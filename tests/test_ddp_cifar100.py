@@ -6,6 +6,8 @@ in-process cases (both implementations side by side among them); the remaining t
 in the pytest process without spawning.
 """
 
+import builtins
+import errno
 import io
 import os
 import pickle
@@ -32,7 +34,8 @@ IMPLS = ("selfmade", "pytorch")
 TINY_RUN = ("--dataset", "synthetic", "--train-size", "256", "--val-size", "101", "--batch-size", "16",
             "--val-batch-size", "16", "--grad-accum-steps", "3", "--num-epochs", "3")
 STEPS_PER_EPOCH, EPOCHS = 3, 3
-CRASH_STEP = 7  # the first optimizer step of epoch 3: checkpoints of epochs 1 and 2 exist by then
+CRASH_STEP = 7  # in the first optimizer step of epoch 3 (after 7 done): checkpoints of epochs 1 and 2 exist by then
+FAULTY_SCRIPT = "tests/faulty_ddp_cifar100.py"  # ddp_cifar100.py with injected faults (see its docstring)
 
 
 # --------------------------------------------------------------------------- tiny CIFAR-100 files
@@ -103,14 +106,14 @@ def runs(tmp_path_factory, tiny_cifar):
                                *outputs("selfmade")), torchrun_args=("--tee", "3")),
         "resumed": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["resumed"]["ckpt"]),
                               *outputs("resumed")), torchrun_args=("--max-restarts", "1"),
-                        env={trainer.CRASH_ENV: str(CRASH_STEP)}),
+                        env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"}, script=FAULTY_SCRIPT),
         "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
                             "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs", "1",
                             *outputs("cifar"))),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(run_torchrun, SCRIPT, 2, *job["args"], torchrun_args=job.get("torchrun_args", ()),
-                                     env=job.get("env")) for name, job in jobs.items()}
+        futures = {name: pool.submit(run_torchrun, job.get("script", SCRIPT), 2, *job["args"],
+                                     torchrun_args=job.get("torchrun_args", ()), env=job.get("env")) for name, job in jobs.items()}
         return {name: SimpleNamespace(process=f.result(), **paths[name]) for name, f in futures.items()}
 
 
@@ -125,7 +128,7 @@ def _initial_state(seed=0):
 
 def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs):
     resumed = runs["resumed"]
-    assert f"exiting abruptly after optimizer step {CRASH_STEP}" in resumed.process.stderr
+    assert f"fault injected: SIGKILL with a bucket's all-reduce in flight after step {CRASH_STEP}" in resumed.process.stderr
     assert f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done" in resumed.process.stdout
     uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
     assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
@@ -213,21 +216,23 @@ class _RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _accumulation_case(ctx, impl, train, val):
+def _accumulation_case(ctx, impl, train, val, autocast="none"):
     torch.manual_seed(0)
     model = _Linear()
-    forwards = [0]
+    forwards, logits_dtypes = [0], set()
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    model.register_forward_hook(lambda m, i, out: logits_dtypes.add(out.dtype) if m.training else None)
     optimizer = _RecordingSGD(model.parameters(), forwards)
     args = trainer.parse_args(["--distributed-impl", impl, "--grad-accum-steps", str(ACCUM), "--batch-size", str(BATCH),
-                               "--num-epochs", "1", "--val-batch-size", "16"])
+                               "--num-epochs", "1", "--val-batch-size", "16", "--autocast", autocast])
     loader = trainer.train_loader(train, ctx, BATCH, args.seed, 0)
     run = trainer.Trainer(model, optimizer, loader, val if ctx.is_master else None, ctx, args)
     no_sync_at = []
     original = run.model.no_sync
     run.model.no_sync = lambda: (no_sync_at.append(forwards[0]), original())[1]
     run.train()
-    return {"steps": optimizer.steps, "no_sync_at": no_sync_at, "train_loss": run.history[0]["train_loss"]}
+    return {"steps": optimizer.steps, "no_sync_at": no_sync_at, "train_loss": run.history[0]["train_loss"],
+            "logits_dtypes": logits_dtypes, "val_count": run.history[0]["val_count"]}
 
 
 def _training_case(ctx, impl, checkpoint_dir):
@@ -239,17 +244,57 @@ def _training_case(ctx, impl, checkpoint_dir):
     train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
     run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set, identity={"lr": args.lr})
     run.train()
+    step_before_sync = None
+    if impl == "selfmade":  # PyTorch's DDP finishes its all-reduces inside backward: nothing to forget
+        images, labels = next(iter(run.loader))
+        F.cross_entropy(run.model(images), labels).backward()
+        try:
+            run.optimizer.step()
+        except RuntimeError as error:
+            step_before_sync = str(error)
+        trainer.sync_gradients(run.model)
     refused = None
     try:
         trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set, identity={"lr": 0.5})
     except ValueError as error:
         refused = str(error)
-    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn, "refused": refused}
+    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn, "refused": refused,
+            "step_before_sync": step_before_sync}
+
+
+def _checkpoint_cases(ctx, checkpoint_dir):
+    """Checkpoint directories that hold only unreadable files (refused, then restarted from scratch
+    with --restart-from-scratch), and a save that fails (an unpicklable object in the metrics)."""
+    out = {}
+    for name, extra in (("refused", []), ("scratch", ["--restart-from-scratch"])):
+        args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/unreadable-{name}", *extra])
+        train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
+        try:
+            run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
+            run.train()
+            out[name] = {"epochs": run.epoch}
+        except trainer.CheckpointError as error:
+            out[name] = {"error": str(error)}
+    args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/save-fails"])
+    run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
+    log_epoch = run._log_epoch
+
+    def log_an_unpicklable_value_in_epoch_2(row):
+        log_epoch({**row, "unpicklable": (lambda: 0) if run.epoch == 1 else None})
+
+    run._log_epoch = log_an_unpicklable_value_in_epoch_2
+    try:
+        run.train()
+    except trainer.CheckpointError as error:
+        out["save_fails"] = {"error": str(error), "epochs": run.epoch}
+    return out
 
 
 def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
+    results["bf16"] = {impl: _accumulation_case(ctx, impl, train, val, autocast="bf16") for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
+    results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = trainer.Net()
     net.load_state_dict(net_state)
     results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
@@ -269,8 +314,16 @@ def in_process(tmp_path_factory):
     # About 60 % of the labels are the model's own prediction, so the correct count is far from 0.
     labels = torch.where(torch.rand(VAL_SIZE, generator=gen) < 0.6, predicted, torch.randint(0, 100, (VAL_SIZE,), generator=gen))
     val = TensorDataset(images, labels)
-    return SimpleNamespace(train=train, val=val, net=net, results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(),
-                                                                          str(tmp_path_factory.mktemp("ckpt"))))
+    checkpoint_dir = tmp_path_factory.mktemp("ckpt")
+    for name in ("refused", "scratch"):
+        (checkpoint_dir / f"unreadable-{name}").mkdir()
+        for epoch, content in UNREADABLE.items():
+            (checkpoint_dir / f"unreadable-{name}" / f"epoch-{epoch:04d}.pt").write_bytes(content)
+    return SimpleNamespace(train=train, val=val, net=net, checkpoint_dir=checkpoint_dir,
+                           results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(), str(checkpoint_dir)))
+
+
+UNREADABLE = {4: b"half a checkpoint", 5: b"PK\x03\x04 not a zip archive after all"}
 
 
 def _global_window_gradients(train):
@@ -316,14 +369,98 @@ def test_a_checkpoint_of_another_run_is_refused(in_process):
             assert "epoch-0002.pt belongs to a different run (lr differ)" in result["training"][impl]["refused"]
 
 
-def test_a_damaged_checkpoint_is_skipped_for_the_one_before(tmp_path):
+def test_a_damaged_checkpoint_is_set_aside_for_the_one_before_and_a_killed_save_is_cleaned_up(tmp_path):
     torch.save({"epoch": 2}, trainer.checkpoint_path(str(tmp_path), 2))
     with open(trainer.checkpoint_path(str(tmp_path), 3), "wb") as f:
         f.write(b"half a checkpoint")
     (tmp_path / "epoch-0004.pt.tmp123").write_bytes(b"an interrupted save")
     assert trainer.checkpoint_epochs(str(tmp_path)) == [3, 2]
-    assert trainer.newest_readable_checkpoint(str(tmp_path)) == 2
-    assert trainer.newest_readable_checkpoint(str(tmp_path / "missing")) == 0
+    path, notices = trainer.choose_checkpoint(str(tmp_path), restart_from_scratch=False)
+    assert path == trainer.checkpoint_path(str(tmp_path), 2)
+    assert len(notices) == 1 and "epoch-0003.pt unreadable" in notices[0] and "kept as" in notices[0]
+    assert sorted(os.listdir(tmp_path)) == ["epoch-0002.pt", "epoch-0003.pt.unreadable"]
+    assert (tmp_path / "epoch-0003.pt.unreadable").read_bytes() == b"half a checkpoint", "never deleted"
+    assert trainer.choose_checkpoint(str(tmp_path / "missing"), restart_from_scratch=False) == (None, [])
+
+
+def test_checkpoints_that_all_fail_to_load_stop_every_rank_naming_them_and_stay_untouched(in_process):
+    directory = in_process.checkpoint_dir / "unreadable-refused"
+    for result in in_process.results:
+        error = result["checkpoints"]["refused"]["error"]
+        for epoch in UNREADABLE:
+            assert f"{directory / f'epoch-{epoch:04d}.pt'}: " in error
+        assert "no checkpoint in it can be read" in error and "--restart-from-scratch" in error
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == {f"epoch-{e:04d}.pt": c for e, c in UNREADABLE.items()}
+
+
+def test_restart_from_scratch_keeps_the_unreadable_files_and_prunes_only_what_it_wrote(in_process):
+    """On today's main the fresh epoch-0001.pt was deleted: the unreadable epoch-0004/5 sorted above it."""
+    directory = in_process.checkpoint_dir / "unreadable-scratch"
+    assert all(result["checkpoints"]["scratch"] == {"epochs": EPOCHS} for result in in_process.results)
+    assert sorted(os.listdir(directory)) == ["epoch-0002.pt", "epoch-0003.pt", "epoch-0004.pt.unreadable",
+                                             "epoch-0005.pt.unreadable"]
+    for epoch, content in UNREADABLE.items():
+        assert (directory / f"epoch-{epoch:04d}.pt.unreadable").read_bytes() == content
+    assert _state(directory / "epoch-0003.pt")["epoch"] == EPOCHS
+
+
+def test_a_failed_save_stops_every_rank_with_the_path_and_cause_and_keeps_the_previous_checkpoint(in_process):
+    directory = in_process.checkpoint_dir / "save-fails"
+    for result in in_process.results:
+        failure = result["checkpoints"]["save_fails"]
+        assert failure["epochs"] == 2
+        assert f"saving the checkpoint of epoch 2 failed on rank 0: could not write {directory / 'epoch-0002.pt'}" in failure["error"]
+        assert "pickle" in failure["error"].lower(), "the cause"
+    assert sorted(os.listdir(directory)) == ["epoch-0001.pt"], "no temporary file, no half checkpoint"
+    assert _state(directory / "epoch-0001.pt")["epoch"] == 1
+
+
+def test_optimizer_step_before_gradient_synchronisation_raises_in_the_trainer(in_process):
+    for result in in_process.results:
+        message = result["training"]["selfmade"]["step_before_sync"]
+        assert message is not None and "optimizer.step() while the gradients" in message
+        assert result["training"]["pytorch"]["step_before_sync"] is None
+
+
+def test_durable_write_flushes_the_file_renames_then_flushes_the_directory(tmp_path, monkeypatch):
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", str(b))), replace(a, b)))
+    path = tmp_path / "out.bin"
+    trainer.write_durably(str(path), lambda f: f.write(b"payload"))
+    tmp = f"{path}.tmp{os.getpid()}"
+    assert calls == [("fsync", tmp), ("replace", str(path)), ("fsync", str(tmp_path))]
+    assert path.read_bytes() == b"payload" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def _no_space(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _read_only(file, mode="r", *args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied", str(file))  # what open() raises in a read-only directory
+
+
+@pytest.mark.parametrize("fault, cause", [("unpicklable", "Can't pickle"), ("disk full", "No space left on device"),
+                                          ("read-only", "Permission denied")])
+def test_a_failed_durable_write_names_path_and_cause_leaves_no_temporary_file_and_keeps_the_old_file(tmp_path, monkeypatch,
+                                                                                                      fault, cause):
+    path = tmp_path / "epoch-0001.pt"
+    trainer.save_atomically({"epoch": 1}, str(path))
+    obj = {"epoch": 2}
+    if fault == "unpicklable":
+        obj["hook"] = lambda: 0
+    elif fault == "disk full":
+        monkeypatch.setattr(os, "fsync", _no_space)
+    else:
+        monkeypatch.setattr(builtins, "open", _read_only)
+    with pytest.raises(OSError, match=f"could not write {path} .*{cause}") as failure:
+        trainer.save_atomically(obj, str(path))
+    monkeypatch.undo()
+    assert "Check the free space and the permissions" in str(failure.value)
+    assert os.listdir(tmp_path) == ["epoch-0001.pt"]
+    assert _state(path) == {"epoch": 1}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -338,6 +475,24 @@ def test_optimizer_steps_every_k_micro_batches_with_the_global_mean_gradient(in_
         for (_, grads), oracle in zip(steps, expected):
             for grad, want in zip(grads, oracle):
                 torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_under_bf16_autocast_the_step_gradient_is_the_global_mean_to_bfloat16_precision(in_process, impl):
+    """--autocast bf16: the forward runs in bfloat16 (float32 parameters and gradients), and each
+    step's gradient is still the single-process float32 one up to bfloat16 rounding (8 bits)."""
+    expected, _ = _global_window_gradients(in_process.train)
+    for rank, result in enumerate(in_process.results):
+        ours = result["bf16"][impl]
+        assert ours["logits_dtypes"] == {torch.bfloat16} and result[impl]["logits_dtypes"] == {torch.float32}
+        assert [seen for seen, _ in ours["steps"]] == [4, 8, 10] and ours["val_count"] == VAL_SIZE
+        for (_, grads), oracle in zip(ours["steps"], expected, strict=True):
+            for grad, want in zip(grads, oracle):
+                assert grad.dtype == torch.float32 and not torch.equal(grad, want), "bfloat16 rounding shows"
+                torch.testing.assert_close(grad, want, rtol=0, atol=2**-7 * want.abs().max().item())
+        for (_, a), (_, b) in zip(ours["steps"], result["bf16"]["selfmade"]["steps"]):
+            for x, y in zip(a, b):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: both DDPs agree")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
