@@ -103,7 +103,7 @@ from ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gra
 from dist_utils import add_common_args, distributed, print0, progress
 from measure import PeakMemory, gather_rows, synchronize
 from models import NUM_CLASSES, build_model
-from results import environment, format_environment, markdown_table, write_results
+from results import environment, format_environment, markdown_table, write_durably, write_results
 from syncbn import convert_sync_batchnorm
 
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
@@ -399,36 +399,6 @@ def validation_sums(model: nn.Module, val_set: Dataset | None, per_rank: int, ct
 
 class CheckpointError(RuntimeError):
     """The checkpoint directory cannot be resumed from or written to (raised on every rank)."""
-
-
-def write_durably(path: str, write) -> None:
-    """Create or replace the file ``path`` so that no reader, crash or full disk ever sees half of it.
-
-    ``write(f)`` fills a temporary file (binary) in the same directory; it is flushed to the
-    disk (``fsync``), renamed over ``path`` (atomic), and the directory is flushed too, so the
-    rename survives a power cut. On any failure (disk full, permission denied, an object that
-    cannot be pickled) the temporary file is removed, ``path`` keeps its old content, and
-    OSError names the path, the cause and what to do.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except Exception as error:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise OSError(f"could not write {path} ({type(error).__name__}: {error}); it is unchanged and no temporary "
-                      f"file is left. Check the free space and the permissions of {directory}, or write elsewhere.") from error
 
 
 def save_atomically(obj, path: str) -> None:

@@ -6,8 +6,6 @@ in-process cases (both implementations side by side among them); the remaining t
 in the pytest process without spawning.
 """
 
-import builtins
-import errno
 import io
 import os
 import pickle
@@ -421,47 +419,6 @@ def test_optimizer_step_before_gradient_synchronisation_raises_in_the_trainer(in
         message = result["training"]["selfmade"]["step_before_sync"]
         assert message is not None and "optimizer.step() while the gradients" in message
         assert result["training"]["pytorch"]["step_before_sync"] is None
-
-
-def test_durable_write_flushes_the_file_renames_then_flushes_the_directory(tmp_path, monkeypatch):
-    calls = []
-    fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd)))
-    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", str(b))), replace(a, b)))
-    path = tmp_path / "out.bin"
-    trainer.write_durably(str(path), lambda f: f.write(b"payload"))
-    tmp = f"{path}.tmp{os.getpid()}"
-    assert calls == [("fsync", tmp), ("replace", str(path)), ("fsync", str(tmp_path))]
-    assert path.read_bytes() == b"payload" and os.listdir(tmp_path) == ["out.bin"]
-
-
-def _no_space(fd):
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def _read_only(file, mode="r", *args, **kwargs):
-    raise PermissionError(errno.EACCES, "Permission denied", str(file))  # what open() raises in a read-only directory
-
-
-@pytest.mark.parametrize("fault, cause", [("unpicklable", "Can't pickle"), ("disk full", "No space left on device"),
-                                          ("read-only", "Permission denied")])
-def test_a_failed_durable_write_names_path_and_cause_leaves_no_temporary_file_and_keeps_the_old_file(tmp_path, monkeypatch,
-                                                                                                      fault, cause):
-    path = tmp_path / "epoch-0001.pt"
-    trainer.save_atomically({"epoch": 1}, str(path))
-    obj = {"epoch": 2}
-    if fault == "unpicklable":
-        obj["hook"] = lambda: 0
-    elif fault == "disk full":
-        monkeypatch.setattr(os, "fsync", _no_space)
-    else:
-        monkeypatch.setattr(builtins, "open", _read_only)
-    with pytest.raises(OSError, match=f"could not write {path} .*{cause}") as failure:
-        trainer.save_atomically(obj, str(path))
-    monkeypatch.undo()
-    assert "Check the free space and the permissions" in str(failure.value)
-    assert os.listdir(tmp_path) == ["epoch-0001.pt"]
-    assert _state(path) == {"epoch": 1}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
