@@ -544,3 +544,90 @@ def test_sync_bn_choice_on_cpu():
     assert trainer.resolve_sync_bn("none", "pytorch", cpu) == ("none", [])
     with pytest.raises(RuntimeError, match="torch.nn.SyncBatchNorm only runs on CUDA"):
         trainer.resolve_sync_bn("pytorch", "pytorch", cpu)
+
+
+# --------------------------------------------------------------------------- fault injection (pytest -m slow)
+#
+# torchrun jobs with --max-restarts whose workers are SIGKILLed at chosen points, and damaged,
+# slow or read-only checkpoint directories. Each ends with the uninterrupted job's model
+# (runs["selfmade"]) or fails with a clear error and every earlier checkpoint intact.
+
+SLOW_SAVE_S, SHORT_PG_TIMEOUT_S = 20, 8  # a save that outlasts the process-group timeout
+# One job, five attempts: the i-th fault fires in attempt i (see tests/faulty_ddp_cifar100.py).
+CHAIN = ("forward@1", "allreduce@4", "scatter@2", "checkpoint@2")
+
+
+def _copy_checkpoints(source, target, truncate=()):
+    """Copy a checkpoint directory, cutting the named files to half their size."""
+    target.mkdir()
+    for path in source.iterdir():
+        data = path.read_bytes()
+        (target / path.name).write_bytes(data[: len(data) // 2] if path.name in truncate else data)
+    return target
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory, runs):
+    out = tmp_path_factory.mktemp("faults")
+    reference = runs["selfmade"].ckpt
+    ckpt = {"chain": out / "chain", "slow": out / "slow",
+            "truncated": _copy_checkpoints(reference, out / "truncated", truncate=("epoch-0003.pt",)),
+            "readonly": _copy_checkpoints(reference, out / "readonly")}
+    before = {name: {p.name: p.read_bytes() for p in ckpt[name].iterdir()} for name in ("truncated", "readonly")}
+    selfmade = (*TINY_RUN, "--distributed-impl", "selfmade")
+    jobs = {
+        "chain": dict(args=selfmade, torchrun_args=("--max-restarts", str(len(CHAIN))), env={"DP_FAULTS": ",".join(CHAIN)}),
+        "slow": dict(args=(*selfmade, "--timeout", str(SHORT_PG_TIMEOUT_S)),
+                     env={"DP_FAULTS": "slow-checkpoint@1", "DP_SLOW_S": str(SLOW_SAVE_S)}),
+        "truncated": dict(args=selfmade),
+        "readonly": dict(args=(*selfmade, "--num-epochs", "4"), env={"DP_FAULTS": "readonly@0"}, check=False,
+                         torchrun_args=("--tee", "3")),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(run_torchrun, FAULTY_SCRIPT, 2, *job["args"], "--checkpoint-dir", str(ckpt[name]),
+                                     "--save-model", str(out / f"{name}.pt"), torchrun_args=job.get("torchrun_args", ()),
+                                     env=job.get("env"), check=job.get("check", True))
+                   for name, job in jobs.items()}
+        return SimpleNamespace(out=out, ckpt=ckpt, before=before, reference=_state(runs["selfmade"].model),
+                               process={name: f.result() for name, f in futures.items()})
+
+
+def _same_model(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_killed_in_forward_all_reduce_validation_scatter_and_checkpoint_write_still_ends_with_the_uninterrupted_model(faults):
+    stderr = faults.process["chain"].stderr
+    for what in ("in the forward after step 1", "with a bucket's all-reduce in flight after step 4",
+                 "in the second scatter of epoch 2's validation", "halfway through writing epoch 2's checkpoint"):
+        assert f"fault injected: SIGKILL {what}" in stderr, what
+    assert _same_model(_state(faults.out / "chain.pt"), faults.reference)
+    # Epoch 1 by the second attempt, 2 and 3 by the last; the half-written save was removed.
+    assert sorted(os.listdir(faults.ckpt["chain"])) == ["epoch-0001.pt", "epoch-0002.pt", "epoch-0003.pt"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_save_slower_than_the_process_group_timeout_is_waited_for(faults):
+    """On today's main the peers gave up after the process-group timeout while rank 0 was saving."""
+    assert _same_model(_state(faults.out / "slow.pt"), faults.reference)
+
+
+@pytest.mark.slow
+def test_a_truncated_newest_checkpoint_resumes_from_the_one_before_and_is_kept(faults):
+    directory, stdout = faults.ckpt["truncated"], faults.process["truncated"].stdout
+    assert f"resumed from {directory / 'epoch-0002.pt'}: 2 epoch(s)" in stdout
+    assert f"checkpoint {directory / 'epoch-0003.pt'} unreadable" in stdout
+    assert _same_model(_state(faults.out / "truncated.pt"), faults.reference)
+    assert (directory / "epoch-0003.pt.unreadable").read_bytes() == faults.before["truncated"]["epoch-0003.pt"]
+    assert sorted(os.listdir(directory)) == ["epoch-0002.pt", "epoch-0003.pt", "epoch-0003.pt.unreadable"]
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_directory_fails_every_rank_clearly_and_keeps_every_checkpoint(faults):
+    process, directory = faults.process["readonly"], faults.ckpt["readonly"]
+    assert process.returncode != 0
+    message = f"saving the checkpoint of epoch 4 failed on rank 0: could not write {directory / 'epoch-0004.pt'} (PermissionError"
+    for rank in (0, 1):
+        assert any(line.startswith(f"[default{rank}]:") and message in line for line in process.stderr.splitlines()), rank
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == faults.before["readonly"]
