@@ -414,17 +414,19 @@ def _mismatched_models(ctx):
 
 def _against_pytorch(ctx):
     """The same float32 CNN and data through PyTorch's DDP and ours, with accumulation (no_sync in both)."""
-    def loss_fn(model):
+    def loss_fn(model, dtype):
         def loss_of(step, micro):
-            x, y = shard(global_batch(step, micro, ctx.world_size, shape=(3, 6, 6), dtype=torch.float32), ctx.rank)
+            x, y = shard(global_batch(step, micro, ctx.world_size, shape=(3, 6, 6), dtype=dtype), ctx.rank)
             return F.mse_loss(model(x), y)
         return loss_of
 
     out = {}
-    for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
-        # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
-        model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=torch.float32), bucket_cap_mb=cap)
-        out[variant, cap] = train(model, loss_fn(model), accum=3, steps=4, optimizer=torch.optim.SGD)
+    for dtype in (torch.float32, torch.bfloat16):
+        for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
+            # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
+            model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=dtype), bucket_cap_mb=cap)
+            key = (variant, cap) if dtype == torch.float32 else (variant, cap, "bf16")
+            out[key] = train(model, loss_fn(model, dtype), accum=3, steps=4, optimizer=torch.optim.SGD)
     return out
 
 
@@ -569,6 +571,19 @@ def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
             assert_trains_like(runs[key], reference, rtol=1e-6, atol=1e-7)
     assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0]["state"]["module.0.weight"],
                            build(conv_net, seed=20, dtype=torch.float32).state_dict()["0.weight"]), "training moved"
+
+
+def test_a_bfloat16_model_trains_like_under_pytorch_ddp(two):
+    """The same CNN in bfloat16 (parameters, gradients, buckets and all-reduces): every variant
+    ends where PyTorch's DDP does, up to bfloat16 round-off (8 bits)."""
+    for rank in range(2):
+        runs = two[rank]["pytorch"]
+        reference = runs["pytorch", 25.0, "bf16"]
+        assert all(v.dtype == torch.bfloat16 for v in reference["state"].values() if v.is_floating_point())
+        for key in [("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)]:
+            assert_trains_like(runs[(*key, "bf16")], reference, rtol=2**-8, atol=2**-8)
+    assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0, "bf16"]["state"]["module.0.weight"],
+                           build(conv_net, seed=20, dtype=torch.bfloat16).state_dict()["0.weight"]), "training moved"
 
 
 # --------------------------------------------------------------------------- tests: communication
