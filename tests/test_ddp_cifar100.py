@@ -1,9 +1,10 @@
-"""The CIFAR-100 trainer (issue 5, part 2), checked against single-process oracles and uninterrupted runs.
+"""The CIFAR-100 trainer, checked against single-process oracles and uninterrupted runs.
 
 Spawn budget: three torchrun jobs of two workers (one of them restarted once after a
 simulated crash) share one module fixture, and one group of three workers runs the
-in-process cases (both implementations side by side among them); the remaining tests run
-in the pytest process without spawning.
+in-process cases (both implementations side by side among them, checkpoint failures, bf16
+autocast); the remaining tests run in the pytest process without spawning. The
+fault-injection jobs (``pytest -m slow``) share a second fixture: four more torchrun jobs.
 """
 
 import io
