@@ -305,7 +305,10 @@ def verdict(ratio: dict, target: float) -> str:
 
 
 def format_ratio(ratio: dict) -> str:
-    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that."""
+    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that. A single
+    measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it."""
+    if ratio["rounds"] == 1:
+        return f"{ratio['median']:.4f}x (one measurement)"
     return f"{ratio['median']:.2f}x [{ratio['ci_low']:.2f}, {ratio['ci_high']:.2f}]"
 
 
