@@ -104,3 +104,9 @@ def test_silencing_the_profiler_drops_only_its_status_lines_from_stderr(capfd):
     with PeakMemory("cpu"):
         torch.ones(8)
     assert "profiler_st" not in capfd.readouterr().err, "the profiler's real status lines are dropped"
+
+
+def test_a_ratio_is_printed_with_its_interval_or_as_a_single_measurement():
+    assert measure.format_ratio(paired_ratio([1.1, 1.2, 1.0], [1.0, 1.0, 1.0])) == "1.10x [1.00, 1.20]"
+    single = {"median": 1.00031, "ci_low": 1.00031, "ci_high": 1.00031, "rounds": 1}
+    assert measure.format_ratio(single) == "1.0003x (one measurement)" and verdict(single, 1.0) == "missed"
