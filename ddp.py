@@ -118,8 +118,9 @@ def check_same_model(module: nn.Module, process_group=None) -> None:
     """Raise ValueError on every rank of the group unless every rank's ``module`` has the same
     parameters and buffers (names, shapes, dtypes, requires_grad) in the same order.
 
-    One ``all_gather_object`` of the signatures (a few bytes per tensor), as PyTorch's DDP
-    checks shapes across processes: otherwise a mismatch surfaces as a gloo size-mismatch
+    One ``all_gather_object`` of the signatures (inside: an all_gather of their sizes, then
+    one of their pickled bytes, a few dozen bytes per tensor), as PyTorch's DDP checks shapes
+    across processes at construction: otherwise a mismatch surfaces as a gloo size-mismatch
     abort, a NCCL hang or buckets that silently mix different parameters. Every rank sees
     every signature, so every rank raises the same message, naming the first difference.
     """
