@@ -800,6 +800,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.num_workers < 0:
         p.error("--num-workers must be 0 or more")
+    if args.restart_from_scratch and not args.checkpoint_dir:
+        p.error("--restart-from-scratch only applies with --checkpoint-dir")
     if args.checkpoint_timeout <= 0:
         p.error(f"--checkpoint-timeout must be positive (seconds), got {args.checkpoint_timeout:g}")
     if args.json and args.metrics_json and args.json != args.metrics_json:
