@@ -12,7 +12,10 @@ cores; validation accuracy goes from 1 % to about 38 %):
 
 Surviving killed workers: checkpoints every epoch, resumed on restart, same final model as an uninterrupted run:
 
-    torchrun --standalone --nproc_per_node 2 --max-restarts 3 ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+        ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json
+
+(the variable works around pytorch/pytorch#135712: restarted workers failing to reconnect).
 
 How it works, and the choices made:
 
