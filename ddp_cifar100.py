@@ -60,8 +60,8 @@ How it works, and the choices made:
   refuses one written by a run with other settings. Unreadable checkpoints are never deleted
   (they are renamed ``*.unreadable``); if there are checkpoints and none can be read, the job
   stops unless ``--restart-from-scratch``. The ranks wait for rank 0's checkpoint I/O in a
-  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. No RNG state needs saving:
-  every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
+  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. No RNG
+  state needs saving: every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
   short by ``--max-steps`` is not checkpointed, so resuming always redoes whole epochs.
 * Determinism: on CPU ``torch.use_deterministic_algorithms(True)``, and with the same seed,
   world size and thread count two runs give bit-identical parameters. Gloo's all_reduce adds
