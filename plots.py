@@ -21,17 +21,13 @@ import os
 import re
 from collections.abc import Iterable
 
-import matplotlib
+import matplotlib.pyplot as plt  # without a display, matplotlib picks its Agg backend itself
+import matplotlib.ticker as ticker
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
-if not os.environ.get("MPLBACKEND") and "ipykernel" not in str(matplotlib.get_backend()):
-    matplotlib.use("Agg")  # scripts and tests draw without a display; a notebook keeps its inline backend
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker as ticker  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
-
-from measure import bootstrap_ci, paired_ratio  # noqa: E402
+from measure import bootstrap_ci, paired_ratio
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {
@@ -48,7 +44,7 @@ OTHER = "#7F7F7F"
 LINE_STYLES = {1: ":", 2: "-", 4: "--", 8: "-.", 16: (0, (5, 1)), 32: (0, (1, 1))}
 OVERSUBSCRIBED = dict(color="#BBBBBB", hatch="///", edgecolor="#555555")
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-SEED_STYLE = dict(color="#555555", marker="s", linestyle="--")  # a seed's numbers, drawn beside ours
+SEED_STYLE = dict(color="#555555")  # a seed's numbers, drawn beside ours
 
 
 # --------------------------------------------------------------------------- style helpers
@@ -474,27 +470,30 @@ def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0
 # --------------------------------------------------------------------------- beside a seed
 
 
-def beside_seed(ours: dict[str, tuple[list, list]], seed: dict[str, tuple[list, list]], *, xlabel: str, ylabel: str,
-                ours_title: str, seed_title: str, xbytes: bool = False, logx: bool = True, logy: bool = False) -> Figure:
-    """Two panels, ours (left) and a seed's (right), each ``{series label: (x, y)}``, same axes
-    labels and scales; the hardware goes in the titles (they are never on one axis: different machines)."""
-    figure, axes = _figure(1, 2, width=12, height=3.6)
-    for ax, series, title in ((axes[0][0], ours, ours_title), (axes[0][1], seed, seed_title)):
-        for i, (label, (x, y)) in enumerate(series.items()):
-            name = label.split(",")[0].split(" ")[0]
-            ax.plot(x, y, marker="o", color=colour(name) if kind(name) in COLOURS else f"C{i}",
-                    linestyle=_world_style(label), label=label)
+def beside_seed(ours: dict[str, tuple], seed: dict[str, tuple], *, xlabel: str, ylabel: str, ours_title: str,
+                seed_title: str, xbytes: bool = False, logx: bool = True, logy: bool = False, sharey: bool = False) -> Figure:
+    """Two panels, ours (left) and a seed's (right), each ``{series label: (x, y[, implementation])}``,
+    with the same axis labels and scales and the hardware in the titles (never one axis: different
+    machines). Our series take their implementation's colour; the seed's are grey; series of one
+    colour differ by line style and marker. Legends sit under the panels."""
+    figure, axes = _figure(1, 2, width=12, height=4.2, sharey=sharey)
+    for ax, series, title, default in ((axes[0][0], ours, ours_title, None), (axes[0][1], seed, seed_title, SEED_STYLE["color"])):
+        used: dict[str, int] = {}
+        for label, (x, y, *impl) in series.items():
+            c = colour(impl[0]) if impl else (default or OTHER)
+            n = used[c] = used.get(c, -1) + 1
+            ax.plot(x, y, color=c, linestyle=SERIES_LINES[n % len(SERIES_LINES)], marker=SERIES_MARKERS[n % len(SERIES_MARKERS)],
+                    label=label)
         if logx:
-            values = sorted({v for x, _ in series.values() for v in x})
+            values = sorted({v for x, *_ in series.values() for v in x})
             _log_x(ax, values, (lambda v, _: format_bytes(v)) if xbytes else None)
         if logy:
             _log_y(ax)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-        ax.title.set_fontsize("small")
-        ax.legend(fontsize="x-small", loc="best")
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.set_title(title, fontsize="small")
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     return figure
 
 
-def _world_style(label: str):
-    match = re.search(r"(\d+) proc", label)
-    return line_style(int(match.group(1))) if match else "-"
+SERIES_LINES = ("-", "--", ":", "-.")
+SERIES_MARKERS = ("o", "s", "^", "v", "D", "x")
