@@ -358,7 +358,8 @@ def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
     # Empty rectangles carry these two entries into the figure's legend.
     ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="white", edgecolor="black", label="exposed communication wait (ours)"))
     if any(oversubscribed(r, env) for r in rows):
-        ax.add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", **OVERSUBSCRIBED))
+        ax.add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor=OVERSUBSCRIBED["color"],
+                               hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]))
 
 
 # --------------------------------------------------------------------------- world-size sweep
