@@ -106,7 +106,8 @@ def read_results(path: str) -> dict:
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
-        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (schema={doc.get('schema')!r})")
+        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (it says schema={doc.get('schema')!r}): "
+                         "re-run the command that wrote it (results/manifest.json lists each file's command)")
     return doc
 
 
@@ -120,3 +121,17 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]
     rule = "|" + "|".join("-" * (len(h) + 2) for _, h, _ in columns) + "|"
     body = ["| " + " | ".join(cell(row, k, s) for k, _, s in columns) + " |" for row in rows]
     return "\n".join([header, rule, *body])
+
+
+def config_differences(base: dict, test: dict, ignored: Sequence[str] = ()) -> list[str]:
+    """``key: baseline vs test`` for every config value that differs between two results documents."""
+    keys = sorted((set(base["config"]) | set(test["config"])) - set(ignored))
+    return [f"{k}: {base['config'].get(k, '-')!r} vs {test['config'].get(k, '-')!r}"
+            for k in keys if base["config"].get(k) != test["config"].get(k)]
+
+
+def check_comparable(base: dict, test: dict) -> None:
+    """Refuse to compare results of two different benchmarks, naming both."""
+    if base["benchmark"] != test["benchmark"]:
+        raise ValueError(f"cannot compare a {base['benchmark']!r} results file with a {test['benchmark']!r} one: "
+                         "diff two runs of the same benchmark")

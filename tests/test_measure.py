@@ -87,3 +87,9 @@ def test_verdict_is_inconclusive_when_the_interval_straddles_the_target():
 def test_oversubscribed_means_more_cpu_processes_than_cores():
     assert measure.oversubscribed(3, "cpu", cpus=2) and not measure.oversubscribed(2, "cpu", cpus=2)
     assert not measure.oversubscribed(8, "cuda", cpus=2), "one process per GPU: the cores are not what is shared"
+
+
+def test_a_ratio_is_printed_with_its_interval_or_as_a_single_measurement():
+    assert measure.format_ratio(paired_ratio([1.1, 1.2, 1.0], [1.0, 1.0, 1.0])) == "1.10x [1.00, 1.20]"
+    single = {"median": 1.00031, "ci_low": 1.00031, "ci_high": 1.00031, "rounds": 1}
+    assert measure.format_ratio(single) == "1.0003x (one measurement)" and verdict(single, 1.0) == "missed"

@@ -21,3 +21,11 @@ def test_results_round_trip_in_the_shared_layout(tmp_path):
 def test_markdown_table_formats_and_marks_missing_values():
     table = markdown_table([{"n": 2, "t": 0.5}, {"n": 4}], [("n", "world", "d"), ("t", "time (s)", ".3f")])
     assert table.splitlines() == ["| world | time (s) |", "|-------|----------|", "| 2 | 0.500 |", "| 4 | - |"]
+
+
+def test_a_file_of_an_older_layout_is_refused_naming_both_layouts(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"schema": "dp-kit-results/0", "benchmark": "demo"}')
+    with pytest.raises(ValueError, match=rf"not a results file of layout {results.RESULTS_SCHEMA} "
+                                         r"\(it says schema='dp-kit-results/0'\): re-run the command"):
+        results.read_results(str(path))
