@@ -51,8 +51,11 @@ SEED_STYLE = dict(color="#555555")  # a seed's numbers, drawn beside ours
 
 
 def is_pytorch_best(row: dict) -> bool:
-    """PyTorch's DDP at its best documented settings: a 'pytorch...' row configured with gradient_as_bucket_view."""
-    return str(row.get("label", row.get("variant", ""))).startswith("pytorch") and "gradient_as_bucket_view" in json.dumps(row)
+    """PyTorch's DDP at its best documented settings: variant 'pytorch-best', or a 'pytorch...' row
+    whose configuration sets gradient_as_bucket_view."""
+    if row.get("variant") == "pytorch-best":
+        return True
+    return str(row.get("label", "")).startswith("pytorch") and "gradient_as_bucket_view" in json.dumps(row)
 
 
 def kind(row_or_name) -> str:
@@ -143,30 +146,26 @@ def oversubscribed(row: dict, env: dict | None = None) -> bool:
 # --------------------------------------------------------------------------- intervals
 
 
-def round_values(row: dict) -> list[float] | None:
-    """The row's per-round statistic (``round_p50_s``, ``round_time_s``, ...), or None."""
-    for key, value in row.items():
-        if key.startswith("round_") and isinstance(value, list) and value:
-            return [float(v) for v in value]
-    return None
+def round_values(row: dict, key: str) -> list[float] | None:
+    """The per-round values of statistic ``key`` (``round_p50_s`` for ``p50_s``), or None."""
+    values = row.get(f"round_{key}")
+    return [float(v) for v in values] if isinstance(values, list) and values else None
 
 
 def interval(row: dict, key: str) -> tuple[float, float] | None:
     """A 95 % interval of ``row[key]``: ``<key>_ci_low``/``_ci_high`` when the row has them, else the
-    bootstrap over its rounds' values (when ``key`` is the statistic they hold), else None."""
+    bootstrap of the median over its per-round values ``round_<key>``, else None."""
     low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
     if low is not None and high is not None:
         return float(low), float(high)
-    rounds = round_values(row)
-    if rounds and len(rounds) > 1 and key.startswith("p50"):
-        return bootstrap_ci(rounds)
-    return None
+    rounds = round_values(row, key)
+    return bootstrap_ci(rounds) if rounds and len(rounds) > 1 else None
 
 
 def ratio(ours: dict, theirs: dict, key: str = "p50_s") -> dict | None:
     """ours / theirs: the paired per-round ratio with its interval when both rows hold the same rounds,
     else the plain ratio of ``key`` with no interval (``ci_low``/``ci_high`` None)."""
-    a, b = round_values(ours), round_values(theirs)
+    a, b = round_values(ours, key), round_values(theirs, key)
     if a and b and len(a) == len(b):
         return paired_ratio(a, b)
     if ours.get(key) is None or not theirs.get(key):
@@ -230,7 +229,9 @@ def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
     for r in rows:
         if r.get("impl") != "ours" or (r["batch"], r["hidden"]) not in ref:
             continue
-        if r.get("ci_low") is not None and r.get("vs_reference") is not None:
+        if isinstance(r.get("vs_reference"), dict):  # a measure.paired_ratio stored with the row
+            value = r["vs_reference"]
+        elif r.get("ci_low") is not None and r.get("vs_reference") is not None:
             value = {"median": r["vs_reference"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
         else:
             value = ratio(r, ref[(r["batch"], r["hidden"])], "time_s")
@@ -360,6 +361,31 @@ def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
     if any(oversubscribed(r, env) for r in rows):
         ax.add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor=OVERSUBSCRIBED["color"],
                                hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]))
+
+
+def time_breakdown(doc: dict) -> Figure:
+    """Where one iteration's time goes, per profiled variant (rows with a ``breakdown`` of
+    ``measure.op_breakdown``): the CPU seconds of each phase, stacked, one panel per model."""
+    rows = [r for r in doc["results"] if r.get("breakdown")]
+    models = _models(rows) or [""]
+    figure, axes = _figure(len(models), 1, width=11, height=0.5 + 0.45 * max(1, max((sum(r["model"] == m for r in rows) for m in models), default=1)))
+    for ax, model in zip(axes[:, 0], models):
+        mine = [r for r in rows if r["model"] == model]
+        y = np.arange(len(mine))[::-1]
+        for yi, r in zip(y, mine):
+            left = 0.0
+            for phase in COMPUTE_PHASES:
+                seconds = r["breakdown"]["ranges"].get(phase)
+                if seconds:
+                    ax.barh(yi, 1e3 * seconds, left=left, height=0.6, color=PHASE_COLOURS[phase], edgecolor=colour(r),
+                            linewidth=1.5, label=phase)
+                    left += 1e3 * seconds
+        ax.set_yticks(y, [r["label"] for r in mine], fontsize="small")
+        ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)", title=f"{model}: where one iteration's time goes")
+        if not mine:
+            _missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
+    _legend_outside(figure)
+    return figure
 
 
 # --------------------------------------------------------------------------- world-size sweep

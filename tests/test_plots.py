@@ -51,6 +51,7 @@ def test_one_colour_per_implementation_whatever_the_bucket_size_or_field():
     assert plots.colour({"label": "pytorch 25M", "variant": "pytorch"}) == plots.colour("torch")
     best = {"label": "pytorch 25M best", "variant": "pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
     assert plots.kind(best) == "pytorch-best" and plots.colour(best) != plots.colour("pytorch")
+    assert plots.kind({"label": "pytorch-best 25M", "variant": "pytorch-best"}) == "pytorch-best"
     assert len({plots.colour(k) for k in ("bucketed", "pytorch", "pytorch-best", "overlap", "flat", "naive", "no ddp")}) == 7
 
 
@@ -66,6 +67,7 @@ def test_intervals_come_from_the_rows_fields_or_a_bootstrap_over_its_rounds():
     low, high = plots.interval({"p50_s": 1.0, "round_p50_s": [0.9, 1.0, 1.1, 1.3]}, "p50_s")
     assert 0.9 <= low <= 1.0 <= high <= 1.3
     assert plots.interval({"p50_s": 1.0}, "p50_s") is None
+    assert plots.interval({"p50_s": 1.0, "round_comm_wait_s": [0.1, 0.2]}, "p50_s") is None  # another statistic's rounds
     paired = plots.ratio({"round_p50_s": [2.0, 4.0, 2.2]}, {"round_p50_s": [2.0, 4.0, 2.0]})
     assert paired["median"] == pytest.approx(1.0) and paired["ci_high"] == pytest.approx(1.1)
     assert plots.ratio({"p50_s": 3.0}, {"p50_s": 2.0}) == {"median": 1.5, "ci_low": None, "ci_high": None, "rounds": None}
@@ -147,7 +149,7 @@ def ddp_row(label, variant, cap, p50, world=2, **extra):
 def ddp_rows():
     return [ddp_row("no ddp", "no_ddp", None, 0.10), ddp_row("pytorch 1M", "pytorch", 1.0, 0.16),
             ddp_row("pytorch 25M", "pytorch", 25.0, 0.15),
-            ddp_row("pytorch best 25M", "pytorch", 25.0, 0.14, ddp_options={"gradient_as_bucket_view": True, "static_graph": True}),
+            ddp_row("pytorch-best 25M", "pytorch-best", 25.0, 0.14),
             ddp_row("naive", "naive", None, 0.25, comm_wait_s=0.1), ddp_row("bucketed 1M", "bucketed", 1.0, 0.15, comm_wait_s=0.01),
             ddp_row("bucketed 25M", "bucketed", 25.0, 0.14, comm_wait_s=0.02)]
 
@@ -238,3 +240,14 @@ def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
     assert ours.get_lines()[0].get_color() == plots.colour("torch")
     assert [t.get_text() for t in ours.get_xticklabels()] == ["1 MiB", "1 GiB"]
     assert seed.get_lines()[0].get_linestyle() != seed.get_lines()[1].get_linestyle()
+
+
+def test_time_breakdown_stacks_each_profiled_variants_phases():
+    breakdown = {"ranges": {"forward": 0.1, "backward": 0.2, "sync_gradients": 0.05, "optimizer_step": 0.01}, "ops": [], "iters": 3}
+    rows = [{**r, "breakdown": breakdown} if r["label"] in ("pytorch 25M", "bucketed 25M") else r for r in ddp_rows()]
+    figure = plots.time_breakdown(doc(rows))
+    ax = figure.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["pytorch 25M", "bucketed 25M"]
+    segments = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(segments) == 8 and max(p.get_x() + p.get_width() for p in segments) == pytest.approx(360.0)
+    assert "(ms)" in ax.get_xlabel() and {"forward", "backward", "sync_gradients", "optimizer_step"} <= set(legend_texts(figure))
