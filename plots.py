@@ -143,6 +143,14 @@ def oversubscribed(row: dict, env: dict | None = None) -> bool:
     return device == "cpu" and bool(cpus) and int(row.get("world_size", 1)) > int(cpus)
 
 
+def shade_oversubscribed(ax, worlds: Iterable[int], label: str = "oversubscribed") -> None:
+    """Grey, hatched band over the oversubscribed world sizes of a log x axis (nothing when there are none)."""
+    worlds = list(worlds)
+    if worlds:
+        ax.axvspan(min(worlds) / 1.2, max(worlds) * 1.2, facecolor=OVERSUBSCRIBED["color"], alpha=0.35,
+                   hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"], linewidth=0, label=label)
+
+
 # --------------------------------------------------------------------------- intervals
 
 
@@ -292,10 +300,7 @@ def allreduce_table(doc: dict) -> Figure:
         over = [w for w in worlds if oversubscribed({"world_size": w}, env)]
         for ax in (time_ax, error_ax):
             _log_x(ax, worlds)
-            if over:
-                ax.axvspan(min(over) / 1.2, max(over) * 1.2, facecolor=OVERSUBSCRIBED["color"], alpha=0.35,
-                           hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"], linewidth=0,
-                           label=f"oversubscribed (> {env.get('cpus')} cores)")
+            shade_oversubscribed(ax, over, f"oversubscribed (> {env.get('cpus')} cores)")
         _log_y(time_ax)
         time_ax.set(title=f"{numel:,} float32 ({format_bytes(4 * numel)})")
         error_ax.set_ylim(bottom=0)
@@ -412,10 +417,7 @@ def ddp_sweep(doc: dict) -> Figure:
     over = [w for w in worlds if any(oversubscribed(r, env) for r in rows if r["world_size"] == w)]
     for ax in (time_ax, throughput_ax):
         _log_x(ax, worlds)
-        if over:
-            ax.axvspan(min(over) / 1.25, max(over) * 1.25, facecolor=OVERSUBSCRIBED["color"], alpha=0.35,
-                       hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"], linewidth=0,
-                       label=f"oversubscribed: more processes than the {env.get('cpus', '?')} CPU cores (hollow points)")
+        shade_oversubscribed(ax, over, f"oversubscribed: more processes than the {env.get('cpus', '?')} CPU cores (hollow points)")
         ax.set_xlabel("processes (world size)")
         ax.set_ylim(bottom=0)
     model = rows[0].get("model", "") if rows else ""
