@@ -482,6 +482,13 @@ def overlap_timeline(traces: dict[str, dict]) -> Figure:
     return figure
 
 
+def trim_trace(trace: dict) -> dict:
+    """The events ``timeline_events`` reads (iterations, phases, collectives): a few kB instead of a few
+    MB, small enough to commit beside the results. Still a Chrome trace."""
+    keep = ("iteration ", *COMPUTE_PHASES, "gloo:", "nccl:")
+    return {"traceEvents": [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
+
+
 def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0) -> dict[str, dict]:
     """``{label: trace}`` of the traces ``ddp_benchmark.py --profile DIR`` wrote for ``model`` (any world
     size) and this rank; labels without a trace are left out."""

@@ -204,6 +204,8 @@ def test_timeline_events_read_one_iteration_of_a_chrome_trace():
     assert t["comm"] == {"gloo thread 1": [(40, 20)], "gloo thread 2": [(60, 30)]}
     with pytest.raises(ValueError, match="--profile"):
         plots.timeline_events({"traceEvents": []})
+    trimmed = plots.trim_trace(chrome_trace())
+    assert plots.timeline_events(trimmed) == t and len(trimmed["traceEvents"]) == len(chrome_trace()["traceEvents"]) - 2
 
 
 def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_lane_per_variant():
