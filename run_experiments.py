@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import summary
-from results import environment, format_environment, markdown_table, read_results, write_results
+from results import environment, format_environment, markdown_table, read_results, write_durably, write_results
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -155,7 +155,8 @@ def execute_report(out: Path, timeout_s: float) -> None:
     notebook = nbformat.read(path, as_version=4)
     os.environ["REPORT_RESULTS"] = str(out.resolve())
     NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    nbformat.write(notebook, path)
+    text = nbformat.writes(notebook)
+    write_durably(str(path), lambda f: f.write((text if text.endswith("\n") else text + "\n").encode()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
