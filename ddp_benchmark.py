@@ -286,7 +286,7 @@ def write_trace(ctx, args, name: str, variant: Variant, replica: Replica) -> str
 
         with open(path) as f:
             text = json.dumps(plots.trim_trace(json.load(f)))
-        write_durably(path, lambda f: f.write(text))
+        write_durably(path, lambda f: f.write(text.encode()))
     return path
 
 
