@@ -72,9 +72,9 @@ def _as(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 @functools.lru_cache(maxsize=256)
 def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A read-only 0-d tensor, made once: a Python number in a tensor operation costs a conversion each call,
-    and every operation costs microseconds, as much as a pass over x at these sizes."""
-    return torch.tensor(value, dtype=dtype, device=device)
+    """A read-only tensor [value], made once: a Python number in a tensor operation costs a conversion each
+    call, and every operation costs microseconds, as much as a pass over x at these sizes."""
+    return torch.tensor([value], dtype=dtype, device=device)
 
 
 def _invstd(var: torch.Tensor, eps: float) -> torch.Tensor:
@@ -170,21 +170,22 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> t
     channels = x.size(1)
     if count:
         mean, var = _local_moments(x, dtype)
-        packed = torch.cat((mean, var, _constant(1.0, dtype, x.device).view(1))).to(torch.float64)
-        local_mean, local_square = packed[:channels], packed[channels:-1]
-        local_square.addcmul_(local_mean, local_mean)  # M2_r / n_r + m_r^2 (float64)
-        packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
+        packed = torch.cat((mean, var, _constant(1.0, dtype, x.device))).to(torch.float64)
     else:
         packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+    # Views of the three blocks: they follow packed through the in-place operations and the all_reduce.
+    sum_x, sum_square, _ = packed.split((channels, channels, 1))
+    if count:
+        sum_square.addcmul_(sum_x, sum_x)  # M2_r / n_r + m_r^2 (float64)
+        packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
     if group is not None:
         dist.all_reduce(packed, group=group)  # now the global sums
-    total = int(packed[-1].item())  # the same on every rank: all raise or none do
+    total = int(packed[-1])  # the same on every rank: all raise or none do
     if total < 2:
-        return packed[:0], packed[:0], total
-    moments = packed[:-1].view(2, channels).div_(_constant(total, torch.float64, x.device))  # [m, (sum M2_r + sum n_r m_r^2) / N]
-    moments[1].addcmul_(moments[0], moments[0], value=-1).clamp_(min=0)  # M2 / N
-    mean, var = moments.to(dtype).unbind()
-    return mean, var, total
+        return None, None, total
+    packed.div_(_constant(total, torch.float64, x.device))  # [m, (sum M2_r + sum n_r m_r^2) / N, 1]
+    sum_square.addcmul_(sum_x, sum_x, value=-1).clamp_(min=0)  # M2 / N, the biased variance
+    return _as(sum_x, dtype), _as(sum_square, dtype), total
 
 
 def _update_running_stats(running_mean, running_var, mean, var, total: int, momentum: float) -> None:

