@@ -12,14 +12,16 @@ BatchNorm on the whole global batch.
 
 The mathematics (per channel; rank r holds n_r values, N = sum n_r)
 -------------------------------------------------------------------
-Forward. Each rank's moments (n_r, m_r, M2_r = sum (x - m_r)^2) come from one fused
-kernel (Welford: exact at any offset). They combine as Chan's parallel variance,
+Forward. Each rank's moments (n_r, m_r, M2_r = sum (x - m_r)^2) come from BatchNorm's fused
+statistics kernel. They combine as Chan's parallel variance,
     m = sum n_r m_r / N,    M2 = sum M2_r + sum n_r m_r^2 - N m^2,
 so one ``all_reduce(SUM)`` of [n_r m_r, M2_r + n_r m_r^2, n_r] (C, C, 1 -> 2C + 1) in
 float64 carries everything: sums and counts, never means, so ranks may hold different
-numbers of samples, even none. Only the between-rank term is a difference; in float64
-its error relative to the variance is ~1e-16 (|m| / std)^2, below float32's resolution
-while |m| / std < 1e4, i.e. wherever float32 inputs still resolve their spread. Then
+numbers of samples, even none. M2_r is exact at any offset (no E[x^2] - E[x]^2 in the
+input's precision); only the between-rank term is a difference, and in float64 it stays
+exact to float32's resolution for |m| / std up to ~1e4. The one input-precision rounding
+left is that of each m_r, which moves the variance by at most 2 |m_r - m| u |m_r| (u the
+unit roundoff). Then
     y = (x - m) / sqrt(M2 / N + eps) * weight + bias            (BatchNorm's inference kernel).
 Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
 b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
@@ -28,11 +30,12 @@ where dweight and dbias are the local sums, as in PyTorch: DDP averages them acr
 
 The synchronisation (packing, float64 combination, the collectives, the global terms of
 dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
-chosen by device: ``torch.var_mean``, ``torch.batch_norm`` (inference form) and
-``aten.native_batch_norm_backward`` (``train=False``) on CPU, ``torch.batch_norm_stats``,
+chosen by device: ``torch.batch_norm_update_stats``, ``torch.batch_norm`` (inference form)
+and ``aten.native_batch_norm_backward`` (``train=False``) on CPU, ``torch.batch_norm_stats``,
 ``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt``
 on CUDA. float16/bfloat16 inputs compute their statistics in float32 with float32
 parameters and return the input's dtype, as BatchNorm does (and under ``torch.autocast``).
+With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
 """
 
 from __future__ import annotations
