@@ -54,7 +54,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TARGET_SIZE, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 PROFILE_ITERS = 20
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
-QUICK = {"iters": 160, "rounds": 16, "warmup": 5}
+QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
 
 
 # --------------------------------------------------------------------------- one case
