@@ -21,7 +21,9 @@ after backward): the cost of a synchronized BatchNorm with the communication it 
 avoid, the reference on the CPU, where ``torch.nn.SyncBatchNorm`` refuses to run; on CUDA
 ``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets; float16/bfloat16 rows (float32
 parameters) are for information. The single-process rows run in the launching process,
-with no process group. Peak memory (``measure.PeakMemory``) and bytes saved for backward
+with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
+``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
+beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). Peak memory (``measure.PeakMemory``) and bytes saved for backward
 (``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile
 of one forward + backward (``measure.op_breakdown``) shows where the time goes.
 """
@@ -44,9 +46,12 @@ from dist_utils import add_common_args, distributed, launch, progress, resolve_b
 from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
                      saved_tensor_bytes, time_iterations, verdict)
 from results import environment, format_environment, markdown_table, write_results
+import syncbn
 from syncbn import SyncBatchNorm
 
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
+# With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
+SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
@@ -73,13 +78,26 @@ def _load_baseline(revision: str):
     return module
 
 
+class _WithoutCollectives(SyncBatchNorm):
+    """SyncBatchNorm's Function with no group: all of its work but the two all_reduce calls."""
+
+    def __init__(self, hidden: int, function):
+        super().__init__(hidden)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                   self.momentum, None)
+
+
 def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> torch.nn.Module:
-    if impl == OURS:
-        layer = SyncBatchNorm(hidden)
+    module = baseline if "@" in impl else syncbn
+    if impl.startswith(SYNC_PATH):
+        layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
+    elif impl.startswith(OURS):
+        layer = module.SyncBatchNorm(hidden)
     elif impl == TORCH_SYNC:
         layer = torch.nn.SyncBatchNorm(hidden)
-    elif impl.startswith(OURS + "@"):
-        layer = baseline.SyncBatchNorm(hidden)
     else:
         layer = torch.nn.BatchNorm1d(hidden)
     return layer.to(device).train()
@@ -115,14 +133,18 @@ def _local_input(rank: int, world: int, batch: int, hidden: int, dtype: torch.dt
     return x, max(0, min(local, batch // 2 - rank * local))
 
 
-def _memory(impl: str, step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor,
-            device: torch.device) -> tuple[int, int]:
-    """(peak bytes of one iteration, bytes saved for backward by one forward); maxima over ranks."""
+def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, int]:
+    """(peak bytes of one iteration, bytes saved for backward by one forward); maxima over ranks.
+
+    The peak is the least of 3 iterations' (``measure.PeakMemory`` on the CPU can only overstate)."""
     step()  # warm: first-call allocations (e.g. cached constants) are not the steady state
-    with PeakMemory(device) as peak:
-        step()
+    peaks = []
+    for _ in range(3):
+        with PeakMemory(device) as peak:
+            step()
+        peaks.append(peak.bytes)
     saved = saved_tensor_bytes(lambda: layer(x))
-    most = gather_rows([peak.bytes, saved]).max(dim=0).values  # ranks differ (rank 0 holds the loss rows)
+    most = gather_rows([min(peaks), saved]).max(dim=0).values  # ranks differ (rank 0 holds the loss rows)
     return int(most[0]), int(most[1])
 
 
@@ -142,7 +164,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[str], batc
     rows = []
     for impl in impls:
         flat = [t for r in samples[impl] for t in r]
-        peak, saved = _memory(impl, steps[impl], layers[impl], x, device)
+        peak, saved = _memory(steps[impl], layers[impl], x, device)
         rows.append({"kind": "time", "impl": impl, "setting": WORKERS if world > 1 else SINGLE, "dtype": dtype_name,
                      "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
                      "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
@@ -186,14 +208,17 @@ def run(ctx, args) -> list[dict]:
 
 
 def run_single_process(device: torch.device, args) -> list[dict]:
-    """Ours against BatchNorm1d in this process, with no process group (float32, the whole grid)."""
+    """Ours against BatchNorm1d in this process, with no process group (float32, the whole grid), and the
+    synchronized computation without its collectives (what the layer costs beyond BatchNorm's kernels)."""
     assert not dist.is_initialized()
     torch.set_num_threads(args.threads)
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    impls = [OURS, LOCAL, SYNC_PATH] + ([f"{SYNC_PATH}@{args.baseline}"] if args.baseline else [])
     rows = []
     for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
-        rows += run_case(0, 1, device, [OURS, LOCAL], batch, hidden, "float32", args)
+        rows += run_case(0, 1, device, impls, batch, hidden, "float32", args, baseline)
     for batch, hidden in _profiled_sizes(args):
-        rows += breakdown(0, 1, device, [OURS, LOCAL], batch, hidden)
+        rows += breakdown(0, 1, device, [OURS, LOCAL, SYNC_PATH], batch, hidden)
     return rows
 
 
@@ -214,20 +239,22 @@ def ratios(rows: list[dict]) -> list[dict]:
     """One row per (setting, dtype, size, comparison): the paired ratio of round medians, and a verdict when
     it carries a target (float32 only)."""
     device = rows[0]["device"]
-    comparisons = [(WORKERS, REFERENCE, TARGET_SIZE if device == "cpu" else None), (WORKERS, LOCAL, None),
-                   (SINGLE, LOCAL, TARGET_SINGLE)]
+    comparisons = [(WORKERS, OURS, REFERENCE, TARGET_SIZE if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
+                   (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None)]
     if device == "cuda":
-        comparisons.append((WORKERS, TORCH_SYNC, TARGET_CUDA))
+        comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
     # --baseline: the A/B of a change, ours now against ours at the given revision.
-    comparisons += [(WORKERS, impl, None) for impl in dict.fromkeys(r["impl"] for r in rows) if impl.startswith(OURS + "@")]
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        if "@" in impl:
+            comparisons.append((WORKERS if impl.startswith(OURS + "@") else SINGLE, impl.split("@")[0], impl, None))
     out = []
-    for setting, versus, limit in comparisons:
+    for setting, mine, versus, limit in comparisons:
         for dtype in sorted({r["dtype"] for r in rows if r["kind"] == "time" and r["setting"] == setting}):
-            ours, theirs = _times(rows, OURS, setting, dtype), _times(rows, versus, setting, dtype)
+            ours, theirs = _times(rows, mine, setting, dtype), _times(rows, versus, setting, dtype)
             for key in sorted(set(ours) & set(theirs)):
                 ratio = paired_ratio(ours[key]["round_p50_s"], theirs[key]["round_p50_s"])
                 target = limit if dtype == "float32" else None
-                out.append({"kind": "ratio", "impl": OURS, "versus": versus, "setting": setting, "dtype": dtype,
+                out.append({"kind": "ratio", "impl": mine, "versus": versus, "setting": setting, "dtype": dtype,
                             "device": device, "batch": key[0], "hidden": key[1], **ratio, "target": target,
                             "verdict": None if target is None else verdict(ratio, target),
                             "saved_ratio": ours[key]["saved_bytes"] / theirs[key]["saved_bytes"],
@@ -246,7 +273,8 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
     """The issue's targets, each with its verdict (float32)."""
     out = []
     for setting, versus in {(r["setting"], r["versus"]) for r in ratio_rows if r["target"] is not None}:
-        entries = [r for r in ratio_rows if r["setting"] == setting and r["versus"] == versus and r["target"]]
+        entries = [r for r in ratio_rows if r["setting"] == setting and r["versus"] == versus and r["target"]
+                   and r["impl"] == OURS]
         limit = entries[0]["target"]
         verdicts = [e["verdict"] for e in entries]
         worst = "missed" if "missed" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "met")
@@ -272,9 +300,9 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
 
 
 RATIO_COLUMNS = [("setting", "setting", "s"), ("dtype", "dtype", "s"), ("batch", "batch", "d"),
-                 ("hidden", "hidden", "d"), ("text", "ours / it [95 % CI]", "s"), ("target", "target", "s"),
-                 ("verdict", "verdict", "s"), ("saved_ratio", "saved ours / it", ".2f"),
-                 ("peak_ratio", "peak ours / it", ".2f")]
+                 ("hidden", "hidden", "d"), ("text", "ratio [95 % CI]", "s"), ("target", "target", "s"),
+                 ("verdict", "verdict", "s"), ("saved_ratio", "saved ratio", ".2f"),
+                 ("peak_ratio", "peak ratio", ".2f")]
 
 
 def _time_table(rows: list[dict], setting: str, dtype: str) -> str:
@@ -315,8 +343,9 @@ def report(rows: list[dict], env: dict, config: dict) -> None:
                 print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
-    for versus in dict.fromkeys(r["versus"] for r in ratio_rows):
-        print(f"\nours / {versus}\n{markdown_table([r for r in ratio_rows if r['versus'] == versus], RATIO_COLUMNS)}")
+    for mine, versus in dict.fromkeys((r["impl"], r["versus"]) for r in ratio_rows):
+        table = [r for r in ratio_rows if r["impl"] == mine and r["versus"] == versus]
+        print(f"\n{mine} / {versus}\n{markdown_table(table, RATIO_COLUMNS)}")
     print("\nWhere the time goes (profiled, self CPU time per iteration):")
     print("\n".join(_breakdown_text(rows)))
     print("\nTargets:")
@@ -349,8 +378,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations before the first round "
                         f"(default: {NORMAL['warmup']}; {QUICK['warmup']} with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: %(default)s)")
-    parser.add_argument("--no-single", dest="single", action="store_false",
-                        help="skip the single-process rows (default: measured when spawning the workers)")
+    parser.add_argument("--settings", nargs="+", choices=[WORKERS, "single"], default=[WORKERS, "single"],
+                        help="what to time: the spawned workers, and/or one process without a process group "
+                             "(default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time syncbn.py as of this git revision, as 'ours@REV' (default: none)")
     parser.add_argument("--quick", action="store_true",
@@ -373,10 +403,10 @@ def main(args) -> None:
             for batch in args.batch:
                 if batch % ctx.world_size:
                     raise ValueError(f"--batch {batch} is not divisible by the {ctx.world_size} workers")
-            rows = run(ctx, args)
+            rows = run(ctx, args) if WORKERS in args.settings else []
             env = environment(ctx.backend, ctx.device, ctx.world_size, threads=args.threads)
         if ctx.is_master:
-            if args.single:
+            if "single" in args.settings:
                 rows += run_single_process(ctx.device, args)
             finish(rows, env, args)
         return
@@ -387,9 +417,11 @@ def main(args) -> None:
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     # Generous bound on the whole run: the process-group timeout catches a stuck peer much sooner.
     budget = 600 + 0.05 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
-    rows = launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,
-                  threads=args.threads)[0]
-    if args.single:
+    rows = []
+    if WORKERS in args.settings:
+        rows += launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,
+                       threads=args.threads)[0]
+    if "single" in args.settings:
         rows += run_single_process(device, args)
     finish(rows, environment(backend, device, args.workers, threads=args.threads), args)
 

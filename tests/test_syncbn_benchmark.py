@@ -19,7 +19,7 @@ def test_quick_fills_only_the_flags_not_given():
 
 
 def test_bad_flags_are_refused():
-    for argv in (["--rounds", "0"], ["--iters", "4", "--rounds", "8"], ["--dtypes", "int8"]):
+    for argv in (["--rounds", "0"], ["--iters", "4", "--rounds", "8"], ["--dtypes", "int8"], ["--settings", "gpu"]):
         with pytest.raises(SystemExit):
             parse_args(argv)
 
