@@ -98,6 +98,14 @@ def _check_dtypes(x, weight, bias, running_mean, running_var, eps) -> None:
 # CUDA has them (and they are what torch.nn.SyncBatchNorm runs).
 
 
+def _cuda_layout(t: torch.Tensor) -> torch.Tensor:
+    """The CUDA kernels take contiguous or channels_last tensors (as torch.nn.SyncBatchNorm ensures)."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) \
+            or t.is_contiguous(memory_format=torch.channels_last_3d):
+        return t
+    return t.contiguous()
+
+
 def _local_moments(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's per-channel mean and biased variance (C each) in ``dtype``, from one fused pass over x.
 
@@ -214,6 +222,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
         _check_dtypes(x, weight, bias, running_mean, running_var, eps)
+        x = _cuda_layout(x) if x.is_cuda else x
         channels = x.size(1)
         count = x.numel() // channels if channels else 0  # local values per channel
         dtype = _compute_dtype(x.dtype)
@@ -242,6 +251,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
+        dy = _cuda_layout(dy) if dy.is_cuda else dy
         if x.numel():
             sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local (C each)
         else:  # an empty rank still joins the collective
