@@ -1,7 +1,7 @@
 """Time and memory of synchronized BatchNorm, forward + backward, ours against PyTorch.
 
     python syncbn_benchmark.py                    # spawns 2 workers itself (gloo on CPU; nccl when GPUs are visible)
-    python syncbn_benchmark.py --quick            # the same grid with fewer iterations (about a minute)
+    python syncbn_benchmark.py --quick            # the same grid with fewer iterations
     python syncbn_benchmark.py --baseline main    # also times syncbn.py as of a git revision: the A/B of a change
     torchrun --standalone --nproc_per_node 2 syncbn_benchmark.py --json results/syncbn.json
 
