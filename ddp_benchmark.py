@@ -18,6 +18,7 @@ The printed legend defines every column; the report notebook explains the design
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,7 +35,7 @@ from measure import (PeakMemory, chrome_trace, format_ratio, gather_rows, op_bre
                      percentile, time_iterations, verdict)
 from models import MODELS, NUM_CLASSES, GPTConfig, build_model
 from results import (check_comparable, config_differences, environment, format_environment, read_results,
-                     write_results)
+                     write_durably, write_results)
 
 BENCHMARK = "ddp_benchmark"
 NO_DDP = "no_ddp"
@@ -280,6 +281,12 @@ def write_trace(ctx, args, name: str, variant: Variant, replica: Replica) -> str
         for i in range(PROFILE_ITERS):
             with record_function(f"iteration {i}"):
                 replica.step()
+    if args.trim_traces:
+        import plots  # imported here: matplotlib is not needed otherwise
+
+        with open(path) as f:
+            text = json.dumps(plots.trim_trace(json.load(f)))
+        write_durably(path, lambda f: f.write(text.encode()))
     return path
 
 
@@ -768,6 +775,9 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the inputs (default: %(default)s)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help=f"write a Chrome trace of {PROFILE_ITERS} iterations per variant and rank here (default: none)")
+    parser.add_argument("--trim-traces", action="store_true",
+                        help="with --profile: keep only the events of the overlap timeline (iterations, phases, "
+                             "collectives), a few kB a file instead of MB, small enough to commit (default: off)")
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                         help=f"profile {PROFILE_ITERS} iterations of each 25M row for where the time goes (default: on)")
     parser.add_argument("--quick", action="store_true",

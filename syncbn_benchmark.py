@@ -56,7 +56,7 @@ WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
 # grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
-TARGET_SIZE, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
+CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 PROFILE_ITERS = 20
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
 QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
@@ -239,7 +239,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     """One row per (setting, dtype, size, comparison): the paired ratio of round medians, and a verdict when
     it carries a target (float32 only)."""
     device = rows[0]["device"]
-    comparisons = [(WORKERS, OURS, REFERENCE, TARGET_SIZE if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
+    comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
                    (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None)]
     if device == "cuda":
         comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))

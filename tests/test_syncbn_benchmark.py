@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from syncbn_benchmark import (LOCAL, NORMAL, OURS, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE, TARGET_SIZE,
+from syncbn_benchmark import (LOCAL, NORMAL, OURS, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE, CPU_TARGET,
                               WORKERS, parse_args, ratios, targets)
 
 
@@ -46,9 +46,27 @@ def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
     assert by[WORKERS, LOCAL, 128]["verdict"] is None and by[WORKERS, LOCAL, 128]["median"] == pytest.approx(2.2)
     assert by[SINGLE, LOCAL, 128]["target"] == TARGET_SINGLE and by[SINGLE, LOCAL, 128]["verdict"] == "met"
     found = {t["name"]: t for t in targets(ratio_rows, rows)}
-    every = found[f"{WORKERS}: every size, ours / ({REFERENCE}) <= {TARGET_SIZE}"]
+    every = found[f"{WORKERS}: every size, ours / ({REFERENCE}) <= {CPU_TARGET}"]
     assert (every["verdict"], every["sizes_met"], every["sizes"]) == ("missed", 1, 3)
     grid = found[f"{WORKERS}: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
     assert grid["median"] == pytest.approx(1.3) and grid["verdict"] == "missed"  # median of 1.1, 1.5, 1.2 or 1.4
     assert found[f"{WORKERS}: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
     assert found[f"{SINGLE}: peak_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "met"
+
+
+def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
+    """plots.syncbn_grid draws from these rows: it must pick the float32 2-worker times (not the one-process,
+    half-precision or ratio rows) and pair their rounds as the benchmark does."""
+    import plots
+
+    load = [1.0, 2.0, 1.5, 1.2]
+    rows = []
+    for dtype, factor in (("float32", 1.1), ("bfloat16", 3.0)):
+        for impl, scale in ((REFERENCE, 1.0), (LOCAL, 0.5), (OURS, factor)):
+            rows.append({**_row(impl, WORKERS, 128, [scale * t for t in load]), "dtype": dtype})
+    rows += [_row(LOCAL, SINGLE, 128, load), _row(OURS, SINGLE, 128, [5 * t for t in load])]
+    ratio_rows = ratios(rows)
+    drawn = plots.syncbn_ratios({"results": rows + ratio_rows + targets(ratio_rows, rows)})
+    assert len(drawn) == 1 and drawn[0]["median"] == pytest.approx(1.1)
+    mine = [r for r in ratio_rows if (r["versus"], r["dtype"]) == (REFERENCE, "float32")]
+    assert (drawn[0]["ci_low"], drawn[0]["ci_high"]) == pytest.approx((mine[0]["ci_low"], mine[0]["ci_high"]))
