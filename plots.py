@@ -231,7 +231,9 @@ SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
 
 def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
     """Per (batch, hidden): ours / ``reference`` time with its interval (when the rows have rounds or ci fields)."""
-    rows = doc["results"]
+    # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of the workers.
+    rows = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
+            and r.get("dtype", "float32") == "float32"]
     ref = {(r["batch"], r["hidden"]): r for r in rows if r.get("impl") == reference}
     out = []
     for r in rows:
@@ -241,8 +243,8 @@ def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
             value = r["vs_reference"]
         elif r.get("ci_low") is not None and r.get("vs_reference") is not None:
             value = {"median": r["vs_reference"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
-        else:
-            value = ratio(r, ref[(r["batch"], r["hidden"])], "time_s")
+        else:  # per-round medians (round_p50_s) where the rows have them
+            value = ratio(r, ref[(r["batch"], r["hidden"])], "p50_s" if round_values(r, "p50_s") else "time_s")
         out.append({"batch": r["batch"], "hidden": r["hidden"], "workers": r.get("workers"), **value})
     return out
 
