@@ -11,7 +11,8 @@ updates it. ``step()`` runs ``optimizer_cls`` on this rank's parameters, then ev
 updated parameters are sent to every other rank with the ring all-gather of ``allreduce.py``.
 
 The partition: whole parameters, largest first, each to the rank owning the fewest elements
-so far (ties to the lowest rank): the same on every rank, computed from the shapes alone.
+so far (ties to the lowest rank; frozen parameters count as empty): the same on every rank,
+computed from the shapes alone.
 Whole tensors keep optimizers whose update treats each tensor as a unit exact (LAMB's
 per-tensor trust ratio, Adafactor's factored moments, Shampoo's per-tensor preconditioners),
 at the price of uneven shares when one tensor is a large part of the model. An update that
@@ -71,11 +72,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ partition
 
     def _assign(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Give each parameter an owner (largest first, to the least-loaded rank); returns this rank's, in order."""
-        for p in sorted(params, key=lambda p: -p.numel()):  # stable: equal sizes keep their order
-            rank = min(range(self.world_size), key=lambda r: (self.load[r], r))
+        """Give each parameter an owner; returns this rank's, in order."""
+        # A frozen parameter never has optimizer state: it weighs nothing in the balance.
+        for p, rank in zip(params, partition([p.numel() if p.requires_grad else 0 for p in params], self.load)):
             self.owner[p] = rank
-            self.load[rank] += p.numel()
         return [p for p in params if self.owner[p] == self.rank]
 
     def add_param_group(self, param_group: dict) -> None:
@@ -175,6 +175,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 UPDATE = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_parameters)
+
+
+def partition(sizes: list[int], load: list[int]) -> list[int]:
+    """The owner of each tensor: largest first, each to the rank owning the fewest elements (ties: lowest rank).
+
+    ``load`` (elements per rank so far, one entry per rank) is updated, so groups added later
+    balance against the earlier ones. Deterministic: every rank computes the same owners.
+    """
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: equal sizes keep their order
+        owners[i] = min(range(len(load)), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
 
 
 def _param_groups(params: Iterable, known: Iterable[torch.Tensor] = ()) -> list[dict]:
