@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
-from common import CollectiveCounter, run_workers
+from common import CollectiveCounter, refused, run_workers
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
@@ -128,34 +128,24 @@ def _case(name: str, partition: str, group) -> dict:
             "calls": dict(counter.calls), "collectives": counter.collectives}
 
 
-def _refused(build) -> dict:
-    with CollectiveCounter() as counter:
-        try:
-            build()
-            error = None
-        except (TypeError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-    return {"error": error, "calls": dict(counter.calls)}
-
-
 def _bad_inputs(group) -> dict:
     model = make_model()
     w, b = model.hidden.weight, model.hidden.bias
     elsewhere = nn.Parameter(torch.empty(3, device="meta"))
     optimizer = zero.ShardedOptimizer([w], torch.optim.SGD, process_group=group, lr=0.1)
     return {
-        "no parameters": _refused(lambda: zero.ShardedOptimizer([], torch.optim.SGD, process_group=group, lr=0.1)),
-        "empty groups": _refused(lambda: zero.ShardedOptimizer([{"params": []}], torch.optim.SGD, process_group=group)),
-        "not a class": _refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD([b], lr=0.1), process_group=group)),
-        "not an optimizer": _refused(lambda: zero.ShardedOptimizer([w], nn.Linear, process_group=group)),
-        "twice in a group": _refused(lambda: zero.ShardedOptimizer([w, b, w], torch.optim.SGD, process_group=group, lr=1)),
-        "twice across groups": _refused(lambda: zero.ShardedOptimizer([{"params": [w]}, {"params": [b, w]}],
+        "no parameters": refused(lambda: zero.ShardedOptimizer([], torch.optim.SGD, process_group=group, lr=0.1)),
+        "empty groups": refused(lambda: zero.ShardedOptimizer([{"params": []}], torch.optim.SGD, process_group=group)),
+        "not a class": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD([b], lr=0.1), process_group=group)),
+        "not an optimizer": refused(lambda: zero.ShardedOptimizer([w], nn.Linear, process_group=group)),
+        "twice in a group": refused(lambda: zero.ShardedOptimizer([w, b, w], torch.optim.SGD, process_group=group, lr=1)),
+        "twice across groups": refused(lambda: zero.ShardedOptimizer([{"params": [w]}, {"params": [b, w]}],
                                                                       torch.optim.SGD, process_group=group, lr=1)),
-        "twice when added": _refused(lambda: optimizer.add_param_group({"params": [w]})),
-        "partition": _refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, partition="rows", lr=1)),
-        "not contiguous": _refused(lambda: zero.ShardedOptimizer([nn.Parameter(torch.ones(4, 3).t())], torch.optim.SGD,
+        "twice when added": refused(lambda: optimizer.add_param_group({"params": [w]})),
+        "partition": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, partition="rows", lr=1)),
+        "not contiguous": refused(lambda: zero.ShardedOptimizer([nn.Parameter(torch.ones(4, 3).t())], torch.optim.SGD,
                                                                  process_group=group, lr=1)),
-        "devices": _refused(lambda: zero.ShardedOptimizer([w, elsewhere], torch.optim.SGD, process_group=group, lr=1)),
+        "devices": refused(lambda: zero.ShardedOptimizer([w, elsewhere], torch.optim.SGD, process_group=group, lr=1)),
     }
 
 
