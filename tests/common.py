@@ -201,3 +201,12 @@ def refused(call) -> dict:
         except (TypeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
     return {"error": error, "calls": dict(counter.calls)}
+
+
+def assert_refused(refusals: dict[str, dict], expected: dict[str, str]) -> None:
+    """Each case of ``refusals`` (``refused(...)`` results) failed with the message ``expected`` starts
+    with, and made no ``torch.distributed`` call."""
+    for case, start in expected.items():
+        outcome = refusals[case]
+        assert outcome["error"] is not None and outcome["error"].startswith(start), (case, outcome["error"])
+        assert outcome["calls"] == {}, case
