@@ -251,11 +251,12 @@ class _Exchange:
             work.wait()
 
 
-_SCRATCH = threading.local()  # .buffers: {(dtype, device): 1-D tensor}, one set per thread
+_SCRATCH = threading.local()  # .buffers: {(dtype, device, purpose): 1-D tensor}, one set per thread
 
 
 def _scratch(like: torch.Tensor, rows: int, columns: int, purpose: str = "exchange") -> torch.Tensor:
-    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device, grown as needed.
+    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device and for ``purpose``
+    (buffers used at the same time need different purposes), grown as needed.
 
     Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
     is paid for again in page faults on first touch (about 0.6 ms for 10 MB here, 5 % of a 10 MB
