@@ -158,7 +158,10 @@ class FSDP(nn.Module):
 
     Tied parameters work: a parameter registered in two units' modules (GPT's head and
     embedding) belongs to the first; the second gathers that unit too, and each gather
-    that autograd recorded reduce-scatters its own gradient into the same shard.
+    that autograd recorded reduce-scatters its own gradient into the same shard. With
+    ``reshard_after_forward=False`` a unit used several times in one forward is gathered
+    once: autograd adds its uses' gradients (in ``compute_dtype``) and one reduce-scatter
+    follows; with True each use has its own gather and reduce-scatter (in float32).
 
     Communication runs on one background thread per FSDP in its own process group (a new
     group over the same ranks), so gathers and reduce-scatters are issued in the same order
