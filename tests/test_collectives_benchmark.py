@@ -40,3 +40,18 @@ def test_the_report_states_the_target_and_whether_it_is_met():
     assert "target ring <= 1.10 x torch, 2 processes, 100MB: 2.00 x (NOT met)" in text
     assert "correctness: all exact" in text
     assert "1 WRONG" in bench.report([_row("ring", 0.1, correct=False)])
+
+
+def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the_world():
+    rows = [{**_row("torch", 0.1), "collective": "reduce_scatter"},
+            {**_row("ring", 0.06, nbytes=(10 << 20) - 8), "collective": "reduce_scatter"},
+            {**_row("ring", 0.12), "collective": "all_gather"}]
+    text = bench.report(rows)
+    assert "target ring reduce_scatter <= 0.70 x torch, 2 processes, 10MB: 0.60 x (met)" in text
+    assert "target ring all_gather <= 1.10 x torch, 2 processes, 10MB: 1.20 x (NOT met)" in text
+
+
+def test_a_sharded_collective_takes_its_own_algorithms():
+    assert bench.parse_args(["--collective", "all_gather"]).algorithms == ["torch", "ring"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--collective", "reduce_scatter", "--algorithms", "butterfly"])
