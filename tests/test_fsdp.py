@@ -21,25 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import allreduce
 from common import run_workers
-
-if not hasattr(allreduce, "reduce_scatter"):  # TEMPORARY scaffolding until our collectives land in allreduce.py
-    def _reduce_scatter(output, input, op="mean", group=None):
-        dist.reduce_scatter_single(output, input, group=group)
-        return output.div_(dist.get_world_size(group)) if op == "mean" else output
-
-    def _all_gather(output, input, group=None):
-        dist.all_gather_single(output, input, group=group)
-        return output
-
-    allreduce.reduce_scatter, allreduce.all_gather = _reduce_scatter, _all_gather
-
-from fsdp import FSDP  # noqa: E402
+from fsdp import FSDP
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 8, 9, 5
 MICRO = 4  # sequences per rank
