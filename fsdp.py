@@ -24,7 +24,6 @@ its gradient all-reduced, exactly as in ``ddp.DDP``. The collectives are ours
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 import weakref
