@@ -24,7 +24,7 @@ Tested bit for bit against the unsharded optimizer: ``tests/test_zero.py``.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import time
 from typing import Any, Callable, Iterable
 
 import torch
@@ -46,13 +46,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     on all of them; their options are handed to the local optimizer at every step); ``state``
     holds this rank's optimizer state only. Parameters without a gradient are left unchanged,
     as by any optimizer. Every rank must call ``step``, ``state_dict`` and
-    ``load_state_dict`` (collectives), with the same model.
+    ``load_state_dict`` (collectives), with the same model. ``last_share_s``: seconds the last
+    step spent sending and receiving parameters.
 
     Checkpoints are CONSOLIDATED: ``state_dict()`` gathers every rank's state and returns, on
     every rank, exactly what ``optimizer_cls`` over all the parameters would return, so it can
     be saved once (by rank 0), loaded into a plain optimizer, or into a ``ShardedOptimizer``
     over any number of ranks; ``load_state_dict`` keeps the state of this rank's parameters.
     """
+
+    update = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_parameters)
 
     def __init__(self, params: Iterable, optimizer_cls: type, process_group=None, **defaults: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -68,6 +71,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, self.local.defaults)  # every option of optimizer_cls, so state_dict loads anywhere
         self._ready = True
         self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
+        self.last_share_s = 0.0
 
     # ------------------------------------------------------------------ partition
 
@@ -99,9 +103,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group, local in zip(self.param_groups, self.local.param_groups):
             local.update({key: value for key, value in group.items() if key != "params"})  # schedulers set these
         self.local.step()
+        start = time.perf_counter()
         self._share_parameters()
+        self.last_share_s = time.perf_counter() - start  # communication nothing overlaps (on the host clock)
         return loss
 
+    @torch.no_grad()
     def _share_parameters(self) -> None:
         """Every owner's parameters to every rank: one all-gather per dtype.
 
@@ -109,7 +116,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         buffer, padded; the ring all-gather fills the other chunks; each rank copies them into
         its parameters. All-gather rather than one broadcast per owner: the ring sends each
         rank's (n-1)/n of the buffer in n-1 pipelined steps, n broadcasts serialise n rounds
-        (``sharding_benchmark.py --zero-update broadcast`` measures the alternative).
+        (``update = "broadcast"``; ``sharding_benchmark.py`` times both in the same rounds).
         """
         for dtype, by_rank in self._by_dtype().items():
             width = max(sum(p.numel() for p in params) for params in by_rank)
@@ -118,7 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             device = next(p.device for params in by_rank for p in params)  # one device: checked at construction
             buffer = torch.empty(self.world_size, width, dtype=dtype, device=device)  # (n, largest share), padded
             _pack(by_rank[self.rank], buffer[self.rank])
-            if UPDATE == "broadcast":
+            if self.update == "broadcast":
                 for owner in range(self.world_size):
                     dist.broadcast(buffer[owner], group=self.process_group, group_src=owner)
             else:
@@ -172,9 +179,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         states = {i: state_dict["state"][index[p]] for i, p in enumerate(local_params) if index[p] in state_dict["state"]}
         self.local.load_state_dict({"state": states, "param_groups": local_groups})
         self.state = self.local.state
-
-
-UPDATE = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_parameters)
 
 
 def partition(sizes: list[int], load: list[int]) -> list[int]:
