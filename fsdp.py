@@ -88,6 +88,14 @@ class _Saved:
     call: int                 # which of them saved it
 
 
+@dataclass(frozen=True)
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that enclosed FSDP's forward, and their unpack."""
+
+    unpack: object
+    packed: object
+
+
 class _Gathered(torch.autograd.Function):
     """shard (s,) -> the gathered full flat tensor (padded,): its backward reduce-scatters the gradient.
 
@@ -223,6 +231,7 @@ class FSDP(nn.Module):
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
         self._previous_calls: list[nn.Module] = []
         self._in_forward = False
+        self._outer_hooks = None
         self._no_grad_forward = False
         self.last_wait_s = 0.0
         self_ref = weakref.ref(self)
@@ -289,6 +298,9 @@ class FSDP(nn.Module):
         grad = torch.is_grad_enabled()
         self._no_grad_forward = not grad
         self._calls = []
+        # An enclosing saved-tensor hook pair (activation offloading, a measurement) would be shadowed
+        # by ours: ours hands it every tensor that is not a view of a gathered unit.
+        self._outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                  if grad and self.reshard_after_forward else nullcontext())
         self._in_forward = True
@@ -387,11 +399,13 @@ class FSDP(nn.Module):
         """Saved-tensor hook: a view of a gathered unit is saved as where to find it, not as memory."""
         unit = self._storage_to_unit.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
         if unit is None or tensor.dtype != unit.full.dtype:
-            return tensor
+            return tensor if self._outer_hooks is None else _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
         return _Saved(unit, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), self._calls,
                       len(self._calls) - 1)
 
     def _unpack(self, saved):
+        if isinstance(saved, _Outer):
+            return saved.unpack(saved.packed)
         if not isinstance(saved, _Saved):
             return saved
         self._gather(saved.unit)

@@ -26,6 +26,7 @@ from torch import nn
 
 from common import run_workers
 from fsdp import FSDP
+from measure import saved_tensor_bytes
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 8, 9, 5
 MICRO = 4  # sequences per rank
@@ -165,6 +166,10 @@ def _memory(ctx):
         model.finish_gradient_synchronization()
         out[reshard] = gathered[0], [u.name for u in model.units if u.full is not None]
         out["shard_numels", reshard] = [u.shard.numel() for u in model.units]
+    # An enclosing saved-tensor hook (here a measurement) still sees every activation.
+    plain, model = build(0), FSDP(build(0))
+    out["saved", "plain"] = saved_tensor_bytes(lambda: plain(idx), exclude=list(plain.parameters()))
+    out["saved", "fsdp"] = saved_tensor_bytes(lambda: model(idx), exclude=list(model.parameters()))
     return out
 
 
@@ -328,6 +333,7 @@ def test_shards_are_one_nth_padded_and_freed_after_forward_unless_kept(groups, w
     during, after = memory[False]
     assert during == ["down", "embed", "up"], "reshard_after_forward=False keeps earlier layers until backward"
     assert after == [] and memory[True][1] == [], "nothing stays gathered after the step"
+    assert memory["saved", "fsdp"] == memory["saved", "plain"] > 0, "activations seen through FSDP's own hooks"
 
 
 @pytest.mark.parametrize("world", (2, 3))
