@@ -1,9 +1,10 @@
-"""Sharded data parallelism, measured: time per iteration and what each rank holds, for DDP and ZeRO
-(ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
+"""Sharded data parallelism, measured: time per iteration and what each rank holds, for DDP, ZeRO and
+FSDP (ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
 
     python sharding_benchmark.py                                   # spawns 1, 2 and 4 processes in turn
     python sharding_benchmark.py --quick --json results/sharding.json                   # about a minute
     python sharding_benchmark.py --procs 2 --models gpt --variants "zero ours" "zero pytorch"
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours" "fsdp ours inline"  # overlap A/B
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
@@ -23,6 +24,9 @@ counts once): parameters; gradients (after synchronisation); optimizer state; ac
 during an iteration (``measure.PeakMemory``). "Ideal" is the model states (parameters +
 gradients + AdamW's two moments) a rank must hold under that sharding: all of them for DDP,
 1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP.
+FSDP's gathered weights that autograd saves count as activations for PyTorch's ``fully_shard`` (its
+saved tensors are the gathered parameters) and for ours with ``keep`` (kept for backward), not for
+ours with resharding (it saves where to find them again, and gathers them in backward).
 
 A variant is a builder registered with ``@variant``: a new sharding (FSDP) plugs in as more
 builders with their own ideal and targets.
@@ -184,6 +188,12 @@ def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
             groups.remove(g)
         groups.append((ids.union(*(g[0] for g in joined)), [m for g in joined for m in g[1]] + [layer]))
     return [members for _, members in groups]
+
+
+@variant("fsdp ours inline", "fsdp", targets=(("fsdp ours", None),), default=False)
+def fsdp_ours_inline(module: nn.Module) -> Setup:
+    """Our collectives on the calling thread instead of the communication thread: what overlap buys."""
+    return _fsdp_ours(module, comm_thread=False)
 
 
 for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
