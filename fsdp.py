@@ -224,7 +224,12 @@ class FSDP(nn.Module):
         # Communication: a group of our own and one thread (see the class docstring).
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self._comm_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm") if comm_thread else None
+        device = next(iter(self.flat.values()), None)
+        device = device.device if device is not None else torch.device("cpu")
+        # On CUDA the thread must use this rank's device (a new thread starts on device 0).
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm", initializer=init[0], initargs=init[1])
+                          if comm_thread else None)
         weakref.finalize(self, _close, self._executor)
         self._storage_to_unit: dict[int, Unit] = {}
         self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
