@@ -185,7 +185,10 @@ class FSDP(nn.Module):
         * Every rank must call forward (also in eval and under ``torch.no_grad()``) and
           backward the same way: gathers are collectives.
         * Wrap after moving the module to its device; don't move the wrapper afterwards.
-        * No nested FSDP, no double backward, no sparse gradients.
+        * No nested FSDP, no double backward, no sparse gradients, no activation
+          checkpointing inside a sharded layer.
+        * A forward hook registered on a sharded layer after wrapping sees its weights only
+          with ``prepend=True`` (FSDP's own post-forward hook frees them).
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
@@ -225,16 +228,7 @@ class FSDP(nn.Module):
         # Stored outside the module tree so parameters() does not list them twice.
         self.__dict__["_replicated"] = DDP(module, process_group=process_group)
 
-        # Communication: a group of our own and one thread (see the class docstring).
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self._comm_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
-        device = next(iter(self.flat.values()), None)
-        device = device.device if device is not None else torch.device("cpu")
-        # On CUDA the thread must use this rank's device (a new thread starts on device 0).
-        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm", initializer=init[0], initargs=init[1])
-                          if comm_thread else None)
-        weakref.finalize(self, _close, self._executor)
+        self._start_communication(process_group, comm_thread)
         self._storage_to_unit: dict[int, Unit] = {}
         self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
@@ -250,6 +244,18 @@ class FSDP(nn.Module):
             self._hook_handles.append(m.register_forward_hook(_post_hook(self_ref)))
 
     # ---- construction
+
+    def _start_communication(self, process_group, comm_thread: bool) -> None:
+        """A process group of our own over the same ranks and one thread (see the class docstring)."""
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self._comm_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        shard = next(iter(self.flat.values()), None)
+        device = shard.device if shard is not None else torch.device("cpu")
+        # On CUDA the thread must use this rank's device (a new thread starts on device 0).
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm", initializer=init[0], initargs=init[1])
+                          if comm_thread else None)
+        weakref.finalize(self, _close, self._executor)
 
     def _make_units(self, module: nn.Module) -> list[Unit]:
         """One unit per (outermost ``shard_types`` submodule, dtype), in registration order."""
