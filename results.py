@@ -3,7 +3,8 @@
 Every script prints ``format_environment(environment(...))`` before it measures, and writes
 ``{schema, benchmark, env, config, results: [row, ...]}`` with ``write_results`` (times in
 seconds, memory in bytes, rows flat). ``read_results`` refuses any other layout, naming the
-schema it expected.
+schema it expected. ``write_durably`` is how every file we produce is written (results,
+checkpoints, the executed notebook): whole or not at all, flushed to the disk.
 """
 
 from __future__ import annotations
@@ -80,17 +81,42 @@ def format_environment(env: dict) -> str:
 def write_results(path: str, benchmark: str, env: dict, config: dict, rows: list[dict]) -> None:
     """Write the shared JSON layout: ``{schema, benchmark, env, config, results: [row, ...]}``.
 
-    Rows are flat dicts; times are in seconds and memory in bytes. The file is written
-    to a temporary name and renamed, so a reader never sees half a file.
+    Rows are flat dicts; times are in seconds and memory in bytes. Written with
+    ``write_durably``: a reader never sees half a file, and a failure leaves the old one.
     """
     doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "env": env, "config": config, "results": rows}
+    text = json.dumps(doc, indent=1, default=_jsonable) + "\n"  # an unserialisable row fails before any file is touched
+    write_durably(path, lambda f: f.write(text.encode()))
+
+
+def write_durably(path: str, write) -> None:
+    """Create or replace the file ``path`` so that no reader, crash or full disk ever sees half of it.
+
+    ``write(f)`` fills a temporary file (binary) in the same directory; it is flushed to the
+    disk (``fsync``), renamed over ``path`` (atomic), and the directory is flushed too, so the
+    rename survives a power cut. On any failure (disk full, permission denied, an object that
+    cannot be pickled) the temporary file is removed, ``path`` keeps its old content, and
+    OSError names the path, the cause and what to do.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # from here on a failure can only be the directory's flush (below)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except Exception as error:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(f"could not write {path} ({type(error).__name__}: {error}); it is unchanged and no temporary "
+                      f"file is left. Check the free space and the permissions of {directory}, or write elsewhere.") from error
 
 
 def _jsonable(value):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import summary
-from results import environment, format_environment, markdown_table, read_results, write_results
+from results import environment, format_environment, markdown_table, read_results, write_durably, write_results
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -81,6 +81,13 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "--batch-size", "16", "--iters", "12", "--rounds", "4", "--warmup", "1",
                 "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
+    Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
+                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "2", "--rounds", "1", "--warmup", "2",
+                "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
+                "--bucket-sizes", "25", "--iters", "2", "--rounds", "1", "--no-breakdown", "--profile", "{out}/traces",
+                "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants", "pytorch",
                 "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
@@ -158,7 +165,8 @@ def execute_report(out: Path, timeout_s: float) -> None:
     notebook = nbformat.read(path, as_version=4)
     os.environ["REPORT_RESULTS"] = str(out.resolve())
     NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    nbformat.write(notebook, path)
+    text = nbformat.writes(notebook)
+    write_durably(str(path), lambda f: f.write((text if text.endswith("\n") else text + "\n").encode()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
