@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from allreduce import all_gather, reduce_scatter
-from ddp import DDP, broadcast_module_state
+from ddp import DDP, broadcast_module_state, check_same_model
 
 DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
 COMPUTE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -208,7 +208,8 @@ class FSDP(nn.Module):
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        _check_identical(module, process_group)
+        # One collective: every rank raises the same error for a local problem or differing models.
+        check_same_model(module, process_group, local_problem=_local_problem(module), wrapper="FSDP")
         broadcast_module_state(module, process_group)
 
         self.module = module
@@ -596,33 +597,11 @@ def _cast_floating(value, dtype: torch.dtype):
     return value
 
 
-def _check_identical(module: nn.Module, process_group) -> None:
-    """Raise on every rank unless every rank's module has the same parameters on one device.
-
-    One all_gather_object of (local problem, [(name, shape, dtype, requires_grad)]): a
-    problem found on any rank (no parameters, several devices) or the first parameter that
-    differs from rank 0's is raised everywhere, so no rank goes on to wait in a collective
-    its peers will never join.
-    """
-    params = list(module.named_parameters())
-    devices = sorted({str(p.device) for _, p in params})
-    problem = None
-    if not params:
-        problem = f"FSDP: {type(module).__name__} has no parameters: there is nothing to shard or synchronise"
-    elif len(devices) > 1:
-        problem = f"FSDP: the parameters are on different devices ({', '.join(devices)}): move the module to one device"
-    signature = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params]
-    everyone = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(everyone, (problem, signature), group=process_group)
-    for rank, (problem, _) in enumerate(everyone):
-        if problem is not None:
-            raise RuntimeError(f"{problem} (on rank {rank})")
-    reference = everyone[0][1]
-    differences = [(i, rank, signature[i] if i < len(signature) else None, reference[i] if i < len(reference) else None)
-                   for rank, (_, signature) in enumerate(everyone)
-                   for i in range(max(len(reference), len(signature)))
-                   if (signature[i] if i < len(signature) else None) != (reference[i] if i < len(reference) else None)]
-    if differences:
-        i, rank, mine, theirs = min(differences, key=lambda d: (d[0], d[1]))
-        raise RuntimeError(f"FSDP: the model differs across ranks: parameter #{i} is {theirs} on rank 0 but {mine} on "
-                           f"rank {rank} (name, shape, dtype, requires_grad); every rank must wrap the same model")
+def _local_problem(module: nn.Module) -> str | None:
+    """What this rank alone can see is wrong with ``module`` (raised on every rank by ``check_same_model``)."""
+    devices = sorted({str(p.device) for p in module.parameters()})
+    if not devices:
+        return f"{type(module).__name__} has no parameters: there is nothing to shard or synchronise"
+    if len(devices) > 1:
+        return f"the parameters are on different devices ({', '.join(devices)}): move the module to one device"
+    return None

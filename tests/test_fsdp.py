@@ -363,7 +363,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank(groups, world):
     for rank, result in enumerate(groups[world]):
         errors = result["errors"]
         assert "has no parameters" in errors["no parameters"]
-        assert "differs across ranks" in errors["differing"] and "down.bias" in errors["differing"]
+        assert "FSDP: the ranks wrap different models" in errors["differing"] and "down.bias" in errors["differing"]
         assert "different devices" in errors["devices"]
         backward, finish = errors["no_grad"]
         assert "does not require grad" in backward
