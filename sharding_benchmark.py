@@ -142,6 +142,15 @@ def zero_ours_broadcast(module: nn.Module) -> Setup:
     return setup
 
 
+@variant("zero ours tensor", "zero", targets=(("zero ours", None),), default=False)
+def zero_ours_tensor(module: nn.Module) -> Setup:
+    """Whole tensors per rank (exact for per-tensor optimizers): uneven when one tensor is a large part of the model."""
+    model = DDP(module)
+    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, partition="tensor")
+    return Setup(model, optimizer, exposed_s=lambda: model.last_wait_s + optimizer.last_share_s,
+                 kept=lambda: [b.flat for b in model.buckets])
+
+
 @variant("zero pytorch", "zero", targets=(("ddp pytorch", TARGET_ZERO_VS_DDP),))
 def zero_pytorch(module: nn.Module) -> Setup:
     from torch.distributed.optim import ZeroRedundancyOptimizer

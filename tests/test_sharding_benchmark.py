@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import allreduce
 import sharding_benchmark as bench
 import zero
 from common import run_workers
@@ -13,8 +14,8 @@ from models import build_model
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
-        "--variants", "ddp ours", "ddp pytorch", "zero ours", "zero ours broadcast", "zero pytorch", "fsdp ours",
-        "fsdp pytorch", "fsdp ours bf16"]
+        "--variants", "ddp ours", "ddp pytorch", "zero ours", "zero ours broadcast", "zero ours tensor",
+        "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16"]
 WORLD = 2
 
 
@@ -40,23 +41,33 @@ def test_every_variant_has_a_row_with_times_and_memory(rows):
 
 def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     """Every rank holds all parameters and gradients; AdamW keeps 2 moments per element and a step per
-    tensor: all of it under DDP, the owned tensors' under ZeRO (ours: zero.partition; any: they add up)."""
+    tensor (per piece of a tensor): all of it under DDP, the owned share under ZeRO (ours, flat: n
+    near-equal ranges of the parameters back to back; ours, tensor: zero.partition; any: they add up)."""
     params = model_tensors()
     total = sum(p.numel() * 4 for p in params)
     state = {id(p): 2 * p.numel() * 4 + 4 for p in params}
     owners = zero.partition([p.numel() for p in params], [0] * WORLD)
-    owned = [sum(state[id(p)] for p, o in zip(params, owners) if o == r) for r in range(WORLD)]
+    whole_tensors = [sum(state[id(p)] for p, o in zip(params, owners) if o == r) for r in range(WORLD)]
+    ends = torch.tensor([p.numel() for p in params]).cumsum(0).tolist()
+    edges = allreduce.bounds(ends[-1], WORLD)
+    pieces = [sum(1 for end, p in zip(ends, params) if end - p.numel() < edges[r + 1] and end > edges[r])
+              for r in range(WORLD)]
+    flat = [8 * (edges[r + 1] - edges[r]) + 4 * pieces[r] for r in range(WORLD)]
     for row in (r for r in rows if "variant" in r and r["sharding"] != "fsdp"):
         # ddp.DDP's buckets hold the gradients and one float32 used-flag per parameter after them
-        flags = 4 * len(params) if row["variant"].endswith(("ours", "ours broadcast")) else 0
+        flags = 4 * len(params) if " ours" in row["variant"] else 0
         assert row["params_bytes"] == total and row["grads_bytes"] == total + flags, row["variant"]
         if row["sharding"] == "ddp":
             assert row["state_bytes_per_rank"] == [sum(state.values())] * WORLD
         else:
-            assert sum(row["state_bytes_per_rank"]) == sum(state.values()), row["variant"]
+            split = sum(pieces) - len(params)  # a tensor cut between two ranks has a step count on each
+            flat_partition = row["variant"] in ("zero ours", "zero ours broadcast")
+            assert sum(row["state_bytes_per_rank"]) == sum(state.values()) + 4 * split * flat_partition, row["variant"]
             assert row["ideal_bytes"] == 2 * total + sum(state.values()) // WORLD
-        if row["variant"].startswith("zero ours"):
-            assert row["state_bytes_per_rank"] == owned
+        if row["variant"] in ("zero ours", "zero ours broadcast"):
+            assert row["state_bytes_per_rank"] == flat
+        if row["variant"] == "zero ours tensor":
+            assert row["state_bytes_per_rank"] == whole_tensors
 
 
 def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero
-from common import CollectiveCounter, run_workers
+from common import CollectiveCounter, assert_refused, refused, run_workers
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
@@ -89,25 +89,25 @@ def state_of(model: Toy) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- workers
 
 
-def _sharded(model: Toy, name: str, group) -> zero.ShardedOptimizer:
+def _sharded(model: Toy, name: str, group, partition: str) -> zero.ShardedOptimizer:
     cls, options = OPTIMIZERS[name]
-    return zero.ShardedOptimizer(param_groups(model), cls, process_group=group, **options)
+    return zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition, **options)
 
 
-def _case(name: str, group) -> dict:
+def _case(name: str, partition: str, group) -> dict:
     """STEPS steps; a consolidated checkpoint and a resume from it; a resume from the plain optimizer's checkpoint."""
     model = make_model()
-    optimizer = _sharded(model, name, group)
+    optimizer = _sharded(model, name, group, partition)
     with CollectiveCounter() as counter:
         train(model, optimizer, 0, STEPS)
     local_state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    owned = sum(p.numel() for p, r in optimizer.owner.items() if r == optimizer.rank)
+    owned = sum(piece.end - piece.start for piece in optimizer.pieces if piece.owner == optimizer.rank)
     saved = checkpoint(optimizer.state_dict())
     params_at_checkpoint = checkpoint(model.state_dict())
 
     resumed = make_model()
     resumed.load_state_dict(params_at_checkpoint)
-    resumed_optimizer = _sharded(resumed, name, group)
+    resumed_optimizer = _sharded(resumed, name, group, partition)
     resumed_optimizer.add_param_group({"params": [resumed.late], "lr": 0.02})
     resumed_optimizer.load_state_dict(checkpoint(saved))  # a copy: loaded state is trained on in place
     train(resumed, resumed_optimizer, STEPS, STEPS + 2)
@@ -119,7 +119,7 @@ def _case(name: str, group) -> dict:
     train(plain_model, plain, 0, STEPS)
     from_plain = make_model()
     from_plain.load_state_dict(plain_model.state_dict())
-    from_plain_optimizer = _sharded(from_plain, name, group)
+    from_plain_optimizer = _sharded(from_plain, name, group, partition)
     from_plain_optimizer.add_param_group({"params": [from_plain.late], "lr": 0.02})
     from_plain_optimizer.load_state_dict(checkpoint(plain.state_dict()))
     train(from_plain, from_plain_optimizer, STEPS, STEPS + 2)
@@ -128,31 +128,24 @@ def _case(name: str, group) -> dict:
             "calls": dict(counter.calls), "collectives": counter.collectives}
 
 
-def _refused(build) -> dict:
-    with CollectiveCounter() as counter:
-        try:
-            build()
-            error = None
-        except (TypeError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-    return {"error": error, "calls": dict(counter.calls)}
-
-
 def _bad_inputs(group) -> dict:
     model = make_model()
     w, b = model.hidden.weight, model.hidden.bias
     elsewhere = nn.Parameter(torch.empty(3, device="meta"))
     optimizer = zero.ShardedOptimizer([w], torch.optim.SGD, process_group=group, lr=0.1)
     return {
-        "no parameters": _refused(lambda: zero.ShardedOptimizer([], torch.optim.SGD, process_group=group, lr=0.1)),
-        "empty groups": _refused(lambda: zero.ShardedOptimizer([{"params": []}], torch.optim.SGD, process_group=group)),
-        "not a class": _refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD([b], lr=0.1), process_group=group)),
-        "not an optimizer": _refused(lambda: zero.ShardedOptimizer([w], nn.Linear, process_group=group)),
-        "twice in a group": _refused(lambda: zero.ShardedOptimizer([w, b, w], torch.optim.SGD, process_group=group, lr=1)),
-        "twice across groups": _refused(lambda: zero.ShardedOptimizer([{"params": [w]}, {"params": [b, w]}],
+        "no parameters": refused(lambda: zero.ShardedOptimizer([], torch.optim.SGD, process_group=group, lr=0.1)),
+        "empty groups": refused(lambda: zero.ShardedOptimizer([{"params": []}], torch.optim.SGD, process_group=group)),
+        "not a class": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD([b], lr=0.1), process_group=group)),
+        "not an optimizer": refused(lambda: zero.ShardedOptimizer([w], nn.Linear, process_group=group)),
+        "twice in a group": refused(lambda: zero.ShardedOptimizer([w, b, w], torch.optim.SGD, process_group=group, lr=1)),
+        "twice across groups": refused(lambda: zero.ShardedOptimizer([{"params": [w]}, {"params": [b, w]}],
                                                                       torch.optim.SGD, process_group=group, lr=1)),
-        "twice when added": _refused(lambda: optimizer.add_param_group({"params": [w]})),
-        "devices": _refused(lambda: zero.ShardedOptimizer([w, elsewhere], torch.optim.SGD, process_group=group, lr=1)),
+        "twice when added": refused(lambda: optimizer.add_param_group({"params": [w]})),
+        "partition": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, partition="rows", lr=1)),
+        "not contiguous": refused(lambda: zero.ShardedOptimizer([nn.Parameter(torch.ones(4, 3).t())], torch.optim.SGD,
+                                                                 process_group=group, lr=1)),
+        "devices": refused(lambda: zero.ShardedOptimizer([w, elsewhere], torch.optim.SGD, process_group=group, lr=1)),
     }
 
 
@@ -161,7 +154,9 @@ def _grid(ctx) -> dict:
     for n, members in GROUPS:
         group = dist.new_group(members) if members is not None else None  # every rank creates every group
         if members is None or ctx.rank in members:
-            out[n] = {"rank": dist.get_rank(group), "cases": {name: _case(name, group) for name in OPTIMIZERS},
+            out[n] = {"rank": dist.get_rank(group),
+                      "cases": {(name, partition): _case(name, partition, group)
+                                for name in OPTIMIZERS for partition in zero.PARTITIONS},
                       "refused": _bad_inputs(group)}
     return out
 
@@ -194,25 +189,27 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 # --------------------------------------------------------------------------- the specification
 
 
+@pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_every_rank_holds_the_unsharded_optimizers_parameters_bit_for_bit(ranks, n, name):
+def test_every_rank_holds_the_unsharded_optimizers_parameters_bit_for_bit(ranks, n, name, partition):
     model, _ = oracle(name, STEPS)
     want = state_of(model)
     assert not torch.equal(want["embed.weight"], make_model().embed.weight), "the steps changed the parameters"
     assert torch.equal(want["unused"], make_model().unused) and torch.equal(want["frozen.weight"],
                                                                             make_model().frozen.weight)
     for outcome in ranks[n]:
-        assert_same_bits(outcome["cases"][name]["params"], want)
+        assert_same_bits(outcome["cases"][name, partition]["params"], want)
 
 
+@pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name):
+def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name, partition):
     _, optimizer = oracle(name, STEPS)
     want = optimizer.state_dict()
     for outcome in ranks[n]:
-        got = outcome["cases"][name]["state_dict"]
+        got = outcome["cases"][name, partition]["state_dict"]
         assert got["param_groups"] == want["param_groups"]
         assert got["state"].keys() == want["state"].keys()
         for index, state in want["state"].items():
@@ -221,29 +218,38 @@ def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name)
                 assert torch.equal(got["state"][index][key], value), (index, key)
 
 
+@pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_training_resumed_from_a_checkpoint_continues_the_unsharded_trajectory(ranks, n, name):
+def test_training_resumed_from_a_checkpoint_continues_the_unsharded_trajectory(ranks, n, name, partition):
     """From the sharded optimizer's own checkpoint and from the plain optimizer's."""
     model, optimizer = oracle(name, STEPS)
     train(model, optimizer, STEPS, STEPS + 2)
     want = state_of(model)
     for outcome in ranks[n]:
-        assert_same_bits(outcome["cases"][name]["resumed"], want)
-        assert_same_bits(outcome["cases"][name]["from_plain"], want)
+        assert_same_bits(outcome["cases"][name, partition]["resumed"], want)
+        assert_same_bits(outcome["cases"][name, partition]["from_plain"], want)
 
 
+@pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_each_rank_keeps_the_state_of_its_own_parameters_only(ranks, n, name):
+def test_each_rank_keeps_the_state_of_its_own_parameters_only(ranks, n, name, partition):
     """Adam's two moments per owned element; the shares add up to the whole, none is empty."""
     trained = sum(p.numel() for nm, p in make_model().named_parameters()
                   if p.requires_grad and nm not in ("unused", "out.weight"))
-    local = [outcome["cases"][name]["local_state_elements"] for outcome in ranks[n]]
-    owned = [outcome["cases"][name]["owned_elements"] for outcome in ranks[n]]
+    local = [outcome["cases"][name, partition]["local_state_elements"] for outcome in ranks[n]]
+    owned = [outcome["cases"][name, partition]["owned_elements"] for outcome in ranks[n]]
     assert sum(local) == 2 * trained
     assert all(0 < share <= o * 2 for share, o in zip(local, owned))
     assert sum(owned) == sum(p.numel() for p in make_model().parameters())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_flat_partition_gives_every_rank_the_same_number_of_elements_to_one_per_group_and_dtype(ranks, n):
+    """Three param groups, one with a float64 parameter: four flat ranges cut in n, each to within one element."""
+    owned = [outcome["cases"]["adamw", "flat"]["owned_elements"] for outcome in ranks[n]]
+    assert max(owned) - min(owned) <= 4, owned
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -263,12 +269,11 @@ def test_bad_input_is_refused_on_every_rank_before_any_message(ranks, n):
                 "twice in a group": "ValueError: a parameter of shape (7, 6) appears twice",
                 "twice across groups": "ValueError: a parameter of shape (7, 6) appears twice",
                 "twice when added": "ValueError: a parameter of shape (7, 6) appears twice",
-                "devices": "ValueError: parameters on different devices"}
+                "devices": "ValueError: parameters on different devices",
+                "partition": "ValueError: unknown partition 'rows'",
+                "not contiguous": "ValueError: a parameter of shape (3, 4) is not contiguous"}
     for outcome in ranks[n]:
-        for case, start in expected.items():
-            refused = outcome["refused"][case]
-            assert refused["error"] is not None and refused["error"].startswith(start), (case, refused["error"])
-            assert refused["calls"] == {}, case
+        assert_refused(outcome["refused"], expected)
 
 
 def test_the_partition_gives_the_largest_tensors_first_to_the_least_loaded_rank():
