@@ -114,9 +114,14 @@ def _model_signature(module: nn.Module) -> list[tuple]:
             + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()])
 
 
-def check_same_model(module: nn.Module, process_group=None) -> None:
+def check_same_model(module: nn.Module, process_group=None, local_problem: str | None = None,
+                     wrapper: str = "DDP") -> None:
     """Raise ValueError on every rank of the group unless every rank's ``module`` has the same
     parameters and buffers (names, shapes, dtypes, requires_grad) in the same order.
+
+    ``local_problem``: what a rank found wrong on its own (e.g. parameters on several devices),
+    sent along in the same collective so that every rank raises it; ``wrapper`` names the
+    caller in the messages.
 
     One ``all_gather_object`` of the signatures (inside: an all_gather of their sizes, then
     one of their pickled bytes, a few dozen bytes per tensor), as PyTorch's DDP checks shapes
@@ -124,9 +129,12 @@ def check_same_model(module: nn.Module, process_group=None) -> None:
     abort, a NCCL hang or buckets that silently mix different parameters. Every rank sees
     every signature, so every rank raises the same message, naming the first difference.
     """
-    mine = _model_signature(module)
-    signatures: list = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(signatures, mine, group=process_group)
+    gathered: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, (local_problem, _model_signature(module)), group=process_group)
+    for rank, (problem, _) in enumerate(gathered):
+        if problem is not None:
+            raise ValueError(f"{wrapper}: {problem} (on rank {rank})")
+    signatures = [signature for _, signature in gathered]
     reference = signatures[0]
 
     def describe(entry):
@@ -146,7 +154,7 @@ def check_same_model(module: nn.Module, process_group=None) -> None:
                 break
     if first is not None:
         index, rank, ours, theirs = first
-        raise ValueError(f"DDP: the ranks wrap different models. Tensor {index} (parameters, then buffers, in "
+        raise ValueError(f"{wrapper}: the ranks wrap different models. Tensor {index} (parameters, then buffers, in "
                          f"registration order) is the {describe(ours)} on rank 0 but the {describe(theirs)} on "
                          f"rank {rank}. Build the same model (architecture, dtype, frozen parameters) on every rank "
                          "before wrapping it.")

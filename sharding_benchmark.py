@@ -1,9 +1,10 @@
-"""Sharded data parallelism, measured: time per iteration and what each rank holds, for DDP and ZeRO
-(ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
+"""Sharded data parallelism, measured: time per iteration and what each rank holds, for DDP, ZeRO and
+FSDP (ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
 
     python sharding_benchmark.py                                   # spawns 1, 2 and 4 processes in turn
     python sharding_benchmark.py --quick --json results/sharding.json                   # about a minute
     python sharding_benchmark.py --procs 2 --models gpt --variants "zero ours" "zero pytorch"
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours" "fsdp ours inline"  # overlap A/B
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
@@ -23,6 +24,9 @@ counts once): parameters; gradients (after synchronisation); optimizer state; ac
 during an iteration (``measure.PeakMemory``). "Ideal" is the model states (parameters +
 gradients + AdamW's two moments) a rank must hold under that sharding: all of them for DDP,
 1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP.
+FSDP's gathered weights that autograd saves count as activations for PyTorch's ``fully_shard`` (its
+saved tensors are the gathered parameters) and for ours with ``keep`` (kept for backward), not for
+ours with resharding (it saves where to find them again, and gathers them in backward).
 
 A variant is a builder registered with ``@variant``: a new sharding (FSDP) plugs in as more
 builders with their own ideal and targets.
@@ -31,6 +35,7 @@ builders with their own ideal and targets.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -41,6 +46,7 @@ from torch import nn
 
 import zero
 from ddp import DDP, sync_gradients
+from fsdp import FSDP
 from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
 from measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile, saved_tensor_bytes,
                      time_interleaved, verdict)
@@ -155,6 +161,60 @@ def zero_pytorch(module: nn.Module) -> Setup:
                                                   if torch.is_tensor(t)])  # its local optimizer's
 
 
+# FSDP shards these layers (ours and PyTorch's alike): every linear and embedding layer of the GPT, every
+# convolution and the classifier of resnet18; norms stay replicated.
+FSDP_SHARD_TYPES = (nn.Linear, nn.Embedding, nn.Conv2d)
+
+
+def _fsdp_ours(module: nn.Module, **options) -> Setup:
+    model = FSDP(module, shard_types=FSDP_SHARD_TYPES, **options)
+    return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
+                 kept=lambda: [b.flat for b in model._replicated.buckets])  # the replicated parameters' gradients
+
+
+def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=True) -> Setup:
+    """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layers in _tied_groups([m for m in module.modules() if isinstance(m, FSDP_SHARD_TYPES)]):
+        # fully_shard refuses a parameter in two groups: layers sharing one (GPT's head and embedding) form one
+        fully_shard(layers if len(layers) > 1 else layers[0], reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy)
+    model = fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return Setup(model, adamw(model.parameters()))
+
+
+def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """``layers`` (those with parameters) in groups: layers that share a parameter end up in the same group."""
+    groups: list[tuple[set[int], list[nn.Module]]] = []
+    for layer in layers:
+        ids = {id(p) for p in layer.parameters()}
+        if not ids:
+            continue
+        joined = [g for g in groups if g[0] & ids]
+        for g in joined:
+            groups.remove(g)
+        groups.append((ids.union(*(g[0] for g in joined)), [m for g in joined for m in g[1]] + [layer]))
+    return [members for _, members in groups]
+
+
+@variant("fsdp ours inline", "fsdp", targets=(("fsdp ours", None),), default=False)
+def fsdp_ours_inline(module: nn.Module) -> Setup:
+    """Our collectives on the calling thread instead of the communication thread: what overlap buys."""
+    return _fsdp_ours(module, comm_thread=False)
+
+
+for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
+                        (" bf16", dict(compute_dtype=torch.bfloat16)),
+                        (" bf16 keep", dict(compute_dtype=torch.bfloat16, reshard_after_forward=False))):
+    # "keep": reshard_after_forward=False (gathered once per step, kept for backward); "bf16": gathered
+    # and computed in bfloat16, float32 master shards, gradients and AdamW. The bf16 keep pair is opt-in.
+    variant(f"fsdp ours{_name}", "fsdp", targets=((f"fsdp pytorch{_name}", TARGET_VS_PYTORCH),),
+            default=_name != " bf16 keep")(functools.partial(_fsdp_ours, **_options))
+    variant(f"fsdp pytorch{_name}", "fsdp", default=_name != " bf16 keep")(functools.partial(_fsdp_pytorch, **_options))
+
+
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
     """Model-state bytes one rank must hold: parameters, gradients and optimizer state of the whole model (``full``)."""
     p, g, s = full["params"], full["grads"], full["state"]
@@ -191,16 +251,22 @@ def fresh_module(name: str, args, device: torch.device) -> nn.Module:
     return build_model(name, gpt_config(args)).to(device).train()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its local shard for a DTensor (PyTorch's FSDP), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a tied weight or a shared bucket counts once)."""
     storages = {}
     for t in tensors:
         if t is not None:
+            t = _local(t)
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
 
 
-def full_sizes(module: nn.Module, shard_types=(nn.Linear, nn.Embedding)) -> dict:
+def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
     """The whole model's state, counted from shapes (not from any rank's tensors): the ideal's inputs.
 
     AdamW keeps two moments per trainable element, plus a scalar step count per tensor.
@@ -248,7 +314,7 @@ class Run:
         model, optimizer = self.setup.model, self.setup.optimizer
         params = list(model.parameters())
         box = []
-        activations = saved_tensor_bytes(lambda: box.append(self.forward()), exclude=params)
+        activations = saved_tensor_bytes(lambda: box.append(self.forward()), exclude=[_local(p) for p in params])
         box[0].backward()
         sync_gradients(model)
         grads = storage_bytes(p.grad for p in params)

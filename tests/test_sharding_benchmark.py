@@ -15,7 +15,7 @@ from models import build_model
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
         "--variants", "ddp ours", "ddp pytorch", "zero ours", "zero ours broadcast", "zero ours tensor",
-        "zero pytorch"]
+        "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16"]
 WORLD = 2
 
 
@@ -53,7 +53,7 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     pieces = [sum(1 for end, p in zip(ends, params) if end - p.numel() < edges[r + 1] and end > edges[r])
               for r in range(WORLD)]
     flat = [8 * (edges[r + 1] - edges[r]) + 4 * pieces[r] for r in range(WORLD)]
-    for row in (r for r in rows if "variant" in r):
+    for row in (r for r in rows if "variant" in r and r["sharding"] != "fsdp"):
         # ddp.DDP's buckets hold the gradients and one float32 used-flag per parameter after them
         flags = 4 * len(params) if " ours" in row["variant"] else 0
         assert row["params_bytes"] == total and row["grads_bytes"] == total + flags, row["variant"]
@@ -70,10 +70,34 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
             assert row["state_bytes_per_rank"] == whole_tensors
 
 
+def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
+    """Ours: each linear or embedding layer's parameters in one flat shard of ceil(numel / n) elements per
+    rank (the head is tied to the embedding: no unit of its own); the LayerNorms replicated, their
+    gradients in ddp.DDP's bucket with a float32 used-flag each; AdamW's two moments and a step per tensor."""
+    model = build_model("gpt", bench.gpt_config(bench.parse_args(ARGS)))
+    seen, shards, replicated = set(), [], []
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if isinstance(m, bench.FSDP_SHARD_TYPES) and own:
+            shards.append(-(-sum(p.numel() for p in own) // WORLD) * 4)
+        elif not isinstance(m, bench.FSDP_SHARD_TYPES):
+            replicated += [p.numel() * 4 for p in own]
+    held = sum(shards) + sum(replicated)
+    measured = {row["variant"]: row for row in rows if "variant" in row}
+    for name in ("fsdp ours", "fsdp ours bf16"):
+        row = measured[name]
+        assert row["params_bytes"] == held and row["grads_bytes"] == held + 4 * len(replicated), name
+        assert row["state_bytes_per_rank"] == [2 * held + 4 * (len(shards) + len(replicated))] * WORLD, name
+    for name in ("fsdp ours", "fsdp pytorch"):
+        assert measured[name]["state_vs_ideal"] <= bench.TARGET_STATE_VS_IDEAL, name
+        assert measured[name]["model_state_bytes"] < 0.6 * measured["ddp ours"]["model_state_bytes"], name
+
+
 def test_each_target_is_a_paired_ratio_with_a_verdict(rows):
     targets = {(row["target"]): row for row in rows if "target" in row}
     assert {"zero ours / zero pytorch", "zero ours / ddp ours", "ddp ours / ddp pytorch", "zero ours broadcast / zero ours",
-            "zero ours state / ideal"} <= set(targets)
+            "zero ours state / ideal", "fsdp ours / fsdp pytorch", "fsdp ours state / ideal"} <= set(targets)
     for name, row in targets.items():
         assert row["verdict"] in ("met", "missed", "inconclusive", "-"), name
         if row["ratio"] is not None:
