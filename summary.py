@@ -87,6 +87,23 @@ def syncbn_lines(doc: dict) -> list[str]:
             "times of forward + backward):", *[f"  - {p}" for p in parts]]
 
 
+def sharding_lines(doc: dict) -> list[str]:
+    """Sharded data parallelism at the largest world size that is not oversubscribed."""
+    rows = [r for r in doc["results"] if "variant" in r]
+    world = max(r["world_size"] for r in rows if not r["oversubscribed"])
+    targets = [t for t in doc["results"] if "target" in t and t["world_size"] == world]
+    timed = [t for t in targets if t["ratio"] is not None]
+    states = [t for t in targets if t["ratio"] is None]
+    worst_state = max(states, key=lambda t: t["value"])
+    lines = [f"- **Sharded data parallelism** (`sharding_benchmark.py`, {', '.join(doc['config']['models'])}, AdamW, "
+             f"{world} processes, {doc['config']['rounds']} rounds): model-state bytes per rank within "
+             f"{states[0]['limit']:.2f}x the ideal for {sum(t['verdict'] == 'met' for t in states)} of {len(states)} "
+             f"rows (largest {worst_state['value']:.2f}x, {worst_state['target'].split(' state')[0]}); time:"]
+    lines += [f"  - {t['model']}: {t['target']} {format_ratio(t['ratio'])} (target <= {t['limit']:.2f}): **{t['verdict']}**"
+              for t in timed]
+    return lines
+
+
 def training_lines(ours: dict, theirs: dict) -> list[str]:
     """The homework's training comparison: the same seed, data and loop with our DDP and PyTorch's."""
     def final(doc):
@@ -118,6 +135,7 @@ def oversubscribed_lines(*docs: dict) -> list[str]:
 SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("syncbn",), syncbn_lines),
     (("ddp_benchmark",), ddp_lines),
+    (("sharding",), sharding_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
     (("ddp_benchmark", "ddp_sweep"), oversubscribed_lines),
 ]
