@@ -41,6 +41,8 @@ import argparse
 import functools
 import math
 import threading
+import warnings
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +64,9 @@ OPS = ("mean", "sum")
 # ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
 SEGMENT_BYTES = 4 << 20
 IN_FLIGHT = 4
+# The tree streams its two phases only when a tensor spans several segments, so its segments are
+# smaller; compare settings with ``collectives_benchmark.py --algorithms tree --segment-bytes ...``.
+TREE_SEGMENT_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- the common frame
@@ -95,19 +100,56 @@ def bounds(numel: int, parts: int) -> list[int]:
     return [i * quotient + min(i, remainder) for i in range(parts + 1)]
 
 
-def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., None], **options) -> torch.Tensor:
-    """Validate, handle the trivial cases, run ``algorithm(flat, rank, n, op, group)`` on a contiguous 1-D view."""
+def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., None], check: bool = False,
+               **options) -> torch.Tensor:
+    """Validate, handle the trivial cases, run ``algorithm(flat, rank, n, group)`` (a sum) on a contiguous 1-D view.
+
+    The mean divides every rank's contribution by n BEFORE the sum, as ddp.py does: the sum of
+    n float16 values near 65504 / n cannot overflow, where summing first would reach inf.
+    """
     _check(tensor, op)
     rank, n = _group_rank(group)
+    if check and n > 1:
+        _check_same_input(tensor, op, algorithm, group, rank, n)
     if tensor.numel() == 0 or n == 1:
         return tensor  # nothing to exchange; the mean of one rank is its own value
     # A non-contiguous tensor has no flat view: reduce a contiguous copy (numel extra elements), copy it back.
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     with torch.no_grad():
-        algorithm(work.view(-1), rank, n, op, group, **options)
+        if op == "mean":
+            work.div_(n)
+        algorithm(work.view(-1), rank, n, group, **options)
         if work is not tensor:
             tensor.copy_(work)
     return tensor
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
+           torch.int64)
+
+
+def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int, n: int) -> None:
+    """One small exchange before the data: every rank learns every rank's (numel, dtype, op, algorithm).
+
+    Without it, mismatched sizes make gloo abort the receiving process with no Python traceback,
+    and mismatched algorithms deadlock. Each rank writes its row of an (n, 4) int64 table of zeros;
+    a recursive-doubling sum (exact in int64) gives every rank the whole table, so all ranks raise
+    the same error, naming both sides, and none is left waiting.
+    """
+    name = getattr(algorithm, "__name__", str(algorithm))
+    table = torch.zeros(n, 4, dtype=torch.int64)
+    table[rank] = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1,
+                                OPS.index(op), zlib.crc32(name.encode())])
+    _recursive_doubling(table.view(-1), rank, n, group)
+    differs = [r for r in range(n) if not torch.equal(table[r], table[0])]
+    if differs:
+        def describe(r):
+            numel, dtype, op_index, _ = table[r].tolist()
+            return f"rank {r} has {numel} elements of {_DTYPES[dtype] if dtype >= 0 else 'another dtype'} (op={OPS[op_index]!r})"
+        other = differs[0]
+        what = "the same input" if not torch.equal(table[other, :3], table[0, :3]) else "the same algorithm"
+        raise ValueError(f"all-reduce needs {what} on every rank: {describe(0)}, {describe(other)}"
+                         + ("" if what == "the same input" else f" but a different algorithm than rank 0"))
 
 
 # --------------------------------------------------------------------------- pipelined exchanges
@@ -118,8 +160,7 @@ class _Tick:
     """One step of a pairwise exchange: send one piece to a peer, receive one piece from a peer.
 
     ``recv`` is where the received piece belongs: with ``reduce`` it arrives in a scratch
-    buffer and is added there, otherwise it is received in place. ``divide`` is applied to
-    ``recv`` after the addition (the mean's single division). ``needs`` is the index of the
+    buffer and is added there, otherwise it is received in place. ``needs`` is the index of the
     last tick that must be finished before this one is posted: the one that produced the
     data ``send`` reads. Either side may be None (an empty piece, or a one-way step).
     """
@@ -129,7 +170,6 @@ class _Tick:
     recv: torch.Tensor | None
     recv_peer: int
     reduce: bool
-    divide: int | None
     needs: int
 
 
@@ -211,8 +251,6 @@ class _Exchange:
     def _reduce(tick: _Tick, target: torch.Tensor | None) -> None:
         if tick.recv is not None and tick.reduce:
             tick.recv.add_(target)
-        if tick.recv is not None and tick.divide is not None:
-            tick.recv.div_(tick.divide)
 
     def _run_lockstep(self) -> None:
         pending: deque = deque()
@@ -283,12 +321,11 @@ def _segment_count(numel: int, element_size: int, segment_bytes: int) -> int:
 # --------------------------------------------------------------------------- ring
 
 
-def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int) -> list[_Tick]:
+def _ring_ticks(flat: torch.Tensor, rank: int, n: int, segment_bytes: int) -> list[_Tick]:
     """Reduce-scatter then all-gather around the ring, each chunk cut into the same number of segments.
 
     Reduce-scatter step s (0..n-2): send chunk (rank - s), receive chunk (rank - s - 1) from the left
-    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1), divided there for
-    the mean. All-gather step s: send chunk (rank + 1 - s), receive chunk (rank - s) in place.
+    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1). All-gather step s: send chunk (rank + 1 - s), receive chunk (rank - s) in place.
     Segment k of a step forwards what segment k of the previous step received, so tick t needs
     tick t - K and the K segments of a step stream through the ring one behind the other.
     """
@@ -302,17 +339,16 @@ def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: i
         for s in range(n - 1):
             if phase == "reduce-scatter":
                 send_chunk, recv_chunk = (rank - s) % n, (rank - s - 1) % n
-                divide = n if op == "mean" and s == n - 2 else None
             else:
-                send_chunk, recv_chunk, divide = (rank + 1 - s) % n, (rank - s) % n, None
+                send_chunk, recv_chunk = (rank + 1 - s) % n, (rank - s) % n
             for k in range(per_chunk):
                 ticks.append(_Tick(segments[send_chunk][k], right, segments[recv_chunk][k], left,
-                                   reduce=phase == "reduce-scatter", divide=divide, needs=len(ticks) - per_chunk))
+                                   reduce=phase == "reduce-scatter", needs=len(ticks) - per_chunk))
     return ticks
 
 
-def _ring(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
-    _Exchange(_ring_ticks(flat, rank, n, op, segment_bytes), group, in_flight).run()
+def _ring(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
+    _Exchange(_ring_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
 def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = SEGMENT_BYTES,
@@ -331,7 +367,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # --------------------------------------------------------------------------- halving-doubling
 
 
-def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int) -> list[_Tick]:
+def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, segment_bytes: int) -> list[_Tick]:
     """Rabenseifner over the largest power of two p <= n, with the n - p extra ranks folded in.
 
     Fold: extra rank p + i sends its tensor to rank i, which adds it. Recursive halving: at
@@ -342,10 +378,9 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
     (bounded scratch, overlapped additions); each step waits for the previous one to finish.
     """
     p = 1 << (n.bit_length() - 1)
-    divide = n if op == "mean" else None
     ticks: list[_Tick] = []
 
-    def exchange(send, recv, peer, reduce, last_step=False):
+    def exchange(send, recv, peer, reduce):
         largest = max(x.numel() if x is not None else 0 for x in (send, recv))
         count = _segment_count(largest, flat.element_size(), segment_bytes) if reduce else 1
         sends = _segments(send, count) if send is not None else [None] * count
@@ -353,7 +388,7 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
         start = len(ticks)
         for s, r in zip(sends, recvs):
             if s is not None or r is not None:
-                ticks.append(_Tick(s, peer, r, peer, reduce, divide if last_step else None, needs=start - 1))
+                ticks.append(_Tick(s, peer, r, peer, reduce, needs=start - 1))
 
     if rank >= p:  # an extra rank: hand the data over, get the result back
         exchange(flat, None, rank - p, reduce=True)
@@ -368,7 +403,7 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
         mid = (lo + hi) // 2
         keep, give = ((mid, hi), (lo, mid)) if rank & distance else ((lo, mid), (mid, hi))
         exchange(flat[blocks[give[0]]:blocks[give[1]]], flat[blocks[keep[0]]:blocks[keep[1]]], rank ^ distance,
-                 reduce=True, last_step=distance == 1)
+                 reduce=True)
         lo, hi = keep
         distance //= 2
     distance = 1
@@ -384,8 +419,8 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
     return ticks
 
 
-def _halving_doubling(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
-    _Exchange(_halving_doubling_ticks(flat, rank, n, op, segment_bytes), group, in_flight).run()
+def _halving_doubling(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
+    _Exchange(_halving_doubling_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
 def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *,
@@ -404,7 +439,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=Non
 # --------------------------------------------------------------------------- butterfly
 
 
-def _butterfly(flat: torch.Tensor, rank: int, n: int, op: str, group) -> None:
+def _butterfly(flat: torch.Tensor, rank: int, n: int, group) -> None:
     """Rank i owns chunk i: everyone sends chunk i to rank i (all at once), rank i adds the n - 1
     chunks it receives in rank order, then sends its reduced chunk to everyone."""
     b = bounds(flat.numel(), n)
@@ -420,8 +455,6 @@ def _butterfly(flat: torch.Tensor, rank: int, n: int, op: str, group) -> None:
         work.wait()  # sends too: chunk j is overwritten below
     for row in received:
         own.add_(row)
-    if op == "mean":
-        own.div_(n)
     gather = [dist.P2POp(dist.isend, own, group=group, group_peer=j) for j in peers if own.numel()]
     gather += [dist.P2POp(dist.irecv, chunks[j], group=group, group_peer=j) for j in peers if chunks[j].numel()]
     for work in (dist.batch_isend_irecv(gather) if gather else []):
@@ -437,15 +470,193 @@ def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> t
     return _allreduce(tensor, op, group, _butterfly)
 
 
+# --------------------------------------------------------------------------- recursive doubling
+
+
+def _pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+    """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
+
+    gloo: the receive is posted first (a gloo message moves once its receive is posted). NCCL
+    runs a pair's operations in order on one stream, so two ranks each sending first would wait
+    for each other: the pair is posted as one ``batch_isend_irecv`` there.
+    """
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        works = [dist.irecv(recv, group=group, group_src=peer), dist.isend(send, group=group, group_dst=peer)]
+    else:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, group=group, group_peer=peer),
+                                        dist.P2POp(dist.isend, send, group=group, group_peer=peer)])
+    for work in works:
+        work.wait()  # the send too: the caller adds into ``send`` next
+
+
+def _recursive_doubling(flat: torch.Tensor, rank: int, n: int, group) -> None:
+    """log2(p) exchanges of the whole vector with partner rank ^ d, d = 1, 2, ..., p/2, adding each time.
+
+    p is the largest power of two <= n; extra rank p + i first hands its vector to rank i (which
+    adds it) and gets the result back at the end, as in halving-doubling. Partners add the same
+    two values in either order, and addition is commutative, so all ranks hold the same bits.
+    """
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:  # an extra rank: the result arrives in place once the partner has our data (posted early)
+        result = dist.irecv(flat, group=group, group_src=rank - p) if dist.get_backend(group) == dist.Backend.GLOO else None
+        dist.isend(flat, group=group, group_dst=rank - p).wait()
+        (result or dist.irecv(flat, group=group, group_src=rank - p)).wait()
+        return
+    received = _scratch(flat, 1, flat.numel())[0]
+    if rank < n - p:
+        dist.irecv(received, group=group, group_src=rank + p).wait()
+        flat.add_(received)
+    distance = 1
+    while distance < p:
+        _pair_exchange(flat, received, rank ^ distance, group)
+        flat.add_(received)
+        distance *= 2
+    if rank < n - p:
+        dist.isend(flat, group=group, group_dst=rank + p).wait()
+
+
+def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+    """Recursive doubling in place: log2(n) exchanges of the whole tensor (latency-optimal).
+
+    With n a power of two each rank makes log2(n) dependent exchanges (the ring makes 2(n-1))
+    but sends log2(n) whole tensors (the ring 2(n-1)/n of one): the choice for small messages.
+    Otherwise the n - p ranks beyond the largest power of two p fold in first (two more steps).
+    Extra memory: one tensor, in the scratch buffer kept for the next call.
+    """
+    return _allreduce(tensor, op, group, _recursive_doubling)
+
+
+# --------------------------------------------------------------------------- tree
+
+
+def _tree(flat: torch.Tensor, rank: int, n: int, group, segment_bytes: int = TREE_SEGMENT_BYTES,
+          in_flight: int = IN_FLIGHT) -> None:
+    """Pipelined binary-tree reduce to rank 0, then broadcast back down, segment by segment.
+
+    The tree is a heap: the parent of rank r is (r - 1) // 2, its children 2r + 1 and 2r + 2.
+    Reduce: a rank adds segment k of each child (received into one of ``in_flight`` scratch
+    rows per child, posted ahead) to its own, then sends it up while segment k + 1 arrives.
+    Broadcast: a rank receives segment k from its parent in place and sends it to its children.
+    The broadcast receives are posted right after the last reduce send, so they wait for the
+    data instead of the data waiting for them; on NCCL, whose pair operations run in order,
+    that order also keeps each pair's sends and receives matched. Rank 0 makes the only sum
+    of each segment and everyone receives a copy: all ranks hold the same bits.
+    """
+    parent = (rank - 1) // 2 if rank else None
+    children = [child for child in (2 * rank + 1, 2 * rank + 2) if child < n]
+    count = min(flat.numel(), _segment_count(flat.numel(), flat.element_size(), segment_bytes))
+    segments = _segments(flat, count)
+    depth = min(max(1, in_flight), count)
+    # (depth x children, largest segment): segment k of child j arrives in row (k % depth) * len(children) + j.
+    slots = _scratch(flat, depth * len(children), segments[0].numel()) if children else None
+
+    def post_receives(k):
+        rows = range((k % depth) * len(children), (k % depth + 1) * len(children))
+        return [(slots[row, :segments[k].numel()], dist.irecv(slots[row, :segments[k].numel()], group=group, group_src=child))
+                for row, child in zip(rows, children)]
+
+    sends, pending = [], deque(post_receives(k) for k in range(depth)) if children else deque()
+    for k, segment in enumerate(segments):
+        if children:
+            for received, work in pending.popleft():
+                work.wait()
+                segment.add_(received)
+            if k + depth < count:
+                pending.append(post_receives(k + depth))  # into the rows segment k has just freed
+        if parent is not None:
+            sends.append(dist.isend(segment, group=group, group_dst=parent))
+    receives = [dist.irecv(segment, group=group, group_src=parent) for segment in segments] if parent is not None else []
+    for k, segment in enumerate(segments):
+        if receives:
+            receives[k].wait()
+        sends += [dist.isend(segment, group=group, group_dst=child) for child in children]
+    for work in sends:
+        work.wait()
+
+
+def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = TREE_SEGMENT_BYTES,
+                   in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Pipelined binary-tree reduce then broadcast in place (NCCL's choice for small and medium messages).
+
+    2 floor(log2 n) dependent steps for one segment; with k segments of about ``segment_bytes``
+    the two phases stream, about 2 (floor(log2 n) + k - 1) steps of numel / k elements. An inner
+    rank receives two segments per step, so for large tensors the ring, which moves 2(n-1)/n of
+    the tensor in total, wins. Extra memory: ``in_flight`` segments per child (at most two).
+    """
+    return _allreduce(tensor, op, group, _tree, segment_bytes=segment_bytes, in_flight=in_flight)
+
+
+# --------------------------------------------------------------------------- automatic choice
+
+
+# The fastest algorithm by message size for each measured world size: ((largest message in bytes,
+# algorithm), ...), the last bound None. Derived on this machine (2 cores, gloo, float32) by
+#     python collectives_benchmark.py --tune
+# which prints a table in this form to paste here (PROVISIONAL until that run).
+CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
+    2: ((64 << 10, "recursive_doubling"), (None, "ring")),
+    4: ((64 << 10, "recursive_doubling"), (None, "ring")),
+}
+
+
+def _nearest_world_size(world_size: int, table: dict) -> int:
+    """The measured world size closest to ``world_size`` on a log scale (the smaller one on a tie)."""
+    if world_size in table:
+        return world_size
+    nearest = min(table, key=lambda k: (abs(math.log2(k) - math.log2(world_size)), k))
+    if (world_size, nearest) not in _WARNED:
+        _WARNED.add((world_size, nearest))
+        warnings.warn(f"allreduce(algorithm='auto'): no crossover measured for {world_size} processes; using the "
+                      f"table of {nearest} (re-derive it with: python collectives_benchmark.py --tune --procs {world_size})",
+                      stacklevel=3)
+    return nearest
+
+
+_WARNED: set[tuple[int, int]] = set()
+
+
+def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None) -> str:
+    """The algorithm ``allreduce(algorithm="auto")`` runs for a message of ``nbytes`` on ``world_size`` ranks.
+
+    ``table`` (default ``CROSSOVER``) maps a world size to ((largest message in bytes, algorithm), ...),
+    the last bound None. A world size it lacks uses the nearest measured one, with a warning once.
+    """
+    table = CROSSOVER if table is None else table
+    for bound, name in table[_nearest_world_size(world_size, table)]:
+        if bound is None or nbytes <= bound:
+            return name
+    raise ValueError(f"crossover table for {world_size} processes has no open-ended last entry")
+
+
+def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str = "auto", *,
+              check: bool = False) -> torch.Tensor:
+    """All-reduce in place with the algorithm of ``algorithm``, or for ``"auto"`` the one measured fastest
+    on this machine for the tensor's size in bytes and the group's size (``choose_algorithm``).
+
+    ``op="mean"`` divides every contribution by the group size before the sum (so a float16
+    mean overflows only if the mean does). With ``check=True`` the ranks first exchange their
+    numel, dtype, op and algorithm (one small recursive-doubling exchange of 4 int64 per rank)
+    and all raise ``ValueError`` naming both sides if any differs, instead of gloo aborting the
+    process or the ranks waiting for each other. Every rank must call it with the same arguments.
+    """
+    if algorithm != "auto" and algorithm not in _INNER:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(('auto', *_INNER))}")
+    _check(tensor, op)
+    rank, n = _group_rank(group)
+    if algorithm == "auto":
+        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), n) if n > 1 else "recursive_doubling"
+    return _allreduce(tensor, op, group, _INNER[algorithm], check=check)
+
+
 # --------------------------------------------------------------------------- reference
 
 
 def torch_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
-    """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: sum, then divide once)."""
+    """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: divide by n, then sum)."""
     _check(tensor, op)
-    dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
     if op == "mean":
         tensor.div_(dist.get_world_size(group))
+    dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -454,12 +665,18 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_allreduce,
     "butterfly": butterfly_allreduce,
     "halving_doubling": halving_doubling_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "tree": tree_allreduce,
+    "auto": allreduce,
 }
+# The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
+_INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
+                                          "recursive_doubling": _recursive_doubling, "tree": _tree}
 
 
 # --------------------------------------------------------------------------- the homework comparison
 
-CUSTOM = ("ring", "butterfly", "halving_doubling")
+CUSTOM = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree")
 QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=5, warmup=2)
 # Seed 000's second table compares with torch on 1 to 16 processes.
 TORCH_TABLE_MAX_WORLD = 16
