@@ -50,8 +50,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dist_utils import (PeakMemory, add_common_args, environment, format_environment, gather_rows, launch, markdown_table,
-                        progress, resolve_backend, time_interleaved, write_results)
+from dist_utils import add_common_args, launch, progress, resolve_backend
+from measure import PeakMemory, gather_rows, time_interleaved
+from results import environment, format_environment, markdown_table, write_results
 
 OPS = ("mean", "sum")
 

@@ -32,8 +32,9 @@ import re
 import torch
 
 import allreduce
-from dist_utils import (add_common_args, distributed, environment, format_environment, launch, markdown_table, print0,
-                        progress, read_results, resolve_backend, time_interleaved, write_results)
+from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
+from measure import time_interleaved
+from results import environment, format_environment, markdown_table, read_results, write_results
 
 DEFAULT_SIZES = ["1MB", "10MB", "100MB", "1GB"]
 QUICK = dict(sizes=["64KB", "1MB", "10MB"], procs=[2, 4], iters=16, warmup=2)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dist_utils import synchronize
+from measure import synchronize
 
 MIB = 2**20
 # Largest single broadcast of module state at construction, PyTorch DDP's value (250 MiB):

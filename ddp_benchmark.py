@@ -13,7 +13,7 @@ DDP study, seed 002):
   (``ddp.sync_gradients``), SGD step with momentum, ``zero_grad(set_to_none=True)``. Inputs
   and targets are random (fixed seed per rank) and made once, outside every timed region.
   Every iteration starts with a barrier and counts as long as its slowest rank
-  (``dist_utils.time_iterations``); sec/iter is reported at p50/p75/p90/p95 over the
+  (``measure.time_iterations``); sec/iter is reported at p50/p75/p90/p95 over the
   iterations, and ex/sec = global batch (batch per rank x world size) / sec/iter.
 * Variants (``--variants``, ``--bucket-sizes``): ``no ddp`` (each rank trains its own copy,
   no communication: the baseline, always measured), ``pytorch`` at its default 25 MiB
@@ -35,7 +35,7 @@ DDP study, seed 002):
   backward, where no host clock can isolate it; so for every variant alike, "DDP overhead"
   = its p50 minus the no-ddp p50 of the same run.
 * Peak memory: after a variant's last round, one more, untimed iteration under
-  ``dist_utils.PeakMemory`` gives the most tensor bytes above the level before it
+  ``measure.PeakMemory`` gives the most tensor bytes above the level before it
   (activations, gradients, communication temporaries; maximum over ranks); the DDP's buckets,
   kept between iterations, are added: ours hold the gradients, PyTorch's are besides them.
 * Targets (issue 6; printed with every run that has the variants): on CPU with 2 ranks and
@@ -62,17 +62,15 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
-from ddp_cifar100 import NUM_CLASSES
-from ddp_cifar100 import build_model as build_homework_model
-from dist_utils import (PeakMemory, add_common_args, chrome_trace, distributed, environment, format_environment,
-                        gather_rows, launch, percentile, print0, progress, read_results, resolve_backend,
-                        time_iterations, write_results)
+from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
+from measure import PeakMemory, chrome_trace, gather_rows, percentile, time_iterations
+from models import MODELS, NUM_CLASSES, GPTConfig, build_model
+from results import environment, format_environment, read_results, write_results
 
 BENCHMARK = "ddp_benchmark"
 NO_DDP = "no_ddp"
 DDP_KINDS = ("pytorch", "naive", "flat", "overlap", "bucketed")  # also the order of the rows
 PYTORCH_DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's default bucket_cap_mb
-MODELS = ("cnn", "resnet18", "resnet50", "gpt")
 CPU_MODELS = ("cnn", "resnet18")  # the default without a GPU; with one, all of MODELS
 PERCENTILES = (50, 75, 90, 95)  # the benchmark table (seed 004)
 DIFF_PERCENTILES = (75, 95)  # the diff table (seed 004)
@@ -138,57 +136,8 @@ def round_iters(iters: int, rounds: int, round_: int) -> int:
 # --------------------------------------------------------------------------- models and data
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention, then a 4x-wide MLP, each added to the residual."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape                                                     # (B, T, C)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # each (B, H, T, C/H)
-                   for z in self.qkv(self.ln1(x)).split(c, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)           # (B, H, T, C/H)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """A GPT-2-style language model: token and learned position embeddings, ``depth`` blocks, a final
-    LayerNorm and an output layer tied to the token embedding (one parameter used twice)."""
-
-    def __init__(self, vocab: int, seq_len: int, width: int, depth: int, heads: int):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, width)
-        self.positions = nn.Embedding(seq_len, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tokens.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) token ids -> (B, T, vocab) logits
-        x = self.tokens(idx) + self.positions(torch.arange(idx.size(1), device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def build_model(name: str, args: argparse.Namespace) -> nn.Module:
-    """A fresh, randomly initialised model (seed before calling)."""
-    if name in ("cnn", "resnet18"):
-        return build_homework_model(name)  # ddp_cifar100.py's: the homework CNN, or resnet18 with 100 classes
-    if name == "resnet50":
-        from torchvision.models import resnet50  # imported here: torchvision costs seconds per process
-
-        return resnet50(num_classes=NUM_CLASSES)
-    if name == "gpt":
-        return GPT(args.gpt_vocab, args.gpt_seq_len, args.gpt_width, args.gpt_depth, args.gpt_heads)
-    raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(args.gpt_vocab, args.gpt_seq_len, args.gpt_width, args.gpt_depth, args.gpt_heads)
 
 
 def image_size(name: str, args: argparse.Namespace) -> int:
@@ -249,7 +198,7 @@ class Replica:
 
 def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> nn.Module:
     torch.manual_seed(args.seed)  # the same initial weights for every variant, round and rank
-    return build_model(name, args).to(device).train()
+    return build_model(name, gpt_config(args)).to(device).train()
 
 
 def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> Replica:
@@ -369,7 +318,7 @@ def benchmark_model(ctx, args, name: str, variants: list[Variant]) -> list[dict]
         del replica  # freed before the next one is built: one model at a time in memory
     with torch.device("meta"):  # sizes only: no memory, no initialisation work
         facts = {"model": name, "batch_size": args.batch_size, "input": input_shape(name, args),
-                 **model_facts(build_model(name, args))}
+                 **model_facts(build_model(name, gpt_config(args)))}
     return [make_row(ctx, args, facts, v, rounds[v], memory[v]) for v in variants]
 
 

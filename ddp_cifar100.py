@@ -64,7 +64,7 @@ How it works, and the choices made:
   excluded), maximum over ranks; time per optimizer step = median over steps of the slowest
   rank, excluding the first four steps. Peak memory = the most tensor bytes allocated above
   the level before the model is wrapped (and a checkpoint loaded), through the fourth
-  optimizer step: DDP buffers, gradients, momentum, activations; via ``dist_utils.PeakMemory``
+  optimizer step: DDP buffers, gradients, momentum, activations; via ``measure.PeakMemory``
   (the profiler on CPU: too slow for a whole run); on CUDA also ``torch.cuda.max_memory_allocated``
   over the whole run.
 
@@ -97,11 +97,12 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp import broadcast_module_state, make_ddp, sync_gradients
-from dist_utils import (PeakMemory, add_common_args, distributed, environment, format_environment, gather_rows,
-                        markdown_table, print0, progress, synchronize, write_results)
+from dist_utils import add_common_args, distributed, print0, progress
+from measure import PeakMemory, gather_rows, synchronize
+from models import NUM_CLASSES, build_model
+from results import environment, format_environment, markdown_table, write_results
 from syncbn import convert_sync_batchnorm
 
-NUM_CLASSES = 100
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -273,35 +274,6 @@ def train_loader(train_set: Dataset, ctx, batch_size: int, seed: int, num_worker
 
 
 # --------------------------------------------------------------------------- model
-
-
-class Net(nn.Module):
-    """The homework's small CNN: 3x32x32 -> two 3x3 convolutions, max-pool, dropout -> 128 -> 100 logits."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 32, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(32 * 14 * 14, 128)
-        self.bn1 = nn.BatchNorm1d(128, affine=False)  # the layer SyncBatchNorm replaces
-        self.fc2 = nn.Linear(128, NUM_CLASSES)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))                      # (N, 32, 30, 30)
-        x = F.relu(self.conv2(x))                      # (N, 32, 28, 28)
-        x = self.dropout1(F.max_pool2d(x, 2))          # (N, 32, 14, 14)
-        x = F.relu(self.bn1(self.fc1(x.flatten(1))))   # (N, 128)
-        return self.fc2(self.dropout2(x))              # (N, 100)
-
-
-def build_model(name: str) -> nn.Module:
-    if name == "cnn":
-        return Net()
-    from torchvision.models import resnet18  # imported here: torchvision costs seconds per process
-
-    return resnet18(num_classes=NUM_CLASSES)
 
 
 def resolve_sync_bn(requested: str, impl: str, device: torch.device) -> tuple[str, list[str]]:

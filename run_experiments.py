@@ -6,7 +6,7 @@
     python run_experiments.py --list              # what would run, and the exact commands
 
 Each experiment is one command of this repository's own scripts, run as a subprocess with
-a time limit; its JSON (the shared layout of ``dist_utils.write_results``) goes to
+a time limit; its JSON (the shared layout of ``results.write_results``) goes to
 ``--out`` (default ``results/``), its console output to ``<out>/logs/<name>.log``. A failing
 experiment does not stop the others; the run exits non-zero and names it. ``--report``
 then executes ``report.ipynb`` top to bottom in place (it only reads ``<out>``), so the
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dist_utils import environment, format_environment, markdown_table, write_results
+from results import environment, format_environment, markdown_table, write_results
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")

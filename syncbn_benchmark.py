@@ -12,8 +12,8 @@ inputs are made before the timed region; every iteration starts with a barrier; 
 iteration counts as long as its slowest rank; we report the median (and p10/p90) over
 many iterations, taken in interleaved rounds so that load from other processes hits
 every implementation alike. Peak memory is measured in a separate untimed pass
-(``dist_utils.PeakMemory``), and "saved" is what autograd keeps for backward after the
-forward pass (``dist_utils.saved_tensor_bytes``).
+(``measure.PeakMemory``), and "saved" is what autograd keeps for backward after the
+forward pass (``measure.saved_tensor_bytes``).
 
 Implementations:
 
@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dist_utils import (PeakMemory, Timing, add_common_args, distributed, environment, format_environment, gather_rows,
-                        launch, markdown_table, progress, resolve_backend, saved_tensor_bytes, time_iterations,
-                        write_results)
+from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
+from measure import PeakMemory, Timing, gather_rows, saved_tensor_bytes, time_iterations
+from results import environment, format_environment, markdown_table, write_results
 from syncbn import SyncBatchNorm
 
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import allreduce
 from common import CollectiveCounter, run_workers
-from dist_utils import PeakMemory, WorkerError, launch
+from dist_utils import WorkerError, launch
+from measure import PeakMemory
 
 # Rounds of groups over a world of 8; None is the default group (all 8).
 ROUNDS = ([[1, 5, 6], [0, 2, 3, 4, 7]], [[0, 3, 5, 6], [2, 7], [4]], [None])

@@ -22,8 +22,8 @@ import torch
 
 import ddp_benchmark as bench
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
-from ddp_cifar100 import Net
-from dist_utils import read_results, write_results
+from models import Net
+from results import read_results, write_results
 
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 2, 2
 BUCKETS = (1.0, 10.0, 25.0, 100.0, 1000.0)  # the default bucket sizes the issue lists
@@ -217,7 +217,7 @@ def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
     args = bench.parse_args(["--models", "gpt", "--batch-size", "3", "--gpt-width", "16", "--gpt-depth", "2",
                              "--gpt-heads", "4", "--gpt-seq-len", "8", "--gpt-vocab", "50"])
     torch.manual_seed(0)
-    model = bench.build_model("gpt", args)
+    model = bench.build_model("gpt", bench.gpt_config(args))
     inputs, targets = bench.make_batch("gpt", args, rank=0, device=torch.device("cpu"))
     assert inputs.shape == targets.shape == (3, 8)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one token

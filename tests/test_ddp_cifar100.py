@@ -23,7 +23,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 import ddp_cifar100 as trainer
 from common import run_torchrun, run_workers
-from dist_utils import read_results
+from models import Net
+from results import read_results
 
 SCRIPT = "ddp_cifar100.py"
 IMPLS = ("selfmade", "pytorch")
@@ -120,7 +121,7 @@ def _state(path):
 
 def _initial_state(seed=0):
     torch.manual_seed(seed)
-    return trainer.Net().state_dict()
+    return Net().state_dict()
 
 
 def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs):
@@ -250,7 +251,7 @@ def _training_case(ctx, impl, checkpoint_dir):
 def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
-    net = trainer.Net()
+    net = Net()
     net.load_state_dict(net_state)
     results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
                              for dtype in VAL_DTYPES for per_rank in VAL_PIECES}
@@ -262,7 +263,7 @@ def in_process(tmp_path_factory):
     gen = torch.Generator().manual_seed(1)
     train = TensorDataset(torch.randn(WORLD * PER_RANK + 2, 3, 32, 32, generator=gen),  # +2: dropped by the sampler
                           torch.randint(0, 100, (WORLD * PER_RANK + 2,), generator=gen))
-    net = trainer.Net().eval()
+    net = Net().eval()
     images = torch.randn(VAL_SIZE, 3, 32, 32, generator=gen)
     with torch.no_grad():
         predicted = net(images).argmax(dim=1)

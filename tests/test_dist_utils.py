@@ -1,4 +1,5 @@
-"""The shared helpers: the local launcher's success and failure paths, timing, memory, results."""
+"""Process groups: the local launcher's success and failure paths, a world of one without torchrun,
+and timing gathered across ranks."""
 
 import os
 import time
@@ -9,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import dist_utils
+import measure
 from common import CollectiveCounter, run_workers
-from dist_utils import PeakMemory, PeerFailedError, WorkerError, launch, markdown_table, percentile, saved_tensor_bytes
+from dist_utils import PeerFailedError, WorkerError, launch
 
 
 def _probe(ctx, payload):
@@ -18,7 +20,7 @@ def _probe(ctx, payload):
     total = torch.tensor([float(ctx.rank)])
     dist.all_reduce(total)
     # Rank 1 is slower; every iteration counts as long as its slowest rank.
-    timing = dist_utils.time_iterations(lambda: time.sleep(0.02 * ctx.rank), iters=5, warmup=1)
+    timing = measure.time_iterations(lambda: time.sleep(0.02 * ctx.rank), iters=5, warmup=1)
     with CollectiveCounter() as counter:
         dist.all_reduce(torch.ones(2))
         peer = (ctx.rank + 1) % ctx.world_size
@@ -130,63 +132,9 @@ def test_a_silent_peer_fails_the_waiting_rank_within_the_process_group_timeout()
     _assert_all_dead(failure.value.pids)
 
 
-def test_percentile_interpolates_like_numpy():
-    samples = [0.3, 0.1, 0.4, 0.15, 0.9, 0.2]
-    for q in (0, 50, 75, 90, 95, 100):
-        assert percentile(samples, q) == pytest.approx(np.percentile(samples, q))
-
-
-def test_peak_memory_on_cpu_sees_torch_allocations_and_their_frees():
-    with PeakMemory("cpu") as peak:
-        big = torch.empty(1_000_000)  # 4 MB, freed before the 1 MB one is made
-        del big
-        small = torch.empty(250_000)
-    assert 4_000_000 <= peak.bytes < 4_100_000
-    with PeakMemory("cpu") as nothing:
-        small.add_(1)  # in place: no new memory
-    assert nothing.bytes < 1_000
-
-
-def test_saved_tensor_bytes_counts_each_saved_storage_once():
-    x = torch.randn(1000, requires_grad=True)
-    w = torch.randn(1000)
-    assert saved_tensor_bytes(lambda: (x * w).sum()) == 4000  # d/dx needs w only
-    w.requires_grad_()
-    assert saved_tensor_bytes(lambda: (x * w).sum()) == 8000  # now both, 4000 bytes each
-    assert saved_tensor_bytes(lambda: (x * x).sum()) == 4000  # x saved twice, stored once
-    assert saved_tensor_bytes(lambda: (x + w).sum()) == 0
-
-
-def test_results_round_trip_in_the_shared_layout(tmp_path):
-    env = dist_utils.environment("gloo", "cpu", 2)
-    assert {"torch", "backend", "device", "device_model", "threads", "world_size", "command"} <= env.keys()
-    path = tmp_path / "r.json"
-    dist_utils.write_results(str(path), "demo", env, {"iters": 3}, [{"size": 1, "time_s": 0.5}])
-    doc = dist_utils.read_results(str(path))
-    assert doc["benchmark"] == "demo" and doc["config"] == {"iters": 3} and doc["results"] == [{"size": 1, "time_s": 0.5}]
-    path.write_text('{"schema": "other"}')
-    with pytest.raises(ValueError, match="not a results file"):
-        dist_utils.read_results(str(path))
-
-
-def test_markdown_table_formats_and_marks_missing_values():
-    table = markdown_table([{"n": 2, "t": 0.5}, {"n": 4}], [("n", "world", "d"), ("t", "time (s)", ".3f")])
-    assert table.splitlines() == ["| world | time (s) |", "|-------|----------|", "| 2 | 0.500 |", "| 4 | - |"]
-
-
 def test_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with dist_utils.distributed("gloo", timeout_s=10) as ctx:
         assert (ctx.rank, ctx.world_size, ctx.device.type) == (0, 1, "cpu")
         assert dist.is_initialized() and dist.get_world_size() == 1
     assert not dist.is_initialized(), "torn down on exit"
-
-
-def test_time_interleaved_rotates_the_order_and_runs_setup_before_every_call():
-    calls = []
-    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
-    timings = dist_utils.time_interleaved(fns, iters=3, warmup=1, rounds=2, setup=lambda: calls.append("setup"))
-    assert {name: t.per_rank.shape for name, t in timings.items()} == {"a": (1, 3), "b": (1, 3)}
-    # Round 1: a (warm-up + 2 timed), then b (same); round 2, rotated: b then a, 1 timed call each.
-    assert [c for c in calls if c != "setup"] == ["a"] * 3 + ["b"] * 3 + ["b", "a"]
-    assert calls[0::2] == ["setup"] * 8, "setup precedes every call, warm-up included"

@@ -10,7 +10,7 @@ from nbclient import NotebookClient
 
 import run_experiments
 from common import REPO
-from dist_utils import read_results
+from results import read_results
 
 RESULTS = REPO / "results"
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from common import CollectiveCounter, launch_expecting_peer_failure, run_workers
-from dist_utils import saved_tensor_bytes
+from measure import saved_tensor_bytes
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
 
 WORLD_SIZES = (1, 2, 4)

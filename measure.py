@@ -1,0 +1,317 @@
+"""Measurement: timing, percentiles, confidence intervals, peak memory and traces.
+
+Every benchmark in this repository measures through these functions, so they all follow
+the same rules: warm-up iterations first, a barrier before every timed iteration, GPU work
+synchronised before the clock is read, an iteration as slow as its slowest rank (maximum
+over ranks), inputs made by the caller outside the timed region, and configurations
+interleaved in rounds so that a change in the machine's load hits every one alike.
+
+Uncertainty: a ratio between two configurations measured in the same rounds is summarised
+by ``paired_ratio``: the median of the per-round ratios and a 95 % percentile-bootstrap
+interval over rounds (rounds resampled with replacement, the median recomputed each time).
+``verdict`` turns it into met / missed / inconclusive against a target.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock measures it; nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gather_rows(values: Sequence[float], group=None) -> torch.Tensor:
+    """Every rank's ``values`` (same length on all ranks) as a float64 (world, n) tensor on every rank."""
+    local = torch.tensor(list(values), dtype=torch.float64)
+    if not dist.is_initialized():
+        return local.unsqueeze(0)
+    world = dist.get_world_size(group)
+    # nccl moves only GPU tensors; gloo only needs CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else local.device
+    local = local.to(device)
+    rows = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows).cpu()
+
+
+@dataclass
+class Timing:
+    """Per-iteration wall times. ``per_rank`` is (world, iters); ``samples`` its maximum over ranks.
+
+    An iteration is as slow as its slowest rank, so statistics are taken over ``samples``.
+    """
+
+    per_rank: torch.Tensor
+
+    @property
+    def samples(self) -> list[float]:
+        return self.per_rank.max(dim=0).values.tolist()
+
+    def percentile(self, q: float) -> float:
+        return percentile(self.samples, q)
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.samples))
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.samples))
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of ``samples``, linearly interpolated (numpy's default)."""
+    if len(samples) == 0:
+        raise ValueError("percentile of no samples")
+    return float(np.percentile(np.asarray(samples, dtype=np.float64), q))
+
+
+def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: torch.device | str = "cpu",
+                    group=None, barrier_each: bool = True, setup: Callable[[], Any] | None = None) -> Timing:
+    """Time ``iters`` calls of ``fn`` after ``warmup`` untimed ones; every rank must call this.
+
+    A barrier precedes the timed region (and, with ``barrier_each``, every iteration, so
+    all ranks start each iteration together and a rank's time includes waiting for its
+    slowest peer only inside ``fn``). GPU work is synchronised before the clock is read.
+    Inputs must be made by the caller, outside ``fn``; ``setup``, if given, runs before
+    every call (warm-up included) outside the timed region, e.g. to restore an input that
+    an in-place ``fn`` changed.
+    """
+    device = torch.device(device)
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    synchronize(device)
+    initialized = dist.is_initialized()
+    if initialized:
+        dist.barrier(group=group)
+    times = []
+    for _ in range(iters):
+        if setup is not None:
+            setup()
+        if barrier_each and initialized:
+            dist.barrier(group=group)
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return Timing(gather_rows(times, group))
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
+                     device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
+    """``time_iterations`` for several functions, their iterations split into ``rounds`` interleaved rounds.
+
+    Round r times each function in turn (the order rotated every round), so a change in the
+    machine's load during the run hits every function alike and their ratios stay meaningful.
+    Each function gets ``iters`` timed calls in all (at least one per round) and ``warmup``
+    untimed calls in its first round; every rank must call this with the same functions.
+    """
+    names = list(fns)
+    rounds = max(1, min(rounds, iters))
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
+            parts[name].append(timing.per_rank)
+    return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
+
+
+@contextmanager
+def _quiet_stderr():
+    """Silence fd 2 while the profiler starts and stops: kineto writes status lines there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class PeakMemory:
+    """Peak bytes of tensor memory that torch allocated inside the block, above the level at entry.
+
+    On CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
+    what was allocated at entry.
+    On CPU: torch has no allocator statistics, and tracemalloc does not see its buffers.
+    We record the block with the autograd profiler (``profile_memory=True``), which logs every
+    allocation and free of torch's CPU allocator, and take the maximum of the running total
+    in time order. It counts tensors, autograd's saved tensors and operator workspaces
+    allocated on the thread that entered the block; it does not count Python objects or
+    gloo's own transport buffers.
+    Limitation: a tensor whose last reference is dropped on another thread (e.g. a gloo
+    worker finishing a collective after the caller let go of its buffer) is freed without
+    an event, so a block that ends such collectives can overstate the peak by that buffer.
+    Measure steady-state steps (after construction broadcasts) where that matters.
+    Profiling slows the block down: measure memory and time in separate runs.
+
+    Usage::
+
+        with PeakMemory(device) as peak:
+            step()
+        peak.bytes
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.bytes = 0
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            # The autograd profiler torch.profiler.profile wraps: the wrapper's start imports
+            # torch._inductor, about 2 s of CPU in a process that has not imported torch._dynamo
+            # yet (building a torch.optim optimizer imports that too).
+            self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
+            with _quiet_stderr():
+                # The first free of a block allocated before profiling makes torch warn, once per
+                # process ("Memory block of unknown size..."): a free we do not count anyway
+                # (it is below the level at entry). Trigger that warning here, silenced.
+                before = torch.empty(1)
+                self._profiler.__enter__()
+                del before
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            return
+        with _quiet_stderr():
+            self._profiler.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        events = [e for e in self._profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+        live = peak = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            live += event.nbytes()
+            peak = max(peak, live)
+        self.bytes = peak
+
+
+@contextmanager
+def chrome_trace(path: str, device: torch.device | str = "cpu"):
+    """Profile the block and write a Chrome trace to ``path`` (chrome://tracing or ui.perfetto.dev).
+
+    The trace holds the host operators of every thread (so gloo's collectives, which run
+    on gloo's own threads, appear beside backward) and, on CUDA, the kernels of every
+    stream. It uses the autograd profiler that ``torch.profiler.profile`` wraps: the
+    wrapper's start imports torch._inductor (about 2 s of CPU per process). Queued GPU
+    work is waited for before the trace ends; kineto's status lines on stderr are
+    silenced. Nothing is written if the block raises.
+    """
+    device = torch.device(device)
+    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
+    with _quiet_stderr():
+        profiler.__enter__()
+    try:
+        yield
+        synchronize(device)
+    finally:
+        with _quiet_stderr():
+            profiler.__exit__(None, None, None)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with _quiet_stderr():
+        profiler.export_chrome_trace(path)
+
+
+def saved_tensor_bytes(fn: Callable[[], Any]) -> int:
+    """Bytes of distinct tensor storage that autograd keeps for backward while ``fn`` runs.
+
+    Counts each storage once (a tensor saved twice, or a view of a saved tensor, is free),
+    including inputs and outputs that are saved because backward needs them.
+    """
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+# --------------------------------------------------------------------------- uncertainty
+
+BOOTSTRAP_RESAMPLES = 10_000
+CI_METHOD = "median of per-round ratios; 95 % percentile bootstrap over rounds"
+
+
+def bootstrap_ci(values: Sequence[float], stat: Callable = np.median, level: float = 0.95,
+                 resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> tuple[float, float]:
+    """A percentile-bootstrap ``level`` interval of ``stat`` over ``values`` (independent rounds).
+
+    Fixed seed: the same data always gives the same interval, so a rendered report is
+    reproducible. With one value the interval is that value (nothing to resample).
+    """
+    data = np.asarray(values, dtype=np.float64)
+    if data.size == 0:
+        raise ValueError("confidence interval of no values")
+    picks = np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))
+    estimates = stat(data[picks], axis=1)
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(estimates, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> dict:
+    """Summarise ``ours / theirs`` for two configurations timed in the same rounds.
+
+    ``ours[r]`` and ``theirs[r]`` are one statistic (usually the p50 time) of round r; the
+    pairing cancels load that changed between rounds. Returns the median of the per-round
+    ratios, its 95 % bootstrap interval over rounds, the number of rounds and the method.
+    """
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired_ratio needs the same non-zero number of rounds, got {len(ours)} and {len(theirs)}")
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    low, high = bootstrap_ci(ratios)
+    return {"median": float(np.median(ratios)), "ci_low": low, "ci_high": high, "rounds": len(ratios),
+            "per_round": ratios, "method": CI_METHOD}
+
+
+def verdict(ratio: dict, target: float) -> str:
+    """``met`` when the whole interval is at or below ``target``, ``missed`` when it is all above,
+    ``inconclusive`` when it straddles the target (more rounds would decide)."""
+    if ratio["ci_high"] <= target:
+        return "met"
+    if ratio["ci_low"] > target:
+        return "missed"
+    return "inconclusive"
+
+
+def format_ratio(ratio: dict) -> str:
+    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that."""
+    return f"{ratio['median']:.2f}x [{ratio['ci_low']:.2f}, {ratio['ci_high']:.2f}]"
+
+
+def oversubscribed(world_size: int, device: torch.device | str = "cpu", cpus: int | None = None) -> bool:
+    """More CPU processes than cores: they time-share cores, so their timings say little about
+    the algorithm. Never true on GPUs (one process per device, the CPU is not the bottleneck)."""
+    if torch.device(device).type != "cpu":
+        return False
+    return world_size > (cpus or os.cpu_count() or 1)

@@ -1,0 +1,89 @@
+"""Measurement: percentiles, peak memory, saved bytes, interleaved timing, confidence intervals, verdicts."""
+
+import numpy as np
+import pytest
+import torch
+
+import measure
+from measure import PeakMemory, bootstrap_ci, paired_ratio, percentile, saved_tensor_bytes, verdict
+
+
+def test_percentile_interpolates_like_numpy():
+    samples = [0.3, 0.1, 0.4, 0.15, 0.9, 0.2]
+    for q in (0, 50, 75, 90, 95, 100):
+        assert percentile(samples, q) == pytest.approx(np.percentile(samples, q))
+
+
+def test_peak_memory_on_cpu_sees_torch_allocations_and_their_frees():
+    with PeakMemory("cpu") as peak:
+        big = torch.empty(1_000_000)  # 4 MB, freed before the 1 MB one is made
+        del big
+        small = torch.empty(250_000)
+    assert 4_000_000 <= peak.bytes < 4_100_000
+    with PeakMemory("cpu") as nothing:
+        small.add_(1)  # in place: no new memory
+    assert nothing.bytes < 1_000
+
+
+def test_saved_tensor_bytes_counts_each_saved_storage_once():
+    x = torch.randn(1000, requires_grad=True)
+    w = torch.randn(1000)
+    assert saved_tensor_bytes(lambda: (x * w).sum()) == 4000  # d/dx needs w only
+    w.requires_grad_()
+    assert saved_tensor_bytes(lambda: (x * w).sum()) == 8000  # now both, 4000 bytes each
+    assert saved_tensor_bytes(lambda: (x * x).sum()) == 4000  # x saved twice, stored once
+    assert saved_tensor_bytes(lambda: (x + w).sum()) == 0
+
+
+def test_time_interleaved_rotates_the_order_and_runs_setup_before_every_call():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    timings = measure.time_interleaved(fns, iters=3, warmup=1, rounds=2, setup=lambda: calls.append("setup"))
+    assert {name: t.per_rank.shape for name, t in timings.items()} == {"a": (1, 3), "b": (1, 3)}
+    # Round 1: a (warm-up + 2 timed), then b (same); round 2, rotated: b then a, 1 timed call each.
+    assert [c for c in calls if c != "setup"] == ["a"] * 3 + ["b"] * 3 + ["b", "a"]
+    assert calls[0::2] == ["setup"] * 8, "setup precedes every call, warm-up included"
+
+
+def test_bootstrap_interval_covers_the_median_and_narrows_with_more_rounds():
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(1.0, 0.1, 5), rng.normal(1.0, 0.1, 200)
+    low_few, high_few = bootstrap_ci(few)
+    low_many, high_many = bootstrap_ci(many)
+    assert low_few <= np.median(few) <= high_few
+    assert low_many <= np.median(many) <= high_many
+    assert high_many - low_many < (high_few - low_few) / 2, "40x the rounds: about 6x narrower"
+    assert bootstrap_ci(few) == (low_few, high_few), "a fixed seed: a report renders the same interval every time"
+    assert bootstrap_ci([0.7]) == (0.7, 0.7)
+    with pytest.raises(ValueError, match="no values"):
+        bootstrap_ci([])
+
+
+def test_bootstrap_interval_of_a_known_distribution_has_its_nominal_coverage():
+    # The median of 30 draws from N(0, 1): the 95 % interval must contain 0 in about 95 % of trials.
+    rng = np.random.default_rng(2)
+    covered = sum(low <= 0 <= high for low, high in (bootstrap_ci(rng.normal(0, 1, 30), resamples=2000)
+                                                     for _ in range(200)))
+    assert 0.88 * 200 <= covered <= 200
+
+
+def test_paired_ratio_pairs_rounds_so_common_drift_cancels():
+    theirs = [1.0, 2.0, 4.0, 8.0]  # the machine slows down round after round
+    ours = [1.1 * t for t in theirs]  # but ours is always 10 % slower in the same round
+    ratio = paired_ratio(ours, theirs)
+    assert ratio["median"] == pytest.approx(1.1) and ratio["rounds"] == 4
+    assert ratio["ci_low"] == pytest.approx(1.1) and ratio["ci_high"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="same non-zero number of rounds"):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_verdict_is_inconclusive_when_the_interval_straddles_the_target():
+    assert verdict({"ci_low": 0.90, "ci_high": 0.99}, 1.0) == "met"
+    assert verdict({"ci_low": 0.95, "ci_high": 1.00}, 1.0) == "met"
+    assert verdict({"ci_low": 1.01, "ci_high": 1.20}, 1.0) == "missed"
+    assert verdict({"ci_low": 0.98, "ci_high": 1.02}, 1.0) == "inconclusive"
+
+
+def test_oversubscribed_means_more_cpu_processes_than_cores():
+    assert measure.oversubscribed(3, "cpu", cpus=2) and not measure.oversubscribed(2, "cpu", cpus=2)
+    assert not measure.oversubscribed(8, "cuda", cpus=2), "one process per GPU: the cores are not what is shared"
