@@ -188,7 +188,8 @@ def model_terms(algorithm: str, n: int, nbytes: int) -> tuple[float, float]:
 def fit_model(rows: list[dict]) -> list[dict]:
     """Least-squares alpha and beta (both >= 0) per (backend, world size, algorithm) from the measured p50s."""
     fits = []
-    groups = sorted({(r["backend"], r["world_size"], r["algorithm"]) for r in rows if r["algorithm"] != "auto"})
+    groups = sorted({(r["backend"], r["world_size"], r["algorithm"]) for r in rows
+                     if r["algorithm"] in ("torch", *allreduce.CUSTOM)})  # auto is a mix of them: no model of its own
     for backend, n, name in groups:
         points = [r for r in rows if (r["backend"], r["world_size"], r["algorithm"]) == (backend, n, name)]
         if n < 2 or len(points) < 2:
