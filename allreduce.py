@@ -536,6 +536,34 @@ def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=N
     return _allreduce(tensor, op, group, _recursive_doubling)
 
 
+def _recursive_doubling_before(flat: torch.Tensor, rank: int, n: int, group) -> None:
+    """A/B ONLY (to be removed): the first version: one batch_isend_irecv of two P2POp objects per step, a fresh
+    receive buffer per step, the send posted before the receive."""
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:
+        dist.isend(flat, group=group, group_dst=rank - p).wait()
+        dist.irecv(flat, group=group, group_src=rank - p).wait()
+        return
+    if rank < n - p:
+        received = torch.empty_like(flat)
+        dist.irecv(received, group=group, group_src=rank + p).wait()
+        flat.add_(received)
+    distance = 1
+    while distance < p:
+        received = torch.empty_like(flat)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, group=group, group_peer=rank ^ distance),
+                                            dist.P2POp(dist.irecv, received, group=group, group_peer=rank ^ distance)]):
+            work.wait()
+        flat.add_(received)
+        distance *= 2
+    if rank < n - p:
+        dist.isend(flat, group=group, group_dst=rank + p).wait()
+
+
+def recursive_doubling_before_allreduce(tensor, op="mean", group=None):
+    return _allreduce(tensor, op, group, _recursive_doubling_before)
+
+
 # --------------------------------------------------------------------------- tree
 
 
@@ -678,6 +706,7 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "recursive_doubling": recursive_doubling_allreduce,
     "tree": tree_allreduce,
     "auto": allreduce,
+    "recursive_doubling_before": recursive_doubling_before_allreduce,  # A/B only
 }
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 _INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,

@@ -244,15 +244,28 @@ def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[di
 
 
 def crossover_table(rows: list[dict]) -> dict[int, tuple]:
-    """Per world size: the fastest point-to-point algorithm (p50) at each measured size, runs merged, a
-    bound between two sizes at their geometric mean; in the form of ``allreduce.CROSSOVER``."""
+    """Per world size: the fastest point-to-point algorithm at each measured size, in the form of
+    ``allreduce.CROSSOVER``; consecutive sizes with the same winner merge, and a bound between two
+    sizes sits at their geometric mean.
+
+    The winner at a size minimises its p50 relative to the fastest, averaged (geometrically) over
+    that size and its two neighbours: on a shared machine single sizes flip between algorithms
+    within a few per cent, and a table that flips with them would be noise, not a crossover.
+    """
     table = {}
     for n in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
-        sizes = sorted({r["bytes"] for r in rows if r["world_size"] == n})
+        mine = [r for r in rows if r["world_size"] == n and r["algorithm"] in allreduce.CUSTOM]
+        sizes = sorted({r["bytes"] for r in mine})
+        names = sorted({r["algorithm"] for r in mine})
+        p50 = {(r["algorithm"], r["bytes"]): r["p50_s"] for r in mine}
+        # log(p50 / fastest p50) per (algorithm, size); an algorithm not measured at a size never wins there.
+        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50 else math.inf
+                    for a in names for s in sizes}
         winners = []
-        for size in sizes:
-            candidates = [r for r in rows if r["world_size"] == n and r["bytes"] == size and r["algorithm"] in allreduce.CUSTOM]
-            winners.append(min(candidates, key=lambda r: r["p50_s"])["algorithm"])
+        for i, size in enumerate(sizes):
+            around = sizes[max(0, i - 1):i + 2]
+            winners.append(min(names, key=lambda a: (relative[a, size] == math.inf,
+                                                     sum(relative[a, s] for s in around) / len(around))))
         entries = []
         for i, name in enumerate(winners):
             if i + 1 < len(winners) and winners[i + 1] != name:
