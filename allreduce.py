@@ -486,12 +486,16 @@ def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> t
 def _pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
     """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
 
-    gloo: the receive is posted first (a gloo message moves once its receive is posted). NCCL
-    runs a pair's operations in order on one stream, so two ranks each sending first would wait
-    for each other: the pair is posted as one ``batch_isend_irecv`` there.
+    gloo: the send is posted before the receive: in a same-run A/B on 2 cores with 4 processes
+    (interleaved rounds, at the commit that had both orders) that took well under the time of
+    posting the receive first, while one ``batch_isend_irecv`` of two ``P2POp`` objects with a
+    fresh buffer per step made no measurable difference against two plain calls into a kept
+    buffer: the time is in the waits, not in Python. NCCL runs a pair's operations in order on
+    one stream, so two ranks each sending first would wait for each other: there the pair is
+    one ``batch_isend_irecv``.
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
-        works = [dist.irecv(recv, group=group, group_src=peer), dist.isend(send, group=group, group_dst=peer)]
+        works = [dist.isend(send, group=group, group_dst=peer), dist.irecv(recv, group=group, group_src=peer)]
     else:
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, group=group, group_peer=peer),
                                         dist.P2POp(dist.isend, send, group=group, group_peer=peer)])
@@ -507,10 +511,9 @@ def _recursive_doubling(flat: torch.Tensor, rank: int, n: int, group) -> None:
     two values in either order, and addition is commutative, so all ranks hold the same bits.
     """
     p = 1 << (n.bit_length() - 1)
-    if rank >= p:  # an extra rank: the result arrives in place once the partner has our data (posted early)
-        result = dist.irecv(flat, group=group, group_src=rank - p) if dist.get_backend(group) == dist.Backend.GLOO else None
+    if rank >= p:  # an extra rank: hand the tensor over, get the result back in place
         dist.isend(flat, group=group, group_dst=rank - p).wait()
-        (result or dist.irecv(flat, group=group, group_src=rank - p)).wait()
+        dist.irecv(flat, group=group, group_src=rank - p).wait()
         return
     received = _scratch(flat, 1, flat.numel())[0]
     if rank < n - p:
@@ -534,34 +537,6 @@ def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=N
     Extra memory: one tensor, in the scratch buffer kept for the next call.
     """
     return _allreduce(tensor, op, group, _recursive_doubling)
-
-
-def _recursive_doubling_before(flat: torch.Tensor, rank: int, n: int, group) -> None:
-    """A/B ONLY (to be removed): the first version: one batch_isend_irecv of two P2POp objects per step, a fresh
-    receive buffer per step, the send posted before the receive."""
-    p = 1 << (n.bit_length() - 1)
-    if rank >= p:
-        dist.isend(flat, group=group, group_dst=rank - p).wait()
-        dist.irecv(flat, group=group, group_src=rank - p).wait()
-        return
-    if rank < n - p:
-        received = torch.empty_like(flat)
-        dist.irecv(received, group=group, group_src=rank + p).wait()
-        flat.add_(received)
-    distance = 1
-    while distance < p:
-        received = torch.empty_like(flat)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, group=group, group_peer=rank ^ distance),
-                                            dist.P2POp(dist.irecv, received, group=group, group_peer=rank ^ distance)]):
-            work.wait()
-        flat.add_(received)
-        distance *= 2
-    if rank < n - p:
-        dist.isend(flat, group=group, group_dst=rank + p).wait()
-
-
-def recursive_doubling_before_allreduce(tensor, op="mean", group=None):
-    return _allreduce(tensor, op, group, _recursive_doubling_before)
 
 
 # --------------------------------------------------------------------------- tree
@@ -706,7 +681,6 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "recursive_doubling": recursive_doubling_allreduce,
     "tree": tree_allreduce,
     "auto": allreduce,
-    "recursive_doubling_before": recursive_doubling_before_allreduce,  # A/B only
 }
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 _INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
