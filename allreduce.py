@@ -603,12 +603,15 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 
 
 # The fastest algorithm by message size for each measured world size: ((largest message in bytes,
-# algorithm), ...), the last bound None. Derived on this machine (2 cores, gloo, float32) by
+# algorithm), ...), the last bound None. Derived on this machine (2 cores shared with other jobs,
+# gloo, float32) by
 #     python collectives_benchmark.py --tune
-# which prints a table in this form to paste here (PROVISIONAL until that run).
+# which prints a table in this form to paste here.
 CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
-    2: ((64 << 10, "recursive_doubling"), (None, "ring")),
-    4: ((64 << 10, "recursive_doubling"), (None, "ring")),
+    2: ((32768, 'recursive_doubling'), (524288, 'tree'), (33554432, 'recursive_doubling'), (None, 'ring'),),
+    3: ((8388608, 'tree'), (None, 'ring'),),
+    4: ((None, 'tree'),),
+    8: ((None, 'tree'),),
 }
 
 
