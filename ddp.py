@@ -101,6 +101,57 @@ def _coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[
 # rank's g / w rounds once more than a single division of the sum, a round-off-level difference.
 
 
+_UNFINISHED = (
+    "DDP: {what} while the gradients of the last synchronised backward are still being all-reduced. Call "
+    "finish_gradient_synchronization() (or ddp.sync_gradients(model)) after every synchronised backward, before "
+    "optimizer.step(), the next forward or no_sync(): otherwise gradients are added into buckets being sent "
+    "or the optimizer reads half-reduced ones.")
+
+
+def _model_signature(module: nn.Module) -> list[tuple]:
+    """(kind, name, shape, dtype, requires_grad) of every parameter and buffer, in registration order."""
+    return ([("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+            + [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()])
+
+
+def check_same_model(module: nn.Module, process_group=None) -> None:
+    """Raise ValueError on every rank of the group unless every rank's ``module`` has the same
+    parameters and buffers (names, shapes, dtypes, requires_grad) in the same order.
+
+    One ``all_gather_object`` of the signatures (inside: an all_gather of their sizes, then
+    one of their pickled bytes, a few dozen bytes per tensor), as PyTorch's DDP checks shapes
+    across processes at construction: otherwise a mismatch surfaces as a gloo size-mismatch
+    abort, a NCCL hang or buckets that silently mix different parameters. Every rank sees
+    every signature, so every rank raises the same message, naming the first difference.
+    """
+    mine = _model_signature(module)
+    signatures: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(signatures, mine, group=process_group)
+    reference = signatures[0]
+
+    def describe(entry):
+        if entry is None:
+            return "nothing (fewer parameters and buffers)"
+        kind, name, shape, dtype, requires_grad = entry
+        return f"{kind} {name!r} of shape {list(shape)}, {dtype}" + (", frozen" if kind == "parameter" and not requires_grad else "")
+
+    first = None  # (index, rank) of the earliest difference from rank 0
+    for rank, signature in enumerate(signatures[1:], start=1):
+        for index in range(max(len(signature), len(reference))):
+            theirs = signature[index] if index < len(signature) else None
+            ours = reference[index] if index < len(reference) else None
+            if theirs != ours:
+                if first is None or index < first[0]:
+                    first = (index, rank, ours, theirs)
+                break
+    if first is not None:
+        index, rank, ours, theirs = first
+        raise ValueError(f"DDP: the ranks wrap different models. Tensor {index} (parameters, then buffers, in "
+                         f"registration order) is the {describe(ours)} on rank 0 but the {describe(theirs)} on "
+                         f"rank {rank}. Build the same model (architecture, dtype, frozen parameters) on every rank "
+                         "before wrapping it.")
+
+
 class _DataParallel(nn.Module):
     """What every hand-written variant shares: the wrapped module, the broadcast, forward, ``no_sync``, timing.
 
@@ -126,9 +177,12 @@ class _DataParallel(nn.Module):
         # device-side wait (it synchronises the device before and after: measurement only).
         self.last_wait_s = 0.0
         self.sync_device_for_timing = False
+        check_same_model(module, process_group)  # before the broadcast, which a mismatch would abort or corrupt
         self.broadcasts = broadcast_module_state(module, process_group)
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self._in_flight():
+            raise RuntimeError(_UNFINISHED.format(what="a forward with gradients enabled"))
         return self.module(*args, **kwargs)
 
     @contextmanager
@@ -141,7 +195,13 @@ class _DataParallel(nn.Module):
         Note: the flag is read when backward runs, so the ``backward()`` call must be
         inside the context (in PyTorch's DDP the forward decides; run both inside, as its
         documentation shows, and the two agree).
+
+        Raises RuntimeError if a synchronised backward's buckets are still in flight (no
+        ``finish_gradient_synchronization()`` since): a backward in here would add into
+        gradients that are being sent.
         """
+        if self._in_flight():
+            raise RuntimeError(_UNFINISHED.format(what="no_sync()"))
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -168,6 +228,7 @@ class _DataParallel(nn.Module):
         self.last_wait_s = time.perf_counter() - start
 
     def _in_flight(self) -> bool:
+        """True between a synchronised backward and the ``finish_gradient_synchronization()`` that ends it."""
         return False
 
     def _finish(self) -> None:
@@ -345,6 +406,11 @@ class DDP(_DataParallel):
 
     ``DDP(module, bucket_cap_mb=25.0, process_group=None)``
 
+    The rule: after the last backward of every step call ``finish_gradient_synchronization()``
+    (or ``sync_gradients(model)``), and only then ``optimizer.step()``: until it returns, the
+    gradients are half-reduced. A forward with gradients, ``no_sync()`` or (with
+    ``guard_optimizer_step``) ``optimizer.step()`` in between raises RuntimeError.
+
     * Construction broadcasts the group's rank 0 parameters (trainable and frozen) and
       buffers to every rank, coalesced (see ``broadcast_module_state``). Buffers are not
       broadcast again (PyTorch's DDP re-broadcasts rank 0's before every forward by
@@ -391,11 +457,11 @@ class DDP(_DataParallel):
     the averages back into them.
 
     Warnings:
-        * Call ``finish_gradient_synchronization()`` once after each synchronised backward:
-          a second synchronised backward before it raises RuntimeError (its gradients
-          would land in buckets already sent).
+        * Call ``finish_gradient_synchronization()`` once after each synchronised backward
+          (the rule above); a second backward before it raises RuntimeError.
         * Wrap a module once, after moving it to its device; every rank must wrap an
-          identical model. Sparse gradients and double backward are not supported.
+          identical model (checked at construction: ``check_same_model``). Sparse
+          gradients and double backward are not supported.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None):
@@ -530,6 +596,24 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
                       process_group=process_group, forward_sync_buffers=False)
         return torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
     raise ValueError(f"unknown DDP variant {variant!r}: choose one of {', '.join(VARIANTS)}")
+
+
+def guard_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """Make ``optimizer.step()`` raise RuntimeError while ``model`` (ours) still has gradients in
+    flight, i.e. when ``sync_gradients(model)`` was forgotten after a synchronised backward.
+
+    A step pre-hook on the optimizer (a flag read, no communication). Returns its handle, or
+    None for models that have nothing in flight after backward (PyTorch's DDP waits inside
+    backward; ``NaiveDDP`` and ``FlatDDP`` communicate only in ``sync_gradients``).
+    """
+    if not isinstance(model, DDP):
+        return None
+
+    def check(*_):
+        if model._in_flight():
+            raise RuntimeError(_UNFINISHED.format(what="optimizer.step()"))
+
+    return optimizer.register_step_pre_hook(check)
 
 
 def sync_gradients(model: nn.Module) -> None:

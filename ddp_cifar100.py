@@ -12,7 +12,10 @@ cores; validation accuracy goes from 1 % to about 38 %):
 
 Surviving killed workers: checkpoints every epoch, resumed on restart, same final model as an uninterrupted run:
 
-    torchrun --standalone --nproc_per_node 2 --max-restarts 3 ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
+        ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json
+
+(the variable works around pytorch/pytorch#135712: restarted workers failing to reconnect).
 
 How it works, and the choices made:
 
@@ -50,9 +53,14 @@ How it works, and the choices made:
 * Logging: rank 0 only: a progress bar per epoch and one summary line per epoch. The train
   loss is the global mean over the epoch (reduced sums and counts), not rank 0's.
 * Checkpoints (``--checkpoint-dir``): after every complete epoch rank 0 writes model,
-  optimizer, epoch, step and the metrics so far to a temporary file and renames it. At start
-  every rank loads the newest checkpoint that rank 0 can read (the directory must be visible
-  to every rank), and refuses one written by a run with other settings. No RNG state needs saving:
+  optimizer, epoch, step and the metrics so far durably (a temporary file, fsync, rename,
+  fsync of the directory) and deletes the oldest checkpoint it wrote beyond the newest two;
+  a failed save stops every rank with the path and the cause. At start every rank loads the
+  newest checkpoint that rank 0 can read (the directory must be visible to every rank), and
+  refuses one written by a run with other settings. Unreadable checkpoints are never deleted
+  (they are renamed ``*.unreadable``); if there are checkpoints and none can be read, the job
+  stops unless ``--restart-from-scratch``. The ranks wait for rank 0's checkpoint I/O in a
+  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. No RNG state needs saving:
   every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
   short by ``--max-steps`` is not checkpointed, so resuming always redoes whole epochs.
 * Determinism: on CPU ``torch.use_deterministic_algorithms(True)``, and with the same seed,
@@ -68,9 +76,8 @@ How it works, and the choices made:
   (the profiler on CPU: too slow for a whole run); on CUDA also ``torch.cuda.max_memory_allocated``
   over the whole run.
 
-Testing hook: with ``DDP_CIFAR100_CRASH_AT_STEP=N`` in the environment, the last rank exits
-abruptly (``os._exit``) right after optimizer step N, in a job's first attempt only
-(torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), to test resuming after a crash.
+Faults (killed workers mid-step, slow or read-only storage) are injected from outside, by
+``tests/faulty_ddp_cifar100.py``, which runs this script with patched functions.
 """
 
 from __future__ import annotations
@@ -81,7 +88,6 @@ import os
 import re
 import socket
 import statistics
-import sys
 import textwrap
 import time
 from contextlib import nullcontext
@@ -96,11 +102,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp import broadcast_module_state, make_ddp, sync_gradients
+from ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
 from dist_utils import add_common_args, distributed, print0, progress
 from measure import PeakMemory, gather_rows, synchronize
 from models import NUM_CLASSES, build_model
-from results import environment, format_environment, markdown_table, write_results
+from results import environment, format_environment, markdown_table, write_durably, write_results
 from syncbn import convert_sync_batchnorm
 
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
@@ -118,7 +124,8 @@ CHECKPOINTS_KEPT = 2
 # CPU, gloo's buffers for an all_reduce in flight overlap backward's allocations by timing,
 # so one step's peak varies by a gradient or two; the maximum over several steps is steadier.
 MEMORY_PROBE_STEPS = 4
-CRASH_ENV = "DDP_CIFAR100_CRASH_AT_STEP"
+# Shared storage can be slow: rank 0's checkpoint saves and loads may take this long (--checkpoint-timeout).
+CHECKPOINT_WAIT_S = 1800.0
 
 
 # --------------------------------------------------------------------------- data
@@ -393,12 +400,13 @@ def validation_sums(model: nn.Module, val_set: Dataset | None, per_rank: int, ct
 # --------------------------------------------------------------------------- checkpoints
 
 
+class CheckpointError(RuntimeError):
+    """The checkpoint directory cannot be resumed from or written to (raised on every rank)."""
+
+
 def save_atomically(obj, path: str) -> None:
-    """torch.save to a temporary name, then rename: a reader never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` through ``write_durably``: a reader never sees half a file."""
+    write_durably(path, lambda f: torch.save(obj, f))
 
 
 def checkpoint_path(directory: str, epoch: int) -> str:
@@ -411,15 +419,45 @@ def checkpoint_epochs(directory: str) -> list[int]:
     return sorted((int(m.group(1)) for m in map(re.compile(r"epoch-(\d+)\.pt$").match, names) if m), reverse=True)
 
 
-def newest_readable_checkpoint(directory: str) -> int:
-    """The newest epoch whose checkpoint loads (a damaged file is skipped), or 0 for none."""
+def scan_checkpoints(directory: str) -> tuple[int, list[tuple[str, str]]]:
+    """The newest epoch whose checkpoint loads (0 for none), and (path, why) of every newer one that does not."""
+    unreadable = []
     for epoch in checkpoint_epochs(directory):
+        path = checkpoint_path(directory, epoch)
         try:
-            torch.load(checkpoint_path(directory, epoch), map_location="cpu", weights_only=True)
-            return epoch
-        except Exception as error:  # a damaged file: say so, try the one before
-            print(f"checkpoint {checkpoint_path(directory, epoch)} unreadable, skipped: {error}", file=sys.stderr)
-    return 0
+            torch.load(path, map_location="cpu", weights_only=True)
+            return epoch, unreadable
+        except Exception as error:  # truncated, corrupt, or written by a torch this one cannot read
+            unreadable.append((path, f"{type(error).__name__}: {str(error).strip()[:200]}"))
+    return 0, unreadable
+
+
+def choose_checkpoint(directory: str, restart_from_scratch: bool) -> tuple[str | None, list[str]]:
+    """Rank 0: the checkpoint to resume from (None: start from scratch) and notices for the log.
+
+    Unreadable checkpoints newer than the chosen one are set aside (renamed ``*.unreadable``,
+    never deleted) so this run's new checkpoints cannot replace them. When there are
+    checkpoints and none loads, raises ``CheckpointError`` unless ``restart_from_scratch``:
+    training from scratch would silently throw their progress away.
+    """
+    epoch, unreadable = scan_checkpoints(directory)
+    if unreadable and not epoch and not restart_from_scratch:
+        listing = "\n".join(f"  {path}: {why}" for path, why in unreadable)
+        raise CheckpointError(
+            f"--checkpoint-dir {directory}: no checkpoint in it can be read, so resuming would lose their progress:\n"
+            f"{listing}\nIf another torch version wrote them, resume with that version. To train from scratch "
+            "anyway, add --restart-from-scratch (the unreadable files are kept, renamed *.unreadable).")
+    notices = []
+    for path, why in unreadable:
+        aside = f"{path}.unreadable"
+        if os.path.exists(aside):
+            aside = f"{aside}.{os.getpid()}"
+        os.replace(path, aside)
+        notices.append(f"checkpoint {path} unreadable ({why}): kept as {aside}")
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if re.match(r"epoch-\d+\.pt\.tmp\d+$", name):  # left by a writer that was killed mid-save
+            os.remove(os.path.join(directory, name))
+    return (checkpoint_path(directory, epoch) if epoch else None), notices
 
 
 # --------------------------------------------------------------------------- training
@@ -443,6 +481,7 @@ class Trainer:
         assert len(self.plan) == len(loader), "one plan entry per micro-batch"
         self.epoch, self.step, self.history = 0, 0, []   # epochs done, optimizer steps done, per-epoch rows
         self.train_time, self.step_times, self._steps_here = 0.0, [], 0
+        self._written: list[str] = []  # checkpoints this run wrote, oldest first: the only ones it prunes
         # Opened before a resume creates the optimizer state, so fresh and resumed runs count
         # the same tensors; closed after MEMORY_PROBE_STEPS optimizer steps (see _step).
         self.memory = PeakMemory(ctx.device)
@@ -451,6 +490,7 @@ class Trainer:
         try:
             self.resumed_from = self._resume()
             self.model = wrap_model(model, args.distributed_impl, args.bucket_cap_mb)
+            guard_optimizer_step(self.model, optimizer)  # a step before sync_gradients raises
         except BaseException:
             self._close_memory_probe()  # a refused checkpoint must not leave the profiler running
             raise
@@ -493,7 +533,8 @@ class Trainer:
     def _run_batch(self, images: torch.Tensor, labels: torch.Tensor, steps: bool, window: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; communicates gradients only when the optimizer steps after it."""
         with nullcontext() if steps else self.model.no_sync():
-            loss_sum = F.cross_entropy(self.model(images), labels, reduction="sum")
+            with self._autocast():
+                loss_sum = F.cross_entropy(self.model(images), labels, reduction="sum")
             # Gradients of a window's micro-batches add up in .grad, and DDP averages them over
             # ranks; dividing by the window's samples per rank makes the step's gradient that of
             # the mean loss over the window's global batch (full window: mean / grad-accum-steps).
@@ -516,17 +557,21 @@ class Trainer:
         else:  # steps timed under the memory profiler are not representative
             self.step_times.append(now - self._last_step_end)
         self._last_step_end = now
-        self._maybe_crash()
 
     def _validate(self) -> dict:
         start = time.perf_counter()
         # Every rank evaluates rank 0's model: parameters are equal already, but per-rank
         # BatchNorm (--sync-bn none) leaves each rank its own running statistics.
         broadcast_module_state(self.module)
-        loss, correct, count = validation_sums(self.module, self.val_set, self.args.val_batch_size, self.ctx,
-                                               self.args.num_workers).tolist()
+        with self._autocast():
+            loss, correct, count = validation_sums(self.module, self.val_set, self.args.val_batch_size, self.ctx,
+                                                   self.args.num_workers).tolist()
         return {"val_loss": loss / count, "val_acc": correct / count, "val_count": int(count),
                 "val_time_s": time.perf_counter() - start}
+
+    def _autocast(self):
+        """``--autocast bf16``: the forward passes in bfloat16 where autocast allows (matmuls, convolutions)."""
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.args.autocast == "bf16")
 
     def _log_epoch(self, row: dict) -> None:
         row = {"kind": "epoch", "epoch": self.epoch + 1, "steps": self.step, **row, "peak_memory_bytes": self.memory.bytes}
@@ -536,25 +581,47 @@ class Trainer:
                f"(+{row['val_time_s']:.2f} s val) | peak mem {self.memory.bytes / 2**20:6.1f} MiB")
 
     def _save_checkpoint(self) -> None:
-        if not self.ctx.is_master:
-            return
-        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": self.epoch,
-                 "step": self.step, "history": self.history, "identity": self.identity}
-        save_atomically(state, checkpoint_path(self.args.checkpoint_dir, self.epoch))
-        for old in checkpoint_epochs(self.args.checkpoint_dir)[CHECKPOINTS_KEPT:]:
-            os.remove(checkpoint_path(self.args.checkpoint_dir, old))
+        """Rank 0 writes the checkpoint durably and prunes; every rank waits for it and fails if it failed."""
+        failure = None
+        if self.ctx.is_master:
+            state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": self.epoch,
+                     "step": self.step, "history": self.history, "identity": self.identity}
+            path = checkpoint_path(self.args.checkpoint_dir, self.epoch)
+            try:
+                save_atomically(state, path)
+                self._written.append(path)
+                # Only files this run wrote, oldest first: never an unreadable one or another run's progress.
+                while len(self._written) > CHECKPOINTS_KEPT:
+                    os.remove(self._written.pop(0))
+            except OSError as error:
+                failure = str(error)
+        failure = self._from_rank0(failure)  # the peers wait here, however slow the storage
+        if failure:
+            raise CheckpointError(f"saving the checkpoint of epoch {self.epoch} failed on rank 0: {failure}")
 
     def _resume(self) -> str | None:
         """Load the newest checkpoint rank 0 can read, on every rank (before wrapping: DDP then broadcasts it)."""
         if not self.args.checkpoint_dir:
             return None
-        epoch = torch.tensor([newest_readable_checkpoint(self.args.checkpoint_dir) if self.ctx.is_master else 0],
-                             device=self.ctx.device)
-        dist.broadcast(epoch, src=0)
-        if epoch.item() == 0:
+        # Checkpoint I/O on shared storage may take minutes: the ranks wait for it in a group of
+        # their own with a long timeout, not in the training group's short one.
+        self._checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.args.checkpoint_timeout))
+        choice = None
+        if self.ctx.is_master:
+            try:
+                choice = choose_checkpoint(self.args.checkpoint_dir, self.args.restart_from_scratch)
+            except (CheckpointError, OSError) as error:
+                choice = str(error)
+        choice = self._from_rank0(choice)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        path, notices = choice
+        for notice in notices:
+            print0(f"NOTICE: {notice}")
+        if path is None:
             return None
-        path = checkpoint_path(self.args.checkpoint_dir, int(epoch.item()))
         state = torch.load(path, map_location=self.ctx.device, weights_only=True)
+        dist.barrier(group=self._checkpoint_group)  # the slowest rank's load
         different = {k for k in self.identity.keys() | state["identity"].keys()
                      if self.identity.get(k) != state["identity"].get(k)}
         if different:
@@ -566,19 +633,16 @@ class Trainer:
         print0(f"resumed from {path}: {self.epoch} epoch(s), {self.step} optimizer step(s) done")
         return path
 
+    def _from_rank0(self, value):
+        """Rank 0's ``value`` (picklable) on every rank, through the checkpoint group's long timeout."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._checkpoint_group)
+        return box[0]
+
     def _close_memory_probe(self) -> None:
         if self._probing:
             self.memory.__exit__(None, None, None)
             self._probing = False
-
-    def _maybe_crash(self) -> None:
-        """Testing hook (module docstring): the last rank dies after optimizer step N, in the first attempt only."""
-        at = os.environ.get(CRASH_ENV)
-        if (at is not None and int(at) == self.step and self.ctx.rank == self.ctx.world_size - 1
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-            print(f"rank {self.ctx.rank}: {CRASH_ENV}={at}: exiting abruptly after optimizer step {self.step}",
-                  file=sys.stderr, flush=True)
-            os._exit(13)
 
 
 # --------------------------------------------------------------------------- the job
@@ -621,7 +685,8 @@ def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, trai
     """Everything that shapes the training trajectory: a checkpoint resumes only into the same."""
     return {"distributed_impl": args.distributed_impl, "model": args.model, "sync_bn": sync_bn, "dataset": dataset,
             "train_size": train_size, "batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
-            "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "world_size": ctx.world_size}
+            "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "world_size": ctx.world_size,
+            "autocast": args.autocast}
 
 
 def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list[str], trainer: Trainer) -> dict:
@@ -712,6 +777,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-size", type=int, default=None,
                    help="use this many validation images (CIFAR-100: the first N of the test split) (default: all 10,000)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: no limit)")
+    p.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                   help="bf16: forward passes (training and validation) under torch.autocast with bfloat16; parameters, "
+                        "gradients and the optimizer stay float32 (default: %(default)s)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DDPs (default: %(default)s)")
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader worker processes; 0 loads in the training process (default: %(default)s)")
@@ -721,6 +789,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="rank 0 writes config, environment, per-epoch and per-rank metrics here (default: none)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save a checkpoint here after every epoch and resume from the newest at start (default: none)")
+    p.add_argument("--restart-from-scratch", action="store_true",
+                   help="when --checkpoint-dir holds checkpoints and none can be read, train from scratch (keeping "
+                        "them, renamed *.unreadable) instead of stopping with an error (default: off)")
+    p.add_argument("--checkpoint-timeout", type=float, default=CHECKPOINT_WAIT_S,
+                   help="seconds the ranks wait for rank 0 to save or find a checkpoint (slow shared storage); "
+                        "--timeout does not apply to that wait (default: %(default)s)")
     add_common_args(p, json_help="same as --metrics-json")
     args = p.parse_args(argv)
     for name in ("num_epochs", "grad_accum_steps", "batch_size", "val_batch_size", "train_size", "val_size", "max_steps"):
@@ -729,6 +803,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.num_workers < 0:
         p.error("--num-workers must be 0 or more")
+    if args.restart_from_scratch and not args.checkpoint_dir:
+        p.error("--restart-from-scratch only applies with --checkpoint-dir")
+    if args.checkpoint_timeout <= 0:
+        p.error(f"--checkpoint-timeout must be positive (seconds), got {args.checkpoint_timeout:g}")
     if args.json and args.metrics_json and args.json != args.metrics_json:
         p.error("--json and --metrics-json name different files; give one")
     return args

@@ -127,16 +127,18 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
         rank, world_size, local_rank = 0, 1, 0
         tmp = tempfile.mkdtemp(prefix="dpkit-store-")
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-    ctx = _init(backend, rank, local_rank, world_size, timeout_s, store)
-    try:
-        yield ctx
-    except Exception as error:
-        explained = _explain(error, ctx)
-        if explained is error:
-            raise
-        raise explained from error
+    try:  # from here on, the store's directory is removed whatever fails, set-up included
+        ctx = _init(backend, rank, local_rank, world_size, timeout_s, store)
+        try:
+            yield ctx
+        except Exception as error:
+            explained = _explain(error, ctx)
+            if explained is error:
+                raise
+            raise explained from error
+        finally:
+            _teardown()
     finally:
-        _teardown()
         if store is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -15,7 +15,9 @@ interval over rounds (rounds resampled with replacement, the median recomputed e
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -133,18 +135,35 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int 
     return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
 
 
+# What the profiler writes to fd 2 as it starts and stops: kineto's status lines
+# ("USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:39] profiler_start") and
+# the allocator's once-per-process warning about blocks allocated before profiling.
+_PROFILER_NOISE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] "
+                             r"|Memory block of unknown size was allocated before the profiling started")
+
+
 @contextmanager
 def _quiet_stderr():
-    """Silence fd 2 while the profiler starts and stops: kineto writes status lines there."""
+    """Drop the profiler's status lines from fd 2 while it starts and stops, and only those.
+
+    fd 2 is process-wide: another thread (gloo's) may report an error in this window. So fd 2
+    goes to a temporary file, and afterwards every line that is not profiler noise is written
+    to the real stderr.
+    """
     sys.stderr.flush()
     saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            lines = capture.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _PROFILER_NOISE.search(line))
+            if kept:
+                os.write(2, kept.encode())
 
 
 class PeakMemory:
@@ -305,7 +324,10 @@ def verdict(ratio: dict, target: float) -> str:
 
 
 def format_ratio(ratio: dict) -> str:
-    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that."""
+    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that. A single
+    measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it."""
+    if ratio["rounds"] == 1:
+        return f"{ratio['median']:.4f}x (one measurement)"
     return f"{ratio['median']:.2f}x [{ratio['ci_low']:.2f}, {ratio['ci_high']:.2f}]"
 
 
@@ -315,3 +337,36 @@ def oversubscribed(world_size: int, device: torch.device | str = "cpu", cpus: in
     if torch.device(device).type != "cpu":
         return False
     return world_size > (cpus or os.cpu_count() or 1)
+
+
+# --------------------------------------------------------------------------- where the time goes
+
+
+def op_breakdown(fn: Callable[[], Any], iters: int, ranges: Sequence[str] = (), top: int = 10,
+                 device: torch.device | str = "cpu") -> dict:
+    """Profile ``iters`` calls of ``fn``: per call, the CPU time of each named ``record_function``
+    range in ``ranges`` (inclusive of what runs inside) and of the ``top`` operators by self time.
+
+    Returns ``{"ranges": {name: seconds}, "ops": [{"op", "self_s", "calls"}, ...], "iters": iters}``,
+    seconds per call. Self time counts each microsecond once, on the thread that spent it (gloo's
+    collectives run on gloo's threads, so their time appears beside backward, not inside it).
+    Profiling adds per-operator overhead: compare breakdowns with each other, not with timings.
+    """
+    device = torch.device(device)
+    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
+    with _quiet_stderr():
+        profiler.__enter__()
+    try:
+        for _ in range(iters):
+            fn()
+        synchronize(device)
+    finally:
+        with _quiet_stderr():
+            profiler.__exit__(None, None, None)
+    averages = profiler.key_averages()
+    by_name = {e.key: e for e in averages}
+    spans = {name: by_name[name].cpu_time_total / 1e6 / iters for name in ranges if name in by_name}
+    operators = sorted((e for e in averages if e.key not in ranges and not e.key.startswith("iteration")),
+                       key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    ops = [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6 / iters, "calls": e.count / iters} for e in operators]
+    return {"ranges": spans, "ops": ops, "iters": iters}

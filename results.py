@@ -3,7 +3,8 @@
 Every script prints ``format_environment(environment(...))`` before it measures, and writes
 ``{schema, benchmark, env, config, results: [row, ...]}`` with ``write_results`` (times in
 seconds, memory in bytes, rows flat). ``read_results`` refuses any other layout, naming the
-schema it expected.
+schema it expected. ``write_durably`` is how every file we produce is written (results,
+checkpoints, the executed notebook): whole or not at all, flushed to the disk.
 """
 
 from __future__ import annotations
@@ -80,17 +81,42 @@ def format_environment(env: dict) -> str:
 def write_results(path: str, benchmark: str, env: dict, config: dict, rows: list[dict]) -> None:
     """Write the shared JSON layout: ``{schema, benchmark, env, config, results: [row, ...]}``.
 
-    Rows are flat dicts; times are in seconds and memory in bytes. The file is written
-    to a temporary name and renamed, so a reader never sees half a file.
+    Rows are flat dicts; times are in seconds and memory in bytes. Written with
+    ``write_durably``: a reader never sees half a file, and a failure leaves the old one.
     """
     doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "env": env, "config": config, "results": rows}
+    text = json.dumps(doc, indent=1, default=_jsonable) + "\n"  # an unserialisable row fails before any file is touched
+    write_durably(path, lambda f: f.write(text.encode()))
+
+
+def write_durably(path: str, write) -> None:
+    """Create or replace the file ``path`` so that no reader, crash or full disk ever sees half of it.
+
+    ``write(f)`` fills a temporary file (binary) in the same directory; it is flushed to the
+    disk (``fsync``), renamed over ``path`` (atomic), and the directory is flushed too, so the
+    rename survives a power cut. On any failure (disk full, permission denied, an object that
+    cannot be pickled) the temporary file is removed, ``path`` keeps its old content, and
+    OSError names the path, the cause and what to do.
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=_jsonable)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # from here on a failure can only be the directory's flush (below)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except Exception as error:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise OSError(f"could not write {path} ({type(error).__name__}: {error}); it is unchanged and no temporary "
+                      f"file is left. Check the free space and the permissions of {directory}, or write elsewhere.") from error
 
 
 def _jsonable(value):
@@ -106,7 +132,8 @@ def read_results(path: str) -> dict:
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
-        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (schema={doc.get('schema')!r})")
+        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (it says schema={doc.get('schema')!r}): "
+                         "re-run the command that wrote it (results/manifest.json lists each file's command)")
     return doc
 
 
@@ -120,3 +147,17 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]
     rule = "|" + "|".join("-" * (len(h) + 2) for _, h, _ in columns) + "|"
     body = ["| " + " | ".join(cell(row, k, s) for k, _, s in columns) + " |" for row in rows]
     return "\n".join([header, rule, *body])
+
+
+def config_differences(base: dict, test: dict, ignored: Sequence[str] = ()) -> list[str]:
+    """``key: baseline vs test`` for every config value that differs between two results documents."""
+    keys = sorted((set(base["config"]) | set(test["config"])) - set(ignored))
+    return [f"{k}: {base['config'].get(k, '-')!r} vs {test['config'].get(k, '-')!r}"
+            for k in keys if base["config"].get(k) != test["config"].get(k)]
+
+
+def check_comparable(base: dict, test: dict) -> None:
+    """Refuse to compare results of two different benchmarks, naming both."""
+    if base["benchmark"] != test["benchmark"]:
+        raise ValueError(f"cannot compare a {base['benchmark']!r} results file with a {test['benchmark']!r} one: "
+                         "diff two runs of the same benchmark")

@@ -4,6 +4,7 @@
     python run_experiments.py --report            # the full settings (seed 000's 16 epochs, 1 GB messages, ...): for GPU machines
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
+    python run_experiments.py --summary           # rewrite README.md's headline block from results/
 
 Each experiment is one command of this repository's own scripts, run as a subprocess with
 a time limit; its JSON (the shared layout of ``results.write_results``) goes to
@@ -25,7 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from results import environment, format_environment, markdown_table, write_results
+import summary
+from results import environment, format_environment, markdown_table, read_results, write_durably, write_results
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -79,6 +81,13 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "--batch-size", "16", "--iters", "12", "--rounds", "4", "--warmup", "1",
                 "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
+    Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
+                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "2", "--rounds", "1", "--warmup", "2",
+                "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
+                "--bucket-sizes", "25", "--iters", "2", "--rounds", "1", "--no-breakdown", "--profile", "{out}/traces",
+                "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants", "pytorch",
                 "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
@@ -86,6 +95,20 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
+
+
+def shown(command: list[str]) -> str:
+    """The command as a reader would type it: ``python`` for this interpreter, no absolute path of this machine."""
+    return " ".join(["python" if command[0] == sys.executable else command[0], *command[1:]])
+
+
+def rounds_of(path: Path) -> int | None:
+    """The independent rounds (or repeats) the experiment's results file says it measured, if any."""
+    try:
+        config = read_results(str(path))["config"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return config.get("rounds", config.get("repeats"))
 
 
 def run_one(command: list[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
@@ -96,7 +119,7 @@ def run_one(command: list[str], log_path: Path, timeout_s: float) -> tuple[int, 
     """
     start = time.monotonic()
     with open(log_path, "w") as log:
-        log.write(f"$ {' '.join(command)}\n")
+        log.write(f"$ {shown(command)}\n")
         process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TQDM_MININTERVAL": "10"})
         try:
@@ -139,7 +162,8 @@ def execute_report(out: Path, timeout_s: float) -> None:
     notebook = nbformat.read(path, as_version=4)
     os.environ["REPORT_RESULTS"] = str(out.resolve())
     NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
-    nbformat.write(notebook, path)
+    text = nbformat.writes(notebook)
+    write_durably(str(path), lambda f: f.write((text if text.endswith("\n") else text + "\n").encode()))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -152,6 +176,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds one experiment may take before it is killed (default: 900 with --quick, else 86400)")
     parser.add_argument("--report", action="store_true", help="then execute report.ipynb in place on --out (default: off)")
     parser.add_argument("--list", action="store_true", help="print the experiments and their commands, run nothing")
+    parser.add_argument("--summary", action="store_true",
+                        help="run nothing: render README.md's headline block from --out (also done after every "
+                             "successful --report run) (default: off)")
     args = parser.parse_args(argv)
     if args.timeout is None:
         args.timeout = 900.0 if args.quick else 86400.0
@@ -163,21 +190,24 @@ def main(args: argparse.Namespace) -> int:
     out = args.out if args.out.is_absolute() else Path.cwd() / args.out
     if args.list:
         for e in chosen:
-            print(f"{e.name}: {e.what}\n    {' '.join(e.command(args.quick, out))}")
+            print(f"{e.name}: {e.what}\n    {shown(e.command(args.quick, out))}")
         return 0
+    if args.summary:
+        return write_summary(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = environment("-", "cpu", 1)
     print(format_environment(env), flush=True)
     rows = []
     for i, experiment in enumerate(chosen, 1):
         command = experiment.command(args.quick, out)
-        print(f"\n=== [{i}/{len(chosen)}] {experiment.name}: {experiment.what}\n$ {' '.join(command)}", flush=True)
+        print(f"\n=== [{i}/{len(chosen)}] {experiment.name}: {experiment.what}\n$ {shown(command)}", flush=True)
         try:
             code, seconds = run_one(command, out / "logs" / f"{experiment.name}.log", args.timeout)
             status = "ok" if code == 0 else f"failed (exit code {code})"
         except ExperimentTimeout:
             code, seconds, status = -9, args.timeout, f"killed after {args.timeout:g} s"
-        rows.append({"experiment": experiment.name, "status": status, "seconds": seconds, "command": " ".join(command)})
+        rows.append({"experiment": experiment.name, "status": status, "seconds": seconds,
+                     "command": shown(command), "rounds": rounds_of(out / f"{experiment.name}.json")})
         print(f"=== {experiment.name}: {status} in {seconds:.0f} s", flush=True)
     write_results(str(out / "manifest.json"), "run_experiments", env, {"quick": args.quick, "only": args.only}, rows)
     print("\n" + markdown_table(rows, [("experiment", "experiment", "s"), ("status", "status", "s"), ("seconds", "seconds", ".0f")]))
@@ -189,6 +219,25 @@ def main(args: argparse.Namespace) -> int:
         start = time.monotonic()
         execute_report(out, args.timeout)
         print(f"report.ipynb executed on {out} in {time.monotonic() - start:.0f} s")
+        return write_summary(out)
+    return 0
+
+
+def producers() -> dict[str, str]:
+    """For each result file, the command that writes it (named when --summary finds it missing)."""
+    files = {e.name: e.name for e in EXPERIMENTS}
+    return {name: f"python run_experiments.py --quick --only {experiment}" for name, experiment in files.items()}
+
+
+def write_summary(out: Path) -> int:
+    """Render README.md's headline block from ``out``; 1 (and the reason) when a result file is missing."""
+    try:
+        block = summary.render(out, producers())
+    except summary.MissingResults as missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 1
+    changed = summary.update_readme(REPO / "README.md", block)
+    print(block + f"\n\nREADME.md {'updated' if changed else 'already up to date'}")
     return 0
 
 

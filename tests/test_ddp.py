@@ -12,6 +12,7 @@ DDP runs in float32, as real training does.
 from __future__ import annotations
 
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import CollectiveCounter, run_workers
-from ddp import DDP, FlatDDP, NaiveDDP, assign_buckets, make_ddp, sync_gradients
+from ddp import DDP, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp, sync_gradients
 
 D_IN, D_OUT = 5, 3
 MICRO = 4  # samples per rank in a micro-batch
@@ -342,51 +343,97 @@ def _arrival_order(ctx):
     return result
 
 
+def _error(fn) -> str | None:
+    """The message of the RuntimeError or ValueError ``fn()`` raises, or None if it returns."""
+    try:
+        fn()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def _misuse(ctx):
-    """Two synchronised backward passes without finish_gradient_synchronization in between; a double
-    backward; an exception inside no_sync()."""
+    """After a synchronised backward and before finish_gradient_synchronization: a forward, no_sync()
+    and optimizer.step() (guarded) must raise and leave the step's gradients intact. Then a second
+    backward through the same graph, a double backward, an exception inside no_sync()."""
     model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    guard_optimizer_step(model, optimizer)
     x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
     F.mse_loss(model(x), y).backward()
-    try:
-        F.mse_loss(model(x), y).backward()
-        message = None
-    except RuntimeError as error:
-        message = str(error)
+    out = {"forward": _error(lambda: model(x)), "step": _error(optimizer.step)}
+
+    def accumulate_in_no_sync():
+        with model.no_sync():
+            F.mse_loss(model.module(x), y).backward()  # the forward bypasses the wrapper: only no_sync() can catch it
+
+    out["no_sync"] = _error(accumulate_in_no_sync)
+    model.finish_gradient_synchronization()
+    out["grads"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    out["step_after_finish"] = _error(optimizer.step)
+    optimizer.zero_grad()
+    loss = F.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    out["second"] = _error(loss.backward)
     model.finish_gradient_synchronization()  # every bucket was launched once: this completes the step
-    try:
-        F.mse_loss(model(x), y).backward(create_graph=True)
-        double = None
-    except RuntimeError as error:
-        double = str(error)
+    out["double"] = _error(lambda: F.mse_loss(model(x), y).backward(create_graph=True))
     try:
         with model.no_sync():
             raise KeyError("user code fails inside no_sync")
     except KeyError:
         pass
-    return message, double, model.require_backward_grad_sync
+    out["sync_restored"] = model.require_backward_grad_sync
+    return out
+
+
+# Rank 0 wraps the first model, rank 1 the second; the first difference as rank 0's and rank 1's entry.
+MISMATCHES = {
+    "shape": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Linear(D_IN, D_OUT + 1),
+              "parameter 'weight' of shape [3, 5], torch.float32", "parameter 'weight' of shape [4, 5], torch.float32"),
+    "dtype": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Linear(D_IN, D_OUT).double(),
+              "parameter 'weight' of shape [3, 5], torch.float32", "parameter 'weight' of shape [3, 5], torch.float64"),
+    "frozen": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Linear(D_IN, D_OUT).requires_grad_(False),
+               "parameter 'weight' of shape [3, 5], torch.float32 on", "parameter 'weight' of shape [3, 5], torch.float32, frozen"),
+    "nesting": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Sequential(nn.Linear(D_IN, D_OUT)),
+                "parameter 'weight' of shape [3, 5], torch.float32", "parameter '0.weight' of shape [3, 5], torch.float32"),
+    "buffers": (lambda: nn.BatchNorm1d(D_OUT), lambda: nn.BatchNorm1d(D_OUT, track_running_stats=False),
+                "buffer 'running_mean' of shape [3], torch.float32", "nothing (fewer parameters and buffers)"),
+}
+
+
+def _mismatched_models(ctx):
+    """DDP and NaiveDDP (their shared base checks) on models that differ between the ranks: each rank's error."""
+    out = {}
+    for case, (ours, theirs, _, _) in MISMATCHES.items():
+        for wrapper in (DDP, NaiveDDP):
+            model = ours() if ctx.rank == 0 else theirs()
+            out[case, wrapper.__name__] = _error(lambda: wrapper(model))
+    dist.barrier()  # the group still works after the refusals
+    return out
 
 
 def _against_pytorch(ctx):
     """The same float32 CNN and data through PyTorch's DDP and ours, with accumulation (no_sync in both)."""
-    def loss_fn(model):
+    def loss_fn(model, dtype):
         def loss_of(step, micro):
-            x, y = shard(global_batch(step, micro, ctx.world_size, shape=(3, 6, 6), dtype=torch.float32), ctx.rank)
+            x, y = shard(global_batch(step, micro, ctx.world_size, shape=(3, 6, 6), dtype=dtype), ctx.rank)
             return F.mse_loss(model(x), y)
         return loss_of
 
     out = {}
-    for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
-        # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
-        model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=torch.float32), bucket_cap_mb=cap)
-        out[variant, cap] = train(model, loss_fn(model), accum=3, steps=4, optimizer=torch.optim.SGD)
+    for dtype in (torch.float32, torch.bfloat16):
+        for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
+            # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
+            model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=dtype), bucket_cap_mb=cap)
+            key = (variant, cap) if dtype == torch.float32 else (variant, cap, "bf16")
+            out[key] = train(model, loss_fn(model, dtype), accum=3, steps=4, optimizer=torch.optim.SGD)
     return out
 
 
 def _two_rank_cases(ctx):
     return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
-            "misuse": _misuse(ctx), "pytorch": _against_pytorch(ctx)}
+            "misuse": _misuse(ctx), "mismatch": _mismatched_models(ctx), "pytorch": _against_pytorch(ctx)}
 
 
 def _three_rank_cases(ctx):
@@ -526,17 +573,46 @@ def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
                            build(conv_net, seed=20, dtype=torch.float32).state_dict()["0.weight"]), "training moved"
 
 
+def test_a_bfloat16_model_trains_like_under_pytorch_ddp(two):
+    """The same CNN in bfloat16 (parameters, gradients, buckets and all-reduces): every variant
+    ends where PyTorch's DDP does, up to bfloat16 round-off (8 bits)."""
+    for rank in range(2):
+        runs = two[rank]["pytorch"]
+        reference = runs["pytorch", 25.0, "bf16"]
+        assert all(v.dtype == torch.bfloat16 for v in reference["state"].values() if v.is_floating_point())
+        for key in [("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)]:
+            assert_trains_like(runs[(*key, "bf16")], reference, rtol=2**-8, atol=2**-8)
+    assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0, "bf16"]["state"]["module.0.weight"],
+                           build(conv_net, seed=20, dtype=torch.bfloat16).state_dict()["0.weight"]), "training moved"
+
+
 # --------------------------------------------------------------------------- tests: communication
 
 
 @pytest.mark.parametrize("name, cap, zero_mode, accum", DDP_CASES)
 def test_one_all_reduce_per_bucket_all_launched_during_backward_none_inside_no_sync(two, name, cap, zero_mode, accum):
     result = two[0]["ddp"][name, cap, zero_mode, accum]
-    buckets = result["buckets"]
-    trainable = sum(p.requires_grad for p in build(MODELS[name], 0).parameters())
-    expected = {"0": trainable, "1000MiB": 1}.get(cap, len(BIG_LAYOUTS[cap]) if name == "big" else buckets)
-    assert buckets == expected, "one bucket per parameter at cap 0, one in all at 1000 MiB, big's by hand"
+    buckets = expected_bucket_count(MODELS[name], CAPS[cap])
+    if name == "big":
+        assert buckets == len(BIG_LAYOUTS[cap]), "the rule below agrees with the layouts derived by hand"
+    assert result["buckets"] == buckets
     assert result["counts"] == [(0, buckets, buckets)] * STEPS
+
+
+def expected_bucket_count(factory, cap_mib: float) -> int:
+    """The number of buckets the documented rule gives, from the gradient sizes and the cap alone.
+
+    Walk the trainable parameters (a tied weight once) from the last registered to the first,
+    adding each gradient's bytes to the open bucket; open a new bucket first when it would
+    exceed the cap, or for every parameter when the cap is 0. (All these models are float64.)
+    """
+    sizes = [p.numel() * p.element_size() for p in build(factory, 0).parameters() if p.requires_grad]
+    cap_bytes, count, filled = cap_mib * 2**20, 0, math.inf
+    for nbytes in reversed(sizes):
+        if cap_bytes == 0 or filled + nbytes > cap_bytes:
+            count, filled = count + 1, 0
+        filled += nbytes
+    return count
 
 
 def test_baselines_all_reduce_once_per_parameter_or_once_in_all(two):
@@ -553,14 +629,15 @@ def test_buckets_are_launched_in_the_same_order_on_ranks_that_finish_gradients_i
         assert_trains_like(two[rank]["arrival"], oracle_branches(world=2))
 
 
-def test_constructor_broadcasts_rank0_weights_and_buffers_in_one_collective_per_dtype(two):
+def test_constructor_checks_the_models_then_broadcasts_rank0_weights_and_buffers_in_one_collective_per_dtype(two):
     rank0, rank1 = two[0]["construction"], two[1]["construction"]
     assert any(not torch.equal(rank0["before"][k], rank1["before"][k]) for k in rank0["before"]), "precondition"
     for k, value in rank0["before"].items():
         assert torch.equal(rank0["after"][k], value), k
         assert torch.equal(rank1["after"][k], value), k
     dtypes = {v.dtype for v in rank0["before"].values()}
-    assert rank0["calls"] == {"broadcast": len(dtypes)} == rank1["calls"]
+    # One all_gather_object compares the ranks' models first (see the mismatch tests).
+    assert rank0["calls"] == {"all_gather_object": 1, "broadcast": len(dtypes)} == rank1["calls"]
 
 
 def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two):
@@ -587,16 +664,39 @@ def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_
         assert_trains_like(results[rank]["unused"][cap], expected)
 
 
-def test_second_synchronised_backward_before_finish_and_double_backward_are_errors(two):
+def test_forward_no_sync_and_step_before_finish_raise_and_corrupt_nothing(two):
+    """Buckets of a synchronised backward are in flight: each misuse raises, naming the fix, and the
+    step then completes with the single-process gradient (nothing was added into the buckets)."""
+    expected = oracle("big", 1, world=2, steps=1)["grads"]
     for rank in range(2):
-        message, double, _ = two[rank]["misuse"]
-        assert message is not None and "second gradient before finish_gradient_synchronization()" in message
-        assert "no_sync()" in message
-        assert double is not None and "create_graph=True" in double
+        result = two[rank]["misuse"]
+        for what in ("forward", "no_sync", "step"):
+            assert result[what] is not None, f"rank {rank}: {what} before finish_gradient_synchronization() must raise"
+            assert "still being all-reduced" in result[what] and "Call finish_gradient_synchronization()" in result[what]
+        assert result["step_after_finish"] is None
+        for key, grad in expected.items():
+            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-9, atol=1e-12, msg=key)
+
+
+def test_second_backward_before_finish_and_double_backward_are_errors(two):
+    for rank in range(2):
+        result = two[rank]["misuse"]
+        assert result["second"] is not None and "second gradient before finish_gradient_synchronization()" in result["second"]
+        assert result["double"] is not None and "create_graph=True" in result["double"]
 
 
 def test_no_sync_restores_synchronisation_when_its_body_raises(two):
-    assert all(two[rank]["misuse"][2] is True for rank in range(2))
+    assert all(two[rank]["misuse"]["sync_restored"] is True for rank in range(2))
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+@pytest.mark.parametrize("wrapper", ["DDP", "NaiveDDP"])
+def test_different_models_on_different_ranks_are_refused_on_every_rank_naming_the_first_difference(two, case, wrapper):
+    _, _, on_rank0, on_rank1 = MISMATCHES[case]
+    for rank in range(2):
+        message = two[rank]["mismatch"][case, wrapper]
+        assert message is not None, f"rank {rank}: {case} mismatch accepted"
+        assert "the ranks wrap different models" in message and f"{on_rank0}" in message and f"{on_rank1} on rank 1" in message
 
 
 def test_negative_bucket_cap_and_unknown_variant_are_rejected():

@@ -1,5 +1,7 @@
 """Measurement: percentiles, peak memory, saved bytes, interleaved timing, confidence intervals, verdicts."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -87,3 +89,24 @@ def test_verdict_is_inconclusive_when_the_interval_straddles_the_target():
 def test_oversubscribed_means_more_cpu_processes_than_cores():
     assert measure.oversubscribed(3, "cpu", cpus=2) and not measure.oversubscribed(2, "cpu", cpus=2)
     assert not measure.oversubscribed(8, "cuda", cpus=2), "one process per GPU: the cores are not what is shared"
+
+
+def test_silencing_the_profiler_drops_only_its_status_lines_from_stderr(capfd):
+    """fd 2 is process-wide: an error another thread (gloo's) writes while the profiler starts
+    must still reach stderr; kineto's status lines must not."""
+    kineto = "USDT:2026-11-23 16:08:23 28571:28571 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
+    allocator = "[W1123 16:08:23.372208583 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started\n"
+    gloo = "[E1123 16:08:23.1 ProcessGroupGloo.cpp:143] Gloo connectFullMesh failed: Connection reset by peer\n"
+    with measure._quiet_stderr():
+        for line in (kineto, gloo, allocator):
+            os.write(2, line.encode())
+    assert capfd.readouterr().err == gloo
+    with PeakMemory("cpu"):
+        torch.ones(8)
+    assert "profiler_st" not in capfd.readouterr().err, "the profiler's real status lines are dropped"
+
+
+def test_a_ratio_is_printed_with_its_interval_or_as_a_single_measurement():
+    assert measure.format_ratio(paired_ratio([1.1, 1.2, 1.0], [1.0, 1.0, 1.0])) == "1.10x [1.00, 1.20]"
+    single = {"median": 1.00031, "ci_low": 1.00031, "ci_high": 1.00031, "rounds": 1}
+    assert measure.format_ratio(single) == "1.0003x (one measurement)" and verdict(single, 1.0) == "missed"

@@ -31,15 +31,47 @@ def _text_outputs(notebook) -> list[list[str]]:
     return cells
 
 
-def test_report_executes_top_to_bottom_on_the_committed_results_and_shows_them(monkeypatch):
+@pytest.fixture(scope="module")
+def executed():
+    """report.ipynb as committed, and re-executed on the committed results (once for every test here)."""
     committed = nbformat.read(REPO / "report.ipynb", as_version=4)
     fresh = nbformat.read(REPO / "report.ipynb", as_version=4)
-    monkeypatch.setenv("REPORT_RESULTS", str(RESULTS))
-    NotebookClient(fresh, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("REPORT_RESULTS", str(RESULTS))
+        NotebookClient(fresh, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    return committed, fresh
+
+
+def test_report_executes_top_to_bottom_on_the_committed_results_and_shows_them(executed):
+    committed, fresh = executed
     pictures = sum("image/png" in o.get("data", {}) for c in fresh.cells if c.cell_type == "code" for o in c.outputs)
     assert pictures >= 4, "the training, all-reduce, bandwidth and DDP sections draw their plots"
     assert _text_outputs(fresh) == _text_outputs(committed), \
         "report.ipynb is stale: run `python run_experiments.py --quick --report` (or execute it on results/) and commit"
+
+
+# A number: digits with optional thousands commas, decimals and exponent, not part of a name (float32, resnet18).
+NUMBER = re.compile(r"(?<![\w.])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w])")
+
+
+def numbers(text: str) -> set[str]:
+    return {n.replace(",", "") for n in NUMBER.findall(text)}
+
+
+def test_numbers_in_the_hand_written_text_appear_in_what_the_code_computed(executed):
+    """Hand-written markdown may hold prose, or numbers that the code cells' outputs also show; a number
+    typed by hand that the data does not produce (a stale claim) fails here."""
+    _, fresh = executed
+    computed = numbers("\n".join(text for cell in _text_outputs(fresh) for text in cell))
+    for cell in fresh.cells:
+        if cell.cell_type == "markdown":
+            typed = numbers(cell.source) - computed
+            assert not typed, f"numbers {sorted(typed)} in a markdown cell appear in no computed output:\n{cell.source[:300]}"
+
+
+def test_the_number_check_catches_a_typed_claim():
+    assert numbers("the gap shrinks from 1.33 to 1.42 (1,597,952 bytes, 1e-5), float32 resnet18") == \
+        {"1.33", "1.42", "1597952", "1e-5"}
 
 
 def test_the_committed_results_come_from_one_complete_run():

@@ -1,9 +1,19 @@
-"""Results: the shared JSON layout and tables."""
+"""Results: the shared JSON layout and tables; every file we produce is written whole or not at
+all, flushed to the disk (results, checkpoints, the executed notebook)."""
+
+import builtins
+import errno
+import os
 
 import pytest
+import torch
 
 import results
-from results import markdown_table
+import run_experiments
+from ddp_cifar100 import save_atomically
+from results import markdown_table, read_results, write_durably, write_results
+
+FSYNC = os.fsync  # the real one, for tests that patch it
 
 
 def test_results_round_trip_in_the_shared_layout(tmp_path):
@@ -21,3 +31,100 @@ def test_results_round_trip_in_the_shared_layout(tmp_path):
 def test_markdown_table_formats_and_marks_missing_values():
     table = markdown_table([{"n": 2, "t": 0.5}, {"n": 4}], [("n", "world", "d"), ("t", "time (s)", ".3f")])
     assert table.splitlines() == ["| world | time (s) |", "|-------|----------|", "| 2 | 0.500 |", "| 4 | - |"]
+
+
+def test_a_file_of_an_older_layout_is_refused_naming_both_layouts(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"schema": "dp-kit-results/0", "benchmark": "demo"}')
+    with pytest.raises(ValueError, match=rf"not a results file of layout {results.RESULTS_SCHEMA} "
+                                         r"\(it says schema='dp-kit-results/0'\): re-run the command"):
+        results.read_results(str(path))
+
+
+def test_durable_write_flushes_the_file_renames_then_flushes_the_directory(tmp_path, monkeypatch):
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", str(b))), replace(a, b)))
+    path = tmp_path / "out.bin"
+    write_durably(str(path), lambda f: f.write(b"payload"))
+    tmp = f"{path}.tmp{os.getpid()}"
+    assert calls == [("fsync", tmp), ("replace", str(path)), ("fsync", str(tmp_path))]
+    assert path.read_bytes() == b"payload" and os.listdir(tmp_path) == ["out.bin"]
+
+
+def _no_space(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _read_only(file, mode="r", *args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied", str(file))  # what open() raises in a read-only directory
+
+
+@pytest.mark.parametrize("fault, cause", [("unpicklable", "Can't pickle"), ("disk full", "No space left on device"),
+                                          ("read-only", "Permission denied")])
+def test_a_failed_durable_write_names_path_and_cause_leaves_no_temporary_file_and_keeps_the_old_file(tmp_path, monkeypatch,
+                                                                                                      fault, cause):
+    path = tmp_path / "epoch-0001.pt"
+    save_atomically({"epoch": 1}, str(path))
+    obj = {"epoch": 2}
+    if fault == "unpicklable":
+        obj["hook"] = lambda: 0
+    elif fault == "disk full":
+        monkeypatch.setattr(os, "fsync", _no_space)
+    else:
+        monkeypatch.setattr(builtins, "open", _read_only)
+    with pytest.raises(OSError, match=f"could not write {path} .*{cause}") as failure:
+        save_atomically(obj, str(path))
+    monkeypatch.undo()
+    assert "Check the free space and the permissions" in str(failure.value)
+    assert os.listdir(tmp_path) == ["epoch-0001.pt"]
+    assert torch.load(path, weights_only=True) == {"epoch": 1}
+
+
+def test_write_results_is_durable_and_an_unserialisable_row_leaves_the_old_file(tmp_path):
+    path = tmp_path / "r.json"
+    write_results(str(path), "b", {"env": 1}, {}, [{"x": 1.5}])
+    assert read_results(str(path))["results"] == [{"x": 1.5}]
+    with pytest.raises(TypeError, match="not JSON serialisable: object"):
+        write_results(str(path), "b", {"env": 1}, {}, [{"x": object()}])
+    assert os.listdir(tmp_path) == ["r.json"] and read_results(str(path))["results"] == [{"x": 1.5}]
+
+
+def test_write_results_on_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    write_results(str(path), "b", {}, {}, [{"x": 1}])
+    monkeypatch.setattr(os, "fsync", _no_space)
+    with pytest.raises(OSError, match=f"could not write {path} .*No space left on device"):
+        write_results(str(path), "b", {}, {}, [{"x": 2}])
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["r.json"] and read_results(str(path))["results"] == [{"x": 1}]
+
+
+def test_the_executed_notebook_is_written_durably_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
+    """execute_report rewrites report.ipynb in place: a full disk must not leave half a notebook."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    (tmp_path / "report.ipynb").write_text(nbformat.writes(notebook))
+    before = (tmp_path / "report.ipynb").read_bytes()
+
+    class NotebookClient:  # no kernel: the test is about the write, not the execution
+        def __init__(self, notebook, **kwargs):
+            self.notebook = notebook
+
+        def execute(self):
+            self.notebook.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+
+    monkeypatch.setattr(run_experiments, "REPO", tmp_path)
+    monkeypatch.setattr("nbclient.NotebookClient", NotebookClient)
+    monkeypatch.setenv("REPORT_RESULTS", str(tmp_path))
+    monkeypatch.setattr(os, "fsync", _no_space)
+    with pytest.raises(OSError, match="could not write .*report.ipynb .*No space left on device"):
+        run_experiments.execute_report(tmp_path, timeout_s=10)
+    assert os.listdir(tmp_path) == ["report.ipynb"] and (tmp_path / "report.ipynb").read_bytes() == before
+    monkeypatch.setattr(os, "fsync", FSYNC)
+    run_experiments.execute_report(tmp_path, timeout_s=10)
+    executed = nbformat.read(tmp_path / "report.ipynb", as_version=4)
+    assert executed.cells[0].outputs[0].data == {"text/plain": "2"} and os.listdir(tmp_path) == ["report.ipynb"]
+

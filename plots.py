@@ -1,0 +1,535 @@
+"""How this project draws its figures: one style, and one function per figure of the report.
+
+    import plots, results
+    figure = plots.ddp_variants(results.read_results("results/ddp_benchmark.json"))
+    figure.savefig("ddp.png")
+
+Every function takes loaded result documents (the layout of ``results.read_results``) and
+returns a matplotlib Figure; nothing is shown or saved here. The style is the same in every
+figure: one colour per implementation or algorithm (``colour``), one line style per world size
+(``line_style``), legends outside the data, log axes with plain tick labels, sizes in
+KiB/MiB/GiB, error bars from 95 % bootstrap intervals over rounds wherever a row carries its
+per-round values (or ``ci_low``/``ci_high``), and runs with more processes than CPU cores
+(oversubscribed) drawn grey and hatched. Rows are read by field name; a figure whose optional
+fields are missing says so on the figure instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+
+import matplotlib.pyplot as plt  # without a display, matplotlib picks its Agg backend itself
+import matplotlib.ticker as ticker
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
+from measure import bootstrap_ci, paired_ratio
+
+# One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
+COLOURS = {
+    "ours": "#0072B2", "bucketed": "#0072B2", "selfmade": "#0072B2", "ring": "#0072B2",
+    "pytorch": "#E69F00", "torch": "#E69F00",
+    "pytorch-best": "#D55E00",
+    "overlap": "#009E73", "butterfly": "#009E73",
+    "flat": "#CC79A7", "halving_doubling": "#CC79A7",
+    "naive": "#56B4E9",
+    "no ddp": "#000000", "no_ddp": "#000000",
+    "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
+}
+OTHER = "#7F7F7F"
+LINE_STYLES = {1: ":", 2: "-", 4: "--", 8: "-.", 16: (0, (5, 1)), 32: (0, (1, 1))}
+OVERSUBSCRIBED = dict(color="#BBBBBB", hatch="///", edgecolor="#555555")
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+SEED_STYLE = dict(color="#555555")  # a seed's numbers, drawn beside ours
+
+
+# --------------------------------------------------------------------------- style helpers
+
+
+def is_pytorch_best(row: dict) -> bool:
+    """PyTorch's DDP at its best documented settings: variant 'pytorch-best', or a 'pytorch...' row
+    whose configuration sets gradient_as_bucket_view."""
+    if row.get("variant") == "pytorch-best":
+        return True
+    return str(row.get("label", "")).startswith("pytorch") and "gradient_as_bucket_view" in json.dumps(row)
+
+
+def kind(row_or_name) -> str:
+    """The implementation a row or name belongs to: 'bucketed 25M' -> 'bucketed', a best-settings PyTorch row -> 'pytorch-best'."""
+    if isinstance(row_or_name, dict):
+        if is_pytorch_best(row_or_name):
+            return "pytorch-best"
+        name = row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl") or row_or_name.get("label", "")
+    else:
+        name = row_or_name
+    name = str(name)
+    if name in COLOURS:
+        return name
+    return re.sub(r"[ _-]?\d+(\.\d+)?M$", "", name.strip())  # drop a bucket-size suffix
+
+
+def colour(row_or_name) -> str:
+    return COLOURS.get(kind(row_or_name), OTHER)
+
+
+def line_style(world_size: int):
+    return LINE_STYLES.get(int(world_size), "-")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: 65536 -> '64 KiB', 10485760 -> '10 MiB'."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value == int(value) or value >= 10 else f"{value:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def log_axis(axis, values: Iterable[float] | None = None, formatter=None) -> None:
+    """Plain tick labels (or ``formatter``'s) on an axis already set to log scale, at ``values`` when given."""
+    fmt = formatter or (lambda v, _: f"{v:g}")
+    if values is not None:
+        axis.set_major_locator(ticker.FixedLocator(sorted(set(values))))
+    axis.set_major_formatter(ticker.FuncFormatter(fmt))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _log_x(ax, values=None, formatter=None):
+    ax.set_xscale("log")
+    log_axis(ax.xaxis, values, formatter)
+
+
+def _log_y(ax, values=None, formatter=None):
+    ax.set_yscale("log")
+    log_axis(ax.yaxis, values, formatter)
+
+
+def _figure(nrows: int = 1, ncols: int = 1, width: float = 11.0, height: float = 3.6, **kw):
+    figure, axes = plt.subplots(nrows, ncols, figsize=(width, height * nrows), squeeze=False, layout="constrained", **kw)
+    for ax in axes.flat:
+        ax.grid(True, which="major", alpha=0.3)
+    return figure, axes
+
+
+def _legend_outside(figure: Figure, handles=None, labels=None, title: str | None = None) -> None:
+    """One legend for the whole figure, right of the data."""
+    if handles is None:
+        seen = {}
+        for ax in figure.axes:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                seen.setdefault(label, handle)
+        labels, handles = list(seen), list(seen.values())
+    if handles:
+        figure.legend(handles, labels, loc="outside right upper", title=title, fontsize="small", frameon=False)
+
+
+def _missing(ax, what: str) -> None:
+    """Say on the figure what the results file lacks, instead of failing or drawing nothing silently."""
+    ax.text(0.5, 0.5, f"not in this results file:\n{what}", transform=ax.transAxes, ha="center", va="center",
+            fontsize="small", color="#AA0000", wrap=True)
+
+
+def oversubscribed(row: dict, env: dict | None = None) -> bool:
+    """The row's own flag when it has one, else more processes than the machine's CPUs on a CPU run."""
+    if "oversubscribed" in row:
+        return bool(row["oversubscribed"])
+    env = env or {}
+    device = row.get("device", env.get("device", "cpu"))
+    cpus = env.get("cpus")
+    return device == "cpu" and bool(cpus) and int(row.get("world_size", 1)) > int(cpus)
+
+
+def shade_oversubscribed(ax, worlds: Iterable[int], label: str = "oversubscribed") -> None:
+    """Grey, hatched band over the oversubscribed world sizes of a log x axis (nothing when there are none)."""
+    worlds = list(worlds)
+    if worlds:
+        ax.axvspan(min(worlds) / 1.2, max(worlds) * 1.2, facecolor=OVERSUBSCRIBED["color"], alpha=0.35,
+                   hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"], linewidth=0, label=label)
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def round_values(row: dict, key: str) -> list[float] | None:
+    """The per-round values of statistic ``key`` (``round_p50_s`` for ``p50_s``), or None."""
+    values = row.get(f"round_{key}")
+    return [float(v) for v in values] if isinstance(values, list) and values else None
+
+
+def interval(row: dict, key: str) -> tuple[float, float] | None:
+    """A 95 % interval of ``row[key]``: ``<key>_ci_low``/``_ci_high`` when the row has them, else the
+    bootstrap of the median over its per-round values ``round_<key>``, else None."""
+    low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
+    if low is not None and high is not None:
+        return float(low), float(high)
+    rounds = round_values(row, key)
+    return bootstrap_ci(rounds) if rounds and len(rounds) > 1 else None
+
+
+def ratio(ours: dict, theirs: dict, key: str = "p50_s") -> dict | None:
+    """ours / theirs: the paired per-round ratio with its interval when both rows hold the same rounds,
+    else the plain ratio of ``key`` with no interval (``ci_low``/``ci_high`` None)."""
+    a, b = round_values(ours, key), round_values(theirs, key)
+    if a and b and len(a) == len(b):
+        return paired_ratio(a, b)
+    if ours.get(key) is None or not theirs.get(key):
+        return None
+    return {"median": ours[key] / theirs[key], "ci_low": None, "ci_high": None, "rounds": None}
+
+
+def _yerr(centre: float, bounds: tuple[float, float] | None) -> list[list[float]]:
+    if bounds is None:
+        return [[0.0], [0.0]]
+    return [[max(0.0, centre - bounds[0])], [max(0.0, bounds[1] - centre)]]
+
+
+# --------------------------------------------------------------------------- training
+
+
+def training_curves(runs: dict[str, dict]) -> Figure:
+    """Loss and accuracy against epoch, and the time per optimizer step, for each training run
+    (``{"selfmade": doc, "pytorch": doc}`` of ``ddp_cifar100.py --metrics-json``)."""
+    figure, axes = _figure(1, 3, height=3.4)
+    loss_ax, acc_ax, time_ax = axes[0]
+    markers = ("o", "x", "s", "^")
+    for (name, doc), marker in zip(runs.items(), markers):
+        epochs = [r for r in doc["results"] if r.get("kind") == "epoch"]
+        x = [r["epoch"] for r in epochs]
+        c = colour(name)
+        # Dashes on the second run let identical curves both show.
+        dash = "-" if marker == "o" else "--"
+        loss_ax.plot(x, [r["train_loss"] for r in epochs], dash, color=c, marker=marker, label=name)
+        loss_ax.plot(x, [r["val_loss"] for r in epochs], dash, color=c, marker=marker, alpha=0.45)
+        acc_ax.plot(x, [100 * r["val_acc"] for r in epochs], dash, color=c, marker=marker)
+        if all("epoch_time_s" in r and r.get("steps") for r in epochs):
+            steps = np.diff([0] + [r["steps"] for r in epochs])  # ``steps`` counts from the start of training
+            time_ax.plot(x, [r["epoch_time_s"] / n for r, n in zip(epochs, steps)], dash, color=c, marker=marker)
+        final = next((r for r in doc["results"] if r.get("kind") == "final"), {})
+        if final.get("step_time_median_s") is not None:
+            time_ax.axhline(final["step_time_median_s"], color=c, linestyle=":", label=f"{name}: median step of the run")
+    loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss (nats)", title="loss: train (dark), validation (light)")
+    acc_ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title="validation accuracy")
+    time_ax.set(xlabel="epoch", ylabel="time per optimizer step (s)", title="time per step (epoch mean)")
+    if not time_ax.lines:
+        _missing(time_ax, "epoch_time_s / steps")
+    time_ax.set_ylim(bottom=0)
+    for ax in axes[0]:
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    _legend_outside(figure)
+    return figure
+
+
+# --------------------------------------------------------------------------- SyncBatchNorm
+
+
+SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
+
+
+def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
+    """Per (batch, hidden): ours / ``reference`` time with its interval (when the rows have rounds or ci fields)."""
+    rows = doc["results"]
+    ref = {(r["batch"], r["hidden"]): r for r in rows if r.get("impl") == reference}
+    out = []
+    for r in rows:
+        if r.get("impl") != "ours" or (r["batch"], r["hidden"]) not in ref:
+            continue
+        if isinstance(r.get("vs_reference"), dict):  # a measure.paired_ratio stored with the row
+            value = r["vs_reference"]
+        elif r.get("ci_low") is not None and r.get("vs_reference") is not None:
+            value = {"median": r["vs_reference"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
+        else:
+            value = ratio(r, ref[(r["batch"], r["hidden"])], "time_s")
+        out.append({"batch": r["batch"], "hidden": r["hidden"], "workers": r.get("workers"), **value})
+    return out
+
+
+def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
+    """Ours / (BatchNorm1d + the two all_reduce calls any synchronized BatchNorm needs), per size, one
+    panel per batch; error bars: 95 % intervals where the rows carry them; the target as a line."""
+    ratios = syncbn_ratios(doc)
+    batches = sorted({r["batch"] for r in ratios})
+    figure, axes = _figure(1, max(1, len(batches)), width=4.2 * max(1, len(batches)) + 2, height=3.4, sharey=True)
+    for ax, batch in zip(axes[0], batches):
+        points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
+        x = np.arange(len(points))
+        has_ci = [p["ci_low"] is not None for p in points]
+        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None) for p, ok in zip(points, has_ci)])
+        ax.bar(x, [p["median"] for p in points], color=colour("ours"), width=0.6, label="ours / (BatchNorm1d + 2 all_reduce)")
+        if any(has_ci):
+            ax.errorbar(x, [p["median"] for p in points], yerr=yerr[:, :, 0].T, fmt="none", ecolor="black", capsize=4,
+                        label="95 % interval")
+        ax.axhline(target, color="#AA0000", linestyle="--", label=f"target {target:g}x")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(x, [str(p["hidden"]) for p in points])
+        workers = points[0].get("workers") if points else None
+        ax.set(xlabel="hidden size (channels)", title=f"batch {batch}" + (f", {workers} workers" if workers else ""))
+        if not any(has_ci):
+            ax.text(0.02, 0.97, "no interval: not in this results file", transform=ax.transAxes, fontsize="x-small",
+                    va="top", color="#AA0000")
+    if not batches:
+        _missing(axes[0][0], "rows of impl 'ours' and 'BatchNorm1d + 2 all_reduce'")
+    axes[0][0].set_ylabel("time ratio (x)")
+    _legend_outside(figure)
+    return figure
+
+
+# --------------------------------------------------------------------------- all-reduce (the homework's tables)
+
+
+def allreduce_table(doc: dict) -> Figure:
+    """The homework's all-reduce tables as a chart: time (top) and error against the exact mean
+    (bottom) against world size, one panel per tensor size, one colour per algorithm; world sizes
+    above the machine's cores are shaded as oversubscribed."""
+    rows, env = doc["results"], doc.get("env", {})
+    sizes = sorted({r["numel"] for r in rows})
+    worlds = sorted({r["world_size"] for r in rows})
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    figure, axes = _figure(2, len(sizes), width=3.6 * len(sizes) + 2, height=3.0, sharex=True)
+    for column, numel in enumerate(sizes):
+        time_ax, error_ax = axes[0][column], axes[1][column]
+        for algorithm in algorithms:
+            points = sorted((r["world_size"], r) for r in rows if r["numel"] == numel and r["algorithm"] == algorithm)
+            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", color=colour(algorithm),
+                         label=algorithm.replace("_", "-"))
+            errors = [(w, r["max_abs_error"]) for w, r in points if w > 1 and r.get("max_abs_error") is not None]
+            error_ax.plot([w for w, _ in errors], [e for _, e in errors], marker="o", color=colour(algorithm))
+        over = [w for w in worlds if oversubscribed({"world_size": w}, env)]
+        for ax in (time_ax, error_ax):
+            _log_x(ax, worlds)
+            shade_oversubscribed(ax, over, f"oversubscribed (> {env.get('cpus')} cores)")
+        _log_y(time_ax)
+        time_ax.set(title=f"{numel:,} float32 ({format_bytes(4 * numel)})")
+        error_ax.set_ylim(bottom=0)
+        error_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+        error_ax.set(xlabel="processes")
+    axes[0][0].set_ylabel("time (ms, median of slowest rank)")
+    axes[1][0].set_ylabel("max |result - exact mean|")
+    _legend_outside(figure)
+    return figure
+
+
+# --------------------------------------------------------------------------- DDP variants and bucket sizes
+
+
+def _models(rows):
+    return list(dict.fromkeys(r["model"] for r in rows))
+
+
+def ddp_variants(doc: dict) -> Figure:
+    """Per model: p50 time per iteration against bucket size for ours and PyTorch's (defaults, and
+    best settings when measured) with 95 % intervals over rounds, and every variant's p50 with the
+    exposed communication wait marked; oversubscribed rows grey and hatched."""
+    rows, env = doc["results"], doc.get("env", {})
+    models = _models(rows)
+    figure, axes = _figure(len(models), 2, width=13, height=3.8, gridspec_kw={"width_ratios": [1, 1.25]})
+    for (sweep_ax, bar_ax), model in zip(axes, models):
+        mine = [r for r in rows if r["model"] == model]
+        caps = sorted({r["bucket_cap_mb"] for r in mine if r.get("bucket_cap_mb")})
+        names = list(dict.fromkeys(kind(r) for r in mine if r.get("bucket_cap_mb")))
+        for i, name in enumerate(names):
+            points = sorted((r["bucket_cap_mb"], r) for r in mine if kind(r) == name and r.get("bucket_cap_mb"))
+            shift = 1.06 ** (i - (len(names) - 1) / 2)  # side by side, so the error bars stay apart
+            x = [b * shift for b, _ in points]
+            y = [r["p50_s"] for _, r in points]
+            yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
+            sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name), label=name)
+        baseline = next((r for r in mine if kind(r) in ("no ddp", "no_ddp")), None)
+        if baseline:
+            sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":", label="no ddp (no communication)")
+        _log_x(sweep_ax, caps)
+        sweep_ax.set(xlabel="bucket cap (MiB)", ylabel="time per iteration (s, p50)", title=f"{model}: bucket size")
+        sweep_ax.set_ylim(bottom=0)
+        _variant_bars(bar_ax, mine, env, model)
+    _legend_outside(figure)
+    return figure
+
+
+def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
+    labels = [r["label"] for r in rows]
+    y = np.arange(len(rows))[::-1]
+    for yi, r in zip(y, rows):
+        over = oversubscribed(r, env)
+        style = dict(color=OVERSUBSCRIBED["color"], hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]) \
+            if over else dict(color=colour(r))
+        bounds = interval(r, "p50_s")
+        ax.barh(yi, r["p50_s"], xerr=np.array(_yerr(r["p50_s"], bounds)), capsize=3, height=0.7, **style)
+        if r.get("comm_wait_s"):
+            ax.barh(yi, r["comm_wait_s"], height=0.25, color="white", edgecolor="black", linewidth=0.6)
+    ax.set_yticks(y, labels, fontsize="small")
+    ax.set(xlabel="time per iteration (s, p50; bar = 95 % interval over rounds)", title=f"{model}: every variant")
+    # Empty rectangles carry these two entries into the figure's legend.
+    ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="white", edgecolor="black", label="exposed communication wait (ours)"))
+    if any(oversubscribed(r, env) for r in rows):
+        ax.add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor=OVERSUBSCRIBED["color"],
+                               hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]))
+
+
+def time_breakdown(doc: dict) -> Figure:
+    """Where one iteration's time goes, per profiled variant (rows with a ``breakdown`` of
+    ``measure.op_breakdown``): the CPU seconds of each phase, stacked, one panel per model."""
+    rows = [r for r in doc["results"] if r.get("breakdown")]
+    models = _models(rows) or [""]
+    figure, axes = _figure(len(models), 1, width=11, height=0.5 + 0.45 * max(1, max((sum(r["model"] == m for r in rows) for m in models), default=1)))
+    for ax, model in zip(axes[:, 0], models):
+        mine = [r for r in rows if r["model"] == model]
+        y = np.arange(len(mine))[::-1]
+        for yi, r in zip(y, mine):
+            left = 0.0
+            for phase in COMPUTE_PHASES:
+                seconds = r["breakdown"]["ranges"].get(phase)
+                if seconds:
+                    ax.barh(yi, 1e3 * seconds, left=left, height=0.6, color=PHASE_COLOURS[phase], edgecolor=colour(r),
+                            linewidth=1.5, label=phase)
+                    left += 1e3 * seconds
+        ax.set_yticks(y, [r["label"] for r in mine], fontsize="small")
+        ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)", title=f"{model}: where one iteration's time goes")
+        if not mine:
+            _missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
+    _legend_outside(figure)
+    return figure
+
+
+# --------------------------------------------------------------------------- world-size sweep
+
+
+def ddp_sweep(doc: dict) -> Figure:
+    """p50 time per iteration (with 95 % intervals) and whole-job examples per second against world
+    size, one colour per variant; oversubscribed world sizes shaded grey and hatched, points hollow."""
+    rows, env = doc["results"], doc.get("env", {})
+    figure, axes = _figure(1, 2, width=12, height=3.8)
+    time_ax, throughput_ax = axes[0]
+    worlds = sorted({r["world_size"] for r in rows})
+    for label in dict.fromkeys(r["label"] for r in rows):
+        points = sorted((r["world_size"], r) for r in rows if r["label"] == label)
+        c = colour(points[0][1])
+        x = [w for w, _ in points]
+        yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
+        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3, label=label)
+        throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
+        for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
+            for w, r in points:
+                over = oversubscribed(r, env)
+                ax.plot([w], [r[key]], marker="o", markersize=7, color=c, markerfacecolor="white" if over else c)
+    over = [w for w in worlds if any(oversubscribed(r, env) for r in rows if r["world_size"] == w)]
+    for ax in (time_ax, throughput_ax):
+        _log_x(ax, worlds)
+        shade_oversubscribed(ax, over, f"oversubscribed: more processes than the {env.get('cpus', '?')} CPU cores (hollow points)")
+        ax.set_xlabel("processes (world size)")
+        ax.set_ylim(bottom=0)
+    model = rows[0].get("model", "") if rows else ""
+    time_ax.set(ylabel="time per iteration (s, p50)", title=f"{model}: time per iteration")
+    throughput_ax.set(ylabel="examples per second (whole job, p50)", title=f"{model}: throughput")
+    _legend_outside(figure)
+    return figure
+
+
+# --------------------------------------------------------------------------- overlap timeline (Chrome traces)
+
+
+COMPUTE_PHASES = ("forward", "backward", "sync_gradients", "optimizer_step")
+# Greys for compute, so that the communication lanes carry the implementation's colour; waiting in red.
+PHASE_COLOURS = {"forward": "#CCCCCC", "backward": "#777777", "sync_gradients": "#AA0000", "optimizer_step": "#333333"}
+
+
+def timeline_events(trace: dict, iteration: int = -1) -> dict:
+    """One iteration of a Chrome trace written by ``ddp_benchmark.py --profile``: the compute phases
+    (record_function ranges of the main thread) and each gloo all_reduce (one per bucket, on gloo's
+    threads), in ms from the iteration's start. Returns {"phases": [(name, start, duration)],
+    "comm": {lane: [(start, duration)]}, "length": ms}."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    iterations = sorted((e for e in events if str(e.get("name", "")).startswith("iteration ")), key=lambda e: e["ts"])
+    if not iterations:
+        raise ValueError("no 'iteration N' ranges in this trace: not written by ddp_benchmark.py --profile")
+    it = iterations[iteration]
+    start, end = it["ts"], it["ts"] + it["dur"]
+    inside = [e for e in events if start <= e["ts"] < end]
+    phases = [(e["name"], (e["ts"] - start) / 1e3, e["dur"] / 1e3) for e in inside
+              if e["name"] in COMPUTE_PHASES and e.get("tid") == it.get("tid")]
+    comm: dict = {}
+    for e in sorted(inside, key=lambda e: e["ts"]):
+        name = str(e["name"])
+        if e.get("tid") != it.get("tid") and "all_reduce" in name.replace("allreduce", "all_reduce") and name.startswith(("gloo", "nccl")):
+            comm.setdefault(e["tid"], []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
+    lanes = {f"gloo thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items()))}
+    return {"phases": sorted(phases, key=lambda p: p[1]), "comm": lanes, "length": it["dur"] / 1e3}
+
+
+def overlap_timeline(traces: dict[str, dict]) -> Figure:
+    """One panel per DDP variant (``{label: loaded Chrome trace}``, ours beside PyTorch's), one
+    iteration of rank 0: the compute phases on one lane, every bucket's all-reduce on the lanes of
+    the communication threads; time in ms on a shared axis."""
+    figure, axes = _figure(len(traces), 1, width=12, height=1.35 + 0.25, sharex=True)
+    for ax, (label, trace) in zip(axes[:, 0], traces.items()):
+        t = timeline_events(trace)
+        lanes = ["compute", *t["comm"]]
+        ypos = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
+        for name, begin, length in t["phases"]:
+            label_ = "sync_gradients (waiting for communication)" if name == "sync_gradients" else name
+            ax.broken_barh([(begin, length)], (ypos["compute"] - 0.4, 0.8), color=PHASE_COLOURS[name], label=label_)
+        for lane, spans in t["comm"].items():
+            ax.broken_barh(spans, (ypos[lane] - 0.4, 0.8), facecolor=colour(label), edgecolor="black", linewidth=0.5,
+                           label=f"all-reduce of a bucket ({kind(label)})")
+        ax.set_yticks(list(ypos.values()), list(ypos), fontsize="small")
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        buckets = sum(len(s) for s in t["comm"].values())
+        ax.set_title(f"{label}: one iteration, {t['length']:.0f} ms, {buckets} all-reduce calls", fontsize="small", loc="left")
+    axes[-1][0].set_xlabel("time since the iteration started (ms)")
+    _legend_outside(figure)
+    return figure
+
+
+def trim_trace(trace: dict) -> dict:
+    """The events ``timeline_events`` reads (iterations, phases, collectives): a few kB instead of a few
+    MB, small enough to commit beside the results. Still a Chrome trace."""
+    keep = ("iteration ", *COMPUTE_PHASES, "gloo:", "nccl:")
+    return {"traceEvents": [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
+
+
+def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0) -> dict[str, dict]:
+    """``{label: trace}`` of the traces ``ddp_benchmark.py --profile DIR`` wrote for ``model`` (any world
+    size) and this rank; labels without a trace are left out."""
+    found = {}
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    for label in labels:
+        slug = label.replace(" ", "-")
+        match = next((n for n in names if n.startswith(f"{model}-") and n.endswith(f"-{slug}-rank{rank}.json")), None)
+        if match:
+            with open(os.path.join(directory, match)) as f:
+                found[label] = json.load(f)
+    return found
+
+
+# --------------------------------------------------------------------------- beside a seed
+
+
+def beside_seed(ours: dict[str, tuple], seed: dict[str, tuple], *, xlabel: str, ylabel: str, ours_title: str,
+                seed_title: str, xbytes: bool = False, logx: bool = True, logy: bool = False, sharey: bool = False) -> Figure:
+    """Two panels, ours (left) and a seed's (right), each ``{series label: (x, y[, implementation])}``,
+    with the same axis labels and scales and the hardware in the titles (never one axis: different
+    machines). Our series take their implementation's colour; the seed's are grey; series of one
+    colour differ by line style and marker. Legends sit under the panels."""
+    figure, axes = _figure(1, 2, width=12, height=4.2, sharey=sharey)
+    for ax, series, title, default in ((axes[0][0], ours, ours_title, None), (axes[0][1], seed, seed_title, SEED_STYLE["color"])):
+        used: dict[str, int] = {}
+        for label, (x, y, *impl) in series.items():
+            c = colour(impl[0]) if impl else (default or OTHER)
+            n = used[c] = used.get(c, -1) + 1
+            ax.plot(x, y, color=c, linestyle=SERIES_LINES[n % len(SERIES_LINES)], marker=SERIES_MARKERS[n % len(SERIES_MARKERS)],
+                    label=label)
+        if logx:
+            values = sorted({v for x, *_ in series.values() for v in x})
+            _log_x(ax, values, (lambda v, _: format_bytes(v)) if xbytes else None)
+        if logy:
+            _log_y(ax)
+        ax.set(xlabel=xlabel, ylabel=ylabel)
+        ax.set_title(title, fontsize="small")
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    return figure
+
+
+SERIES_LINES = ("-", "--", ":", "-.")
+SERIES_MARKERS = ("o", "s", "^", "v", "D", "x")

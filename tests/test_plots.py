@@ -1,0 +1,255 @@
+"""plots.py: every report figure draws from a small synthetic results document, with the artists the
+style promises (a line or bar per series, log axes, units in the labels, intervals, oversubscription
+marked, the legend outside the data). No processes are spawned."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.container import ErrorbarContainer  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+import plots  # noqa: E402
+from results import RESULTS_SCHEMA  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def doc(rows, cpus=2, world_size=2, config=None):
+    env = {"device": "cpu", "cpus": cpus, "world_size": world_size, "device_model": "test cpu"}
+    return {"schema": RESULTS_SCHEMA, "benchmark": "test", "env": env, "config": config or {}, "results": rows}
+
+
+def legend_texts(figure):
+    return [t.get_text() for legend in figure.legends for t in legend.get_texts()]
+
+
+def data_lines(ax):
+    """Lines that carry data (not the horizontal reference lines drawn with axhline)."""
+    return [line for line in ax.get_lines() if len(line.get_xdata()) > 0 and line.get_label() and not line.get_label().startswith("_")]
+
+
+# --------------------------------------------------------------------------- style
+
+
+def test_sizes_are_written_in_binary_units():
+    assert plots.format_bytes(65536) == "64 KiB"
+    assert plots.format_bytes(10 * 2**20) == "10 MiB"
+    assert plots.format_bytes(1.5 * 2**30) == "1.5 GiB"
+    assert plots.format_bytes(100) == "100 B"
+
+
+def test_one_colour_per_implementation_whatever_the_bucket_size_or_field():
+    assert plots.colour("bucketed 25M") == plots.colour("bucketed 1000M") == plots.colour({"variant": "bucketed"})
+    assert plots.colour({"label": "pytorch 25M", "variant": "pytorch"}) == plots.colour("torch")
+    best = {"label": "pytorch 25M best", "variant": "pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
+    assert plots.kind(best) == "pytorch-best" and plots.colour(best) != plots.colour("pytorch")
+    assert plots.kind({"label": "pytorch-best 25M", "variant": "pytorch-best"}) == "pytorch-best"
+    assert len({plots.colour(k) for k in ("bucketed", "pytorch", "pytorch-best", "overlap", "flat", "naive", "no ddp")}) == 7
+
+
+def test_a_row_is_oversubscribed_by_its_own_flag_or_by_more_processes_than_cores():
+    env = {"cpus": 2, "device": "cpu"}
+    assert plots.oversubscribed({"world_size": 4}, env) and not plots.oversubscribed({"world_size": 2}, env)
+    assert plots.oversubscribed({"world_size": 2, "oversubscribed": True}, {"cpus": 64})
+    assert not plots.oversubscribed({"world_size": 8, "device": "cuda"}, env)
+
+
+def test_intervals_come_from_the_rows_fields_or_a_bootstrap_over_its_rounds():
+    assert plots.interval({"p50_s": 1.0, "p50_s_ci_low": 0.9, "p50_s_ci_high": 1.2}, "p50_s") == (0.9, 1.2)
+    low, high = plots.interval({"p50_s": 1.0, "round_p50_s": [0.9, 1.0, 1.1, 1.3]}, "p50_s")
+    assert 0.9 <= low <= 1.0 <= high <= 1.3
+    assert plots.interval({"p50_s": 1.0}, "p50_s") is None
+    assert plots.interval({"p50_s": 1.0, "round_comm_wait_s": [0.1, 0.2]}, "p50_s") is None  # another statistic's rounds
+    paired = plots.ratio({"round_p50_s": [2.0, 4.0, 2.2]}, {"round_p50_s": [2.0, 4.0, 2.0]})
+    assert paired["median"] == pytest.approx(1.0) and paired["ci_high"] == pytest.approx(1.1)
+    assert plots.ratio({"p50_s": 3.0}, {"p50_s": 2.0}) == {"median": 1.5, "ci_low": None, "ci_high": None, "rounds": None}
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def training_doc(loss_shift=0.0):
+    epochs = [{"kind": "epoch", "epoch": e, "steps": 10 * e, "train_loss": 4.5 - 0.2 * e + loss_shift, "val_loss": 4.4 - 0.2 * e,
+               "val_acc": 0.05 * e, "epoch_time_s": 5.0} for e in (1, 2, 3)]
+    return doc(epochs + [{"kind": "final", "epochs": 3, "step_time_median_s": 0.5}])
+
+
+def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
+    figure = plots.training_curves({"selfmade": training_doc(), "pytorch": training_doc(0.01)})
+    loss, accuracy, step = figure.axes[:3]
+    assert len(loss.get_lines()) == 4 and len(accuracy.get_lines()) == 2  # train + validation per run; validation per run
+    assert "(nats)" in loss.get_ylabel() and "(%)" in accuracy.get_ylabel() and "(s)" in step.get_ylabel()
+    assert all(ax.get_xlabel() == "epoch" for ax in (loss, accuracy, step))
+    per_step = step.get_lines()[0].get_ydata()
+    assert list(per_step) == pytest.approx([0.5, 0.5, 0.5])  # steps count from the start: 5 s over 10 steps each epoch
+    assert accuracy.get_lines()[0].get_ydata()[-1] == pytest.approx(15.0)
+    assert {"selfmade", "pytorch"} <= set(legend_texts(figure))
+
+
+def syncbn_rows(with_rounds=True):
+    rows = []
+    for batch in (32, 64):
+        for hidden in (128, 256, 512):
+            for impl, t in (("ours", 1.2e-3), ("BatchNorm1d + 2 all_reduce", 1e-3), ("BatchNorm1d (local)", 2e-4)):
+                row = {"impl": impl, "batch": batch, "hidden": hidden, "workers": 2, "time_s": t}
+                if with_rounds:
+                    row["round_time_s"] = [t * f for f in (0.9, 1.0, 1.1, 1.05)]
+                rows.append(row)
+    return rows
+
+
+def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
+    figure = plots.syncbn_grid(doc(syncbn_rows()), target=1.3)
+    panels = [ax for ax in figure.axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == ["batch 32, 2 workers", "batch 64, 2 workers"]
+    for ax in panels:
+        bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+        assert [b.get_height() for b in bars] == pytest.approx([1.2] * 3)
+        assert any(isinstance(c, ErrorbarContainer) for c in ax.containers)
+        assert any(list(line.get_ydata()) == [1.3, 1.3] for line in ax.get_lines())
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512"]
+    assert "(x)" in panels[0].get_ylabel() and "target 1.3x" in legend_texts(figure)
+
+
+def test_syncbn_grid_says_when_the_file_has_no_intervals():
+    figure = plots.syncbn_grid(doc(syncbn_rows(with_rounds=False)))
+    ax = [ax for ax in figure.axes if ax.get_title()][0]
+    assert not any(isinstance(c, ErrorbarContainer) for c in ax.containers)
+    assert any("not in this results file" in t.get_text() for t in ax.texts)
+
+
+def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribed_worlds_shaded():
+    rows = [{"world_size": w, "numel": n, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0, "max_abs_error": 1e-7 * (w > 1)}
+            for w in (1, 2, 4) for n in (1000, 10000) for a in ("torch", "ring", "butterfly", "halving_doubling")]
+    figure = plots.allreduce_table(doc(rows, cpus=2))
+    time_axes = [ax for ax in figure.axes if ax.get_title()]
+    assert [ax.get_title() for ax in time_axes] == ["1,000 float32 (3.9 KiB)", "10,000 float32 (39 KiB)"]
+    for ax in time_axes:
+        assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
+        assert len(data_lines(ax)) == 4
+    assert [t.get_text() for t in figure.axes[2].get_xticklabels()] == ["1", "2", "4"]  # under the shared x axis
+    assert "ms" in time_axes[0].get_ylabel()
+    assert any(t.startswith("oversubscribed") for t in legend_texts(figure))
+    assert {"torch", "ring", "butterfly", "halving-doubling"} <= set(legend_texts(figure))
+
+
+def ddp_row(label, variant, cap, p50, world=2, **extra):
+    return {"model": "resnet18", "label": label, "variant": variant, "bucket_cap_mb": cap, "world_size": world, "p50_s": p50,
+            "p50_ex_per_s": 32 / p50, "round_p50_s": [p50 * f for f in (0.95, 1.0, 1.05, 1.0)], "comm_wait_s": None, **extra}
+
+
+def ddp_rows():
+    return [ddp_row("no ddp", "no_ddp", None, 0.10), ddp_row("pytorch 1M", "pytorch", 1.0, 0.16),
+            ddp_row("pytorch 25M", "pytorch", 25.0, 0.15),
+            ddp_row("pytorch-best 25M", "pytorch-best", 25.0, 0.14),
+            ddp_row("naive", "naive", None, 0.25, comm_wait_s=0.1), ddp_row("bucketed 1M", "bucketed", 1.0, 0.15, comm_wait_s=0.01),
+            ddp_row("bucketed 25M", "bucketed", 25.0, 0.14, comm_wait_s=0.02)]
+
+
+def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_intervals():
+    figure = plots.ddp_variants(doc(ddp_rows()))
+    sweep, bars = figure.axes[:2]
+    assert sweep.get_xscale() == "log" and sweep.get_xlabel() == "bucket cap (MiB)" and "(s" in sweep.get_ylabel()
+    series = [c for c in sweep.containers if isinstance(c, ErrorbarContainer)]
+    assert [c.get_label() for c in series] == ["pytorch", "pytorch-best", "bucketed"]
+    assert len({c.lines[0].get_color() for c in series}) == 3
+    assert [t.get_text() for t in bars.get_yticklabels()] == [r["label"] for r in ddp_rows()]  # top to bottom
+    assert sum(isinstance(c, ErrorbarContainer) for c in bars.containers) == len(ddp_rows())
+    assert "exposed communication wait (ours)" in legend_texts(figure)
+    assert "oversubscribed" not in legend_texts(figure)
+
+
+def test_ddp_variants_mark_oversubscribed_rows():
+    rows = [{**r, "oversubscribed": True} if r["label"] == "naive" else r for r in ddp_rows()]
+    figure = plots.ddp_variants(doc(rows))
+    bars = figure.axes[1]
+    hatched = [p for p in bars.patches if p.get_hatch()]
+    assert len(hatched) >= 1 and "oversubscribed" in legend_texts(figure)
+
+
+def test_ddp_sweep_plots_time_and_throughput_with_oversubscribed_worlds_marked():
+    rows = [ddp_row(label, variant, 25.0 if variant != "no_ddp" else None, 0.1 * w + base, world=w)
+            for w in (1, 2, 4) for label, variant, base in (("no ddp", "no_ddp", 0.0), ("bucketed 25M", "bucketed", 0.02))]
+    figure = plots.ddp_sweep(doc(rows, cpus=2, world_size=[1, 2, 4]))
+    time_ax, throughput_ax = figure.axes[:2]
+    assert time_ax.get_xscale() == throughput_ax.get_xscale() == "log"
+    assert "(s, p50)" in time_ax.get_ylabel() and "examples per second" in throughput_ax.get_ylabel()
+    hollow = [line for line in time_ax.get_lines() if line.get_markerfacecolor() == "white"]
+    assert [line.get_xdata()[0] for line in hollow] == [4, 4]
+    assert any("oversubscribed" in t for t in legend_texts(figure))
+    assert sum(isinstance(c, ErrorbarContainer) for c in time_ax.containers) == 2
+
+
+def chrome_trace(buckets=((40, 20), (60, 30)), threads=(2, 3)):
+    main = [("iteration 0", 0, 100), ("forward", 0, 30), ("backward", 30, 40), ("sync_gradients", 70, 20), ("optimizer_step", 90, 10)]
+    events = [{"ph": "X", "name": n, "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": 1, "pid": 1} for n, t, d in main]
+    events += [{"ph": "X", "name": "gloo:all_reduce", "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": threads[i % len(threads)], "pid": 1}
+               for i, (t, d) in enumerate(buckets)]
+    events += [{"ph": "X", "name": "aten::add", "ts": 5000.0, "dur": 1.0, "tid": 1, "pid": 1}, {"ph": "M", "name": "process_name"}]
+    return {"traceEvents": events}
+
+
+def test_timeline_events_read_one_iteration_of_a_chrome_trace():
+    t = plots.timeline_events(chrome_trace())
+    assert t["length"] == 100
+    assert [name for name, _, _ in t["phases"]] == ["forward", "backward", "sync_gradients", "optimizer_step"]
+    assert t["comm"] == {"gloo thread 1": [(40, 20)], "gloo thread 2": [(60, 30)]}
+    with pytest.raises(ValueError, match="--profile"):
+        plots.timeline_events({"traceEvents": []})
+    trimmed = plots.trim_trace(chrome_trace())
+    assert plots.timeline_events(trimmed) == t and len(trimmed["traceEvents"]) == len(chrome_trace()["traceEvents"]) - 2
+
+
+def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_lane_per_variant():
+    figure = plots.overlap_timeline({"bucketed 25M": chrome_trace(), "pytorch 25M": chrome_trace(buckets=((50, 45),))})
+    ours, theirs = figure.axes[:2]
+    assert [t.get_text() for t in ours.get_yticklabels()] == ["compute", "gloo thread 1", "gloo thread 2"]
+    assert [t.get_text() for t in theirs.get_yticklabels()] == ["compute", "gloo thread 1"]
+    bars = [c for c in ours.collections if isinstance(c, PolyCollection)]
+    assert len(bars) == 4 + 2  # four compute phases, two buckets
+    title = ours.get_title(loc="left")
+    assert title.startswith("bucketed 25M") and "2 all-reduce calls" in title
+    assert "(ms)" in theirs.get_xlabel()
+    texts = legend_texts(figure)
+    assert "all-reduce of a bucket (bucketed)" in texts and "all-reduce of a bucket (pytorch)" in texts
+
+
+def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
+    import json
+    for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json", "cnn-2ranks-overlap-rank0.json"):
+        (tmp_path / name).write_text(json.dumps(chrome_trace()))
+    found = plots.load_traces(str(tmp_path), "resnet18", ["bucketed 25M", "overlap"])
+    assert list(found) == ["bucketed 25M"]
+    assert plots.load_traces(str(tmp_path / "missing"), "resnet18", ["overlap"]) == {}
+
+
+def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
+    figure = plots.beside_seed({"torch, 2 processes": ([2**20, 2**30], [1.0, 2.0], "torch")},
+                               {"torch, 2 processes": ([2**20, 2**30], [1.5, 3.0]), "torch, 4 processes": ([2**20], [0.7])},
+                               xlabel="message size", ylabel="algbw (GB/s)", ours_title="ours: test cpu", seed_title="seed: 2x T4",
+                               xbytes=True)
+    ours, seed = figure.axes[:2]
+    assert (ours.get_title(), seed.get_title()) == ("ours: test cpu", "seed: 2x T4")
+    assert len(ours.get_lines()) == 1 and len(seed.get_lines()) == 2
+    assert ours.get_lines()[0].get_color() == plots.colour("torch")
+    assert [t.get_text() for t in ours.get_xticklabels()] == ["1 MiB", "1 GiB"]
+    assert seed.get_lines()[0].get_linestyle() != seed.get_lines()[1].get_linestyle()
+
+
+def test_time_breakdown_stacks_each_profiled_variants_phases():
+    breakdown = {"ranges": {"forward": 0.1, "backward": 0.2, "sync_gradients": 0.05, "optimizer_step": 0.01}, "ops": [], "iters": 3}
+    rows = [{**r, "breakdown": breakdown} if r["label"] in ("pytorch 25M", "bucketed 25M") else r for r in ddp_rows()]
+    figure = plots.time_breakdown(doc(rows))
+    ax = figure.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["pytorch 25M", "bucketed 25M"]
+    segments = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(segments) == 8 and max(p.get_x() + p.get_width() for p in segments) == pytest.approx(360.0)
+    assert "(ms)" in ax.get_xlabel() and {"forward", "backward", "sync_gradients", "optimizer_step"} <= set(legend_texts(figure))
