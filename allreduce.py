@@ -732,8 +732,10 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
         ratio = paired_ratio(timings[name].samples, timings["torch"].samples) if "torch" in timings else None
         rows.append({"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""),
                      "algorithm": name, "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
+                     "round_time_s": timings[name].samples,  # one call per round
                      "vs_torch": ratio["median"] if ratio else None,
-                     "vs_torch_ci": [ratio["ci_low"], ratio["ci_high"]] if ratio else None,
+                     "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
+                     "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
                      "choice": choose_algorithm(numel * mine.element_size(), ctx.world_size)
                      if name == "auto" and ctx.world_size > 1 else None,
                      "oversubscribed": oversubscribed(ctx.world_size, ctx.device),
@@ -765,7 +767,7 @@ def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
         line[f"{name}_err"] = row["max_abs_error"]
         if row.get("vs_torch") is not None and name != "torch":
             line[f"{name}_vs_torch"] = row["vs_torch"]
-            line[f"{name}_ratio"] = "{:.2f}x [{:.2f}, {:.2f}]".format(row["vs_torch"], *row["vs_torch_ci"])
+            line[f"{name}_ratio"] = "{:.2f}x [{:.2f}, {:.2f}]".format(row["vs_torch"], row["vs_torch_ci_low"], row["vs_torch_ci_high"])
         if name == "auto":
             line["auto_choice"] = SHORT.get(row.get("choice"), "-")
             line["oversubscribed"] = "yes" if row.get("oversubscribed") else ""
@@ -781,7 +783,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         if row["algorithm"] == "auto" and row["world_size"] in TARGET_WORLD_SIZES and row.get("vs_torch") is not None:
-            ratio = {"median": row["vs_torch"], "ci_low": row["vs_torch_ci"][0], "ci_high": row["vs_torch_ci"][1]}
+            ratio = {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"]}
             label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row["oversubscribed"] else ""
             lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {row['world_size']} processes, {row['numel']} elements: "
                          f"{format_ratio(ratio)} {verdict(ratio, AUTO_TARGET)}{label}")
