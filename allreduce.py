@@ -155,7 +155,8 @@ def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int
     if differs:
         def describe(r):
             numel, dtype, op_index, _ = table[r].tolist()
-            return f"rank {r} has {numel} elements of {_DTYPES[dtype] if dtype >= 0 else 'another dtype'} (op={OPS[op_index]!r})"
+            kind = _DTYPES[dtype] if dtype >= 0 else "another dtype"
+            return f"rank {r} has {numel} elements of {kind} (op={OPS[op_index]!r})"
         other = differs[0]
         what = "the same input" if not torch.equal(table[other, :3], table[0, :3]) else "the same algorithm"
         raise ValueError(f"all-reduce needs {what} on every rank: {describe(0)}, {describe(other)}"
@@ -335,7 +336,8 @@ def _ring_ticks(flat: torch.Tensor, rank: int, n: int, segment_bytes: int) -> li
     """Reduce-scatter then all-gather around the ring, each chunk cut into the same number of segments.
 
     Reduce-scatter step s (0..n-2): send chunk (rank - s), receive chunk (rank - s - 1) from the left
-    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1). All-gather step s: send chunk (rank + 1 - s), receive chunk (rank - s) in place.
+    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1). All-gather step s:
+    send chunk (rank + 1 - s), receive chunk (rank - s) in place.
     Segment k of a step forwards what segment k of the previous step received, so tick t needs
     tick t - K and the K segments of a step stream through the ring one behind the other.
     """
@@ -615,12 +617,12 @@ CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
 }
 
 
-def _nearest_world_size(world_size: int, table: dict) -> int:
+def _nearest_world_size(world_size: int, table: dict, warn: bool = True) -> int:
     """The measured world size closest to ``world_size`` on a log scale (the smaller one on a tie)."""
     if world_size in table:
         return world_size
     nearest = min(table, key=lambda k: (abs(math.log2(k) - math.log2(world_size)), k))
-    if (world_size, nearest) not in _WARNED:
+    if warn and (world_size, nearest) not in _WARNED:
         _WARNED.add((world_size, nearest))
         warnings.warn(f"allreduce(algorithm='auto'): no crossover measured for {world_size} processes; using the "
                       f"table of {nearest} (re-derive it with: python collectives_benchmark.py --tune --procs {world_size})",
@@ -631,14 +633,15 @@ def _nearest_world_size(world_size: int, table: dict) -> int:
 _WARNED: set[tuple[int, int]] = set()
 
 
-def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None) -> str:
+def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None, warn: bool = True) -> str:
     """The algorithm ``allreduce(algorithm="auto")`` runs for a message of ``nbytes`` on ``world_size`` ranks.
 
     ``table`` (default ``CROSSOVER``) maps a world size to ((largest message in bytes, algorithm), ...),
-    the last bound None. A world size it lacks uses the nearest measured one, with a warning once.
+    the last bound None. A world size it lacks uses the nearest measured one, with a warning once
+    per process (``allreduce`` lets only group rank 0 warn).
     """
     table = CROSSOVER if table is None else table
-    for bound, name in table[_nearest_world_size(world_size, table)]:
+    for bound, name in table[_nearest_world_size(world_size, table, warn)]:
         if bound is None or nbytes <= bound:
             return name
     raise ValueError(f"crossover table for {world_size} processes has no open-ended last entry")
@@ -660,7 +663,8 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
     _check(tensor, op)
     rank, n = _group_rank(group)
     if algorithm == "auto":
-        algorithm = choose_algorithm(tensor.numel() * tensor.element_size(), n) if n > 1 else "recursive_doubling"
+        nbytes = tensor.numel() * tensor.element_size()
+        algorithm = choose_algorithm(nbytes, n, warn=rank == 0) if n > 1 else "recursive_doubling"
     return _allreduce(tensor, op, group, _INNER[algorithm], check=check)
 
 
@@ -736,7 +740,7 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
-                     "choice": choose_algorithm(numel * mine.element_size(), ctx.world_size)
+                     "choice": choose_algorithm(numel * mine.element_size(), ctx.world_size, warn=False)
                      if name == "auto" and ctx.world_size > 1 else None,
                      "oversubscribed": oversubscribed(ctx.world_size, ctx.device),
                      "memory_bytes": int(worst[2 * i + 1]), "max_abs_error": worst[2 * i]})
@@ -767,7 +771,8 @@ def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
         line[f"{name}_err"] = row["max_abs_error"]
         if row.get("vs_torch") is not None and name != "torch":
             line[f"{name}_vs_torch"] = row["vs_torch"]
-            line[f"{name}_ratio"] = "{:.2f}x [{:.2f}, {:.2f}]".format(row["vs_torch"], row["vs_torch_ci_low"], row["vs_torch_ci_high"])
+            line[f"{name}_ratio"] = format_ratio({"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"],
+                                                   "ci_high": row["vs_torch_ci_high"]})
         if name == "auto":
             line["auto_choice"] = SHORT.get(row.get("choice"), "-")
             line["oversubscribed"] = "yes" if row.get("oversubscribed") else ""
