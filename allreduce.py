@@ -771,12 +771,17 @@ def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
         line[f"{name}_err"] = row["max_abs_error"]
         if row.get("vs_torch") is not None and name != "torch":
             line[f"{name}_vs_torch"] = row["vs_torch"]
-            line[f"{name}_ratio"] = format_ratio({"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"],
-                                                   "ci_high": row["vs_torch_ci_high"]})
+            line[f"{name}_ratio"] = format_ratio(_ratio_of(row))
         if name == "auto":
             line["auto_choice"] = SHORT.get(row.get("choice"), "-")
             line["oversubscribed"] = "yes" if row.get("oversubscribed") else ""
     return [table[key] for key in sorted(table)]
+
+
+def _ratio_of(row: dict) -> dict:
+    """The row's ratio to torch in the form of ``measure.paired_ratio``."""
+    return {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"],
+            "rounds": len(row["round_time_s"])}
 
 
 SHORT = {"ring": "ring", "butterfly": "bfly", "halving_doubling": "HD", "recursive_doubling": "RD", "tree": "tree",
@@ -788,7 +793,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     lines = []
     for row in rows:
         if row["algorithm"] == "auto" and row["world_size"] in TARGET_WORLD_SIZES and row.get("vs_torch") is not None:
-            ratio = {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"]}
+            ratio = _ratio_of(row)
             label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row["oversubscribed"] else ""
             lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {row['world_size']} processes, {row['numel']} elements: "
                          f"{format_ratio(ratio)} {verdict(ratio, AUTO_TARGET)}{label}")

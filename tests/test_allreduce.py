@@ -493,3 +493,19 @@ def test_a_world_size_without_a_measured_crossover_uses_the_nearest_and_says_so_
     assert sum("no crossover measured for 6 processes; using the table of 8" in m for m in messages) == 1, messages
     assert sum("for 3 processes; using the table of 2" in m for m in messages) == 1, messages
     assert allreduce.choose_algorithm(10 ** 9, 2, table) == "ring" and len(caught) == 2
+
+
+def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_verdict():
+    def row(algorithm, seconds, world, ratio=None, ci=(None, None), choice=None):
+        return {"world_size": world, "numel": 1000, "dtype": "float32", "algorithm": algorithm, "time_s": seconds,
+                "time_p90_s": seconds, "round_time_s": [seconds] * 8, "vs_torch": ratio, "vs_torch_ci_low": ci[0],
+                "vs_torch_ci_high": ci[1], "choice": choice, "oversubscribed": world > 2, "memory_bytes": 0,
+                "max_abs_error": 0.0}
+    rows = [row("torch", 1e-3, 2, 1.0, (1.0, 1.0)), row("auto", 0.9e-3, 2, 0.9, (0.8, 1.0), "recursive_doubling"),
+            row("torch", 1e-3, 4, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 4, 1.3, (1.2, 1.4), "tree"),
+            row("torch", 1e-3, 8, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 8, 1.3, (1.0, 1.6), "tree")]
+    text = allreduce.report(rows)
+    assert "| 2 | 1000 | 1.000 | 0.900 | RD | 0.90x [0.80, 1.00] |" in text
+    assert "target auto <= 1.10x torch, 2 processes, 1000 elements: 0.90x [0.80, 1.00] met" in text
+    assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text
+    assert "8 processes, 1000 elements" not in text  # the target is stated for 2 and 4 processes
