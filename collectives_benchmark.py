@@ -41,7 +41,7 @@ import torch
 
 import allreduce
 from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
-from measure import oversubscribed, paired_ratio, time_interleaved, verdict
+from measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, read_results, write_results
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
@@ -296,11 +296,17 @@ MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), 
                  ("gbps", "1/beta GB/s", ".3f"), ("max_rel_error", "worst |pred - meas| / meas", ".2f")]
 
 
+def _ratio_of(row: dict) -> dict:
+    """The row's ratio to torch in the form of ``measure.paired_ratio``; a row of an older file without
+    an interval counts as one measurement (its interval is the point)."""
+    low, high = row.get("vs_torch_ci_low"), row.get("vs_torch_ci_high")
+    if low is None or high is None:
+        return {"median": row["vs_torch"], "ci_low": row["vs_torch"], "ci_high": row["vs_torch"], "rounds": 1}
+    return {"median": row["vs_torch"], "ci_low": low, "ci_high": high, "rounds": row.get("rounds") or 2}
+
+
 def _ratio_text(row: dict) -> str:
-    if row.get("vs_torch") is None:
-        return "-"
-    low, high = row["vs_torch_ci_low"], row["vs_torch_ci_high"]
-    return f"{row['vs_torch']:.2f}x [{low:.2f}, {high:.2f}]"
+    return "-" if row.get("vs_torch") is None else format_ratio(_ratio_of(row))
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -310,7 +316,7 @@ def target_lines(rows: list[dict]) -> list[str]:
         for row in rows:
             if row["algorithm"] != algorithm or row.get("vs_torch") is None or (sizes is not None and row["bytes"] not in sizes):
                 continue
-            ratio = {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"]}
+            ratio = _ratio_of(row)
             label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row.get("oversubscribed") else ""
             lines.append(f"target {algorithm} <= {target:.2f}x torch, {row['world_size']} processes, {format_size(row['bytes'])}: "
                          f"{_ratio_text(row)} {verdict(ratio, target)}{label}")
