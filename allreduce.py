@@ -160,7 +160,7 @@ def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int
         other = differs[0]
         what = "the same input" if not torch.equal(table[other, :3], table[0, :3]) else "the same algorithm"
         raise ValueError(f"all-reduce needs {what} on every rank: {describe(0)}, {describe(other)}"
-                         + ("" if what == "the same input" else f" but a different algorithm than rank 0"))
+                         + ("" if what == "the same input" else " but a different algorithm than rank 0"))
 
 
 # --------------------------------------------------------------------------- pipelined exchanges
