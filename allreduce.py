@@ -610,8 +610,8 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 #     python collectives_benchmark.py --tune
 # which prints a table in this form to paste here.
 CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
-    2: ((32768, 'recursive_doubling'), (524288, 'tree'), (33554432, 'recursive_doubling'), (None, 'ring'),),
-    3: ((8388608, 'tree'), (None, 'ring'),),
+    2: ((8388608, 'recursive_doubling'), (33554432, 'tree'), (None, 'ring'),),
+    3: ((33554432, 'recursive_doubling'), (None, 'ring'),),
     4: ((None, 'tree'),),
     8: ((None, 'tree'),),
 }
