@@ -41,6 +41,11 @@ the repeats after warm-up), memory (the extra bytes the call allocates, measured
 separate untimed call with the scratch buffers of earlier calls released first) and the
 accuracy of averaging (maximum absolute difference from the exact mean computed in
 float64, every rank holding different random data).
+
+The last section holds the two halves of the ring as collectives of their own, for sharded
+training: ``reduce_scatter(output, input, op, group)`` and ``all_gather(output, input, group)``
+(the contracts of ``torch.distributed.reduce_scatter_tensor`` and ``all_gather_into_tensor``),
+each rank sending (n-1)/n of the full tensor; ``collectives_benchmark.py --collective`` times them.
 """
 
 from __future__ import annotations
@@ -294,11 +299,12 @@ class _Exchange:
             work.wait()
 
 
-_SCRATCH = threading.local()  # .buffers: {(dtype, device): 1-D tensor}, one set per thread
+_SCRATCH = threading.local()  # .buffers: {(dtype, device, purpose): 1-D tensor}, one set per thread
 
 
-def _scratch(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device, grown as needed.
+def _scratch(like: torch.Tensor, rows: int, columns: int, purpose: str = "exchange") -> torch.Tensor:
+    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device and for ``purpose``
+    (buffers used at the same time need different purposes), grown as needed.
 
     Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
     is paid for again in page faults on first touch (about 0.6 ms for 10 MB here, 5 % of a 10 MB
@@ -307,7 +313,7 @@ def _scratch(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
     """
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    key, needed = (like.dtype, like.device), rows * columns
+    key, needed = (like.dtype, like.device, purpose), rows * columns  # one buffer per use that may coexist
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < needed:
         buffer = buffers[key] = like.new_empty(needed)
@@ -692,6 +698,191 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 _INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
                                           "recursive_doubling": _recursive_doubling, "tree": _tree}
+
+
+# --------------------------------------------------------------------------- sharded collectives
+# reduce_scatter and all_gather, the two halves of the ring all-reduce as separate calls: what a
+# sharded optimizer (each rank updates 1/n of the parameters) and sharded parameters need.
+
+
+@dataclass
+class _ContributingTick(_Tick):
+    """A reduce-scatter tick: ``recv`` (a partial-sum slot) first receives this rank's own
+    contribution ``own`` (divided by ``scale`` for the mean), then the peer's partial sum is added."""
+
+    own: torch.Tensor | None = None
+    scale: int | None = None
+
+
+class _ContributingExchange(_Exchange):
+    """Writes a tick's own contribution into its slot just before the tick's receive is posted, so the
+    copy (or division) overlaps the messages in flight and no slot holds a copy before it is needed."""
+
+    def _target(self, tick: _Tick) -> torch.Tensor | None:
+        if tick.reduce and tick.recv is not None:
+            _contribute(tick.recv, tick.own, tick.scale)
+        return super()._target(tick)
+
+
+def _contribute(out: torch.Tensor, own: torch.Tensor, scale: int | None) -> None:
+    # The mean divides every contribution before the sum (not the sum once): a float16 sum of n large values overflows.
+    if scale is None:
+        out.copy_(own)
+    else:
+        torch.div(own, scale, out=out)
+
+
+def _check_sharded(output, input, op: str, group, gathering: bool) -> tuple[int, int]:
+    """Refuse what would fail halfway (or hang a peer) before the first message; returns (rank, world size)."""
+    _check(input, op)
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor output, got {type(output).__name__}")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise TypeError(f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) "
+                        "must have the same dtype and device")
+    rank, n = _group_rank(group)
+    shard, full = (input, output) if gathering else (output, input)
+    if full.numel() != n * shard.numel():
+        name = "output" if gathering else "input"
+        raise ValueError(f"{name} has {full.numel()} elements, expected world size x shard = {n} x {shard.numel()}: "
+                         "pad the full tensor to a multiple of the world size")
+    if _overlaps(output, input) and not _is_own_chunk(shard, full, rank):
+        raise ValueError("output and input overlap: only the in-place form is allowed, the shard being chunk "
+                         "`rank` of the full tensor (both contiguous)")
+    return rank, n
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) a tensor may touch in its storage."""
+    start = t.data_ptr()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return start, start + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _is_own_chunk(shard: torch.Tensor, full: torch.Tensor, rank: int) -> bool:
+    return (shard.is_contiguous() and full.is_contiguous()
+            and shard.data_ptr() == full.data_ptr() + rank * shard.numel() * shard.element_size())
+
+
+def _sharded(output: torch.Tensor, input: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """Run ``run(flat_output, flat_input)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
+    work = output if output.is_contiguous() else output.contiguous()
+    with torch.no_grad():
+        run(work.view(-1), input.contiguous().view(-1))  # a non-contiguous input is read through a copy
+        if work is not output:
+            output.copy_(work)
+    return output
+
+
+def _reduce_scatter_ticks(out: torch.Tensor, chunks: list[torch.Tensor], rank: int, n: int, op: str,
+                          segment_bytes: int) -> list[_ContributingTick]:
+    """The ring's reduce-scatter: at step s rank r sends its partial sum of chunk r-s-1 to the right
+    and adds its own part of chunk r-s-2 to the partial sum arriving from the left; after n-1 steps
+    the partial sum of chunk r, arrived last, is the whole sum. Partial sums in transit live in
+    n-2 scratch rows (one more for the mean's divided first send), the last one in ``out``."""
+    m, scale = out.numel(), n if op == "mean" else None
+    per_chunk = min(m, _segment_count(m, out.element_size(), segment_bytes))
+    rows = _scratch(out, n - 2 + (scale is not None), m, purpose="reduce_scatter")
+    first = chunks[(rank - 1) % n]
+    if scale is not None:  # the first send is a contribution too: divided before it leaves
+        first = torch.div(first, scale, out=rows[n - 2])
+    slots = {(rank - s - 2) % n: rows[s] for s in range(n - 2)} | {rank: out}
+    sent = _segments(first, per_chunk)
+    ticks = []
+    for s in range(n - 1):
+        received = (rank - s - 2) % n
+        for k, (send, recv, own) in enumerate(zip(sent, _segments(slots[received], per_chunk),
+                                                  _segments(chunks[received], per_chunk))):
+            ticks.append(_ContributingTick(send, (rank + 1) % n, recv, (rank - 1) % n, reduce=True,
+                                           needs=len(ticks) - per_chunk, own=own, scale=scale))
+        sent = _segments(slots[received], per_chunk)
+    return ticks
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None, *,
+                   segment_bytes: int = SEGMENT_BYTES, in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Ring reduce-scatter: group rank r's ``output`` becomes chunk r of the sum (or mean) of every rank's ``input``.
+
+    The contract of ``torch.distributed.reduce_scatter_tensor`` (``reduce_scatter_single``):
+    ``input.numel() == world size x output.numel()``, chunk r being ``input.view(-1)[r m:(r+1) m]``
+    with m = ``output.numel()`` (a caller with a length not divisible by the world size pads it, as
+    with torch). ``input`` is not modified; ``output`` may be ``input``'s own chunk r (in place).
+    ``op="mean"`` divides every contribution by the world size before adding (no float16 overflow).
+
+    Each rank sends n-1 chunks, (n-1)/n of the input (half an all-reduce), in pipelined segments of
+    about ``segment_bytes``. Extra memory: n-2 chunks of partial sums (n-1 for the mean) and
+    ``in_flight`` segments, kept for the next call like the ring's scratch (``release_scratch()``).
+    """
+    rank, n = _check_sharded(output, input, op, group, gathering=False)
+
+    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if out.numel() == 0:
+            return
+        chunks = flat.view(n, -1).unbind(0)  # (n, m): chunk j is what rank j ends with
+        if n == 1:
+            _contribute(out, chunks[0], None)  # the mean of one rank is its own value
+            return
+        ticks = _reduce_scatter_ticks(out, chunks, rank, n, op, segment_bytes)
+        _ContributingExchange(ticks, group, in_flight).run()
+
+    return _sharded(output, input, run)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment_bytes: int = SEGMENT_BYTES,
+               in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Ring all-gather: ``output`` becomes every group rank's ``input``, concatenated in rank order.
+
+    The contract of ``torch.distributed.all_gather_into_tensor`` (``all_gather_single``):
+    ``output.numel() == world size x input.numel()``; ``input`` may be ``output``'s own chunk r (in
+    place). At step s rank r forwards chunk r-s to the right and receives chunk r-s-1 in place from
+    the left: each rank sends n-1 chunks, (n-1)/n of the output, in pipelined segments, with no
+    extra memory (plus a copy of a non-contiguous output or input).
+    """
+    rank, n = _check_sharded(output, input, "sum", group, gathering=True)
+
+    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if out.numel() == 0:
+            return
+        chunks = out.view(n, -1).unbind(0)
+        if flat.data_ptr() != chunks[rank].data_ptr():
+            chunks[rank].copy_(flat)
+        per_chunk = min(flat.numel(), _segment_count(flat.numel(), out.element_size(), segment_bytes))
+        ticks = []
+        for s in range(n - 1):
+            sends, recvs = _segments(chunks[(rank - s) % n], per_chunk), _segments(chunks[(rank - s - 1) % n], per_chunk)
+            for send, recv in zip(sends, recvs):
+                ticks.append(_Tick(send, (rank + 1) % n, recv, (rank - 1) % n, reduce=False,
+                                   needs=len(ticks) - per_chunk))
+        _Exchange(ticks, group, in_flight).run()
+
+    return _sharded(output, input, run)
+
+
+def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+    """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
+    gloo has no AVG, so the mean is the sum divided once."""
+    _check_sharded(output, input, op, group, gathering=False)
+    dist.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
+    if op == "mean":
+        output.div_(dist.get_world_size(group))
+    return output
+
+
+def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """``torch.distributed.all_gather_single`` (formerly ``all_gather_into_tensor``) with the same contract."""
+    _check_sharded(output, input, "sum", group, gathering=True)
+    dist.all_gather_single(output, input, group=group)
+    return output
+
+
+# name -> f(output, input, op, group) and f(output, input, group)
+REDUCE_SCATTERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_reduce_scatter, "ring": reduce_scatter}
+ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather}
 
 
 # --------------------------------------------------------------------------- the homework comparison

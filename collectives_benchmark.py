@@ -6,6 +6,7 @@ allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, and `
     python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes, a few minutes
     python collectives_benchmark.py --tune                                      # re-derive allreduce.CROSSOVER
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
+    python collectives_benchmark.py --collective reduce_scatter --procs 2 4 --sizes 10MB 100MB   # or all_gather
 
 Backend gloo on CPU, nccl on GPU when one is present (``--backend``). Without torchrun the script
 spawns each process count of ``--procs`` itself. For each size of a geometric sweep (float32; 1 MB
@@ -55,6 +56,9 @@ LARGE = (10 << 20, 100 << 20)
 # work, and auto's: within 10 % of torch from the homework's 1,000 elements up, no slower at 10 and 100 MB.
 TARGET = 1.10
 TARGETS = [("ring", LARGE, TARGET), ("auto", None, TARGET), ("auto", LARGE, 1.00)]
+# The sharded collectives: gloo emulates reduce-scatter with a full all-reduce (twice the bytes of a ring
+# reduce-scatter), so ours should be well under torch's time there; its all-gather is a real one.
+COLLECTIVE_TARGETS = {"allreduce": TARGET, "reduce_scatter": 0.70, "all_gather": 1.10}
 
 
 def parse_size(text: str) -> int:
@@ -151,11 +155,83 @@ def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: 
     return rows
 
 
-def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
+def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, warmup: int, pipeline: dict,
+                     collective: str = "allreduce") -> list[dict]:
     """Every size and algorithm for this world (one spawned group, or the world torchrun started)."""
     rows = []
     for nbytes in progress(sizes, desc=f"{ctx.world_size} processes"):
-        rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)
+        if collective == "allreduce":
+            rows += [{**row, "collective": collective}
+                     for row in benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)]
+        else:
+            rows += benchmark_sharded_size(ctx, collective, nbytes, algorithms, iters, warmup, pipeline)
+    return rows
+
+
+# --------------------------------------------------------------------------- reduce-scatter and all-gather
+
+
+def sharded_implementations(collective: str) -> dict:
+    """name -> f(output, input, [op,] group) for a sharded collective of allreduce.py."""
+    return {"reduce_scatter": allreduce.REDUCE_SCATTERS, "all_gather": allreduce.ALL_GATHERS}[collective]
+
+
+def _sharded_call(collective: str, name: str, pipeline: dict, full: torch.Tensor, shard: torch.Tensor):
+    """A no-argument call of one implementation: full -> shard (reduce-scatter, summing) or shard -> full."""
+    function = sharded_implementations(collective)[name]
+    options = pipeline if name == "ring" else {}
+    if collective == "reduce_scatter":
+        return functools.partial(function, shard, full, "sum", **options)
+    return functools.partial(function, full, shard, **options)
+
+
+def _sharded_error(ctx, collective: str, call, full: torch.Tensor, shard: torch.Tensor) -> float:
+    """One untimed call on the exact pattern, the largest error over all ranks and elements.
+
+    Reduce-scatter: every rank's full tensor holds the pattern, the shards are gathered back (with
+    torch) and compared with the pattern's sum. All-gather: rank r contributes chunk r of that sum."""
+    n = ctx.world_size
+    if collective == "reduce_scatter":
+        fill_pattern(full, ctx.rank)
+        call()
+        torch.distributed.all_gather_single(full, shard)
+    else:
+        fill_pattern(full, 0)  # i mod PERIOD: times n plus n(n-1)/2 is the pattern's sum, exact in float32
+        full.mul_(n).add_(n * (n - 1) / 2)
+        shard.copy_(full.view(n, -1)[ctx.rank])
+        full.zero_()
+        call()
+    error = torch.tensor([pattern_error(full, n)], dtype=torch.float64, device=ctx.device)
+    torch.distributed.all_reduce(error, torch.distributed.ReduceOp.MAX)
+    return error.item()
+
+
+def benchmark_sharded_size(ctx, collective: str, nbytes: int, algorithms: list[str], iters: int, warmup: int,
+                           pipeline: dict) -> list[dict]:
+    """One size of reduce-scatter or all-gather, ``nbytes`` being the full tensor (rounded down to a
+    multiple of the world size, as in nccl-tests); busbw = algbw x (n-1)/n, the share each rank sends."""
+    n = ctx.world_size
+    full = torch.empty(nbytes // 4 // n * n, dtype=torch.float32, device=ctx.device)
+    shard = torch.empty(full.numel() // n, dtype=torch.float32, device=ctx.device)
+    calls = {name: _sharded_call(collective, name, pipeline, full, shard) for name in algorithms}
+    errors = {name: _sharded_error(ctx, collective, calls[name], full, shard) for name in algorithms}
+    # Neither collective changes its input: no refill between calls.
+    timings = time_interleaved(calls, iters, warmup, rounds=iters, device=ctx.device)
+    size = full.numel() * full.element_size()
+    rows = []
+    for name in algorithms:
+        timing = timings[name]
+        algbw = size / timing.mean / 1e9
+        ratio = paired_ratio(timing.samples, timings["torch"].samples) if "torch" in timings else None
+        rows.append({"backend": ctx.backend, "world_size": n, "collective": collective, "algorithm": name, "bytes": size,
+                     "dtype": "float32", "avg_s": timing.mean, "p50_s": timing.median, "p95_s": timing.percentile(95),
+                     "min_s": min(timing.samples), "algbw_gbps": algbw, "busbw_gbps": algbw * (n - 1) / n,
+                     "vs_torch": ratio["median"] if ratio else None,
+                     "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
+                     "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
+                     "rounds": len(timing.samples), "round_p50_s": timing.samples,
+                     "oversubscribed": oversubscribed(n, ctx.device),
+                     "max_abs_error": errors[name], "correct": errors[name] == 0.0})
     return rows
 
 
@@ -310,16 +386,25 @@ def _ratio_text(row: dict) -> str:
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    """One line per (target, process count, size): the ratio, its interval and met / missed / inconclusive."""
+    """One line per (target, process count, size): the ratio, its interval and met / missed / inconclusive.
+
+    All-reduce rows meet ``TARGETS``; reduce-scatter and all-gather rows their ring's ``COLLECTIVE_TARGETS``
+    at 10 and 100 MB (their sizes are rounded down to a multiple of the world size, as in nccl-tests)."""
     lines = []
-    for algorithm, sizes, target in TARGETS:
-        for row in rows:
-            if row["algorithm"] != algorithm or row.get("vs_torch") is None or (sizes is not None and row["bytes"] not in sizes):
+    for row in rows:
+        collective = row.get("collective", "allreduce")
+        targets = TARGETS if collective == "allreduce" else [("ring", LARGE, COLLECTIVE_TARGETS[collective])]
+        near = min(LARGE, key=lambda size: abs(size - row["bytes"]))
+        for algorithm, sizes, target in targets:
+            if row["algorithm"] != algorithm or row.get("vs_torch") is None:
                 continue
-            ratio = _ratio_of(row)
+            if sizes is not None and abs(near - row["bytes"]) >= 64:
+                continue
+            name = algorithm if collective == "allreduce" else f"{algorithm} {collective}"
+            size = format_size(near if sizes is not None else row["bytes"])
             label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row.get("oversubscribed") else ""
-            lines.append(f"target {algorithm} <= {target:.2f}x torch, {row['world_size']} processes, {format_size(row['bytes'])}: "
-                         f"{_ratio_text(row)} {verdict(ratio, target)}{label}")
+            lines.append(f"target {name} <= {target:.2f}x torch, {row['world_size']} processes, {size}: "
+                         f"{_ratio_text(row)} {verdict(_ratio_of(row), target)}{label}")
     return lines
 
 
@@ -402,21 +487,23 @@ def plot(rows: list[dict], directory: str) -> list[str]:
     panels = sorted({(row["backend"], row["world_size"]) for row in rows})
     fits = fit_model(rows)
     paths = []
-    for name, label in (("allreduce_time.png", "p50 time (ms)"), ("allreduce_busbw.png", "bus bandwidth (GB/s)"),
-                        ("allreduce_model.png", "time (ms)")):
+    collective = rows[0].get("collective", "allreduce") if rows else "allreduce"
+    charts = [("time", "p50 time (ms)"), ("busbw", "bus bandwidth (GB/s)")]
+    charts += [("model", "time (ms)")] if fits and collective == "allreduce" else []  # the model is all-reduce's
+    for chart, label in charts:
         figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1, 4.2), squeeze=False)
         for ax, (backend, world) in zip(axes[0], panels):
-            if name == "allreduce_time.png":
+            if chart == "time":
                 draw_per_size(ax, rows, backend, world)
-            elif name == "allreduce_busbw.png":
+            elif chart == "busbw":
                 draw_per_size(ax, [{**r, "busbw_s": r["busbw_gbps"] / 1e3} for r in rows], backend, world, key="busbw_s")
             else:
                 draw_model(ax, rows, fits, backend, world)
         axes[0][0].set_ylabel(label)
         axes[0][-1].legend(fontsize="x-small")
-        figure.suptitle(f"all-reduce: {label} against size")
+        figure.suptitle(f"{collective.replace('_', '-')}: {label} against size")
         figure.tight_layout()
-        path = os.path.join(directory, name)
+        path = os.path.join(directory, f"{collective}_{chart}.png")
         figure.savefig(path, dpi=110)
         plt.close(figure)
         paths.append(path)
@@ -447,6 +534,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ring and halving-doubling: messages posted ahead of the one being added (default: %(default)s)")
     parser.add_argument("--tune", action="store_true",
                         help="time the point-to-point algorithms on a finer sweep and print allreduce.CROSSOVER")
+    parser.add_argument("--collective", choices=("allreduce", "reduce_scatter", "all_gather"), default="allreduce",
+                        help="what to time; reduce_scatter and all_gather compare allreduce.py's rings with torch's "
+                             "reduce_scatter_tensor and all_gather_into_tensor ('torch' and 'ring' only) "
+                             "(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"small and fast: {QUICK} (explicit flags win)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="save the time, bus-bandwidth and model charts here as PNG (default: none)")
@@ -463,6 +554,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, [parse_size(v) for v in value] if key == "sizes" else value)
     if args.iters < 1 or args.warmup < 0 or min(args.procs) < 1 or min(args.sizes) < 4 or args.in_flight < 1:
         parser.error("--iters, --procs and --in-flight must be at least 1, --warmup at least 0, sizes at least 4 bytes")
+    if args.collective != "allreduce":
+        names = list(sharded_implementations(args.collective))
+        if args.algorithms == list(allreduce.ALGORITHMS):  # the all-reduce default: take every implementation
+            args.algorithms = names
+        elif set(args.algorithms) - set(names):
+            parser.error(f"--collective {args.collective} has the algorithms {names} only")
     return args
 
 
@@ -483,9 +580,11 @@ def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict
         print("charts: " + ", ".join(plot(rows, args.plot_dir)), flush=True)
 
 
-def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options) -> tuple[list[dict], list[dict]]:
-    rows = benchmark_worker(ctx, sizes, algorithms, iters, warmup, pipeline_options)
-    return rows, point_to_point(ctx, iters, warmup) if ctx.world_size == 2 else []
+def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options,
+                         collective: str = "allreduce") -> tuple[list[dict], list[dict]]:
+    """The sweep, then (2 processes, all-reduce) one step of our engine against one of gloo's."""
+    rows = benchmark_worker(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective)
+    return rows, point_to_point(ctx, iters, warmup) if ctx.world_size == 2 and collective == "allreduce" else []
 
 
 def run_spawned(args: argparse.Namespace) -> None:
@@ -493,11 +592,11 @@ def run_spawned(args: argparse.Namespace) -> None:
     backend = resolve_backend(args.backend)
     device = "cuda" if backend == "nccl" else "cpu"
     env = environment(backend, device, max(args.procs), threads=1, procs=args.procs)
-    print(format_environment(env) + f"\n* process counts {args.procs}", flush=True)
+    print(format_environment(env) + f"\n* {args.collective}, process counts {args.procs}", flush=True)
     rows, p2p = [], []
     for n in args.procs:
         result = launch(_with_point_to_point, n, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
-                        backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
+                        args.collective, backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
         rows += result[0]
         p2p += [] if args.tune else result[1]
     finish(rows, env, args, p2p)
@@ -507,7 +606,8 @@ def run_under_torchrun(args: argparse.Namespace) -> None:
     with distributed(args.backend, args.timeout) as ctx:
         env = environment(ctx.backend, ctx.device, ctx.world_size)
         print0(format_environment(env))
-        rows, p2p = _with_point_to_point(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args))
+        rows, p2p = _with_point_to_point(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
+                                         args.collective)
         if ctx.is_master:
             finish(rows, env, args, p2p)
 

@@ -93,6 +93,9 @@ EXPERIMENTS = (
                 "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
                 "--json", "{out}/ddp_sweep.json"),
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
+    Experiment("sharding", "sharded data parallelism: DDP, ZeRO and FSDP, ours and PyTorch's, time and per-rank memory at 1, 2, 4 ranks",
+               ("sharding_benchmark.py", "--quick", "--json", "{out}/sharding.json"),
+               ("sharding_benchmark.py", "--json", "{out}/sharding.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
 

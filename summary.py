@@ -73,6 +73,20 @@ def ddp_lines(doc: dict) -> list[str]:
     return lines
 
 
+def syncbn_lines(doc: dict) -> list[str]:
+    """SyncBatchNorm against BatchNorm1d plus the communication it cannot avoid, from the benchmark's target rows."""
+    targets = [r for r in doc["results"] if r.get("kind") == "target"]
+    time_rows = [r for r in doc["results"] if r.get("kind") == "time"]
+    workers = max(r["workers"] for r in time_rows)
+    parts = []
+    for t in targets:
+        measured = format_ratio(t) if "median" in t else f"{t['sizes_met']} of {t['sizes']} sizes met"
+        parts.append(f"{t['name']}: {measured}, **{t['verdict']}**")
+    return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
+            f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
+            "times of forward + backward):", *[f"  - {p}" for p in parts]]
+
+
 def training_lines(ours: dict, theirs: dict) -> list[str]:
     """The homework's training comparison: the same seed, data and loop with our DDP and PyTorch's."""
     def final(doc):
@@ -102,6 +116,7 @@ def oversubscribed_lines(*docs: dict) -> list[str]:
 
 
 SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
+    (("syncbn",), syncbn_lines),
     (("ddp_benchmark",), ddp_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
     (("ddp_benchmark", "ddp_sweep"), oversubscribed_lines),

@@ -3,37 +3,39 @@
     from syncbn import SyncBatchNorm, convert_sync_batchnorm
     model = convert_sync_batchnorm(model)      # every BatchNorm1d/2d/3d becomes a SyncBatchNorm
 
-Homework Task 2 (first half). ``SyncBatchNorm`` is a drop-in for ``torch.nn.BatchNorm1d``,
-``BatchNorm2d`` and ``BatchNorm3d`` (inputs (N, C), (N, C, L), (N, C, H, W), ...) whose
-training-mode statistics are those of the global batch: the concatenation of every
-rank's local batch. It runs on CPU with gloo (``torch.nn.SyncBatchNorm`` refuses CPU
-tensors) and on CUDA with NCCL. ``python syncbn_benchmark.py`` measures it;
-``tests/test_syncbn.py`` proves it against BatchNorm on the whole global batch.
+``SyncBatchNorm`` is a drop-in for ``torch.nn.BatchNorm1d/2d/3d`` (inputs (N, C), (N, C, L),
+(N, C, H, W), (N, C, D, H, W), contiguous or channels_last) whose training-mode statistics
+are those of the global batch: the concatenation of every rank's local batch. It runs on
+CPU with gloo (``torch.nn.SyncBatchNorm`` refuses CPU tensors) and on CUDA with NCCL.
+``python syncbn_benchmark.py`` measures it; ``tests/test_syncbn.py`` proves it against
+BatchNorm on the whole global batch.
 
-How the statistics stay exact with one collective per pass
------------------------------------------------------------
-Forward: each rank centres its n_r local values per channel on shift = their mean in
-float32 (so x - shift is exact near the mean), and sums only centred values in float32:
-C1 = sum(x - shift), C2 = sum((x - shift)^2). In float64, for any shift,
-sum(x) = n_r * shift + C1 and sum(x^2) = C2 + shift * (C1 + sum(x)) exactly, and one
-``all_reduce(SUM)`` of [sum(x), sum(x^2), n_r] (C, C, 1 -> 2C + 1) gives every rank the
-global sums, from which mean and biased variance follow in float64 (E[x^2] - E[x]^2 is
-harmless in float64 once the float32 part was centred). Inputs drawn from N(1000, 1)
-keep their variance, where E[x^2] - E[x]^2 in float32 is off by tens of percent. Sums
-and counts are reduced, never means, so ranks may hold different numbers of samples,
-even none: an empty rank sends zeros and still joins the collective.
+The mathematics (per channel; rank r holds n_r values, N = sum n_r)
+-------------------------------------------------------------------
+Forward. Each rank's moments (n_r, m_r, M2_r = sum (x - m_r)^2) come from BatchNorm's fused
+statistics kernel. They combine as Chan's parallel variance,
+    m = sum n_r m_r / N,    M2 = sum M2_r + sum n_r m_r^2 - N m^2,
+so one ``all_reduce(SUM)`` of [n_r m_r, M2_r + n_r m_r^2, n_r] (C, C, 1 -> 2C + 1) in
+float64 carries everything: sums and counts, never means, so ranks may hold different
+numbers of samples, even none. M2_r is exact at any offset (no E[x^2] - E[x]^2 in the
+input's precision); only the between-rank term is a difference, and in float64 it stays
+exact to float32's resolution for |m| / std up to ~1e4. The one input-precision rounding
+left is that of each m_r, which moves the variance by at most 2 |m_r - m| u |m_r| (u the
+unit roundoff). Then
+    y = (x - m) / sqrt(M2 / N + eps) * weight + bias            (BatchNorm's inference kernel).
+Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
+b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
+    dx = weight * invstd * (dy - a - x_hat * b),    dweight = sum(dy * x_hat),    dbias = sum(dy),
+where dweight and dbias are the local sums, as in PyTorch: DDP averages them across ranks.
 
-Outputs use x - mean = (x - shift) + delta, delta = shift - mean a small float32 number
-per channel, so they keep float32 accuracy relative to the standard deviation however
-large |mean| is (float32 BatchNorm loses ~|mean| / std * 1e-7).
-
-Backward: one ``all_reduce`` of the two per-channel sums the input gradient needs,
-[sum(dy), sum(dy * (x - mean))] (C, C -> 2C). The gradients of weight and bias are the
-local sums, as in PyTorch: DDP averages them across ranks like any other gradient.
-
-The module decides (eval mode: running statistics, plain tensor arithmetic, no
-communication; world size 1 or no process group: the same math without communication);
-``SyncBatchNormFunction`` computes.
+The synchronisation (packing, float64 combination, the collectives, the global terms of
+dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
+chosen by device: ``torch.batch_norm_update_stats``, ``torch.batch_norm`` (inference form)
+and ``aten.native_batch_norm_backward`` (``train=False``) on CPU, ``torch.batch_norm_stats``,
+``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt``
+on CUDA. float16/bfloat16 inputs compute their statistics in float32 with float32
+parameters and return the input's dtype, as BatchNorm does (and under ``torch.autocast``).
+With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -51,9 +54,9 @@ __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 _TOO_FEW_VALUES = "Expected more than 1 value per channel when training"
 
 
-def _reduce_dims(x: torch.Tensor) -> int | list[int]:
+def _reduce_dims(x: torch.Tensor) -> list[int]:
     """Every dimension but the channel one (1): statistics are per channel."""
-    return 0 if x.dim() == 2 else [0, *range(2, x.dim())]
+    return [0, *range(2, x.dim())]
 
 
 def _per_channel(vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -61,49 +64,145 @@ def _per_channel(vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return vector if x.dim() == 2 else vector.view(-1, *(1,) * (x.dim() - 2))
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Statistics are accumulated in at least float32 (half and bfloat16 inputs are upcast)."""
-    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics are computed in at least float32: float16/bfloat16 inputs use float32, as BatchNorm does."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _local_moments(x: torch.Tensor, count: int):
-    """This rank's float64 sums [sum(x), sum(x^2), n] (C, C, 1 -> 2C + 1), and what forward keeps.
+def _as(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
-    Returns ``(sums, parts, shift, centred, scratch)``: ``parts`` are views of the three
-    blocks of ``sums`` (after the all_reduce they hold the global sums), ``shift`` (C)
-    the value each channel is centred on, ``centred`` = x - shift, and ``scratch`` a
-    spare tensor of x's shape for the output.
 
-    shift = the local mean in x's precision, so x - shift is exact for x near the mean
-    and only centred values are summed and squared in x's precision: C1 = sum(x - shift),
-    C2 = sum((x - shift)^2). In float64, for any shift,
-    sum(x) = n * shift + C1 and sum(x^2) = C2 + shift * (C1 + sum(x)) exactly, however
-    large |mean| / std is. An empty local batch contributes zeros and still joins the
-    collective.
+@functools.lru_cache(maxsize=256)
+def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A read-only tensor [value], made once: a Python number in a tensor operation costs a conversion each
+    call, and every operation costs microseconds, as much as a pass over x at these sizes."""
+    return torch.tensor([value], dtype=dtype, device=device)
+
+
+def _invstd(var: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.add(var, _constant(eps, var.dtype, var.device)).rsqrt_()
+
+
+def _check_dtypes(x, weight, bias, running_mean, running_var, eps) -> None:
+    """Parameters of a dtype BatchNorm refuses for ``x`` raise BatchNorm's own error, before any communication."""
+    if all(t is None or t.dtype == x.dtype for t in (weight, bias, running_mean, running_var)):
+        return
+    with torch.no_grad():  # BatchNorm itself on a tiny probe: its dtype rules, its message
+        torch.batch_norm(x.new_zeros(2, x.size(1)), weight, bias, running_mean, running_var,
+                         running_mean is None, 0.0, eps, False)
+
+
+# --------------------------------------------------------------------------- fused kernels, chosen by device
+# CPU has no kernels for batch_norm_stats / batch_norm_elemt / batch_norm_backward_reduce / _elemt;
+# CUDA has them (and they are what torch.nn.SyncBatchNorm runs).
+
+
+def _cuda_layout(t: torch.Tensor) -> torch.Tensor:
+    """The CUDA kernels take contiguous or channels_last tensors (as torch.nn.SyncBatchNorm ensures)."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) \
+            or t.is_contiguous(memory_format=torch.channels_last_3d):
+        return t
+    return t.contiguous()
+
+
+def _local_moments(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's per-channel mean and biased variance (C each) in ``dtype``, from one fused pass over x.
+
+    On CPU, BatchNorm's statistics kernel: ``torch.var_mean`` gives the same but reduces over
+    dimension 0 of an (N, C) input far slower; compare ``python -m timeit -s "import torch;
+    x = torch.randn(32, 1024)" "torch.var_mean(x, [0], correction=0)"`` with
+    ``"torch.batch_norm_update_stats(x, None, None, 0.0)"``.
+    """
+    if x.is_cuda:
+        mean, invstd = torch.batch_norm_stats(x, 0.0)  # float32 for half inputs; invstd = var^-1/2
+        return mean, invstd.pow(-2)
+    running = None
+    if x.dtype != dtype:  # without float32 buffers the kernel returns half statistics: lend it scratch ones
+        running = torch.empty(2, x.size(1), dtype=dtype, device=x.device)
+    # With momentum 0 the kernel leaves the buffers it is given unchanged.
+    return torch.batch_norm_update_stats(x, *(running.unbind() if running is not None else (None, None)), 0.0)
+
+
+def _normalize(x, weight, bias, mean, var, eps) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias in x's dtype and memory format: BatchNorm's inference kernel."""
+    if x.is_cuda:
+        return torch.batch_norm_elemt(x, weight, bias, mean, _invstd(var, eps), eps)
+    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+
+
+def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sum(dy) and sum(dy * x_hat) (C each), x_hat with the global mean and variance."""
+    if x.is_cuda:
+        invstd = _invstd(var, eps)
+        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, False, False)
+        return sum_dy, sum_dy_xmu.mul_(invstd)
+    # In eval form (train=False) the kernel normalizes with the given statistics: its weight gradient is
+    # sum(dy * (x - mean) * invstd), its bias gradient sum(dy); the input gradient is not asked for.
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
+    return sum_dy, sum_dy_xhat
+
+
+def _input_grad(dy, x, weight, mean, var, eps, sums, total) -> torch.Tensor:
+    """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
+
+    ``sums`` (2, C) are the global [sum(dy), sum(dy * x_hat)]. On CPU, per element,
+    dx = scale * dy + alpha * x + beta with scale = weight * invstd, alpha = -scale * invstd * b and
+    beta = -scale * a - alpha * mean: two fused passes (in float32 for half inputs). Every
+    per-channel operation costs microseconds of dispatch, as much as a pass over x at these
+    sizes, so the coefficients take few of them.
+    """
+    if not x.numel():
+        return torch.zeros_like(x)
+    invstd = _invstd(var, eps)
+    if x.is_cuda:
+        count = torch.full((1,), total, dtype=torch.int32, device=x.device)
+        # The kernel wants sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
+        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums[0], sums[1] / invstd, count)
+    scale = invstd if weight is None else invstd * weight
+    minus_a, minus_b = torch.addcmul(_constant(0.0, sums.dtype, sums.device), sums, scale, value=-1 / total)  # -scale a, -scale b
+    alpha = minus_b.mul_(invstd)
+    beta = minus_a.addcmul_(alpha, mean, value=-1)
+    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x)).addcmul_(dy, _per_channel(scale, x))
+    return _as(grad, x.dtype)
+
+
+# --------------------------------------------------------------------------- the synchronisation (ours)
+
+
+def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one all_reduce.
+
+    Chan's combination (module docstring): this rank sends [n_r m_r, M2_r + n_r m_r^2, n_r]
+    (C, C, 1 -> 2C + 1) in float64; the sums give m = sum n_r m_r / N and
+    M2 / N = (sum M2_r + sum n_r m_r^2) / N - m^2. An empty rank sends zeros and still joins.
     """
     channels = x.size(1)
-    if count == 0:
-        sums = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-        return (sums, sums.split((channels, channels, 1)), x.new_zeros(channels, dtype=_compute_dtype(x)), x,
-                x.new_empty(x.shape, dtype=_compute_dtype(x)))
-    dims = _reduce_dims(x)
-    if x.dtype != _compute_dtype(x):
-        x = x.to(_compute_dtype(x))
-    shift = x.mean(dims)  # (C)
-    centred = torch.sub(x, _per_channel(shift, x))
-    squares = centred * centred
-    residual = centred.sum(dims)  # C1, small
-    sums = torch.cat((residual, squares.sum(dims), _constant(count, x.device)))  # [C1, C2, n], float64
-    parts = sums.split((channels, channels, 1))
-    parts[0].add_(shift, alpha=count)  # sum(x) = n * shift + C1
-    parts[1].addcmul_(shift, parts[0].add(residual))  # sum(x^2) = C2 + shift * (sum(x) + C1)
-    return sums, parts, shift, centred, squares
+    if count:
+        mean, var = _local_moments(x, dtype)
+        packed = torch.cat((mean, var, _constant(1.0, dtype, x.device))).to(torch.float64)
+    else:
+        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+    # Views of the three blocks: they follow packed through the in-place operations and the all_reduce.
+    sum_x, sum_square, _ = packed.split((channels, channels, 1))
+    if count:
+        sum_square.addcmul_(sum_x, sum_x)  # M2_r / n_r + m_r^2 (float64)
+        packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
+    if group is not None:
+        dist.all_reduce(packed, group=group)  # now the global sums
+    total = int(packed[-1])  # the same on every rank: all raise or none do
+    if total < 2:
+        return None, None, total
+    packed.div_(_constant(total, torch.float64, x.device))  # [m, (sum M2_r + sum n_r m_r^2) / N, 1]
+    sum_square.addcmul_(sum_x, sum_x, value=-1).clamp_(min=0)  # M2 / N, the biased variance
+    return _as(sum_x, dtype), _as(sum_square, dtype), total
 
 
-@functools.lru_cache(maxsize=64)
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A read-only float64 tensor [value] on ``device``, made once: every tensor operation costs microseconds."""
-    return torch.tensor([value], dtype=torch.float64, device=device)
+def _update_running_stats(running_mean, running_var, mean, var, total: int, momentum: float) -> None:
+    """BatchNorm's update with the global statistics; the variance unbiased over the global count N."""
+    running_mean.lerp_(_as(mean, running_mean.dtype), momentum)
+    running_var.mul_(1 - momentum).add_(var, alpha=momentum * total / (total - 1))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -115,93 +214,57 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ``group`` must call it, whatever its local N (0 included), and the same number of
     times; a global count of one value per channel raises ValueError on every rank.
 
-    Each rank works with x - shift (its centring value per channel, see
-    ``_local_moments``) and delta = shift - mean (the global mean), a small number, so
-    that x - mean = (x - shift) + delta is accurate even when |mean| >> std:
-    y = (x - shift) * scale + (bias + delta * scale), scale = weight / sqrt(var + eps).
-
-    Saved for backward: x (usually kept alive anyway by the layer before) and four (C)
-    vectors, no more bytes than BatchNorm saves; backward allocates one tensor of x's
-    size (it becomes the input gradient). Each tensor operation costs a few microseconds
-    of dispatch, which dominates at the sizes of a BatchNorm layer on the CPU, so the
-    per-channel arithmetic uses few operations (fused ``addcmul``, in-place updates).
-    On CUDA, reading the global count (``.item()``) is one host synchronisation per
-    forward: every rank needs it on the host to raise the same error.
+    Saved for backward: x and three (C) vectors (weight, mean, variance), no more than
+    BatchNorm saves. On CUDA, reading the global count (``.item()``) is one host
+    synchronisation per forward: every rank needs it on the host to raise the same error.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+        _check_dtypes(x, weight, bias, running_mean, running_var, eps)
+        x = _cuda_layout(x) if x.is_cuda else x
         channels = x.size(1)
         count = x.numel() // channels if channels else 0  # local values per channel
-        sums, (sum_x, sum_sq, counts), shift, centred, out = _local_moments(x, count)
-        if group is not None:
-            dist.all_reduce(sums, group=group)  # the views now hold the global sums
-        total = counts.item()  # global values per channel, the same on every rank: all raise or none do
+        dtype = _compute_dtype(x.dtype)
+        mean, var, total = _global_moments(x, count, dtype, group)
         if total == 1:
             where = " on this rank, and 1 value per channel over all ranks" if group is not None else ""
             raise ValueError(f"{_TOO_FEW_VALUES}, got input size {x.shape}{where}")
-        ctx.group, ctx.total = group, total
+        ctx.group, ctx.total, ctx.eps = group, total, eps
         ctx.dtypes = (x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        ctx.empty_channels = channels if total == 0 else None
         if total == 0:  # an empty global batch, as BatchNorm: empty output, statistics untouched
-            ctx.channels = channels
             return x.clone()
-        ctx.channels = None
-
-        mean = sum_x.div(total)  # float64 (C)
-        var = sum_sq.div_(total).addcmul_(mean, mean, value=-1).clamp_(min=0)  # E[x^2] - E[x]^2, biased
-        if running_mean is not None and momentum:  # BatchNorm's update; unbiased over the global count
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
-            running_var.mul_(1 - momentum).add_(var, alpha=momentum * total / (total - 1))
-        delta = torch.sub(shift, mean).to(shift.dtype)  # small: exact to the compute dtype's precision
-        invstd = var.add_(eps).rsqrt_().to(shift.dtype)
-        scale = invstd if weight is None else invstd * weight
-        offset = delta * scale if bias is None else torch.addcmul(bias, delta, scale)
-        y = torch.addcmul(_per_channel(offset, x), centred, _per_channel(scale, x), out=out)
-        ctx.save_for_backward(x, shift, delta, invstd, scale)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        if running_mean is not None and momentum:
+            _update_running_stats(running_mean, running_var, mean, var, total, momentum)
+        weight = _as(weight, dtype)  # the kernels take half inputs with float32 parameters
+        ctx.save_for_backward(x, weight, mean, var)
+        return _normalize(x, weight, _as(bias, dtype), mean, var, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         x_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        if ctx.channels is not None:  # empty global batch: zero gradients, nothing to communicate
-            zeros = dy.new_zeros(ctx.channels)
-            return (torch.zeros_like(dy) if need_x else None, zeros.to(weight_dtype) if need_weight else None,
-                    zeros.to(bias_dtype) if need_bias else None, None, None, None, None, None)
-        x, shift, delta, invstd, scale = ctx.saved_tensors
-        dims, shift = _reduce_dims(x), _per_channel(shift, x)
-        # One tensor of x's size, like BatchNorm's grad_input: dy * (x - shift), then the input gradient.
-        buffer = torch.sub(x, shift)
-        sum_dy = dy.sum(dims, dtype=buffer.dtype)
-        # sum(dy * (x - mean)) = sum(dy * (x - shift)) + delta * sum(dy): it adds up across ranks.
-        sum_dy_xmu = torch.addcmul(buffer.mul_(dy).sum(dims), delta, sum_dy)
-        grad_weight = grad_bias = grad_x = None
-        if need_weight:  # local sum(dy * x_hat)
-            grad_weight = sum_dy_xmu * invstd
-            grad_weight = grad_weight if grad_weight.dtype == weight_dtype else grad_weight.to(weight_dtype)
-        if need_bias:
-            grad_bias = sum_dy if sum_dy.dtype == bias_dtype else sum_dy.to(bias_dtype)
+        if ctx.empty_channels is not None:  # empty global batch: zero gradients, nothing to communicate
+            zeros = dy.new_zeros(ctx.empty_channels)
+            return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
+                    _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
+        x, weight, mean, var = ctx.saved_tensors
+        dy = _cuda_layout(dy) if dy.is_cuda else dy
+        if x.numel():
+            sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local (C each)
+        else:  # an empty rank still joins the collective
+            sum_dy = sum_dy_xhat = mean.new_zeros(x.size(1))
+        grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
+        grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
+        grad_x = None
         if need_x:
-            sums = torch.stack((sum_dy, sum_dy_xmu))  # (C, C -> 2C)
+            sums = torch.stack((sum_dy, sum_dy_xhat))  # (C, C -> 2C)
             if ctx.group is not None:
-                dist.all_reduce(sums, group=ctx.group)
-            grad_x = _input_grad(dy, torch.sub(x, shift, out=buffer), sums, ctx.total, delta, invstd, scale)
-            grad_x = grad_x if grad_x.dtype == x_dtype else grad_x.to(x_dtype)
+                dist.all_reduce(sums, group=ctx.group)  # the global sums
+            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _input_grad(dy, centred, sums, total, delta, invstd, scale):
-    """scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)) over the global batch, computed in ``centred``.
-
-    ``centred`` is x - shift; ``sums`` are the global [sum(dy), sum(dy * (x - mean))] (2, C);
-    x - mean = centred + delta and x_hat = (x - mean) * invstd. With a = -mean(dy) and
-    b = -mean(dy * (x - mean)) * invstd^2 * scale: grad = scale * dy + b * centred + (a * scale + b * delta).
-    """
-    a, b = sums.div_(-total).unbind()
-    b.mul_(invstd.square().mul_(scale))
-    offset = torch.addcmul(a.mul_(scale), b, delta)
-    return centred.mul_(_per_channel(b, dy)).add_(_per_channel(offset, dy)).addcmul_(dy, _per_channel(scale, dy))
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -215,15 +278,15 @@ class SyncBatchNorm(_BatchNorm):
     ``running_mean``, ``running_var``, ``num_batches_tracked``), so state dicts load both
     ways. In training, the statistics are those of the global batch (one ``all_reduce``
     in forward, one in backward); ``running_var`` is updated with the unbiased variance
-    over the global count; ``momentum=None`` is a cumulative moving average. In eval mode
-    the running statistics are used and nothing is communicated (without running
-    statistics, eval mode normalizes with the local batch's statistics, as
-    ``torch.nn.SyncBatchNorm`` does). With world size 1, or no initialised process group,
-    it computes exactly what it computes in a group, without communication.
+    over the global count; ``momentum=None`` is a cumulative moving average. When there is
+    nobody to synchronise with (eval mode, world size 1, no initialised process group) it
+    calls BatchNorm's own ``F.batch_norm``, as ``torch.nn.SyncBatchNorm`` does: eval mode
+    uses the running statistics (without them, the local batch's), and nothing is communicated.
 
     Every rank of the group must call it in training mode, even with an empty local
     batch. Bad input (fewer than 2 dimensions, a channel count other than
-    ``num_features``, a non-floating dtype) raises before any communication.
+    ``num_features``, a non-floating dtype, parameters of a dtype BatchNorm refuses for
+    the input, with BatchNorm's error) raises before any communication.
 
     Note:
         The gradients of ``weight`` and ``bias`` are the local ones, as in PyTorch: wrap
@@ -267,23 +330,17 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         momentum = self._momentum()
-        if not self.training and self.running_mean is not None:
-            return self._normalize_with_running_stats(input)
-        # Training, or eval without running statistics (local batch statistics, no communication).
         group = self._group() if self.training else None
+        if group is None:
+            # Nobody to synchronise with (eval mode, one process, world size 1): BatchNorm itself, as
+            # torch.nn.SyncBatchNorm does. Eval uses the running statistics, or without them the batch's.
+            running = not self.training or self.track_running_stats
+            return F.batch_norm(input, self.running_mean if running else None, self.running_var if running else None,
+                                self.weight, self.bias, self.training or self.running_mean is None, momentum or 0.0,
+                                self.eps)
         update = momentum is not None
         return SyncBatchNormFunction.apply(input, self.weight, self.bias, self.running_mean if update else None,
                                            self.running_var if update else None, self.eps, momentum, group)
-
-    def _normalize_with_running_stats(self, x: torch.Tensor) -> torch.Tensor:
-        """(x - running_mean) * invstd * weight + bias with plain tensor ops: autograd differentiates it."""
-        scale = torch.rsqrt(self.running_var + self.eps)
-        if self.weight is not None:
-            scale = scale * self.weight
-        y = torch.sub(x, _per_channel(self.running_mean, x))  # exact for x near the mean
-        scale = _per_channel(scale, x)
-        y = y * scale if self.bias is None else torch.addcmul(_per_channel(self.bias, x), y, scale)
-        return y.to(x.dtype)
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

@@ -1,61 +1,101 @@
 """Time and memory of synchronized BatchNorm, forward + backward, ours against PyTorch.
 
     python syncbn_benchmark.py                    # spawns 2 workers itself (gloo on CPU; nccl when GPUs are visible)
-    python syncbn_benchmark.py --quick            # a fast run of the same grid (seconds)
+    python syncbn_benchmark.py --quick            # the same grid with fewer iterations
+    python syncbn_benchmark.py --baseline main    # also times syncbn.py as of a git revision: the A/B of a change
     torchrun --standalone --nproc_per_node 2 syncbn_benchmark.py --json results/syncbn.json
 
-The homework's setup: a global batch of B samples (split evenly over the workers) with
-H channels, standard normal float32 inputs, loss = sum of the outputs over the first
-B/2 samples of the global batch (so with 2 workers, rank 1 gets a zero upstream
-gradient and still joins both collectives). One iteration = forward + backward; the
-inputs are made before the timed region; every iteration starts with a barrier; an
-iteration counts as long as its slowest rank; we report the median (and p10/p90) over
-many iterations, taken in interleaved rounds so that load from other processes hits
-every implementation alike. Peak memory is measured in a separate untimed pass
-(``measure.PeakMemory``), and "saved" is what autograd keeps for backward after the
-forward pass (``measure.saved_tensor_bytes``).
+The homework's setup: a global batch of B samples split evenly over the workers, H channels,
+standard normal inputs, loss = sum of the outputs over the first B/2 samples of the global
+batch (with 2 workers rank 1's upstream gradient is zero; it still joins both collectives).
+One iteration = forward + backward; inputs are made before the timed region; a barrier
+precedes every iteration, which counts as long as its slowest rank. Implementations take
+turns in interleaved rounds (the order rotated each round), so a change in the machine's
+load hits them alike, and each ratio is the median of per-round ratios of round medians
+with a 95 % bootstrap interval over rounds (``measure.paired_ratio``); a target is met when
+the whole interval is at or below it, missed when it is all above, else inconclusive.
 
-Implementations:
-
-* ``ours``: ``syncbn.SyncBatchNorm`` (one all_reduce in forward, one in backward).
-* ``BatchNorm1d (local)``: ``torch.nn.BatchNorm1d`` on each rank's local batch, with no
-  communication: the lower bound, and the only PyTorch reference on the CPU, because
-  ``torch.nn.SyncBatchNorm`` refuses CPU tensors.
-* ``BatchNorm1d + 2 all_reduce``: the same plus two ``all_reduce`` calls of 2C + 1
-  float32 values, one after forward and one after backward: the cost of a perfect
-  synchronized BatchNorm with the communication it cannot avoid.
-* ``torch.nn.SyncBatchNorm``: on CUDA only.
-
-Targets, printed with every run: on CPU, ours <= 1.3 x (BatchNorm1d + 2 all_reduce) and
-ours saves no more bytes for backward than BatchNorm1d; on CUDA, ours faster than
-``torch.nn.SyncBatchNorm`` with no more peak memory.
+Implementations: ``ours`` (``syncbn.SyncBatchNorm``); ``BatchNorm1d (local)`` with no
+communication; ``BatchNorm1d + 2 all_reduce`` of 2C + 1 float32 values (after forward and
+after backward): the cost of a synchronized BatchNorm with the communication it cannot
+avoid, the reference on the CPU, where ``torch.nn.SyncBatchNorm`` refuses to run; on CUDA
+``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets; float16/bfloat16 rows (float32
+parameters) are for information. The single-process rows run in the launching process,
+with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
+``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
+beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). Peak memory (``measure.PeakMemory``) and bytes saved for backward
+(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile
+of one forward + backward (``measure.op_breakdown``) shows where the time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
-from measure import PeakMemory, Timing, gather_rows, saved_tensor_bytes, time_iterations
+from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
+                     saved_tensor_bytes, time_iterations, verdict)
 from results import environment, format_environment, markdown_table, write_results
+import syncbn
 from syncbn import SyncBatchNorm
 
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
-CPU_TARGET = 1.3  # ours / (BatchNorm1d + 2 all_reduce) on CPU
+# With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
+SYNC_PATH = "ours, synchronized path without collectives"
+WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
+# grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
+CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
+PROFILE_ITERS = 20
+NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
+QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
 
 
 # --------------------------------------------------------------------------- one case
 
 
-def _make_layer(impl: str, hidden: int, device: torch.device) -> torch.nn.Module:
-    if impl == OURS:
-        layer = SyncBatchNorm(hidden)
+def _load_baseline(revision: str):
+    """``syncbn.py`` as of a git revision, imported as a separate module (for an A/B in the same run)."""
+    source = subprocess.run(["git", "show", f"{revision}:syncbn.py"], capture_output=True, text=True, check=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="syncbn_baseline_"), "syncbn_baseline.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("syncbn_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _WithoutCollectives(SyncBatchNorm):
+    """SyncBatchNorm's Function with no group: all of its work but the two all_reduce calls."""
+
+    def __init__(self, hidden: int, function):
+        super().__init__(hidden)
+        self.function = function
+
+    def forward(self, x):
+        return self.function.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                   self.momentum, None)
+
+
+def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> torch.nn.Module:
+    module = baseline if "@" in impl else syncbn
+    if impl.startswith(SYNC_PATH):
+        layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
+    elif impl.startswith(OURS):
+        layer = module.SyncBatchNorm(hidden)
     elif impl == TORCH_SYNC:
         layer = torch.nn.SyncBatchNorm(hidden)
     else:
@@ -65,7 +105,7 @@ def _make_layer(impl: str, hidden: int, device: torch.device) -> torch.nn.Module
 
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
-    if impl != REFERENCE:
+    if impl != REFERENCE or not dist.is_initialized():
         def step():
             x.grad = None
             layer(x)[:loss_rows].sum().backward()
@@ -73,7 +113,7 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
 
     # BatchNorm's own work plus the two collectives a synchronized BatchNorm cannot avoid.
     channels = x.size(1)
-    forward_stats, backward_stats = x.new_zeros(2 * channels + 1), x.new_zeros(2 * channels + 1)
+    forward_stats, backward_stats = (torch.zeros(2 * channels + 1, device=x.device) for _ in range(2))
 
     def reference_step():
         x.grad = None
@@ -84,130 +124,234 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
     return reference_step
 
 
-def _local_input(ctx, batch: int, hidden: int) -> tuple[torch.Tensor, int]:
+def _local_input(rank: int, world: int, batch: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, int]:
     """This rank's rows of the global (batch, hidden) input, and how many of them are in the first batch/2."""
-    local = batch // ctx.world_size
-    generator = torch.Generator().manual_seed(1000 * ctx.rank + hidden + batch)
-    x = torch.randn(local, hidden, generator=generator).to(ctx.device).requires_grad_()
-    start = ctx.rank * local
-    loss_rows = max(0, min(local, batch // 2 - start))
-    return x, loss_rows
+    local = batch // world
+    generator = torch.Generator().manual_seed(1000 * rank + hidden + batch)
+    x = torch.randn(local, hidden, generator=generator).to(device=device, dtype=dtype).requires_grad_()
+    return x, max(0, min(local, batch // 2 - rank * local))
 
 
-def _measure_memory(ctx, impl: str, hidden: int, x: torch.Tensor, loss_rows: int) -> tuple[int, int]:
-    """(peak bytes of one iteration, bytes saved for backward by one forward), on a fresh layer; maxima over ranks."""
-    layer = _make_layer(impl, hidden, ctx.device)
-    step = _make_step(impl, layer, x, loss_rows)
+def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, int]:
+    """(peak bytes of one iteration, bytes saved for backward by one forward); maxima over ranks.
+
+    The peak is the least of 3 iterations' (``measure.PeakMemory`` on the CPU can only overstate)."""
     step()  # warm: first-call allocations (e.g. cached constants) are not the steady state
-    with PeakMemory(ctx.device) as peak:
-        step()
+    peaks = []
+    for _ in range(3):
+        with PeakMemory(device) as peak:
+            step()
+        peaks.append(peak.bytes)
     saved = saved_tensor_bytes(lambda: layer(x))
-    # Ranks differ (rank 0 holds the loss rows): report the largest.
-    most = gather_rows([peak.bytes, saved]).max(dim=0).values
+    most = gather_rows([min(peaks), saved]).max(dim=0).values  # ranks differ (rank 0 holds the loss rows)
     return int(most[0]), int(most[1])
 
 
-def run_case(ctx, impls: list[str], batch: int, hidden: int, iters: int, rounds: int, warmup: int) -> list[dict]:
-    """Every implementation on one (batch, hidden), timed in ``rounds`` interleaved rounds."""
-    x, loss_rows = _local_input(ctx, batch, hidden)
-    steps = {impl: _make_step(impl, _make_layer(impl, hidden, ctx.device), x, loss_rows) for impl in impls}
-    parts: dict[str, list[torch.Tensor]] = {impl: [] for impl in impls}
-    per_round = max(1, iters // rounds)
-    for round_ in range(rounds):
-        order = impls if round_ % 2 == 0 else impls[::-1]
-        for impl in order:
-            timing = time_iterations(steps[impl], per_round, warmup=warmup if round_ == 0 else 2, device=ctx.device)
-            parts[impl].append(timing.per_rank)
+def run_case(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
+             dtype_name: str, args, baseline=None) -> list[dict]:
+    """Every implementation on one (batch, hidden, dtype), timed in interleaved rounds; one row each."""
+    x, loss_rows = _local_input(rank, world, batch, hidden, DTYPES[dtype_name], device)
+    layers = {impl: _make_layer(impl, hidden, device, baseline) for impl in impls}
+    steps = {impl: _make_step(impl, layers[impl], x, loss_rows) for impl in impls}
+    per_round = max(1, args.iters // args.rounds)
+    samples: dict[str, list[list[float]]] = {impl: [] for impl in impls}
+    for round_ in range(args.rounds):
+        shift = round_ % len(impls)
+        for impl in impls[shift:] + impls[:shift]:
+            timing = time_iterations(steps[impl], per_round, warmup=args.warmup if round_ == 0 else 2, device=device)
+            samples[impl].append(timing.samples)  # per iteration, the slowest rank's time
     rows = []
     for impl in impls:
-        timing = Timing(torch.cat(parts[impl], dim=1))
-        peak, saved = _measure_memory(ctx, impl, hidden, x, loss_rows)
-        rows.append({"impl": impl, "device": ctx.device.type, "batch": batch, "hidden": hidden,
-                     "workers": ctx.world_size, "local_batch": x.size(0), "iters": timing.per_rank.size(1),
-                     "time_s": timing.median, "p10_s": timing.percentile(10), "p90_s": timing.percentile(90),
+        flat = [t for r in samples[impl] for t in r]
+        peak, saved = _memory(steps[impl], layers[impl], x, device)
+        rows.append({"kind": "time", "impl": impl, "setting": WORKERS if world > 1 else SINGLE, "dtype": dtype_name,
+                     "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
+                     "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
+                     "time_s": float(np.median(flat)), "p10_s": percentile(flat, 10), "p90_s": percentile(flat, 90),
+                     **{f"round_p{q}_s": [percentile(r, q) for r in samples[impl]] for q in (10, 50, 90)},
                      "peak_bytes": peak, "saved_bytes": saved})
     return rows
 
 
-def implementations(device: torch.device) -> list[str]:
-    impls = [OURS, LOCAL, REFERENCE]
-    return impls + [TORCH_SYNC] if device.type == "cuda" else impls
+def breakdown(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int) -> list[dict]:
+    """Per-operator CPU time of one forward + backward (profiled, rank 0's), ours against BatchNorm1d."""
+    x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
+    rows = []
+    for impl in impls:
+        step = _make_step(impl, _make_layer(impl, hidden, device), x, loss_rows)
+        step()
+        profile = op_breakdown(step, PROFILE_ITERS, top=12, device=device)
+        rows.append({"kind": "breakdown", "impl": impl, "setting": WORKERS if world > 1 else SINGLE,
+                     "dtype": "float32", "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
+                     "iters": PROFILE_ITERS, "ops": profile["ops"], "top_self_s": sum(o["self_s"] for o in profile["ops"])})
+    return rows
+
+
+def implementations(device: torch.device, baseline: str | None) -> list[str]:
+    impls = [OURS, LOCAL, REFERENCE] + ([TORCH_SYNC] if device.type == "cuda" else [])
+    return impls + ([f"{OURS}@{baseline}"] if baseline else [])
 
 
 def run(ctx, args) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     torch.set_num_threads(args.threads)
-    impls = implementations(ctx.device)
-    cases = [(batch, hidden) for batch in args.batch for hidden in args.hidden]
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    impls = implementations(ctx.device, args.baseline)
+    cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
     rows = []
-    for batch, hidden in progress(cases, desc="syncbn benchmark"):
-        rows += run_case(ctx, impls, batch, hidden, args.iters, args.rounds, args.warmup)
+    for dtype_name, batch, hidden in progress(cases, desc="syncbn benchmark, workers"):
+        rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline)
+    for batch, hidden in _profiled_sizes(args):
+        rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, REFERENCE], batch, hidden)
     return rows
+
+
+def run_single_process(device: torch.device, args) -> list[dict]:
+    """Ours against BatchNorm1d in this process, with no process group (float32, the whole grid), and the
+    synchronized computation without its collectives (what the layer costs beyond BatchNorm's kernels)."""
+    assert not dist.is_initialized()
+    torch.set_num_threads(args.threads)
+    baseline = _load_baseline(args.baseline) if args.baseline else None
+    impls = [OURS, LOCAL, SYNC_PATH] + ([f"{SYNC_PATH}@{args.baseline}"] if args.baseline else [])
+    rows = []
+    for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
+        rows += run_case(0, 1, device, impls, batch, hidden, "float32", args, baseline)
+    for batch, hidden in _profiled_sizes(args):
+        rows += breakdown(0, 1, device, [OURS, LOCAL, SYNC_PATH], batch, hidden)
+    return rows
+
+
+def _profiled_sizes(args) -> list[tuple[int, int]]:
+    """The smallest and the largest size of the grid."""
+    return sorted({(min(args.batch), min(args.hidden)), (max(args.batch), max(args.hidden))})
+
+
+# --------------------------------------------------------------------------- ratios and targets
+
+
+def _times(rows: list[dict], impl: str, setting: str, dtype: str) -> dict[tuple[int, int], dict]:
+    return {(r["batch"], r["hidden"]): r for r in rows
+            if r["kind"] == "time" and r["impl"] == impl and r["setting"] == setting and r["dtype"] == dtype}
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """One row per (setting, dtype, size, comparison): the paired ratio of round medians, and a verdict when
+    it carries a target (float32 only)."""
+    device = rows[0]["device"]
+    comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
+                   (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None)]
+    if device == "cuda":
+        comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
+    # --baseline: the A/B of a change, ours now against ours at the given revision.
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        if "@" in impl:
+            comparisons.append((WORKERS if impl.startswith(OURS + "@") else SINGLE, impl.split("@")[0], impl, None))
+    out = []
+    for setting, mine, versus, limit in comparisons:
+        for dtype in sorted({r["dtype"] for r in rows if r["kind"] == "time" and r["setting"] == setting}):
+            ours, theirs = _times(rows, mine, setting, dtype), _times(rows, versus, setting, dtype)
+            for key in sorted(set(ours) & set(theirs)):
+                ratio = paired_ratio(ours[key]["round_p50_s"], theirs[key]["round_p50_s"])
+                target = limit if dtype == "float32" else None
+                out.append({"kind": "ratio", "impl": mine, "versus": versus, "setting": setting, "dtype": dtype,
+                            "device": device, "batch": key[0], "hidden": key[1], **ratio, "target": target,
+                            "verdict": None if target is None else verdict(ratio, target),
+                            "saved_ratio": ours[key]["saved_bytes"] / theirs[key]["saved_bytes"],
+                            "peak_ratio": ours[key]["peak_bytes"] / max(1, theirs[key]["peak_bytes"])})
+    return out
+
+
+def _grid_ratio(entries: list[dict]) -> dict:
+    """The median over the grid, round by round (round r of every size), summarised like one paired ratio."""
+    per_round = np.median(np.array([e["per_round"] for e in entries]), axis=0)
+    ratio = paired_ratio(list(per_round), [1.0] * len(per_round))
+    return {**ratio, "sizes": len(entries)}
+
+
+def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
+    """The issue's targets, each with its verdict (float32)."""
+    out = []
+    for setting, versus in {(r["setting"], r["versus"]) for r in ratio_rows if r["target"] is not None}:
+        entries = [r for r in ratio_rows if r["setting"] == setting and r["versus"] == versus and r["target"]
+                   and r["impl"] == OURS]
+        limit = entries[0]["target"]
+        verdicts = [e["verdict"] for e in entries]
+        worst = "missed" if "missed" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "met")
+        out.append({"kind": "target", "name": f"{setting}: every size, ours / ({versus}) <= {limit}",
+                    "setting": setting, "versus": versus, "limit": limit, "verdict": worst,
+                    "sizes_met": verdicts.count("met"), "sizes": len(entries)})
+        if setting == WORKERS and versus == REFERENCE:
+            grid = _grid_ratio(entries)
+            out.append({"kind": "target", "name": f"{setting}: median over the grid, ours / ({versus}) <= {TARGET_GRID}",
+                        "setting": setting, "versus": versus, "limit": TARGET_GRID, **grid,
+                        "verdict": verdict(grid, TARGET_GRID)})
+    for what in ("saved_bytes", "peak_bytes"):
+        for setting in sorted({r["setting"] for r in time_rows if r["kind"] == "time"}):
+            ours, local = _times(time_rows, OURS, setting, "float32"), _times(time_rows, LOCAL, setting, "float32")
+            worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
+            out.append({"kind": "target", "name": f"{setting}: {what} of ours <= BatchNorm1d's at every size",
+                        "setting": setting, "limit": 1.0, "verdict": "missed" if worse else "met",
+                        "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
+    return out
 
 
 # --------------------------------------------------------------------------- report
 
 
-def _by(rows: list[dict], impl: str, device: str) -> dict[tuple[int, int], dict]:
-    return {(r["batch"], r["hidden"]): r for r in rows if r["impl"] == impl and r["device"] == device}
+RATIO_COLUMNS = [("setting", "setting", "s"), ("dtype", "dtype", "s"), ("batch", "batch", "d"),
+                 ("hidden", "hidden", "d"), ("text", "ratio [95 % CI]", "s"), ("target", "target", "s"),
+                 ("verdict", "verdict", "s"), ("saved_ratio", "saved ratio", ".2f"),
+                 ("peak_ratio", "peak ratio", ".2f")]
 
 
-def _with_ms(rows: list[dict]) -> list[dict]:
-    return [{**r, "time_ms": 1e3 * r["time_s"], "p90_ms": 1e3 * r["p90_s"]} for r in rows]
-
-
-PER_IMPL_COLUMNS = [("batch", "batch_size", "d"), ("hidden", "hidden_dim", "d"), ("workers", "num_workers", "d"),
-                    ("time_ms", "median time (ms)", ".3f"), ("p90_ms", "p90 (ms)", ".3f"),
-                    ("peak_bytes", "peak memory (bytes)", "d"), ("saved_bytes", "saved for backward (bytes)", "d")]
-
-
-def comparison(rows: list[dict], device: str) -> tuple[str, list[dict]]:
-    """The table of ratios against this device's reference, one entry per size, each saying whether the target is met."""
-    ours, local, reference, torch_sync = (_by(rows, impl, device) for impl in (OURS, LOCAL, REFERENCE, TORCH_SYNC))
+def _time_table(rows: list[dict], setting: str, dtype: str) -> str:
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] == "time" and r["setting"] == setting
+                               and r["dtype"] == dtype))
+    by_impl = {impl: _times(rows, impl, setting, dtype) for impl in impls}
     table = []
-    for key, row in ours.items():
-        entry = {"batch": key[0], "hidden": key[1], "ours_ms": 1e3 * row["time_s"],
-                 "local_ms": 1e3 * local[key]["time_s"], "reference_ms": 1e3 * reference[key]["time_s"],
-                 "vs_reference": row["time_s"] / reference[key]["time_s"], "vs_local": row["time_s"] / local[key]["time_s"],
-                 "saved_ratio": row["saved_bytes"] / local[key]["saved_bytes"]}
-        if device == "cuda":
-            entry.update(torch_ms=1e3 * torch_sync[key]["time_s"], vs_torch=row["time_s"] / torch_sync[key]["time_s"],
-                         peak_ratio=row["peak_bytes"] / torch_sync[key]["peak_bytes"])
-            ok = entry["vs_torch"] < 1 and entry["peak_ratio"] <= 1
-        else:
-            ok = entry["vs_reference"] <= CPU_TARGET and entry["saved_ratio"] <= 1
-        entry["target"] = "met" if ok else "NOT met"
+    for key in sorted(by_impl[impls[0]]):
+        entry = {"batch": key[0], "hidden": key[1]}
+        for impl in impls:
+            entry[impl] = 1e3 * by_impl[impl][key]["time_s"]
+            entry[impl + " peak"] = by_impl[impl][key]["peak_bytes"] / 1024
         table.append(entry)
-    columns = [("batch", "batch", "d"), ("hidden", "hidden", "d"), ("ours_ms", "ours (ms)", ".3f"),
-               ("local_ms", "BN local (ms)", ".3f"), ("reference_ms", "BN + 2 AR (ms)", ".3f")]
-    if device == "cuda":
-        columns += [("torch_ms", "torch SyncBN (ms)", ".3f"), ("vs_torch", "ours / torch", ".2f"),
-                    ("peak_ratio", "peak ours / torch", ".2f")]
-    columns += [("vs_reference", "ours / (BN + 2 AR)", ".2f"), ("vs_local", "ours / BN local", ".2f"),
-                ("saved_ratio", "saved ours / BN", ".2f"), ("target", "target", "s")]
-    return markdown_table(table, columns), table
+    columns = [("batch", "batch", "d"), ("hidden", "hidden", "d")]
+    columns += [(impl, f"{impl} (ms)", ".3f") for impl in impls]
+    columns += [(impl + " peak", f"{impl} peak (KiB)", ".0f") for impl in impls]
+    return markdown_table(table, columns)
 
 
-def report(rows: list[dict], env: dict, args) -> None:
+def _breakdown_text(rows: list[dict]) -> list[str]:
+    lines = []
+    for row in (r for r in rows if r["kind"] == "breakdown"):
+        ops = ", ".join(f"{o['op']} {1e6 * o['self_s']:.1f}us x{o['calls']:g}" for o in row["ops"])
+        lines.append(f"  {row['setting']}, {row['batch']}x{row['hidden']}, {row['impl']}: top operators "
+                     f"{1e6 * row['top_self_s']:.0f} us self CPU per iteration: {ops}")
+    return lines
+
+
+def report(rows: list[dict], env: dict, config: dict) -> None:
     print(format_environment(env))
-    print(f"* global batch split evenly over {env['world_size']} workers; {rows[0]['iters']} iterations per "
-          f"implementation in {args.rounds} interleaved rounds; times are medians of the per-iteration maximum over ranks")
-    for device in sorted({r["device"] for r in rows}):
-        if device == "cpu":
-            print("\nOn CPU, torch.nn.SyncBatchNorm cannot run (it raises on CPU tensors): the local BatchNorm1d with "
-                  "no communication is the lower bound and the only PyTorch reference.")
-        for impl in (OURS, LOCAL, REFERENCE, TORCH_SYNC):
-            impl_rows = [r for r in rows if r["impl"] == impl and r["device"] == device]
-            if impl_rows:
-                print(f"\n{impl} ({device})\n{markdown_table(_with_ms(impl_rows), PER_IMPL_COLUMNS)}")
-        table, entries = comparison(rows, device)
-        if device == "cuda":
-            target = "ours faster than torch.nn.SyncBatchNorm, with no more peak memory"
-        else:
-            target = f"ours <= {CPU_TARGET} x (BatchNorm1d + 2 all_reduce of 2C+1 floats), and saved bytes <= BatchNorm1d's"
-        print(f"\nComparison ({device}); target: {target}\n{table}")
-        met = sum(e["target"] == "met" for e in entries)
-        print(f"Target met on {met} of {len(entries)} sizes ({device}).")
+    oversub = oversubscribed(env["world_size"], env["device"])
+    print(f"* {config['iters']} iterations per implementation and size in {config['rounds']} interleaved rounds; "
+          "times are medians of the per-iteration maximum over ranks" + ("; OVERSUBSCRIBED (more processes than "
+                                                                         "cores): timings say little" if oversub else ""))
+    for setting in (WORKERS, SINGLE):
+        for dtype in DTYPES:
+            if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
+                print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n{_time_table(rows, setting, dtype)}")
+    ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
+                   "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
+    for mine, versus in dict.fromkeys((r["impl"], r["versus"]) for r in ratio_rows):
+        table = [r for r in ratio_rows if r["impl"] == mine and r["versus"] == versus]
+        print(f"\n{mine} / {versus}\n{markdown_table(table, RATIO_COLUMNS)}")
+    print("\nWhere the time goes (profiled, self CPU time per iteration):")
+    print("\n".join(_breakdown_text(rows)))
+    print("\nTargets:")
+    for t in (r for r in rows if r["kind"] == "target"):
+        detail = f" ({format_ratio(t)})" if "median" in t else f" ({t['sizes_met']} of {t['sizes']} sizes)"
+        print(f"  {t['name']}: {t['verdict'].upper()}{detail}")
 
 
 # --------------------------------------------------------------------------- entry points
@@ -225,17 +369,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="global batch sizes (default: %(default)s)")
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 512, 1024],
                         help="numbers of channels (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=2000,
-                        help="timed iterations per implementation and size (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=40,
-                        help="interleaved rounds the iterations are split into (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed iterations before the first round (default: %(default)s)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                        help="input dtypes timed with the workers; parameters stay float32 (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation and size "
+                        f"(default: {NORMAL['iters']}; {QUICK['iters']} with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds the iterations are split into "
+                        f"(default: {NORMAL['rounds']}; {QUICK['rounds']} with --quick)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed iterations before the first round "
+                        f"(default: {NORMAL['warmup']}; {QUICK['warmup']} with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a fast run: 100 iterations in 4 rounds, 5 warm-up (default: off)")
+    parser.add_argument("--settings", nargs="+", choices=[WORKERS, "single"], default=[WORKERS, "single"],
+                        help="what to time: the spawned workers, and/or one process without a process group "
+                             "(default: %(default)s)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also time syncbn.py as of this git revision, as 'ours@REV' (default: none)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.iters, args.rounds, args.warmup = 100, 4, 5
+    for key, value in (QUICK if args.quick else NORMAL).items():  # defaults only where no flag was given
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.workers < 1 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--workers, --iters, --rounds and --threads must be at least 1, --warmup at least 0")
     if args.rounds > args.iters:
@@ -249,9 +403,11 @@ def main(args) -> None:
             for batch in args.batch:
                 if batch % ctx.world_size:
                     raise ValueError(f"--batch {batch} is not divisible by the {ctx.world_size} workers")
-            rows = run(ctx, args)
+            rows = run(ctx, args) if WORKERS in args.settings else []
             env = environment(ctx.backend, ctx.device, ctx.world_size, threads=args.threads)
         if ctx.is_master:
+            if "single" in args.settings:
+                rows += run_single_process(ctx.device, args)
             finish(rows, env, args)
         return
     backend = resolve_backend(args.backend)
@@ -260,16 +416,24 @@ def main(args) -> None:
             sys.exit(f"error: --batch {batch} is not divisible by --workers {args.workers}")
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     # Generous bound on the whole run: the process-group timeout catches a stuck peer much sooner.
-    budget = 600 + 0.05 * args.iters * len(args.batch) * len(args.hidden)
-    rows = launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,
-                  threads=args.threads)[0]
+    budget = 600 + 0.05 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
+    rows = []
+    if WORKERS in args.settings:
+        rows += launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,
+                       threads=args.threads)[0]
+    if "single" in args.settings:
+        rows += run_single_process(device, args)
     finish(rows, environment(backend, device, args.workers, threads=args.threads), args)
 
 
 def finish(rows: list[dict], env: dict, args) -> None:
-    report(rows, env, args)
+    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown")]
+    ratio_rows = ratios(time_rows)
+    rows = time_rows + ratio_rows + targets(ratio_rows, time_rows)
+    config = vars(args)
+    report(rows, env, config)
     if args.json:
-        write_results(args.json, "syncbn_benchmark", env, vars(args), rows)
+        write_results(args.json, "syncbn_benchmark", env, config, rows)
         print(f"\nwrote {args.json}")
 
 

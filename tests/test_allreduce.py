@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import allreduce
-from common import CollectiveCounter, run_workers
+from common import CollectiveCounter, run_in_subgroups
 from dist_utils import WorkerError, launch
 from measure import PeakMemory
 
@@ -161,7 +161,7 @@ def _checked(group) -> dict:
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    out = {"group_rank": rank, "cases": {case: _run_case(group, *case) for case in cases(n)},
+    out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
            "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
            "auto": _auto_against_named(group), "checked": _checked(group)}
     for variant in VARIANTS:
@@ -180,26 +180,11 @@ def _grid_in(group) -> dict:
     return out
 
 
-def _grid(ctx) -> dict:
-    """This rank's results for every group it belongs to, keyed by group size."""
-    out = {}
-    for groups in ROUNDS:
-        # Every rank creates every group, in the same order; only members use it.
-        handles = [dist.new_group(members) if members is not None else None for members in groups]
-        for members, group in zip(groups, handles):
-            if members is None or ctx.rank in members:
-                out[len(members) if members is not None else ctx.world_size] = _grid_in(group)
-    return out
-
-
 @pytest.fixture(scope="module")
 def grids() -> dict[int, list[dict]]:
     """Group size -> each member's results, in group-rank order."""
-    by_size: dict[int, list] = {}
-    for per_rank in run_workers(_grid, WORLD):
-        for n, outcome in per_rank.items():
-            by_size.setdefault(n, [None] * n)[outcome["group_rank"]] = outcome
-    assert sorted(by_size) == list(WORLD_SIZES) and all(None not in members for members in by_size.values())
+    by_size = run_in_subgroups(_grid_in, WORLD, ROUNDS)
+    assert sorted(by_size) == list(WORLD_SIZES)
     return by_size
 
 

@@ -203,3 +203,19 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
     assert tune.sizes == [bench.parse_size(s) for s in bench.TUNE_SIZES]
     plain = bench.parse_args([])
     assert plain.iters == 20 and plain.sizes == [bench.parse_size(s) for s in bench.DEFAULT_SIZES]
+
+
+def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the_world():
+    rows = [{**_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]), "collective": "reduce_scatter"},
+            {**_row("ring", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65]), "collective": "reduce_scatter"},
+            {**_row("ring", 0.12, ratio=1.2, ci=[1.15, 1.25]), "collective": "all_gather"}]
+    text = bench.report(rows)
+    assert "target ring reduce_scatter <= 0.70x torch, 2 processes, 10MB: 0.60x [0.55, 0.65] met" in text
+    assert "target ring all_gather <= 1.10x torch, 2 processes, 10MB: 1.20x [1.15, 1.25] missed" in text
+    assert "target auto" not in text and "target ring <= " not in text  # the all-reduce targets are all-reduce's
+
+
+def test_a_sharded_collective_takes_its_own_algorithms():
+    assert bench.parse_args(["--collective", "all_gather"]).algorithms == ["torch", "ring"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--collective", "reduce_scatter", "--algorithms", "butterfly"])

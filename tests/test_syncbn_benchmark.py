@@ -1,0 +1,72 @@
+"""syncbn_benchmark.py: its flags, and the ratios and verdicts it derives from timed rows (no processes spawned).
+
+The rows are synthetic with known per-round times, so every ratio and verdict is known in advance.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from syncbn_benchmark import (LOCAL, NORMAL, OURS, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE, CPU_TARGET,
+                              WORKERS, parse_args, ratios, targets)
+
+
+def test_quick_fills_only_the_flags_not_given():
+    assert {k: getattr(parse_args([]), k) for k in NORMAL} == NORMAL
+    assert {k: getattr(parse_args(["--quick"]), k) for k in QUICK} == QUICK
+    args = parse_args(["--quick", "--iters", "50", "--warmup", "0"])
+    assert (args.iters, args.rounds, args.warmup) == (50, QUICK["rounds"], 0)
+
+
+def test_bad_flags_are_refused():
+    for argv in (["--rounds", "0"], ["--iters", "4", "--rounds", "8"], ["--dtypes", "int8"], ["--settings", "gpu"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+
+
+def _row(impl: str, setting: str, hidden: int, round_p50: list[float], saved: int = 100, peak: int = 1000) -> dict:
+    return {"kind": "time", "impl": impl, "setting": setting, "dtype": "float32", "device": "cpu", "batch": 32,
+            "hidden": hidden, "round_p50_s": round_p50, "saved_bytes": saved, "peak_bytes": peak}
+
+
+def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
+    """hidden 128: ours 1.1x the reference in every round (met <= 1.3); 256: 1.5x (missed); 512: 1.2x or 1.4x
+    in alternate rounds (inconclusive); the load doubles halfway, which pairing cancels."""
+    load = [1.0] * 10 + [2.0] * 10
+    factors = {128: [1.1] * 20, 256: [1.5] * 20, 512: [1.2, 1.4] * 10}
+    rows = []
+    for hidden, factor in factors.items():
+        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(LOCAL, WORKERS, hidden, [0.5 * t for t in load]),
+                 _row(OURS, WORKERS, hidden, [f * t for f, t in zip(factor, load)], saved=100 if hidden != 512 else 101)]
+    rows += [_row(LOCAL, SINGLE, 128, load), _row(OURS, SINGLE, 128, [1.05 * t for t in load], peak=900)]
+    ratio_rows = ratios(rows)
+    by = {(r["setting"], r["versus"], r["hidden"]): r for r in ratio_rows}
+    assert by[WORKERS, REFERENCE, 128]["median"] == pytest.approx(1.1)
+    assert [by[WORKERS, REFERENCE, h]["verdict"] for h in factors] == ["met", "missed", "inconclusive"]
+    assert by[WORKERS, LOCAL, 128]["verdict"] is None and by[WORKERS, LOCAL, 128]["median"] == pytest.approx(2.2)
+    assert by[SINGLE, LOCAL, 128]["target"] == TARGET_SINGLE and by[SINGLE, LOCAL, 128]["verdict"] == "met"
+    found = {t["name"]: t for t in targets(ratio_rows, rows)}
+    every = found[f"{WORKERS}: every size, ours / ({REFERENCE}) <= {CPU_TARGET}"]
+    assert (every["verdict"], every["sizes_met"], every["sizes"]) == ("missed", 1, 3)
+    grid = found[f"{WORKERS}: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
+    assert grid["median"] == pytest.approx(1.3) and grid["verdict"] == "missed"  # median of 1.1, 1.5, 1.2 or 1.4
+    assert found[f"{WORKERS}: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
+    assert found[f"{SINGLE}: peak_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "met"
+
+
+def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
+    """plots.syncbn_grid draws from these rows: it must pick the float32 2-worker times (not the one-process,
+    half-precision or ratio rows) and pair their rounds as the benchmark does."""
+    import plots
+
+    load = [1.0, 2.0, 1.5, 1.2]
+    rows = []
+    for dtype, factor in (("float32", 1.1), ("bfloat16", 3.0)):
+        for impl, scale in ((REFERENCE, 1.0), (LOCAL, 0.5), (OURS, factor)):
+            rows.append({**_row(impl, WORKERS, 128, [scale * t for t in load]), "dtype": dtype})
+    rows += [_row(LOCAL, SINGLE, 128, load), _row(OURS, SINGLE, 128, [5 * t for t in load])]
+    ratio_rows = ratios(rows)
+    drawn = plots.syncbn_ratios({"results": rows + ratio_rows + targets(ratio_rows, rows)})
+    assert len(drawn) == 1 and drawn[0]["median"] == pytest.approx(1.1)
+    mine = [r for r in ratio_rows if (r["versus"], r["dtype"]) == (REFERENCE, "float32")]
+    assert (drawn[0]["ci_low"], drawn[0]["ci_high"]) == pytest.approx((mine[0]["ci_low"], mine[0]["ci_high"]))
