@@ -431,31 +431,40 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str = "p50_s") -> None:
-    """Time (ms) against size on log axes: one line per algorithm, ``auto``'s measured calls as black
-    crosses, and a ring around the point of the algorithm ``auto`` chose at each size."""
-    import matplotlib.ticker
+def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str = "p50_s", scale: float = 1e3,
+                  bound: float | None = None) -> None:
+    """``key`` x ``scale`` against size on log axes: one line per algorithm in its report colour, with a 95 %
+    bootstrap interval over its per-call rounds where the row has them; ``auto``'s measured calls as black
+    crosses, a ring around the algorithm ``auto`` chose at each size, and ``bound`` as a dashed line."""
+    import plots  # imported here: the benchmark itself needs no matplotlib
 
     mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)]
     for algorithm in dict.fromkeys(r["algorithm"] for r in mine):
-        points = sorted((r["bytes"], r[key] * 1e3) for r in mine if r["algorithm"] == algorithm)
+        points = sorted((r for r in mine if r["algorithm"] == algorithm), key=lambda r: r["bytes"])
+        xs, ys = [r["bytes"] for r in points], [r[key] * scale for r in points]
         if algorithm == "auto":
-            ax.plot(*zip(*points), "kx", markersize=9, label="auto (measured)")
-        else:
-            ax.plot(*zip(*points), marker="o", markersize=4, label=algorithm)
-    chosen = [(a["bytes"], r[key] * 1e3) for a in mine if a["algorithm"] == "auto" and a.get("choice")
+            ax.plot(xs, ys, "kx", markersize=9, label="auto (measured)")
+            continue
+        spans = [plots.interval(r, key) for r in points]  # None where the row has no per-round values
+        errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y) for y, span in zip(ys, spans)]
+        ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(algorithm),
+                    label=algorithm.replace("_", " "))
+    chosen = [(a["bytes"], r[key] * scale) for a in mine if a["algorithm"] == "auto" and a.get("choice")
               for r in mine if r["algorithm"] == a["choice"] and r["bytes"] == a["bytes"]]
     if chosen:
         ax.plot(*zip(*chosen), "o", markersize=13, markerfacecolor="none", markeredgecolor="k", label="auto's choice")
+    if bound:
+        ax.axhline(bound, color="#555555", linestyle="--", linewidth=1, label="loopback: one large message")
     sizes = sorted({r["bytes"] for r in mine})
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xticks(sizes, [format_size(s) for s in sizes], minor=False)
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    plots.log_axis(ax.xaxis, sizes, lambda v, _: plots.format_bytes(v))
+    plots.log_axis(ax.yaxis)
+    ax.tick_params(axis="x", labelrotation=45)
     suffix = " (oversubscribed)" if any(r.get("oversubscribed") for r in mine) else ""
     ax.set_title(f"{backend}, {world_size} processes{suffix}")
     ax.set_xlabel("message size")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
 
 
 def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
@@ -463,10 +472,13 @@ def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size:
     sizes = sorted({r["bytes"] for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)})
     grid = np.geomspace(sizes[0], sizes[-1], 50)
     for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
-        line, = ax.plot(grid, [predict(fit, s) * 1e3 for s in grid], label=f"{fit['algorithm']} (model)")
+        import plots  # imported here: the benchmark itself needs no matplotlib
+
+        colour = plots.colour(fit["algorithm"])
+        ax.plot(grid, [predict(fit, s) * 1e3 for s in grid], color=colour, label=f"{fit['algorithm']} (model)")
         measured = sorted((r["bytes"], r["p50_s"] * 1e3) for r in rows
                           if (r["backend"], r["world_size"], r["algorithm"]) == (backend, world_size, fit["algorithm"]))
-        ax.plot(*zip(*measured), "o", color=line.get_color())
+        ax.plot(*zip(*measured), "o", color=colour)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_title(f"{backend}, {world_size} processes: model (lines) vs p50 (points)")
@@ -483,6 +495,9 @@ def plot(rows: list[dict], directory: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(directory, exist_ok=True)
+    # The bus bandwidth's ceiling here: the fastest single large point-to-point message measured on this
+    # machine's loopback (our engine's or gloo's; rows with "engine", written with the 2-process sweep).
+    bound = max((r["step_gbps"] for r in rows if r.get("engine") and r["bytes"] >= 2**20), default=None)
     rows = allreduce_rows(rows)
     panels = sorted({(row["backend"], row["world_size"]) for row in rows})
     fits = fit_model(rows)
@@ -491,18 +506,19 @@ def plot(rows: list[dict], directory: str) -> list[str]:
     charts = [("time", "p50 time (ms)"), ("busbw", "bus bandwidth (GB/s)")]
     charts += [("model", "time (ms)")] if fits and collective == "allreduce" else []  # the model is all-reduce's
     for chart, label in charts:
-        figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 1, 4.2), squeeze=False)
+        figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.5, 4.2), squeeze=False,
+                                    layout="constrained")
         for ax, (backend, world) in zip(axes[0], panels):
             if chart == "time":
                 draw_per_size(ax, rows, backend, world)
             elif chart == "busbw":
-                draw_per_size(ax, [{**r, "busbw_s": r["busbw_gbps"] / 1e3} for r in rows], backend, world, key="busbw_s")
+                draw_per_size(ax, rows, backend, world, key="busbw_gbps", scale=1.0, bound=bound)
             else:
                 draw_model(ax, rows, fits, backend, world)
         axes[0][0].set_ylabel(label)
-        axes[0][-1].legend(fontsize="x-small")
+        handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small", frameon=False)
         figure.suptitle(f"{collective.replace('_', '-')}: {label} against size")
-        figure.tight_layout()
         path = os.path.join(directory, f"{collective}_{chart}.png")
         figure.savefig(path, dpi=110)
         plt.close(figure)
@@ -577,7 +593,7 @@ def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
         write_results(args.json, "collectives_benchmark", env, config, rows + (p2p or []))
     if args.plot_dir:
-        print("charts: " + ", ".join(plot(rows, args.plot_dir)), flush=True)
+        print("charts: " + ", ".join(plot(rows + (p2p or []), args.plot_dir)), flush=True)
 
 
 def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options,
