@@ -62,17 +62,18 @@ COLLECTIVE_TARGETS = {"allreduce": TARGET, "reduce_scatter": 0.70, "all_gather":
 
 
 def parse_size(text: str) -> int:
-    """'10MB' -> 10 * 2**20 bytes; a bare number is bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
+    """'10MB' or '10MiB' -> 10 * 2**20 bytes (binary units, as nccl-tests); a bare number is bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?(B?)\s*", text.upper())
     if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KB, 10MB, 1GB)")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 10MiB, 1GiB; KB = KiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2) + "B" if match.group(2) else ""])
 
 
 def format_size(nbytes: int) -> str:
+    """65536 -> '64KiB': binary units, written as such."""
     for unit in ("GB", "MB", "KB"):
         if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return f"{nbytes // UNITS[unit]}{unit}"
+            return f"{nbytes // UNITS[unit]}{unit[0]}iB"
     return f"{nbytes}B"
 
 
@@ -385,12 +386,12 @@ def _ratio_text(row: dict) -> str:
     return "-" if row.get("vs_torch") is None else format_ratio(_ratio_of(row))
 
 
-def target_lines(rows: list[dict]) -> list[str]:
-    """One line per (target, process count, size): the ratio, its interval and met / missed / inconclusive.
+def target_checks(rows: list[dict]) -> list[dict]:
+    """One check per (target, process count, size): the ratio to torch, its interval and met / missed / inconclusive.
 
     All-reduce rows meet ``TARGETS``; reduce-scatter and all-gather rows their ring's ``COLLECTIVE_TARGETS``
     at 10 and 100 MB (their sizes are rounded down to a multiple of the world size, as in nccl-tests)."""
-    lines = []
+    checks = []
     for row in rows:
         collective = row.get("collective", "allreduce")
         targets = TARGETS if collective == "allreduce" else [("ring", LARGE, COLLECTIVE_TARGETS[collective])]
@@ -400,11 +401,21 @@ def target_lines(rows: list[dict]) -> list[str]:
                 continue
             if sizes is not None and abs(near - row["bytes"]) >= 64:
                 continue
-            name = algorithm if collective == "allreduce" else f"{algorithm} {collective}"
-            size = format_size(near if sizes is not None else row["bytes"])
-            label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row.get("oversubscribed") else ""
-            lines.append(f"target {name} <= {target:.2f}x torch, {row['world_size']} processes, {size}: "
-                         f"{_ratio_text(row)} {verdict(_ratio_of(row), target)}{label}")
+            checks.append({"collective": collective, "algorithm": algorithm, "world_size": row["world_size"],
+                           "bytes": near if sizes is not None else row["bytes"], "limit": target,
+                           "ratio": _ratio_of(row), "verdict": verdict(_ratio_of(row), target),
+                           "oversubscribed": bool(row.get("oversubscribed")), "row": row})
+    return checks
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """``target_checks`` as one printed line each."""
+    lines = []
+    for c in target_checks(rows):
+        name = c["algorithm"] if c["collective"] == "allreduce" else f"{c['algorithm']} {c['collective']}"
+        label = f" [oversubscribed: {c['world_size']} processes on {os.cpu_count()} cores]" if c["oversubscribed"] else ""
+        lines.append(f"target {name} <= {c['limit']:.2f}x torch, {c['world_size']} processes, {format_size(c['bytes'])}: "
+                     f"{_ratio_text(c['row'])} {c['verdict']}{label}")
     return lines
 
 
