@@ -1,7 +1,8 @@
-"""Homework Task 4: all-reduce over point-to-point messages only: ring, butterfly and halving-doubling.
+"""Homework Task 4: all-reduce over point-to-point messages only: ring, butterfly, halving-doubling,
+recursive doubling, a pipelined tree, and ``allreduce(algorithm="auto")``, which picks one by size.
 
     python allreduce.py                  # the homework comparison (spawns 1 to 32 workers itself)
-    python allreduce.py --quick          # a small subset, about a minute on two cores
+    python allreduce.py --quick          # a small subset, a few minutes on two cores
     python allreduce.py --world-sizes 1 2 4 --sizes 1000 100000 --repeats 20 --json results/allreduce.json
 
 Every algorithm has the contract of ``torch.distributed.all_reduce``, restricted to
@@ -9,30 +10,42 @@ what the homework asks::
 
     f(tensor, op="mean", group=None) -> tensor
 
-It reduces ``tensor`` in place over all ranks of ``group`` (``"sum"``, or ``"mean"``: the
-sum in the tensor's dtype divided once by the group size), and returns the same tensor.
-Only ``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective. Any world
-size, any number of elements (fewer than ranks, not divisible, or none), any floating
-dtype (integers too with ``op="sum"``), contiguous or not: a non-contiguous tensor is
-reduced in a contiguous copy that is copied back, which costs ``numel`` extra elements.
+It reduces ``tensor`` in place over all ranks of ``group`` (``"sum"``, or ``"mean"``: every
+rank divides its contribution by the group size, then the quotients are summed, so a mean
+overflows only where the mean itself would), and returns the same tensor. Only
+``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective. Any world size, any
+number of elements (fewer than ranks, not divisible, or none), any floating dtype (integers
+too with ``op="sum"``), contiguous or not: a non-contiguous tensor is reduced in a
+contiguous copy that is copied back, which costs ``numel`` extra elements. Bad input is
+refused before the first message.
 
 * ``ring_allreduce``: reduce-scatter then all-gather around the ring; each rank sends
-  2(n-1)/n of the tensor, and the transfers are pipelined with the additions.
+  2(n-1)/n of the tensor in 2(n-1) dependent steps, pipelined with the additions.
 * ``butterfly_allreduce``: the homework's algorithm: rank i owns chunk i, every rank sends
   chunk i straight to rank i, which reduces what it receives and sends the result to all.
 * ``halving_doubling_allreduce``: Rabenseifner's recursive halving reduce-scatter then
   recursive doubling all-gather; a world size that is not a power of two folds its extra
   ranks into partners first.
+* ``recursive_doubling_allreduce``: log2(n) exchanges of the whole tensor (latency-optimal).
+* ``tree_allreduce``: pipelined binary-tree reduce then broadcast.
+* ``allreduce``: any of them by name, or ``"auto"``: the fastest for the size in bytes and
+  the world size, from ``CROSSOVER``, measured here by ``collectives_benchmark.py --tune``.
 * ``torch_allreduce``: the reference, ``torch.distributed.all_reduce`` with the same contract.
 
 Running the file spawns its own workers (one launch per world size, one intra-op thread
-each) and prints the homework's two tables: the three algorithms for 1 to 32 workers, and
-ring against ``torch.distributed.all_reduce`` for 1 to 16 processes and 1,000 to 100,000
-elements. Columns: time (maximum over ranks, median of the repeats after warm-up),
-memory (the extra bytes the call allocates, measured in a separate untimed call with the
-scratch buffers of earlier calls released first) and the
+each) and prints the homework's two tables: every algorithm for 1 to 32 workers, and
+ours against ``torch.distributed.all_reduce`` for 1 to 16 processes and 1,000 to 100,000
+elements, with auto's p50 / torch's p50 (median over interleaved rounds, 95 % interval) and
+its target (<= 1.10x with 2 and 4 processes). Columns: time (maximum over ranks, median of
+the repeats after warm-up), memory (the extra bytes the call allocates, measured in a
+separate untimed call with the scratch buffers of earlier calls released first) and the
 accuracy of averaging (maximum absolute difference from the exact mean computed in
 float64, every rank holding different random data).
+
+The last section holds the two halves of the ring as collectives of their own, for sharded
+training: ``reduce_scatter(output, input, op, group)`` and ``all_gather(output, input, group)``
+(the contracts of ``torch.distributed.reduce_scatter_tensor`` and ``all_gather_into_tensor``),
+each rank sending (n-1)/n of the full tensor; ``collectives_benchmark.py --collective`` times them.
 """
 
 from __future__ import annotations
@@ -40,7 +53,10 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import threading
+import warnings
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -49,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import add_common_args, launch, progress, resolve_backend
-from measure import PeakMemory, gather_rows, time_interleaved
+from measure import PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, write_results
 
 OPS = ("mean", "sum")
@@ -63,6 +79,9 @@ OPS = ("mean", "sum")
 # ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
 SEGMENT_BYTES = 4 << 20
 IN_FLIGHT = 4
+# The tree streams its two phases only when a tensor spans several segments, so its segments are
+# smaller; compare settings with ``collectives_benchmark.py --algorithms tree --segment-bytes ...``.
+TREE_SEGMENT_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- the common frame
@@ -96,19 +115,57 @@ def bounds(numel: int, parts: int) -> list[int]:
     return [i * quotient + min(i, remainder) for i in range(parts + 1)]
 
 
-def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., None], **options) -> torch.Tensor:
-    """Validate, handle the trivial cases, run ``algorithm(flat, rank, n, op, group)`` on a contiguous 1-D view."""
+def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., None], check: bool = False,
+               **options) -> torch.Tensor:
+    """Validate, handle the trivial cases, run ``algorithm(flat, rank, n, group)`` (a sum) on a contiguous 1-D view.
+
+    The mean divides every rank's contribution by n BEFORE the sum, as ddp.py does: the sum of
+    n float16 values near 65504 / n cannot overflow, where summing first would reach inf.
+    """
     _check(tensor, op)
     rank, n = _group_rank(group)
+    if check and n > 1:
+        _check_same_input(tensor, op, algorithm, group, rank, n)
     if tensor.numel() == 0 or n == 1:
         return tensor  # nothing to exchange; the mean of one rank is its own value
     # A non-contiguous tensor has no flat view: reduce a contiguous copy (numel extra elements), copy it back.
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     with torch.no_grad():
-        algorithm(work.view(-1), rank, n, op, group, **options)
+        if op == "mean":
+            work.div_(n)
+        algorithm(work.view(-1), rank, n, group, **options)
         if work is not tensor:
             tensor.copy_(work)
     return tensor
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
+           torch.int64)
+
+
+def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int, n: int) -> None:
+    """One small exchange before the data: every rank learns every rank's (numel, dtype, op, algorithm).
+
+    Without it, mismatched sizes make gloo abort the receiving process with no Python traceback,
+    and mismatched algorithms deadlock. Each rank writes its row of an (n, 4) int64 table of zeros;
+    a recursive-doubling sum (exact in int64) gives every rank the whole table, so all ranks raise
+    the same error, naming both sides, and none is left waiting.
+    """
+    name = getattr(algorithm, "__name__", str(algorithm))
+    table = torch.zeros(n, 4, dtype=torch.int64)
+    table[rank] = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1,
+                                OPS.index(op), zlib.crc32(name.encode())])
+    _recursive_doubling(table.view(-1), rank, n, group)
+    differs = [r for r in range(n) if not torch.equal(table[r], table[0])]
+    if differs:
+        def describe(r):
+            numel, dtype, op_index, _ = table[r].tolist()
+            kind = _DTYPES[dtype] if dtype >= 0 else "another dtype"
+            return f"rank {r} has {numel} elements of {kind} (op={OPS[op_index]!r})"
+        other = differs[0]
+        what = "the same input" if not torch.equal(table[other, :3], table[0, :3]) else "the same algorithm"
+        raise ValueError(f"all-reduce needs {what} on every rank: {describe(0)}, {describe(other)}"
+                         + ("" if what == "the same input" else " but a different algorithm than rank 0"))
 
 
 # --------------------------------------------------------------------------- pipelined exchanges
@@ -119,8 +176,7 @@ class _Tick:
     """One step of a pairwise exchange: send one piece to a peer, receive one piece from a peer.
 
     ``recv`` is where the received piece belongs: with ``reduce`` it arrives in a scratch
-    buffer and is added there, otherwise it is received in place. ``divide`` is applied to
-    ``recv`` after the addition (the mean's single division). ``needs`` is the index of the
+    buffer and is added there, otherwise it is received in place. ``needs`` is the index of the
     last tick that must be finished before this one is posted: the one that produced the
     data ``send`` reads. Either side may be None (an empty piece, or a one-way step).
     """
@@ -130,7 +186,6 @@ class _Tick:
     recv: torch.Tensor | None
     recv_peer: int
     reduce: bool
-    divide: int | None
     needs: int
 
 
@@ -212,8 +267,6 @@ class _Exchange:
     def _reduce(tick: _Tick, target: torch.Tensor | None) -> None:
         if tick.recv is not None and tick.reduce:
             tick.recv.add_(target)
-        if tick.recv is not None and tick.divide is not None:
-            tick.recv.div_(tick.divide)
 
     def _run_lockstep(self) -> None:
         pending: deque = deque()
@@ -246,11 +299,12 @@ class _Exchange:
             work.wait()
 
 
-_SCRATCH = threading.local()  # .buffers: {(dtype, device): 1-D tensor}, one set per thread
+_SCRATCH = threading.local()  # .buffers: {(dtype, device, purpose): 1-D tensor}, one set per thread
 
 
-def _scratch(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device, grown as needed.
+def _scratch(like: torch.Tensor, rows: int, columns: int, purpose: str = "exchange") -> torch.Tensor:
+    """A (rows, columns) view of this thread's scratch buffer for ``like``'s dtype and device and for ``purpose``
+    (buffers used at the same time need different purposes), grown as needed.
 
     Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
     is paid for again in page faults on first touch (about 0.6 ms for 10 MB here, 5 % of a 10 MB
@@ -259,7 +313,7 @@ def _scratch(like: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
     """
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
-    key, needed = (like.dtype, like.device), rows * columns
+    key, needed = (like.dtype, like.device, purpose), rows * columns  # one buffer per use that may coexist
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < needed:
         buffer = buffers[key] = like.new_empty(needed)
@@ -284,12 +338,12 @@ def _segment_count(numel: int, element_size: int, segment_bytes: int) -> int:
 # --------------------------------------------------------------------------- ring
 
 
-def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int) -> list[_Tick]:
+def _ring_ticks(flat: torch.Tensor, rank: int, n: int, segment_bytes: int) -> list[_Tick]:
     """Reduce-scatter then all-gather around the ring, each chunk cut into the same number of segments.
 
     Reduce-scatter step s (0..n-2): send chunk (rank - s), receive chunk (rank - s - 1) from the left
-    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1), divided there for
-    the mean. All-gather step s: send chunk (rank + 1 - s), receive chunk (rank - s) in place.
+    and add it; after n-1 steps this rank holds the full sum of chunk (rank + 1). All-gather step s:
+    send chunk (rank + 1 - s), receive chunk (rank - s) in place.
     Segment k of a step forwards what segment k of the previous step received, so tick t needs
     tick t - K and the K segments of a step stream through the ring one behind the other.
     """
@@ -303,17 +357,16 @@ def _ring_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: i
         for s in range(n - 1):
             if phase == "reduce-scatter":
                 send_chunk, recv_chunk = (rank - s) % n, (rank - s - 1) % n
-                divide = n if op == "mean" and s == n - 2 else None
             else:
-                send_chunk, recv_chunk, divide = (rank + 1 - s) % n, (rank - s) % n, None
+                send_chunk, recv_chunk = (rank + 1 - s) % n, (rank - s) % n
             for k in range(per_chunk):
                 ticks.append(_Tick(segments[send_chunk][k], right, segments[recv_chunk][k], left,
-                                   reduce=phase == "reduce-scatter", divide=divide, needs=len(ticks) - per_chunk))
+                                   reduce=phase == "reduce-scatter", needs=len(ticks) - per_chunk))
     return ticks
 
 
-def _ring(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
-    _Exchange(_ring_ticks(flat, rank, n, op, segment_bytes), group, in_flight).run()
+def _ring(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
+    _Exchange(_ring_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
 def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = SEGMENT_BYTES,
@@ -332,7 +385,7 @@ def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # --------------------------------------------------------------------------- halving-doubling
 
 
-def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segment_bytes: int) -> list[_Tick]:
+def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, segment_bytes: int) -> list[_Tick]:
     """Rabenseifner over the largest power of two p <= n, with the n - p extra ranks folded in.
 
     Fold: extra rank p + i sends its tensor to rank i, which adds it. Recursive halving: at
@@ -343,10 +396,9 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
     (bounded scratch, overlapped additions); each step waits for the previous one to finish.
     """
     p = 1 << (n.bit_length() - 1)
-    divide = n if op == "mean" else None
     ticks: list[_Tick] = []
 
-    def exchange(send, recv, peer, reduce, last_step=False):
+    def exchange(send, recv, peer, reduce):
         largest = max(x.numel() if x is not None else 0 for x in (send, recv))
         count = _segment_count(largest, flat.element_size(), segment_bytes) if reduce else 1
         sends = _segments(send, count) if send is not None else [None] * count
@@ -354,7 +406,7 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
         start = len(ticks)
         for s, r in zip(sends, recvs):
             if s is not None or r is not None:
-                ticks.append(_Tick(s, peer, r, peer, reduce, divide if last_step else None, needs=start - 1))
+                ticks.append(_Tick(s, peer, r, peer, reduce, needs=start - 1))
 
     if rank >= p:  # an extra rank: hand the data over, get the result back
         exchange(flat, None, rank - p, reduce=True)
@@ -369,7 +421,7 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
         mid = (lo + hi) // 2
         keep, give = ((mid, hi), (lo, mid)) if rank & distance else ((lo, mid), (mid, hi))
         exchange(flat[blocks[give[0]]:blocks[give[1]]], flat[blocks[keep[0]]:blocks[keep[1]]], rank ^ distance,
-                 reduce=True, last_step=distance == 1)
+                 reduce=True)
         lo, hi = keep
         distance //= 2
     distance = 1
@@ -385,8 +437,8 @@ def _halving_doubling_ticks(flat: torch.Tensor, rank: int, n: int, op: str, segm
     return ticks
 
 
-def _halving_doubling(flat, rank, n, op, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
-    _Exchange(_halving_doubling_ticks(flat, rank, n, op, segment_bytes), group, in_flight).run()
+def _halving_doubling(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT) -> None:
+    _Exchange(_halving_doubling_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
 def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *,
@@ -405,7 +457,7 @@ def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=Non
 # --------------------------------------------------------------------------- butterfly
 
 
-def _butterfly(flat: torch.Tensor, rank: int, n: int, op: str, group) -> None:
+def _butterfly(flat: torch.Tensor, rank: int, n: int, group) -> None:
     """Rank i owns chunk i: everyone sends chunk i to rank i (all at once), rank i adds the n - 1
     chunks it receives in rank order, then sends its reduced chunk to everyone."""
     b = bounds(flat.numel(), n)
@@ -421,8 +473,6 @@ def _butterfly(flat: torch.Tensor, rank: int, n: int, op: str, group) -> None:
         work.wait()  # sends too: chunk j is overwritten below
     for row in received:
         own.add_(row)
-    if op == "mean":
-        own.div_(n)
     gather = [dist.P2POp(dist.isend, own, group=group, group_peer=j) for j in peers if own.numel()]
     gather += [dist.P2POp(dist.irecv, chunks[j], group=group, group_peer=j) for j in peers if chunks[j].numel()]
     for work in (dist.batch_isend_irecv(gather) if gather else []):
@@ -438,15 +488,201 @@ def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> t
     return _allreduce(tensor, op, group, _butterfly)
 
 
+# --------------------------------------------------------------------------- recursive doubling
+
+
+def _pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+    """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
+
+    gloo: the send is posted before the receive: in a same-run A/B on 2 cores with 4 processes
+    (interleaved rounds, at the commit that had both orders) that took well under the time of
+    posting the receive first, while one ``batch_isend_irecv`` of two ``P2POp`` objects with a
+    fresh buffer per step made no measurable difference against two plain calls into a kept
+    buffer: the time is in the waits, not in Python. NCCL runs a pair's operations in order on
+    one stream, so two ranks each sending first would wait for each other: there the pair is
+    one ``batch_isend_irecv``.
+    """
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        works = [dist.isend(send, group=group, group_dst=peer), dist.irecv(recv, group=group, group_src=peer)]
+    else:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, group=group, group_peer=peer),
+                                        dist.P2POp(dist.isend, send, group=group, group_peer=peer)])
+    for work in works:
+        work.wait()  # the send too: the caller adds into ``send`` next
+
+
+def _recursive_doubling(flat: torch.Tensor, rank: int, n: int, group) -> None:
+    """log2(p) exchanges of the whole vector with partner rank ^ d, d = 1, 2, ..., p/2, adding each time.
+
+    p is the largest power of two <= n; extra rank p + i first hands its vector to rank i (which
+    adds it) and gets the result back at the end, as in halving-doubling. Partners add the same
+    two values in either order, and addition is commutative, so all ranks hold the same bits.
+    """
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:  # an extra rank: hand the tensor over, get the result back in place
+        dist.isend(flat, group=group, group_dst=rank - p).wait()
+        dist.irecv(flat, group=group, group_src=rank - p).wait()
+        return
+    received = _scratch(flat, 1, flat.numel())[0]
+    if rank < n - p:
+        dist.irecv(received, group=group, group_src=rank + p).wait()
+        flat.add_(received)
+    distance = 1
+    while distance < p:
+        _pair_exchange(flat, received, rank ^ distance, group)
+        flat.add_(received)
+        distance *= 2
+    if rank < n - p:
+        dist.isend(flat, group=group, group_dst=rank + p).wait()
+
+
+def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+    """Recursive doubling in place: log2(n) exchanges of the whole tensor (latency-optimal).
+
+    With n a power of two each rank makes log2(n) dependent exchanges (the ring makes 2(n-1))
+    but sends log2(n) whole tensors (the ring 2(n-1)/n of one): the choice for small messages.
+    Otherwise the n - p ranks beyond the largest power of two p fold in first (two more steps).
+    Extra memory: one tensor, in the scratch buffer kept for the next call.
+    """
+    return _allreduce(tensor, op, group, _recursive_doubling)
+
+
+# --------------------------------------------------------------------------- tree
+
+
+def _tree(flat: torch.Tensor, rank: int, n: int, group, segment_bytes: int = TREE_SEGMENT_BYTES,
+          in_flight: int = IN_FLIGHT) -> None:
+    """Pipelined binary-tree reduce to rank 0, then broadcast back down, segment by segment.
+
+    The tree is a heap: the parent of rank r is (r - 1) // 2, its children 2r + 1 and 2r + 2.
+    Reduce: a rank adds segment k of each child (received into one of ``in_flight`` scratch
+    rows per child, posted ahead) to its own, then sends it up while segment k + 1 arrives.
+    Broadcast: a rank receives segment k from its parent in place and sends it to its children.
+    The broadcast receives are posted right after the last reduce send, so they wait for the
+    data instead of the data waiting for them; on NCCL, whose pair operations run in order,
+    that order also keeps each pair's sends and receives matched. Rank 0 makes the only sum
+    of each segment and everyone receives a copy: all ranks hold the same bits.
+    """
+    parent = (rank - 1) // 2 if rank else None
+    children = [child for child in (2 * rank + 1, 2 * rank + 2) if child < n]
+    count = min(flat.numel(), _segment_count(flat.numel(), flat.element_size(), segment_bytes))
+    segments = _segments(flat, count)
+    depth = min(max(1, in_flight), count)
+    # (depth x children, largest segment): segment k of child j arrives in row (k % depth) * len(children) + j.
+    slots = _scratch(flat, depth * len(children), segments[0].numel()) if children else None
+
+    def post_receives(k):
+        rows = range((k % depth) * len(children), (k % depth + 1) * len(children))
+        return [(slots[row, :segments[k].numel()], dist.irecv(slots[row, :segments[k].numel()], group=group, group_src=child))
+                for row, child in zip(rows, children)]
+
+    sends, pending = [], deque(post_receives(k) for k in range(depth)) if children else deque()
+    for k, segment in enumerate(segments):
+        if children:
+            for received, work in pending.popleft():
+                work.wait()
+                segment.add_(received)
+            if k + depth < count:
+                pending.append(post_receives(k + depth))  # into the rows segment k has just freed
+        if parent is not None:
+            sends.append(dist.isend(segment, group=group, group_dst=parent))
+    receives = [dist.irecv(segment, group=group, group_src=parent) for segment in segments] if parent is not None else []
+    for k, segment in enumerate(segments):
+        if receives:
+            receives[k].wait()
+        sends += [dist.isend(segment, group=group, group_dst=child) for child in children]
+    for work in sends:
+        work.wait()
+
+
+def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = TREE_SEGMENT_BYTES,
+                   in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Pipelined binary-tree reduce then broadcast in place (NCCL's choice for small and medium messages).
+
+    2 floor(log2 n) dependent steps for one segment; with k segments of about ``segment_bytes``
+    the two phases stream, about 2 (floor(log2 n) + k - 1) steps of numel / k elements. An inner
+    rank receives two segments per step, so for large tensors the ring, which moves 2(n-1)/n of
+    the tensor in total, wins. Extra memory: ``in_flight`` segments per child (at most two).
+    """
+    return _allreduce(tensor, op, group, _tree, segment_bytes=segment_bytes, in_flight=in_flight)
+
+
+# --------------------------------------------------------------------------- automatic choice
+
+
+# The fastest algorithm by message size for each measured world size: ((largest message in bytes,
+# algorithm), ...), the last bound None. Derived on this machine (2 cores shared with other jobs,
+# gloo, float32) by
+#     python collectives_benchmark.py --tune
+# which prints a table in this form to paste here.
+CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
+    2: ((8388608, 'recursive_doubling'), (33554432, 'tree'), (None, 'ring'),),
+    3: ((33554432, 'recursive_doubling'), (None, 'ring'),),
+    4: ((None, 'tree'),),
+    8: ((None, 'tree'),),
+}
+
+
+def _nearest_world_size(world_size: int, table: dict, warn: bool = True) -> int:
+    """The measured world size closest to ``world_size`` on a log scale (the smaller one on a tie)."""
+    if world_size in table:
+        return world_size
+    nearest = min(table, key=lambda k: (abs(math.log2(k) - math.log2(world_size)), k))
+    if warn and (world_size, nearest) not in _WARNED:
+        _WARNED.add((world_size, nearest))
+        warnings.warn(f"allreduce(algorithm='auto'): no crossover measured for {world_size} processes; using the "
+                      f"table of {nearest} (re-derive it with: python collectives_benchmark.py --tune --procs {world_size})",
+                      stacklevel=3)
+    return nearest
+
+
+_WARNED: set[tuple[int, int]] = set()
+
+
+def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None, warn: bool = True) -> str:
+    """The algorithm ``allreduce(algorithm="auto")`` runs for a message of ``nbytes`` on ``world_size`` ranks.
+
+    ``table`` (default ``CROSSOVER``) maps a world size to ((largest message in bytes, algorithm), ...),
+    the last bound None. A world size it lacks uses the nearest measured one, with a warning once
+    per process (``allreduce`` lets only group rank 0 warn).
+    """
+    table = CROSSOVER if table is None else table
+    for bound, name in table[_nearest_world_size(world_size, table, warn)]:
+        if bound is None or nbytes <= bound:
+            return name
+    raise ValueError(f"crossover table for {world_size} processes has no open-ended last entry")
+
+
+def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str = "auto", *,
+              check: bool = False) -> torch.Tensor:
+    """All-reduce in place with the algorithm of ``algorithm``, or for ``"auto"`` the one measured fastest
+    on this machine for the tensor's size in bytes and the group's size (``choose_algorithm``).
+
+    ``op="mean"`` divides every contribution by the group size before the sum (so a float16
+    mean overflows only if the mean does). With ``check=True`` the ranks first exchange their
+    numel, dtype, op and algorithm (one small recursive-doubling exchange of 4 int64 per rank)
+    and all raise ``ValueError`` naming both sides if any differs, instead of gloo aborting the
+    process or the ranks waiting for each other. Every rank must call it with the same arguments.
+    """
+    if algorithm != "auto" and algorithm not in _INNER:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(('auto', *_INNER))}")
+    _check(tensor, op)
+    rank, n = _group_rank(group)
+    if algorithm == "auto":
+        nbytes = tensor.numel() * tensor.element_size()
+        algorithm = choose_algorithm(nbytes, n, warn=rank == 0) if n > 1 else "recursive_doubling"
+    return _allreduce(tensor, op, group, _INNER[algorithm], check=check)
+
+
 # --------------------------------------------------------------------------- reference
 
 
 def torch_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
-    """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: sum, then divide once)."""
+    """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: divide by n, then sum)."""
     _check(tensor, op)
-    dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
     if op == "mean":
         tensor.div_(dist.get_world_size(group))
+    dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -455,13 +691,204 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "ring": ring_allreduce,
     "butterfly": butterfly_allreduce,
     "halving_doubling": halving_doubling_allreduce,
+    "recursive_doubling": recursive_doubling_allreduce,
+    "tree": tree_allreduce,
+    "auto": allreduce,
 }
+# The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
+_INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
+                                          "recursive_doubling": _recursive_doubling, "tree": _tree}
+
+
+# --------------------------------------------------------------------------- sharded collectives
+# reduce_scatter and all_gather, the two halves of the ring all-reduce as separate calls: what a
+# sharded optimizer (each rank updates 1/n of the parameters) and sharded parameters need.
+
+
+@dataclass
+class _ContributingTick(_Tick):
+    """A reduce-scatter tick: ``recv`` (a partial-sum slot) first receives this rank's own
+    contribution ``own`` (divided by ``scale`` for the mean), then the peer's partial sum is added."""
+
+    own: torch.Tensor | None = None
+    scale: int | None = None
+
+
+class _ContributingExchange(_Exchange):
+    """Writes a tick's own contribution into its slot just before the tick's receive is posted, so the
+    copy (or division) overlaps the messages in flight and no slot holds a copy before it is needed."""
+
+    def _target(self, tick: _Tick) -> torch.Tensor | None:
+        if tick.reduce and tick.recv is not None:
+            _contribute(tick.recv, tick.own, tick.scale)
+        return super()._target(tick)
+
+
+def _contribute(out: torch.Tensor, own: torch.Tensor, scale: int | None) -> None:
+    # The mean divides every contribution before the sum (not the sum once): a float16 sum of n large values overflows.
+    if scale is None:
+        out.copy_(own)
+    else:
+        torch.div(own, scale, out=out)
+
+
+def _check_sharded(output, input, op: str, group, gathering: bool) -> tuple[int, int]:
+    """Refuse what would fail halfway (or hang a peer) before the first message; returns (rank, world size)."""
+    _check(input, op)
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor output, got {type(output).__name__}")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise TypeError(f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) "
+                        "must have the same dtype and device")
+    rank, n = _group_rank(group)
+    shard, full = (input, output) if gathering else (output, input)
+    if full.numel() != n * shard.numel():
+        name = "output" if gathering else "input"
+        raise ValueError(f"{name} has {full.numel()} elements, expected world size x shard = {n} x {shard.numel()}: "
+                         "pad the full tensor to a multiple of the world size")
+    if _overlaps(output, input) and not _is_own_chunk(shard, full, rank):
+        raise ValueError("output and input overlap: only the in-place form is allowed, the shard being chunk "
+                         "`rank` of the full tensor (both contiguous)")
+    return rank, n
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) a tensor may touch in its storage."""
+    start = t.data_ptr()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return start, start + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _is_own_chunk(shard: torch.Tensor, full: torch.Tensor, rank: int) -> bool:
+    return (shard.is_contiguous() and full.is_contiguous()
+            and shard.data_ptr() == full.data_ptr() + rank * shard.numel() * shard.element_size())
+
+
+def _sharded(output: torch.Tensor, input: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """Run ``run(flat_output, flat_input)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
+    work = output if output.is_contiguous() else output.contiguous()
+    with torch.no_grad():
+        run(work.view(-1), input.contiguous().view(-1))  # a non-contiguous input is read through a copy
+        if work is not output:
+            output.copy_(work)
+    return output
+
+
+def _reduce_scatter_ticks(out: torch.Tensor, chunks: list[torch.Tensor], rank: int, n: int, op: str,
+                          segment_bytes: int) -> list[_ContributingTick]:
+    """The ring's reduce-scatter: at step s rank r sends its partial sum of chunk r-s-1 to the right
+    and adds its own part of chunk r-s-2 to the partial sum arriving from the left; after n-1 steps
+    the partial sum of chunk r, arrived last, is the whole sum. Partial sums in transit live in
+    n-2 scratch rows (one more for the mean's divided first send), the last one in ``out``."""
+    m, scale = out.numel(), n if op == "mean" else None
+    per_chunk = min(m, _segment_count(m, out.element_size(), segment_bytes))
+    rows = _scratch(out, n - 2 + (scale is not None), m, purpose="reduce_scatter")
+    first = chunks[(rank - 1) % n]
+    if scale is not None:  # the first send is a contribution too: divided before it leaves
+        first = torch.div(first, scale, out=rows[n - 2])
+    slots = {(rank - s - 2) % n: rows[s] for s in range(n - 2)} | {rank: out}
+    sent = _segments(first, per_chunk)
+    ticks = []
+    for s in range(n - 1):
+        received = (rank - s - 2) % n
+        for k, (send, recv, own) in enumerate(zip(sent, _segments(slots[received], per_chunk),
+                                                  _segments(chunks[received], per_chunk))):
+            ticks.append(_ContributingTick(send, (rank + 1) % n, recv, (rank - 1) % n, reduce=True,
+                                           needs=len(ticks) - per_chunk, own=own, scale=scale))
+        sent = _segments(slots[received], per_chunk)
+    return ticks
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None, *,
+                   segment_bytes: int = SEGMENT_BYTES, in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Ring reduce-scatter: group rank r's ``output`` becomes chunk r of the sum (or mean) of every rank's ``input``.
+
+    The contract of ``torch.distributed.reduce_scatter_tensor`` (``reduce_scatter_single``):
+    ``input.numel() == world size x output.numel()``, chunk r being ``input.view(-1)[r m:(r+1) m]``
+    with m = ``output.numel()`` (a caller with a length not divisible by the world size pads it, as
+    with torch). ``input`` is not modified; ``output`` may be ``input``'s own chunk r (in place).
+    ``op="mean"`` divides every contribution by the world size before adding (no float16 overflow).
+
+    Each rank sends n-1 chunks, (n-1)/n of the input (half an all-reduce), in pipelined segments of
+    about ``segment_bytes``. Extra memory: n-2 chunks of partial sums (n-1 for the mean) and
+    ``in_flight`` segments, kept for the next call like the ring's scratch (``release_scratch()``).
+    """
+    rank, n = _check_sharded(output, input, op, group, gathering=False)
+
+    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if out.numel() == 0:
+            return
+        chunks = flat.view(n, -1).unbind(0)  # (n, m): chunk j is what rank j ends with
+        if n == 1:
+            _contribute(out, chunks[0], None)  # the mean of one rank is its own value
+            return
+        ticks = _reduce_scatter_ticks(out, chunks, rank, n, op, segment_bytes)
+        _ContributingExchange(ticks, group, in_flight).run()
+
+    return _sharded(output, input, run)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment_bytes: int = SEGMENT_BYTES,
+               in_flight: int = IN_FLIGHT) -> torch.Tensor:
+    """Ring all-gather: ``output`` becomes every group rank's ``input``, concatenated in rank order.
+
+    The contract of ``torch.distributed.all_gather_into_tensor`` (``all_gather_single``):
+    ``output.numel() == world size x input.numel()``; ``input`` may be ``output``'s own chunk r (in
+    place). At step s rank r forwards chunk r-s to the right and receives chunk r-s-1 in place from
+    the left: each rank sends n-1 chunks, (n-1)/n of the output, in pipelined segments, with no
+    extra memory (plus a copy of a non-contiguous output or input).
+    """
+    rank, n = _check_sharded(output, input, "sum", group, gathering=True)
+
+    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if out.numel() == 0:
+            return
+        chunks = out.view(n, -1).unbind(0)
+        if flat.data_ptr() != chunks[rank].data_ptr():
+            chunks[rank].copy_(flat)
+        per_chunk = min(flat.numel(), _segment_count(flat.numel(), out.element_size(), segment_bytes))
+        ticks = []
+        for s in range(n - 1):
+            sends, recvs = _segments(chunks[(rank - s) % n], per_chunk), _segments(chunks[(rank - s - 1) % n], per_chunk)
+            for send, recv in zip(sends, recvs):
+                ticks.append(_Tick(send, (rank + 1) % n, recv, (rank - 1) % n, reduce=False,
+                                   needs=len(ticks) - per_chunk))
+        _Exchange(ticks, group, in_flight).run()
+
+    return _sharded(output, input, run)
+
+
+def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+    """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
+    gloo has no AVG, so the mean is the sum divided once."""
+    _check_sharded(output, input, op, group, gathering=False)
+    dist.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
+    if op == "mean":
+        output.div_(dist.get_world_size(group))
+    return output
+
+
+def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """``torch.distributed.all_gather_single`` (formerly ``all_gather_into_tensor``) with the same contract."""
+    _check_sharded(output, input, "sum", group, gathering=True)
+    dist.all_gather_single(output, input, group=group)
+    return output
+
+
+# name -> f(output, input, op, group) and f(output, input, group)
+REDUCE_SCATTERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_reduce_scatter, "ring": reduce_scatter}
+ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather}
 
 
 # --------------------------------------------------------------------------- the homework comparison
 
-CUSTOM = ("ring", "butterfly", "halving_doubling")
-QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=5, warmup=2)
+CUSTOM = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree")
+QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=8, warmup=2)
 # Seed 000's second table compares with torch on 1 to 16 processes.
 TORCH_TABLE_MAX_WORLD = 16
 
@@ -494,10 +921,21 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
     # The algorithms take turns call by call, each on the same saved input: load drifts hit all alike.
     timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "mean") for name in algorithms},
                                repeats, warmup, rounds=repeats, device=ctx.device, setup=lambda: x.copy_(saved))
-    return [{"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""), "algorithm": name,
-             "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
-             "memory_bytes": int(worst[2 * i + 1]), "max_abs_error": worst[2 * i]}
-            for i, name in enumerate(algorithms)]
+    rows = []
+    for i, name in enumerate(algorithms):
+        # One call per algorithm per round: round r's ratio compares calls made under the same load.
+        ratio = paired_ratio(timings[name].samples, timings["torch"].samples) if "torch" in timings else None
+        rows.append({"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""),
+                     "algorithm": name, "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
+                     "round_time_s": timings[name].samples,  # one call per round
+                     "vs_torch": ratio["median"] if ratio else None,
+                     "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
+                     "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
+                     "choice": choose_algorithm(numel * mine.element_size(), ctx.world_size, warn=False)
+                     if name == "auto" and ctx.world_size > 1 else None,
+                     "oversubscribed": oversubscribed(ctx.world_size, ctx.device),
+                     "memory_bytes": int(worst[2 * i + 1]), "max_abs_error": worst[2 * i]})
+    return rows
 
 
 def compare_worker(ctx, sizes: list[int], algorithms: list[str], repeats: int, warmup: int, seed: int,
@@ -505,6 +943,10 @@ def compare_worker(ctx, sizes: list[int], algorithms: list[str], repeats: int, w
     """Every size and algorithm for one world size, in one spawned group (spawning costs seconds)."""
     return [row for numel in sizes
             for row in _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed)]
+
+
+# The target of ``auto`` against torch.distributed.all_reduce, and the world sizes it applies to.
+AUTO_TARGET, TARGET_WORLD_SIZES = 1.10, (2, 4)
 
 
 def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
@@ -518,28 +960,56 @@ def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
         line[f"{name}_ms"] = row["time_s"] * 1e3
         line[f"{name}_kib"] = row["memory_bytes"] / 1024
         line[f"{name}_err"] = row["max_abs_error"]
-    for line in table.values():
-        if "torch_ms" in line and "ring_ms" in line and line["torch_ms"] > 0:
-            line["ring_vs_torch"] = line["ring_ms"] / line["torch_ms"]
+        if row.get("vs_torch") is not None and name != "torch":
+            line[f"{name}_vs_torch"] = row["vs_torch"]
+            line[f"{name}_ratio"] = format_ratio(_ratio_of(row))
+        if name == "auto":
+            line["auto_choice"] = SHORT.get(row.get("choice"), "-")
+            line["oversubscribed"] = "yes" if row.get("oversubscribed") else ""
     return [table[key] for key in sorted(table)]
 
 
+def _ratio_of(row: dict) -> dict:
+    """The row's ratio to torch in the form of ``measure.paired_ratio``."""
+    return {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"],
+            "rounds": len(row["round_time_s"])}
+
+
+SHORT = {"ring": "ring", "butterfly": "bfly", "halving_doubling": "HD", "recursive_doubling": "RD", "tree": "tree",
+         "auto": "auto", "torch": "torch"}
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """auto <= AUTO_TARGET x torch at every size, 2 and 4 processes: met / missed / inconclusive with the interval."""
+    lines = []
+    for row in rows:
+        if row["algorithm"] == "auto" and row["world_size"] in TARGET_WORLD_SIZES and row.get("vs_torch") is not None:
+            ratio = _ratio_of(row)
+            label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row["oversubscribed"] else ""
+            lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {row['world_size']} processes, {row['numel']} elements: "
+                         f"{format_ratio(ratio)} {verdict(ratio, AUTO_TARGET)}{label}")
+    return lines
+
+
 def report(rows: list[dict]) -> str:
-    """Seed 000's two tables: the custom algorithms for every world size, and ring against torch."""
-    short = {"ring": "ring", "butterfly": "bfly", "halving_doubling": "HD", "torch": "torch"}
+    """Seed 000's two tables (every algorithm for every world size; ours against torch), then auto's targets."""
+    names = [name for name in (*CUSTOM, "auto") if any(r["algorithm"] == name for r in rows)]
     custom = [("world_size", "world", "d"), ("numel", "elements", "d")]
-    for metric, unit, spec in (("ms", "time ms", ".3f"), ("kib", "mem KiB", ".1f"), ("err", "max err", ".2e")):
-        custom += [(f"{name}_{metric}", f"{short[name]} {unit}", spec) for name in CUSTOM]
+    for metric, unit, spec in (("ms", "ms", ".3f"), ("kib", "KiB", ".1f"), ("err", "err", ".1e")):
+        custom += [(f"{name}_{metric}", f"{SHORT[name]} {unit}", spec) for name in names]
     versus = [("world_size", "world", "d"), ("numel", "elements", "d"), ("torch_ms", "torch ms", ".3f"),
-              ("ring_ms", "ring ms", ".3f"), ("ring_vs_torch", "ring/torch", ".2f"), ("butterfly_ms", "bfly ms", ".3f"),
-              ("halving_doubling_ms", "HD ms", ".3f"), ("torch_kib", "torch KiB", ".1f"), ("ring_kib", "ring KiB", ".1f"),
-              ("torch_err", "torch err", ".2e"), ("ring_err", "ring err", ".2e")]
+              ("auto_ms", "auto ms", ".3f"), ("auto_choice", "auto ran", "s"), ("auto_ratio", "auto/torch [95% CI]", "s"),
+              ("ring_ms", "ring ms", ".3f"), ("ring_vs_torch", "ring/torch", ".2f"),
+              *[(f"{name}_vs_torch", f"{SHORT[name]}/torch", ".2f") for name in names if name not in ("ring", "auto")],
+              ("oversubscribed", "oversubscribed", "s"), ("torch_err", "torch err", ".1e"), ("auto_err", "auto err", ".1e")]
     return "\n\n".join([
-        "## Ring vs butterfly vs halving-doubling (time: median of max over ranks; memory: extra bytes allocated; "
+        "## Every algorithm (time: median of max over ranks; memory: extra bytes allocated; "
         "error: max |result - exact float64 mean|)",
         markdown_table(_pivot(rows), custom),
-        f"## Ring vs torch.distributed.all_reduce (1 to {TORCH_TABLE_MAX_WORLD} processes)",
+        f"## Ours vs torch.distributed.all_reduce (1 to {TORCH_TABLE_MAX_WORLD} processes; ratios: median of "
+        "per-round p50 ratios, 95 % bootstrap interval)",
         markdown_table(_pivot(rows, TORCH_TABLE_MAX_WORLD), versus),
+        "\n".join(target_lines(rows)),
     ])
 
 

@@ -10,6 +10,11 @@ cores; validation accuracy goes from 1 % to about 38 %):
 
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 --num-epochs 2
 
+Sharded data parallelism (``--sharding zero``: optimizer state 1/n per rank; ``fsdp``: parameters,
+gradients and optimizer state 1/n per rank), ours or PyTorch's:
+
+    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --num-epochs 2 --sharding fsdp
+
 Surviving killed workers: checkpoints every epoch, resumed on restart, same final model as an uninterrupted run:
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
@@ -32,6 +37,12 @@ How it works, and the choices made:
 * ``--distributed-impl``: ``selfmade`` wraps the model in ``ddp.DDP``; ``pytorch`` in
   ``torch.nn.parallel.DistributedDataParallel``. The loop is the same code for both, and both
   skip gradient communication on accumulation micro-batches with ``no_sync`` (the fair baseline).
+* ``--sharding`` (see ``wrap_model`` and ``build_optimizer``): ``zero`` keeps the DDP above and
+  shards SGD's state (``zero.ShardedOptimizer``; PyTorch's ``ZeroRedundancyOptimizer``);
+  ``fsdp`` replaces DDP by ``fsdp.FSDP`` (PyTorch's ``fully_shard``) over every convolution and
+  linear layer, BatchNorm replicated. Both shard types reduce-scatter gradients on every
+  micro-batch (only the replicated ones wait for the window's last). With float32 and no
+  SyncBatchNorm all three follow the DDP trajectory up to round-off.
 * ``--sync-bn``: ``auto`` pairs each implementation with its own SyncBatchNorm: ``syncbn.py``'s
   for selfmade, ``torch.nn.SyncBatchNorm`` for pytorch. PyTorch's cannot run on CPU tensors, so
   on CPU ``auto`` uses ours for both and records a notice; an explicit ``--sync-bn pytorch`` on
@@ -60,8 +71,10 @@ How it works, and the choices made:
   refuses one written by a run with other settings. Unreadable checkpoints are never deleted
   (they are renamed ``*.unreadable``); if there are checkpoints and none can be read, the job
   stops unless ``--restart-from-scratch``. The ranks wait for rank 0's checkpoint I/O in a
-  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. No RNG
-  state needs saving: every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
+  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. Sharded runs save the
+  full model and a consolidated optimizer state where the implementation offers one (ZeRO,
+  PyTorch's FSDP), else a list of every rank's (our FSDP: resume with the same world size). No RNG state needs saving:
+  every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
   short by ``--max-steps`` is not checkpointed, so resuming always redoes whole epochs.
 * Determinism: on CPU ``torch.use_deterministic_algorithms(True)``, and with the same seed,
   world size and thread count two runs give bit-identical parameters. Gloo's all_reduce adds
@@ -92,6 +105,7 @@ import textwrap
 import time
 from contextlib import nullcontext
 from datetime import timedelta
+from typing import Callable
 
 import numpy as np
 import torch
@@ -103,11 +117,13 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
+from fsdp import FSDP
 from dist_utils import add_common_args, distributed, print0, progress
 from measure import PeakMemory, gather_rows, synchronize
 from models import NUM_CLASSES, build_model
 from results import environment, format_environment, markdown_table, write_durably, write_results
 from syncbn import convert_sync_batchnorm
+from zero import ShardedOptimizer
 
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
@@ -126,6 +142,9 @@ CHECKPOINTS_KEPT = 2
 MEMORY_PROBE_STEPS = 4
 # Shared storage can be slow: rank 0's checkpoint saves and loads may take this long (--checkpoint-timeout).
 CHECKPOINT_WAIT_S = 1800.0
+SHARDINGS = ("none", "zero", "fsdp")
+# What --sharding fsdp shards (ours and PyTorch's): nearly all of the CNN's and resnet18's parameters.
+FSDP_SHARD_TYPES = (nn.Conv2d, nn.Linear)
 
 
 # --------------------------------------------------------------------------- data
@@ -306,15 +325,89 @@ def convert_batchnorm(model: nn.Module, sync_bn: str) -> nn.Module:
     return model
 
 
-def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float) -> nn.Module:
-    """Our DDP (ddp.DDP) or PyTorch's; both broadcast rank 0's parameters and buffers at construction only.
+def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float, sharding: str = "none") -> nn.Module:
+    """Our DDP (ddp.DDP) or PyTorch's (also for ``sharding="zero"``, which shards only the optimizer);
+    for ``"fsdp"`` our ``fsdp.FSDP`` or PyTorch's ``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer and
+    the root. All take rank 0's parameters at construction.
 
-    PyTorch's gets ``forward_sync_buffers=False`` (from ``ddp.make_ddp``), like ours: BatchNorm
+    PyTorch's DDP gets ``forward_sync_buffers=False`` (from ``ddp.make_ddp``), like ours: BatchNorm
     buffers are either kept equal by SyncBatchNorm or per-rank by choice (--sync-bn none), and
     the trainer hands every rank rank 0's buffers before validating; the default would add a
     broadcast per optimizer step.
     """
-    return make_ddp("bucketed" if impl == "selfmade" else "pytorch", model, bucket_cap_mb)
+    if sharding != "fsdp":
+        return make_ddp("bucketed" if impl == "selfmade" else "pytorch", model, bucket_cap_mb)
+    if impl == "selfmade":
+        return FSDP(model, shard_types=FSDP_SHARD_TYPES)
+    from torch.distributed.fsdp import fully_shard  # PyTorch's FSDP2; imported here: seconds per process
+
+    broadcast_module_state(model)  # fully_shard shards what each rank holds: make it rank 0's first
+    for layer in model.modules():
+        if isinstance(layer, FSDP_SHARD_TYPES):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """SGD (lr, momentum) over what this rank updates of the wrapped ``model``; ``--sharding zero``
+    shards its state: ``zero.ShardedOptimizer`` (ours) or ``ZeroRedundancyOptimizer`` (PyTorch's)."""
+    options = dict(lr=args.lr, momentum=args.momentum)
+    if args.sharding != "zero":
+        return torch.optim.SGD(model.parameters(), **options)
+    if args.distributed_impl == "selfmade":
+        return ShardedOptimizer(model.parameters(), torch.optim.SGD, **options)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **options)
+
+
+def _full_state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)  # cpu_offload: the values on rank 0 only
+
+
+def full_model_state(model: nn.Module, module: nn.Module, args: argparse.Namespace) -> dict:
+    """The unwrapped model's ``state_dict`` (full tensors, plain keys) for rank 0 to save. A collective
+    for ``--sharding fsdp``: every rank must call it."""
+    if args.sharding != "fsdp":
+        return module.state_dict()
+    if args.distributed_impl == "selfmade":
+        return model.full_state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_state_options())
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, args: argparse.Namespace):
+    """The optimizer state for rank 0 to save; every rank must call it (sharded states are collectives).
+
+    Consolidated where the implementation offers it (ours and PyTorch's ZeRO, PyTorch's FSDP); for
+    our FSDP, whose optimizer holds the state of this rank's flat shards, the list of every rank's."""
+    if args.sharding == "none" or (args.sharding == "zero" and args.distributed_impl == "selfmade"):
+        return optimizer.state_dict()  # ShardedOptimizer.state_dict() consolidates on every rank
+    if args.sharding == "zero":
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if dist.get_rank() == 0 else None
+    if args.distributed_impl == "pytorch":
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=_full_state_options())
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(optimizer.state_dict(), states, dst=0)
+    return states
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state, args: argparse.Namespace) -> None:
+    """Load what ``full_optimizer_state`` saved, on every rank (each keeps its own part)."""
+    if args.sharding == "fsdp" and args.distributed_impl == "pytorch":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    elif args.sharding == "fsdp":
+        optimizer.load_state_dict(state[dist.get_rank()])
+    else:
+        optimizer.load_state_dict(state)
 
 
 # --------------------------------------------------------------------------- accumulation schedule
@@ -466,14 +559,17 @@ def choose_checkpoint(directory: str, restart_from_scratch: bool) -> tuple[str |
 class Trainer:
     """Trains ``model`` (unwrapped, on ``ctx.device``) data-parallel; the same loop for both DDPs.
 
-    ``args`` supplies distributed_impl, bucket_cap_mb, grad_accum_steps, num_epochs, max_steps,
+    ``optimizer`` is built over the unwrapped model, or a function of the wrapped one (which
+    ``--sharding fsdp`` needs: the optimizer updates FSDP's shards). ``args`` supplies
+    distributed_impl, sharding, bucket_cap_mb, grad_accum_steps, num_epochs, max_steps,
     seed, checkpoint_dir, val_batch_size and num_workers. ``identity`` is what a checkpoint
     must match to be resumed (everything that shapes the trajectory).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, val_set: Dataset | None,
-                 ctx, args: argparse.Namespace, identity: dict | None = None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer],
+                 loader: DataLoader, val_set: Dataset | None, ctx, args: argparse.Namespace, identity: dict | None = None):
         self.module, self.optimizer, self.loader, self.val_set, self.ctx, self.args = model, optimizer, loader, val_set, ctx, args
+        self._optimizer_state = None  # a checkpoint's, loaded once the optimizer exists
         self.identity = identity or {}
         if len(loader.sampler) == 0:
             raise ValueError(f"{len(loader.dataset)} training images cannot feed {ctx.world_size} ranks")
@@ -489,8 +585,13 @@ class Trainer:
         self._probing = True
         try:
             self.resumed_from = self._resume()
-            self.model = wrap_model(model, args.distributed_impl, args.bucket_cap_mb)
-            guard_optimizer_step(self.model, optimizer)  # a step before sync_gradients raises
+            self.model = wrap_model(model, args.distributed_impl, args.bucket_cap_mb, args.sharding)
+            if callable(optimizer):  # built over the wrapped model: FSDP's parameters are its shards
+                self.optimizer = optimizer(self.model)
+            if self._optimizer_state is not None:
+                load_optimizer_state(self.model, self.optimizer, self._optimizer_state, args)
+                self._optimizer_state = None
+            guard_optimizer_step(self.model, self.optimizer)  # a step before sync_gradients raises
         except BaseException:
             self._close_memory_probe()  # a refused checkpoint must not leave the profiler running
             raise
@@ -532,7 +633,7 @@ class Trainer:
 
     def _run_batch(self, images: torch.Tensor, labels: torch.Tensor, steps: bool, window: int) -> torch.Tensor:
         """Forward and backward of one micro-batch; communicates gradients only when the optimizer steps after it."""
-        with nullcontext() if steps else self.model.no_sync():
+        with nullcontext() if steps else self._no_sync():
             with self._autocast():
                 loss_sum = F.cross_entropy(self.model(images), labels, reduction="sum")
             # Gradients of a window's micro-batches add up in .grad, and DDP averages them over
@@ -542,6 +643,11 @@ class Trainer:
         if steps:
             self._step()
         return loss_sum.detach().double()
+
+    def _no_sync(self):
+        """The wrapper's ``no_sync()``; PyTorch's ``fully_shard`` has none (it reduce-scatters every micro-batch)."""
+        no_sync = getattr(self.model, "no_sync", None)
+        return no_sync() if no_sync is not None else nullcontext()
 
     def _step(self) -> None:
         sync_gradients(self.model)  # ours waits for its buckets here; PyTorch's finished inside backward
@@ -562,9 +668,15 @@ class Trainer:
         start = time.perf_counter()
         # Every rank evaluates rank 0's model: parameters are equal already, but per-rank
         # BatchNorm (--sync-bn none) leaves each rank its own running statistics.
-        broadcast_module_state(self.module)
+        sharded = self.args.sharding == "fsdp"
+        for tensor in self.module.buffers() if sharded else ():
+            dist.broadcast(tensor, src=0)  # the sharded parameters are equal by construction
+        if not sharded:
+            broadcast_module_state(self.module)
+        # Our FSDP's layers have parameters only inside the wrapper's forward.
+        evaluated = self.model if sharded else self.module
         with self._autocast():
-            loss, correct, count = validation_sums(self.module, self.val_set, self.args.val_batch_size, self.ctx,
+            loss, correct, count = validation_sums(evaluated, self.val_set, self.args.val_batch_size, self.ctx,
                                                    self.args.num_workers).tolist()
         return {"val_loss": loss / count, "val_acc": correct / count, "val_count": int(count),
                 "val_time_s": time.perf_counter() - start}
@@ -582,9 +694,11 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         """Rank 0 writes the checkpoint durably and prunes; every rank waits for it and fails if it failed."""
+        model_state = full_model_state(self.model, self.module, self.args)  # every rank: collectives when sharded
+        optimizer_state = full_optimizer_state(self.model, self.optimizer, self.args)
         failure = None
         if self.ctx.is_master:
-            state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "epoch": self.epoch,
+            state = {"model": model_state, "optimizer": optimizer_state, "epoch": self.epoch,
                      "step": self.step, "history": self.history, "identity": self.identity}
             path = checkpoint_path(self.args.checkpoint_dir, self.epoch)
             try:
@@ -628,7 +742,7 @@ class Trainer:
             raise ValueError(f"checkpoint {path} belongs to a different run ({', '.join(sorted(different))} differ): "
                              "use a fresh --checkpoint-dir")
         self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._optimizer_state = state["optimizer"]
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
         print0(f"resumed from {path}: {self.epoch} epoch(s), {self.step} optimizer step(s) done")
         return path
@@ -653,9 +767,8 @@ def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set: Datase
     """Model (after seeding: the same initial weights on every rank and for both DDPs), SGD, data, Trainer."""
     torch.manual_seed(args.seed)
     model = convert_batchnorm(build_model(args.model), sync_bn).to(ctx.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     loader = train_loader(train_set, ctx, args.batch_size, args.seed, args.num_workers)
-    return Trainer(model, optimizer, loader, val_set, ctx, args, identity)
+    return Trainer(model, lambda wrapped: build_optimizer(wrapped, args), loader, val_set, ctx, args, identity)
 
 
 def _number(value: float) -> float | None:
@@ -683,7 +796,7 @@ def summarize(trainer: Trainer, ctx) -> tuple[dict, list[dict]]:
 
 def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, train_size: int) -> dict:
     """Everything that shapes the training trajectory: a checkpoint resumes only into the same."""
-    return {"distributed_impl": args.distributed_impl, "model": args.model, "sync_bn": sync_bn, "dataset": dataset,
+    return {"distributed_impl": args.distributed_impl, "sharding": args.sharding, "model": args.model, "sync_bn": sync_bn, "dataset": dataset,
             "train_size": train_size, "batch_size": args.batch_size, "grad_accum_steps": args.grad_accum_steps,
             "lr": args.lr, "momentum": args.momentum, "seed": args.seed, "world_size": ctx.world_size,
             "autocast": args.autocast}
@@ -722,13 +835,14 @@ def main(ctx, args: argparse.Namespace) -> None:
     print0(textwrap.fill(f"config: {shown}", width=120, subsequent_indent="    "))
     trainer.train()
     final, ranks = summarize(trainer, ctx)
+    final_state = full_model_state(trainer.model, trainer.module, args) if args.save_model else None  # every rank
     if ctx.is_master:
         report(final, ranks, dataset)
         metrics_path = args.metrics_json or args.json
         if metrics_path:
             write_results(metrics_path, "ddp_cifar100", env, config, trainer.history + [final] + ranks)
         if args.save_model:
-            save_atomically(trainer.module.state_dict(), args.save_model)
+            save_atomically(final_state, args.save_model)
 
 
 def report(final: dict, ranks: list[dict], dataset: str) -> None:
@@ -754,6 +868,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--distributed-impl", choices=("selfmade", "pytorch"), default="selfmade",
                    help="selfmade: ddp.DDP; pytorch: torch.nn.parallel.DistributedDataParallel (default: %(default)s)")
+    p.add_argument("--sharding", choices=SHARDINGS, default="none",
+                   help="none: DDP; zero: DDP + optimizer state sharded (ZeRO stage 1); fsdp: parameters, gradients "
+                        "and optimizer state sharded (FSDP), ours or PyTorch's per --distributed-impl (default: %(default)s)")
     p.add_argument("--num-epochs", type=int, default=10, help="epochs; the homework template's (default: %(default)s)")
     p.add_argument("--grad-accum-steps", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are communicated only on the last (default: %(default)s)")

@@ -257,17 +257,20 @@ def chrome_trace(path: str, device: torch.device | str = "cpu"):
         profiler.export_chrome_trace(path)
 
 
-def saved_tensor_bytes(fn: Callable[[], Any]) -> int:
+def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = ()) -> int:
     """Bytes of distinct tensor storage that autograd keeps for backward while ``fn`` runs.
 
     Counts each storage once (a tensor saved twice, or a view of a saved tensor, is free),
-    including inputs and outputs that are saved because backward needs them.
+    including inputs and outputs that are saved because backward needs them, except the
+    storages of ``exclude`` (e.g. the parameters, to count activations only).
     """
     storages: dict[int, int] = {}
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -36,7 +36,8 @@ COLOURS = {
     "pytorch-best": "#D55E00",
     "overlap": "#009E73", "butterfly": "#009E73",
     "flat": "#CC79A7", "halving_doubling": "#CC79A7",
-    "naive": "#56B4E9",
+    "naive": "#56B4E9", "tree": "#56B4E9",
+    "recursive_doubling": "#882255", "auto": "#000000",
     "no ddp": "#000000", "no_ddp": "#000000",
     "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
 }
@@ -535,3 +536,49 @@ def beside_seed(ours: dict[str, tuple], seed: dict[str, tuple], *, xlabel: str, 
 
 SERIES_LINES = ("-", "--", ":", "-.")
 SERIES_MARKERS = ("o", "s", "^", "v", "D", "x")
+
+
+# --------------------------------------------------------------------------- sharded data parallelism
+
+# The parts of what a rank holds, stacked bottom to top (sharding_benchmark.py's byte fields).
+MEMORY_PARTS = (("params_bytes", "parameters", "#56B4E9"), ("grads_bytes", "gradients", "#009E73"),
+                ("state_bytes", "optimizer state", "#CC79A7"), ("activation_bytes", "activations", "#F0E442"))
+SHARDINGS = ("ddp", "zero", "fsdp")
+
+
+def our_variant(rows: list[dict], sharding: str) -> str | None:
+    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours' when measured, else the first of ours."""
+    names = list(dict.fromkeys(r["variant"] for r in rows if r.get("sharding") == sharding and " ours" in r["variant"]))
+    return f"{sharding} ours" if f"{sharding} ours" in names else (names[0] if names else None)
+
+
+def sharding_memory(doc: dict) -> Figure:
+    """What one rank holds (the largest rank), per model: parameters, gradients, optimizer state and
+    activations stacked, for our DDP, ZeRO and FSDP at every world size measured; a dash at the
+    ideal model-state bytes of that sharding; oversubscribed runs hatched."""
+    rows, env = [r for r in doc["results"] if "variant" in r], doc.get("env", {})
+    models = _models(rows) or [""]
+    figure, axes = _figure(len(models), 1, width=11, height=3.8)
+    for ax, model in zip(axes[:, 0], models):
+        mine = [r for r in rows if r["model"] == model]
+        cell = {(r["variant"], r["world_size"]): r for r in mine}
+        bars = [(s, cell[v, w]) for s in SHARDINGS if (v := our_variant(mine, s))
+                for w in sorted({r["world_size"] for r in mine}) if (v, w) in cell]
+        for x, (sharding, r) in enumerate(bars):
+            bottom = 0.0
+            for key, label, c in MEMORY_PARTS:
+                ax.bar(x, r[key] / MIB, bottom=bottom, color=c, label=label,
+                       hatch=OVERSUBSCRIBED["hatch"] if oversubscribed(r, env) else None, edgecolor="white")
+                bottom += r[key] / MIB
+            ax.plot([x - 0.4, x + 0.4], [r["ideal_bytes"] / MIB] * 2, color="black", linestyle="--",
+                    label="ideal model states (parameters + gradients + optimizer state)")
+        ax.set_xticks(range(len(bars)), [f"{s} ({r['variant']})\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
+                                         for s, r in bars], fontsize="small")
+        ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
+        if not bars:
+            _missing(ax, "sharding_benchmark.py rows of our variants")
+    if any(oversubscribed(r, env) for r in rows):
+        axes[0][0].add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor="white", hatch=OVERSUBSCRIBED["hatch"],
+                                       edgecolor=OVERSUBSCRIBED["edgecolor"]))
+    _legend_outside(figure)
+    return figure

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-RESULTS_SCHEMA = "dp-kit-results/1"
+RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
 
 
 

@@ -87,6 +87,56 @@ def syncbn_lines(doc: dict) -> list[str]:
             "times of forward + backward):", *[f"  - {p}" for p in parts]]
 
 
+def _verdicts(checks: list[dict]) -> str:
+    counts = {v: sum(c["verdict"] == v for c in checks) for v in ("met", "inconclusive", "missed")}
+    return ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+
+
+def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -> list[str]:
+    """All-reduce, reduce-scatter and all-gather against torch.distributed's on gloo, per process count
+    that is not oversubscribed."""
+    import collectives_benchmark as bench  # the benchmark's own targets, recomputed from its rows
+
+    lines = []
+    checks = [c for c in bench.target_checks(bench.allreduce_rows(allreduce["results"])) if not c["oversubscribed"]]
+    for world in sorted({c["world_size"] for c in checks}):
+        auto = [c for c in checks if c["world_size"] == world and c["algorithm"] == "auto"]
+        every = [c for c in auto if c["limit"] > 1.0]
+        large = [c for c in auto if c["limit"] <= 1.0]
+        ratios = sorted(c["ratio"]["median"] for c in every)
+        sizes = sorted(c["bytes"] for c in every)
+        lines.append(
+            f"- **All-reduce** (`collectives_benchmark.py`, {world} processes, {allreduce['config']['iters']} interleaved "
+            f"calls per algorithm and size): `allreduce(algorithm=\"auto\")` takes {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
+            f"the time of `torch.distributed.all_reduce` from {bench.format_size(sizes[0])} to "
+            f"{bench.format_size(sizes[-1])}; target <= {every[0]['limit']:.2f}x at every size: {_verdicts(every)}; "
+            f"<= {large[0]['limit']:.2f}x at " + " and ".join(bench.format_size(c["bytes"]) for c in large) + ": "
+            + "; ".join(f"{format_ratio(c['ratio'])} **{c['verdict']}**" for c in large) + ".")
+    for doc in (reduce_scatter, all_gather):
+        for c in (c for c in bench.target_checks(doc["results"]) if not c["oversubscribed"]):
+            lines.append(f"- **{c['collective'].replace('_', '-')}** ring, {c['world_size']} processes, "
+                         f"{bench.format_size(c['bytes'])}: {format_ratio(c['ratio'])} torch's time "
+                         f"(target <= {c['limit']:.2f}x): **{c['verdict']}**.")
+    return lines
+
+
+def sharding_lines(doc: dict) -> list[str]:
+    """Sharded data parallelism at the largest world size that is not oversubscribed."""
+    rows = [r for r in doc["results"] if "variant" in r]
+    world = max(r["world_size"] for r in rows if not r["oversubscribed"])
+    targets = [t for t in doc["results"] if "target" in t and t["world_size"] == world]
+    timed = [t for t in targets if t["ratio"] is not None]
+    states = [t for t in targets if t["ratio"] is None]
+    worst_state = max(states, key=lambda t: t["value"])
+    lines = [f"- **Sharded data parallelism** (`sharding_benchmark.py`, {', '.join(doc['config']['models'])}, AdamW, "
+             f"{world} processes, {doc['config']['rounds']} rounds): model-state bytes per rank within "
+             f"{states[0]['limit']:.2f}x the ideal for {sum(t['verdict'] == 'met' for t in states)} of {len(states)} "
+             f"rows (largest {worst_state['value']:.2f}x, {worst_state['target'].split(' state')[0]}); time:"]
+    lines += [f"  - {t['model']}: {t['target']} {format_ratio(t['ratio'])} (target <= {t['limit']:.2f}): **{t['verdict']}**"
+              for t in timed]
+    return lines
+
+
 def training_lines(ours: dict, theirs: dict) -> list[str]:
     """The homework's training comparison: the same seed, data and loop with our DDP and PyTorch's."""
     def final(doc):
@@ -118,6 +168,8 @@ def oversubscribed_lines(*docs: dict) -> list[str]:
 SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("syncbn",), syncbn_lines),
     (("ddp_benchmark",), ddp_lines),
+    (("collectives", "reduce_scatter", "all_gather"), collectives_lines),
+    (("sharding",), sharding_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
     (("ddp_benchmark", "ddp_sweep"), oversubscribed_lines),
 ]

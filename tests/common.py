@@ -163,3 +163,50 @@ class CollectiveCounter:
         for module, name, original in reversed(self._saved):
             setattr(module, name, original)
         self._saved.clear()
+
+
+def run_in_subgroups(grid_in, world_size: int, rounds, *args) -> dict[int, list]:
+    """Run ``grid_in(group, *args)`` on every group of ``rounds`` inside ONE spawned world.
+
+    ``rounds`` is a sequence of rounds, each a list of disjoint member lists (``None``: the whole
+    world); the groups of a round run at the same time. Returns group size -> each member's
+    result in group-rank order (each size must occur once).
+    """
+    by_size: dict[int, list] = {}
+    for per_rank in run_workers(_subgroup_grid, world_size, grid_in, rounds, *args):
+        for n, (group_rank, outcome) in per_rank.items():
+            by_size.setdefault(n, [None] * n)[group_rank] = outcome
+    assert all(None not in members for members in by_size.values()), "a group size occurs in two groups"
+    return by_size
+
+
+def _subgroup_grid(ctx, grid_in, rounds, *args) -> dict:
+    out = {}
+    for groups in rounds:
+        # Every rank creates every group, in the same order; only members use it.
+        handles = [dist.new_group(members) if members is not None else None for members in groups]
+        for members, group in zip(groups, handles):
+            if members is None or ctx.rank in members:
+                out[len(members) if members is not None else ctx.world_size] = (dist.get_rank(group), grid_in(group, *args))
+    return out
+
+
+def refused(call) -> dict:
+    """Call ``call()`` expecting a TypeError or ValueError: ``{"error": "Type: message" or None, "calls": ...}``,
+    with the ``torch.distributed`` calls it made (none, if it refused before any message)."""
+    with CollectiveCounter() as counter:
+        try:
+            call()
+            error = None
+        except (TypeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+    return {"error": error, "calls": dict(counter.calls)}
+
+
+def assert_refused(refusals: dict[str, dict], expected: dict[str, str]) -> None:
+    """Each case of ``refusals`` (``refused(...)`` results) failed with the message ``expected`` starts
+    with, and made no ``torch.distributed`` call."""
+    for case, start in expected.items():
+        outcome = refusals[case]
+        assert outcome["error"] is not None and outcome["error"].startswith(start), (case, outcome["error"])
+        assert outcome["calls"] == {}, case

@@ -1,4 +1,5 @@
-"""allreduce.py: ring, butterfly and halving-doubling all-reduce, against the exact result computed in float64.
+"""allreduce.py: ring, butterfly, halving-doubling, recursive-doubling, tree and automatic all-reduce, against the
+exact result computed in float64.
 
 World sizes 1, 2, 3, 4, 5 and 8 all run in ONE spawned group of 8 workers (spawning costs seconds
 of importing torch per process, a case milliseconds): sizes 1 to 5 are disjoint subgroups that
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import allreduce
-from common import CollectiveCounter, run_workers
+from common import CollectiveCounter, run_in_subgroups
 from dist_utils import WorkerError, launch
 from measure import PeakMemory
 
@@ -26,16 +28,16 @@ from measure import PeakMemory
 ROUNDS = ([[1, 5, 6], [0, 2, 3, 4, 7]], [[0, 3, 5, 6], [2, 7], [4]], [None])
 WORLD = 8
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
-# Each algorithm with its defaults, and ring and halving-doubling with tiny segments so that even
-# 1003 elements take several pipelined segments (2 to 16 per chunk), reusing their scratch rows.
+# Each algorithm with its defaults, and the pipelined ones with tiny segments so that even 1003
+# elements take several segments (2 to 16 per chunk for the ring), reusing their scratch rows.
+BASE = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree", "auto")
 VARIANTS = {
-    "ring": ("ring", {}),
-    "butterfly": ("butterfly", {}),
-    "halving_doubling": ("halving_doubling", {}),
+    **{name: (name, {}) for name in BASE},
     "ring_segmented": ("ring", {"segment_bytes": 256, "in_flight": 3}),
     "halving_doubling_segmented": ("halving_doubling", {"segment_bytes": 256, "in_flight": 3}),
+    "tree_segmented": ("tree", {"segment_bytes": 256, "in_flight": 2}),
 }
-FLOATS = ("float32", "float64")
+FLOATS = ("float32", "float64", "float16", "bfloat16")
 SEED = 4
 
 
@@ -53,16 +55,16 @@ def rank_input(numel: int, rank: int, dtype: str, salt: int = 0) -> torch.Tensor
 
 
 def cases(world_size: int):
-    """(variant, numel, dtype, op): every size, float dtype and op for the three algorithms; int64 sums;
-    the segmented variants on the largest size only (where segments are many: a case is as slow as its
-    number of dependent message hops on an oversubscribed machine)."""
-    for variant in ("ring", "butterfly", "halving_doubling"):
+    """(variant, numel, dtype, op): every size, float dtype and op for every algorithm and ``auto``; int64
+    sums; the segmented variants on the largest size only (where segments are many: a case is as slow as
+    its number of dependent message hops on an oversubscribed machine)."""
+    for variant in BASE:
         for numel in sizes(world_size):
             for dtype in FLOATS:
                 for op in allreduce.OPS:
                     yield variant, numel, dtype, op
         yield variant, 1003, "int64", "sum"
-    for variant in ("ring_segmented", "halving_doubling_segmented"):
+    for variant in ("ring_segmented", "halving_doubling_segmented", "tree_segmented"):
         for dtype in FLOATS:
             for op in allreduce.OPS:
                 yield variant, 1003, dtype, op
@@ -105,11 +107,63 @@ def _ring_scratch_bytes(group) -> list[int]:
     return peaks
 
 
+def _overflow_inputs(numel: int, rank: int, dtype: str) -> torch.Tensor:
+    """Values near the dtype's largest finite value, different per rank: their sum overflows, their mean does not."""
+    top = torch.finfo(getattr(torch, dtype)).max
+    noise = allreduce.rank_data(SEED + 2, numel, rank)
+    return (top * (0.9 - 0.01 * rank + 0.001 * noise)).to(getattr(torch, dtype))
+
+
+# A crossover table under which the sizes of AUTO_SIZES (float32) run every algorithm once, in this order.
+AUTO_TABLE = ((4, "butterfly"), (8, "tree"), (2000, "recursive_doubling"), (4000, "halving_doubling"), (None, "ring"))
+AUTO_SIZES = (1, 2, 500, 1000, 1003)
+
+
+def _auto_against_named(group) -> dict:
+    """Per (table, numel, dtype): the algorithm auto chose and whether its result has the bits of that algorithm's."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out = {}
+    saved = allreduce.CROSSOVER
+    try:
+        for table, dtypes in (("real", FLOATS), ("every algorithm", ("float32",))):
+            if table != "real":
+                allreduce.CROSSOVER = {n: AUTO_TABLE}
+            for numel in AUTO_SIZES:
+                for dtype in dtypes:
+                    auto, named = rank_input(numel, rank, dtype, salt=3), rank_input(numel, rank, dtype, salt=3)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # a world size the real table lacks: tested separately
+                        allreduce.allreduce(auto, "mean", group)
+                        name = allreduce.choose_algorithm(auto.numel() * auto.element_size(), n)
+                    allreduce.ALGORITHMS[name](named, "mean", group)
+                    out[table, numel, dtype] = (name, torch.equal(auto, named))
+    finally:
+        allreduce.CROSSOVER = saved
+    return out
+
+
+def _checked(group) -> dict:
+    """allreduce(check=True) with matching inputs, then with one rank holding 3 elements more."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    matching = rank_input(1003, rank, "float64")
+    allreduce.allreduce(matching, "sum", group, check=True)
+    mismatched = torch.ones(1000 + 3 * (rank == n - 1))
+    with CollectiveCounter() as counter:
+        try:
+            allreduce.allreduce(mismatched, "sum", group, check=True)
+            error = None
+        except ValueError as e:
+            error = str(e)
+    return {"matching": matching, "error": error, "untouched": bool(torch.all(mismatched == 1)),
+            "calls": dict(counter.calls)}
+
+
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    out = {"group_rank": rank, "cases": {case: _run_case(group, *case) for case in cases(n)},
-           "noncontiguous": {}, "empty": {}, "refused": {}, "ring_scratch": _ring_scratch_bytes(group)}
+    out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
+           "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
+           "auto": _auto_against_named(group), "checked": _checked(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
         matrix = rank_input(2006, rank, "float64", salt=1).view(1003, 2)
@@ -121,36 +175,26 @@ def _grid_in(group) -> dict:
         out["empty"][variant] = (returned is empty, dict(counter.calls))
         out["refused"][variant] = {"int_mean": _refused(variant, torch.arange(6), "mean", group),
                                    "unknown_op": _refused(variant, torch.ones(6), "max", group)}
-    return out
-
-
-def _grid(ctx) -> dict:
-    """This rank's results for every group it belongs to, keyed by group size."""
-    out = {}
-    for groups in ROUNDS:
-        # Every rank creates every group, in the same order; only members use it.
-        handles = [dist.new_group(members) if members is not None else None for members in groups]
-        for members, group in zip(groups, handles):
-            if members is None or ctx.rank in members:
-                out[len(members) if members is not None else ctx.world_size] = _grid_in(group)
+        for dtype in ("float16", "bfloat16"):
+            out["overflow"][variant, dtype] = _call(variant, _overflow_inputs(1003, rank, dtype), "mean", group)
     return out
 
 
 @pytest.fixture(scope="module")
 def grids() -> dict[int, list[dict]]:
     """Group size -> each member's results, in group-rank order."""
-    by_size: dict[int, list] = {}
-    for per_rank in run_workers(_grid, WORLD):
-        for n, outcome in per_rank.items():
-            by_size.setdefault(n, [None] * n)[outcome["group_rank"]] = outcome
-    assert sorted(by_size) == list(WORLD_SIZES) and all(None not in members for members in by_size.values())
+    by_size = run_in_subgroups(_grid_in, WORLD, ROUNDS)
+    assert sorted(by_size) == list(WORLD_SIZES)
     return by_size
 
 
 # --------------------------------------------------------------------------- the oracle
 
 
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "float64": 2.0 ** -53}
+# Unit roundoff per dtype. float16 and bfloat16 arithmetic on the CPU computes in float32 and rounds
+# the float32 result to the dtype: two roundings, u_dtype + u_float32 (1 + u_dtype) < u_dtype + 2^-23.
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11 + 2.0 ** -23,
+                 "bfloat16": 2.0 ** -8 + 2.0 ** -23}
 
 
 def exact(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -161,12 +205,14 @@ def exact(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
 
 
 def tolerance(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
-    """The worst-case rounding error of summing n terms in ``dtype`` in any order, per element.
+    """The worst-case rounding error of the all-reduce's arithmetic in ``dtype``, in any order, per element.
 
-    Any order of n - 1 additions (a chain around the ring, a tree for halving-doubling) has
+    Sum: any order of n - 1 additions (a chain around the ring, a tree for halving-doubling) has
     |fl(sum) - sum| <= gamma(n-1) * sum |x_i|, with gamma(k) = k u / (1 - k u) and u the unit
-    roundoff of dtype (Higham, Accuracy and Stability of Numerical Algorithms, 4.2). The mean
-    divides that sum once: the error is divided by n and one more rounding, u |mean|, is added.
+    roundoff of dtype (Higham, Accuracy and Stability of Numerical Algorithms, 4.2).
+    Mean: every rank divides its value by n before the sum; each quotient rounds once, by at most
+    u |x_i| / n, or by eta (half the smallest subnormal) when it is subnormal, then the n quotients
+    are summed as above: (u + gamma(n-1)(1 + u)) sum |x_i| / n + n eta (1 + gamma(n-1)).
     The oracle itself is rounded to float64 (twice for the mean): 2 u64 |exact| more. Integers
     must be exact.
     """
@@ -175,19 +221,21 @@ def tolerance(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
     n, u = len(inputs), UNIT_ROUNDOFF[dtype]
     gamma = (n - 1) * u / (1 - (n - 1) * u)
     magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
-    result = exact(inputs, op).abs()
-    bound = gamma * magnitude
-    if op == "mean":  # |fl(fl(S)/n) - S/n| <= |fl(S) - S|/n (1 + u) + u |S/n|
-        bound = bound / n * (1 + u) + u * result
-    return bound + 2 * UNIT_ROUNDOFF["float64"] * result
+    if op == "sum":
+        bound = gamma * magnitude
+    else:
+        finfo = torch.finfo(getattr(torch, dtype))
+        eta = finfo.smallest_normal * finfo.eps / 2
+        bound = (u + gamma * (1 + u)) * magnitude / n + n * eta * (1 + gamma)
+    return bound + 2 * UNIT_ROUNDOFF["float64"] * exact(inputs, op).abs()
 
 
-def assert_exact(got: torch.Tensor, inputs: list[torch.Tensor], op: str, dtype: str) -> None:
-    want = exact(inputs, op)
+def assert_exact(got: torch.Tensor, inputs: list[torch.Tensor], op: str, dtype: str, oracle=None, what: str = "") -> None:
+    """``got`` is within ``tolerance`` of ``exact``; ``oracle`` = (exact, tolerance) when already computed."""
+    want, bound = oracle if oracle is not None else (exact(inputs, op), tolerance(inputs, op, dtype))
     error = (got.double() - want).abs()
-    bound = tolerance(inputs, op, dtype)
-    worst = (error - bound).argmax()
-    assert torch.all(error <= bound), (f"element {worst.item()}: got {got[worst].item()!r}, exact {want[worst].item()!r}, "
+    worst = (error - bound).argmax() if error.numel() else 0
+    assert torch.all(error <= bound), (f"{what} element {worst.item()}: got {got[worst].item()!r}, exact {want[worst].item()!r}, "
                                       f"error {error[worst].item():.3e} > bound {bound[worst].item():.3e}")
 
 
@@ -202,13 +250,17 @@ ALL_CASES = [(n, *case) for n in WORLD_SIZES for case in cases(n)]
 # --------------------------------------------------------------------------- results
 
 
-@pytest.mark.parametrize("n, variant, numel, dtype, op", ALL_CASES)
-def test_every_rank_holds_the_exact_result(grids, n, variant, numel, dtype, op):
+@pytest.mark.parametrize("n, numel, dtype, op", sorted({case[:1] + case[2:] for case in ALL_CASES}))
+def test_every_rank_holds_the_exact_result(grids, n, numel, dtype, op):
+    """Every variant on this input, against one oracle (computing it costs more than comparing)."""
     inputs = [rank_input(numel, r, dtype) for r in range(n)]
-    for rank, ranks_out in enumerate(grids[n]):
-        got = ranks_out["cases"][variant, numel, dtype, op]["result"]
-        assert got.dtype == inputs[0].dtype and got.shape == (numel,)
-        assert_exact(got, inputs, op, dtype)
+    want, bound = exact(inputs, op), tolerance(inputs, op, dtype)
+    variants = [variant for variant, *rest in cases(n) if tuple(rest) == (numel, dtype, op)]
+    for variant in variants:
+        for rank, ranks_out in enumerate(grids[n]):
+            got = ranks_out["cases"][variant, numel, dtype, op]["result"]
+            assert got.dtype == inputs[0].dtype and got.shape == (numel,)
+            assert_exact(got, inputs, op, dtype, (want, bound), f"{variant} on rank {rank}")
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -242,7 +294,7 @@ def test_only_point_to_point_messages_are_used(grids, n):
                 assert outcome["calls"] == {}, "a world of one has nobody to talk to"
 
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] != "halving_doubling"])
+@pytest.mark.parametrize("variant", ["ring", "ring_segmented", "butterfly"])
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_ring_and_butterfly_send_at_most_2_n_minus_1_chunks(grids, n, variant):
     for _, numel, dtype, op in (c for c in cases(n) if c[0] == variant):
@@ -289,6 +341,67 @@ def test_the_ring_needs_scratch_of_order_numel_over_n_and_keeps_it_for_the_next_
         else:  # at most in_flight chunks (one segment each at the default segment size)
             assert 0 < first <= min(allreduce.IN_FLIGHT, n - 1) * chunk_bytes
         assert second == 0
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_recursive_doubling_sends_the_whole_tensor_once_per_step(grids, n):
+    """log2(p) exchanges of the whole tensor; a folded extra rank sends it once, its partner once more."""
+    p = 1 << (n.bit_length() - 1)
+    for _, numel, dtype, op in (c for c in cases(n) if c[0] == "recursive_doubling"):
+        tensor_bytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        for rank, ranks_out in enumerate(grids[n]):
+            steps = 1 if rank >= p else (p.bit_length() - 1) + (rank < n - p)
+            assert ranks_out["cases"]["recursive_doubling", numel, dtype, op]["sent_bytes"] == steps * tensor_bytes
+
+
+@pytest.mark.parametrize("variant", ["tree", "tree_segmented"])
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_the_tree_sends_the_tensor_once_up_and_once_to_each_child(grids, n, variant):
+    for _, numel, dtype, op in (c for c in cases(n) if c[0] == variant):
+        tensor_bytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        for rank, ranks_out in enumerate(grids[n]):
+            children = sum(child < n for child in (2 * rank + 1, 2 * rank + 2))
+            sends = (rank > 0) + children
+            assert ranks_out["cases"][variant, numel, dtype, op]["sent_bytes"] == sends * tensor_bytes
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_auto_returns_the_bits_of_the_algorithm_it_names(grids, n):
+    for ranks_out in grids[n]:
+        for key, (name, same_bits) in ranks_out["auto"].items():
+            assert same_bits, (key, name)
+    if n > 1:  # the test table sends each size to a different algorithm: every branch of the choice is exercised
+        chosen = [grids[n][0]["auto"]["every algorithm", numel, "float32"][0] for numel in AUTO_SIZES]
+        assert chosen == [name for _, name in AUTO_TABLE]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_mean_whose_sum_overflows_the_dtype_is_still_exact(grids, n, variant, dtype):
+    """Each rank divides by n before the sum: values near the largest finite one average without inf."""
+    inputs = [_overflow_inputs(1003, r, dtype) for r in range(n)]
+    largest = torch.finfo(getattr(torch, dtype)).max
+    assert torch.all(exact(inputs, "sum").abs() > largest), "the premise: the sum is not representable"
+    for ranks_out in grids[n]:
+        got = ranks_out["overflow"][variant, dtype]
+        assert torch.isfinite(got).all()
+        assert_exact(got, inputs, "mean", dtype)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_check_names_both_sizes_before_any_data_is_sent(grids, n):
+    inputs = [rank_input(1003, r, "float64") for r in range(n)]
+    for ranks_out in grids[n]:
+        checked = ranks_out["checked"]
+        assert_exact(checked["matching"], inputs, "sum", "float64")
+        if n == 1:
+            assert checked["error"] is None and checked["calls"] == {}
+            continue
+        assert checked["error"].startswith("all-reduce needs the same input on every rank"), checked["error"]
+        assert "rank 0 has 1000 elements" in checked["error"] and f"rank {n - 1} has 1003 elements" in checked["error"]
+        assert checked["untouched"], "refused before the data is reduced"
+        assert checked["calls"].keys() <= {"isend", "irecv", "batch_isend_irecv"}, checked["calls"]
 
 
 # --------------------------------------------------------------------------- other inputs
@@ -345,3 +458,39 @@ def test_chunks_differ_by_at_most_one_element():
             b = allreduce.bounds(numel, parts)
             lengths = [b[i + 1] - b[i] for i in range(parts)]
             assert b[0] == 0 and b[-1] == numel and max(lengths) - min(lengths) <= 1
+
+
+def test_an_unknown_algorithm_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown algorithm 'fastest': choose one of auto, ring, butterfly, "
+                                         "halving_doubling, recursive_doubling, tree"):
+        allreduce.allreduce(torch.ones(3), algorithm="fastest")
+
+
+def test_a_world_size_without_a_measured_crossover_uses_the_nearest_and_says_so_once():
+    table = {2: ((100, "recursive_doubling"), (None, "ring")), 8: ((1000, "tree"), (None, "halving_doubling"))}
+    allreduce._WARNED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = [allreduce.choose_algorithm(nbytes, 6, table) for nbytes in (50, 500, 5000)]
+        assert allreduce.choose_algorithm(50, 3, table) == "recursive_doubling"  # log2(3) is nearer 1 than 3
+    assert chosen == ["tree", "tree", "halving_doubling"]  # log2(6) = 2.58 is nearer 3 (8) than 1 (2)
+    messages = [str(w.message) for w in caught]
+    assert sum("no crossover measured for 6 processes; using the table of 8" in m for m in messages) == 1, messages
+    assert sum("for 3 processes; using the table of 2" in m for m in messages) == 1, messages
+    assert allreduce.choose_algorithm(10 ** 9, 2, table) == "ring" and len(caught) == 2
+
+
+def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_verdict():
+    def row(algorithm, seconds, world, ratio=None, ci=(None, None), choice=None):
+        return {"world_size": world, "numel": 1000, "dtype": "float32", "algorithm": algorithm, "time_s": seconds,
+                "time_p90_s": seconds, "round_time_s": [seconds] * 8, "vs_torch": ratio, "vs_torch_ci_low": ci[0],
+                "vs_torch_ci_high": ci[1], "choice": choice, "oversubscribed": world > 2, "memory_bytes": 0,
+                "max_abs_error": 0.0}
+    rows = [row("torch", 1e-3, 2, 1.0, (1.0, 1.0)), row("auto", 0.9e-3, 2, 0.9, (0.8, 1.0), "recursive_doubling"),
+            row("torch", 1e-3, 4, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 4, 1.3, (1.2, 1.4), "tree"),
+            row("torch", 1e-3, 8, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 8, 1.3, (1.0, 1.6), "tree")]
+    text = allreduce.report(rows)
+    assert "| 2 | 1000 | 1.000 | 0.900 | RD | 0.90x [0.80, 1.00] |" in text
+    assert "target auto <= 1.10x torch, 2 processes, 1000 elements: 0.90x [0.80, 1.00] met" in text
+    assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text
+    assert "8 processes, 1000 elements" not in text  # the target is stated for 2 and 4 processes

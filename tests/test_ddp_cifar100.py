@@ -10,6 +10,7 @@ fault-injection jobs (``pytest -m slow``) share a second fixture: four more torc
 import io
 import os
 import pickle
+import shutil
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -290,10 +291,44 @@ def _checkpoint_cases(ctx, checkpoint_dir):
     return out
 
 
+# 192 images over 3 ranks: 64 per rank, 4 micro-batches of 16 in windows of 3 and 1: 2 optimizer steps per
+# epoch; float32 and per-rank BatchNorm (no SyncBatchNorm). Micro-batches of a few samples would not do:
+# BatchNorm over 2 samples turns round-off into visible differences within a few steps.
+SHARDING_RUN = ("--dataset", "synthetic", "--train-size", "192", "--val-size", "16", "--batch-size", "16",
+                "--val-batch-size", "16", "--grad-accum-steps", "3", "--sync-bn", "none")
+
+
+def _sharding_case(ctx, impl, sharding, checkpoint_dir):
+    """Two epochs in one run, and a run resumed from its first epoch's checkpoint (sharded states);
+    the final full model state of each. ``sharding="none"`` is the DDP trajectory to follow."""
+    def run(epochs, directory):
+        flags = [*SHARDING_RUN, "--distributed-impl", impl, "--sharding", sharding, "--num-epochs", str(epochs),
+                 "--checkpoint-dir", f"{checkpoint_dir}/{impl}-{sharding}-{directory}"]
+        args = trainer.parse_args(flags)
+        train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size,
+                                                    ctx.is_master)
+        job = trainer.build_trainer(args, ctx, "none", train_set, val_set, identity=trainer.run_identity(
+            args, ctx, "none", args.dataset, len(train_set)))
+        job.train()
+        return {"state": trainer.full_model_state(job.model, job.module, args), "history": job.history,
+                "resumed_from": job.resumed_from}
+
+    out = {"whole": run(2, "whole")}
+    if sharding != "none":
+        if ctx.is_master:  # a directory holding only the first epoch's checkpoint
+            os.makedirs(f"{checkpoint_dir}/{impl}-{sharding}-resumed")
+            shutil.copy(trainer.checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-whole", 1),
+                        trainer.checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-resumed", 1))
+        out["resumed"] = run(2, "resumed")  # its resume broadcasts from rank 0 after the copy
+    return out
+
+
 def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
     results["bf16"] = {impl: _accumulation_case(ctx, impl, train, val, autocast="bf16") for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
+    results["sharding"] = {(impl, sharding): _sharding_case(ctx, impl, sharding, checkpoint_dir)
+                           for impl in IMPLS for sharding in trainer.SHARDINGS}
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
@@ -361,6 +396,28 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
         assert torch.equal(ours["state"]["fc1.weight"], in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("sharding", ("zero", "fsdp"))
+def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_checkpoints(in_process, impl, sharding):
+    for rank, result in enumerate(in_process.results):
+        ddp, sharded = result["sharding"][impl, "none"]["whole"], result["sharding"][impl, sharding]
+        whole, resumed = sharded["whole"], sharded["resumed"]
+        if rank == 0:  # only rank 0 holds PyTorch's full state (cpu_offload); ours is everywhere
+            assert whole["state"].keys() == ddp["state"].keys() == _initial_state().keys()
+            assert not torch.equal(ddp["state"]["fc1.weight"], _initial_state()["fc1.weight"]), "it trained"
+            for key, value in ddp["state"].items():
+                torch.testing.assert_close(whole["state"][key], value, msg=f"{impl} {sharding}: {key}")
+                if impl == "selfmade":
+                    assert torch.equal(resumed["state"][key], whole["state"][key]), f"resumed {sharding}: {key}"
+                else:  # PyTorch's DDP re-buckets after its first step, so a resumed run adds in other orders
+                    torch.testing.assert_close(resumed["state"][key], whole["state"][key], msg=f"resumed {key}")
+        assert resumed["resumed_from"].endswith("epoch-0001.pt")
+        for a, b in zip(whole["history"], ddp["history"], strict=True):
+            assert a["steps"] == b["steps"] == 2 * a["epoch"]
+            assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+            assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
 
 
 def test_a_checkpoint_of_another_run_is_refused(in_process):

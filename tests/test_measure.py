@@ -35,6 +35,7 @@ def test_saved_tensor_bytes_counts_each_saved_storage_once():
     assert saved_tensor_bytes(lambda: (x * w).sum()) == 8000  # now both, 4000 bytes each
     assert saved_tensor_bytes(lambda: (x * x).sum()) == 4000  # x saved twice, stored once
     assert saved_tensor_bytes(lambda: (x + w).sum()) == 0
+    assert saved_tensor_bytes(lambda: (x * w).sum(), exclude=[w]) == 4000  # e.g. parameters left out: x only
 
 
 def test_time_interleaved_rotates_the_order_and_runs_setup_before_every_call():

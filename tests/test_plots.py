@@ -253,3 +253,28 @@ def test_time_breakdown_stacks_each_profiled_variants_phases():
     segments = [p for p in ax.patches if isinstance(p, Rectangle)]
     assert len(segments) == 8 and max(p.get_x() + p.get_width() for p in segments) == pytest.approx(360.0)
     assert "(ms)" in ax.get_xlabel() and {"forward", "backward", "sync_gradients", "optimizer_step"} <= set(legend_texts(figure))
+
+
+MIB = plots.MIB
+
+
+def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
+    parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, state_bytes=8 * MIB // (world if sharding == "zero" else 1),
+                 activation_bytes=mib * MIB)
+    return {"model": "gpt", "variant": variant, "sharding": sharding, "world_size": world, **parts,
+            "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"], "oversubscribed": oversubscribed}
+
+
+def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_ideal():
+    rows = [_sharding_row(v, s, w, 1, oversubscribed=w == 4) for v, s in (("ddp ours", "ddp"), ("ddp pytorch", "ddp"),
+                                                                           ("zero ours", "zero")) for w in (1, 2, 4)]
+    rows.append({"target": "zero ours / ddp ours", "ratio": None})  # target rows are not drawn
+    figure = plots.sharding_memory({"results": rows, "env": {"cpus": 2}})
+    ax = figure.axes[0]
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp (ddp ours)"] * 3 + ["zero (zero ours)"] * 3
+    assert len(ax.patches) == 6 * len(plots.MEMORY_PARTS) + 1  # four stacked parts per bar, and the legend's hatch
+    tops = [p.get_y() + p.get_height() for p in ax.patches[:-1]]
+    assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)  # 4+4+8+1; 4+4+2+1 at 4 ranks
+    ideals = sorted({line.get_ydata()[0] for line in ax.lines})
+    assert ideals == [10, 12, 16]
+    assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero") == "zero ours"

@@ -1,0 +1,607 @@
+"""Fully sharded data parallelism (ZeRO stage 3): each rank keeps 1/n of the parameters of the big layers.
+
+Not a script; import it inside an initialised process group (``dist_utils.distributed``)::
+
+    from fsdp import FSDP
+    model = FSDP(net, compute_dtype=torch.bfloat16)   # rank 0's weights, sharded 1/n per rank
+    optimizer = torch.optim.AdamW(model.parameters())  # local shards and replicated parameters
+    for x, y in loader:
+        loss_fn(model(x), y).backward()                # gathers before each layer, reduce-scatters after
+        model.finish_gradient_synchronization()        # wait; every .grad is the average over ranks
+        optimizer.step()
+        optimizer.zero_grad()
+
+The idea: a layer's parameters exist in full only while the layer runs. Every submodule
+whose class is in ``shard_types`` (a *unit*) keeps its trainable parameters as one flat,
+padded float32 shard of 1/n of their elements per rank. Just before the unit's forward
+the shards are all-gathered into the full flat tensor (in ``compute_dtype``), the layer
+runs on views of it, and the full tensor is freed. Backward gathers it again where
+autograd needs the weights, and once the unit's gradient is complete it is reduce-scattered
+(averaged) into this rank's shard of the gradient. Every other parameter is replicated and
+its gradient all-reduced, exactly as in ``ddp.DDP``. The collectives are ours
+(``allreduce.all_gather`` / ``allreduce.reduce_scatter``, point to point only).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from allreduce import all_gather, reduce_scatter
+from ddp import DDP, broadcast_module_state, check_same_model
+
+DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
+COMPUTE_DTYPES = (None, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- the flat units
+
+
+@dataclass(eq=False)
+class Unit:
+    """The trainable parameters of one ``shard_types`` submodule (one dtype), flattened and sharded.
+
+    The full flat tensor is (padded,) = the parameters back to back in registration order
+    (``numel`` elements), then ``padded - numel`` zeros so that every rank holds an equal
+    ``padded // world`` elements: rank r's shard is ``full[r * s:(r + 1) * s]``.
+    ``slots`` are the (module, attribute) places a parameter was registered in; a tied
+    parameter has several, possibly in other units' modules, and belongs to the first unit
+    that registers it. Read-only for users; tests and the benchmark inspect it.
+    """
+
+    index: int
+    name: str                 # the owning module's qualified name ("" for the root)
+    names: list[str]          # each parameter's qualified name in the wrapped module
+    shapes: list[torch.Size]
+    offsets: list[int]        # each parameter's first element in the full flat tensor
+    slots: list[list[tuple[nn.Module, str]]]
+    numel: int
+    padded: int
+    shard: nn.Parameter       # (padded // world,) master dtype: what the optimizer updates on this rank
+    full: torch.Tensor | None = None        # (padded,) compute dtype, while gathered
+    future: Future | None = None            # a gather on its way into ``full``
+    views: list[torch.Tensor] = field(default_factory=list)
+    gathers: int = 0          # gathers made in this forward that autograd recorded, not yet through backward
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What autograd keeps instead of a tensor that lives in a gathered unit: where to find it again."""
+
+    unit: Unit
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    calls: list               # the forward's unit-module calls, for the backward prefetch
+    call: int                 # which of them saved it
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that enclosed FSDP's forward, and their unpack."""
+
+    unpack: object
+    packed: object
+
+
+class _Gathered(torch.autograd.Function):
+    """shard (s,) -> the gathered full flat tensor (padded,): its backward reduce-scatters the gradient.
+
+    The gather itself happened before (possibly prefetched on the communication thread);
+    this function only ties the full tensor into the autograd graph so that, once every use
+    of the unit's parameters has added its gradient, one backward call receives the full
+    flat gradient. It hands that to ``FSDP._reduce`` (asynchronous) and returns no gradient
+    for the shard: the averaged shard gradient is added to ``shard.grad`` in
+    ``finish_gradient_synchronization``.
+    """
+
+    @staticmethod
+    def forward(ctx, shard, full, fsdp, unit):
+        ctx.fsdp, ctx.unit = fsdp, unit
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.fsdp._reduce(ctx.unit, grad_full)
+        return None, None, None, None
+
+
+# --------------------------------------------------------------------------- FSDP
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallelism over our own all-gather and reduce-scatter.
+
+    ``FSDP(module, compute_dtype=None, shard_types=(nn.Linear, nn.Embedding),
+    reshard_after_forward=True, process_group=None)``
+
+    * Construction: every rank must wrap an identical model (same parameter names, shapes,
+      dtypes; checked with one all_gather_object, raising on every rank with the first
+      parameter that differs), on one device. Rank 0's parameters and buffers are
+      broadcast, then each outermost submodule whose class is in ``shard_types`` becomes a
+      ``Unit``: its trainable parameters are flattened, padded to a multiple of the world
+      size, and this rank keeps its 1/n slice as a float32 (master dtype) ``nn.Parameter``.
+      The originals are removed from the module, so ``.module.named_parameters()`` lists
+      only the replicated ones; outside forward a sharded layer has no ``weight``
+      attribute (use ``full_parameters()``). Frozen parameters stay replicated.
+    * ``parameters()`` / ``named_parameters()``: this rank's shards (named ``flat.<i>_<module>``)
+      and the replicated parameters (``module.<name>``): give them to any ``torch.optim``
+      optimizer; its state is then 1/n for the sharded part.
+    * Forward: before a unit's forward its full flat tensor is all-gathered in
+      ``compute_dtype`` (None: the master dtype) and its parameters become views of it;
+      floating inputs are cast to ``compute_dtype`` and floating outputs back to the
+      master dtype. After the unit's forward the full tensor is freed
+      (``reshard_after_forward=True``) or kept until its backward (False: more memory, one
+      gather per step less, like ZeRO stage 2). The next unit's gather is prefetched, in
+      the order of the previous forward.
+    * Backward: tensors autograd saved from a freed unit are recorded as (unit, offset,
+      shape) and gathered again when backward unpacks them, prefetching the unit before it.
+      When the unit's whole gradient is known, it is cast to float32 and reduce-scattered
+      (mean over ranks) on the communication thread while backward goes on. Replicated
+      parameters are handled by an internal ``ddp.DDP`` (bucketed all-reduces, averaged).
+    * ``finish_gradient_synchronization()``: waits for everything; afterwards each shard's
+      ``.grad`` is the master-dtype average over ranks of its slice of the gradient (added
+      to what was there: gradients accumulate as usual) and each replicated parameter's
+      ``.grad`` is its average. A unit that no forward used this step keeps ``grad=None``
+      on every rank (the optimizer skips it, as in one process).
+    * ``no_sync()``: skips the replicated all-reduces (``ddp.DDP.no_sync``); sharded
+      gradients are still reduce-scattered every backward (keeping them unsharded is what
+      FSDP avoids); summing averaged shards gives the average of the sums.
+    * ``full_parameters()``: ``{name: full master-dtype tensor}`` on every rank, names as in the
+      wrapped module's ``named_parameters()`` before wrapping; ``full_state_dict()`` /
+      ``load_full_state_dict()``: the plain module's ``state_dict`` keys and values.
+
+    Tied parameters work: a parameter registered in two units' modules (GPT's head and
+    embedding) belongs to the first; the second gathers that unit too, and each gather
+    that autograd recorded reduce-scatters its own gradient into the same shard. With
+    ``reshard_after_forward=False`` a unit used several times in one forward is gathered
+    once: autograd adds its uses' gradients (in ``compute_dtype``) and one reduce-scatter
+    follows; with True each use has its own gather and reduce-scatter (in float32).
+
+    Communication runs on one background thread per FSDP in its own process group (a new
+    group over the same ranks), so gathers and reduce-scatters are issued in the same order
+    on every rank and never interleave with collectives of the main thread (the replicated
+    all-reduce, SyncBatchNorm, the trainer's). Our collectives are blocking point-to-point
+    rings with no work handle to wait on later, so a thread is what lets them run while
+    backward computes. ``comm_thread=False`` runs them inline instead (no overlap); compare
+    with ``python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"
+    "fsdp ours inline"``. On CUDA the thread uses this rank's device and its default
+    stream, as the main thread does, and ``Future.result()`` is taken before the main
+    thread touches a buffer.
+
+    Warnings:
+        * Every rank must call forward (also in eval and under ``torch.no_grad()``) and
+          backward the same way: gathers are collectives.
+        * Wrap after moving the module to its device; don't move the wrapper afterwards.
+        * No nested FSDP, no double backward, no sparse gradients, no activation
+          checkpointing inside a sharded layer.
+        * A forward hook registered on a sharded layer after wrapping sees its weights only
+          with ``prepend=True`` (FSDP's own post-forward hook frees them).
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 shard_types: tuple[type, ...] = DEFAULT_SHARD_TYPES, reshard_after_forward: bool = True,
+                 process_group=None, *, comm_thread: bool = True):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("FSDP needs an initialised process group (dist_utils.distributed)")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of None, torch.float16, torch.bfloat16; got {compute_dtype}")
+        shard_types = tuple(shard_types)
+        if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in shard_types):
+            raise TypeError(f"shard_types must be nn.Module subclasses, got {shard_types}")
+        self.compute_dtype = compute_dtype
+        self.shard_types = shard_types
+        self.reshard_after_forward = reshard_after_forward
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        # One collective: every rank raises the same error for a local problem or differing models.
+        check_same_model(module, process_group, local_problem=_local_problem(module), wrapper="FSDP")
+        broadcast_module_state(module, process_group)
+
+        self.module = module
+        # Every parameter and state_dict key of the plain module, before sharding changes it.
+        self._param_names = [n for n, _ in module.named_parameters()]
+        self._state_keys = list(module.state_dict(keep_vars=True).keys())
+        self._key_to_name = _key_to_param_name(module)
+        self.units = self._make_units(module)
+        self.flat = nn.ParameterDict({f"{u.index}_{u.name.replace('.', '_') or 'root'}": u.shard for u in self.units})
+        self._unit_of_name = {n: (u, i) for u in self.units for i, n in enumerate(u.names)}
+        self._units_of_module = self._module_units(module)
+        if not self.units and self.rank == 0:
+            warnings.warn(f"FSDP: no submodule of {type(module).__name__} is one of shard_types "
+                          f"({', '.join(t.__name__ for t in shard_types)}): nothing is sharded, this is plain "
+                          "data parallelism (ddp.DDP)", stacklevel=2)
+        # The replicated parameters (those still registered) get DDP's bucketed, averaged all-reduce.
+        # Stored outside the module tree so parameters() does not list them twice.
+        self.__dict__["_replicated"] = DDP(module, process_group=process_group)
+
+        self._start_communication(process_group, comm_thread)
+        self._storage_to_unit: dict[int, Unit] = {}
+        self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
+        self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
+        self._previous_calls: list[nn.Module] = []
+        self._in_forward = False
+        self._outer_hooks = None
+        self._no_grad_forward = False
+        self.last_wait_s = 0.0
+        self_ref = weakref.ref(self)
+        self._hook_handles = []
+        for m in self._units_of_module:
+            self._hook_handles.append(m.register_forward_pre_hook(_pre_hook(self_ref), with_kwargs=True))
+            self._hook_handles.append(m.register_forward_hook(_post_hook(self_ref)))
+
+    # ---- construction
+
+    def _start_communication(self, process_group, comm_thread: bool) -> None:
+        """A process group of our own over the same ranks and one thread (see the class docstring)."""
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+        self._comm_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
+        shard = next(iter(self.flat.values()), None)
+        device = shard.device if shard is not None else torch.device("cpu")
+        # On CUDA the thread must use this rank's device (a new thread starts on device 0).
+        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm", initializer=init[0], initargs=init[1])
+                          if comm_thread else None)
+        weakref.finalize(self, _close, self._executor)
+
+    def _make_units(self, module: nn.Module) -> list[Unit]:
+        """One unit per (outermost ``shard_types`` submodule, dtype), in registration order."""
+        slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
+        for m in module.modules():
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    slots_of.setdefault(id(p), []).append((m, attr))
+        inside_units = {id(sub) for _, m in _outermost(module, self.shard_types) for sub in m.modules()}
+        # A parameter also registered outside every unit module (tied to a replicated layer) stays replicated.
+        owned = {pid for pid, slots in slots_of.items() if any(id(m) not in inside_units for m, _ in slots)}
+        units = []
+        for prefix, m in _outermost(module, self.shard_types):
+            by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+            for name, p in m.named_parameters(prefix=prefix):
+                if p.requires_grad and id(p) not in owned:
+                    owned.add(id(p))
+                    by_dtype.setdefault(p.dtype, []).append((name, p))
+            for params in by_dtype.values():
+                units.append(self._make_unit(len(units), prefix, params, [slots_of[id(p)] for _, p in params]))
+        for unit in units:  # only now: removing earlier would hide tied parameters from later units
+            for slots in unit.slots:
+                for m, attr in slots:
+                    del m._parameters[attr]
+        return units
+
+    def _make_unit(self, index: int, prefix: str, params: list[tuple[str, nn.Parameter]], slots) -> Unit:
+        offsets, numel = [], 0
+        for _, p in params:
+            offsets.append(numel)
+            numel += p.numel()
+        per_rank = -(-numel // self.world_size)  # ceil: every rank the same shard size
+        padded = per_rank * self.world_size
+        first = params[0][1]
+        full = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for (_, p), offset in zip(params, offsets):
+                full[offset:offset + p.numel()].copy_(p.reshape(-1))
+        shard = nn.Parameter(full[self.rank * per_rank:(self.rank + 1) * per_rank].clone())
+        return Unit(index, prefix, [n for n, _ in params], [p.shape for _, p in params], offsets, slots, numel,
+                    padded, shard)
+
+    def _module_units(self, module: nn.Module) -> dict[nn.Module, list[Unit]]:
+        """For each unit module, every unit whose parameters it uses (its own and tied ones)."""
+        needs: dict[nn.Module, list[Unit]] = {}
+        for prefix, m in _outermost(module, self.shard_types):
+            inside = {id(sub) for sub in m.modules()}
+            needs[m] = [u for u in self.units if any(id(s) in inside for slots in u.slots for s, _ in slots)]
+        return {m: units for m, units in needs.items() if units}
+
+    # ---- forward
+
+    def forward(self, *args, **kwargs):
+        self._release_all()  # gathers kept from an earlier forward may be stale (the optimizer stepped)
+        grad = torch.is_grad_enabled()
+        self._no_grad_forward = not grad
+        self._calls = []
+        # An enclosing saved-tensor hook pair (activation offloading, a measurement) would be shadowed
+        # by ours: ours hands it every tensor that is not a view of a gathered unit.
+        self._outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                 if grad and self.reshard_after_forward else nullcontext())
+        self._in_forward = True
+        try:
+            with hooks:
+                out = self.module(*args, **kwargs)
+        finally:
+            self._in_forward = False
+            self._previous_calls = self._calls
+        if not grad:
+            self._release_all()  # no backward will come: nothing to keep
+        return out
+
+    def _before_unit(self, m: nn.Module, args, kwargs):
+        """Gather (or wait for the prefetch of) every unit ``m`` uses, set the views, prefetch the next."""
+        call = len(self._calls)
+        self._calls.append(m)
+        units = self._units_of_module[m]
+        for unit in units:
+            self._gather(unit)
+        if call + 1 < len(self._previous_calls) and self._previous_calls[call] is m:
+            for unit in self._units_of_module[self._previous_calls[call + 1]]:
+                self._gather(unit)
+        for unit in units:
+            self._materialize(unit)
+        if self.compute_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.compute_dtype)
+        return args, kwargs
+
+    def _after_unit(self, m: nn.Module, output):
+        if self.reshard_after_forward:
+            for unit in self._units_of_module[m]:
+                self._release(unit)
+        if self.compute_dtype is not None:
+            output = _cast_floating(output, self._units_of_module[m][0].master_dtype)
+        return output
+
+    def _materialize(self, unit: Unit) -> None:
+        """Wait for the unit's gather; put views of the full tensor (autograd-tracked) into its slots."""
+        if unit.views:
+            return
+        full = self._wait(unit)
+        if torch.is_grad_enabled():
+            full = _Gathered.apply(unit.shard, full, self, unit)
+            unit.gathers += 1
+        unit.views = [full[o:o + s.numel()].view(s) for o, s in zip(unit.offsets, unit.shapes)]
+        for slots, view in zip(unit.slots, unit.views):
+            for m, attr in slots:
+                m.__dict__[attr] = view
+
+    # ---- gathering and freeing
+
+    def _gather(self, unit: Unit) -> None:
+        """Start gathering the unit's full tensor unless it is gathered or on its way."""
+        if unit.full is not None or unit.future is not None:
+            return
+        source = unit.shard.detach()
+        if self.compute_dtype is not None:
+            source = source.to(self.compute_dtype)  # halves the bytes sent
+        full = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
+        unit.future = self._submit(all_gather, full, source, group=self._comm_group)
+        unit.full = full
+        self._storage_to_unit[full.untyped_storage().data_ptr()] = unit
+
+    def _wait(self, unit: Unit) -> torch.Tensor:
+        if unit.future is not None:
+            unit.future.result()
+            unit.future = None
+        return unit.full
+
+    def _release(self, unit: Unit) -> None:
+        """Drop every reference to the unit's full tensor; autograd keeps none (see ``_pack``)."""
+        if unit.full is None:
+            return
+        self._wait(unit)
+        self._storage_to_unit.pop(unit.full.untyped_storage().data_ptr(), None)
+        unit.full, unit.views = None, []
+        for slots in unit.slots:
+            for m, attr in slots:
+                m.__dict__.pop(attr, None)
+
+    def _release_all(self) -> None:
+        for unit in self.units:
+            self._release(unit)
+
+    def _submit(self, fn, *args, **kwargs) -> Future:
+        if self._executor is not None:
+            return self._executor.submit(fn, *args, **kwargs)
+        future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
+
+    # ---- backward
+
+    def _pack(self, tensor: torch.Tensor):
+        """Saved-tensor hook: a view of a gathered unit is saved as where to find it, not as memory."""
+        unit = self._storage_to_unit.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+        if unit is None or tensor.dtype != unit.full.dtype:
+            return tensor if self._outer_hooks is None else _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
+        return _Saved(unit, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), self._calls,
+                      len(self._calls) - 1)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Outer):
+            return saved.unpack(saved.packed)
+        if not isinstance(saved, _Saved):
+            return saved
+        self._gather(saved.unit)
+        if saved.call > 0:  # prefetch the unit that backward reaches next
+            for unit in self._units_of_module[saved.calls[saved.call - 1]]:
+                self._gather(unit)
+        full = self._wait(saved.unit)
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def _reduce(self, unit: Unit, grad_full: torch.Tensor) -> None:
+        """A unit's full flat gradient is complete (``_Gathered.backward``): reduce-scatter it, asynchronously."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
+        source = grad_full.to(unit.master_dtype).contiguous()  # reduced in the master dtype: no float16 overflow
+        out = torch.empty(unit.padded // self.world_size, dtype=unit.master_dtype, device=source.device)
+        self._reductions.append((unit, out, self._submit(reduce_scatter, out, source, op="mean",
+                                                         group=self._comm_group)))
+        unit.gathers -= 1
+        if self.reshard_after_forward or unit.gathers == 0:
+            self._release(unit)
+
+    @contextmanager
+    def no_sync(self):
+        """Skip the replicated parameters' all-reduce for the backward passes inside (see the class docstring)."""
+        with self._replicated.no_sync():
+            yield
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every reduce-scatter and all-reduce; add the averaged shard gradients to ``.grad``.
+
+        Call it once per optimizer step on every rank, after the last backward. Records
+        ``last_wait_s``, the seconds it took (communication left exposed after backward).
+        """
+        if self._no_grad_forward and not self._reductions and self.units:
+            raise RuntimeError("FSDP: the last forward ran under torch.no_grad() (or with gradients disabled), so "
+                               "no sharded parameter can receive a gradient: run the training forward with "
+                               "gradients enabled")
+        start = time.perf_counter()
+        with torch.no_grad():
+            for unit, out, future in self._reductions:
+                future.result()
+                if unit.shard.grad is None:
+                    unit.shard.grad = out
+                else:
+                    unit.shard.grad += out
+            self._reductions = []
+            self._replicated.finish_gradient_synchronization()
+        self._release_all()
+        for unit in self.units:
+            unit.gathers = 0
+        self.last_wait_s = time.perf_counter() - start
+
+    # ---- full views for checkpoints and tests
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """``{name: full master-dtype tensor}`` on every rank (a collective), in ``named_parameters()`` order of
+        the module before wrapping; a tied parameter appears once, under its first name."""
+        fulls = {}
+        for unit in self.units:
+            full = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
+            self._submit(all_gather, full, unit.shard.detach(), group=self._comm_group).result()
+            fulls[unit.index] = full
+        replicated = dict(self.module.named_parameters())
+        out = {}
+        for name in self._param_names:
+            if name in self._unit_of_name:
+                unit, i = self._unit_of_name[name]
+                out[name] = fulls[unit.index][unit.offsets[i]:unit.offsets[i] + unit.shapes[i].numel()].view(
+                    unit.shapes[i]).clone()
+            else:
+                out[name] = replicated[name].detach().clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped module's ``state_dict()`` (same keys, full tensors) on every rank (a collective)."""
+        params = self.full_parameters()
+        buffers = self.module.state_dict()
+        return {k: params[self._key_to_name[k]] if k in self._key_to_name else buffers[k].clone()
+                for k in self._state_keys}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a plain module's ``state_dict`` (e.g. ``full_state_dict()``'s) on every rank: each takes its shards."""
+        missing, unexpected = set(self._state_keys) - state.keys(), state.keys() - set(self._state_keys)
+        if missing or unexpected:
+            raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
+        self._release_all()
+        replicated = dict(self.module.named_parameters())
+        for key in self._state_keys:
+            name = self._key_to_name.get(key)
+            if name in self._unit_of_name:
+                unit, i = self._unit_of_name[name]
+                per_rank = unit.padded // self.world_size
+                lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
+                start, stop = unit.offsets[i], unit.offsets[i] + unit.shapes[i].numel()
+                a, b = max(lo, start), min(hi, stop)  # the part of this parameter in this rank's shard
+                if a < b:
+                    unit.shard[a - lo:b - lo].copy_(state[key].reshape(-1)[a - start:b - start])
+            elif name is not None:
+                replicated[name].copy_(state[key])
+        buffers = dict(self.module.named_buffers())
+        for key in self._state_keys:
+            if key not in self._key_to_name and key in buffers:
+                buffers[key].copy_(state[key])
+
+    def close(self) -> None:
+        """Stop the communication thread and remove the hooks (the wrapper is unusable afterwards)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._replicated.remove_hooks()
+        _close(self._executor)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _close(executor) -> None:
+    if executor is not None:
+        executor.shutdown(wait=False)
+
+
+def _pre_hook(ref: weakref.ref):
+    def hook(module, args, kwargs):
+        fsdp = ref()
+        if fsdp is None or not fsdp._in_forward:
+            raise RuntimeError(f"FSDP: a sharded {type(module).__name__} was called outside the FSDP wrapper's "
+                               "forward; call the wrapper (its parameters exist only inside its forward)")
+        return fsdp._before_unit(module, args, kwargs)
+
+    return hook
+
+
+def _post_hook(ref: weakref.ref):
+    def hook(module, args, output):
+        return ref()._after_unit(module, output)
+
+    return hook
+
+
+def _outermost(module: nn.Module, types: tuple[type, ...]):
+    """(qualified name, submodule) for each submodule of one of ``types`` not inside another one."""
+    if isinstance(module, types):
+        yield "", module
+        return
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop(0)
+        for name, child in m.named_children():
+            qualified = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, types):
+                yield qualified, child
+            else:
+                stack.append((qualified, child))
+
+
+def _key_to_param_name(module: nn.Module) -> dict[str, str]:
+    """Each parameter's ``state_dict`` key -> its ``named_parameters()`` name (tied keys map to the first name)."""
+    first = {id(p): n for n, p in module.named_parameters()}
+    return {f"{prefix}.{attr}" if prefix else attr: first[id(p)]
+            for prefix, m in module.named_modules(remove_duplicate=False)
+            for attr, p in m._parameters.items() if p is not None and id(p) in first}
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    """``value`` with every floating tensor inside (tuples, lists, dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _local_problem(module: nn.Module) -> str | None:
+    """What this rank alone can see is wrong with ``module`` (raised on every rank by ``check_same_model``)."""
+    devices = sorted({str(p.device) for p in module.parameters()})
+    if not devices:
+        return f"{type(module).__name__} has no parameters: there is nothing to shard or synchronise"
+    if len(devices) > 1:
+        return f"the parameters are on different devices ({', '.join(devices)}): move the module to one device"
+    return None
