@@ -572,8 +572,8 @@ def sharding_memory(doc: dict) -> Figure:
                 bottom += r[key] / MIB
             ax.plot([x - 0.4, x + 0.4], [r["ideal_bytes"] / MIB] * 2, color="black", linestyle="--",
                     label="ideal model states (parameters + gradients + optimizer state)")
-        ax.set_xticks(range(len(bars)), [f"{s} ({r['variant']})\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
-                                         for s, r in bars], fontsize="small")
+        ax.set_xticks(range(len(bars)), [f"{r['variant']}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
+                                         for _, r in bars], fontsize="small", rotation=90)
         ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
         if not bars:
             _missing(ax, "sharding_benchmark.py rows of our variants")

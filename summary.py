@@ -170,7 +170,7 @@ def oversubscribed_lines(*docs: dict) -> list[str]:
 
 SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("syncbn",), syncbn_lines),
-    (("ddp_benchmark",), ddp_lines),
+    (("ddp_headline",), ddp_lines),
     (("collectives", "reduce_scatter", "all_gather"), collectives_lines),
     (("sharding",), sharding_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
