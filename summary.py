@@ -70,9 +70,10 @@ def ddp_lines(doc: dict) -> list[str]:
     ]
     if hidden:
         exposed = sorted(c["ratio"]["median"] for c in hidden)
-        lines.append(f"  Overlapping the all-reduce with backward leaves {_pct(exposed[0])} to {_pct(exposed[-1])} of "
-                     f"the naive variant's all-reduce time exposed, over bucket sizes of "
-                     f"{', '.join(c['label'].split()[1] for c in hidden)}.")
+        share = _pct(exposed[0]) if len(exposed) == 1 else f"{_pct(exposed[0])} to {_pct(exposed[-1])}"
+        lines.append(f"  Overlapping the all-reduce with backward leaves {share} of the naive variant's all-reduce "
+                     f"time exposed (bucket cap {', '.join(c['label'].split()[1] for c in hidden)}; target <= "
+                     f"{_pct(hidden[0]['limit'])}: **{_verdicts(hidden)}**).")
     return lines
 
 
