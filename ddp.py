@@ -357,11 +357,12 @@ class Bucket:
 
     @property
     def grads(self) -> torch.Tensor:
-        return self.flat[: self.flat.numel() - len(self.params)]
+        return self.flat[: self.nbytes // self.flat.element_size()]
 
     @property
     def flags(self) -> torch.Tensor:
-        return self.flat[self.flat.numel() - len(self.params):]
+        """(k,) used-flags, or (0,) for a DDP built with ``find_unused_parameters=False``."""
+        return self.flat[self.nbytes // self.flat.element_size():]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -372,10 +373,11 @@ class Bucket:
         return self.flat.device
 
 
-def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], positions: list[int]) -> Bucket:
+def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], positions: list[int],
+                 flags: bool = True) -> Bucket:
     numel = sum(p.numel() for p in params)
     first = params[0]
-    flat = torch.zeros(numel + len(params), dtype=first.dtype, device=first.device)
+    flat = torch.zeros(numel + (len(params) if flags else 0), dtype=first.dtype, device=first.device)
     views, offset = [], 0
     for p in params:
         views.append(flat.as_strided(p.shape, _dense_strides(p), offset))
@@ -418,7 +420,7 @@ def _hook(ddp_ref: weakref.ref, position: int):
 class DDP(_DataParallel):
     """Data parallelism with bucketed gradient all-reduces overlapped with backward.
 
-    ``DDP(module, bucket_cap_mb=25.0, process_group=None)``
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None, find_unused_parameters=True)``
 
     The rule: after the last backward of every step call ``finish_gradient_synchronization()``
     (or ``sync_gradients(model)``), and only then ``optimizer.step()``: until it returns, the
@@ -461,7 +463,11 @@ class DDP(_DataParallel):
     gets the average. A one-element flag per parameter rides in its bucket's all-reduce
     to decide this, so no extra collective is needed; it matches PyTorch's DDP with
     ``find_unused_parameters=True``. A parameter without a gradient delays its bucket
-    (and all later ones) to ``finish_gradient_synchronization``.
+    (and all later ones) to ``finish_gradient_synchronization``. With
+    ``find_unused_parameters=False`` the buckets carry no flags (one element per parameter
+    less, as PyTorch's DDP by default): every trainable parameter then gets the average as
+    its gradient, zeros where no rank had one (as ``NaiveDDP`` does), so an optimizer with
+    weight decay or momentum state would also update a parameter nobody used.
 
     Works with any optimizer and with ``zero_grad(set_to_none=True)`` (the default: one
     dividing copy into the bucket per step) or ``set_to_none=False`` (no copy: autograd
@@ -478,10 +484,12 @@ class DDP(_DataParallel):
           gradients and double backward are not supported.
     """
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
+                 find_unused_parameters: bool = True):
         if bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
         super().__init__(module, process_group)
+        self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
         self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)  # see _adopt_grad
@@ -489,7 +497,7 @@ class DDP(_DataParallel):
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self._trainable)  # position -> (bucket, slot)
         for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes)):
             params = [self._trainable[i] for i in positions]
-            bucket = _make_bucket(index, params, [self._name(p) for p in params], positions)
+            bucket = _make_bucket(index, params, [self._name(p) for p in params], positions, find_unused_parameters)
             self.buckets.append(bucket)
             for slot, position in enumerate(positions):
                 self._slot_of[position] = (bucket, slot)
@@ -553,7 +561,10 @@ class DDP(_DataParallel):
                     continue
                 if param.grad is None:
                     bucket.views[slot].zero_()
-                    bucket.missing.append(slot)
+                    if self.find_unused_parameters:
+                        bucket.missing.append(slot)
+                    else:  # no flags to tell: the gradient is the average, with zeros from this rank
+                        param.grad = bucket.views[slot]
                 else:
                     _adopt_grad(param, bucket.views[slot], self._divisor)
         bucket.flags.fill_(1)
@@ -583,10 +594,11 @@ class DDP(_DataParallel):
 
 
 def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-             **pytorch_kwargs) -> nn.Module:
+             find_unused_parameters: bool = True, **pytorch_kwargs) -> nn.Module:
     """Wrap ``module`` in the data-parallel variant named ``variant`` (one of ``VARIANTS``).
 
-    ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``.
+    ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``;
+    ``find_unused_parameters`` to ``bucketed`` and ``overlap`` (see ``DDP``).
     ``pytorch`` is ``torch.nn.parallel.DistributedDataParallel`` with
     ``forward_sync_buffers=False`` (torch >= 2.14's name for ``broadcast_buffers=False``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
@@ -597,9 +609,9 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     accumulate, ``sync_gradients(model)`` before the optimizer step.
     """
     if variant == "bucketed":
-        return DDP(module, bucket_cap_mb, process_group)
+        return DDP(module, bucket_cap_mb, process_group, find_unused_parameters)
     if variant == "overlap":
-        return DDP(module, 0.0, process_group)
+        return DDP(module, 0.0, process_group, find_unused_parameters)
     if variant == "flat":
         return FlatDDP(module, process_group)
     if variant == "naive":

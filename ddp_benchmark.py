@@ -194,7 +194,10 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
     else:
         bucket_mb = PYTORCH_DEFAULT_BUCKET_MB if variant.bucket_mb is None else variant.bucket_mb
         options = PYTORCH_BEST if variant.kind == "pytorch-best" else {}
-        model = make_ddp("pytorch" if variant.kind in PYTORCH_KINDS else variant.kind, module, bucket_mb, **options)
+        # Every model here uses all its parameters: like both PyTorch rows (find_unused_parameters=False,
+        # PyTorch's default), ours then needs no used-flags in its buckets.
+        model = make_ddp("pytorch" if variant.kind in PYTORCH_KINDS else variant.kind, module, bucket_mb,
+                         find_unused_parameters=False, **options)
     return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
 
 

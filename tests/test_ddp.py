@@ -331,6 +331,14 @@ def _unused(ctx):
     return out
 
 
+def _unused_without_flags(ctx):
+    """As ``_unused``, but without used-flags in the buckets (``find_unused_parameters=False``)."""
+    model = DDP(build(Partial, seed=0), bucket_cap_mb=CAPS["1000MiB"], find_unused_parameters=False)
+    result = train(model, mse_loss(model, ctx.world_size, ctx.rank, use_extra=ctx.rank == 1))
+    result["bucket_numel"] = [b.flat.numel() for b in model.buckets]
+    return result
+
+
 def _arrival_order(ctx):
     """Rank 0 runs branch a first, the others b first, so their gradients arrive in opposite orders."""
     model = DDP(build(TwoBranches, seed=0), bucket_cap_mb=0.0)
@@ -432,6 +440,7 @@ def _against_pytorch(ctx):
 def _two_rank_cases(ctx):
     return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
+            "unused_without_flags": _unused_without_flags(ctx),
             "misuse": _misuse(ctx), "mismatch": _mismatched_models(ctx), "pytorch": _against_pytorch(ctx)}
 
 
@@ -663,6 +672,23 @@ def test_parameter_used_on_one_rank_is_averaged_everywhere_and_unused_one_keeps_
     assert expected["grads"]["never.weight"] is None and expected["grads"]["extra.weight"] is not None
     for rank in range(world):
         assert_trains_like(results[rank]["unused"][cap], expected)
+
+
+def test_without_used_flags_buckets_hold_only_gradients_and_an_unused_parameter_gets_zeros(two):
+    expected = oracle_partial(2)
+    numel = sum(p.numel() for p in build(Partial, 0).parameters())
+    for rank in range(2):
+        result = two[rank]["unused_without_flags"]
+        assert result["bucket_numel"] == [numel], "one bucket, no flag elements"
+        grads = strip_module(result["grads"])
+        for key, grad in strip_module(expected["grads"]).items():
+            if grad is None:  # nobody used it: with no flags to tell, every rank averages zeros
+                assert torch.equal(grads[key], torch.zeros_like(grads[key])), key
+            else:
+                torch.testing.assert_close(grads[key], grad, rtol=1e-9, atol=1e-12, msg=key)
+        state, expected_state = strip_module(result["state"]), strip_module(expected["state"])
+        for key, value in expected_state.items():  # momentum SGD without decay leaves a zero-gradient weight alone
+            torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-12, msg=key)
 
 
 def test_forward_no_sync_and_step_before_finish_raise_and_corrupt_nothing(two):

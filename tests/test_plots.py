@@ -271,7 +271,7 @@ def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_i
     rows.append({"target": "zero ours / ddp ours", "ratio": None})  # target rows are not drawn
     figure = plots.sharding_memory({"results": rows, "env": {"cpus": 2}})
     ax = figure.axes[0]
-    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp (ddp ours)"] * 3 + ["zero (zero ours)"] * 3
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp ours"] * 3 + ["zero ours"] * 3
     assert len(ax.patches) == 6 * len(plots.MEMORY_PARTS) + 1  # four stacked parts per bar, and the legend's hatch
     tops = [p.get_y() + p.get_height() for p in ax.patches[:-1]]
     assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)  # 4+4+8+1; 4+4+2+1 at 4 ranks
