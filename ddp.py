@@ -465,9 +465,10 @@ class DDP(_DataParallel):
     ``find_unused_parameters=True``. A parameter without a gradient delays its bucket
     (and all later ones) to ``finish_gradient_synchronization``. With
     ``find_unused_parameters=False`` the buckets carry no flags (one element per parameter
-    less, as PyTorch's DDP by default): every trainable parameter then gets the average as
-    its gradient, zeros where no rank had one (as ``NaiveDDP`` does), so an optimizer with
-    weight decay or momentum state would also update a parameter nobody used.
+    less; PyTorch's DDP by default has none either, and raises on an unused parameter):
+    every trainable parameter then gets the average as its gradient, zeros where no rank had
+    one (as ``NaiveDDP`` does), so an optimizer with weight decay or momentum state would
+    also update a parameter nobody used.
 
     Works with any optimizer and with ``zero_grad(set_to_none=True)`` (the default: one
     dividing copy into the bucket per step) or ``set_to_none=False`` (no copy: autograd
