@@ -539,6 +539,7 @@ def legend(config: dict) -> list[str]:
         "mean over ranks); of iter: total wait / total iteration time. PyTorch's DDP waits inside backward: "
         "compare all variants by DDP overhead = p50 - the no-ddp p50 of the same run",
         f"* pytorch-best: PyTorch's DDP with {', '.join(f'{k}={v}' for k, v in PYTORCH_BEST.items())}; "
+        "ours and both PyTorch rows run with find_unused_parameters=False (no used-flags); "
         "vs columns: median of the per-round p50 ratios [95 % bootstrap interval over rounds]",
         f"* peak memory: the least over {MEMORY_ITERS} untimed iterations of the most tensor bytes above the level "
         "before each, max over ranks, plus the DDP's buckets (kept between iterations)",
