@@ -480,11 +480,11 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
 
 def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
     """Measured p50 (points) and the fitted model's prediction (lines), one colour per algorithm."""
+    import plots  # imported here: the benchmark itself needs no matplotlib
+
     sizes = sorted({r["bytes"] for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)})
     grid = np.geomspace(sizes[0], sizes[-1], 50)
     for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
-        import plots  # imported here: the benchmark itself needs no matplotlib
-
         colour = plots.colour(fit["algorithm"])
         ax.plot(grid, [predict(fit, s) * 1e3 for s in grid], color=colour, label=f"{fit['algorithm']} (model)")
         measured = sorted((r["bytes"], r["p50_s"] * 1e3) for r in rows

@@ -27,6 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from ddp_benchmark import PHASES
 from measure import bootstrap_ci, paired_ratio
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
@@ -433,7 +434,8 @@ def ddp_sweep(doc: dict) -> Figure:
 # --------------------------------------------------------------------------- overlap timeline (Chrome traces)
 
 
-COMPUTE_PHASES = ("forward", "backward", "sync_gradients", "optimizer_step")
+# The record_function ranges of one benchmark iteration (ddp_benchmark.Replica.step), in order.
+COMPUTE_PHASES = PHASES
 # Greys for compute, so that the communication lanes carry the implementation's colour; waiting in red.
 PHASE_COLOURS = {"forward": "#CCCCCC", "backward": "#777777", "sync_gradients": "#AA0000", "optimizer_step": "#333333"}
 
