@@ -232,26 +232,32 @@ class PeakMemory:
 
 
 @contextmanager
+def _profiled(device: torch.device):
+    """The autograd profiler (every thread's host operators; on CUDA, every stream's kernels) around
+    the block, queued GPU work waited for before it stops, kineto's status lines silenced. Yields the
+    profiler, stopped once the block is over. It is what ``torch.profiler.profile`` wraps: the
+    wrapper's start imports torch._inductor (about 2 s of CPU per process)."""
+    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
+    with _quiet_stderr():
+        profiler.__enter__()
+    try:
+        yield profiler
+        synchronize(device)
+    finally:
+        with _quiet_stderr():
+            profiler.__exit__(None, None, None)
+
+
+@contextmanager
 def chrome_trace(path: str, device: torch.device | str = "cpu"):
     """Profile the block and write a Chrome trace to ``path`` (chrome://tracing or ui.perfetto.dev).
 
     The trace holds the host operators of every thread (so gloo's collectives, which run
     on gloo's own threads, appear beside backward) and, on CUDA, the kernels of every
-    stream. It uses the autograd profiler that ``torch.profiler.profile`` wraps: the
-    wrapper's start imports torch._inductor (about 2 s of CPU per process). Queued GPU
-    work is waited for before the trace ends; kineto's status lines on stderr are
-    silenced. Nothing is written if the block raises.
+    stream (``_profiled``). Nothing is written if the block raises.
     """
-    device = torch.device(device)
-    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
-    with _quiet_stderr():
-        profiler.__enter__()
-    try:
+    with _profiled(torch.device(device)) as profiler:
         yield
-        synchronize(device)
-    finally:
-        with _quiet_stderr():
-            profiler.__exit__(None, None, None)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with _quiet_stderr():
         profiler.export_chrome_trace(path)
@@ -355,17 +361,9 @@ def op_breakdown(fn: Callable[[], Any], iters: int, ranges: Sequence[str] = (), 
     collectives run on gloo's threads, so their time appears beside backward, not inside it).
     Profiling adds per-operator overhead: compare breakdowns with each other, not with timings.
     """
-    device = torch.device(device)
-    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
-    with _quiet_stderr():
-        profiler.__enter__()
-    try:
+    with _profiled(torch.device(device)) as profiler:
         for _ in range(iters):
             fn()
-        synchronize(device)
-    finally:
-        with _quiet_stderr():
-            profiler.__exit__(None, None, None)
     averages = profiler.key_averages()
     by_name = {e.key: e for e in averages}
     spans = {name: by_name[name].cpu_time_total / 1e6 / iters for name in ranges if name in by_name}
