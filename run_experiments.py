@@ -243,8 +243,7 @@ def main(args: argparse.Namespace) -> int:
 
 def producers() -> dict[str, str]:
     """For each result file, the command that writes it (named when --summary finds it missing)."""
-    files = {e.name: e.name for e in EXPERIMENTS}
-    return {name: f"python run_experiments.py --quick --only {experiment}" for name, experiment in files.items()}
+    return {e.name: f"python run_experiments.py --quick --only {e.name}" for e in EXPERIMENTS}  # results/<name>.json
 
 
 def write_summary(out: Path) -> int:
