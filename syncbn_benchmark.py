@@ -25,18 +25,22 @@ with no process group: there the layer is ``F.batch_norm`` itself, and a third r
 ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
 beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). Peak memory (``measure.PeakMemory``) and bytes saved for backward
 (``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile
-of one forward + backward (``measure.op_breakdown``) shows where the time goes.
+of one forward + backward (``measure.op_breakdown``) shows where the time goes, and with the workers
+one iteration cut at its two collectives (``phases``) shows the compute between them apart from the waiting.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Callable
+from unittest import mock
 
 import numpy as np
 import torch
@@ -44,7 +48,7 @@ import torch.distributed as dist
 
 from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
 from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
-                     saved_tensor_bytes, time_iterations, verdict)
+                     saved_tensor_bytes, synchronize, time_iterations, verdict)
 from results import environment, format_environment, markdown_table, write_results
 import syncbn
 from syncbn import SyncBatchNorm
@@ -58,6 +62,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 PROFILE_ITERS = 20
+PHASE_ITERS = 200
+# One iteration with two collectives, cut at their start and end: what runs between them and how long each waits.
+PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
 QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
 
@@ -188,6 +195,57 @@ def breakdown(rank: int, world: int, device: torch.device, impls: list[str], bat
     return rows
 
 
+@contextlib.contextmanager
+def _stamped_collectives(stamps: list[float], device: torch.device):
+    """Append the clock before and after every ``torch.distributed.all_reduce`` (ours and the reference both
+    call it) to ``stamps``; on a GPU the device is synchronised first, so a stamp means the work is done."""
+    real = dist.all_reduce
+
+    def stamped(*args, **kwargs):
+        synchronize(device)
+        stamps.append(time.perf_counter())
+        work = real(*args, **kwargs)
+        synchronize(device)
+        stamps.append(time.perf_counter())
+        return work
+    with mock.patch.object(dist, "all_reduce", stamped):
+        yield
+
+
+def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
+    """The median duration of each of ``PHASES`` over the last ``iters`` iterations (earlier ones: warm-up).
+
+    ``stamps`` holds, per iteration, its start, the start and end of each collective, and its end."""
+    cuts = np.array(stamps).reshape(-1, len(PHASES) + 1)[-iters:]
+    return np.median(np.diff(cuts, axis=1), axis=0)
+
+
+def phases(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
+           iters: int) -> list[dict]:
+    """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, maximum over ranks).
+
+    The profiler charges a collective's wait to whatever called it (SyncBatchNormFunction's
+    "self" time); this shows the compute between the collectives apart from the waiting.
+    """
+    x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
+    rows = []
+    for impl in impls:
+        step, stamps = _make_step(impl, _make_layer(impl, hidden, device), x, loss_rows), []
+
+        def stamped_step():
+            stamps.append(time.perf_counter())
+            step()
+            synchronize(device)
+            stamps.append(time.perf_counter())
+        with _stamped_collectives(stamps, device):
+            time_iterations(stamped_step, iters, warmup=2, device=device)
+        slowest = gather_rows(list(_phase_medians(stamps, iters))).max(dim=0).values
+        rows.append({"kind": "phases", "impl": impl, "setting": WORKERS, "dtype": "float32", "device": device.type,
+                     "batch": batch, "hidden": hidden, "workers": world, "iters": iters,
+                     "phases_s": dict(zip(PHASES, map(float, slowest)))})
+    return rows
+
+
 def implementations(device: torch.device, baseline: str | None) -> list[str]:
     impls = [OURS, LOCAL, REFERENCE] + ([TORCH_SYNC] if device.type == "cuda" else [])
     return impls + ([f"{OURS}@{baseline}"] if baseline else [])
@@ -204,6 +262,7 @@ def run(ctx, args) -> list[dict]:
         rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline)
     for batch, hidden in _profiled_sizes(args):
         rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, REFERENCE], batch, hidden)
+        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, REFERENCE], batch, hidden, PHASE_ITERS)
     return rows
 
 
@@ -331,6 +390,13 @@ def _breakdown_text(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _phases_table(rows: list[dict]) -> str:
+    table = [{"size": f"{r['batch']}x{r['hidden']}", "impl": r["impl"],
+              **{p: 1e6 * s for p, s in r["phases_s"].items()}} for r in rows if r["kind"] == "phases"]
+    return markdown_table(table, [("size", "size", "s"), ("impl", "implementation", "s")]
+                          + [(p, f"{p} (us)", ".0f") for p in PHASES])
+
+
 def report(rows: list[dict], env: dict, config: dict) -> None:
     print(format_environment(env))
     oversub = oversubscribed(env["world_size"], env["device"])
@@ -348,6 +414,9 @@ def report(rows: list[dict], env: dict, config: dict) -> None:
         print(f"\n{mine} / {versus}\n{markdown_table(table, RATIO_COLUMNS)}")
     print("\nWhere the time goes (profiled, self CPU time per iteration):")
     print("\n".join(_breakdown_text(rows)))
+    if any(r["kind"] == "phases" for r in rows):
+        print(f"\n{WORKERS}: one iteration cut at its two collectives (median per phase, slowest rank)\n"
+              f"{_phases_table(rows)}")
     print("\nTargets:")
     for t in (r for r in rows if r["kind"] == "target"):
         detail = f" ({format_ratio(t)})" if "median" in t else f" ({t['sizes_met']} of {t['sizes']} sizes)"
@@ -427,7 +496,7 @@ def main(args) -> None:
 
 
 def finish(rows: list[dict], env: dict, args) -> None:
-    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown")]
+    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown", "phases")]
     ratio_rows = ratios(time_rows)
     rows = time_rows + ratio_rows + targets(ratio_rows, time_rows)
     config = vars(args)

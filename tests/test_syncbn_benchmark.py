@@ -5,10 +5,14 @@ The rows are synthetic with known per-round times, so every ratio and verdict is
 
 from __future__ import annotations
 
-import pytest
+from unittest import mock
 
-from syncbn_benchmark import (LOCAL, NORMAL, OURS, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE, CPU_TARGET,
-                              WORKERS, parse_args, ratios, targets)
+import pytest
+import torch
+import torch.distributed as dist
+
+from syncbn_benchmark import (LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE,
+                              CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives, parse_args, ratios, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -70,3 +74,31 @@ def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
     assert len(drawn) == 1 and drawn[0]["median"] == pytest.approx(1.1)
     mine = [r for r in ratio_rows if (r["versus"], r["dtype"]) == (REFERENCE, "float32")]
     assert (drawn[0]["ci_low"], drawn[0]["ci_high"]) == pytest.approx((mine[0]["ci_low"], mine[0]["ci_high"]))
+
+
+def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
+    """Two warm-up iterations of 1 s per phase, then three timed ones whose phases last 1, 2, 3, 4, 5 ms,
+    one of them twice as long: the median per phase is 1, 2, 3, 4, 5 ms; the warm-up and the gaps
+    between iterations (7 s each) count nowhere."""
+    stamps, clock = [], 0.0
+    for durations in ([1.0] * 5, [1.0] * 5, [1e-3, 2e-3, 3e-3, 4e-3, 5e-3], [2e-3, 4e-3, 6e-3, 8e-3, 10e-3],
+                      [1e-3, 2e-3, 3e-3, 4e-3, 5e-3]):
+        stamps.append(clock)
+        for d in durations:
+            clock += d
+            stamps.append(clock)
+        clock += 7.0  # the barrier between iterations belongs to no phase
+    assert len(PHASES) == 5
+    assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3])
+
+
+def test_stamped_collectives_time_every_all_reduce_and_put_the_real_one_back():
+    calls = []
+    with mock.patch.object(dist, "all_reduce", lambda tensor, **kwargs: calls.append(tensor)):
+        real = dist.all_reduce
+        stamps = []
+        with _stamped_collectives(stamps, torch.device("cpu")):
+            dist.all_reduce(torch.ones(3))
+            dist.all_reduce(torch.ones(3))
+        assert dist.all_reduce is real
+    assert len(calls) == 2 and len(stamps) == 4 and stamps == sorted(stamps)
