@@ -188,12 +188,17 @@ def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=T
     """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Like ours: each sharded layer's floating inputs cast to the compute dtype and its outputs back to
+    # float32, the root's norms in float32. By default the outputs would stay in the compute dtype and
+    # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                  output_dtype=None if compute_dtype is None else torch.float32)
     for layers in _tied_groups([m for m in module.modules() if isinstance(m, FSDP_SHARD_TYPES)]):
         # fully_shard refuses a parameter in two groups: layers sharing one (GPT's head and embedding) form one
         fully_shard(layers if len(layers) > 1 else layers[0], reshard_after_forward=reshard_after_forward,
                     mp_policy=policy)
-    model = fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    model = fully_shard(module, reshard_after_forward=reshard_after_forward,
+                        mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     return Setup(model, adamw(model.parameters()))
 
 
