@@ -97,24 +97,31 @@ class _Outer:
 
 
 class _Gathered(torch.autograd.Function):
-    """shard (s,) -> the gathered full flat tensor (padded,): its backward reduce-scatters the gradient.
+    """shard (s,) -> the unit's parameters, views of the gathered full flat tensor (padded,): its
+    backward reduce-scatters their gradients.
 
     The gather itself happened before (possibly prefetched on the communication thread);
-    this function only ties the full tensor into the autograd graph so that, once every use
-    of the unit's parameters has added its gradient, one backward call receives the full
-    flat gradient. It hands that to ``FSDP._reduce`` (asynchronous) and returns no gradient
-    for the shard: the averaged shard gradient is added to ``shard.grad`` in
-    ``finish_gradient_synchronization``.
+    this function only ties the parameter views into the autograd graph so that, once every
+    use of the unit's parameters has added its gradient, one backward call receives each
+    parameter's gradient (None for one nothing used). It hands them to ``FSDP._reduce``
+    (asynchronous) and returns no gradient for the shard: the averaged shard gradient is
+    added to ``shard.grad`` in ``finish_gradient_synchronization``.
+
+    One output per parameter, not one flat output sliced afterwards: autograd's gradient of
+    a slice is a zero-filled tensor of the whole flat size, so a unit of k parameters cost k
+    full-size temporaries and their sum (then a float32 copy of it, for a compute dtype);
+    ``_reduce`` writes the k gradients into one full-size master-dtype tensor instead.
     """
 
     @staticmethod
     def forward(ctx, shard, full, fsdp, unit):
         ctx.fsdp, ctx.unit = fsdp, unit
-        return full.view_as(full)
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not a tensor of zeros
+        return _views(full, unit)
 
     @staticmethod
-    def backward(ctx, grad_full):
-        ctx.fsdp._reduce(ctx.unit, grad_full)
+    def backward(ctx, *grads):
+        ctx.fsdp._reduce(ctx.unit, grads)
         return None, None, None, None
 
 
@@ -148,8 +155,9 @@ class FSDP(nn.Module):
       the order of the previous forward.
     * Backward: tensors autograd saved from a freed unit are recorded as (unit, offset,
       shape) and gathered again when backward unpacks them, prefetching the unit before it.
-      When the unit's whole gradient is known, it is cast to float32 and reduce-scattered
-      (mean over ranks) on the communication thread while backward goes on. Replicated
+      When the unit's whole gradient is known, its parameters' gradients are copied into one
+      flat master-dtype (float32) tensor, the only full-size one, and reduce-scattered (mean
+      over ranks) on the communication thread while backward goes on. Replicated
       parameters are handled by an internal ``ddp.DDP`` (bucketed all-reduces, averaged).
     * ``finish_gradient_synchronization()``: waits for everything; afterwards each shard's
       ``.grad`` is the master-dtype average over ranks of its slice of the gradient (added
@@ -232,6 +240,7 @@ class FSDP(nn.Module):
         self._start_communication(process_group, comm_thread)
         self._storage_to_unit: dict[int, Unit] = {}
         self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
+        self._in_use: list[tuple[Future, tuple]] = []  # collectives' arguments, kept until done (see _submit)
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
         self._previous_calls: list[nn.Module] = []
         self._in_forward = False
@@ -360,9 +369,10 @@ class FSDP(nn.Module):
             return
         full = self._wait(unit)
         if torch.is_grad_enabled():
-            full = _Gathered.apply(unit.shard, full, self, unit)
+            unit.views = list(_Gathered.apply(unit.shard, full, self, unit))
             unit.gathers += 1
-        unit.views = [full[o:o + s.numel()].view(s) for o, s in zip(unit.offsets, unit.shapes)]
+        else:
+            unit.views = list(_views(full, unit))
         for slots, view in zip(unit.slots, unit.views):
             for m, attr in slots:
                 m.__dict__[attr] = view
@@ -385,6 +395,7 @@ class FSDP(nn.Module):
         if unit.future is not None:
             unit.future.result()
             unit.future = None
+            self._drop_finished()
         return unit.full
 
     def _release(self, unit: Unit) -> None:
@@ -403,11 +414,26 @@ class FSDP(nn.Module):
             self._release(unit)
 
     def _submit(self, fn, *args, **kwargs) -> Future:
-        if self._executor is not None:
-            return self._executor.submit(fn, *args, **kwargs)
-        future = Future()
-        future.set_result(fn(*args, **kwargs))
+        """``fn(*args, **kwargs)`` on the communication thread (inline without one).
+
+        The communication thread lets go of ``args`` before it completes the future, and this
+        thread keeps them until it has seen the future done (``_drop_finished``): so every buffer
+        of a collective is freed by the thread that allocated it, at one of our hooks, not when
+        the other thread happens to drop it. (``measure.PeakMemory`` sees only this thread's frees:
+        a buffer the other thread freed counted as alive until the end of the step.)
+        """
+        if self._executor is None:
+            future = Future()
+            future.set_result(fn(*args, **kwargs))
+            return future
+        box = [args]
+        future = self._executor.submit(lambda: fn(*box.pop(), **kwargs))
+        self._in_use.append((future, args))
         return future
+
+    def _drop_finished(self) -> None:
+        """Let go of the buffers of the collectives that are done (see ``_submit``)."""
+        self._in_use = [entry for entry in self._in_use if not entry[0].done()]
 
     # ---- backward
 
@@ -431,11 +457,13 @@ class FSDP(nn.Module):
         full = self._wait(saved.unit)
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
-    def _reduce(self, unit: Unit, grad_full: torch.Tensor) -> None:
-        """A unit's full flat gradient is complete (``_Gathered.backward``): reduce-scatter it, asynchronously."""
+    def _reduce(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """A unit's gradient is complete (``_Gathered.backward``: one per parameter, in compute dtype, None
+        where unused): flattened into one master-dtype tensor and reduce-scattered, asynchronously."""
         if torch.is_grad_enabled():
             raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
-        source = grad_full.to(unit.master_dtype).contiguous()  # reduced in the master dtype: no float16 overflow
+        self._drop_finished()  # earlier reductions' sources, before a new full-size one
+        source = _flat_gradient(unit, grads)
         out = torch.empty(unit.padded // self.world_size, dtype=unit.master_dtype, device=source.device)
         self._reductions.append((unit, out, self._submit(reduce_scatter, out, source, op="mean",
                                                          group=self._comm_group)))
@@ -470,6 +498,7 @@ class FSDP(nn.Module):
             self._reductions = []
             self._replicated.finish_gradient_synchronization()
         self._release_all()
+        self._drop_finished()  # every collective of the step is done: nothing stays in use
         for unit in self.units:
             unit.gathers = 0
         self.last_wait_s = time.perf_counter() - start
@@ -485,6 +514,7 @@ class FSDP(nn.Module):
             full = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
             self._submit(all_gather, full, unit.shard.detach(), group=self._comm_group).result()
             fulls[unit.index] = full
+        self._drop_finished()
         replicated = dict(self.module.named_parameters())
         out = {}
         for name in self._param_names:
@@ -584,6 +614,31 @@ def _key_to_param_name(module: nn.Module) -> dict[str, str]:
     return {f"{prefix}.{attr}" if prefix else attr: first[id(p)]
             for prefix, m in module.named_modules(remove_duplicate=False)
             for attr, p in m._parameters.items() if p is not None and id(p) in first}
+
+
+def _flat_gradient(unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """The unit's (padded,) master-dtype gradient: reduced in the master dtype (no float16 overflow).
+
+    A unit of one master-dtype parameter that fills it (the GPT's embedding) reduces its
+    gradient as it is, contiguous; otherwise one new tensor, each gradient cast as it is copied in.
+    """
+    (grad, *rest) = grads
+    if not rest and grad is not None and grad.dtype == unit.master_dtype and grad.numel() == unit.padded \
+            and grad.is_contiguous():
+        return grad.view(-1)
+    flat = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
+    for grad, view in zip(grads, _views(flat, unit)):
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad)
+    flat[unit.numel:].zero_()  # the padding
+    return flat
+
+
+def _views(full: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:
+    """The unit's parameters, in their shapes, as views of a (padded,) flat tensor laid out like ``full``."""
+    return tuple(full[o:o + s.numel()].view(s) for o, s in zip(unit.offsets, unit.shapes))
 
 
 def _cast_floating(value, dtype: torch.dtype):

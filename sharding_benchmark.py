@@ -20,8 +20,8 @@ Memory, per rank (maximum over ranks), counted from the tensors the rank really 
 one untimed iteration (distinct storages, so a tied weight or a bucket holding every gradient
 counts once): parameters; gradients (after synchronisation); optimizer state; activations
 (what autograd saves in forward, parameters excluded); peak = what is kept between iterations
-(parameters, optimizer state, the variant's own buffers) + the most bytes allocated above it
-during an iteration (``measure.PeakMemory``). "Ideal" is the model states (parameters +
+(parameters, optimizer state, the variant's own buffers: DDP's gradient buckets, ours and
+PyTorch's alike) + the most bytes allocated above it during an iteration (``measure.PeakMemory``). "Ideal" is the model states (parameters +
 gradients + AdamW's two moments) a rank must hold under that sharding: all of them for DDP,
 1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP.
 FSDP's gathered weights that autograd saves count as activations for PyTorch's ``fully_shard`` (its
@@ -113,6 +113,17 @@ def _pytorch_ddp(module: nn.Module) -> nn.Module:
     return nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)  # like ours: buffers synced once
 
 
+def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.Tensor]:
+    """Tensors the size of PyTorch's DDP's gradient buckets, which it keeps between iterations as ours does.
+
+    Its Reducer allocates one flat tensor per bucket at construction (again when it rebuilds them after
+    the first iteration) and keeps it; with ``gradient_as_bucket_view=False`` (the default, used here)
+    that is besides ``param.grad``, copied into the bucket and back. Left out, PyTorch's peak would lack
+    the bucket bytes that ours counts. No public API reaches the buckets: the Reducer's private one
+    returns zeros of their sizes (allocated while counting, outside ``PeakMemory``)."""
+    return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
+
+
 @variant("ddp ours", "ddp", targets=(("ddp pytorch", TARGET_VS_PYTORCH),))
 def ddp_ours(module: nn.Module) -> Setup:
     model = DDP(module)
@@ -123,7 +134,7 @@ def ddp_ours(module: nn.Module) -> Setup:
 @variant("ddp pytorch", "ddp")
 def ddp_pytorch(module: nn.Module) -> Setup:
     model = _pytorch_ddp(module)
-    return Setup(model, adamw(model.parameters()))  # its buckets are not reachable through a public API
+    return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
 
 
 @variant("zero ours", "zero", targets=(("zero pytorch", TARGET_VS_PYTORCH), ("ddp ours", TARGET_ZERO_VS_DDP)))
@@ -157,8 +168,9 @@ def zero_pytorch(module: nn.Module) -> Setup:
 
     model = _pytorch_ddp(module)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
-    return Setup(model, optimizer, state=lambda: [t for s in optimizer.optim.state.values() for t in s.values()
-                                                  if torch.is_tensor(t)])  # its local optimizer's
+    return Setup(model, optimizer, kept=lambda: _reducer_buckets(model),
+                 state=lambda: [t for s in optimizer.optim.state.values() for t in s.values()
+                                if torch.is_tensor(t)])  # its local optimizer's
 
 
 # FSDP shards these layers (ours and PyTorch's alike): every linear and embedding layer of the GPT, every
@@ -176,12 +188,17 @@ def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=T
     """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # Like ours: each sharded layer's floating inputs cast to the compute dtype and its outputs back to
+    # float32, the root's norms in float32. By default the outputs would stay in the compute dtype and
+    # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                  output_dtype=None if compute_dtype is None else torch.float32)
     for layers in _tied_groups([m for m in module.modules() if isinstance(m, FSDP_SHARD_TYPES)]):
         # fully_shard refuses a parameter in two groups: layers sharing one (GPT's head and embedding) form one
         fully_shard(layers if len(layers) > 1 else layers[0], reshard_after_forward=reshard_after_forward,
                     mp_policy=policy)
-    model = fully_shard(module, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    model = fully_shard(module, reshard_after_forward=reshard_after_forward,
+                        mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     return Setup(model, adamw(model.parameters()))
 
 
