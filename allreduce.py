@@ -611,15 +611,19 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 
 
 # The fastest algorithm by message size for each measured world size: ((largest message in bytes,
-# algorithm), ...), the last bound None. Derived on this machine (2 cores shared with other jobs,
-# gloo, float32) by
-#     python collectives_benchmark.py --tune
-# which prints a table in this form to paste here.
+# algorithm), ...), the last bound None. Derived on this machine (2 cores, nothing else running, gloo,
+# float32) by
+#     python collectives_benchmark.py --tune --procs 2 --iters 60     # the row for 2 processes
+#     python collectives_benchmark.py --tune                            # the rows for 3, 4 and 8 (20 calls)
+# which print a table in this form to paste here. With 2 processes the algorithms differ little above
+# 8 MiB: ring, halving-doubling, recursive doubling and tree measured within 3 % of each other (p50)
+# at 16 MiB and within 7 % at 64 MiB. 3, 4 and 8 processes on 2 cores are oversubscribed: those rows
+# order the algorithms under contention, not as they would on a cluster.
 CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
-    2: ((8388608, 'recursive_doubling'), (33554432, 'tree'), (None, 'ring'),),
-    3: ((33554432, 'recursive_doubling'), (None, 'ring'),),
-    4: ((None, 'tree'),),
-    8: ((None, 'tree'),),
+    2: ((8388608, 'recursive_doubling'), (None, 'halving_doubling'),),
+    3: ((131072, 'tree'), (2097152, 'recursive_doubling'), (None, 'ring'),),
+    4: ((8388608, 'tree'), (None, 'ring'),),
+    8: ((8388608, 'tree'), (None, 'halving_doubling'),),
 }
 
 
