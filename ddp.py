@@ -45,6 +45,11 @@ MIB = 2**20
 # Largest single broadcast of module state at construction, PyTorch DDP's value (250 MiB):
 # few collectives, yet a bounded temporary copy for very large models.
 BROADCAST_CHUNK_BYTES = 250 * MIB
+# The most gradient bytes of the last bucket(s), the first layers' (see ``assign_buckets``): their
+# all-reduce cannot overlap backward. PyTorch's DDP caps its first bucket at 1 MiB so communication
+# starts early; this cap is for the other end. Measured on resnet18 by ``ddp_benchmark.py`` (the
+# ``bucketed`` rows against PyTorch's and against ``last_bucket_cap_mb=0``).
+LAST_BUCKET_CAP_MB = 2.0
 VARIANTS = ("bucketed", "overlap", "flat", "naive", "pytorch")
 
 
@@ -296,25 +301,35 @@ class FlatDDP(_DataParallel):
 # --------------------------------------------------------------------------- bucketed, overlapped
 
 
-def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int, last_cap_bytes: int = 0) -> list[list[int]]:
     """Indices into ``params`` for each bucket, in launch order.
 
     Parameters are taken in reverse order (backward produces the last layers' gradients
     first, as PyTorch's DDP assumes) and added to the open bucket, which closes as soon as
     its gradient bytes reach ``cap_bytes``: PyTorch's DDP's rule, so a bucket exceeds the
-    cap by at most its last parameter. Why not close a bucket before it would overflow? The
-    last bucket's all-reduce can only start when backward ends, so it is never hidden; this
-    rule leaves it only what is left over (for resnet18 at 25 MiB, ``[b.nbytes for b in
-    DDP(model).buckets]`` shows the split) and in the same-run comparison with PyTorch's DDP
-    the other rule lost the time of the larger tail. ``cap_bytes == 0`` gives one bucket per
-    parameter. Parameters of different dtype or device never share a bucket: each (dtype,
-    device) has its own open bucket.
+    cap by at most its last parameter. ``cap_bytes == 0`` gives one bucket per parameter.
+    Parameters of different dtype or device never share a bucket: each (dtype, device) has
+    its own open bucket.
+
+    The tail: the last bucket's all-reduce can only start when backward ends, so nothing
+    hides it. The first parameters (in registration order) whose bytes add up to at most
+    ``last_cap_bytes`` therefore get buckets of their own, launched last, and the bucket
+    before them closes early, while backward still has those first layers to go through.
+    (For resnet18 at 25 MiB, ``[b.nbytes for b in DDP(model).buckets]`` shows the split;
+    ``last_bucket_cap_mb=0`` restores PyTorch's layout.) Why not close a bucket before it
+    would overflow instead? That moves the tail's size around with the cap; this rule sets it.
     """
+    in_tail, seen = [], {}  # in_tail[i]: params[i] is among the first last_cap_bytes of its (dtype, device)
+    for p in params:
+        key = (p.dtype, p.device)
+        seen[key] = seen.get(key, 0) + p.numel() * p.element_size()
+        in_tail.append(cap_bytes > 0 and seen[key] <= last_cap_bytes)
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, gradient bytes); absent: none open
     for index in reversed(range(len(params))):
         p = params[index]
-        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        # The tail is a kind of its own: reached last in reverse order, its buckets come after the others.
+        key, nbytes = (p.dtype, p.device, in_tail[index]), p.numel() * p.element_size()
         indices, size = open_bucket.pop(key, (None, 0))
         if indices is None:
             indices = []
@@ -436,8 +451,11 @@ class DDP(_DataParallel):
       into buckets in reverse registration order, each closed once it holds ``bucket_cap_mb``
       MiB (``bucket_cap_mb * 2**20`` bytes) of gradients or more, as PyTorch's DDP does (see
       ``assign_buckets``); ``bucket_cap_mb=0`` means one bucket per parameter; parameters of different
-      dtype or device never share one. Unlike PyTorch's DDP there is no smaller first
-      bucket and no re-bucketing by observed gradient order. ``buckets`` shows the layout.
+      dtype or device never share one. Unlike PyTorch's DDP the first layers' gradients (at
+      most ``last_bucket_cap_mb`` MiB) get buckets of their own, launched last: nothing can
+      hide the last bucket's all-reduce, so it is kept small (0 turns this off). There is no
+      smaller first bucket and no re-bucketing by observed gradient order. ``buckets``
+      shows the layout.
     * During a synchronised backward, a post-accumulate-grad hook marks each gradient
       ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
       are launched strictly in index order on every rank: gloo and NCCL match collectives
@@ -486,9 +504,10 @@ class DDP(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-                 find_unused_parameters: bool = True):
-        if bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+                 find_unused_parameters: bool = True, last_bucket_cap_mb: float = LAST_BUCKET_CAP_MB):
+        if bucket_cap_mb < 0 or last_bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb and last_bucket_cap_mb must be >= 0, got {bucket_cap_mb} and "
+                             f"{last_bucket_cap_mb}")
         super().__init__(module, process_group)
         self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
@@ -496,7 +515,8 @@ class DDP(_DataParallel):
         self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)  # see _adopt_grad
         self.buckets: list[Bucket] = []
         self._slot_of: list[tuple[Bucket, int]] = [None] * len(self._trainable)  # position -> (bucket, slot)
-        for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes)):
+        for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes,
+                                                         int(last_bucket_cap_mb * MIB))):
             params = [self._trainable[i] for i in positions]
             bucket = _make_bucket(index, params, [self._name(p) for p in params], positions, find_unused_parameters)
             self.buckets.append(bucket)

@@ -756,6 +756,21 @@ def test_bucket_layout_reverse_order_each_bucket_closed_once_it_reaches_the_cap(
         [BIG_REVERSED[::-1].index(n) for n in names] for names in BIG_LAYOUTS[cap]]
 
 
+def test_the_first_layers_up_to_the_last_bucket_cap_get_the_last_bucket_of_their_own():
+    """big()'s first layer holds 1920 + 384 bytes of gradients (its docstring): a last-bucket cap of that
+    size or more takes both, one byte less only the weight (the first registered); 0 turns it off; a cap
+    above the model's size takes everything, which is then bucketed as without it."""
+    params = list(build(big, 0).parameters())
+    index = {n: BIG_REVERSED[::-1].index(n) for n in BIG_REVERSED}
+    layout = lambda cap, last: [[BIG_REVERSED[::-1][i] for i in b] for b in assign_buckets(params, cap, last)]
+    whole = 1000 * 2**20
+    assert layout(whole, 2304) == [["4.bias", "4.weight", "2.bias", "2.weight"], ["0.bias", "0.weight"]]
+    assert layout(whole, 2303) == [["4.bias", "4.weight", "2.bias", "2.weight", "0.bias"], ["0.weight"]]
+    assert layout(whole, 0) == layout(whole, whole) == [BIG_REVERSED]
+    assert layout(0, 2304) == [[name] for name in BIG_REVERSED]  # one bucket per parameter, as without it
+    assert sorted(i for b in assign_buckets(params, 4096, 2304) for i in b) == sorted(index.values())
+
+
 def test_bucket_layout_skips_frozen_counts_tied_once_and_never_mixes_dtypes(two):
     layouts = two[0]["layouts"]
     assert [n for n, _, _ in layouts["frozen", "1000MiB"]] == [["out.bias", "out.weight", "hidden.bias", "hidden.weight"]]
