@@ -69,7 +69,7 @@ def broadcast_module_state(module: nn.Module, process_group=None) -> int:
     is_source = dist.get_rank(process_group) == 0
     count = 0
     with torch.no_grad():
-        for chunk in _coalesce(tensors, BROADCAST_CHUNK_BYTES):
+        for chunk in coalesce(tensors, BROADCAST_CHUNK_BYTES):
             flat = _flatten_dense_tensors(chunk)  # (sum of numels,) copy; every rank sends or receives it whole
             dist.broadcast(flat, group_src=0, group=process_group)
             count += 1
@@ -79,7 +79,7 @@ def broadcast_module_state(module: nn.Module, process_group=None) -> int:
     return count
 
 
-def _coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+def coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
     """Runs of same-(dtype, device) tensors of at most ``cap_bytes`` each (a bigger tensor alone)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -290,7 +290,7 @@ class FlatDDP(_DataParallel):
     """
 
     def _finish(self) -> None:
-        for grads in _coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
+        for grads in coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
             flat = _flatten_dense_tensors(grads)  # (total numel,) in registration order
             flat.div_(self.world_size)
             dist.all_reduce(flat, group=self.process_group)

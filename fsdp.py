@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from allreduce import all_gather, reduce_scatter
+from comm_thread import CommThread
 from ddp import DDP, broadcast_module_state, check_same_model
 
 DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
@@ -179,14 +180,15 @@ class FSDP(nn.Module):
     follows; with True each use has its own gather and reduce-scatter (in float32).
 
     Communication runs on one background thread per FSDP in its own process group (a new
-    group over the same ranks), so gathers and reduce-scatters are issued in the same order
-    on every rank and never interleave with collectives of the main thread (the replicated
+    group over the same ranks, with the same timeout: ``comm_thread.CommThread``), so
+    gathers and reduce-scatters are issued in the same order on every rank and never
+    interleave with collectives of the main thread (the replicated
     all-reduce, SyncBatchNorm, the trainer's). Our collectives are blocking point-to-point
     rings with no work handle to wait on later, so a thread is what lets them run while
     backward computes. ``comm_thread=False`` runs them inline instead (no overlap); compare
     with ``python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"
     "fsdp ours inline"``. On CUDA the thread uses this rank's device and its default
-    stream, as the main thread does, and ``Future.result()`` is taken before the main
+    stream, as the main thread does, and the future is waited for before the main
     thread touches a buffer.
 
     Warnings:
@@ -237,10 +239,11 @@ class FSDP(nn.Module):
         # Stored outside the module tree so parameters() does not list them twice.
         self.__dict__["_replicated"] = DDP(module, process_group=process_group)
 
-        self._start_communication(process_group, comm_thread)
+        shard = next(iter(self.flat.values()), None)
+        self._comm = CommThread(process_group, shard.device if shard is not None else torch.device("cpu"),
+                                enabled=comm_thread, name="fsdp-comm")
         self._storage_to_unit: dict[int, Unit] = {}
         self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
-        self._in_use: list[tuple[Future, tuple]] = []  # collectives' arguments, kept until done (see _submit)
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
         self._previous_calls: list[nn.Module] = []
         self._in_forward = False
@@ -254,18 +257,6 @@ class FSDP(nn.Module):
             self._hook_handles.append(m.register_forward_hook(_post_hook(self_ref)))
 
     # ---- construction
-
-    def _start_communication(self, process_group, comm_thread: bool) -> None:
-        """A process group of our own over the same ranks and one thread (see the class docstring)."""
-        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-        self._comm_group = dist.new_group(ranks=ranks, use_local_synchronization=True)
-        shard = next(iter(self.flat.values()), None)
-        device = shard.device if shard is not None else torch.device("cpu")
-        # On CUDA the thread must use this rank's device (a new thread starts on device 0).
-        init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
-        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="fsdp-comm", initializer=init[0], initargs=init[1])
-                          if comm_thread else None)
-        weakref.finalize(self, _close, self._executor)
 
     def _make_units(self, module: nn.Module) -> list[Unit]:
         """One unit per (outermost ``shard_types`` submodule, dtype), in registration order."""
@@ -387,15 +378,14 @@ class FSDP(nn.Module):
         if self.compute_dtype is not None:
             source = source.to(self.compute_dtype)  # halves the bytes sent
         full = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
-        unit.future = self._submit(all_gather, full, source, group=self._comm_group)
+        unit.future = self._comm.submit(all_gather, full, source, group=self._comm.group)
         unit.full = full
         self._storage_to_unit[full.untyped_storage().data_ptr()] = unit
 
     def _wait(self, unit: Unit) -> torch.Tensor:
         if unit.future is not None:
-            unit.future.result()
+            self._comm.wait(unit.future)
             unit.future = None
-            self._drop_finished()
         return unit.full
 
     def _release(self, unit: Unit) -> None:
@@ -412,28 +402,6 @@ class FSDP(nn.Module):
     def _release_all(self) -> None:
         for unit in self.units:
             self._release(unit)
-
-    def _submit(self, fn, *args, **kwargs) -> Future:
-        """``fn(*args, **kwargs)`` on the communication thread (inline without one).
-
-        The communication thread lets go of ``args`` before it completes the future, and this
-        thread keeps them until it has seen the future done (``_drop_finished``): so every buffer
-        of a collective is freed by the thread that allocated it, at one of our hooks, not when
-        the other thread happens to drop it. (``measure.PeakMemory`` sees only this thread's frees:
-        a buffer the other thread freed counted as alive until the end of the step.)
-        """
-        if self._executor is None:
-            future = Future()
-            future.set_result(fn(*args, **kwargs))
-            return future
-        box = [args]
-        future = self._executor.submit(lambda: fn(*box.pop(), **kwargs))
-        self._in_use.append((future, args))
-        return future
-
-    def _drop_finished(self) -> None:
-        """Let go of the buffers of the collectives that are done (see ``_submit``)."""
-        self._in_use = [entry for entry in self._in_use if not entry[0].done()]
 
     # ---- backward
 
@@ -462,11 +430,11 @@ class FSDP(nn.Module):
         where unused): flattened into one master-dtype tensor and reduce-scattered, asynchronously."""
         if torch.is_grad_enabled():
             raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
-        self._drop_finished()  # earlier reductions' sources, before a new full-size one
+        self._comm.drop_finished()  # earlier reductions' sources, before a new full-size one
         source = _flat_gradient(unit, grads)
         out = torch.empty(unit.padded // self.world_size, dtype=unit.master_dtype, device=source.device)
-        self._reductions.append((unit, out, self._submit(reduce_scatter, out, source, op="mean",
-                                                         group=self._comm_group)))
+        self._reductions.append((unit, out, self._comm.submit(reduce_scatter, out, source, op="mean",
+                                                              group=self._comm.group)))
         unit.gathers -= 1
         if self.reshard_after_forward or unit.gathers == 0:
             self._release(unit)
@@ -490,7 +458,7 @@ class FSDP(nn.Module):
         start = time.perf_counter()
         with torch.no_grad():
             for unit, out, future in self._reductions:
-                future.result()
+                self._comm.wait(future)
                 if unit.shard.grad is None:
                     unit.shard.grad = out
                 else:
@@ -498,7 +466,7 @@ class FSDP(nn.Module):
             self._reductions = []
             self._replicated.finish_gradient_synchronization()
         self._release_all()
-        self._drop_finished()  # every collective of the step is done: nothing stays in use
+        self._comm.drop_finished()  # every collective of the step is done: nothing stays in use
         for unit in self.units:
             unit.gathers = 0
         self.last_wait_s = time.perf_counter() - start
@@ -512,9 +480,9 @@ class FSDP(nn.Module):
         fulls = {}
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
-            self._submit(all_gather, full, unit.shard.detach(), group=self._comm_group).result()
+            self._comm.wait(self._comm.submit(all_gather, full, unit.shard.detach(), group=self._comm.group))
             fulls[unit.index] = full
-        self._drop_finished()
+        self._comm.drop_finished()
         replicated = dict(self.module.named_parameters())
         out = {}
         for name in self._param_names:
@@ -563,15 +531,10 @@ class FSDP(nn.Module):
         for handle in self._hook_handles:
             handle.remove()
         self._replicated.remove_hooks()
-        _close(self._executor)
+        self._comm.close(wait=False)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _close(executor) -> None:
-    if executor is not None:
-        executor.shutdown(wait=False)
 
 
 def _pre_hook(ref: weakref.ref):

@@ -5,6 +5,7 @@ FSDP (ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
     python sharding_benchmark.py --quick --json results/sharding.json                   # about a minute
     python sharding_benchmark.py --procs 2 --models gpt --variants "zero ours" "zero pytorch"
     python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours" "fsdp ours inline"  # overlap A/B
+    python sharding_benchmark.py --procs 2 --variants "ddp ours" "zero ours" "zero ours in step" "zero ours blocking"
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
@@ -137,12 +138,32 @@ def ddp_pytorch(module: nn.Module) -> Setup:
     return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
 
 
-@variant("zero ours", "zero", targets=(("zero pytorch", TARGET_VS_PYTORCH), ("ddp ours", TARGET_ZERO_VS_DDP)))
-def zero_ours(module: nn.Module) -> Setup:
+def _zero_ours(module: nn.Module, overlap_forward: bool = True, **options) -> Setup:
+    """Our DDP and our ZeRO over it; ``overlap_forward``: the all-gathers overlap the next forward
+    (``ShardedOptimizer.overlap_with_forward``), else step() waits for them."""
     model = DDP(module)
-    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, **options)
+    if overlap_forward:
+        optimizer.overlap_with_forward(model)
     return Setup(model, optimizer, exposed_s=lambda: model.last_wait_s + optimizer.last_share_s,
                  kept=lambda: [b.flat for b in model.buckets])
+
+
+@variant("zero ours", "zero", targets=(("zero pytorch", TARGET_VS_PYTORCH), ("ddp ours", TARGET_ZERO_VS_DDP)))
+def zero_ours(module: nn.Module) -> Setup:
+    return _zero_ours(module)
+
+
+@variant("zero ours in step", "zero", targets=(("zero ours", None),), default=False)
+def zero_ours_in_step(module: nn.Module) -> Setup:
+    """The default ShardedOptimizer: step() waits (only the update of later buckets overlaps the all-gathers)."""
+    return _zero_ours(module, overlap_forward=False)
+
+
+@variant("zero ours blocking", "zero", targets=(("zero ours", None),), default=False)
+def zero_ours_blocking(module: nn.Module) -> Setup:
+    """Before buckets and overlap: one all-gather per dtype, inline, at the end of step()."""
+    return _zero_ours(module, overlap_forward=False, comm_thread=False, bucket_cap_mb=float("inf"))
 
 
 @variant("zero ours broadcast", "zero", targets=(("zero ours", None),), default=False)
@@ -156,10 +177,7 @@ def zero_ours_broadcast(module: nn.Module) -> Setup:
 @variant("zero ours tensor", "zero", targets=(("zero ours", None),), default=False)
 def zero_ours_tensor(module: nn.Module) -> Setup:
     """Whole tensors per rank (exact for per-tensor optimizers): uneven when one tensor is a large part of the model."""
-    model = DDP(module)
-    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, partition="tensor")
-    return Setup(model, optimizer, exposed_s=lambda: model.last_wait_s + optimizer.last_share_s,
-                 kept=lambda: [b.flat for b in model.buckets])
+    return _zero_ours(module, partition="tensor")
 
 
 @variant("zero pytorch", "zero", targets=(("ddp pytorch", TARGET_ZERO_VS_DDP),))

@@ -2,31 +2,51 @@
 
     model = DDP(build_model(...))                     # gradients are averaged as usual
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    optimizer.overlap_with_forward(model)             # optional: the next forward waits per layer
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 Every rank still holds the whole model and, after backward, the whole averaged gradient; but
 each parameter element is owned by exactly one rank, and only its owner keeps its optimizer
 state (for AdamW two float32 tensors per parameter: the biggest share of the model states)
-and updates it. ``step()`` runs ``optimizer_cls`` on this rank's share, then every rank's
-updated share is sent to every other rank with the ring all-gather of ``allreduce.py``.
+and updates it. Then every rank's updated share is sent to every other rank with the ring
+all-gather of ``allreduce.py``.
 
-The partition (the same on every rank, computed from the shapes alone), per param group:
+Buckets and overlap. Each param group's parameters of one dtype are cut, in order, into
+*buckets* of at most ``bucket_cap_mb`` (a bigger tensor alone, as ``ddp.coalesce`` cuts
+them), and every bucket is partitioned among the ranks and all-gathered on its own.
+``step()`` updates this rank's share of bucket 0, hands bucket 0's all-gather to a
+communication thread (``comm_thread.CommThread``: our ring is blocking Python, the thread is
+what lets it run while this thread computes), updates bucket 1 meanwhile, and so on. Then:
 
-* ``partition="flat"`` (default): the group's parameters of each dtype, flattened back to
-  back, cut into n ranges of near-equal length (``allreduce.bounds``); a parameter crossing
-  a boundary is split, and its owners' optimizers update 1-D views of their elements. The
-  state is 1/n of the whole to within one element per group and dtype, whatever the
-  tensor sizes. Exact for element-wise updates (SGD, Adam, AdamW: the same arithmetic on the
-  same elements, bit for bit); an update that looks at a whole tensor (LAMB's per-tensor
-  trust ratio, Adafactor's factored moments, a norm) sees a piece of it, or a 1-D view of a
-  matrix, and is NOT the unsharded update: use ``partition="tensor"``.
+* by default ``step()`` waits for every bucket before it returns: every parameter is up to
+  date afterwards, whatever reads it (only the optimizer's own update of later buckets
+  overlaps the all-gathers);
+* after ``optimizer.overlap_with_forward(module)``, ``step()`` returns at once and the
+  next forward of ``module`` waits, layer by layer, for the bucket holding the parameters
+  of the layer about to run (forward pre-hooks on every submodule owning a parameter):
+  the all-gathers also overlap ``zero_grad``, the data loading and the first layers'
+  forward. See ``overlap_with_forward`` for what waits and what a caller must do.
+
+The partition (the same on every rank, computed from the shapes alone):
+
+* ``partition="flat"`` (default): each bucket's parameters flattened back to back, cut into
+  n ranges of near-equal length (``allreduce.bounds``); a parameter crossing a boundary is
+  split, and its owners' optimizers update 1-D views of their elements. The state is 1/n of
+  the whole to within one element per bucket, whatever the tensor sizes. Exact for
+  element-wise updates (SGD, Adam, AdamW: the same arithmetic on the same elements, bit for
+  bit); an update that looks at a whole tensor (LAMB's per-tensor trust ratio, Adafactor's
+  factored moments, a norm) sees a piece of it, or a 1-D view of a matrix, and is NOT the
+  unsharded update: use ``partition="tensor"``.
 * ``partition="tensor"``: whole parameters, largest first, each to the rank owning the
-  fewest elements so far (ties to the lowest rank; frozen parameters weigh nothing). Exact
-  for any update that treats each tensor as a unit, at the price of uneven shares when one
-  tensor is a large part of the model (a GPT's token embedding).
+  fewest elements so far (ties to the lowest rank; frozen parameters weigh nothing),
+  balanced over the whole model, not per bucket. Exact for any update that treats each
+  tensor as a unit, at the price of uneven shares when one tensor is a large part of the
+  model (a GPT's token embedding); a bucket's all-gather sends its largest share from
+  every rank (padded).
 
 An update that couples tensors (a global gradient norm computed inside the optimizer, LBFGS's
-line search over all parameters) sees this rank's share only, under either partition.
+line search over all parameters) sees this rank's share of one bucket only, under either
+partition.
 
 Tested bit for bit against the unsharded optimizer: ``tests/test_zero.py``.
 """
@@ -34,13 +54,18 @@ Tested bit for bit against the unsharded optimizer: ``tests/test_zero.py``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import allreduce
+from comm_thread import CommThread
+from ddp import coalesce
 
 
 @dataclass
@@ -58,6 +83,29 @@ class Piece:
     tensor: torch.Tensor
 
 
+@dataclass(eq=False)
+class Bucket:
+    """Consecutive parameters of one param group and dtype, all-gathered together after their update.
+
+    ``by_rank[r]``: rank r's pieces of them, in order (what row r of the all-gather buffer
+    holds, back to back). ``future``: the all-gather on its way into the parameters, from
+    ``step()`` until someone waits for it."""
+
+    index: int
+    group: int                     # the param group (of this optimizer and of the local one)
+    params: list[torch.Tensor]
+    by_rank: list[list[Piece]]
+    future: Future | None = field(default=None, repr=False)
+
+    def mine(self, rank: int) -> list[torch.Tensor]:
+        return [piece.tensor for piece in self.by_rank[rank]]
+
+    @property
+    def width(self) -> int:
+        """Elements of the largest share: the row length of the all-gather buffer."""
+        return max(sum(piece.end - piece.start for piece in pieces) for pieces in self.by_rank)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """``optimizer_cls`` over this rank's share of ``params`` (ZeRO stage 1); a ``torch.optim.Optimizer``.
 
@@ -66,14 +114,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_cls: a ``torch.optim.Optimizer`` subclass, built over this rank's share.
         process_group: the ranks that share the state (default: the whole world).
         partition: ``"flat"`` (default) or ``"tensor"``, see the module docstring.
+        bucket_cap_mb: MiB of parameters per bucket (default 25, as DDP's); ``float("inf")``:
+            one bucket per param group and dtype (nothing to overlap), 0: one per parameter.
+        comm_thread: all-gather on the communication thread (default) or inline, on the
+            calling thread (no overlap: for A/B measurements).
         **defaults: options for ``optimizer_cls`` (``lr=...``), defaults of every param group.
 
     ``param_groups`` lists every parameter (so ``zero_grad`` and learning-rate schedulers act
     on all of them; their options are handed to the local optimizer at every step); ``state``
     holds this rank's optimizer state only (per piece). Parameters without a gradient are left
-    unchanged, as by any optimizer. Every rank must call ``step``, ``state_dict`` and
-    ``load_state_dict`` (collectives), with the same model. ``last_share_s``: seconds the last
-    step spent sending and receiving parameters.
+    unchanged, as by any optimizer. Every rank must construct it, call ``step``,
+    ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward`` the
+    same way, with the same model (collectives, or they reshape the collectives).
+
+    ``last_share_s``: seconds the calling thread spent waiting for the last step's updated
+    parameters, i.e. the share communication nothing overlapped. By default all of it is
+    inside ``step()``; with ``overlap_with_forward`` it is what the following forward (or any
+    other wait) spent waiting, and it is set once every bucket of that step has arrived.
+
+    ``close()`` waits for the parameters, removes the hooks and joins the communication
+    thread (garbage collection stops the thread too).
 
     Checkpoints are CONSOLIDATED: ``state_dict()`` gathers every rank's state and returns, on
     every rank, exactly what ``optimizer_cls`` over all the parameters would return, so it can
@@ -81,50 +141,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
     over any number of ranks; ``load_state_dict`` keeps the state of this rank's pieces.
     """
 
-    update = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_parameters)
+    update = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_bucket)
 
     def __init__(self, params: Iterable, optimizer_cls: type, process_group=None, *, partition: str = "flat",
-                 **defaults: Any):
+                 bucket_cap_mb: float = 25.0, comm_thread: bool = True, **defaults: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if partition not in PARTITIONS:
             raise ValueError(f"unknown partition {partition!r}: choose one of {', '.join(PARTITIONS)}")
+        if not bucket_cap_mb >= 0:  # also refuses NaN
+            raise ValueError(f"bucket_cap_mb must be at least 0, got {bucket_cap_mb}")
         groups = _param_groups(params)
         self.process_group, self.rank = process_group, dist.get_rank(process_group)
         self.world_size, self.partition = dist.get_world_size(process_group), partition
+        self.bucket_cap_bytes = bucket_cap_mb * 2 ** 20
         self.load = [0] * self.world_size  # elements owned per rank, across groups: the greedy partition's state
-        self.pieces: list[Piece] = []  # every rank's, in param-group order
-        owned = [self._assign(group["params"]) for group in groups]
+        self.pieces: list[Piece] = []  # every rank's, in bucket order
+        self.buckets: list[Bucket] = []  # in param-group order, then the parameters' order
+        owned = [self._assign(group["params"], index) for index, group in enumerate(groups)]
         self.local = optimizer_cls([{**group, "params": mine} for group, mine in zip(groups, owned)], **defaults)
         self._ready = False  # the base constructor calls add_param_group: the groups are already partitioned
         super().__init__(groups, self.local.defaults)  # every option of optimizer_cls, so state_dict loads anywhere
         self._ready = True
         self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
+        device = next(p.device for g in groups for p in g["params"])  # one device: checked
+        self._comm = CommThread(process_group, device, enabled=comm_thread, name="zero-comm")
+        self._module: nn.Module | None = None  # set by overlap_with_forward
+        self._hooks: list = []
+        self._waited_s = 0.0  # waits for the buckets in flight so far
         self.last_share_s = 0.0
 
     # ------------------------------------------------------------------ partition
 
-    def _assign(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Cut one group's parameters into pieces with owners; returns the tensors this rank updates, in order."""
-        pieces = []
+    def _assign(self, params: list[torch.Tensor], group: int) -> list[torch.Tensor]:
+        """Cut one group's parameters into buckets of pieces with owners; returns the tensors this rank
+        updates, in order (the local optimizer's group: ``_mine()`` follows the same order)."""
+        owner_of = {}
         if self.partition == "tensor":
             # A frozen parameter never has optimizer state: it weighs nothing in the balance.
             owners = partition([p.numel() if p.requires_grad else 0 for p in params], self.load)
-            pieces = [Piece(p, 0, p.numel(), owner, p) for p, owner in zip(params, owners)]
-        else:
-            for dtype in dict.fromkeys(p.dtype for p in params):  # each dtype's elements in n near-equal ranges
-                same = [p for p in params if p.dtype == dtype]
-                edges = allreduce.bounds(sum(p.numel() for p in same), self.world_size)
-                offset = 0
-                for p in same:
-                    for owner in range(self.world_size):
-                        start, end = max(edges[owner], offset), min(edges[owner + 1], offset + p.numel())
-                        if start < end:
-                            view = p.detach().view(-1)[start - offset:end - offset]  # shares p's storage
-                            pieces.append(Piece(p, start - offset, end - offset, owner, view))
-                    offset += p.numel()
-        self.pieces += pieces
-        return [piece.tensor for piece in pieces if piece.owner == self.rank]
+            owner_of = {id(p): owner for p, owner in zip(params, owners)}
+        mine = []
+        for run in coalesce(params, self.bucket_cap_bytes):  # one dtype, consecutive, at most the cap
+            pieces = ([Piece(p, 0, p.numel(), owner_of[id(p)], p) for p in run] if owner_of
+                      else _flat_pieces(run, self.world_size))
+            by_rank = [[piece for piece in pieces if piece.owner == r] for r in range(self.world_size)]
+            bucket = Bucket(len(self.buckets), group, run, by_rank)
+            self.buckets.append(bucket)
+            self.pieces += [piece for share in by_rank for piece in share]
+            mine += bucket.mine(self.rank)
+        return mine
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to every rank's partition (every rank must add the same group)."""
@@ -132,8 +198,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         (group,) = _param_groups([param_group], known=[p for g in self.param_groups for p in g["params"]])
+        self.wait_for_parameters()
         super().add_param_group(group)
-        self.local.add_param_group({**self.param_groups[-1], "params": self._assign(group["params"])})
+        self.local.add_param_group({**self.param_groups[-1],
+                                    "params": self._assign(group["params"], len(self.param_groups) - 1)})
+        if self._module is not None:  # the new parameters' layers wait for their buckets too
+            self._install_hooks(self._module)
 
     def _mine(self) -> list[Piece]:
         return [piece for piece in self.pieces if piece.owner == self.rank]
@@ -142,7 +212,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        """Update this rank's pieces, then bring every rank's copy of every parameter up to date."""
+        """Update this rank's pieces bucket by bucket, each bucket's all-gather overlapping the next
+        bucket's update; return when every parameter is up to date (or at once, see
+        ``overlap_with_forward``)."""
+        self.wait_for_parameters()  # the previous step's gathers still read and write the parameters
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -153,46 +226,117 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for piece in views:  # the gradient of a piece is the same view of the parameter's gradient
             grad = piece.param.grad
             piece.tensor.grad = None if grad is None else grad.view(-1)[piece.start:piece.end]
-        self.local.step()
-        for piece in views:
-            piece.tensor.grad = None  # do not keep the gradient alive past zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        self._share_parameters()
-        self.last_share_s = time.perf_counter() - start  # communication nothing overlaps (on the host clock)
+        self._waited_s = 0.0
+        try:
+            for bucket in self.buckets:
+                self._update(bucket)
+                self._launch(bucket)
+        finally:
+            for piece in views:
+                piece.tensor.grad = None  # do not keep the gradient alive past zero_grad(set_to_none=True)
+        if self._module is None:
+            self.wait_for_parameters()
         return loss
 
-    @torch.no_grad()
-    def _share_parameters(self) -> None:
-        """Every owner's pieces to every rank: one all-gather per dtype.
+    def _update(self, bucket: Bucket) -> None:
+        """The local optimizer's step over this rank's pieces of ``bucket`` only.
 
-        Rank j packs its pieces of that dtype into row j of a (world, largest share) buffer,
-        padded; the ring all-gather fills the other rows; each rank copies them into its
-        parameters. All-gather rather than one broadcast per owner: the ring sends each rank's
-        (n-1)/n of the buffer in n-1 pipelined steps, n broadcasts serialise n rounds
-        (``update = "broadcast"``; ``sharding_benchmark.py`` times both in the same rounds).
-        """
-        for dtype, by_rank in self._by_dtype().items():
-            width = max(sum(piece.end - piece.start for piece in pieces) for pieces in by_rank)
-            if width == 0:
+        Its param groups are swapped for one holding just these tensors (with the group's
+        options): the state is keyed by tensor, so each piece keeps its own, and element-wise
+        updates are the same arithmetic as one step over everything."""
+        mine = bucket.mine(self.rank)
+        if not mine:
+            return
+        groups = self.local.param_groups
+        self.local.param_groups = [{**groups[bucket.group], "params": mine}]
+        try:
+            self.local.step()
+        finally:
+            self.local.param_groups = groups
+
+    def _launch(self, bucket: Bucket) -> None:
+        """Start sharing the bucket's updated pieces (on the communication thread)."""
+        width = bucket.width
+        if width == 0:
+            return
+        device = bucket.params[0].device
+        # (n, largest share), padded. Allocated (and later freed) by this thread: see CommThread.submit.
+        buffer = torch.empty(self.world_size, width, dtype=bucket.params[0].dtype, device=device)
+        bucket.future = self._comm.submit(_share_bucket, buffer, bucket.by_rank, self.rank, self.update,
+                                          self._comm.group)
+
+    def wait_for_parameters(self, through: int | None = None) -> None:
+        """Wait until the updated parameters of buckets ``0..through`` (default: all) have arrived.
+
+        Only needed with ``overlap_with_forward``, before reading a parameter in a way the
+        hooks do not see (see there); a no-op when nothing is in flight. Raises the
+        all-gather's error, or TimeoutError after the process group's timeout."""
+        last = len(self.buckets) - 1 if through is None else through
+        for bucket in self.buckets[:last + 1]:  # launched in this order: an earlier one is never later
+            if bucket.future is None:
                 continue
-            device = next(piece.param.device for pieces in by_rank for piece in pieces)  # one device: checked
-            buffer = torch.empty(self.world_size, width, dtype=dtype, device=device)  # (n, largest share), padded
-            _copy_pieces(by_rank[self.rank], buffer[self.rank], into_row=True)
-            if self.update == "broadcast":
-                for owner in range(self.world_size):
-                    dist.broadcast(buffer[owner], group=self.process_group, group_src=owner)
-            else:
-                allreduce.all_gather(buffer.view(-1), buffer[self.rank], self.process_group)
-            for owner, pieces in enumerate(by_rank):
-                if owner != self.rank:
-                    _copy_pieces(pieces, buffer[owner], into_row=False)
+            start = time.perf_counter()
+            self._comm.wait(bucket.future)
+            bucket.future = None
+            self._waited_s += time.perf_counter() - start
+        if through is None or all(bucket.future is None for bucket in self.buckets[last + 1:]):
+            self.last_share_s = self._waited_s  # every bucket of the last step is in
 
-    def _by_dtype(self) -> dict[torch.dtype, list[list[Piece]]]:
-        """dtype -> for each rank, its pieces of that dtype in param-group order."""
-        out: dict[torch.dtype, list[list[Piece]]] = {}
-        for piece in self.pieces:
-            out.setdefault(piece.param.dtype, [[] for _ in range(self.world_size)])[piece.owner].append(piece)
-        return out
+    # ------------------------------------------------------------------ overlap with the next forward
+
+    def overlap_with_forward(self, module: nn.Module) -> None:
+        """From now on ``step()`` returns before the parameters arrive; ``module``'s next forward waits for them.
+
+        Hooks on ``module`` wait, so that nothing reads a parameter while its all-gather may
+        still write it:
+
+        * a forward pre-hook on every submodule that owns one of this optimizer's parameters
+          (in its own ``_parameters``) waits for the buckets up to the one holding them;
+        * a forward hook on ``module`` waits for the rest (parameters no layer owns, unused
+          layers), so nothing is in flight after the forward: backward, ``module.state_dict()``
+          and every other read after a forward see the updated values;
+        * ``state_dict`` and ``load_state_dict`` pre-hooks on every such submodule wait too
+          (a load must not be overwritten by a late all-gather);
+        * the optimizer's own ``step``, ``state_dict``, ``load_state_dict``,
+          ``add_param_group`` and ``close`` wait first. ``zero_grad`` does not need to: it
+          touches only ``.grad``, which the all-gathers never write.
+
+        What a caller must do: call ``wait_for_parameters()`` before reading a parameter in
+        any other way between ``step()`` and the next forward (``p.data``, ``torch.save(model)``,
+        an evaluation on another module object sharing the parameters, a forward that reads
+        a layer's weight without calling the layer first). Every rank must call this (it
+        changes when collectives are waited for, not their order)."""
+        self.wait_for_parameters()
+        self._module = module
+        self._install_hooks(module)
+
+    def _install_hooks(self, module: nn.Module) -> None:
+        self._remove_hooks()
+        bucket_of = {id(p): bucket.index for bucket in self.buckets for p in bucket.params}
+        ref = weakref.ref(self)
+        for m in module.modules():
+            owned = [bucket_of[id(p)] for p in m._parameters.values() if p is not None and id(p) in bucket_of]
+            if owned:
+                wait = _waiter(ref, max(owned))
+                self._hooks += [m.register_forward_pre_hook(lambda *_, wait=wait: wait()),
+                                m.register_state_dict_pre_hook(lambda *_, wait=wait: wait()),
+                                m.register_load_state_dict_pre_hook(lambda *_, wait=wait: wait())]
+        everything = _waiter(ref, None)
+        self._hooks += [module.register_forward_hook(lambda *_: everything()),
+                        module.register_state_dict_pre_hook(lambda *_: everything()),
+                        module.register_load_state_dict_pre_hook(lambda *_: everything())]
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Wait for the parameters, remove the hooks, stop and join the communication thread (idempotent)."""
+        self.wait_for_parameters()
+        self._remove_hooks()
+        self._module = None
+        self._comm.close()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -205,6 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The consolidated state (a collective): what ``optimizer_cls`` over every parameter would return."""
+        self.wait_for_parameters()
         index, local = self._index(), self.local.state_dict()["state"]
         mine = [(index[piece.param], piece.start, piece.end, local[i])
                 for i, piece in enumerate(self._mine()) if i in local]
@@ -223,6 +368,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a consolidated state dict (from ``state_dict()`` or a plain optimizer over the same parameters)."""
+        self.wait_for_parameters()  # the load must not be overwritten by a late all-gather
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError(f"the state dict's param groups have {[len(g['params']) for g in saved]} parameters, "
@@ -317,6 +463,54 @@ def _param_groups(params: Iterable, known: Iterable[torch.Tensor] = ()) -> list[
         raise ValueError(f"parameters on different devices {sorted(map(str, devices))}: "
                          "the shared update needs them on one device")
     return out
+
+
+def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
+    """``params`` (one dtype) flattened back to back and cut into ``world_size`` near-equal ranges:
+    each parameter's piece in each range it crosses, in order."""
+    edges = allreduce.bounds(sum(p.numel() for p in params), world_size)
+    pieces, offset = [], 0
+    for p in params:
+        for owner in range(world_size):
+            start, end = max(edges[owner], offset), min(edges[owner + 1], offset + p.numel())
+            if start < end:
+                view = p.detach().view(-1)[start - offset:end - offset]  # shares p's storage
+                pieces.append(Piece(p, start - offset, end - offset, owner, view))
+        offset += p.numel()
+    return pieces
+
+
+@torch.no_grad()
+def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, update: str, group) -> None:
+    """Every owner's pieces of one bucket to every rank (runs on the communication thread).
+
+    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; the ring
+    all-gather fills the other rows; each rank copies them into its parameters. The thread
+    reads only this rank's pieces of this bucket, which the caller's later updates do not
+    touch, and writes only other ranks' pieces, which nothing reads until the wait.
+    All-gather rather than one broadcast per owner: the ring sends each rank's (n-1)/n of the
+    buffer in n-1 pipelined steps, n broadcasts serialise n rounds (``update = "broadcast"``;
+    ``sharding_benchmark.py`` times both in the same rounds).
+    """
+    _copy_pieces(by_rank[rank], buffer[rank], into_row=True)
+    if update == "broadcast":
+        for owner in range(len(by_rank)):
+            dist.broadcast(buffer[owner], group=group, group_src=owner)
+    else:
+        allreduce.all_gather(buffer.view(-1), buffer[rank], group)
+    for owner, pieces in enumerate(by_rank):
+        if owner != rank:
+            _copy_pieces(pieces, buffer[owner], into_row=False)
+
+
+def _waiter(ref: weakref.ref, through: int | None) -> Callable[[], None]:
+    """A hook body: wait for the buckets up to ``through`` (None: all) of the optimizer ``ref`` points to.
+    A weak reference: the module's hooks must not keep the optimizer (and its thread) alive."""
+    def wait() -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer.wait_for_parameters(through)
+    return wait
 
 
 def _copy_pieces(pieces: list[Piece], row: torch.Tensor, into_row: bool) -> None:

@@ -10,6 +10,7 @@ optimizer run in the parent on the same model for the same steps.
 from __future__ import annotations
 
 import io
+import threading
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ OPTIMIZERS = {
 }
 STEPS = 4  # the late param group joins after step LATE
 LATE = 2
+TINY_BUCKETS_MB = 100 / 2 ** 20  # 100 bytes: most parameters in a bucket of their own, each cut among the ranks
+LAYERS = ("embed", "hidden", "out", "frozen")
 GROUPS = ((3, None), (2, [1, 2]))  # (world size, members of the subgroup or None for the world)
 
 
@@ -43,6 +46,9 @@ class Toy(nn.Module):
         self.unused = nn.Parameter(torch.randn(5))
         self.scale = nn.Parameter(torch.randn(3, dtype=torch.float64))
         self.late = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B,) token ids -> (B, 11) logits
+        return self.out(self.frozen(self.hidden(self.embed(tokens))))
 
 
 def make_model() -> Toy:
@@ -128,6 +134,49 @@ def _case(name: str, partition: str, group) -> dict:
             "calls": dict(counter.calls), "collectives": counter.collectives}
 
 
+def _comm_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("zero-comm")}
+
+
+def _bucketed_case(name: str, group, overlap: bool) -> dict:
+    """Tiny buckets. Per step: the parameters read right after step() (without overlap), or what
+    each layer saw when its forward ran (with overlap: the forward after the step waits per layer).
+    Then the parameters read through ``model.state_dict()``, and what close() leaves behind."""
+    model = make_model()
+    cls, options = OPTIMIZERS[name]
+    threads = _comm_threads()
+    optimizer = zero.ShardedOptimizer(param_groups(model), cls, process_group=group, bucket_cap_mb=TINY_BUCKETS_MB,
+                                      **options)
+    if overlap:
+        optimizer.overlap_with_forward(model)
+    seen: list[dict] = []
+    for layer in LAYERS:  # registered after the optimizer's hooks: they run after its wait
+        getattr(model, layer).register_forward_pre_hook(
+            lambda m, args, layer=layer: seen[-1].update({f"{layer}.{n}": p.detach().clone()
+                                                          for n, p in m.named_parameters(recurse=False)}))
+    after_step = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        set_gradients(model, step)
+        optimizer.step()
+        if not overlap:
+            after_step.append(state_of(model))
+        if step + 1 == LATE:
+            optimizer.add_param_group({"params": [model.late], "lr": 0.02})
+        seen.append({})
+        with torch.no_grad():
+            model(torch.arange(5))
+    final = {name: t.clone() for name, t in model.state_dict().items()}
+    share_s = optimizer.last_share_s
+    buckets = len(optimizer.buckets)
+    optimizer.close()
+    return {"after_step": after_step, "seen": seen, "final": final, "buckets": buckets, "share_s": share_s,
+            "threads_left": len(_comm_threads() - threads),  # this optimizer's; others may end meanwhile
+            "hooks_left": sum(
+                len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
+                + len(m._load_state_dict_pre_hooks) for m in model.modules()) - len(LAYERS)}
+
+
 def _bad_inputs(group) -> dict:
     model = make_model()
     w, b = model.hidden.weight, model.hidden.bias
@@ -146,6 +195,7 @@ def _bad_inputs(group) -> dict:
         "not contiguous": refused(lambda: zero.ShardedOptimizer([nn.Parameter(torch.ones(4, 3).t())], torch.optim.SGD,
                                                                  process_group=group, lr=1)),
         "devices": refused(lambda: zero.ShardedOptimizer([w, elsewhere], torch.optim.SGD, process_group=group, lr=1)),
+        "bucket cap": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, bucket_cap_mb=-1, lr=1)),
     }
 
 
@@ -157,6 +207,8 @@ def _grid(ctx) -> dict:
             out[n] = {"rank": dist.get_rank(group),
                       "cases": {(name, partition): _case(name, partition, group)
                                 for name in OPTIMIZERS for partition in zero.PARTITIONS},
+                      "bucketed": {(name, overlap): _bucketed_case(name, group, overlap)
+                                   for name in ("sgd", "adamw") for overlap in (False, True)},
                       "refused": _bad_inputs(group)}
     return out
 
@@ -271,7 +323,8 @@ def test_bad_input_is_refused_on_every_rank_before_any_message(ranks, n):
                 "twice when added": "ValueError: a parameter of shape (7, 6) appears twice",
                 "devices": "ValueError: parameters on different devices",
                 "partition": "ValueError: unknown partition 'rows'",
-                "not contiguous": "ValueError: a parameter of shape (3, 4) is not contiguous"}
+                "not contiguous": "ValueError: a parameter of shape (3, 4) is not contiguous",
+                "bucket cap": "ValueError: bucket_cap_mb must be at least 0, got -1"}
     for outcome in ranks[n]:
         assert_refused(outcome["refused"], expected)
 
@@ -281,3 +334,63 @@ def test_the_partition_gives_the_largest_tensors_first_to_the_least_loaded_rank(
     assert zero.partition([3, 10, 7, 7], load) == [1, 0, 1, 2] and load == [10, 10, 7]
     assert zero.partition([4, 4], load) == [2, 0] and load == [14, 10, 11], "later groups balance against earlier ones"
     assert zero.partition([5, 0], [0, 0]) == [0, 1], "ties go to the lowest rank"
+
+
+# --------------------------------------------------------------------------- buckets and overlap
+
+
+def oracle_trajectory(name: str) -> list[dict[str, torch.Tensor]]:
+    """The plain optimizer's parameters after each of STEPS steps."""
+    model = make_model()
+    cls, options = OPTIMIZERS[name]
+    optimizer = cls(param_groups(model), **options)
+    states = []
+    for step in range(STEPS):
+        train(model, optimizer, step, step + 1)
+        states.append(state_of(model))
+    return states
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_with_small_buckets_a_read_right_after_step_sees_the_updated_parameters(ranks, n, name):
+    """By default step() returns once every bucket's all-gather is in: nothing is left in flight."""
+    want = oracle_trajectory(name)
+    for outcome in ranks[n]:
+        case = outcome["bucketed"][name, False]
+        assert case["buckets"] >= 6, "most parameters in a bucket of their own"
+        for step in range(STEPS):
+            assert_same_bits(case["after_step"][step], want[step])
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forward_reaches_it(ranks, n, name):
+    """overlap_with_forward: step() returns before the all-gathers end, each layer's forward waits for
+    its bucket; what every layer saw, at every step, is the unsharded optimizer's, bit for bit."""
+    want = oracle_trajectory(name)
+    for outcome in ranks[n]:
+        case = outcome["bucketed"][name, True]
+        for step in range(STEPS):
+            seen = case["seen"][step]
+            assert {key.split(".")[0] for key in seen} == set(LAYERS)
+            tied = {"out.weight": "embed.weight"}  # named_parameters() lists a tied parameter once
+            assert_same_bits(seen, {key: want[step][tied.get(key, key)] for key in seen})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_bucketed_training_ends_with_the_unsharded_parameters_and_close_leaves_nothing_running(ranks, n, name,
+                                                                                               overlap):
+    """module.state_dict() waits too; close() joins the communication thread and removes every hook."""
+    model = make_model()
+    cls, options = OPTIMIZERS[name]
+    optimizer = cls(param_groups(model), **options)
+    train(model, optimizer, 0, STEPS)
+    want = {key: t.clone() for key, t in model.state_dict().items()}
+    for outcome in ranks[n]:
+        case = outcome["bucketed"][name, overlap]
+        assert_same_bits(case["final"], want)
+        assert case["threads_left"] == 0 and case["hooks_left"] == 0
+        assert case["share_s"] >= 0.0
