@@ -112,6 +112,11 @@ EXPERIMENTS = (
     Experiment("sharding", "sharded data parallelism: DDP, ZeRO and FSDP, ours and PyTorch's, time and per-rank memory at 1, 2, 4 ranks",
                ("sharding_benchmark.py", "--quick", "--json", "{out}/sharding.json"),
                ("sharding_benchmark.py", "--json", "{out}/sharding.json")),
+    Experiment("sharding_resnet18", "the same on resnet18 at 2 ranks, more rounds (ZeRO against DDP on a convolutional model)",
+               ("sharding_benchmark.py", "--quick", "--models", "resnet18", "--procs", "2", "--iters", "16", "--rounds", "8",
+                "--json", "{out}/sharding_resnet18.json"),
+               ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
+                "--json", "{out}/sharding_resnet18.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
 

@@ -59,7 +59,7 @@ MODELS = ("resnet18", "gpt")
 LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
 DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
                 gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
-# Quick: the small GPT only, at every world size (resnet18 is in the full run; --models adds it).
+# Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=8, rounds=4, warmup=1)
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter, the same sharding

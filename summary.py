@@ -174,6 +174,7 @@ SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("ddp_headline",), ddp_lines),
     (("collectives", "reduce_scatter", "all_gather"), collectives_lines),
     (("sharding",), sharding_lines),
+    (("sharding_resnet18",), sharding_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
     (("ddp_benchmark", "ddp_sweep"), oversubscribed_lines),
 ]
