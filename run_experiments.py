@@ -74,7 +74,7 @@ EXPERIMENTS = (
                 "--json", "{out}/allreduce.json"),
                ("allreduce.py", "--json", "{out}/allreduce.json")),
     Experiment("collectives", "all-reduce bandwidth sweep (seed 001, nccl-tests conventions)",
-               ("collectives_benchmark.py", "--quick", "--sizes", "4000", "64KB", "1MB", "10MB", "100MB", "--iters", "40",
+               ("collectives_benchmark.py", "--quick", "--sizes", "4000", "64KB", "1MB", "10MB", "100MB", "--iters", "24",
                 "--json", "{out}/collectives.json",
                 "--plot-dir", "{out}/plots"),
                ("collectives_benchmark.py", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots")),
