@@ -27,6 +27,8 @@ Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
 b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
     dx = weight * invstd * (dy - a - x_hat * b),    dweight = sum(dy * x_hat),    dbias = sum(dy),
 where dweight and dbias are the local sums, as in PyTorch: DDP averages them across ranks.
+The backward's all_reduce is asynchronous: weight * invstd * dy needs nothing global, so on
+the CPU that pass over the data runs while the sums travel.
 
 The synchronisation (packing, float64 combination, the collectives, the global terms of
 dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
@@ -144,27 +146,36 @@ def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.T
     return sum_dy, sum_dy_xhat
 
 
-def _input_grad(dy, x, weight, mean, var, eps, sums, total) -> torch.Tensor:
+def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.Tensor:
     """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
 
-    ``sums`` (2, C) are the global [sum(dy), sum(dy * x_hat)]. On CPU, per element,
+    ``sums`` (2, C) become the global [sum(dy), sum(dy * x_hat)] once ``work`` (the all_reduce
+    filling them, or None if they already are) is done. On CPU, per element,
     dx = scale * dy + alpha * x + beta with scale = weight * invstd, alpha = -scale * invstd * b and
-    beta = -scale * a - alpha * mean: two fused passes (in float32 for half inputs). Every
+    beta = -scale * a - alpha * mean (in float32 for half inputs). scale * dy needs nothing
+    global, so that pass runs while the all_reduce is in flight; the rest follows it. Every
     per-channel operation costs microseconds of dispatch, as much as a pass over x at these
     sizes, so the coefficients take few of them.
     """
     if not x.numel():
+        if work is not None:
+            work.wait()
         return torch.zeros_like(x)
     invstd = _invstd(var, eps)
     if x.is_cuda:
+        if work is not None:
+            work.wait()
         count = torch.full((1,), total, dtype=torch.int32, device=x.device)
         # The kernel wants sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
         return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums[0], sums[1] / invstd, count)
     scale = invstd if weight is None else invstd * weight
+    grad = torch.mul(dy, _per_channel(scale, x))  # the local part (float32 for half inputs: scale is)
+    if work is not None:
+        work.wait()  # the global sums
     minus_a, minus_b = torch.addcmul(_constant(0.0, sums.dtype, sums.device), sums, scale, value=-1 / total)  # -scale a, -scale b
     alpha = minus_b.mul_(invstd)
     beta = minus_a.addcmul_(alpha, mean, value=-1)
-    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x)).addcmul_(dy, _per_channel(scale, x))
+    grad.addcmul_(x, _per_channel(alpha, x)).add_(_per_channel(beta, x))
     return _as(grad, x.dtype)
 
 
@@ -261,9 +272,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         grad_x = None
         if need_x:
             sums = torch.stack((sum_dy, sum_dy_xhat))  # (C, C -> 2C)
-            if ctx.group is not None:
-                dist.all_reduce(sums, group=ctx.group)  # the global sums
-            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total)
+            # The global sums; _input_grad computes what needs none of them while they travel.
+            work = None if ctx.group is None else dist.all_reduce(sums, group=ctx.group, async_op=True)
+            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total, work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
