@@ -63,7 +63,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 PROFILE_ITERS = 20
 PHASE_ITERS = 200
-# One iteration with two collectives, cut at their start and end: what runs between them and how long each waits.
+# One iteration with two collectives, cut where the caller blocks on each: what runs around them, how long each waits.
 PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
 QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
@@ -197,32 +197,53 @@ def breakdown(rank: int, world: int, device: torch.device, impls: list[str], bat
 
 @contextlib.contextmanager
 def _stamped_collectives(stamps: list[float], device: torch.device):
-    """Append the clock before and after every ``torch.distributed.all_reduce`` (ours and the reference both
-    call it) to ``stamps``; on a GPU the device is synchronised first, so a stamp means the work is done."""
+    """Append the clock before and after the caller is blocked on each ``torch.distributed.all_reduce`` (ours and
+    the reference both call it) to ``stamps``: around the call itself, or for ``async_op=True`` around the
+    ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
+    is synchronised first, so a stamp means the work is done."""
     real = dist.all_reduce
 
+    def blocked(call):
+        synchronize(device)
+        stamps.append(time.perf_counter())
+        result = call()
+        synchronize(device)
+        stamps.append(time.perf_counter())
+        return result
+
     def stamped(*args, **kwargs):
-        synchronize(device)
-        stamps.append(time.perf_counter())
+        if not kwargs.get("async_op"):
+            return blocked(lambda: real(*args, **kwargs))
         work = real(*args, **kwargs)
-        synchronize(device)
-        stamps.append(time.perf_counter())
-        return work
+        return _StampedWork(work, lambda *a, **k: blocked(lambda: work.wait(*a, **k)))
     with mock.patch.object(dist, "all_reduce", stamped):
         yield
 
 
+class _StampedWork:
+    """A collective's work handle whose ``wait`` is stamped (see ``_stamped_collectives``)."""
+
+    def __init__(self, work, wait):
+        self._work, self.wait = work, wait
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
 def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
-    """The median duration of each of ``PHASES`` over the last ``iters`` iterations (earlier ones: warm-up).
+    """The median duration of each of ``PHASES`` over the last ``iters`` iterations (earlier ones: warm-up),
+    then the median of the iterations' whole durations (not the sum of the phases' medians: the phases
+    of one iteration are not independent, and the sum of their medians understates it).
 
     ``stamps`` holds, per iteration, its start, the start and end of each collective, and its end."""
-    cuts = np.array(stamps).reshape(-1, len(PHASES) + 1)[-iters:]
-    return np.median(np.diff(cuts, axis=1), axis=0)
+    durations = np.diff(np.array(stamps).reshape(-1, len(PHASES) + 1)[-iters:], axis=1)
+    return np.append(np.median(durations, axis=0), np.median(durations.sum(axis=1)))
 
 
 def phases(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
            iters: int) -> list[dict]:
-    """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, maximum over ranks).
+    """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, and of the whole
+    iteration, each the maximum over ranks).
 
     The profiler charges a collective's wait to whatever called it (SyncBatchNormFunction's
     "self" time); this shows the compute between the collectives apart from the waiting.
@@ -239,10 +260,10 @@ def phases(rank: int, world: int, device: torch.device, impls: list[str], batch:
             stamps.append(time.perf_counter())
         with _stamped_collectives(stamps, device):
             time_iterations(stamped_step, iters, warmup=2, device=device)
-        slowest = gather_rows(list(_phase_medians(stamps, iters))).max(dim=0).values
+        *slowest, iteration = map(float, gather_rows(list(_phase_medians(stamps, iters))).max(dim=0).values)
         rows.append({"kind": "phases", "impl": impl, "setting": WORKERS, "dtype": "float32", "device": device.type,
                      "batch": batch, "hidden": hidden, "workers": world, "iters": iters,
-                     "phases_s": dict(zip(PHASES, map(float, slowest)))})
+                     "phases_s": dict(zip(PHASES, slowest)), "iteration_s": iteration})
     return rows
 
 
@@ -391,10 +412,10 @@ def _breakdown_text(rows: list[dict]) -> list[str]:
 
 
 def _phases_table(rows: list[dict]) -> str:
-    table = [{"size": f"{r['batch']}x{r['hidden']}", "impl": r["impl"],
+    table = [{"size": f"{r['batch']}x{r['hidden']}", "impl": r["impl"], "iteration": 1e6 * r["iteration_s"],
               **{p: 1e6 * s for p, s in r["phases_s"].items()}} for r in rows if r["kind"] == "phases"]
     return markdown_table(table, [("size", "size", "s"), ("impl", "implementation", "s")]
-                          + [(p, f"{p} (us)", ".0f") for p in PHASES])
+                          + [(p, f"{p} (us)", ".0f") for p in PHASES] + [("iteration", "iteration (us)", ".0f")])
 
 
 def report(rows: list[dict], env: dict, config: dict) -> None:

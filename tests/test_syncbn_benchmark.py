@@ -5,6 +5,7 @@ The rows are synthetic with known per-round times, so every ratio and verdict is
 
 from __future__ import annotations
 
+import time
 from unittest import mock
 
 import pytest
@@ -78,8 +79,8 @@ def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
 
 def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
     """Two warm-up iterations of 1 s per phase, then three timed ones whose phases last 1, 2, 3, 4, 5 ms,
-    one of them twice as long: the median per phase is 1, 2, 3, 4, 5 ms; the warm-up and the gaps
-    between iterations (7 s each) count nowhere."""
+    one of them twice as long: the median per phase is 1, 2, 3, 4, 5 ms and the median iteration 15 ms;
+    the warm-up and the gaps between iterations (7 s each) count nowhere."""
     stamps, clock = [], 0.0
     for durations in ([1.0] * 5, [1.0] * 5, [1e-3, 2e-3, 3e-3, 4e-3, 5e-3], [2e-3, 4e-3, 6e-3, 8e-3, 10e-3],
                       [1e-3, 2e-3, 3e-3, 4e-3, 5e-3]):
@@ -89,16 +90,32 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
             stamps.append(clock)
         clock += 7.0  # the barrier between iterations belongs to no phase
     assert len(PHASES) == 5
-    assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3])
+    # then the median iteration: 15, 30 and 15 ms long
+    assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
 
 
-def test_stamped_collectives_time_every_all_reduce_and_put_the_real_one_back():
-    calls = []
-    with mock.patch.object(dist, "all_reduce", lambda tensor, **kwargs: calls.append(tensor)):
+def test_stamped_collectives_time_where_the_caller_waits_and_put_the_real_one_back():
+    """A blocking all_reduce is stamped around the call; an asynchronous one around its wait(), so the
+    work done between the call and the wait counts as the caller's compute."""
+    calls, waits = [], []
+
+    class Work:
+        def wait(self):
+            waits.append(time.perf_counter())
+            return True
+
+    def fake(tensor, async_op=False, **kwargs):
+        calls.append(time.perf_counter())
+        return Work() if async_op else None
+
+    with mock.patch.object(dist, "all_reduce", fake):
         real = dist.all_reduce
         stamps = []
         with _stamped_collectives(stamps, torch.device("cpu")):
             dist.all_reduce(torch.ones(3))
-            dist.all_reduce(torch.ones(3))
+            work = dist.all_reduce(torch.ones(3), async_op=True)
+            assert len(stamps) == 2  # nothing stamped until the wait
+            assert work.wait() is True
         assert dist.all_reduce is real
-    assert len(calls) == 2 and len(stamps) == 4 and stamps == sorted(stamps)
+    assert len(calls) == 2 and len(waits) == 1 and len(stamps) == 4 and stamps == sorted(stamps)
+    assert stamps[0] <= calls[0] <= stamps[1] <= calls[1] <= stamps[2] <= waits[0] <= stamps[3]
