@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
 from contextlib import redirect_stdout
 
@@ -321,6 +322,22 @@ def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
     changed = inputs.clone()
     changed[:, 1:] = (changed[:, 1:] + 1) % 50
     torch.testing.assert_close(model(changed)[:, 0], logits[:, 0])
+
+
+def test_a_fresh_gpt_predicts_every_token_about_equally_and_has_no_denormal_probabilities():
+    # GPT-2's initialisation: logits near 0, so the loss starts at ~ln(vocab). PyTorch's default
+    # N(0, 1) embedding tied to the output layer starts at ~28 with probabilities below float32's
+    # normal range, whose denormal arithmetic slowed every benchmark of this model ~3-8x on Intel CPUs.
+    args = bench.parse_args(["--models", "gpt", "--batch-size", "4", "--gpt-width", "128", "--gpt-depth", "2",
+                             "--gpt-heads", "4", "--gpt-seq-len", "32", "--gpt-vocab", "2048"])
+    torch.manual_seed(0)
+    model = bench.build_model("gpt", bench.gpt_config(args))
+    inputs, targets = bench.make_batch("gpt", args, rank=0, device=torch.device("cpu"))
+    logits = model(inputs)
+    assert abs(bench.loss_of(logits, targets).item() - math.log(2048)) < 0.1
+    assert logits.softmax(-1).min() >= torch.finfo(torch.float32).tiny
+    residual_std = model.blocks[0].proj.weight.std().item()
+    assert 0.8 < residual_std / (0.02 / math.sqrt(2 * 2)) < 1.2  # scaled by 1/sqrt(2 * depth)
 
 
 @pytest.mark.parametrize("flags", [["--iters", "2", "--rounds", "3"], ["--batch-size", "1"], ["--bucket-sizes", "0"],
