@@ -257,7 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _launch(self, bucket: Bucket) -> None:
         """Start sharing the bucket's updated pieces (on the communication thread)."""
         width = bucket.width
-        if width == 0:
+        if width == 0 or self.world_size == 1:  # nothing to share: one rank owns every piece
             return
         device = bucket.params[0].device
         # (n, largest share), padded. Allocated (and later freed) by this thread: see CommThread.submit.

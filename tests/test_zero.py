@@ -2,7 +2,7 @@
 
 ONE spawned group of 3 workers (spawning costs seconds of importing torch per process): the
 whole world runs every case with 3 ranks, then ranks 1 and 2 run them again as a 2-rank
-subgroup. Gradients are a fixed function of the step and the parameter's name, the same on
+subgroup while rank 0 runs them alone (a 1-rank subgroup). Gradients are a fixed function of the step and the parameter's name, the same on
 every rank (what data-parallel averaging hands the optimizer), so the oracle is the plain
 optimizer run in the parent on the same model for the same steps.
 """
@@ -29,7 +29,7 @@ STEPS = 4  # the late param group joins after step LATE
 LATE = 2
 TINY_BUCKETS_MB = 100 / 2 ** 20  # 100 bytes: most parameters in a bucket of their own, each cut among the ranks
 LAYERS = ("embed", "hidden", "out", "frozen")
-GROUPS = ((3, None), (2, [1, 2]))  # (world size, members of the subgroup or None for the world)
+GROUPS = ((3, None), (2, [1, 2]), (1, [0]))  # (world size, members of the subgroup or None for the world)
 
 
 class Toy(nn.Module):
@@ -154,11 +154,12 @@ def _bucketed_case(name: str, group, overlap: bool) -> dict:
         getattr(model, layer).register_forward_pre_hook(
             lambda m, args, layer=layer: seen[-1].update({f"{layer}.{n}": p.detach().clone()
                                                           for n, p in m.named_parameters(recurse=False)}))
-    after_step = []
+    after_step, in_flight = [], 0
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
         set_gradients(model, step)
         optimizer.step()
+        in_flight += sum(bucket.future is not None for bucket in optimizer.buckets)
         if not overlap:
             after_step.append(state_of(model))
         if step + 1 == LATE:
@@ -171,6 +172,7 @@ def _bucketed_case(name: str, group, overlap: bool) -> dict:
     buckets = len(optimizer.buckets)
     optimizer.close()
     return {"after_step": after_step, "seen": seen, "final": final, "buckets": buckets, "share_s": share_s,
+            "in_flight": in_flight,
             "threads_left": len(_comm_threads() - threads),  # this optimizer's; others may end meanwhile
             "hooks_left": sum(
                 len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
@@ -220,7 +222,7 @@ def ranks() -> dict[int, list[dict]]:
     for per_rank in run_workers(_grid, 3):
         for n, outcome in per_rank.items():
             by_size.setdefault(n, [None] * n)[outcome["rank"]] = outcome
-    assert sorted(by_size) == [2, 3] and all(None not in members for members in by_size.values())
+    assert sorted(by_size) == [1, 2, 3] and all(None not in members for members in by_size.values())
     return by_size
 
 
@@ -243,7 +245,7 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_every_rank_holds_the_unsharded_optimizers_parameters_bit_for_bit(ranks, n, name, partition):
     model, _ = oracle(name, STEPS)
     want = state_of(model)
@@ -256,7 +258,7 @@ def test_every_rank_holds_the_unsharded_optimizers_parameters_bit_for_bit(ranks,
 
 @pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name, partition):
     _, optimizer = oracle(name, STEPS)
     want = optimizer.state_dict()
@@ -272,7 +274,7 @@ def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name,
 
 @pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", OPTIMIZERS)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_training_resumed_from_a_checkpoint_continues_the_unsharded_trajectory(ranks, n, name, partition):
     """From the sharded optimizer's own checkpoint and from the plain optimizer's."""
     model, optimizer = oracle(name, STEPS)
@@ -285,7 +287,7 @@ def test_training_resumed_from_a_checkpoint_continues_the_unsharded_trajectory(r
 
 @pytest.mark.parametrize("partition", zero.PARTITIONS)
 @pytest.mark.parametrize("name", ["adam", "adamw"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_each_rank_keeps_the_state_of_its_own_parameters_only(ranks, n, name, partition):
     """Adam's two moments per owned element; the shares add up to the whole, none is empty."""
     trained = sum(p.numel() for nm, p in make_model().named_parameters()
@@ -297,7 +299,7 @@ def test_each_rank_keeps_the_state_of_its_own_parameters_only(ranks, n, name, pa
     assert sum(owned) == sum(p.numel() for p in make_model().parameters())
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_flat_partition_gives_every_rank_the_same_number_of_elements_to_one_per_group_and_dtype(ranks, n):
     """Three param groups, one with a float64 parameter: four flat ranges cut in n, each to within one element."""
     owned = [outcome["cases"]["adamw", "flat"]["owned_elements"] for outcome in ranks[n]]
@@ -312,7 +314,16 @@ def test_the_update_is_shared_with_point_to_point_messages_only(ranks, n):
             assert case["calls"].keys() <= {"isend", "irecv", "batch_isend_irecv"} and case["calls"], name
 
 
-@pytest.mark.parametrize("n", [2, 3])
+def test_a_single_rank_owns_every_piece_and_shares_nothing(ranks):
+    """Not even through the communication thread: step() leaves nothing in flight, with overlap too."""
+    (outcome,) = ranks[1]
+    for name, case in outcome["cases"].items():
+        assert case["collectives"] == 0 and not case["calls"], (name, case["calls"])
+    for key, case in outcome["bucketed"].items():
+        assert case["in_flight"] == 0, key
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_bad_input_is_refused_on_every_rank_before_any_message(ranks, n):
     expected = {"no parameters": "ValueError: ShardedOptimizer got an empty parameter list",
                 "empty groups": "ValueError: ShardedOptimizer got no parameters",
@@ -352,7 +363,7 @@ def oracle_trajectory(name: str) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_with_small_buckets_a_read_right_after_step_sees_the_updated_parameters(ranks, n, name):
     """By default step() returns once every bucket's all-gather is in: nothing is left in flight."""
     want = oracle_trajectory(name)
@@ -364,7 +375,7 @@ def test_with_small_buckets_a_read_right_after_step_sees_the_updated_parameters(
 
 
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forward_reaches_it(ranks, n, name):
     """overlap_with_forward: step() returns before the all-gathers end, each layer's forward waits for
     its bucket; what every layer saw, at every step, is the unsharded optimizer's, bit for bit."""
@@ -380,7 +391,7 @@ def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forwa
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_bucketed_training_ends_with_the_unsharded_parameters_and_close_leaves_nothing_running(ranks, n, name,
                                                                                                overlap):
     """module.state_dict() waits too; close() joins the communication thread and removes every hook."""
