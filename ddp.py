@@ -50,6 +50,13 @@ BROADCAST_CHUNK_BYTES = 250 * MIB
 # starts early; this cap is for the other end. Measured on resnet18 by ``ddp_benchmark.py`` (the
 # ``bucketed`` rows against PyTorch's and against ``last_bucket_cap_mb=0``).
 LAST_BUCKET_CAP_MB = 2.0
+# ... and at most this share of the model's gradient bytes. The small GPT of sharding_benchmark.py
+# --quick (2.5 MiB; its first parameters are the 1 MiB token embedding, a lookup with almost no
+# backward compute) ran slower with a 2 MiB tail than with none, the CIFAR CNN (3.2 MiB; its tail
+# the two convolutions at full resolution, 0.04 MiB) faster; resnet18 at 25 MiB (a 1.5 MiB tail,
+# 1/30 of it) keeps its layout. (A one-off A/B, not committed: 2 processes, 48 iterations in 16
+# rounds, that benchmark's "ddp ours" row rebuilt with last_bucket_cap_mb 0, 0.5 and 2 MiB.)
+TAIL_SHARE = 4
 VARIANTS = ("bucketed", "overlap", "flat", "naive", "pytorch")
 
 
@@ -318,12 +325,18 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int, last_cap_byte
     (For resnet18 at 25 MiB, ``[b.nbytes for b in DDP(model).buckets]`` shows the split;
     ``last_bucket_cap_mb=0`` restores PyTorch's layout.) Why not close a bucket before it
     would overflow instead? That moves the tail's size around with the cap; this rule sets it.
+    The tail takes at most 1/``TAIL_SHARE`` of the model's gradient bytes: it pays when the first
+    layers are cheap to send and costly to differentiate (convolutions at full resolution), not
+    when they are most of the model (see ``TAIL_SHARE``).
     """
-    in_tail, seen = [], {}  # in_tail[i]: params[i] is among the first last_cap_bytes of its (dtype, device)
+    total: dict[tuple, int] = {}  # (dtype, device) -> gradient bytes
+    for p in params:
+        total[p.dtype, p.device] = total.get((p.dtype, p.device), 0) + p.numel() * p.element_size()
+    in_tail, seen = [], {}  # in_tail[i]: params[i] is among the first bytes of its (dtype, device) the tail takes
     for p in params:
         key = (p.dtype, p.device)
         seen[key] = seen.get(key, 0) + p.numel() * p.element_size()
-        in_tail.append(cap_bytes > 0 and seen[key] <= last_cap_bytes)
+        in_tail.append(cap_bytes > 0 and seen[key] <= min(last_cap_bytes, total[key] // TAIL_SHARE))
     buckets: list[list[int]] = []
     open_bucket: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, gradient bytes); absent: none open
     for index in reversed(range(len(params))):
@@ -452,8 +465,9 @@ class DDP(_DataParallel):
       MiB (``bucket_cap_mb * 2**20`` bytes) of gradients or more, as PyTorch's DDP does (see
       ``assign_buckets``); ``bucket_cap_mb=0`` means one bucket per parameter; parameters of different
       dtype or device never share one. Unlike PyTorch's DDP the first layers' gradients (at
-      most ``last_bucket_cap_mb`` MiB) get buckets of their own, launched last: nothing can
-      hide the last bucket's all-reduce, so it is kept small (0 turns this off). There is no
+      most ``last_bucket_cap_mb`` MiB and a quarter of the model's) get buckets of their own,
+      launched last: nothing can hide the last bucket's all-reduce, so it is kept small (0
+      turns this off). There is no
       smaller first bucket and no re-bucketing by observed gradient order. ``buckets``
       shows the layout.
     * During a synchronised backward, a post-accumulate-grad hook marks each gradient

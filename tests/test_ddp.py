@@ -12,6 +12,7 @@ DDP runs in float32, as real training does.
 from __future__ import annotations
 
 import functools
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import CollectiveCounter, run_workers
-from ddp import DDP, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp, sync_gradients
+from ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp,
+                 sync_gradients)
 
 D_IN, D_OUT = 5, 3
 MICRO = 4  # samples per rank in a micro-batch
@@ -610,12 +612,20 @@ def test_one_all_reduce_per_bucket_all_launched_during_backward_none_inside_no_s
 def expected_bucket_count(factory, cap_mib: float) -> int:
     """The number of buckets the documented rule gives, from the gradient sizes and the cap alone.
 
-    Walk the trainable parameters (a tied weight once) from the last registered to the first,
-    adding each gradient's bytes to the open bucket; a bucket closes once it holds the cap or
-    more (so with a cap of 0, after every parameter). (All these models are float64.)
+    Split off the tail: the first registered parameters whose bytes add up to at most
+    LAST_BUCKET_CAP_MB MiB and a quarter of the model's (none when the cap is 0). Walk the rest, then
+    the tail, from the last registered to the first, adding each gradient's bytes to the open
+    bucket; a bucket closes once it holds the cap or more (so with a cap of 0, after every
+    parameter). (All these models are float64.)
     """
     sizes = [p.numel() * p.element_size() for p in build(factory, 0).parameters() if p.requires_grad]
-    cap_bytes, count, filled = cap_mib * 2**20, 0, None
+    tail_bytes = min(LAST_BUCKET_CAP_MB * 2**20, sum(sizes) // 4) if cap_mib > 0 else 0
+    tail = sum(1 for total in itertools.accumulate(sizes) if total <= tail_bytes)
+    return sum(_buckets_of(part, cap_mib * 2**20) for part in (sizes[tail:], sizes[:tail]))
+
+
+def _buckets_of(sizes: list[int], cap_bytes: float) -> int:
+    count, filled = 0, None
     for nbytes in reversed(sizes):
         if filled is None:
             count, filled = count + 1, 0
@@ -741,7 +751,7 @@ BIG_LAYOUTS = {  # derived by hand from the byte sizes in big()'s docstring
     "0": [[name] for name in BIG_REVERSED],
     "1KiB": [["4.bias", "4.weight"], ["2.bias", "2.weight"], ["0.bias", "0.weight"]],
     "4KiB": [["4.bias", "4.weight", "2.bias", "2.weight"], ["0.bias", "0.weight"]],
-    "1000MiB": [BIG_REVERSED],
+    "1000MiB": [["4.bias", "4.weight", "2.bias", "2.weight"], ["0.bias", "0.weight"]],  # the tail: 2304 <= 22296 / 4
 }
 
 
@@ -752,21 +762,25 @@ def test_bucket_layout_reverse_order_each_bucket_closed_once_it_reaches_the_cap(
     for names, nbytes, _ in layout:
         size = dict((n, p.numel() * p.element_size()) for n, p in build(big, 0).named_parameters())
         assert sum(size[n] for n in names[:-1]) < CAPS[cap] * 2**20 or cap == "0", "over the cap by its last parameter only"
-    assert assign_buckets(list(build(big, 0).parameters()), int(CAPS[cap] * 2**20)) == [
+    assert assign_buckets(list(build(big, 0).parameters()), int(CAPS[cap] * 2**20), int(LAST_BUCKET_CAP_MB * 2**20)) == [
         [BIG_REVERSED[::-1].index(n) for n in names] for names in BIG_LAYOUTS[cap]]
 
 
 def test_the_first_layers_up_to_the_last_bucket_cap_get_the_last_bucket_of_their_own():
     """big()'s first layer holds 1920 + 384 bytes of gradients (its docstring): a last-bucket cap of that
-    size or more takes both, one byte less only the weight (the first registered); 0 turns it off; a cap
-    above the model's size takes everything, which is then bucketed as without it."""
+    size or more takes both, one byte less only the weight (the first registered); 0 turns it off. It
+    never takes more than a quarter of the model's bytes (TAIL_SHARE): a model whose first layer is most of
+    it (an embedding) keeps one bucket."""
     params = list(build(big, 0).parameters())
     index = {n: BIG_REVERSED[::-1].index(n) for n in BIG_REVERSED}
     layout = lambda cap, last: [[BIG_REVERSED[::-1][i] for i in b] for b in assign_buckets(params, cap, last)]
     whole = 1000 * 2**20
     assert layout(whole, 2304) == [["4.bias", "4.weight", "2.bias", "2.weight"], ["0.bias", "0.weight"]]
     assert layout(whole, 2303) == [["4.bias", "4.weight", "2.bias", "2.weight", "0.bias"], ["0.weight"]]
-    assert layout(whole, 0) == layout(whole, whole) == [BIG_REVERSED]
+    assert layout(whole, 0) == [BIG_REVERSED]
+    assert layout(whole, whole) == layout(whole, 2304), "a quarter of 22296 bytes: still just the first layer"
+    embedding_first = list(nn.Sequential(nn.Linear(100, 10), nn.Linear(10, 10)).parameters())  # 4000 of 4480 bytes
+    assert TAIL_SHARE == 4 and assign_buckets(embedding_first, whole, 4000) == [[3, 2, 1, 0]]
     assert layout(0, 2304) == [[name] for name in BIG_REVERSED]  # one bucket per parameter, as without it
     assert sorted(i for b in assign_buckets(params, 4096, 2304) for i in b) == sorted(index.values())
 
