@@ -305,12 +305,17 @@ def test_rounds_rotate_the_order_and_split_the_iterations():
     assert [bench.round_iters(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
 
 
-def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
-    args = bench.parse_args(["--models", "gpt", "--batch-size", "3", "--gpt-width", "16", "--gpt-depth", "2",
-                             "--gpt-heads", "4", "--gpt-seq-len", "8", "--gpt-vocab", "50"])
+def gpt_and_batch(batch: int, width: int, depth: int, heads: int, seq_len: int, vocab: int):
+    """A fresh GPT (seed 0) and rank 0's batch, as the benchmark builds them from its flags."""
+    args = bench.parse_args(["--models", "gpt", "--batch-size", str(batch), "--gpt-width", str(width), "--gpt-depth",
+                             str(depth), "--gpt-heads", str(heads), "--gpt-seq-len", str(seq_len), "--gpt-vocab", str(vocab)])
     torch.manual_seed(0)
     model = bench.build_model("gpt", bench.gpt_config(args))
-    inputs, targets = bench.make_batch("gpt", args, rank=0, device=torch.device("cpu"))
+    return (model, *bench.make_batch("gpt", args, rank=0, device=torch.device("cpu")))
+
+
+def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
+    model, inputs, targets = gpt_and_batch(batch=3, width=16, depth=2, heads=4, seq_len=8, vocab=50)
     assert inputs.shape == targets.shape == (3, 8)
     assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the inputs shifted by one token
     assert model.head.weight is model.tokens.weight
@@ -326,13 +331,9 @@ def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
 
 def test_a_fresh_gpt_predicts_every_token_about_equally_and_has_no_denormal_probabilities():
     # GPT-2's initialisation: logits near 0, so the loss starts at ~ln(vocab). PyTorch's default
-    # N(0, 1) embedding tied to the output layer starts at ~28 with probabilities below float32's
-    # normal range, whose denormal arithmetic slowed every benchmark of this model ~3-8x on Intel CPUs.
-    args = bench.parse_args(["--models", "gpt", "--batch-size", "4", "--gpt-width", "128", "--gpt-depth", "2",
-                             "--gpt-heads", "4", "--gpt-seq-len", "32", "--gpt-vocab", "2048"])
-    torch.manual_seed(0)
-    model = bench.build_model("gpt", bench.gpt_config(args))
-    inputs, targets = bench.make_batch("gpt", args, rank=0, device=torch.device("cpu"))
+    # N(0, 1) embedding tied to the output layer starts far above it, with probabilities below float32's
+    # normal range, whose denormal arithmetic slows this model's benchmarks (models.GPT._init_weights).
+    model, inputs, targets = gpt_and_batch(batch=4, width=128, depth=2, heads=4, seq_len=32, vocab=2048)
     logits = model(inputs)
     assert abs(bench.loss_of(logits, targets).item() - math.log(2048)) < 0.1
     assert logits.softmax(-1).min() >= torch.finfo(torch.float32).tiny
