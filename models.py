@@ -91,7 +91,7 @@ class GPT(nn.Module):
         residual stream scaled by 1/sqrt(2 * depth) so its variance does not grow with depth.
 
         Not PyTorch's defaults: ``nn.Embedding`` draws N(0, 1), and tied to the output layer that gives
-        logits of standard deviation ~sqrt(width) (11 at width 128): a loss of ~28 instead of
+        logits of standard deviation ~sqrt(width) (11 at width 128): a first loss many times
         ln(vocab), and a softmax whose smallest probabilities underflow to denormal floats, which
         slow every float32 matmul of the backward on Intel CPUs (microcode assists). On an Intel
         Xeon, ``python sharding_benchmark.py --quick --procs 1 --variants "ddp ours" --warmup 10
