@@ -467,9 +467,8 @@ class DDP(_DataParallel):
       dtype or device never share one. Unlike PyTorch's DDP the first layers' gradients (at
       most ``last_bucket_cap_mb`` MiB and a quarter of the model's) get buckets of their own,
       launched last: nothing can hide the last bucket's all-reduce, so it is kept small (0
-      turns this off). There is no
-      smaller first bucket and no re-bucketing by observed gradient order. ``buckets``
-      shows the layout.
+      turns this off). There is no smaller first bucket and no re-bucketing by observed
+      gradient order. ``buckets`` shows the layout.
     * During a synchronised backward, a post-accumulate-grad hook marks each gradient
       ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
       are launched strictly in index order on every rank: gloo and NCCL match collectives

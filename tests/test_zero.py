@@ -2,9 +2,10 @@
 
 ONE spawned group of 3 workers (spawning costs seconds of importing torch per process): the
 whole world runs every case with 3 ranks, then ranks 1 and 2 run them again as a 2-rank
-subgroup while rank 0 runs them alone (a 1-rank subgroup). Gradients are a fixed function of the step and the parameter's name, the same on
-every rank (what data-parallel averaging hands the optimizer), so the oracle is the plain
-optimizer run in the parent on the same model for the same steps.
+subgroup while rank 0 runs them alone (a 1-rank subgroup). Gradients are a fixed function of
+the step and the parameter's name, the same on every rank (what data-parallel averaging hands
+the optimizer), so the oracle is the plain optimizer run in the parent on the same model for
+the same steps.
 """
 
 from __future__ import annotations
