@@ -11,8 +11,9 @@ allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, and `
 Backend gloo on CPU, nccl on GPU when one is present (``--backend``). Without torchrun the script
 spawns each process count of ``--procs`` itself. For each size of a geometric sweep (float32; 1 MB
 = 2^20 bytes as in nccl-tests; the smallest default, 4000 bytes, is the homework's 1,000 elements)
-and each algorithm: warm-up calls, then timed calls, each starting at a barrier with the input
-refilled outside the timed region; a call takes as long as its slowest rank. The algorithms take
+and each algorithm: warm-up calls, then timed calls (``--iters``, 8 times as many under 1 MiB:
+``calls``), each starting at a barrier with the input refilled outside the timed region; a call
+takes as long as its slowest rank. The algorithms take
 turns call by call (A B C, then B C A, ...), so a change of machine load hits all of them alike,
 and each round gives one ratio to torch's call of the same round: the ratio reported is the
 median over rounds with its 95 % bootstrap interval (``measure.paired_ratio``).
@@ -47,6 +48,7 @@ from results import environment, format_environment, markdown_table, read_result
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=16, warmup=2)
+SMALL_BYTES, SMALL_CALLS = 1 << 20, 8  # messages under 1 MiB: 8 times the timed calls (``calls``)
 TUNE_SIZES = ["4000", "16KB", "64KB", "256KB", "1MB", "4MB", "16MB", "64MB"]
 TUNE_PROCS = [2, 3, 4, 8]
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
@@ -130,14 +132,26 @@ def bus_factor(world_size: int) -> float:
     return 2 * (world_size - 1) / world_size
 
 
+def calls(nbytes: int, iters: int) -> int:
+    """Timed calls (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages under SMALL_BYTES.
+
+    A call under 1 MiB takes well under a millisecond here but varies by about as much from call to
+    call (scheduling, wake-ups), so the few rounds that suit the large sizes leave a small size's
+    ratio with a wide interval; its extra rounds cost little time.
+    """
+    return iters * SMALL_CALLS if nbytes < SMALL_BYTES else iters
+
+
 def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
-    """One size: a correctness call per algorithm, then timed calls taking turns; the same rows on every rank."""
+    """One size: a correctness call per algorithm, then timed calls taking turns (``calls``); the same rows on
+    every rank."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
     errors = {name: _check(ctx, x, _algorithm(name, pipeline)) for name in algorithms}
     # Summing in place makes x grow n-fold per call: refill it (untimed) before each one. One call per
     # algorithm per round, so round r of every algorithm ran under the same load: paired ratios.
+    rounds = calls(nbytes, iters)
     timings = time_interleaved({name: functools.partial(_algorithm(name, pipeline), x, "sum") for name in algorithms},
-                               iters, warmup, rounds=iters, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
+                               rounds, warmup, rounds=rounds, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
     n, size = ctx.world_size, x.numel() * x.element_size()
     rows = []
     for name in algorithms:
@@ -214,10 +228,11 @@ def benchmark_sharded_size(ctx, collective: str, nbytes: int, algorithms: list[s
     n = ctx.world_size
     full = torch.empty(nbytes // 4 // n * n, dtype=torch.float32, device=ctx.device)
     shard = torch.empty(full.numel() // n, dtype=torch.float32, device=ctx.device)
-    calls = {name: _sharded_call(collective, name, pipeline, full, shard) for name in algorithms}
-    errors = {name: _sharded_error(ctx, collective, calls[name], full, shard) for name in algorithms}
+    functions = {name: _sharded_call(collective, name, pipeline, full, shard) for name in algorithms}
+    errors = {name: _sharded_error(ctx, collective, functions[name], full, shard) for name in algorithms}
     # Neither collective changes its input: no refill between calls.
-    timings = time_interleaved(calls, iters, warmup, rounds=iters, device=ctx.device)
+    rounds = calls(nbytes, iters)
+    timings = time_interleaved(functions, rounds, warmup, rounds=rounds, device=ctx.device)
     size = full.numel() * full.element_size()
     rows = []
     for name in algorithms:
@@ -552,7 +567,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what to measure; 'torch' is torch.distributed.all_reduce "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"timed calls (rounds) per size and algorithm (default: 20; --quick {QUICK['iters']})")
+                        help=f"timed calls (rounds) per size and algorithm, {SMALL_CALLS} times as many under "
+                             f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed calls before them (default: 5; --quick {QUICK['warmup']})")
     parser.add_argument("--segment-bytes", type=parse_size, default=allreduce.SEGMENT_BYTES,
