@@ -11,7 +11,7 @@ allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, and `
 Backend gloo on CPU, nccl on GPU when one is present (``--backend``). Without torchrun the script
 spawns each process count of ``--procs`` itself. For each size of a geometric sweep (float32; 1 MB
 = 2^20 bytes as in nccl-tests; the smallest default, 4000 bytes, is the homework's 1,000 elements)
-and each algorithm: warm-up calls, then timed calls (``--iters``, 8 times as many under 1 MiB:
+and each algorithm: warm-up calls, then timed calls (``--iters``, 4 times as many up to 1 MiB:
 ``calls``), each starting at a barrier with the input refilled outside the timed region; a call
 takes as long as its slowest rank. The algorithms take
 turns call by call (A B C, then B C A, ...), so a change of machine load hits all of them alike,
@@ -48,7 +48,7 @@ from results import environment, format_environment, markdown_table, read_result
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=16, warmup=2)
-SMALL_BYTES, SMALL_CALLS = 1 << 20, 8  # messages under 1 MiB: 8 times the timed calls (``calls``)
+SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed calls (``calls``)
 TUNE_SIZES = ["4000", "16KB", "64KB", "256KB", "1MB", "4MB", "16MB", "64MB"]
 TUNE_PROCS = [2, 3, 4, 8]
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
@@ -133,13 +133,13 @@ def bus_factor(world_size: int) -> float:
 
 
 def calls(nbytes: int, iters: int) -> int:
-    """Timed calls (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages under SMALL_BYTES.
+    """Timed calls (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages up to SMALL_BYTES.
 
-    A call under 1 MiB takes well under a millisecond here but varies by about as much from call to
-    call (scheduling, wake-ups), so the few rounds that suit the large sizes leave a small size's
-    ratio with a wide interval; its extra rounds cost little time.
+    A call of up to 1 MiB lasts at most a few milliseconds here and varies from call to call by
+    about as much (scheduling, wake-ups), so the few rounds that suit the large sizes leave a
+    small size's ratio with a wide interval; its extra rounds cost little time.
     """
-    return iters * SMALL_CALLS if nbytes < SMALL_BYTES else iters
+    return iters * SMALL_CALLS if nbytes <= SMALL_BYTES else iters
 
 
 def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
@@ -567,7 +567,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what to measure; 'torch' is torch.distributed.all_reduce "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"timed calls (rounds) per size and algorithm, {SMALL_CALLS} times as many under "
+                        help=f"timed calls (rounds) per size and algorithm, {SMALL_CALLS} times as many up to "
                              f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed calls before them (default: 5; --quick {QUICK['warmup']})")

@@ -49,11 +49,11 @@ def test_each_size_has_one_row_per_algorithm_with_its_bytes(measured):
 
 
 def test_small_messages_get_more_timed_calls(measured):
-    """Under 1 MiB a size gets 8 times --iters rounds (one call each); from 1 MiB up, --iters."""
-    assert bench.calls(4000, 3) == bench.calls((1 << 20) - 1, 3) == 24
-    assert bench.calls(1 << 20, 3) == bench.calls(100 << 20, 3) == 3
-    assert {r["rounds"] for r in measured[0]["rows"]} == {24}  # both measured sizes are small
-    assert all(len(r["round_p50_s"]) == 24 for r in measured[0]["rows"])
+    """Up to 1 MiB a size gets 4 times --iters rounds (one call each); above it, --iters."""
+    assert bench.calls(4000, 3) == bench.calls(1 << 20, 3) == 12
+    assert bench.calls((1 << 20) + 1, 3) == bench.calls(100 << 20, 3) == 3
+    assert {r["rounds"] for r in measured[0]["rows"]} == {12}  # both measured sizes are small
+    assert all(len(r["round_p50_s"]) == 12 for r in measured[0]["rows"])
 
 
 def test_bandwidths_follow_from_bytes_and_time(measured):
