@@ -23,10 +23,14 @@ avoid, the reference on the CPU, where ``torch.nn.SyncBatchNorm`` refuses to run
 parameters) are for information. The single-process rows run in the launching process,
 with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
 ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
-beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). Peak memory (``measure.PeakMemory``) and bytes saved for backward
-(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile
-of one forward + backward (``measure.op_breakdown``) shows where the time goes, and with the workers
-one iteration cut at its two collectives (``phases``) shows the compute between them apart from the waiting.
+beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). On the CPU,
+at the smallest and the largest size, that row and ``BatchNorm1d (local)`` run once more with
+cold caches (``COLD``: 16 MiB written before every iteration, untimed), as the work after a
+collective finds them. Peak memory (``measure.PeakMemory``) and bytes saved for backward
+(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile of
+one forward + backward (``measure.op_breakdown``) shows where the time goes, and with the
+workers one iteration cut at its two collectives (``phases``) shows the compute between them
+apart from the waiting.
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
 SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
+# A third setting, one process again, with a core's own caches emptied before every iteration (``_evictor``): the
+# state a collective leaves them in for the work after it. It separates the cold caches from the shared cores.
+COLD = "1 process, cold caches"
+EVICT_BYTES = 16 << 20  # written before each COLD iteration: several times a core's own caches (L1 and L2)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
 # grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
@@ -156,8 +164,11 @@ def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, d
 
 
 def run_case(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
-             dtype_name: str, args, baseline=None) -> list[dict]:
-    """Every implementation on one (batch, hidden, dtype), timed in interleaved rounds; one row each."""
+             dtype_name: str, args, baseline=None, setting: str | None = None, setup=None) -> list[dict]:
+    """Every implementation on one (batch, hidden, dtype), timed in interleaved rounds; one row each.
+
+    ``setup`` runs before every iteration, outside the timed region; ``setting`` labels the rows
+    (default: WORKERS with a process group, else SINGLE)."""
     x, loss_rows = _local_input(rank, world, batch, hidden, DTYPES[dtype_name], device)
     layers = {impl: _make_layer(impl, hidden, device, baseline) for impl in impls}
     steps = {impl: _make_step(impl, layers[impl], x, loss_rows) for impl in impls}
@@ -166,13 +177,15 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[str], batc
     for round_ in range(args.rounds):
         shift = round_ % len(impls)
         for impl in impls[shift:] + impls[:shift]:
-            timing = time_iterations(steps[impl], per_round, warmup=args.warmup if round_ == 0 else 2, device=device)
+            timing = time_iterations(steps[impl], per_round, warmup=args.warmup if round_ == 0 else 2, device=device,
+                                     setup=setup)
             samples[impl].append(timing.samples)  # per iteration, the slowest rank's time
     rows = []
     for impl in impls:
         flat = [t for r in samples[impl] for t in r]
         peak, saved = _memory(steps[impl], layers[impl], x, device)
-        rows.append({"kind": "time", "impl": impl, "setting": WORKERS if world > 1 else SINGLE, "dtype": dtype_name,
+        rows.append({"kind": "time", "impl": impl, "setting": setting or (WORKERS if world > 1 else SINGLE),
+                     "dtype": dtype_name,
                      "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
                      "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
                      "time_s": float(np.median(flat)), "p10_s": percentile(flat, 10), "p90_s": percentile(flat, 90),
@@ -287,9 +300,17 @@ def run(ctx, args) -> list[dict]:
     return rows
 
 
+def _evictor(device: torch.device) -> Callable[[], None]:
+    """Before each COLD iteration: write EVICT_BYTES, which leaves none of the layer's code or data in the
+    core's own caches, as a collective's threads and system calls leave them for the work that follows it."""
+    scratch = torch.zeros(EVICT_BYTES // 4, device=device)
+    return lambda: scratch.add_(1.0)
+
+
 def run_single_process(device: torch.device, args) -> list[dict]:
     """Ours against BatchNorm1d in this process, with no process group (float32, the whole grid), and the
-    synchronized computation without its collectives (what the layer costs beyond BatchNorm's kernels)."""
+    synchronized computation without its collectives (what the layer costs beyond BatchNorm's kernels); on
+    the CPU, at the smallest and the largest size, the latter two again with cold caches (COLD)."""
     assert not dist.is_initialized()
     torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
@@ -298,6 +319,9 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
         rows += run_case(0, 1, device, impls, batch, hidden, "float32", args, baseline)
     for batch, hidden in _profiled_sizes(args):
+        if device.type == "cpu":
+            rows += run_case(0, 1, device, [LOCAL, SYNC_PATH], batch, hidden, "float32", args, setting=COLD,
+                             setup=_evictor(device))
         rows += breakdown(0, 1, device, [OURS, LOCAL, SYNC_PATH], batch, hidden)
     return rows
 
@@ -320,7 +344,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     it carries a target (float32 only)."""
     device = rows[0]["device"]
     comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
-                   (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None)]
+                   (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None), (COLD, SYNC_PATH, LOCAL, None)]
     if device == "cuda":
         comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
     # --baseline: the A/B of a change, ours now against ours at the given revision.
@@ -369,6 +393,8 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
     for what in ("saved_bytes", "peak_bytes"):
         for setting in sorted({r["setting"] for r in time_rows if r["kind"] == "time"}):
             ours, local = _times(time_rows, OURS, setting, "float32"), _times(time_rows, LOCAL, setting, "float32")
+            if not ours:  # COLD times the synchronized path only
+                continue
             worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
             out.append({"kind": "target", "name": f"{setting}: {what} of ours <= BatchNorm1d's at every size",
                         "setting": setting, "limit": 1.0, "verdict": "missed" if worse else "met",
@@ -424,7 +450,7 @@ def report(rows: list[dict], env: dict, config: dict) -> None:
     print(f"* {config['iters']} iterations per implementation and size in {config['rounds']} interleaved rounds; "
           "times are medians of the per-iteration maximum over ranks" + ("; OVERSUBSCRIBED (more processes than "
                                                                          "cores): timings say little" if oversub else ""))
-    for setting in (WORKERS, SINGLE):
+    for setting in (WORKERS, SINGLE, COLD):
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
                 print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n{_time_table(rows, setting, dtype)}")

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from syncbn_benchmark import (LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SINGLE, TARGET_GRID, TARGET_SINGLE,
-                              CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives, parse_args, ratios, targets)
+from syncbn_benchmark import (COLD, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SINGLE, SYNC_PATH, TARGET_GRID,
+                              TARGET_SINGLE, CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives, parse_args, ratios,
+                              run_case, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -57,6 +58,21 @@ def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
     assert grid["median"] == pytest.approx(1.3) and grid["verdict"] == "missed"  # median of 1.1, 1.5, 1.2 or 1.4
     assert found[f"{WORKERS}: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
     assert found[f"{SINGLE}: peak_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "met"
+
+
+def test_cold_caches_time_the_synchronized_path_after_a_setup_before_every_iteration():
+    """The COLD rows: ``setup`` (the eviction) runs before each warm-up and timed iteration, outside the timed region;
+    the rows carry the COLD setting; their ratio is reported without a target and no memory target covers them."""
+    calls = []
+    args = parse_args(["--iters", "6", "--rounds", "3", "--warmup", "2"])
+    rows = run_case(0, 1, torch.device("cpu"), [LOCAL, SYNC_PATH], 8, 4, "float32", args, setting=COLD,
+                    setup=lambda: calls.append(time.perf_counter()))
+    # Per implementation: round 0 has 2 warm-up + 2 timed iterations, rounds 1 and 2 have 2 warm-up + 2 timed.
+    assert len(calls) == 2 * (3 * (2 + 2))
+    assert [(r["impl"], r["setting"], r["iters"], r["rounds"]) for r in rows] == [(LOCAL, COLD, 6, 3), (SYNC_PATH, COLD, 6, 3)]
+    ratio_rows = ratios(rows)
+    assert [(r["impl"], r["versus"], r["setting"], r["target"]) for r in ratio_rows] == [(SYNC_PATH, LOCAL, COLD, None)]
+    assert not [t for t in targets(ratio_rows, rows) if t["setting"] == COLD]
 
 
 def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
