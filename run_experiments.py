@@ -91,7 +91,7 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
     Experiment("ddp_headline", "bucketed DDP against PyTorch's at its defaults and best settings, resnet18, many rounds (the target)",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "160", "--rounds", "40", "--warmup", "1",
+                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "144", "--rounds", "24", "--warmup", "1",
                 "--no-breakdown", "--json", "{out}/ddp_headline.json"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
                 "--bucket-sizes", "25", "--iters", "320", "--rounds", "80", "--no-breakdown", "--json",
