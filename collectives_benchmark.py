@@ -13,10 +13,10 @@ spawns each process count of ``--procs`` itself. For each size of a geometric sw
 = 2^20 bytes as in nccl-tests; the smallest default, 4000 bytes, is the homework's 1,000 elements)
 and each algorithm: warm-up calls, then timed calls (``--iters``, 4 times as many up to 1 MiB:
 ``calls``), each starting at a barrier with the input refilled outside the timed region; a call
-takes as long as its slowest rank. The algorithms take
-turns call by call (A B C, then B C A, ...), so a change of machine load hits all of them alike,
-and each round gives one ratio to torch's call of the same round: the ratio reported is the
-median over rounds with its 95 % bootstrap interval (``measure.paired_ratio``).
+takes as long as its slowest rank. The algorithms take turns call by call (A B C, then B C A,
+...), so a change of machine load hits all of them alike, and each round gives one ratio to
+torch's call of the same round: the ratio reported is the median over rounds with its 95 %
+bootstrap interval (``measure.paired_ratio``).
 
 Columns, as in nccl-tests: average time, p50 and p95; algbw = bytes / average time; busbw =
 algbw x 2(n-1)/n, the bytes each rank must move in an all-reduce over the time; p50 / torch's

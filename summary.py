@@ -117,10 +117,10 @@ def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -
         ratios = sorted(c["ratio"]["median"] for c in every)
         sizes = sorted(c["bytes"] for c in every)
         calls = sorted({c["ratio"]["rounds"] for c in every})  # collectives_benchmark.calls: more for small sizes
+        calls_text = str(calls[0]) if len(calls) == 1 else f"{calls[0]} to {calls[-1]}"
         lines.append(
-            f"- **All-reduce** (`collectives_benchmark.py`, {world} processes, "
-            f"{' to '.join(str(n) for n in (calls[0], calls[-1])[:len(calls)])} interleaved calls per algorithm and "
-            f"size): `allreduce(algorithm=\"auto\")` takes {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
+            f"- **All-reduce** (`collectives_benchmark.py`, {world} processes, {calls_text} interleaved calls per "
+            f"algorithm and size): `allreduce(algorithm=\"auto\")` takes {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
             f"the time of `torch.distributed.all_reduce` from {bench.format_size(sizes[0])} to "
             f"{bench.format_size(sizes[-1])}; target <= {every[0]['limit']:.2f}x at every size: {_verdicts(every)}; "
             f"<= {large[0]['limit']:.2f}x at " + " and ".join(bench.format_size(c["bytes"]) for c in large) + ": "

@@ -185,8 +185,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[str], batc
         flat = [t for r in samples[impl] for t in r]
         peak, saved = _memory(steps[impl], layers[impl], x, device)
         rows.append({"kind": "time", "impl": impl, "setting": setting or (WORKERS if world > 1 else SINGLE),
-                     "dtype": dtype_name,
-                     "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
+                     "dtype": dtype_name, "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
                      "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
                      "time_s": float(np.median(flat)), "p10_s": percentile(flat, 10), "p90_s": percentile(flat, 90),
                      **{f"round_p{q}_s": [percentile(r, q) for r in samples[impl]] for q in (10, 50, 90)},
