@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -90,6 +91,12 @@ def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: 
 
 
 def _teardown() -> None:
+    # A wrapped model (PyTorch's DDP and its reducer, hooks that refer back to the module) is often kept
+    # alive by a reference cycle after the script's function returns, and with it the gloo group: collected
+    # only at interpreter exit, the group's threads are then torn down while Python is finalising, which can
+    # abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291
+    # describes the mechanism). Collecting first frees them while everything is still alive.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
