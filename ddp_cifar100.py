@@ -113,6 +113,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import fully_shard
+# At the top, before the process group exists (half a second per process): imported after it, one of its
+# functions would keep the default group as a default argument after teardown (see dist_utils._teardown).
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -339,8 +343,6 @@ def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float, sharding: str 
         return make_ddp("bucketed" if impl == "selfmade" else "pytorch", model, bucket_cap_mb)
     if impl == "selfmade":
         return FSDP(model, shard_types=FSDP_SHARD_TYPES)
-    from torch.distributed.fsdp import fully_shard  # PyTorch's FSDP2; imported here: seconds per process
-
     broadcast_module_state(model)  # fully_shard shards what each rank holds: make it rank 0's first
     for layer in model.modules():
         if isinstance(layer, FSDP_SHARD_TYPES):
@@ -356,8 +358,6 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
         return torch.optim.SGD(model.parameters(), **options)
     if args.distributed_impl == "selfmade":
         return ShardedOptimizer(model.parameters(), torch.optim.SGD, **options)
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **options)
 
 

@@ -26,16 +26,26 @@ import sys
 import tempfile
 import time
 import traceback
+import types
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+# Imported while no process group exists, on purpose. Its functions take ``group=group.WORLD`` as a default
+# argument, evaluated on first import: PyTorch's DDP imports it on first construction, after
+# init_process_group, and the defaults would then hold the default group for the life of the process.
+# destroy_process_group could not free it, and gloo's threads would run on into interpreter shutdown,
+# where a worker can abort ("terminate called without an active exception"). Imported now, they hold None.
+import torch.distributed.nn  # noqa: F401
 
 # Short enough that a dead or stuck peer fails every rank within about a minute;
 # long enough for a slow collective on a loaded 2-core machine.
 DEFAULT_TIMEOUT_S = 60.0
+# The modules imported when this process joined its group (see _teardown).
+_MODULES_AT_INIT: set[str] = set()
 
 
 # --------------------------------------------------------------------------- set-up
@@ -87,18 +97,77 @@ def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: 
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(**kwargs)
+    _MODULES_AT_INIT.update(sys.modules)  # for _teardown's warning
     return DistContext(rank, local_rank, world_size, backend, device, timeout_s)
 
 
-def _teardown() -> None:
-    # A wrapped model (PyTorch's DDP and its reducer, hooks that refer back to the module) is often kept
-    # alive by a reference cycle after the script's function returns, and with it the gloo group: collected
-    # only at interpreter exit, the group's threads are then torn down while Python is finalising, which can
-    # abort the process (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291
-    # describes the mechanism). Collecting first frees them while everything is still alive.
+def _teardown() -> str | None:
+    """Destroy the process group. Returns (and prints) a warning when something still references it.
+
+    A group that outlives destroy_process_group keeps gloo's threads running into interpreter shutdown,
+    where tearing them down can abort a process whose work succeeded. What is still referenced is
+    usually pinned by a module imported after init_process_group that evaluates ``group.WORLD`` in a
+    default argument (``torch.distributed.nn``, ``torch.distributed.optim``; import such modules first)
+    or by a cache of PyTorch's (DTensor's, emptied here).
+    """
+    # A wrapped model in a reference cycle (PyTorch's DDP: its reducer holds the group) is freed now,
+    # while Python is whole, not during shutdown.
     gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return None
+    _clear_dtensor_caches()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    # With a failure in flight there is nothing to add: it is reported already, and the frames of its
+    # traceback may be what holds the group.
+    if world() is None or sys.exc_info()[0] is not None:
+        return None
+    holders = (", ".join(_default_argument_holders(world(), set(sys.modules) - _MODULES_AT_INIT))
+               or "none; a cache or a global holds it")
+    warning = ("warning: the default process group is still referenced after destroy_process_group, so its threads "
+               "live on into interpreter shutdown, where the process can abort. Functions imported after the group "
+               f"was made that hold it as a default argument (import them before): {holders}")
+    print(warning, file=sys.stderr, flush=True)
+    return warning
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches (PyTorch's fully_shard runs on DTensor), so the group can be freed.
+
+    In torch 2.14 five of them keep device meshes, and a mesh keeps its process groups: redistribution
+    planners and transforms, sharding decisions (Python and C++), mesh topologies. Best effort: where a
+    version names them otherwise, ``_teardown`` reports the group still referenced.
+    """
+    if "torch.distributed.tensor._redistribute" not in sys.modules:
+        return  # DTensor never ran
+    try:
+        from torch.distributed.tensor import _redistribute, debug
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        clears = (_redistribute.clear_redistribute_planner_cache, _redistribute._gen_transform_infos.cache_clear,
+                  MeshTopoInfo.build_from_mesh.cache_clear, debug._clear_sharding_prop_cache)
+    except (ImportError, AttributeError):
+        return
+    for clear in clears:
+        clear()
+
+
+def _default_argument_holders(group, module_names) -> list[str]:
+    """The functions and methods of these modules with ``group`` among their default arguments."""
+    def holds(fn) -> bool:
+        if not isinstance(fn, types.FunctionType):
+            return False
+        return any(value is group for value in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()))
+
+    found = []
+    for name in sorted(module_names):
+        module = sys.modules.get(name)
+        for attr, value in list(vars(module).items()) if isinstance(module, types.ModuleType) else ():
+            members = vars(value).items() if isinstance(value, type) and value.__module__ == name else ()
+            found += [f"{name}.{attr}"] if holds(value) else []
+            found += [f"{name}.{attr}.{member}" for member, fn in members if holds(fn)]
+    return found
 
 
 # What gloo and NCCL say when the other side of a message is gone or silent.

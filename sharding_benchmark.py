@@ -44,6 +44,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+# At the top, before the process group exists: imported after it, one of its functions would keep the
+# default group as a default argument after teardown (see dist_utils._teardown).
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import zero
 from ddp import DDP, sync_gradients
@@ -182,8 +186,6 @@ def zero_ours_tensor(module: nn.Module) -> Setup:
 
 @variant("zero pytorch", "zero", targets=(("ddp pytorch", TARGET_ZERO_VS_DDP),))
 def zero_pytorch(module: nn.Module) -> Setup:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     model = _pytorch_ddp(module)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     return Setup(model, optimizer, kept=lambda: _reducer_buckets(model),
@@ -204,8 +206,6 @@ def _fsdp_ours(module: nn.Module, **options) -> Setup:
 
 def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=True) -> Setup:
     """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # Like ours: each sharded layer's floating inputs cast to the compute dtype and its outputs back to
     # float32, the root's norms in float32. By default the outputs would stay in the compute dtype and
     # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.

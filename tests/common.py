@@ -59,12 +59,15 @@ def launch_expecting_peer_failure(fn, world_size: int, *args, rank: int = 0, pg_
     return message, time.monotonic() - start
 
 
+GROUP_OUTLIVED_TEARDOWN = "still referenced after destroy_process_group"  # dist_utils._teardown's warning
+
+
 def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, check: bool = True,
                  torchrun_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``torchrun --standalone --nproc_per_node nproc script args`` from the repository root.
 
     Returns the completed process (stdout and stderr as text). With ``check``, a non-zero
-    exit fails the test with both streams. On timeout every process of the run is killed.
+    exit, or a process group that outlived its teardown, fails the test with both streams. On timeout every process of the run is killed.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, str(REPO / script), *args]
@@ -86,6 +89,9 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, 
     if check and result.returncode != 0:
         raise AssertionError(f"exit code {result.returncode}: {' '.join(command)}\n"
                              f"--- stdout\n{stdout[-5000:]}\n--- stderr\n{stderr[-5000:]}")
+    # A group that outlives its teardown can abort a worker at exit, now and then (see dist_utils._teardown).
+    if check and GROUP_OUTLIVED_TEARDOWN in stderr:
+        raise AssertionError(f"a process group outlived its teardown: {' '.join(command)}\n--- stderr\n{stderr[-5000:]}")
     return result
 
 

@@ -2,7 +2,9 @@
 and timing gathered across ranks."""
 
 import os
+import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 import dist_utils
 import measure
-from common import CollectiveCounter, run_workers
+from common import GROUP_OUTLIVED_TEARDOWN, CollectiveCounter, run_workers
 from dist_utils import PeerFailedError, WorkerError, launch
 
 
@@ -138,6 +140,38 @@ def test_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
         assert (ctx.rank, ctx.world_size, ctx.device.type) == (0, 1, "cpu")
         assert dist.is_initialized() and dist.get_world_size() == 1
     assert not dist.is_initialized(), "torn down on exit"
+
+
+def test_a_group_still_referenced_after_teardown_is_reported(monkeypatch, capsys):
+    """A group that outlives destroy_process_group keeps gloo's threads running into interpreter shutdown,
+    where a process whose work succeeded can abort: the teardown says so on stderr."""
+    monkeypatch.delenv("RANK", raising=False)
+    held = []
+    with dist_utils.distributed("gloo", timeout_s=10):
+        held.append(dist.group.WORLD)  # as a default argument evaluated after the group was made would
+    assert GROUP_OUTLIVED_TEARDOWN in capsys.readouterr().err
+    held.clear()
+    with dist_utils.distributed("gloo", timeout_s=10):
+        pass
+    assert GROUP_OUTLIVED_TEARDOWN not in capsys.readouterr().err
+
+
+def test_the_report_names_each_function_that_holds_the_group_as_a_default_argument(monkeypatch):
+    group = object()
+
+    def broadcast(tensor, group=group):  # as torch.distributed.nn.functional's, imported after init
+        return tensor
+
+    class Scaler:
+        __module__ = "late"
+
+        def __init__(self, *, process_group=group):
+            self.process_group = process_group
+
+    module = types.ModuleType("late")
+    module.broadcast, module.Scaler, module.other = broadcast, Scaler, lambda group=None: group
+    monkeypatch.setitem(sys.modules, "late", module)
+    assert dist_utils._default_argument_holders(group, ["late"]) == ["late.broadcast", "late.Scaler.__init__"]
 
 
 def test_a_set_up_that_fails_leaves_no_store_directory(monkeypatch, tmp_path):
