@@ -47,7 +47,7 @@ from measure import format_ratio, oversubscribed, paired_ratio, time_interleaved
 from results import environment, format_environment, markdown_table, read_results, write_results
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
-QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=12, warmup=2)
+QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=10, warmup=2)
 SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed calls (``calls``)
 TUNE_SIZES = ["4000", "16KB", "64KB", "256KB", "1MB", "4MB", "16MB", "64MB"]
 TUNE_PROCS = [2, 3, 4, 8]

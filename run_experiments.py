@@ -50,7 +50,7 @@ class Experiment:
 
 
 # Quick training: seed 000's schedule and hyper-parameters (4 micro-batches per step) on a small synthetic set.
-_QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "16384", "--val-size", "2048", "--num-epochs", "3",
+_QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", "2048", "--num-epochs", "3",
                 "--grad-accum-steps", "4")
 _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
@@ -79,19 +79,19 @@ EXPERIMENTS = (
                ("collectives_benchmark.py", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots")),
     Experiment("reduce_scatter", "ring reduce-scatter vs torch's reduce_scatter_tensor (sharded data parallelism)",
                ("collectives_benchmark.py", "--collective", "reduce_scatter", "--procs", "2", "--sizes", "10MB", "100MB",
-                "--iters", "16", "--json", "{out}/reduce_scatter.json"),
+                "--iters", "12", "--json", "{out}/reduce_scatter.json"),
                ("collectives_benchmark.py", "--collective", "reduce_scatter", "--json", "{out}/reduce_scatter.json")),
     Experiment("all_gather", "ring all-gather vs torch's all_gather_into_tensor (sharded data parallelism)",
                ("collectives_benchmark.py", "--collective", "all_gather", "--procs", "2", "--sizes", "10MB", "100MB",
-                "--iters", "16", "--json", "{out}/all_gather.json"),
+                "--iters", "12", "--json", "{out}/all_gather.json"),
                ("collectives_benchmark.py", "--collective", "all_gather", "--json", "{out}/all_gather.json")),
     Experiment("ddp_benchmark", "iteration time of every DDP variant and bucket size (seeds 002 and 004)",
-               ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "16", "--rounds", "8",
+               ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "12", "--rounds", "6",
                 "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
     Experiment("ddp_headline", "bucketed DDP against PyTorch's at its defaults and best settings, resnet18, many rounds (the target)",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "144", "--rounds", "24", "--warmup", "1",
+                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "120", "--rounds", "20", "--warmup", "1",
                 "--no-breakdown", "--json", "{out}/ddp_headline.json"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
                 "--bucket-sizes", "25", "--iters", "320", "--rounds", "80", "--no-breakdown", "--json",
@@ -112,7 +112,7 @@ EXPERIMENTS = (
                ("sharding_benchmark.py", "--quick", "--json", "{out}/sharding.json"),
                ("sharding_benchmark.py", "--json", "{out}/sharding.json")),
     Experiment("sharding_resnet18", "the same on resnet18 at 2 ranks, more rounds (ZeRO against DDP on a convolutional model)",
-               ("sharding_benchmark.py", "--quick", "--models", "resnet18", "--procs", "2", "--iters", "16", "--rounds", "8",
+               ("sharding_benchmark.py", "--quick", "--models", "resnet18", "--procs", "2", "--iters", "12", "--rounds", "6",
                 "--json", "{out}/sharding_resnet18.json"),
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),

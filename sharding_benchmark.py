@@ -65,7 +65,7 @@ DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=
                 gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
-             gpt_width=128, gpt_depth=2, gpt_heads=4, iters=24, rounds=12, warmup=1)
+             gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1)
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter, the same sharding
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter, the same implementation
 TARGET_STATE_VS_IDEAL = 1.10  # per-rank model-state bytes / ideal

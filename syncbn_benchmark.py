@@ -74,7 +74,7 @@ PHASE_ITERS = 200
 # One iteration with two collectives, cut where the caller blocks on each: what runs around them, how long each waits.
 PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
-QUICK = {"iters": 120, "rounds": 12, "warmup": 5}
+QUICK = {"iters": 96, "rounds": 12, "warmup": 5}
 
 
 # --------------------------------------------------------------------------- one case
