@@ -49,9 +49,11 @@ class Experiment:
         return [*launcher, *args]
 
 
-# Quick training: seed 000's schedule and hyper-parameters (4 micro-batches per step) on a small synthetic set.
+# Quick training: seed 000's hyper-parameters on a small synthetic set, 2 micro-batches per step instead of the
+# seed's 4 (the full run keeps 4): 96 optimizer steps in 3 epochs of 8192 images, as many as 16384 images at 4
+# would take, in half the time. Fewer steps leave the curve flat (48 steps, 8192 images at 4: 3.6 % accuracy).
 _QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", "2048", "--num-epochs", "3",
-                "--grad-accum-steps", "4")
+                "--grad-accum-steps", "2")
 _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
 EXPERIMENTS = (
