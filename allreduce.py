@@ -1,5 +1,6 @@
 """Homework Task 4: all-reduce over point-to-point messages only: ring, butterfly, halving-doubling,
-recursive doubling, a pipelined tree, and ``allreduce(algorithm="auto")``, which picks one by size.
+recursive doubling, a pipelined tree; beyond the homework, through shared memory for ranks on one
+host; and ``allreduce(algorithm="auto")``, which picks one.
 
     python allreduce.py                  # the homework comparison (spawns 1 to 32 workers itself)
     python allreduce.py --quick          # a small subset, a few minutes on two cores
@@ -13,7 +14,8 @@ what the homework asks::
 It reduces ``tensor`` in place over all ranks of ``group`` (``"sum"``, or ``"mean"``: every
 rank divides its contribution by the group size, then the quotients are summed, so a mean
 overflows only where the mean itself would), and returns the same tensor. Only
-``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective. Any world size, any
+``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective (the shared-memory one
+exchanges messages only to set up, and where stores may be reordered, not x86, to wait). Any world size, any
 number of elements (fewer than ranks, not divisible, or none), any floating dtype (integers
 too with ``op="sum"``), contiguous or not: a non-contiguous tensor is reduced in a
 contiguous copy that is copied back, which costs ``numel`` extra elements. Bad input is
@@ -28,8 +30,12 @@ refused before the first message.
   ranks into partners first.
 * ``recursive_doubling_allreduce``: log2(n) exchanges of the whole tensor (latency-optimal).
 * ``tree_allreduce``: pipelined binary-tree reduce then broadcast.
-* ``allreduce``: any of them by name, or ``"auto"``: the fastest for the size in bytes and
-  the world size, from ``CROSSOVER``, measured here by ``collectives_benchmark.py --tune``.
+* ``shared_memory_allreduce``: every rank of the group on one host (CPU tensors): the ranks map
+  one file of /dev/shm; each copies its tensor in, adds 1/n of the columns over all ranks' rows,
+  and copies the sum out. No byte crosses a socket.
+* ``allreduce``: any of them by name, or ``"auto"``: shared memory when the group shares this
+  host (measured fastest at every size here), otherwise the fastest message-passing algorithm for
+  the size in bytes and the world size, from ``CROSSOVER``, measured by ``collectives_benchmark.py --tune``.
 * ``torch_allreduce``: the reference, ``torch.distributed.all_reduce`` with the same contract.
 
 Running the file spawns its own workers (one launch per world size, one intra-op thread
@@ -54,8 +60,11 @@ import argparse
 import functools
 import math
 import os
+import platform
 import threading
+import time
 import warnings
+import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -64,7 +73,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dist_utils import add_common_args, launch, progress, resolve_backend
+from dist_utils import DEFAULT_TIMEOUT_S, PeerFailedError, add_common_args, launch, progress, resolve_backend
 from measure import PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, write_results
 
@@ -607,10 +616,174 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
     return _allreduce(tensor, op, group, _tree, segment_bytes=segment_bytes, in_flight=in_flight)
 
 
+# --------------------------------------------------------------------------- shared memory (one host)
+# Not a message-passing algorithm: ranks on one host meet in a file of /dev/shm that all of them map.
+# Loopback TCP copies every byte through the kernel twice; here each rank copies its tensor in and the
+# result out once, and adds its 1/n of the elements in between. Synchronisation is two 1-element
+# recursive-doubling exchanges per call, so the group's timeout still ends a call a dead peer would hang.
+
+# auto runs shared memory from this many bytes up when the group shares a host (None: never). From the
+# smallest size: it took 0.47x-0.73x torch's time at every size from 4000 B to 100 MiB with 2 processes
+# (python collectives_benchmark.py --procs 2 --sizes 4000 16KB 64KB 256KB 1MB 4MB 10MB 100MB --algorithms
+# torch shared_memory recursive_doubling halving_doubling --iters 30 --warmup 3), the fastest at each, and
+# 0.18x-0.44x with 4 (oversubscribed; --procs 4 --sizes 4000 64KB 1MB 10MB --iters 12).
+SHARED_FROM_BYTES: int | None = 0
+SHARED_MIN_CAPACITY = 1 << 20  # bytes per slot at least; grown by doubling, so few set-ups per group
+# x86 keeps a core's stores in order, so a peer that sees a rank's counter also sees the rows written
+# before it: ranks wait for each other by polling counters in the file (microseconds). Elsewhere they
+# exchange messages (a 1-element recursive doubling, about 250 us here).
+POLLS = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@dataclass
+class _SharedSlots:
+    """The group's file, mapped: [token, one counter per rank] (int64), then (n + 1, capacity) bytes of rows:
+    row r is rank r's input, row n the sum."""
+
+    group: weakref.ref  # the group it was made for: a new group may reuse the id of a freed one
+    counters: torch.Tensor  # (n,) int64: how many synchronisations each rank has reached
+    rows: torch.Tensor
+    timeout_s: float  # the group's: a peer that stops counting fails the call after this long
+    syncs: int = 0
+
+
+def _header_bytes(n: int) -> int:
+    return -(-8 * (n + 1) // 64) * 64  # token and counters, rounded up to keep the rows aligned
+
+
+_SHARED: dict[int, _SharedSlots | None] = {}  # id(group) -> its slots; None: the ranks share no memory
+
+
+def _sync(rank: int, n: int, group) -> None:
+    """Returns on every rank only once every rank has called it (a sum of one int64: point to point only)."""
+    _recursive_doubling(torch.zeros(1, dtype=torch.int64), rank, n, group)
+
+
+def _meet(slots: _SharedSlots, rank: int, n: int, group) -> None:
+    """``_sync`` through the file where stores stay in order (``POLLS``): count, then wait for every count.
+
+    Polls yield the core at once (oversubscribed ranks need it) and sleep after a while; a peer that
+    has not counted within the group's timeout fails the call with ``PeerFailedError``.
+    """
+    if not POLLS:
+        return _sync(rank, n, group)
+    slots.syncs += 1
+    slots.counters[rank] = slots.syncs
+    deadline, polls = time.monotonic() + slots.timeout_s, 0
+    while int(slots.counters.min()) < slots.syncs:
+        polls += 1
+        if polls > 1000:
+            time.sleep(1e-4)
+            if time.monotonic() > deadline:
+                raise PeerFailedError(f"rank {rank}/{n}: a peer failed, diverged or stopped answering: it did not reach "
+                                      f"the shared-memory all-reduce within the {slots.timeout_s:g} s process-group timeout")
+        else:
+            os.sched_yield()
+
+
+def _timeout_s(group) -> float:
+    """The group's timeout (gloo's options), or dist_utils' default where a backend does not tell."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return DEFAULT_TIMEOUT_S
+
+
+def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
+    """Collective: rank 0 makes a file in /dev/shm, every rank maps it and checks rank 0's random token in it.
+
+    Returns None on every rank if any rank could not see the token (not one host, no /dev/shm). Rank
+    0 unlinks the file as soon as all have mapped it: nothing is left behind, even if a rank dies.
+    """
+    capacity = max(SHARED_MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
+    header = _header_bytes(n)
+    size = header + (n + 1) * capacity
+    name = torch.zeros(2, dtype=torch.int64)  # [rank 0's pid, its token]; the others add zeros
+    if rank == 0:
+        name[:] = torch.tensor([os.getpid(), int.from_bytes(os.urandom(7), "little")])
+    _recursive_doubling(name, rank, n, group)
+    pid, token = name.tolist()
+    path = f"/dev/shm/dp-kit-allreduce-{pid}-{token:x}"
+    if rank == 0:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            os.truncate(path, size)
+        except OSError:
+            pass  # then no rank maps it, and all return None below
+    _sync(rank, n, group)  # the file exists
+    try:  # (on another host there is no such file; from_file would make one)
+        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if os.path.exists(path) else None
+    except (OSError, RuntimeError):
+        raw = None
+    if rank == 0 and raw is not None:
+        raw[:8].view(torch.int64).fill_(token)
+    _sync(rank, n, group)  # the token is written
+    seen = torch.tensor([int(raw is not None and raw[:8].view(torch.int64).item() == token)])
+    _recursive_doubling(seen, rank, n, group)  # how many ranks see it
+    if rank == 0 and os.path.exists(path):
+        os.unlink(path)
+    if seen.item() != n:
+        return None
+    counters = raw[8:8 * (n + 1)].view(torch.int64)
+    return _SharedSlots(weakref.ref(group), counters, raw[header:].view(n + 1, capacity), _timeout_s(group))
+
+
+def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
+    """The group's shared file with rows of at least ``nbytes``, mapped (collectively) on first use or to grow."""
+    group = group if group is not None else dist.group.WORLD
+    slots = _SHARED.get(id(group), False)
+    if slots is False or (slots is not None and (slots.group() is not group or slots.rows.size(1) < nbytes)):
+        slots = _SHARED[id(group)] = _map_shared(nbytes, rank, n, group)
+    return slots
+
+
+def shares_memory(group=None) -> bool:
+    """Collective: whether every rank of ``group`` can map this host's shared memory (cached per group)."""
+    rank, n = _group_rank(group)
+    return n == 1 or _shared_slots(0, rank, n, group) is not None
+
+
+def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
+    """Each rank copies its vector into its row, adds its 1/n of the columns over the rows (rank order) into
+    row n, then copies row n back: every element is summed once, by one rank, so all hold the same bits.
+
+    Two synchronisations: before the sums (every row written) and before the copy back (row n whole).
+    The next call's writes cannot overtake this call's reads: a rank writes its row n piece only after
+    the next call's first synchronisation, which every rank reaches after its copy back.
+    """
+    if flat.device.type != "cpu":
+        raise ValueError(f"the shared-memory all-reduce takes CPU tensors, got one on {flat.device}")
+    slots = _shared_slots(flat.numel() * flat.element_size(), rank, n, group)
+    if slots is None:
+        raise RuntimeError("the shared-memory all-reduce needs every rank of the group on this host "
+                           "(one /dev/shm): use another algorithm")
+    rows = slots.rows[:, :flat.numel() * flat.element_size()].view(flat.dtype)  # (n + 1, numel)
+    rows[rank].copy_(flat)
+    _meet(slots, rank, n, group)
+    b = bounds(flat.numel(), n)
+    columns = rows[:, b[rank]:b[rank + 1]]  # (n + 1, this rank's piece)
+    torch.add(columns[0], columns[1], out=columns[n])
+    for r in range(2, n):
+        columns[n].add_(columns[r])
+    _meet(slots, rank, n, group)
+    flat.copy_(rows[n])
+
+
+def shared_memory_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+    """All-reduce in place through this host's shared memory (every rank of ``group`` on one host, CPU tensors).
+
+    Each rank moves 2 tensors through memory and adds 1/n of one per peer; no byte crosses a socket.
+    Extra memory: (n + 1) slots of the largest message so far (at least 1 MiB each) in /dev/shm, mapped
+    by every rank, kept for the next call.
+    """
+    return _allreduce(tensor, op, group, _shared_memory)
+
+
 # --------------------------------------------------------------------------- automatic choice
 
 
-# The fastest algorithm by message size for each measured world size: ((largest message in bytes,
+# The fastest message-passing algorithm by message size for each measured world size (auto's choice when
+# the group does not share one host's memory, or for CUDA tensors): ((largest message in bytes,
 # algorithm), ...), the last bound None. Derived on this machine (2 cores, nothing else running, gloo,
 # float32) by
 #     python collectives_benchmark.py --tune --procs 2 --iters 60     # the row for 2 processes
@@ -673,9 +846,22 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
     _check(tensor, op)
     rank, n = _group_rank(group)
     if algorithm == "auto":
-        nbytes = tensor.numel() * tensor.element_size()
-        algorithm = choose_algorithm(nbytes, n, warn=rank == 0) if n > 1 else "recursive_doubling"
+        algorithm = auto_algorithm(tensor, group)
     return _allreduce(tensor, op, group, _INNER[algorithm], check=check)
+
+
+def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
+    """What ``allreduce(algorithm="auto")`` runs for ``tensor``: shared memory from ``SHARED_FROM_BYTES`` up when
+    the group's ranks share this host's memory (CPU tensors; a collective the first time per group), else
+    ``choose_algorithm`` for its size in bytes and the group's size."""
+    rank, n = _group_rank(group)
+    nbytes = tensor.numel() * tensor.element_size()
+    if n == 1 or nbytes == 0:
+        return "recursive_doubling"  # nothing is exchanged: no set-up either
+    if SHARED_FROM_BYTES is not None and nbytes >= SHARED_FROM_BYTES and tensor.device.type == "cpu" \
+            and shares_memory(group):
+        return "shared_memory"
+    return choose_algorithm(nbytes, n, warn=rank == 0)
 
 
 # --------------------------------------------------------------------------- reference
@@ -697,11 +883,13 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "halving_doubling": halving_doubling_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
     "tree": tree_allreduce,
+    "shared_memory": shared_memory_allreduce,
     "auto": allreduce,
 }
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 _INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
-                                          "recursive_doubling": _recursive_doubling, "tree": _tree}
+                                          "recursive_doubling": _recursive_doubling, "tree": _tree,
+                                          "shared_memory": _shared_memory}
 
 
 # --------------------------------------------------------------------------- sharded collectives

@@ -1,5 +1,5 @@
 """All-reduce benchmark in the conventions of nccl-tests: torch.distributed.all_reduce beside every all-reduce of
-allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, and ``auto``, the measured choice).
+allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, shared memory, and ``auto``, the measured choice).
 
     torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
     python collectives_benchmark.py --procs 2 4 --json results/collectives.json --plot-dir results/plots
@@ -165,7 +165,7 @@ def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: 
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
                      "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one call per round
                      "oversubscribed": oversubscribed(n, ctx.device),
-                     "choice": allreduce.choose_algorithm(size, n, warn=False) if name == "auto" and n > 1 else None,
+                     "choice": allreduce.auto_algorithm(x) if name == "auto" and n > 1 else None,
                      "max_abs_error": errors[name], "correct": errors[name] == 0.0})
     return rows
 

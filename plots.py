@@ -38,7 +38,7 @@ COLOURS = {
     "overlap": "#009E73", "butterfly": "#009E73",
     "flat": "#CC79A7", "halving_doubling": "#CC79A7",
     "naive": "#56B4E9", "tree": "#56B4E9",
-    "recursive_doubling": "#882255", "auto": "#000000",
+    "recursive_doubling": "#882255", "shared_memory": "#999933", "auto": "#000000",
     "no ddp": "#000000", "no_ddp": "#000000",
     "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
 }

@@ -1,5 +1,5 @@
-"""allreduce.py: ring, butterfly, halving-doubling, recursive-doubling, tree and automatic all-reduce, against the
-exact result computed in float64.
+"""allreduce.py: ring, butterfly, halving-doubling, recursive-doubling, tree, shared-memory and automatic
+all-reduce, against the exact result computed in float64.
 
 World sizes 1, 2, 3, 4, 5 and 8 all run in ONE spawned group of 8 workers (spawning costs seconds
 of importing torch per process, a case milliseconds): sizes 1 to 5 are disjoint subgroups that
@@ -11,16 +11,19 @@ checks the results against the exact sum or mean.
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 import time
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import allreduce
-from common import CollectiveCounter, run_in_subgroups
+from common import CollectiveCounter, launch_expecting_peer_failure, run_in_subgroups
 from dist_utils import WorkerError, launch
 from measure import PeakMemory
 
@@ -30,7 +33,9 @@ WORLD = 8
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 # Each algorithm with its defaults, and the pipelined ones with tiny segments so that even 1003
 # elements take several segments (2 to 16 per chunk for the ring), reusing their scratch rows.
-BASE = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree", "auto")
+BASE = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree", "shared_memory", "auto")
+# What waits without messages once set up (polling shared counters: x86); auto is shared memory here.
+MESSAGE_FREE = ("shared_memory", "auto") if allreduce.POLLS else ()
 VARIANTS = {
     **{name: (name, {}) for name in BASE},
     "ring_segmented": ("ring", {"segment_bytes": 256, "in_flight": 3}),
@@ -123,22 +128,22 @@ def _auto_against_named(group) -> dict:
     """Per (table, numel, dtype): the algorithm auto chose and whether its result has the bits of that algorithm's."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {}
-    saved = allreduce.CROSSOVER
+    saved = allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES
     try:
         for table, dtypes in (("real", FLOATS), ("every algorithm", ("float32",))):
-            if table != "real":
-                allreduce.CROSSOVER = {n: AUTO_TABLE}
+            if table != "real":  # the table's choice, as for a group spread over several hosts
+                allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES = {n: AUTO_TABLE}, None
             for numel in AUTO_SIZES:
                 for dtype in dtypes:
                     auto, named = rank_input(numel, rank, dtype, salt=3), rank_input(numel, rank, dtype, salt=3)
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # a world size the real table lacks: tested separately
+                        name = allreduce.auto_algorithm(auto, group)
                         allreduce.allreduce(auto, "mean", group)
-                        name = allreduce.choose_algorithm(auto.numel() * auto.element_size(), n)
                     allreduce.ALGORITHMS[name](named, "mean", group)
                     out[table, numel, dtype] = (name, torch.equal(auto, named))
     finally:
-        allreduce.CROSSOVER = saved
+        allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES = saved
     return out
 
 
@@ -158,12 +163,34 @@ def _checked(group) -> dict:
             "calls": dict(counter.calls)}
 
 
+def _apart(group) -> dict:
+    """The group as if group rank 1 were on another host (it cannot see rank 0's file in /dev/shm)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    key = id(group if group is not None else dist.group.WORLD)
+    seen_by_rank_1 = os.path.exists
+    hidden = lambda path: seen_by_rank_1(path) and not (rank == 1 and path.startswith("/dev/shm/dp-kit-"))
+    allreduce._SHARED.pop(key, None)  # forget the mapping the cases made: set up again, apart
+    try:
+        with mock.patch.object(allreduce.os.path, "exists", hidden):
+            shares = allreduce.shares_memory(group)
+        try:
+            allreduce.shared_memory_allreduce(torch.ones(4), "sum", group)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        auto = allreduce.auto_algorithm(torch.ones(1 << 20), group)
+    finally:
+        allreduce._SHARED.pop(key, None)
+    left = glob.glob(f"/dev/shm/dp-kit-allreduce-{os.getpid()}-*") if rank == 0 else []
+    return {"shares": shares, "error": error, "auto": auto, "left": left}
+
+
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
            "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
-           "auto": _auto_against_named(group), "checked": _checked(group)}
+           "auto": _auto_against_named(group), "checked": _checked(group), "apart": _apart(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
         matrix = rank_input(2006, rank, "float64", salt=1).view(1003, 2)
@@ -288,10 +315,19 @@ def test_only_point_to_point_messages_are_used(grids, n):
             outcome = ranks_out["cases"][case]
             assert outcome["collectives"] == 0, (case, outcome["calls"])
             assert set(outcome["calls"]) <= {"isend", "irecv", "batch_isend_irecv"}, (case, outcome["calls"])
-            if n > 1:
-                assert outcome["p2p"] > 0, case
-            else:
+            if n == 1:
                 assert outcome["calls"] == {}, "a world of one has nobody to talk to"
+            elif case[0] not in MESSAGE_FREE:
+                assert outcome["p2p"] > 0, case
+
+
+@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
+def test_once_set_up_shared_memory_waits_without_messages_where_stores_stay_in_order(grids, n):
+    """auto (shared memory here) runs after the shared-memory cases of its group have mapped the file."""
+    for case in (c for c in cases(n) if c[0] == "auto"):
+        for ranks_out in grids[n]:
+            calls = ranks_out["cases"][case]["calls"]
+            assert (calls == {}) if allreduce.POLLS else (calls.get("isend", 0) > 0), (case, calls)
 
 
 @pytest.mark.parametrize("variant", ["ring", "ring_segmented", "butterfly"])
@@ -373,6 +409,8 @@ def test_auto_returns_the_bits_of_the_algorithm_it_names(grids, n):
     if n > 1:  # the test table sends each size to a different algorithm: every branch of the choice is exercised
         chosen = [grids[n][0]["auto"]["every algorithm", numel, "float32"][0] for numel in AUTO_SIZES]
         assert chosen == [name for _, name in AUTO_TABLE]
+        # All ranks on this host: the real choice is shared memory at every size.
+        assert {name for (table, *_), (name, _) in grids[n][0]["auto"].items() if table == "real"} == {"shared_memory"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -434,6 +472,27 @@ def test_bad_input_is_refused_before_any_message(grids, n, variant):
         assert refused["int_mean"]["error"].startswith("TypeError: op='mean' needs a floating dtype")
         assert refused["unknown_op"]["error"].startswith("ValueError: unknown op 'max'")
         assert refused["int_mean"]["calls"] == {} and refused["unknown_op"]["calls"] == {}
+
+
+@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
+def test_ranks_that_do_not_share_memory_fall_back_to_messages_and_leave_no_file(grids, n):
+    for ranks_out in grids[n]:
+        apart = ranks_out["apart"]
+        assert apart["shares"] is False, "every rank learns that one could not map the file"
+        assert "needs every rank of the group on this host" in apart["error"]
+        assert apart["auto"] == allreduce.choose_algorithm(4 << 20, n, warn=False), "auto takes the table's choice"
+        assert apart["left"] == [], "rank 0 unlinks its file once every rank has tried to map it"
+
+
+def _silent_after_set_up(ctx):
+    allreduce.shares_memory()  # both map the file
+    if ctx.rank == 0:
+        allreduce.shared_memory_allreduce(torch.ones(8), "sum")  # rank 1 never comes
+
+
+def test_a_peer_that_never_arrives_fails_the_shared_memory_all_reduce_within_the_group_timeout():
+    message, seconds = launch_expecting_peer_failure(_silent_after_set_up, 2, rank=0, pg_timeout_s=3)
+    assert "shared-memory all-reduce" in message and seconds < 60
 
 
 def _mismatched_sizes(ctx):
