@@ -1080,7 +1080,7 @@ ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather
 # --------------------------------------------------------------------------- the homework comparison
 
 CUSTOM = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree")
-QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=8, warmup=2)
+QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=20, warmup=2)
 # Seed 000's second table compares with torch on 1 to 16 processes.
 TORCH_TABLE_MAX_WORLD = 16
 
