@@ -619,8 +619,8 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # --------------------------------------------------------------------------- shared memory (one host)
 # Not a message-passing algorithm: ranks on one host meet in a file of /dev/shm that all of them map.
 # Loopback TCP copies every byte through the kernel twice; here each rank copies its tensor in and the
-# result out once, and adds its 1/n of the elements in between. Synchronisation is two 1-element
-# recursive-doubling exchanges per call, so the group's timeout still ends a call a dead peer would hang.
+# result out once, and adds its 1/n of the elements in between. Two waits per call (``_meet``), bounded
+# by the group's timeout, so a dead peer fails the call instead of hanging it.
 
 # auto runs shared memory from this many bytes up when the group shares a host (None: never). From the
 # smallest size: it took 0.47x-0.73x torch's time at every size from 4000 B to 100 MiB with 2 processes
@@ -693,7 +693,8 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     """Collective: rank 0 makes a file in /dev/shm, every rank maps it and checks rank 0's random token in it.
 
     Returns None on every rank if any rank could not see the token (not one host, no /dev/shm). Rank
-    0 unlinks the file as soon as all have mapped it: nothing is left behind, even if a rank dies.
+    0 unlinks the file as soon as all have tried to map it, or when the set-up fails (a peer died):
+    the mappings live on, nothing is left in /dev/shm.
     """
     capacity = max(SHARED_MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
     header = _header_bytes(n)
@@ -704,24 +705,26 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     _recursive_doubling(name, rank, n, group)
     pid, token = name.tolist()
     path = f"/dev/shm/dp-kit-allreduce-{pid}-{token:x}"
-    if rank == 0:
-        try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-            os.truncate(path, size)
-        except OSError:
-            pass  # then no rank maps it, and all return None below
-    _sync(rank, n, group)  # the file exists
-    try:  # (on another host there is no such file; from_file would make one)
-        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if os.path.exists(path) else None
-    except (OSError, RuntimeError):
-        raw = None
-    if rank == 0 and raw is not None:
-        raw[:8].view(torch.int64).fill_(token)
-    _sync(rank, n, group)  # the token is written
-    seen = torch.tensor([int(raw is not None and raw[:8].view(torch.int64).item() == token)])
-    _recursive_doubling(seen, rank, n, group)  # how many ranks see it
-    if rank == 0 and os.path.exists(path):
-        os.unlink(path)
+    try:
+        if rank == 0:
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+                os.truncate(path, size)
+            except OSError:
+                pass  # then no rank maps it, and all return None below
+        _sync(rank, n, group)  # the file exists
+        try:  # (on another host there is no such file; from_file would make one)
+            raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if os.path.exists(path) else None
+        except (OSError, RuntimeError):
+            raw = None
+        if rank == 0 and raw is not None:
+            raw[:8].view(torch.int64).fill_(token)
+        _sync(rank, n, group)  # the token is written
+        seen = torch.tensor([int(raw is not None and raw[:8].view(torch.int64).item() == token)])
+        _recursive_doubling(seen, rank, n, group)  # how many ranks see it
+    finally:
+        if rank == 0 and os.path.exists(path):
+            os.unlink(path)
     if seen.item() != n:
         return None
     counters = raw[8:8 * (n + 1)].view(torch.int64)
@@ -733,6 +736,8 @@ def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     group = group if group is not None else dist.group.WORLD
     slots = _SHARED.get(id(group), False)
     if slots is False or (slots is not None and (slots.group() is not group or slots.rows.size(1) < nbytes)):
+        for key in [key for key, old in _SHARED.items() if old is not None and old.group() is None]:
+            del _SHARED[key]  # the mappings of freed groups
         slots = _SHARED[id(group)] = _map_shared(nbytes, rank, n, group)
     return slots
 

@@ -167,8 +167,8 @@ def _apart(group) -> dict:
     """The group as if group rank 1 were on another host (it cannot see rank 0's file in /dev/shm)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     key = id(group if group is not None else dist.group.WORLD)
-    seen_by_rank_1 = os.path.exists
-    hidden = lambda path: seen_by_rank_1(path) and not (rank == 1 and path.startswith("/dev/shm/dp-kit-"))
+    exists = os.path.exists
+    hidden = lambda path: exists(path) and not (rank == 1 and path.startswith("/dev/shm/dp-kit-"))
     allreduce._SHARED.pop(key, None)  # forget the mapping the cases made: set up again, apart
     try:
         with mock.patch.object(allreduce.os.path, "exists", hidden):
