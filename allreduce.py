@@ -758,11 +758,12 @@ def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
     """
     if flat.device.type != "cpu":
         raise ValueError(f"the shared-memory all-reduce takes CPU tensors, got one on {flat.device}")
-    slots = _shared_slots(flat.numel() * flat.element_size(), rank, n, group)
+    nbytes = flat.numel() * flat.element_size()
+    slots = _shared_slots(nbytes, rank, n, group)
     if slots is None:
         raise RuntimeError("the shared-memory all-reduce needs every rank of the group on this host "
                            "(one /dev/shm): use another algorithm")
-    rows = slots.rows[:, :flat.numel() * flat.element_size()].view(flat.dtype)  # (n + 1, numel)
+    rows = slots.rows[:, :nbytes].view(flat.dtype)  # (n + 1, numel)
     rows[rank].copy_(flat)
     _meet(slots, rank, n, group)
     b = bounds(flat.numel(), n)

@@ -44,7 +44,10 @@ import torch.distributed.nn  # noqa: F401
 # Short enough that a dead or stuck peer fails every rank within about a minute;
 # long enough for a slow collective on a loaded 2-core machine.
 DEFAULT_TIMEOUT_S = 60.0
-# The modules imported when this process joined its group (see _teardown).
+# What _teardown prints (and the tests look for) when a destroyed group is still referenced.
+GROUP_OUTLIVED_TEARDOWN = "still referenced after destroy_process_group"
+# The modules imported when this process joined its group: _teardown looks for holders only among the others
+# (one imported before holds None in its defaults), and reads no attribute of the rest.
 _MODULES_AT_INIT: set[str] = set()
 
 
@@ -97,7 +100,7 @@ def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: 
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(**kwargs)
-    _MODULES_AT_INIT.update(sys.modules)  # for _teardown's warning
+    _MODULES_AT_INIT.update(sys.modules)
     return DistContext(rank, local_rank, world_size, backend, device, timeout_s)
 
 
@@ -110,14 +113,13 @@ def _teardown() -> str | None:
     default argument (``torch.distributed.nn``, ``torch.distributed.optim``; import such modules first)
     or by a cache of PyTorch's (DTensor's, emptied here).
     """
-    # A wrapped model in a reference cycle (PyTorch's DDP: its reducer holds the group) is freed now,
-    # while Python is whole, not during shutdown.
-    gc.collect()
     if not dist.is_initialized():
         return None
     _clear_dtensor_caches()
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
+    # A wrapped model in a reference cycle (PyTorch's DDP: its reducer holds the group) is freed now,
+    # while Python is whole, not during shutdown.
     gc.collect()
     # With a failure in flight there is nothing to add: it is reported already, and the frames of its
     # traceback may be what holds the group.
@@ -125,9 +127,9 @@ def _teardown() -> str | None:
         return None
     holders = (", ".join(_default_argument_holders(world(), set(sys.modules) - _MODULES_AT_INIT))
                or "none; a cache or a global holds it")
-    warning = ("warning: the default process group is still referenced after destroy_process_group, so its threads "
-               "live on into interpreter shutdown, where the process can abort. Functions imported after the group "
-               f"was made that hold it as a default argument (import them before): {holders}")
+    warning = (f"warning: the default process group is {GROUP_OUTLIVED_TEARDOWN}, so its threads live on into "
+               "interpreter shutdown, where the process can abort. Functions imported after the group was made "
+               f"that hold it as a default argument (import them before): {holders}")
     print(warning, file=sys.stderr, flush=True)
     return warning
 

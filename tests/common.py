@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dist_utils import PeerFailedError, WorkerError, launch
+from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,9 +57,6 @@ def launch_expecting_peer_failure(fn, world_size: int, *args, rank: int = 0, pg_
     assert PeerFailedError.__name__ in message and "a peer failed" in message, message
     assert f"{pg_timeout_s:g} s process-group timeout" in message, message
     return message, time.monotonic() - start
-
-
-GROUP_OUTLIVED_TEARDOWN = "still referenced after destroy_process_group"  # dist_utils._teardown's warning
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, check: bool = True,

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 import dist_utils
 import measure
-from common import GROUP_OUTLIVED_TEARDOWN, CollectiveCounter, run_workers
-from dist_utils import PeerFailedError, WorkerError, launch
+from common import CollectiveCounter, run_workers
+from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 
 def _probe(ctx, payload):
