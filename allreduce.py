@@ -626,12 +626,13 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # smallest size: it took 0.47x-0.73x torch's time at every size from 4000 B to 100 MiB with 2 processes
 # (python collectives_benchmark.py --procs 2 --sizes 4000 16KB 64KB 256KB 1MB 4MB 10MB 100MB --algorithms
 # torch shared_memory recursive_doubling halving_doubling --iters 30 --warmup 3), the fastest at each, and
-# 0.18x-0.44x with 4 (oversubscribed; --procs 4 --sizes 4000 64KB 1MB 10MB --iters 12).
+# 0.18x-0.44x with 4 (oversubscribed; python collectives_benchmark.py --procs 4 --sizes 4000 64KB 1MB 10MB
+# --algorithms torch shared_memory tree ring --iters 12 --warmup 2).
 SHARED_FROM_BYTES: int | None = 0
 SHARED_MIN_CAPACITY = 1 << 20  # bytes per slot at least; grown by doubling, so few set-ups per group
 # x86 keeps a core's stores in order, so a peer that sees a rank's counter also sees the rows written
-# before it: ranks wait for each other by polling counters in the file (microseconds). Elsewhere they
-# exchange messages (a 1-element recursive doubling, about 250 us here).
+# before it: ranks wait for each other by polling counters in the file. Elsewhere they exchange messages
+# (a 1-element recursive doubling: a message round trip per doubling step).
 POLLS = platform.machine().lower() in ("x86_64", "amd64")
 
 
