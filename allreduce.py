@@ -749,6 +749,17 @@ def shares_memory(group=None) -> bool:
     return n == 1 or _shared_slots(0, rank, n, group) is not None
 
 
+def _required_slots(flat: torch.Tensor, nbytes: int, rank: int, n: int, group, what: str) -> _SharedSlots:
+    """The group's shared file with rows of ``nbytes`` at least, or an error naming the collective ``what``."""
+    if flat.device.type != "cpu":
+        raise ValueError(f"the shared-memory {what} takes CPU tensors, got one on {flat.device}")
+    slots = _shared_slots(nbytes, rank, n, group)
+    if slots is None:
+        raise RuntimeError(f"the shared-memory {what} needs every rank of the group on this host "
+                           "(one /dev/shm): use another algorithm")
+    return slots
+
+
 def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
     """Each rank copies its vector into its row, adds its 1/n of the columns over the rows (rank order) into
     row n, then copies row n back: every element is summed once, by one rank, so all hold the same bits.
@@ -757,13 +768,8 @@ def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
     The next call's writes cannot overtake this call's reads: a rank writes its row n piece only after
     the next call's first synchronisation, which every rank reaches after its copy back.
     """
-    if flat.device.type != "cpu":
-        raise ValueError(f"the shared-memory all-reduce takes CPU tensors, got one on {flat.device}")
     nbytes = flat.numel() * flat.element_size()
-    slots = _shared_slots(nbytes, rank, n, group)
-    if slots is None:
-        raise RuntimeError("the shared-memory all-reduce needs every rank of the group on this host "
-                           "(one /dev/shm): use another algorithm")
+    slots = _required_slots(flat, nbytes, rank, n, group, "all-reduce")
     rows = slots.rows[:, :nbytes].view(flat.dtype)  # (n + 1, numel)
     rows[rank].copy_(flat)
     _meet(slots, rank, n, group)
@@ -1062,6 +1068,37 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
     return _sharded(output, input, run)
 
 
+def shared_memory_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+    """``all_gather``'s contract through this host's shared memory (every rank of ``group`` on one host, CPU tensors).
+
+    Each rank copies its ``input`` into its row of the group's shared file (the all-reduce's,
+    ``shared_memory_allreduce``) and, once every row is written, all n rows out: one copy in,
+    one out, no byte through a socket. Two synchronisations: before the copy out (every row
+    written) and after it, so that the next call's write of a row cannot overtake a peer still
+    reading it (the all-reduce needs no second wait there: its next writes go to rows no one reads).
+    Extra memory: the group's file, n + 1 rows of at least the largest input so far (1 MiB at least,
+    grown by doubling), mapped by every rank and kept for the next call.
+    """
+    rank, n = _check_sharded(output, input, "sum", group, gathering=True)
+
+    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
+        if out.numel() == 0:
+            return
+        if n == 1:
+            if flat.data_ptr() != out.data_ptr():
+                out.copy_(flat)
+            return
+        nbytes = flat.numel() * flat.element_size()
+        slots = _required_slots(flat, nbytes, rank, n, group, "all-gather")
+        rows = slots.rows[:n, :nbytes].view(flat.dtype)  # (n, m): row j is rank j's input
+        rows[rank].copy_(flat)
+        _meet(slots, rank, n, group)
+        out.view(n, -1).copy_(rows)
+        _meet(slots, rank, n, group)
+
+    return _sharded(output, input, run)
+
+
 def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
     """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
     gloo has no AVG, so the mean is the sum divided once."""
@@ -1081,7 +1118,8 @@ def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> t
 
 # name -> f(output, input, op, group) and f(output, input, group)
 REDUCE_SCATTERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_reduce_scatter, "ring": reduce_scatter}
-ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather}
+ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather,
+                                                     "shared_memory": shared_memory_all_gather}
 
 
 # --------------------------------------------------------------------------- the homework comparison

@@ -578,8 +578,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tune", action="store_true",
                         help="time the point-to-point algorithms on a finer sweep and print allreduce.CROSSOVER")
     parser.add_argument("--collective", choices=("allreduce", "reduce_scatter", "all_gather"), default="allreduce",
-                        help="what to time; reduce_scatter and all_gather compare allreduce.py's rings with torch's "
-                             "reduce_scatter_tensor and all_gather_into_tensor ('torch' and 'ring' only) "
+                        help="what to time; reduce_scatter and all_gather compare allreduce.py's rings (and its "
+                             "shared-memory all-gather) with torch's reduce_scatter_tensor and all_gather_into_tensor "
+                             "(algorithms 'torch', 'ring' and, for all_gather, 'shared_memory') "
                              "(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"small and fast: {QUICK} (explicit flags win)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,

@@ -118,6 +118,12 @@ EXPERIMENTS = (
                 "--json", "{out}/sharding_resnet18.json"),
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),
+    Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, ours and "
+               "PyTorch's DDP",
+               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", "ddp ours", "ddp pytorch",
+                "zero ours", "--iters", "36", "--rounds", "18", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
+               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", "ddp ours", "ddp pytorch",
+                "zero ours", "--iters", "120", "--rounds", "40", "--json", "{out}/sharding_gpt.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
 

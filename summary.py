@@ -133,6 +133,12 @@ def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -
     return lines
 
 
+def _sharding_models(config: dict) -> str:
+    """The models of a sharding run, the GPT with its size (the quick sweep's is a toy; sharding_gpt's the default)."""
+    return ", ".join(f"{m} (width {config['gpt_width']}, depth {config['gpt_depth']}, vocabulary {config['gpt_vocab']})"
+                     if m == "gpt" else m for m in config["models"])
+
+
 def sharding_lines(doc: dict) -> list[str]:
     """Sharded data parallelism at the largest world size that is not oversubscribed."""
     rows = [r for r in doc["results"] if "variant" in r]
@@ -141,7 +147,7 @@ def sharding_lines(doc: dict) -> list[str]:
     timed = [t for t in targets if t["ratio"] is not None]
     states = [t for t in targets if t["ratio"] is None]
     worst_state = max(states, key=lambda t: t["value"])
-    lines = [f"- **Sharded data parallelism** (`sharding_benchmark.py`, {', '.join(doc['config']['models'])}, AdamW, "
+    lines = [f"- **Sharded data parallelism** (`sharding_benchmark.py`, {_sharding_models(doc['config'])}, AdamW, "
              f"{world} processes, {doc['config']['rounds']} rounds): model-state bytes per rank within "
              f"{states[0]['limit']:.2f}x the ideal for {sum(t['verdict'] == 'met' for t in states)} of {len(states)} "
              f"rows (largest {worst_state['value']:.2f}x, {worst_state['target'].split(' state')[0]}); time:"]
@@ -184,6 +190,7 @@ SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("collectives", "reduce_scatter", "all_gather"), collectives_lines),
     (("sharding",), sharding_lines),
     (("sharding_resnet18",), sharding_lines),
+    (("sharding_gpt",), sharding_lines),
     (("train_selfmade", "train_pytorch"), training_lines),
     (("ddp_benchmark", "ddp_sweep"), oversubscribed_lines),
 ]

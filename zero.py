@@ -8,15 +8,19 @@
 Every rank still holds the whole model and, after backward, the whole averaged gradient; but
 each parameter element is owned by exactly one rank, and only its owner keeps its optimizer
 state (for AdamW two float32 tensors per parameter: the biggest share of the model states)
-and updates it. Then every rank's updated share is sent to every other rank with the ring
-all-gather of ``allreduce.py``.
+and updates it. Then every rank's updated share is sent to every other rank with an all-gather
+of ``allreduce.py``: when every rank is on one host (CPU tensors), through that host's shared
+memory (``shared_memory_all_gather``: one copy in, one out, no socket; 0.30x torch's
+``all_gather_into_tensor`` at 10 MiB with 2 processes in ``results/all_gather.json``; the
+file holds n + 1 rows of a bucket's largest share, outside the tensors the benchmark counts), else
+the ring (``all_gather``).
 
 Buckets and overlap. Each param group's parameters of one dtype are cut, in order, into
 *buckets* of at most ``bucket_cap_mb`` (a bigger tensor alone, as ``ddp.coalesce`` cuts
 them), and every bucket is partitioned among the ranks and all-gathered on its own.
 ``step()`` updates this rank's share of bucket 0, hands bucket 0's all-gather to a
-communication thread (``comm_thread.CommThread``: our ring is blocking Python, the thread is
-what lets it run while this thread computes), updates bucket 1 meanwhile, and so on. Then:
+communication thread (``comm_thread.CommThread``: our collectives are blocking Python, the
+thread is what lets them run while this thread computes), updates bucket 1 meanwhile, and so on. Then:
 
 * by default ``step()`` waits for every bucket before it returns: every parameter is up to
   date afterwards, whatever reads it (only the optimizer's own update of later buckets
@@ -166,6 +170,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
         self._comm = CommThread(process_group, device, enabled=comm_thread, name="zero-comm")
+        # Ranks on one host (CPU) gather through its shared memory; otherwise our ring (see _share_bucket).
+        self._all_gather = (allreduce.shared_memory_all_gather if device.type == "cpu" and self.world_size > 1
+                            and allreduce.shares_memory(self._comm.group) else allreduce.all_gather)
         self._module: nn.Module | None = None  # set by overlap_with_forward
         self._hooks: list = []
         self._waited_s = 0.0  # waits for the buckets in flight so far
@@ -262,8 +269,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = bucket.params[0].device
         # (n, largest share), padded. Allocated (and later freed) by this thread: see CommThread.submit.
         buffer = torch.empty(self.world_size, width, dtype=bucket.params[0].dtype, device=device)
-        bucket.future = self._comm.submit(_share_bucket, buffer, bucket.by_rank, self.rank, self.update,
-                                          self._comm.group)
+        share = self.update if self.update == "broadcast" else self._all_gather
+        bucket.future = self._comm.submit(_share_bucket, buffer, bucket.by_rank, self.rank, share, self._comm.group)
 
     def wait_for_parameters(self, through: int | None = None) -> None:
         """Wait until the updated parameters of buckets ``0..through`` (default: all) have arrived.
@@ -481,11 +488,12 @@ def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
 
 
 @torch.no_grad()
-def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, update: str, group) -> None:
+def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, update, group) -> None:
     """Every owner's pieces of one bucket to every rank (runs on the communication thread).
 
-    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; the ring
-    all-gather fills the other rows; each rank copies them into its parameters. The thread
+    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; ``update``, an
+    all-gather (``allreduce.all_gather``, our ring, or ``shared_memory_all_gather`` when the
+    ranks share a host), fills the other rows; each rank copies them into its parameters. The thread
     reads only this rank's pieces of this bucket, which the caller's later updates do not
     touch, and writes only other ranks' pieces, which nothing reads until the wait.
     All-gather rather than one broadcast per owner: the ring sends each rank's (n-1)/n of the
@@ -497,7 +505,7 @@ def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, u
         for owner in range(len(by_rank)):
             dist.broadcast(buffer[owner], group=group, group_src=owner)
     else:
-        allreduce.all_gather(buffer.view(-1), buffer[rank], group)
+        update(buffer.view(-1), buffer[rank], group)
     for owner, pieces in enumerate(by_rank):
         if owner != rank:
             _copy_pieces(pieces, buffer[owner], into_row=False)

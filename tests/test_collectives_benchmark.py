@@ -225,6 +225,7 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
 
 
 def test_a_sharded_collective_takes_its_own_algorithms():
-    assert bench.parse_args(["--collective", "all_gather"]).algorithms == ["torch", "ring"]
+    assert bench.parse_args(["--collective", "all_gather"]).algorithms == ["torch", "ring", "shared_memory"]
+    assert bench.parse_args(["--collective", "reduce_scatter"]).algorithms == ["torch", "ring"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--collective", "reduce_scatter", "--algorithms", "butterfly"])

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import io
 import threading
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import allreduce
 import zero
 from common import CollectiveCounter, assert_refused, refused, run_workers
 
@@ -135,6 +137,14 @@ def _case(name: str, partition: str, group) -> dict:
             "calls": dict(counter.calls), "collectives": counter.collectives}
 
 
+def _apart(group) -> dict:
+    """AdamW as if the ranks were on different hosts: the updates travel by our ring all-gather."""
+    with mock.patch.object(allreduce, "shares_memory", lambda group=None: False):
+        probe = _sharded(make_model(), "adamw", group, "flat")
+        outcome = _case("adamw", "flat", group)
+    return {**outcome, "gather": probe._all_gather.__name__}
+
+
 def _comm_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("zero-comm")}
 
@@ -210,6 +220,7 @@ def _grid(ctx) -> dict:
             out[n] = {"rank": dist.get_rank(group),
                       "cases": {(name, partition): _case(name, partition, group)
                                 for name in OPTIMIZERS for partition in zero.PARTITIONS},
+                      "apart": _apart(group),
                       "bucketed": {(name, overlap): _bucketed_case(name, group, overlap)
                                    for name in ("sgd", "adamw") for overlap in (False, True)},
                       "refused": _bad_inputs(group)}
@@ -308,11 +319,22 @@ def test_the_flat_partition_gives_every_rank_the_same_number_of_elements_to_one_
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_the_update_is_shared_with_point_to_point_messages_only(ranks, n):
+def test_on_one_host_the_update_is_shared_through_its_memory_without_messages_where_stores_stay_in_order(ranks, n):
     for outcome in ranks[n]:
         for name, case in outcome["cases"].items():
             assert case["collectives"] == 0, (name, case["calls"])
-            assert case["calls"].keys() <= {"isend", "irecv", "batch_isend_irecv"} and case["calls"], name
+            assert (case["calls"] == {}) if allreduce.POLLS else (case["calls"].get("isend", 0) > 0), name
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_on_different_hosts_the_update_is_shared_by_the_ring_with_point_to_point_messages_only(ranks, n):
+    want, _ = oracle("adamw", STEPS)
+    for outcome in ranks[n]:
+        case = outcome["apart"]
+        assert case["gather"] == "all_gather"
+        assert case["collectives"] == 0, case["calls"]
+        assert case["calls"].keys() <= {"isend", "irecv", "batch_isend_irecv"} and case["calls"]
+        assert_same_bits(case["params"], state_of(want))
 
 
 def test_a_single_rank_owns_every_piece_and_shares_nothing(ranks):
