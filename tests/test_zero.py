@@ -190,6 +190,27 @@ def _bucketed_case(name: str, group, overlap: bool) -> dict:
                 + len(m._load_state_dict_pre_hooks) for m in model.modules()) - len(LAYERS)}
 
 
+def lone_bucket_params(model: Toy) -> list[nn.Parameter]:
+    """One param group of one dtype, well under the default bucket cap: a single bucket."""
+    return [p for p in model.parameters() if p.dtype == torch.float32]
+
+
+def _lone_bucket_case(group) -> dict:
+    """AdamW over one bucket with overlap_with_forward: step() shares it inline (see ShardedOptimizer._launch)."""
+    model = make_model()
+    optimizer = zero.ShardedOptimizer(lone_bucket_params(model), torch.optim.AdamW, process_group=group, lr=0.01)
+    optimizer.overlap_with_forward(model)
+    in_flight = 0
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        set_gradients(model, step)
+        optimizer.step()
+        in_flight += sum(bucket.future is not None for bucket in optimizer.buckets)
+    buckets, share_s = len(optimizer.buckets), optimizer.last_share_s
+    optimizer.close()
+    return {"params": state_of(model), "buckets": buckets, "in_flight": in_flight, "share_s": share_s}
+
+
 def _bad_inputs(group) -> dict:
     model = make_model()
     w, b = model.hidden.weight, model.hidden.bias
@@ -220,7 +241,7 @@ def _grid(ctx) -> dict:
             out[n] = {"rank": dist.get_rank(group),
                       "cases": {(name, partition): _case(name, partition, group)
                                 for name in OPTIMIZERS for partition in zero.PARTITIONS},
-                      "apart": _apart(group),
+                      "apart": _apart(group), "lone bucket": _lone_bucket_case(group),
                       "bucketed": {(name, overlap): _bucketed_case(name, group, overlap)
                                    for name in ("sgd", "adamw") for overlap in (False, True)},
                       "refused": _bad_inputs(group)}
@@ -410,6 +431,23 @@ def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forwa
             assert {key.split(".")[0] for key in seen} == set(LAYERS)
             tied = {"out.weight": "embed.weight"}  # named_parameters() lists a tied parameter once
             assert_same_bits(seen, {key: want[step][tied.get(key, key)] for key in seen})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_lone_bucket_is_shared_inside_step_even_with_overlap_and_bit_for_bit(ranks, n):
+    """Nothing to overlap it with: no all-gather is left in flight after step(), and the time it took counts as
+    exposed; the parameters are the unsharded AdamW's."""
+    model = make_model()
+    plain = torch.optim.AdamW(lone_bucket_params(model), lr=0.01)
+    for step in range(STEPS):
+        plain.zero_grad()
+        set_gradients(model, step)
+        plain.step()
+    for outcome in ranks[n]:
+        case = outcome["lone bucket"]
+        assert case["buckets"] == 1 and case["in_flight"] == 0
+        assert case["share_s"] > 0.0 if n > 1 else case["share_s"] == 0.0
+        assert_same_bits(case["params"], state_of(model))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
