@@ -638,18 +638,19 @@ POLLS = platform.machine().lower() in ("x86_64", "amd64")
 
 @dataclass
 class _SharedSlots:
-    """The group's file, mapped: [token, one counter per rank] (int64), then (n + 1, capacity) bytes of rows:
-    row r is rank r's input, row n the sum."""
+    """The group's file, mapped: [token, one counter per rank, one size per rank] (int64), then (n + 1,
+    capacity) bytes of rows: row r is rank r's input, row n the sum."""
 
     group: weakref.ref  # the group it was made for: a new group may reuse the id of a freed one
     counters: torch.Tensor  # (n,) int64: how many synchronisations each rank has reached
+    sizes: torch.Tensor  # (n,) int64: the bytes each rank brings to the call in progress (see _meet_same_size)
     rows: torch.Tensor
     timeout_s: float  # the group's: a peer that stops counting fails the call after this long
     syncs: int = 0
 
 
 def _header_bytes(n: int) -> int:
-    return -(-8 * (n + 1) // 64) * 64  # token and counters, rounded up to keep the rows aligned
+    return -(-8 * (2 * n + 1) // 64) * 64  # token, counters and sizes, rounded up to keep the rows aligned
 
 
 _SHARED: dict[int, _SharedSlots | None] = {}  # id(group) -> its slots; None: the ranks share no memory
@@ -677,9 +678,23 @@ def _meet(slots: _SharedSlots, rank: int, n: int, group) -> None:
             time.sleep(1e-4)
             if time.monotonic() > deadline:
                 raise PeerFailedError(f"rank {rank}/{n}: a peer failed, diverged or stopped answering: it did not reach "
-                                      f"the shared-memory all-reduce within the {slots.timeout_s:g} s process-group timeout")
+                                      f"the shared-memory collective within the {slots.timeout_s:g} s process-group timeout")
         else:
             os.sched_yield()
+
+
+def _meet_same_size(slots: _SharedSlots, rank: int, n: int, group, nbytes: int, what: str) -> None:
+    """A call's first ``_meet``, at which every rank also posts the bytes it brings: ranks that disagree (a peer
+    diverged: another channel count, another model) would read each other's rows wrongly and return garbage,
+    so all of them raise, with the same table. On that path a second meet first lets every rank read the
+    table before any can go on to overwrite its entry."""
+    slots.sizes[rank] = nbytes
+    _meet(slots, rank, n, group)
+    sizes = slots.sizes.tolist()
+    if len(set(sizes)) > 1:
+        _meet(slots, rank, n, group)
+        raise ValueError(f"rank {rank}/{n}: the ranks called the shared-memory {what} with different sizes (bytes "
+                         f"per group rank: {sizes}): a peer diverged")
 
 
 def _timeout_s(group) -> float:
@@ -728,8 +743,8 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
             os.unlink(path)
     if seen.item() != n:
         return None
-    counters = raw[8:8 * (n + 1)].view(torch.int64)
-    return _SharedSlots(weakref.ref(group), counters, raw[header:].view(n + 1, capacity), _timeout_s(group))
+    words = raw[8:8 * (2 * n + 1)].view(torch.int64)
+    return _SharedSlots(weakref.ref(group), words[:n], words[n:], raw[header:].view(n + 1, capacity), _timeout_s(group))
 
 
 def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
@@ -772,7 +787,7 @@ def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
     slots = _required_slots(flat, nbytes, rank, n, group, "all-reduce")
     rows = slots.rows[:, :nbytes].view(flat.dtype)  # (n + 1, numel)
     rows[rank].copy_(flat)
-    _meet(slots, rank, n, group)
+    _meet_same_size(slots, rank, n, group, nbytes, "all-reduce")
     b = bounds(flat.numel(), n)
     columns = rows[:, b[rank]:b[rank + 1]]  # (n + 1, this rank's piece)
     torch.add(columns[0], columns[1], out=columns[n])
@@ -1092,7 +1107,7 @@ def shared_memory_all_gather(output: torch.Tensor, input: torch.Tensor, group=No
         slots = _required_slots(flat, nbytes, rank, n, group, "all-gather")
         rows = slots.rows[:n, :nbytes].view(flat.dtype)  # (n, m): row j is rank j's input
         rows[rank].copy_(flat)
-        _meet(slots, rank, n, group)
+        _meet_same_size(slots, rank, n, group, nbytes, "all-gather")
         out.view(n, -1).copy_(rows)
         _meet(slots, rank, n, group)
 

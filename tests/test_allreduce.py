@@ -185,12 +185,29 @@ def _apart(group) -> dict:
     return {"shares": shares, "error": error, "auto": auto, "left": left}
 
 
+def _mismatched_shared(group) -> dict:
+    """Each group rank brings another size to the shared-memory all-reduce and all-gather; then a good call."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    errors = {}
+    for name, call in (("all-reduce", lambda: allreduce.shared_memory_allreduce(torch.ones(4 + rank), "sum", group)),
+                       ("all-gather", lambda: allreduce.shared_memory_all_gather(torch.ones(n * (4 + rank)),
+                                                                                 torch.ones(4 + rank), group))):
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    after = allreduce.shared_memory_allreduce(torch.full((3,), float(rank)), "sum", group)
+    return {"errors": errors, "after": after}
+
+
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
            "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
-           "auto": _auto_against_named(group), "checked": _checked(group), "apart": _apart(group)}
+           "auto": _auto_against_named(group), "checked": _checked(group), "mismatched": _mismatched_shared(group),
+           "apart": _apart(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
         matrix = rank_input(2006, rank, "float64", salt=1).view(1003, 2)
@@ -490,9 +507,21 @@ def _silent_after_set_up(ctx):
         allreduce.shared_memory_allreduce(torch.ones(8), "sum")  # rank 1 never comes
 
 
+@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
+def test_ranks_that_bring_different_sizes_to_shared_memory_all_raise_and_the_group_stays_usable(grids, n):
+    """Without the check each rank would read its peers' rows at its own length and return garbage, silently."""
+    sizes = [4 * (4 + r) for r in range(n)]  # float32
+    for rank, ranks_out in enumerate(grids[n]):
+        got = ranks_out["mismatched"]
+        for name, error in got["errors"].items():
+            assert error == (f"rank {rank}/{n}: the ranks called the shared-memory {name} with different sizes "
+                             f"(bytes per group rank: {sizes}): a peer diverged"), error
+        assert torch.equal(got["after"], torch.full((3,), float(sum(range(n)))))
+
+
 def test_a_peer_that_never_arrives_fails_the_shared_memory_all_reduce_within_the_group_timeout():
     message, seconds = launch_expecting_peer_failure(_silent_after_set_up, 2, rank=0, pg_timeout_s=3)
-    assert "shared-memory all-reduce" in message and seconds < 60
+    assert "shared-memory collective" in message and seconds < 60
 
 
 def _mismatched_sizes(ctx):
