@@ -41,6 +41,7 @@ COLOURS = {
     "recursive_doubling": "#882255", "shared_memory": "#999933", "auto": "#000000",
     "no ddp": "#000000", "no_ddp": "#000000",
     "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
+    "BatchNorm1d + 2 shared-memory all_reduce": "#555555",
 }
 OTHER = "#7F7F7F"
 LINE_STYLES = {1: ":", 2: "-", 4: "--", 8: "-.", 16: (0, (5, 1)), 32: (0, (1, 1))}
@@ -229,6 +230,8 @@ def training_curves(runs: dict[str, dict]) -> Figure:
 
 
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
+# The same with the communication ours uses when the workers share a host (syncbn_benchmark.SHARED_REFERENCE).
+SYNCBN_SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
 
 
 def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
@@ -251,27 +254,42 @@ def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
     return out
 
 
+def _ratio_bars(ax, points: list[dict], offset: float, width: float, color: str, label: str,
+                interval_label: str | None) -> bool:
+    """Bars of ``points`` (ratio rows, in x order) shifted by ``offset``, with their 95 % intervals where they
+    have them; returns whether any had one."""
+    x = np.arange(len(points)) + offset
+    has_ci = [p["ci_low"] is not None for p in points]
+    ax.bar(x, [p["median"] for p in points], color=color, width=width, label=label)
+    if any(has_ci):
+        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None) for p, ok in zip(points, has_ci)])
+        ax.errorbar(x, [p["median"] for p in points], yerr=yerr[:, :, 0].T, fmt="none", ecolor="black", capsize=4,
+                    label=interval_label)
+    return any(has_ci)
+
+
 def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
     """Ours / (BatchNorm1d + the two all_reduce calls any synchronized BatchNorm needs), per size, one
-    panel per batch; error bars: 95 % intervals where the rows carry them; the target as a line."""
-    ratios = syncbn_ratios(doc)
-    batches = sorted({r["batch"] for r in ratios})
+    panel per batch, a bar per reference in the file (torch's all_reduce; shared memory, the communication
+    ours uses on one host); error bars: 95 % intervals where the rows carry them; the target as a line."""
+    series = [(name, syncbn_ratios(doc, name)) for name in (SYNCBN_REFERENCE, SYNCBN_SHARED_REFERENCE)]
+    series = [(name, ratios) for name, ratios in series if ratios] or series[:1]
+    bar_colours = {SYNCBN_REFERENCE: colour("ours"), SYNCBN_SHARED_REFERENCE: colour("shared_memory")}
+    batches = sorted({r["batch"] for r in series[0][1]})
     figure, axes = _figure(1, max(1, len(batches)), width=4.2 * max(1, len(batches)) + 2, height=3.4, sharey=True)
+    width = 0.6 / len(series)
     for ax, batch in zip(axes[0], batches):
-        points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
-        x = np.arange(len(points))
-        has_ci = [p["ci_low"] is not None for p in points]
-        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None) for p, ok in zip(points, has_ci)])
-        ax.bar(x, [p["median"] for p in points], color=colour("ours"), width=0.6, label="ours / (BatchNorm1d + 2 all_reduce)")
-        if any(has_ci):
-            ax.errorbar(x, [p["median"] for p in points], yerr=yerr[:, :, 0].T, fmt="none", ecolor="black", capsize=4,
-                        label="95 % interval")
+        with_ci = False
+        for k, (name, ratios) in enumerate(series):
+            points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
+            with_ci |= _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar_colours[name],
+                                   f"ours / ({name})", "95 % interval" if k == 0 else None)
         ax.axhline(target, color="#AA0000", linestyle="--", label=f"target {target:g}x")
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(x, [str(p["hidden"]) for p in points])
+        ax.set_xticks(np.arange(len(points)), [str(p["hidden"]) for p in points])
         workers = points[0].get("workers") if points else None
         ax.set(xlabel="hidden size (channels)", title=f"batch {batch}" + (f", {workers} workers" if workers else ""))
-        if not any(has_ci):
+        if not with_ci:
             ax.text(0.02, 0.97, "no interval: not in this results file", transform=ax.transAxes, fontsize="x-small",
                     va="top", color="#AA0000")
     if not batches:

@@ -1,4 +1,4 @@
-"""Synchronized BatchNorm: batch statistics over every rank, one ``all_reduce`` per pass.
+"""Synchronized BatchNorm: batch statistics over every rank, one sum across ranks per pass.
 
     from syncbn import SyncBatchNorm, convert_sync_batchnorm
     model = convert_sync_batchnorm(model)      # every BatchNorm1d/2d/3d becomes a SyncBatchNorm
@@ -27,8 +27,14 @@ Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
 b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
     dx = weight * invstd * (dy - a - x_hat * b),    dweight = sum(dy * x_hat),    dbias = sum(dy),
 where dweight and dbias are the local sums, as in PyTorch: DDP averages them across ranks.
-The backward's all_reduce is asynchronous: weight * invstd * dy needs nothing global, so on
-the CPU that pass over the data runs while the sums travel.
+With ``torch.distributed.all_reduce`` the backward's is asynchronous: weight * invstd * dy needs
+nothing global, so on the CPU that pass over the data runs while the sums travel.
+
+Communication: when every rank of the group is on this host (CPU tensors) the two sums go
+through its shared memory (``allreduce.shared_memory_allreduce``: every rank copies its vector
+in, adds its half, copies the sum out; no socket), else through ``torch.distributed.all_reduce``
+(gloo across hosts, NCCL on GPUs): ``_sum_across``. ``syncbn_benchmark.py`` times both against
+BatchNorm plus the same two collectives.
 
 The synchronisation (packing, float64 combination, the collectives, the global terms of
 dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
@@ -50,6 +56,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
+
+import allreduce
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 
@@ -182,8 +190,22 @@ def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.
 # --------------------------------------------------------------------------- the synchronisation (ours)
 
 
+def _sum_across(tensor: torch.Tensor, group, async_op: bool = False):
+    """``tensor`` summed over the ranks of ``group`` in place; returns a work handle to wait on, or None when done.
+
+    Through this host's shared memory when every rank is on it (CPU tensors; set up by the first
+    call, a collective, which every rank makes at the same forward), else
+    ``torch.distributed.all_reduce``. Ranks that bring different sizes (other channel counts) all
+    raise ValueError in the shared-memory path; gloo aborts a process on such a mismatch.
+    """
+    if tensor.device.type == "cpu" and allreduce.shares_memory(group):
+        allreduce.shared_memory_allreduce(tensor, "sum", group)
+        return None
+    return dist.all_reduce(tensor, group=group, async_op=async_op)
+
+
 def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one all_reduce.
+    """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one sum across ranks.
 
     Chan's combination (module docstring): this rank sends [n_r m_r, M2_r + n_r m_r^2, n_r]
     (C, C, 1 -> 2C + 1) in float64; the sums give m = sum n_r m_r / N and
@@ -201,7 +223,7 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> t
         sum_square.addcmul_(sum_x, sum_x)  # M2_r / n_r + m_r^2 (float64)
         packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
     if group is not None:
-        dist.all_reduce(packed, group=group)  # now the global sums
+        _sum_across(packed, group)  # now the global sums
     total = int(packed[-1])  # the same on every rank: all raise or none do
     if total < 2:
         return None, None, total
@@ -273,7 +295,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_x:
             sums = torch.stack((sum_dy, sum_dy_xhat))  # (C, C -> 2C)
             # The global sums; _input_grad computes what needs none of them while they travel.
-            work = None if ctx.group is None else dist.all_reduce(sums, group=ctx.group, async_op=True)
+            work = None if ctx.group is None else _sum_across(sums, ctx.group, async_op=True)
             grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total, work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 

@@ -15,11 +15,15 @@ load hits them alike, and each ratio is the median of per-round ratios of round 
 with a 95 % bootstrap interval over rounds (``measure.paired_ratio``); a target is met when
 the whole interval is at or below it, missed when it is all above, else inconclusive.
 
-Implementations: ``ours`` (``syncbn.SyncBatchNorm``); ``BatchNorm1d (local)`` with no
-communication; ``BatchNorm1d + 2 all_reduce`` of 2C + 1 float32 values (after forward and
-after backward): the cost of a synchronized BatchNorm with the communication it cannot
-avoid, the reference on the CPU, where ``torch.nn.SyncBatchNorm`` refuses to run; on CUDA
-``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets; float16/bfloat16 rows (float32
+Implementations: ``ours`` (``syncbn.SyncBatchNorm``; with the workers on one host it sums through
+shared memory, ``syncbn._sum_across``); ``BatchNorm1d (local)`` with no communication;
+``BatchNorm1d + 2 all_reduce`` of 2C + 1 float32 values (after forward and after backward) with
+``torch.distributed.all_reduce``: the cost of a synchronized BatchNorm with the communication it
+cannot avoid, as the issue defines it, the reference on the CPU, where ``torch.nn.SyncBatchNorm``
+refuses to run; ``BatchNorm1d + 2 shared-memory all_reduce`` (CPU, workers on one host): the same
+with the communication ours uses (``allreduce.shared_memory_allreduce``), so that its ratio is
+what the layer costs beyond BatchNorm and communication alike; on CUDA ``torch.nn.SyncBatchNorm``
+too. float32 rows carry the targets, against both references; float16/bfloat16 rows (float32
 parameters) are for information. The single-process rows run in the launching process,
 with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
 ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
@@ -54,10 +58,13 @@ from dist_utils import add_common_args, distributed, launch, progress, resolve_b
 from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
                      saved_tensor_bytes, synchronize, time_iterations, verdict)
 from results import environment, format_environment, markdown_table, write_results
+import allreduce
 import syncbn
 from syncbn import SyncBatchNorm
 
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
+# The reference with the communication ours uses when the workers share a host (CPU).
+SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
 SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
@@ -94,7 +101,7 @@ def _load_baseline(revision: str):
 
 
 class _WithoutCollectives(SyncBatchNorm):
-    """SyncBatchNorm's Function with no group: all of its work but the two all_reduce calls."""
+    """SyncBatchNorm's Function with no group: all of its work but the two sums across ranks."""
 
     def __init__(self, hidden: int, function):
         super().__init__(hidden)
@@ -120,7 +127,7 @@ def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> 
 
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
-    if impl != REFERENCE or not dist.is_initialized():
+    if impl not in (REFERENCE, SHARED_REFERENCE) or not dist.is_initialized():
         def step():
             x.grad = None
             layer(x)[:loss_rows].sum().backward()
@@ -129,13 +136,19 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
     # BatchNorm's own work plus the two collectives a synchronized BatchNorm cannot avoid.
     channels = x.size(1)
     forward_stats, backward_stats = (torch.zeros(2 * channels + 1, device=x.device) for _ in range(2))
+    if impl == REFERENCE:
+        def total(t):
+            dist.all_reduce(t)
+    else:
+        def total(t):
+            allreduce.shared_memory_allreduce(t, "sum")
 
     def reference_step():
         x.grad = None
         y = layer(x)
-        dist.all_reduce(forward_stats)
+        total(forward_stats)
         y[:loss_rows].sum().backward()
-        dist.all_reduce(backward_stats)
+        total(backward_stats)
     return reference_step
 
 
@@ -209,11 +222,11 @@ def breakdown(rank: int, world: int, device: torch.device, impls: list[str], bat
 
 @contextlib.contextmanager
 def _stamped_collectives(stamps: list[float], device: torch.device):
-    """Append the clock before and after the caller is blocked on each ``torch.distributed.all_reduce`` (ours and
-    the reference both call it) to ``stamps``: around the call itself, or for ``async_op=True`` around the
-    ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
-    is synchronised first, so a stamp means the work is done."""
-    real = dist.all_reduce
+    """Append the clock before and after the caller is blocked on each ``torch.distributed.all_reduce`` or
+    ``allreduce.shared_memory_allreduce`` (ours and the references call one of them) to ``stamps``: around the
+    call itself, or for ``async_op=True`` around the ``wait()`` of the work it returns (what runs in between
+    is the caller's, overlapped). On a GPU the device is synchronised first, so a stamp means the work is done."""
+    real, real_shared = dist.all_reduce, allreduce.shared_memory_allreduce
 
     def blocked(call):
         synchronize(device)
@@ -228,7 +241,8 @@ def _stamped_collectives(stamps: list[float], device: torch.device):
             return blocked(lambda: real(*args, **kwargs))
         work = real(*args, **kwargs)
         return _StampedWork(work, lambda *a, **k: blocked(lambda: work.wait(*a, **k)))
-    with mock.patch.object(dist, "all_reduce", stamped):
+    with mock.patch.object(dist, "all_reduce", stamped), \
+            mock.patch.object(allreduce, "shared_memory_allreduce", lambda *a, **k: blocked(lambda: real_shared(*a, **k))):
         yield
 
 
@@ -279,8 +293,9 @@ def phases(rank: int, world: int, device: torch.device, impls: list[str], batch:
     return rows
 
 
-def implementations(device: torch.device, baseline: str | None) -> list[str]:
-    impls = [OURS, LOCAL, REFERENCE] + ([TORCH_SYNC] if device.type == "cuda" else [])
+def implementations(device: torch.device, baseline: str | None, shared: bool = False) -> list[str]:
+    """The timed implementations; ``shared``: the workers share this host's memory (a collective to find out)."""
+    impls = [OURS, LOCAL, REFERENCE] + ([SHARED_REFERENCE] if shared else []) + ([TORCH_SYNC] if device.type == "cuda" else [])
     return impls + ([f"{OURS}@{baseline}"] if baseline else [])
 
 
@@ -288,14 +303,16 @@ def run(ctx, args) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    impls = implementations(ctx.device, args.baseline)
+    shared = ctx.device.type == "cpu" and allreduce.shares_memory()
+    impls = implementations(ctx.device, args.baseline, shared)
+    references = [REFERENCE] + ([SHARED_REFERENCE] if shared else [])
     cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
     rows = []
     for dtype_name, batch, hidden in progress(cases, desc="syncbn benchmark, workers"):
         rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline)
     for batch, hidden in _profiled_sizes(args):
-        rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, REFERENCE], batch, hidden)
-        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, REFERENCE], batch, hidden, PHASE_ITERS)
+        rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, *references], batch, hidden)
+        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, *references], batch, hidden, PHASE_ITERS)
     return rows
 
 
@@ -342,7 +359,8 @@ def ratios(rows: list[dict]) -> list[dict]:
     """One row per (setting, dtype, size, comparison): the paired ratio of round medians, and a verdict when
     it carries a target (float32 only)."""
     device = rows[0]["device"]
-    comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None), (WORKERS, OURS, LOCAL, None),
+    comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None),
+                   (WORKERS, OURS, SHARED_REFERENCE, CPU_TARGET), (WORKERS, OURS, LOCAL, None),
                    (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None), (COLD, SYNC_PATH, LOCAL, None)]
     if device == "cuda":
         comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
@@ -375,7 +393,7 @@ def _grid_ratio(entries: list[dict]) -> dict:
 def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
     """The issue's targets, each with its verdict (float32)."""
     out = []
-    for setting, versus in {(r["setting"], r["versus"]) for r in ratio_rows if r["target"] is not None}:
+    for setting, versus in dict.fromkeys((r["setting"], r["versus"]) for r in ratio_rows if r["target"] is not None):
         entries = [r for r in ratio_rows if r["setting"] == setting and r["versus"] == versus and r["target"]
                    and r["impl"] == OURS]
         limit = entries[0]["target"]
@@ -384,7 +402,7 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
         out.append({"kind": "target", "name": f"{setting}: every size, ours / ({versus}) <= {limit}",
                     "setting": setting, "versus": versus, "limit": limit, "verdict": worst,
                     "sizes_met": verdicts.count("met"), "sizes": len(entries)})
-        if setting == WORKERS and versus == REFERENCE:
+        if setting == WORKERS and versus in (REFERENCE, SHARED_REFERENCE):
             grid = _grid_ratio(entries)
             out.append({"kind": "target", "name": f"{setting}: median over the grid, ours / ({versus}) <= {TARGET_GRID}",
                         "setting": setting, "versus": versus, "limit": TARGET_GRID, **grid,

@@ -119,6 +119,18 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
     assert "(x)" in panels[0].get_ylabel() and "target 1.3x" in legend_texts(figure)
 
 
+def test_syncbn_grid_draws_a_bar_per_reference_when_the_file_has_both():
+    """With the workers on one host the benchmark also times the reference over shared memory: ours / each."""
+    rows = syncbn_rows() + [{**r, "impl": plots.SYNCBN_SHARED_REFERENCE, "time_s": r["time_s"] / 2,
+                             "round_time_s": [t / 2 for t in r["round_time_s"]]}
+                            for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
+    figure = plots.syncbn_grid(doc(rows), target=1.3)
+    ax = [ax for ax in figure.axes if ax.get_title()][0]
+    bars = sorted((b.get_x(), b.get_height()) for b in ax.patches if isinstance(b, Rectangle))
+    assert [h for _, h in bars] == pytest.approx([1.2, 2.4] * 3)  # per size: against torch's, then shared memory
+    assert {f"ours / ({plots.SYNCBN_REFERENCE})", f"ours / ({plots.SYNCBN_SHARED_REFERENCE})"} <= set(legend_texts(figure))
+
+
 def test_syncbn_grid_says_when_the_file_has_no_intervals():
     figure = plots.syncbn_grid(doc(syncbn_rows(with_rounds=False)))
     ax = [ax for ax in figure.axes if ax.get_title()][0]

@@ -20,16 +20,21 @@ the synchronized computation in this process.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import allreduce
+import syncbn
 from common import CollectiveCounter, launch_expecting_peer_failure, run_workers
 from measure import PeakMemory, saved_tensor_bytes
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
@@ -79,6 +84,9 @@ class Case:
     input_grad: bool = True
     float64_oracle: bool = False  # compare with BatchNorm in float64 (the large-offset case)
     autocast: bool = False  # run the step under torch.autocast("cpu", dtype=torch.bfloat16)
+    # How the ranks sum: "auto" (through this host's shared memory, as all ranks here share it) or "torch"
+    # (torch.distributed.all_reduce, as on ranks of different hosts: shares_memory made to say no).
+    transport: str = "auto"
 
     @property
     def channels(self) -> int:
@@ -135,6 +143,8 @@ def build_cases(world: int) -> list[Case]:
     """Every case for a world size; the same seeds on every world size give the same global batches."""
     cases = [Case("bad input", _randn(8, 16, seed=1), _even(8, world), kind="bad_input"),
              Case("one value in all", _randn(1, 16, seed=2), _one_value(world), kind="too_few")]
+    if world > 1:  # rank r has 16 - r channels (the ranks built different models); the cases after it still run
+        cases.append(Case("channels differ across ranks", _randn(8, 16, seed=22), _even(8, world), kind="diverged"))
     cases += [_case(f"grid {batch}x{hidden}", _randn(batch, hidden, seed=batch * hidden), _even(batch, world), hidden)
               for batch in BATCH for hidden in HIDDEN]
     steps = 2 + 3 * _randn(STEPS + 1, 16, 32, seed=11)  # STEPS training batches, then one for eval
@@ -162,6 +172,11 @@ def build_cases(world: int) -> list[Case]:
         _case("steps, momentum 0.1", steps, _even(16, world), 11, kind="steps"),
         _case("steps, momentum None", steps, _even(16, world), 12, kind="steps", momentum=None),
     ]
+    # The same layer over torch.distributed.all_reduce (ranks on different hosts): a grid size, the uneven
+    # ranks with an empty one, a half-precision input, the running statistics.
+    cases += [dataclasses.replace(CASE, name=f"{CASE.name}, over torch's all_reduce", transport="torch")
+              for CASE in cases if CASE.name in ("grid 64x1024", "uneven with an empty rank", "float16 input",
+                                                 "steps, momentum 0.1")]
     if world == 2:
         cases.append(Case("gradcheck", _randn(8, 3, seed=21).double(), _even(8, world), kind="gradcheck"))
     return cases
@@ -197,16 +212,37 @@ def _step(layer, x: torch.Tensor, dy: torch.Tensor, input_grad: bool = True, aut
     """Forward, loss = sum(output * dy) (so the upstream gradient is dy), backward; what came out."""
     x = x.clone().requires_grad_(input_grad)
     layer.zero_grad(set_to_none=True)
-    with CollectiveCounter() as forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with CollectiveCounter() as forward, counted_sums() as forward_sums, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = layer(x)
-    with CollectiveCounter() as backward:
+    with CollectiveCounter() as backward, counted_sums() as backward_sums:
         (y * dy).sum().backward()
     grads = {name: None if p.grad is None else p.grad.clone() for name, p in layer.named_parameters()}
     layout = _memory_format(x)
     return {"y": y.detach(), "grad_x": x.grad, "grad_weight": grads.get("weight"), "grad_bias": grads.get("bias"),
             "dtype": y.dtype, "y_layout_kept": y.is_contiguous(memory_format=layout),
             "grad_layout_kept": x.grad is None or x.grad.is_contiguous(memory_format=layout),
-            "forward_calls": dict(forward.calls), "backward_calls": dict(backward.calls)}
+            "forward_calls": {**forward.calls, **forward_sums}, "backward_calls": {**backward.calls, **backward_sums}}
+
+
+@contextlib.contextmanager
+def counted_sums():
+    """Counts the layer's synchronisations (``syncbn._sum_across``, whatever carries them) as "sum_across"."""
+    calls, real = collections.Counter(), syncbn._sum_across
+
+    def counted(*args, **kwargs):
+        calls["sum_across"] += 1
+        return real(*args, **kwargs)
+    with mock.patch.object(syncbn, "_sum_across", counted):
+        yield calls
+
+
+def expected_calls(world: int, case: Case) -> dict:
+    """One synchronisation per pass with several ranks; through torch's all_reduce, or through shared memory,
+    which sends no message once set up where stores stay in order (``allreduce.POLLS``)."""
+    if world == 1:
+        return {}
+    return {"sum_across": 1, **({"all_reduce": 1} if case.transport == "torch" else {})}
 
 
 def _buffers(layer) -> dict:
@@ -238,13 +274,13 @@ def _errors(layer, inputs: list[torch.Tensor]) -> list[tuple[str, str, int]]:
     """(exception type, message, collectives called) for each input, which must raise."""
     out = []
     for x in inputs:
-        with CollectiveCounter() as counter:
+        with counted_sums() as sums:
             try:
                 layer(x)
             except Exception as error:  # the test checks the type
-                out.append((type(error).__name__, str(error), counter.collectives))
+                out.append((type(error).__name__, str(error), sums["sum_across"]))
             else:
-                out.append(("no error", "", counter.collectives))
+                out.append(("no error", "", sums["sum_across"]))
     return out
 
 
@@ -290,13 +326,26 @@ def _run_gradcheck(ctx, case: Case) -> bool:
     return torch.autograd.gradcheck(fn, inputs, raise_exception=False)
 
 
+def _run_diverged(ctx, case: Case) -> list[tuple[str, str, int]]:
+    start, stop = _bounds(case.splits, ctx.rank)
+    channels = case.channels - ctx.rank
+    return _errors(SyncBatchNorm(channels), [case.x[start:stop, :channels]])
+
+
 KINDS = {"step": _run_step, "steps": _run_steps, "bad_input": _run_bad_input, "too_few": _run_too_few,
-         "gradcheck": _run_gradcheck}
+         "gradcheck": _run_gradcheck, "diverged": _run_diverged}
 
 
 def _run_cases(ctx, cases: list[Case]) -> dict:
-    """Every case, in order, on this rank. Bad input comes first: the cases after it prove no rank was left waiting."""
-    return {case.name: KINDS[case.kind](ctx, case) for case in cases}
+    """Every case, in order, on this rank. Bad input comes first: the cases after it prove no rank was left waiting.
+    The shared memory is set up first (its one exchange of messages), as a training run's first step would."""
+    allreduce.shares_memory()
+    out = {}
+    for case in cases:
+        apart = mock.patch.object(allreduce, "shares_memory", lambda group=None: False)
+        with apart if case.transport == "torch" else contextlib.nullcontext():
+            out[case.name] = KINDS[case.kind](ctx, case)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -561,24 +610,38 @@ def test_large_mean_offset_statistics_are_exact_and_outputs_as_accurate_as_float
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_exactly_one_collective_per_forward_and_per_backward(results, world):
-    """One all_reduce in forward and one in backward with several ranks (none with one); on every rank,
-    including empty ones and ranks whose upstream gradient is zero."""
-    expected = {"all_reduce": 1} if world > 1 else {}
+    """One sum across ranks in forward and one in backward with several ranks (none with one); on every rank,
+    including empty ones and ranks whose upstream gradient is zero: through shared memory, with no message
+    (where stores stay in order), or as one torch all_reduce."""
     names = [n for n in STEP_CASES if not CASES[world][n].eval and n not in ("input without gradient", "empty global batch")]
-    assert len(names) == len(GRID) + 13
+    assert len(names) == len(GRID) + 16
     for name in names:
+        expected = expected_calls(world, CASES[world][name])
         for rank, r in enumerate(results[world]):
-            assert r[name]["forward_calls"] == expected, f"{name}, rank {rank}, forward"
-            assert r[name]["backward_calls"] == expected, f"{name}, rank {rank}, backward"
+            for phase in ("forward", "backward"):
+                calls = r[name][f"{phase}_calls"]
+                if allreduce.POLLS or CASES[world][name].transport == "torch":
+                    assert calls == expected, f"{name}, rank {rank}, {phase}"
+                else:  # each wait on the shared memory is a 1-element exchange of messages
+                    assert {k: v for k, v in calls.items() if k in expected} == expected, f"{name}, rank {rank}"
+                    assert set(calls) - set(expected) <= {"isend", "irecv"}, f"{name}, rank {rank}, {phase}"
+
+
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_on_one_host_the_sums_go_through_shared_memory_else_through_torch_all_reduce(results, world):
+    """The transport is chosen per group (allreduce.shares_memory); the results match the oracle either way."""
+    for name in STEP_CASES:
+        calls = results[world][0][name]["forward_calls"]
+        assert ("all_reduce" in calls) == (CASES[world][name].transport == "torch"), name
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_no_backward_collective_when_nothing_needs_the_global_sums(results, world):
     """The input needs no gradient (weight and bias gradients are local), or the global batch is empty."""
-    forward = {"all_reduce": 1} if world > 1 else {}
     for name in ("input without gradient", "empty global batch"):
         for r in results[world]:
-            assert r[name]["forward_calls"] == forward and r[name]["backward_calls"] == {}, name
+            assert r[name]["forward_calls"] == expected_calls(world, CASES[world][name]), name
+            assert r[name]["backward_calls"] == {}, name
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -608,6 +671,15 @@ def test_one_value_per_channel_over_all_ranks_raises_on_every_rank(results, worl
         (kind, message, collectives), = r["one value in all"]
         assert kind == "ValueError" and "Expected more than 1 value per channel when training" in message
         assert collectives == (1 if world > 1 else 0), f"rank {rank}"
+
+
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_channels_that_differ_across_ranks_raise_on_every_rank_and_the_group_stays_usable(results, world):
+    """On one host the sums check that every rank brought as many bytes; the cases after this one ran."""
+    for rank, r in enumerate(results[world]):
+        (kind, message, sums), = r["channels differ across ranks"]
+        assert kind == "ValueError" and "different sizes" in message and "a peer diverged" in message, message
+        assert sums == 1, f"rank {rank}"
 
 
 def _bad_input_on_rank_1(ctx):

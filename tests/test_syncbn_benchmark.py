@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from syncbn_benchmark import (COLD, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SINGLE, SYNC_PATH, TARGET_GRID,
-                              TARGET_SINGLE, CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives, parse_args, ratios,
-                              run_case, targets)
+import allreduce
+from syncbn_benchmark import (COLD, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHARED_REFERENCE, SINGLE, SYNC_PATH,
+                              TARGET_GRID, TARGET_SINGLE, CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives,
+                              parse_args, ratios, run_case, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -57,6 +58,7 @@ def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
     grid = found[f"{WORKERS}: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
     assert grid["median"] == pytest.approx(1.3) and grid["verdict"] == "missed"  # median of 1.1, 1.5, 1.2 or 1.4
     assert found[f"{WORKERS}: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
+    assert not any(SHARED_REFERENCE in name for name in found), "no shared-memory rows: no target against them"
     assert found[f"{SINGLE}: peak_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "met"
 
 
@@ -110,6 +112,20 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
     assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
 
 
+def test_both_references_carry_the_same_targets():
+    """Against torch's all_reduce (the issue's definition) and against the shared memory ours uses on one host."""
+    load = [1.0] * 8
+    rows = []
+    for hidden in (128, 256):
+        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(SHARED_REFERENCE, WORKERS, hidden, [0.4 * t for t in load]),
+                 _row(LOCAL, WORKERS, hidden, [0.2 * t for t in load]), _row(OURS, WORKERS, hidden, [0.6 * t for t in load])]
+    found = {t["name"]: t for t in targets(ratios(rows), rows)}
+    for versus, median, verdict in ((REFERENCE, 0.6, "met"), (SHARED_REFERENCE, 1.5, "missed")):
+        grid = found[f"{WORKERS}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"]
+        assert grid["median"] == pytest.approx(median) and grid["verdict"] == verdict
+        assert found[f"{WORKERS}: every size, ours / ({versus}) <= {CPU_TARGET}"]["verdict"] == verdict
+
+
 def test_stamped_collectives_time_where_the_caller_waits_and_put_the_real_one_back():
     """A blocking all_reduce is stamped around the call; an asynchronous one around its wait(), so the
     work done between the call and the wait counts as the caller's compute."""
@@ -135,3 +151,15 @@ def test_stamped_collectives_time_where_the_caller_waits_and_put_the_real_one_ba
         assert dist.all_reduce is real
     assert len(calls) == 2 and len(waits) == 1 and len(stamps) == 4 and stamps == sorted(stamps)
     assert stamps[0] <= calls[0] <= stamps[1] <= calls[1] <= stamps[2] <= waits[0] <= stamps[3]
+
+
+def test_stamped_collectives_also_time_the_shared_memory_all_reduce():
+    """Ours and the shared reference sum through allreduce.shared_memory_allreduce on one host: stamped around the call."""
+    calls = []
+    with mock.patch.object(allreduce, "shared_memory_allreduce", lambda *a, **k: calls.append(time.perf_counter())):
+        real = allreduce.shared_memory_allreduce
+        stamps = []
+        with _stamped_collectives(stamps, torch.device("cpu")):
+            allreduce.shared_memory_allreduce(torch.ones(3), "sum")
+        assert allreduce.shared_memory_allreduce is real
+    assert len(calls) == 1 and len(stamps) == 2 and stamps[0] <= calls[0] <= stamps[1]
