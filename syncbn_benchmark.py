@@ -54,11 +54,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import allreduce
 from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
 from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
                      saved_tensor_bytes, synchronize, time_iterations, verdict)
 from results import environment, format_environment, markdown_table, write_results
-import allreduce
 import syncbn
 from syncbn import SyncBatchNorm
 
@@ -77,6 +77,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 PROFILE_ITERS = 20
+# One process times this many times --iters (warm caches): its iterations are a few tens of microseconds, several
+# times shorter than the workers', and their ratios to BatchNorm1d's need more of them to settle.
+SINGLE_ITERS_FACTOR = 8
 PHASE_ITERS = 200
 # One iteration with two collectives, cut where the caller blocks on each: what runs around them, how long each waits.
 PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
@@ -331,9 +334,10 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
     impls = [OURS, LOCAL, SYNC_PATH] + ([f"{SYNC_PATH}@{args.baseline}"] if args.baseline else [])
+    warm = argparse.Namespace(**{**vars(args), "iters": SINGLE_ITERS_FACTOR * args.iters})
     rows = []
     for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
-        rows += run_case(0, 1, device, impls, batch, hidden, "float32", args, baseline)
+        rows += run_case(0, 1, device, impls, batch, hidden, "float32", warm, baseline)
     for batch, hidden in _profiled_sizes(args):
         if device.type == "cpu":
             rows += run_case(0, 1, device, [LOCAL, SYNC_PATH], batch, hidden, "float32", args, setting=COLD,
@@ -464,7 +468,8 @@ def _phases_table(rows: list[dict]) -> str:
 def report(rows: list[dict], env: dict, config: dict) -> None:
     print(format_environment(env))
     oversub = oversubscribed(env["world_size"], env["device"])
-    print(f"* {config['iters']} iterations per implementation and size in {config['rounds']} interleaved rounds; "
+    print(f"* {config['iters']} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
+          f"and warm caches) in {config['rounds']} interleaved rounds; "
           "times are medians of the per-iteration maximum over ranks" + ("; OVERSUBSCRIBED (more processes than "
                                                                          "cores): timings say little" if oversub else ""))
     for setting in (WORKERS, SINGLE, COLD):
@@ -504,8 +509,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="numbers of channels (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                         help="input dtypes timed with the workers; parameters stay float32 (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation and size "
-                        f"(default: {NORMAL['iters']}; {QUICK['iters']} with --quick)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation and size, "
+                        f"{SINGLE_ITERS_FACTOR}x as many with one process (default: {NORMAL['iters']}; {QUICK['iters']} "
+                        "with --quick)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds the iterations are split into "
                         f"(default: {NORMAL['rounds']}; {QUICK['rounds']} with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations before the first round "

@@ -283,7 +283,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = bucket.params[0].device
         # (n, largest share), padded. Allocated (and later freed) by this thread: see CommThread.submit.
         buffer = torch.empty(self.world_size, width, dtype=bucket.params[0].dtype, device=device)
-        share = self.update if self.update == "broadcast" else self._all_gather
+        share = _broadcast_rows if self.update == "broadcast" else self._all_gather
         if len(self.buckets) == 1:
             start = time.perf_counter()
             _share_bucket(buffer, bucket.by_rank, self.rank, share, self._comm.group)
@@ -507,27 +507,30 @@ def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
 
 
 @torch.no_grad()
-def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, update, group) -> None:
-    """Every owner's pieces of one bucket to every rank (runs on the communication thread).
+def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, gather: Callable, group) -> None:
+    """Every owner's pieces of one bucket to every rank (on the communication thread, or inline for a lone bucket).
 
-    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; ``update``, an
+    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; ``gather``, an
     all-gather (``allreduce.all_gather``, our ring, or ``shared_memory_all_gather`` when the
     ranks share a host), fills the other rows; each rank copies them into its parameters. The thread
     reads only this rank's pieces of this bucket, which the caller's later updates do not
     touch, and writes only other ranks' pieces, which nothing reads until the wait.
     All-gather rather than one broadcast per owner: the ring sends each rank's (n-1)/n of the
-    buffer in n-1 pipelined steps, n broadcasts serialise n rounds (``update = "broadcast"``;
-    ``sharding_benchmark.py`` times both in the same rounds).
+    buffer in n-1 pipelined steps, n broadcasts serialise n rounds (``update = "broadcast"``,
+    ``_broadcast_rows``; ``sharding_benchmark.py`` times both in the same rounds).
     """
     _copy_pieces(by_rank[rank], buffer[rank], into_row=True)
-    if update == "broadcast":
-        for owner in range(len(by_rank)):
-            dist.broadcast(buffer[owner], group=group, group_src=owner)
-    else:
-        update(buffer.view(-1), buffer[rank], group)
+    gather(buffer.view(-1), buffer[rank], group)
     for owner, pieces in enumerate(by_rank):
         if owner != rank:
             _copy_pieces(pieces, buffer[owner], into_row=False)
+
+
+def _broadcast_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """The all-gather's contract (``input`` is row r of ``output`` viewed (n, -1)) as one broadcast per owner."""
+    rows = output.view(dist.get_world_size(group), -1)
+    for owner in range(rows.size(0)):
+        dist.broadcast(rows[owner], group=group, group_src=owner)
 
 
 def _waiter(ref: weakref.ref, through: int | None) -> Callable[[], None]:
