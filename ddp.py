@@ -39,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+import allreduce
+from comm_thread import CommThread
 from measure import synchronize
 
 MIB = 2**20
@@ -199,6 +201,11 @@ class _DataParallel(nn.Module):
         self.sync_device_for_timing = False
         check_same_model(module, process_group)  # before the broadcast, which a mismatch would abort or corrupt
         self.broadcasts = broadcast_module_state(module, process_group)
+        # How the ranks sum gradients: through this host's shared memory when every rank is on it and the
+        # gradients are on the CPU (allreduce.shared_memory_allreduce: no socket), else torch.distributed's
+        # all_reduce (gloo across hosts, NCCL on GPUs). The same for every variant, so they compare alike.
+        self.shared_memory = (self.world_size > 1 and all(p.device.type == "cpu" for p in self._trainable)
+                              and allreduce.shares_memory(process_group))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._in_flight():
@@ -257,6 +264,13 @@ class _DataParallel(nn.Module):
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(id(param), "<unnamed>")
 
+    def _sum(self, tensor: torch.Tensor) -> None:
+        """``tensor`` summed over the ranks in place, blocking (see ``shared_memory``)."""
+        if self.shared_memory:
+            allreduce.shared_memory_allreduce(tensor, "sum", self.process_group)
+        else:
+            dist.all_reduce(tensor, group=self.process_group)
+
 
 def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's gradient; a missing one becomes zeros, set as its .grad (rank-consistent)."""
@@ -283,7 +297,7 @@ class NaiveDDP(_DataParallel):
     def _finish(self) -> None:
         for grad in _grads_or_zeros(self._trainable):
             grad.div_(self.world_size)  # before the sum: see the note above _DataParallel
-            dist.all_reduce(grad, group=self.process_group)
+            self._sum(grad)
 
 
 class FlatDDP(_DataParallel):
@@ -300,7 +314,7 @@ class FlatDDP(_DataParallel):
         for grads in coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
             flat = _flatten_dense_tensors(grads)  # (total numel,) in registration order
             flat.div_(self.world_size)
-            dist.all_reduce(flat, group=self.process_group)
+            self._sum(flat)
             for grad, average in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 grad.copy_(average)
 
@@ -472,7 +486,9 @@ class DDP(_DataParallel):
     * During a synchronised backward, a post-accumulate-grad hook marks each gradient
       ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
       are launched strictly in index order on every rank: gloo and NCCL match collectives
-      by call order, and ranks may finish gradients in different orders.
+      by call order, and ranks may finish gradients in different orders. On one CPU host
+      (``shared_memory``) the sums go through its shared memory, run in that order on a
+      communication thread (``comm_thread.CommThread``); else torch's asynchronous all_reduce.
     * Each gradient is divided by the world size as it enters its bucket (before the
       sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
       ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
@@ -536,6 +552,12 @@ class DDP(_DataParallel):
             for slot, position in enumerate(positions):
                 self._slot_of[position] = (bucket, slot)
         self._reset_step()
+        # Through shared memory a sum is blocking Python: a communication thread with a group of its own runs the
+        # buckets' sums in launch order while backward goes on (torch's all_reduce has its own async work).
+        self._comm = None
+        if self.shared_memory:
+            self._comm = CommThread(process_group, torch.device("cpu"), name="ddp-comm")
+            allreduce.shares_memory(self._comm.group)  # its own file (a collective): set up now, not in backward
         self_ref = weakref.ref(self)
         self._hook_handles = [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
                               for position, p in enumerate(self._trainable)]
@@ -604,7 +626,11 @@ class DDP(_DataParallel):
         bucket.flags.fill_(1)
         if bucket.missing:
             bucket.flags[bucket.missing] = 0
-        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        if self._comm is not None:
+            bucket.work = _Submitted(self._comm, self._comm.submit(allreduce.shared_memory_allreduce, bucket.flat, "sum",
+                                                                   self._comm.group))
+        else:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
 
     def _finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:
@@ -622,6 +648,17 @@ class DDP(_DataParallel):
             for slot in bucket.missing:
                 if had_grad[slot] > 0:
                     bucket.params[slot].grad = bucket.views[slot]
+
+
+class _Submitted:
+    """A sum on the communication thread, waited on like torch's work handle (``wait``: raises its error, or
+    after the group's timeout)."""
+
+    def __init__(self, comm: CommThread, future):
+        self.comm, self.future = comm, future
+
+    def wait(self) -> None:
+        self.comm.wait(self.future)
 
 
 # --------------------------------------------------------------------------- selection by name

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._profiler import _ExperimentalConfig
 
 
 def synchronize(device: torch.device) -> None:
@@ -237,7 +238,9 @@ def _profiled(device: torch.device):
     the block, queued GPU work waited for before it stops, kineto's status lines silenced. Yields the
     profiler, stopped once the block is over. It is what ``torch.profiler.profile`` wraps: the
     wrapper's start imports torch._inductor (about 2 s of CPU per process)."""
-    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None)
+    # profile_all_threads: Python threads too (a communication thread's ranges), not only the one that starts it.
+    profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None,
+                                               experimental_config=_ExperimentalConfig(profile_all_threads=True))
     with _quiet_stderr():
         profiler.__enter__()
     try:

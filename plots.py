@@ -460,9 +460,9 @@ PHASE_COLOURS = {"forward": "#CCCCCC", "backward": "#777777", "sync_gradients": 
 
 def timeline_events(trace: dict, iteration: int = -1) -> dict:
     """One iteration of a Chrome trace written by ``ddp_benchmark.py --profile``: the compute phases
-    (record_function ranges of the main thread) and each gloo all_reduce (one per bucket, on gloo's
-    threads), in ms from the iteration's start. Returns {"phases": [(name, start, duration)],
-    "comm": {lane: [(start, duration)]}, "length": ms}."""
+    (record_function ranges of the main thread) and each bucket's all-reduce (gloo's or NCCL's on their
+    threads, or ours through shared memory on our communication thread), in ms from the iteration's
+    start. Returns {"phases": [(name, start, duration)], "comm": {lane: [(start, duration)]}, "length": ms}."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     iterations = sorted((e for e in events if str(e.get("name", "")).startswith("iteration ")), key=lambda e: e["ts"])
     if not iterations:
@@ -475,9 +475,10 @@ def timeline_events(trace: dict, iteration: int = -1) -> dict:
     comm: dict = {}
     for e in sorted(inside, key=lambda e: e["ts"]):
         name = str(e["name"])
-        if e.get("tid") != it.get("tid") and "all_reduce" in name.replace("allreduce", "all_reduce") and name.startswith(("gloo", "nccl")):
+        if e.get("tid") != it.get("tid") and "all_reduce" in name.replace("allreduce", "all_reduce") \
+                and name.startswith(("gloo", "nccl", "shared_memory")):
             comm.setdefault(e["tid"], []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
-    lanes = {f"gloo thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items()))}
+    lanes = {f"comm thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items()))}
     return {"phases": sorted(phases, key=lambda p: p[1]), "comm": lanes, "length": it["dur"] / 1e3}
 
 

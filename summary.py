@@ -75,6 +75,9 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
         f"{ours['peak_bytes'] - reference['peak_bytes']:+,d} bytes against that row's {reference['peak_bytes']:,d} "
         f"({format_ratio(memory_check['ratio'])}; target <= {memory_check['limit']:.2f}x: **{memory_check['verdict']}**).",
     ]
+    if headline["env"]["device"] == "cpu":  # the ranks of torchrun --standalone share one host
+        lines.append("  Transports differ: on one CPU host our DDP sums its buckets through shared memory "
+                     "(`ddp.DDP.shared_memory`), PyTorch's DDP through gloo's loopback TCP.")
     if hidden:
         exposed = sorted(c["ratio"]["median"] for c in hidden)
         share = _pct(exposed[0]) if len(exposed) == 1 else f"{_pct(exposed[0])} to {_pct(exposed[-1])}"

@@ -20,12 +20,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+import allreduce
+from comm_thread import CommThread
 from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,6 +169,31 @@ class CollectiveCounter:
         for module, name, original in reversed(self._saved):
             setattr(module, name, original)
         self._saved.clear()
+
+
+class SumCounter(CollectiveCounter):
+    """A ``CollectiveCounter`` that also counts our shared-memory all-reduce as an ``all_reduce``: a sum across
+    ranks, whatever carries it. A blocking call counts when made from the thread that entered the counter;
+    one handed to a ``comm_thread.CommThread`` counts at the hand-off, when it is launched (as an asynchronous
+    ``all_reduce`` counts at its call), not when the thread runs it."""
+
+    def __enter__(self) -> "SumCounter":
+        super().__enter__()
+        thread, real_sum, real_submit = threading.get_ident(), allreduce.shared_memory_allreduce, CommThread.submit
+
+        def counted_sum(*args, **kwargs):
+            if threading.get_ident() == thread:
+                self.calls["all_reduce"] += 1
+            return real_sum(*args, **kwargs)
+
+        def counted_submit(comm, fn, *args, **kwargs):
+            if fn is counted_sum:
+                self.calls["all_reduce"] += 1
+            return real_submit(comm, fn, *args, **kwargs)
+        for owner, name, wrapped in ((allreduce, "shared_memory_allreduce", counted_sum), (CommThread, "submit", counted_submit)):
+            self._saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, wrapped)
+        return self
 
 
 def run_in_subgroups(grid_in, world_size: int, rounds, *args) -> dict[int, list]:

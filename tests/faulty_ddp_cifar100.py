@@ -17,7 +17,7 @@ in different places. A fault is ``point@n``:
   read-only directory (the tests run as root, for whom permission bits do not apply).
 
 The patches wrap functions from outside (Trainer.__init__, torch.distributed.all_reduce and
-scatter, torch.save, open), so the trainer itself carries no test plumbing.
+scatter, CommThread.submit, torch.save, open), so the trainer itself carries no test plumbing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import allreduce  # noqa: E402
 import ddp_cifar100  # noqa: E402
+from comm_thread import CommThread  # noqa: E402
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 LAST = WORLD - 1
@@ -71,7 +73,7 @@ def install(point: str, n: int, checkpoint_dir: str | None) -> None:
     ddp_cifar100.Trainer.__init__ = init
 
     if point == "allreduce" and RANK == LAST:
-        all_reduce = dist.all_reduce
+        all_reduce, submit = dist.all_reduce, CommThread.submit
 
         def all_reduce_then_die(tensor, *args, **kwargs):
             work = all_reduce(tensor, *args, **kwargs)
@@ -79,7 +81,13 @@ def install(point: str, n: int, checkpoint_dir: str | None) -> None:
                 die(f"with a bucket's all-reduce in flight after step {n}")
             return work
 
-        dist.all_reduce = all_reduce_then_die
+        def submit_then_die(comm, fn, *args, **kwargs):  # one host: our DDP hands its sums to a thread
+            future = submit(comm, fn, *args, **kwargs)
+            if fn is allreduce.shared_memory_allreduce and trainer is not None and trainer.step == n:
+                die(f"with a bucket's all-reduce in flight after step {n}")
+            return future
+
+        dist.all_reduce, CommThread.submit = all_reduce_then_die, submit_then_die
 
     if point == "scatter" and RANK == LAST:
         scatter, calls = dist.scatter, {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -22,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import CollectiveCounter, run_workers
+import allreduce
+from common import CollectiveCounter, SumCounter, run_workers
 from ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp,
                  sync_gradients)
 
@@ -214,7 +216,7 @@ def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter
     """
     optimizer = optimizer(model.parameters(), lr=LR, momentum=MOMENTUM)
     clear_grads(model, optimizer, zero_mode)
-    counter = counter or CollectiveCounter()
+    counter = counter or SumCounter()
     counts, grads, seen = [], {}, []
     for step in range(steps):
         in_no_sync = 0
@@ -262,7 +264,7 @@ def _grads_are_bucket_views(model):
 def _ddp_runs(ctx):
     """Every (model, cap, zero mode, accumulation) run of the hand-written DDP."""
     out = {}
-    with CollectiveCounter() as counter:
+    with SumCounter() as counter:
         for name, factory in MODELS.items():
             for cap_name, cap in CAPS.items():
                 for zero_mode in ZERO_MODES:
@@ -270,7 +272,7 @@ def _ddp_runs(ctx):
                         model = DDP(build(factory, seed=0), bucket_cap_mb=cap)
                         result = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum, zero_mode,
                                        counter=counter, on_sync=_grads_are_bucket_views, optimizer=torch.optim.SGD)
-                        result["buckets"] = len(model.buckets)
+                        result["buckets"], result["shared_memory"] = len(model.buckets), model.shared_memory
                         out[name, cap_name, zero_mode, accum] = result
     return out
 
@@ -278,7 +280,7 @@ def _ddp_runs(ctx):
 def _baseline_runs(ctx):
     """NaiveDDP and FlatDDP on every model, with and without accumulation."""
     out = {}
-    with CollectiveCounter() as counter:
+    with SumCounter() as counter:
         for wrapper in (NaiveDDP, FlatDDP):
             for name, factory in MODELS.items():
                 for accum in ACCUMS:
@@ -439,8 +441,21 @@ def _against_pytorch(ctx):
     return out
 
 
+def _over_torch_all_reduce(ctx):
+    """DDP, NaiveDDP and FlatDDP as on ranks of different hosts (shares_memory made to say no): torch's all_reduce."""
+    out = {}
+    with mock.patch.object(allreduce, "shares_memory", lambda group=None: False), CollectiveCounter() as counter:
+        for wrapper in (DDP, NaiveDDP, FlatDDP):
+            model = wrapper(build(big, seed=0))
+            out[wrapper.__name__] = train(model, mse_loss(model, ctx.world_size, ctx.rank), 3, counter=counter,
+                                          optimizer=torch.optim.SGD)
+            out[wrapper.__name__]["shared_memory"] = model.shared_memory
+    return out
+
+
 def _two_rank_cases(ctx):
-    return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "layouts": _layouts(ctx),
+    return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "over torch": _over_torch_all_reduce(ctx),
+            "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
             "unused_without_flags": _unused_without_flags(ctx),
             "misuse": _misuse(ctx), "mismatch": _mismatched_models(ctx), "pytorch": _against_pytorch(ctx)}
@@ -546,6 +561,17 @@ def test_frozen_parameters_get_no_gradient_and_do_not_move(two):
     assert result["grads"]["module.embed.weight"] is None and result["grads"]["module.embed.bias"] is None
     initial = build(Frozen, seed=0).state_dict()
     torch.testing.assert_close(result["state"]["module.embed.weight"], initial["embed.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "NaiveDDP", "FlatDDP"])
+def test_on_different_hosts_the_sums_go_through_torch_all_reduce_and_train_like_one_process(two, wrapper):
+    """Every other case here runs on one host, where the variants sum through shared memory."""
+    for rank in range(2):
+        result = two[rank]["over torch"][wrapper]
+        assert result["shared_memory"] is False
+        assert_trains_like(result, oracle("big", 3, world=2))
+        assert all(after_sync > 0 for _, _, after_sync in result["counts"]), "torch's all_reduce was called"
+        assert all(two[rank]["ddp"][key]["shared_memory"] for key in two[rank]["ddp"]), "one host: shared memory"
 
 
 @pytest.mark.parametrize("wrapper", ["NaiveDDP", "FlatDDP"])
@@ -656,8 +682,12 @@ def test_constructor_checks_the_models_then_broadcasts_rank0_weights_and_buffers
         assert torch.equal(rank0["after"][k], value), k
         assert torch.equal(rank1["after"][k], value), k
     dtypes = {v.dtype for v in rank0["before"].values()}
-    # One all_gather_object compares the ranks' models first (see the mismatch tests).
-    assert rank0["calls"] == {"all_gather_object": 1, "broadcast": len(dtypes)} == rank1["calls"]
+    # One all_gather_object compares the ranks' models first (see the mismatch tests). On one host the
+    # communication thread's new group then maps its shared memory: point-to-point messages only.
+    for calls in (rank0["calls"], rank1["calls"]):
+        assert {k: v for k, v in calls.items() if k not in ("isend", "irecv")} == {"all_gather_object": 1,
+                                                                                "broadcast": len(dtypes)}
+        assert calls.get("isend", 0) > 0 and calls["isend"] == calls["irecv"]
 
 
 def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two):

@@ -12,6 +12,7 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+import allreduce  # noqa: E402
 import plots  # noqa: E402
 from results import RESULTS_SCHEMA  # noqa: E402
 
@@ -213,18 +214,26 @@ def test_timeline_events_read_one_iteration_of_a_chrome_trace():
     t = plots.timeline_events(chrome_trace())
     assert t["length"] == 100
     assert [name for name, _, _ in t["phases"]] == ["forward", "backward", "sync_gradients", "optimizer_step"]
-    assert t["comm"] == {"gloo thread 1": [(40, 20)], "gloo thread 2": [(60, 30)]}
+    assert t["comm"] == {"comm thread 1": [(40, 20)], "comm thread 2": [(60, 30)]}
     with pytest.raises(ValueError, match="--profile"):
         plots.timeline_events({"traceEvents": []})
     trimmed = plots.trim_trace(chrome_trace())
     assert plots.timeline_events(trimmed) == t and len(trimmed["traceEvents"]) == len(chrome_trace()["traceEvents"]) - 2
 
 
+def test_timeline_events_read_our_shared_memory_sums_on_our_communication_thread():
+    trace = chrome_trace()
+    for e in trace["traceEvents"]:
+        if e.get("name") == "gloo:all_reduce":
+            e["name"] = allreduce.SHARED_MEMORY_RANGE
+    assert plots.timeline_events(trace)["comm"] == {"comm thread 1": [(40, 20)], "comm thread 2": [(60, 30)]}
+
+
 def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_lane_per_variant():
     figure = plots.overlap_timeline({"bucketed 25M": chrome_trace(), "pytorch 25M": chrome_trace(buckets=((50, 45),))})
     ours, theirs = figure.axes[:2]
-    assert [t.get_text() for t in ours.get_yticklabels()] == ["compute", "gloo thread 1", "gloo thread 2"]
-    assert [t.get_text() for t in theirs.get_yticklabels()] == ["compute", "gloo thread 1"]
+    assert [t.get_text() for t in ours.get_yticklabels()] == ["compute", "comm thread 1", "comm thread 2"]
+    assert [t.get_text() for t in theirs.get_yticklabels()] == ["compute", "comm thread 1"]
     bars = [c for c in ours.collections if isinstance(c, PolyCollection)]
     assert len(bars) == 4 + 2  # four compute phases, two buckets
     title = ours.get_title(loc="left")
