@@ -705,10 +705,25 @@ def _timeout_s(group) -> float:
         return DEFAULT_TIMEOUT_S
 
 
+def _reserve(path: str, size: int) -> None:
+    """Make the file and allocate its ``size`` bytes now: /dev/shm is a tmpfs of limited size (64 MiB in a
+    default Docker container), and a page written past its room is SIGBUS, not an error. Raises OSError
+    (ENOSPC) instead, and leaves no file."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     """Collective: rank 0 makes a file in /dev/shm, every rank maps it and checks rank 0's random token in it.
 
-    Returns None on every rank if any rank could not see the token (not one host, no /dev/shm). Rank
+    Returns None on every rank if any rank could not see the token (not one host, no /dev/shm, no room
+    in it for (n + 1) rows of ``nbytes`` rounded up to a power of two, at least 1 MiB each). Rank
     0 unlinks the file as soon as all have tried to map it, or when the set-up fails (a peer died):
     the mappings live on, nothing is left in /dev/shm.
     """
@@ -724,8 +739,7 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     try:
         if rank == 0:
             try:
-                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-                os.truncate(path, size)
+                _reserve(path, size)
             except OSError:
                 pass  # then no rank maps it, and all return None below
         _sync(rank, n, group)  # the file exists
@@ -748,20 +762,29 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
 
 
 def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
-    """The group's shared file with rows of at least ``nbytes``, mapped (collectively) on first use or to grow."""
+    """The group's shared file with rows of at least ``nbytes``, mapped (collectively) on first use or to grow;
+    None if the ranks share no memory, or if growing found no room (the smaller file stays for later calls)."""
     group = group if group is not None else dist.group.WORLD
     slots = _SHARED.get(id(group), False)
-    if slots is False or (slots is not None and (slots.group() is not group or slots.rows.size(1) < nbytes)):
+    if slots is not None and slots is not False and slots.group() is not group:
+        slots = False  # a freed group's mapping under a reused id
+    if slots is False or (slots is not None and slots.rows.size(1) < nbytes):
         for key in [key for key, old in _SHARED.items() if old is not None and old.group() is None]:
             del _SHARED[key]  # the mappings of freed groups
-        slots = _SHARED[id(group)] = _map_shared(nbytes, rank, n, group)
+        grown = _map_shared(nbytes, rank, n, group)
+        if grown is None and slots is not False:
+            return None
+        slots = _SHARED[id(group)] = grown
     return slots
 
 
-def shares_memory(group=None) -> bool:
-    """Collective: whether every rank of ``group`` can map this host's shared memory (cached per group)."""
+def shares_memory(group=None, nbytes: int = 0) -> bool:
+    """Collective: whether every rank of ``group`` can map this host's shared memory, with room for messages
+    of ``nbytes`` (cached per group: a call for more bytes than mapped grows the file, collectively). A
+    caller that knows its largest message asks for it up front, so that a /dev/shm too small for it says
+    no here, before training, rather than in a later call."""
     rank, n = _group_rank(group)
-    return n == 1 or _shared_slots(0, rank, n, group) is not None
+    return n == 1 or _shared_slots(nbytes, rank, n, group) is not None
 
 
 def _required_slots(flat: torch.Tensor, nbytes: int, rank: int, n: int, group, what: str) -> _SharedSlots:
@@ -770,8 +793,8 @@ def _required_slots(flat: torch.Tensor, nbytes: int, rank: int, n: int, group, w
         raise ValueError(f"the shared-memory {what} takes CPU tensors, got one on {flat.device}")
     slots = _shared_slots(nbytes, rank, n, group)
     if slots is None:
-        raise RuntimeError(f"the shared-memory {what} needs every rank of the group on this host "
-                           "(one /dev/shm): use another algorithm")
+        raise RuntimeError(f"the shared-memory {what} needs every rank of the group on this host (one /dev/shm) "
+                           f"and room in /dev/shm for {n + 1} rows of {nbytes} bytes: use another algorithm")
     return slots
 
 

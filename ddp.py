@@ -205,7 +205,7 @@ class _DataParallel(nn.Module):
         # gradients are on the CPU (allreduce.shared_memory_allreduce: no socket), else torch.distributed's
         # all_reduce (gloo across hosts, NCCL on GPUs). The same for every variant, so they compare alike.
         self.shared_memory = (self.world_size > 1 and all(p.device.type == "cpu" for p in self._trainable)
-                              and allreduce.shares_memory(process_group))
+                              and allreduce.shares_memory(process_group, self._largest_sum_bytes()))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._in_flight():
@@ -264,6 +264,10 @@ class _DataParallel(nn.Module):
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(id(param), "<unnamed>")
 
+    def _largest_sum_bytes(self) -> int:
+        """The largest tensor ``_sum`` will get (one gradient): room the shared memory must have from the start."""
+        return max((p.numel() * p.element_size() for p in self._trainable), default=0)
+
     def _sum(self, tensor: torch.Tensor) -> None:
         """``tensor`` summed over the ranks in place, blocking (see ``shared_memory``)."""
         if self.shared_memory:
@@ -309,6 +313,13 @@ class FlatDDP(_DataParallel):
 
     Note: missing gradients are handled as in ``NaiveDDP`` (zeros in, average out).
     """
+
+    def _largest_sum_bytes(self) -> int:
+        """All gradients of one dtype and device, flattened."""
+        totals: dict[tuple, int] = {}
+        for p in self._trainable:
+            totals[p.dtype, p.device] = totals.get((p.dtype, p.device), 0) + p.numel() * p.element_size()
+        return max(totals.values(), default=0)
 
     def _finish(self) -> None:
         for grads in coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
@@ -488,7 +499,8 @@ class DDP(_DataParallel):
       are launched strictly in index order on every rank: gloo and NCCL match collectives
       by call order, and ranks may finish gradients in different orders. On one CPU host
       (``shared_memory``) the sums go through its shared memory, run in that order on a
-      communication thread (``comm_thread.CommThread``); else torch's asynchronous all_reduce.
+      communication thread (``comm_thread.CommThread``); else, or when /dev/shm has no room
+      for the largest bucket, torch's asynchronous all_reduce.
     * Each gradient is divided by the world size as it enters its bucket (before the
       sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
       ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
@@ -557,10 +569,18 @@ class DDP(_DataParallel):
         self._comm = None
         if self.shared_memory:
             self._comm = CommThread(process_group, torch.device("cpu"), name="ddp-comm")
-            allreduce.shares_memory(self._comm.group)  # its own file (a collective): set up now, not in backward
+            # Its own file (a collective), with room for the largest bucket now, not in backward; else torch's.
+            if not allreduce.shares_memory(self._comm.group, max((b.flat.numel() * b.flat.element_size()
+                                                                  for b in self.buckets), default=0)):
+                self._comm.close()
+                self._comm, self.shared_memory = None, False
         self_ref = weakref.ref(self)
         self._hook_handles = [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
                               for position, p in enumerate(self._trainable)]
+
+    def _largest_sum_bytes(self) -> int:
+        """None on the module's group: the buckets' sums go through the communication thread's (``__init__``)."""
+        return 0
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters: later backward passes are plain local ones."""

@@ -174,8 +174,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
         self._comm = CommThread(process_group, device, enabled=comm_thread, name="zero-comm")
         # Ranks on one host (CPU) gather through its shared memory; otherwise our ring (see _share_bucket).
+        largest_share = max((b.width * b.params[0].element_size() for b in self.buckets if b.params), default=0)
         self._all_gather = (allreduce.shared_memory_all_gather if device.type == "cpu" and self.world_size > 1
-                            and allreduce.shares_memory(self._comm.group) else allreduce.all_gather)
+                            and allreduce.shares_memory(self._comm.group, largest_share) else allreduce.all_gather)
         self._module: nn.Module | None = None  # set by overlap_with_forward
         self._hooks: list = []
         self._waited_s = 0.0  # waits for the buckets in flight so far

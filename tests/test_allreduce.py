@@ -11,6 +11,7 @@ checks the results against the exact sum or mean.
 
 from __future__ import annotations
 
+import errno
 import glob
 import math
 import os
@@ -185,6 +186,33 @@ def _apart(group) -> dict:
     return {"shares": shares, "error": error, "auto": auto, "left": left}
 
 
+def _no_room(group) -> dict:
+    """/dev/shm with no room (posix_fallocate fails with ENOSPC on rank 0, which makes the file): the set-up says
+    no on every rank; growing an existing file says no and keeps the smaller one; nothing is left in /dev/shm."""
+    rank, key = dist.get_rank(group), id(group if group is not None else dist.group.WORLD)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    allreduce._SHARED.pop(key, None)
+    try:
+        with mock.patch.object(allreduce.os, "posix_fallocate", full):
+            first = allreduce.shares_memory(group, 1 << 20)
+        allreduce._SHARED.pop(key, None)
+        small = allreduce.shares_memory(group)  # room for the minimum
+        with mock.patch.object(allreduce.os, "posix_fallocate", full):
+            grown = allreduce.shares_memory(group, 8 << 20)
+            try:
+                allreduce.shared_memory_allreduce(torch.ones(2 << 20), "sum", group)  # 8 MiB
+                error = None
+            except RuntimeError as e:
+                error = str(e)
+        after = allreduce.shared_memory_allreduce(torch.ones(4), "sum", group)  # the smaller file still works
+    finally:
+        allreduce._SHARED.pop(key, None)
+    left = glob.glob(f"/dev/shm/dp-kit-allreduce-{os.getpid()}-*") if rank == 0 else []
+    return {"first": first, "small": small, "grown": grown, "error": error, "after": after, "left": left}
+
+
 def _mismatched_shared(group) -> dict:
     """Each group rank brings another size to the shared-memory all-reduce and all-gather; then a good call."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -206,7 +234,7 @@ def _grid_in(group) -> dict:
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
            "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
-           "auto": _auto_against_named(group), "checked": _checked(group), "mismatched": _mismatched_shared(group),
+           "auto": _auto_against_named(group), "checked": _checked(group), "mismatched": _mismatched_shared(group), "no room": _no_room(group),
            "apart": _apart(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
@@ -505,6 +533,16 @@ def _silent_after_set_up(ctx):
     allreduce.shares_memory()  # both map the file
     if ctx.rank == 0:
         allreduce.shared_memory_allreduce(torch.ones(8), "sum")  # rank 1 never comes
+
+
+@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
+def test_without_room_in_dev_shm_the_shared_memory_says_no_on_every_rank_instead_of_crashing(grids, n):
+    """A tmpfs page written past the tmpfs's size is SIGBUS: the file's bytes are allocated before any rank maps it."""
+    for ranks_out in grids[n]:
+        got = ranks_out["no room"]
+        assert got["first"] is False and got["small"] is True and got["grown"] is False
+        assert "room in /dev/shm" in got["error"]
+        assert torch.equal(got["after"], torch.full((4,), float(n))) and got["left"] == []
 
 
 @pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])

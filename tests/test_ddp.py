@@ -11,6 +11,7 @@ DDP runs in float32, as real training does.
 
 from __future__ import annotations
 
+import errno
 import functools
 import itertools
 from unittest import mock
@@ -444,7 +445,7 @@ def _against_pytorch(ctx):
 def _over_torch_all_reduce(ctx):
     """DDP, NaiveDDP and FlatDDP as on ranks of different hosts (shares_memory made to say no): torch's all_reduce."""
     out = {}
-    with mock.patch.object(allreduce, "shares_memory", lambda group=None: False), CollectiveCounter() as counter:
+    with mock.patch.object(allreduce, "shares_memory", lambda group=None, nbytes=0: False), CollectiveCounter() as counter:
         for wrapper in (DDP, NaiveDDP, FlatDDP):
             model = wrapper(build(big, seed=0))
             out[wrapper.__name__] = train(model, mse_loss(model, ctx.world_size, ctx.rank), 3, counter=counter,
@@ -453,8 +454,20 @@ def _over_torch_all_reduce(ctx):
     return out
 
 
+def _no_room_in_dev_shm(ctx):
+    """DDP built while /dev/shm has no room for its buckets (posix_fallocate fails): it sums with torch's all_reduce."""
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch.object(allreduce.os, "posix_fallocate", full):
+        model = DDP(build(big, seed=0))
+    with CollectiveCounter() as counter:
+        result = train(model, mse_loss(model, ctx.world_size, ctx.rank), 3, counter=counter, optimizer=torch.optim.SGD)
+    return {**result, "shared_memory": model.shared_memory}
+
+
 def _two_rank_cases(ctx):
     return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "over torch": _over_torch_all_reduce(ctx),
+            "no room": _no_room_in_dev_shm(ctx),
             "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
             "unused_without_flags": _unused_without_flags(ctx),
@@ -572,6 +585,14 @@ def test_on_different_hosts_the_sums_go_through_torch_all_reduce_and_train_like_
         assert_trains_like(result, oracle("big", 3, world=2))
         assert all(after_sync > 0 for _, _, after_sync in result["counts"]), "torch's all_reduce was called"
         assert all(two[rank]["ddp"][key]["shared_memory"] for key in two[rank]["ddp"]), "one host: shared memory"
+
+
+def test_without_room_in_dev_shm_for_its_buckets_ddp_sums_with_torch_all_reduce(two):
+    for rank in range(2):
+        result = two[rank]["no room"]
+        assert result["shared_memory"] is False
+        assert_trains_like(result, oracle("big", 3, world=2))
+        assert all(after_sync > 0 for _, _, after_sync in result["counts"]), "torch's all_reduce was called"
 
 
 @pytest.mark.parametrize("wrapper", ["NaiveDDP", "FlatDDP"])

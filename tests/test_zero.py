@@ -139,7 +139,7 @@ def _case(name: str, partition: str, group) -> dict:
 
 def _apart(group) -> dict:
     """AdamW as if the ranks were on different hosts: the updates travel by our ring all-gather."""
-    with mock.patch.object(allreduce, "shares_memory", lambda group=None: False):
+    with mock.patch.object(allreduce, "shares_memory", lambda group=None, nbytes=0: False):
         probe = _sharded(make_model(), "adamw", group, "flat")
         outcome = _case("adamw", "flat", group)
     return {**outcome, "gather": probe._all_gather.__name__}
