@@ -73,6 +73,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from comm_thread import group_timeout
 from dist_utils import DEFAULT_TIMEOUT_S, PeerFailedError, add_common_args, launch, progress, resolve_backend
 from measure import PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, write_results
@@ -697,14 +698,6 @@ def _meet_same_size(slots: _SharedSlots, rank: int, n: int, group, nbytes: int, 
                          f"per group rank: {sizes}): a peer diverged")
 
 
-def _timeout_s(group) -> float:
-    """The group's timeout (gloo's options), or dist_utils' default where a backend does not tell."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return DEFAULT_TIMEOUT_S
-
-
 def _reserve(path: str, size: int) -> None:
     """Make the file and allocate its ``size`` bytes now: /dev/shm is a tmpfs of limited size (64 MiB in a
     default Docker container), and a page written past its room is SIGBUS, not an error. Raises OSError
@@ -758,7 +751,8 @@ def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
     if seen.item() != n:
         return None
     words = raw[8:8 * (2 * n + 1)].view(torch.int64)
-    return _SharedSlots(weakref.ref(group), words[:n], words[n:], raw[header:].view(n + 1, capacity), _timeout_s(group))
+    timeout_s = group_timeout(group, torch.device("cpu")) or DEFAULT_TIMEOUT_S  # where a backend does not tell
+    return _SharedSlots(weakref.ref(group), words[:n], words[n:], raw[header:].view(n + 1, capacity), timeout_s)
 
 
 def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
@@ -787,15 +781,21 @@ def shares_memory(group=None, nbytes: int = 0) -> bool:
     return n == 1 or _shared_slots(nbytes, rank, n, group) is not None
 
 
-def _required_slots(flat: torch.Tensor, nbytes: int, rank: int, n: int, group, what: str) -> _SharedSlots:
-    """The group's shared file with rows of ``nbytes`` at least, or an error naming the collective ``what``."""
+def _post_row(flat: torch.Tensor, rank: int, n: int, group, what: str) -> tuple[_SharedSlots, torch.Tensor]:
+    """Copy ``flat`` into this rank's row of the group's shared file and wait until every rank has posted one of
+    the same size (``_meet_same_size``). Returns the slots and the rows, (n + 1, numel) in ``flat``'s dtype.
+    Raises, naming the collective ``what``, for a tensor not on the CPU or ranks that share no memory."""
     if flat.device.type != "cpu":
         raise ValueError(f"the shared-memory {what} takes CPU tensors, got one on {flat.device}")
+    nbytes = flat.numel() * flat.element_size()
     slots = _shared_slots(nbytes, rank, n, group)
     if slots is None:
         raise RuntimeError(f"the shared-memory {what} needs every rank of the group on this host (one /dev/shm) "
                            f"and room in /dev/shm for {n + 1} rows of {nbytes} bytes: use another algorithm")
-    return slots
+    rows = slots.rows[:, :nbytes].view(flat.dtype)
+    rows[rank].copy_(flat)
+    _meet_same_size(slots, rank, n, group, nbytes, what)
+    return slots, rows
 
 
 def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
@@ -806,11 +806,7 @@ def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
     The next call's writes cannot overtake this call's reads: a rank writes its row n piece only after
     the next call's first synchronisation, which every rank reaches after its copy back.
     """
-    nbytes = flat.numel() * flat.element_size()
-    slots = _required_slots(flat, nbytes, rank, n, group, "all-reduce")
-    rows = slots.rows[:, :nbytes].view(flat.dtype)  # (n + 1, numel)
-    rows[rank].copy_(flat)
-    _meet_same_size(slots, rank, n, group, nbytes, "all-reduce")
+    slots, rows = _post_row(flat, rank, n, group, "all-reduce")  # (n + 1, numel)
     b = bounds(flat.numel(), n)
     columns = rows[:, b[rank]:b[rank + 1]]  # (n + 1, this rank's piece)
     torch.add(columns[0], columns[1], out=columns[n])
@@ -1135,12 +1131,8 @@ def shared_memory_all_gather(output: torch.Tensor, input: torch.Tensor, group=No
             if flat.data_ptr() != out.data_ptr():
                 out.copy_(flat)
             return
-        nbytes = flat.numel() * flat.element_size()
-        slots = _required_slots(flat, nbytes, rank, n, group, "all-gather")
-        rows = slots.rows[:n, :nbytes].view(flat.dtype)  # (n, m): row j is rank j's input
-        rows[rank].copy_(flat)
-        _meet_same_size(slots, rank, n, group, nbytes, "all-gather")
-        out.view(n, -1).copy_(rows)
+        slots, rows = _post_row(flat, rank, n, group, "all-gather")  # row j < n is rank j's input
+        out.view(n, -1).copy_(rows[:n])
         _meet(slots, rank, n, group)
 
     return _sharded(output, input, run)
