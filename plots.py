@@ -232,17 +232,19 @@ def training_curves(runs: dict[str, dict]) -> Figure:
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
 # The same with the communication ours uses when the workers share a host (syncbn_benchmark.SHARED_REFERENCE).
 SYNCBN_SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
+# The least a Python autograd.Function with those two sums costs (syncbn_benchmark.FLOOR), drawn against the latter.
+SYNCBN_FLOOR = "floor: BatchNorm in a Python Function + 2 shared-memory sums"
 
 
-def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE) -> list[dict]:
-    """Per (batch, hidden): ours / ``reference`` time with its interval (when the rows have rounds or ci fields)."""
+def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "ours") -> list[dict]:
+    """Per (batch, hidden): ``impl`` / ``reference`` time with its interval (when the rows have rounds or ci fields)."""
     # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of the workers.
     rows = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
             and r.get("dtype", "float32") == "float32"]
     ref = {(r["batch"], r["hidden"]): r for r in rows if r.get("impl") == reference}
     out = []
     for r in rows:
-        if r.get("impl") != "ours" or (r["batch"], r["hidden"]) not in ref:
+        if r.get("impl") != impl or (r["batch"], r["hidden"]) not in ref:
             continue
         if isinstance(r.get("vs_reference"), dict):  # a measure.paired_ratio stored with the row
             value = r["vs_reference"]
@@ -271,19 +273,22 @@ def _ratio_bars(ax, points: list[dict], offset: float, width: float, color: str,
 def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
     """Ours / (BatchNorm1d + the two all_reduce calls any synchronized BatchNorm needs), per size, one
     panel per batch, a bar per reference in the file (torch's all_reduce; shared memory, the communication
-    ours uses on one host); error bars: 95 % intervals where the rows carry them; the target as a line."""
-    series = [(name, syncbn_ratios(doc, name)) for name in (SYNCBN_REFERENCE, SYNCBN_SHARED_REFERENCE)]
-    series = [(name, ratios) for name, ratios in series if ratios] or series[:1]
-    bar_colours = {SYNCBN_REFERENCE: colour("ours"), SYNCBN_SHARED_REFERENCE: colour("shared_memory")}
-    batches = sorted({r["batch"] for r in series[0][1]})
+    ours uses on one host), and where the file has it the floor / the latter (the least a layer written as a
+    Python Function costs there); error bars: 95 % intervals where the rows carry them; the target as a line."""
+    pairs = (("ours", SYNCBN_REFERENCE, colour("ours")), ("ours", SYNCBN_SHARED_REFERENCE, colour("shared_memory")),
+             (SYNCBN_FLOOR, SYNCBN_SHARED_REFERENCE, "#BBBBBB"))
+    series = [(impl, name, bar, syncbn_ratios(doc, name, impl)) for impl, name, bar in pairs]
+    series = [s for s in series if s[-1]] or series[:1]
+    batches = sorted({r["batch"] for r in series[0][-1]})
     figure, axes = _figure(1, max(1, len(batches)), width=4.2 * max(1, len(batches)) + 2, height=3.4, sharey=True)
     width = 0.6 / len(series)
     for ax, batch in zip(axes[0], batches):
         with_ci = False
-        for k, (name, ratios) in enumerate(series):
+        for k, (impl, name, bar, ratios) in enumerate(series):
             points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
-            with_ci |= _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar_colours[name],
-                                   f"ours / ({name})", "95 % interval" if k == 0 else None)
+            with_ci |= _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar,
+                                   f"{'floor' if impl == SYNCBN_FLOOR else impl} / ({name})",
+                                   "95 % interval" if k == 0 else None)
         ax.axhline(target, color="#AA0000", linestyle="--", label=f"target {target:g}x")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(np.arange(len(points)), [str(p["hidden"]) for p in points])

@@ -99,6 +99,8 @@ def syncbn_lines(doc: dict) -> list[str]:
     for t in targets:
         measured = format_ratio(t) if "median" in t else f"{t['sizes_met']} of {t['sizes']} sizes met"
         parts.append(f"{t['name']}: {measured}, **{t['verdict']}**")
+    # The floor (syncbn_benchmark.FLOOR): what any layer written as a Python autograd.Function pays with these sums.
+    parts += [f"{b['name']}: {format_ratio(b)} (a bound, no target)" for b in doc["results"] if b.get("kind") == "bound"]
     return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
             f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
             "times of forward + backward):", *[f"  - {p}" for p in parts]]

@@ -22,8 +22,11 @@ shared memory, ``syncbn._sum_across``); ``BatchNorm1d (local)`` with no communic
 cannot avoid, as the issue defines it, the reference on the CPU, where ``torch.nn.SyncBatchNorm``
 refuses to run; ``BatchNorm1d + 2 shared-memory all_reduce`` (CPU, workers on one host): the same
 with the communication ours uses (``allreduce.shared_memory_allreduce``), so that its ratio is
-what the layer costs beyond BatchNorm and communication alike; on CUDA ``torch.nn.SyncBatchNorm``
-too. float32 rows carry the targets, against both references; float16/bfloat16 rows (float32
+what the layer costs beyond BatchNorm and communication alike; beside it (same condition) the
+``floor``: BatchNorm's own kernels inside a Python ``torch.autograd.Function`` that makes the
+same two sums where a synchronized layer must, the least any layer written that way can cost
+(``_FloorFunction``; ours / floor and floor / that reference are printed as bounds, without
+targets); on CUDA ``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both references; float16/bfloat16 rows (float32
 parameters) are for information. The single-process rows run in the launching process,
 with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
 ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
@@ -53,6 +56,7 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 import allreduce
 from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
@@ -65,6 +69,8 @@ from syncbn import SyncBatchNorm
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
 # The reference with the communication ours uses when the workers share a host (CPU).
 SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
+# The least a synchronized BatchNorm written as a Python autograd.Function pays with that communication (_FloorFunction).
+FLOOR = "floor: BatchNorm in a Python Function + 2 shared-memory sums"
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
 SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
@@ -76,6 +82,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
 # grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
+# Bounds (the floor, CPU workers on one host), printed as medians over the grid without targets: what ours costs
+# beyond the floor, and what the floor costs beyond BatchNorm1d and the same two sums made outside autograd.
+BOUNDS = ((WORKERS, OURS, FLOOR, None), (WORKERS, FLOOR, SHARED_REFERENCE, None))
 PROFILE_ITERS = 20
 # One process times this many times --iters (warm caches): its iterations are a few tens of microseconds, several
 # times shorter than the workers', and their ratios to BatchNorm1d's need more of them to settle.
@@ -115,9 +124,55 @@ class _WithoutCollectives(SyncBatchNorm):
                                    self.momentum, None)
 
 
+class _FloorFunction(torch.autograd.Function):
+    """A timing device, not a layer: what any synchronized BatchNorm written as a Python autograd.Function
+    (``syncbn.SyncBatchNormFunction``, ``torch.nn.SyncBatchNorm``'s) pays at least with shared-memory sums.
+
+    BatchNorm's own fused kernels (``native_batch_norm`` in training mode, which also updates the running
+    statistics, and its backward), with a sum across ranks of 2C + 1 float64 values inside forward and of 2C
+    inside backward, where a synchronized layer must make them: before the output exists, and before the input
+    gradient does. It normalizes with the local batch's statistics and sends zeros (buffers made once, outside
+    the timed region). Ours does this and the synchronisation's own arithmetic (packing, the float64
+    combination, the global terms of dx): ours / floor is that arithmetic's price; floor / (BatchNorm1d + 2
+    shared-memory all_reduce) is what the Function and the sums' place in the graph cost, which no layer of
+    this design goes below.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, sums):
+        y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
+        allreduce.shared_memory_allreduce(sums[0], "sum")  # (2C + 1,) float64: the forward's statistics
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.eps, ctx.sums = eps, sums
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        grads = torch.ops.aten.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd, True, ctx.eps,
+                                                          list(ctx.needs_input_grad[:3]))
+        allreduce.shared_memory_allreduce(ctx.sums[1], "sum")  # (2C,) float64: the backward's two sums
+        return (*grads, None, None, None, None, None)
+
+
+class _Floor(torch.nn.BatchNorm1d):
+    """BatchNorm1d's parameters and buffers through ``_FloorFunction`` (CPU, the workers on one host)."""
+
+    def __init__(self, hidden: int):
+        super().__init__(hidden)
+        self.sums = (torch.zeros(2 * hidden + 1, dtype=torch.float64), torch.zeros(2 * hidden, dtype=torch.float64))
+
+    def forward(self, x):
+        return _FloorFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                    self.momentum, self.sums)
+
+
 def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
-    if impl.startswith(SYNC_PATH):
+    if impl == FLOOR:
+        layer = _Floor(hidden)
+    elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
         layer = module.SyncBatchNorm(hidden)
@@ -298,7 +353,8 @@ def phases(rank: int, world: int, device: torch.device, impls: list[str], batch:
 
 def implementations(device: torch.device, baseline: str | None, shared: bool = False) -> list[str]:
     """The timed implementations; ``shared``: the workers share this host's memory (a collective to find out)."""
-    impls = [OURS, LOCAL, REFERENCE] + ([SHARED_REFERENCE] if shared else []) + ([TORCH_SYNC] if device.type == "cuda" else [])
+    impls = [OURS, LOCAL, REFERENCE] + ([SHARED_REFERENCE, FLOOR] if shared else []) \
+        + ([TORCH_SYNC] if device.type == "cuda" else [])
     return impls + ([f"{OURS}@{baseline}"] if baseline else [])
 
 
@@ -315,7 +371,8 @@ def run(ctx, args) -> list[dict]:
         rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline)
     for batch, hidden in _profiled_sizes(args):
         rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, *references], batch, hidden)
-        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, *references], batch, hidden, PHASE_ITERS)
+        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, *references] + ([FLOOR] if shared else []),
+                       batch, hidden, PHASE_ITERS)
     return rows
 
 
@@ -365,6 +422,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     device = rows[0]["device"]
     comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None),
                    (WORKERS, OURS, SHARED_REFERENCE, CPU_TARGET), (WORKERS, OURS, LOCAL, None),
+                   *BOUNDS,
                    (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None), (COLD, SYNC_PATH, LOCAL, None)]
     if device == "cuda":
         comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
@@ -420,6 +478,18 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
             out.append({"kind": "target", "name": f"{setting}: {what} of ours <= BatchNorm1d's at every size",
                         "setting": setting, "limit": 1.0, "verdict": "missed" if worse else "met",
                         "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
+    return out
+
+
+def bounds(ratio_rows: list[dict]) -> list[dict]:
+    """The median over the grid of each of ``BOUNDS`` the rows hold (float32), without a target."""
+    out = []
+    for setting, mine, versus, _ in BOUNDS:
+        entries = [r for r in ratio_rows if (r["setting"], r["impl"], r["versus"], r["dtype"]) ==
+                   (setting, mine, versus, "float32")]
+        if entries:
+            out.append({"kind": "bound", "name": f"{setting}: median over the grid, {mine} / ({versus})",
+                        "setting": setting, "impl": mine, "versus": versus, **_grid_ratio(entries)})
     return out
 
 
@@ -486,6 +556,10 @@ def report(rows: list[dict], env: dict, config: dict) -> None:
     if any(r["kind"] == "phases" for r in rows):
         print(f"\n{WORKERS}: one iteration cut at its two collectives (median per phase, slowest rank)\n"
               f"{_phases_table(rows)}")
+    if any(r["kind"] == "bound" for r in rows):
+        print("\nBounds (no target):")
+        for b in (r for r in rows if r["kind"] == "bound"):
+            print(f"  {b['name']}: {format_ratio(b)}")
     print("\nTargets:")
     for t in (r for r in rows if r["kind"] == "target"):
         detail = f" ({format_ratio(t)})" if "median" in t else f" ({t['sizes_met']} of {t['sizes']} sizes)"
@@ -568,7 +642,7 @@ def main(args) -> None:
 def finish(rows: list[dict], env: dict, args) -> None:
     time_rows = [r for r in rows if r["kind"] in ("time", "breakdown", "phases")]
     ratio_rows = ratios(time_rows)
-    rows = time_rows + ratio_rows + targets(ratio_rows, time_rows)
+    rows = time_rows + ratio_rows + targets(ratio_rows, time_rows) + bounds(ratio_rows)
     config = vars(args)
     report(rows, env, config)
     if args.json:

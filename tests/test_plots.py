@@ -132,6 +132,20 @@ def test_syncbn_grid_draws_a_bar_per_reference_when_the_file_has_both():
     assert {f"ours / ({plots.SYNCBN_REFERENCE})", f"ours / ({plots.SYNCBN_SHARED_REFERENCE})"} <= set(legend_texts(figure))
 
 
+def test_syncbn_grid_draws_the_floor_against_the_shared_reference_when_the_file_has_it():
+    """The floor (syncbn_benchmark.FLOOR) is drawn as floor / (shared-memory reference), beside ours / each reference."""
+    shared = [{**r, "impl": plots.SYNCBN_SHARED_REFERENCE, "time_s": r["time_s"] / 2,
+               "round_time_s": [t / 2 for t in r["round_time_s"]]}
+              for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
+    floor = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 0.55, "round_time_s": [t * 0.55 for t in r["round_time_s"]]}
+             for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
+    figure = plots.syncbn_grid(doc(syncbn_rows() + shared + floor), target=1.3)
+    ax = [ax for ax in figure.axes if ax.get_title()][0]
+    bars = sorted((b.get_x(), b.get_height()) for b in ax.patches if isinstance(b, Rectangle))
+    assert [h for _, h in bars] == pytest.approx([1.2, 2.4, 1.1] * 3)  # per size: ours / each reference, floor / shared
+    assert f"floor / ({plots.SYNCBN_SHARED_REFERENCE})" in legend_texts(figure)
+
+
 def test_syncbn_grid_says_when_the_file_has_no_intervals():
     figure = plots.syncbn_grid(doc(syncbn_rows(with_rounds=False)))
     ax = [ax for ax in figure.axes if ax.get_title()][0]

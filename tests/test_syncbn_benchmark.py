@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import allreduce
-from syncbn_benchmark import (COLD, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHARED_REFERENCE, SINGLE, SYNC_PATH,
-                              TARGET_GRID, TARGET_SINGLE, CPU_TARGET, WORKERS, _phase_medians, _stamped_collectives,
-                              parse_args, ratios, run_case, targets)
+from syncbn_benchmark import (COLD, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHARED_REFERENCE, SINGLE,
+                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, CPU_TARGET, WORKERS, _Floor, _phase_medians,
+                              _stamped_collectives, bounds, parse_args, ratios, run_case, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -124,6 +124,55 @@ def test_both_references_carry_the_same_targets():
         grid = found[f"{WORKERS}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"]
         assert grid["median"] == pytest.approx(median) and grid["verdict"] == verdict
         assert found[f"{WORKERS}: every size, ours / ({versus}) <= {CPU_TARGET}"]["verdict"] == verdict
+
+
+def test_the_floor_is_a_bound_without_a_target():
+    """ours 1.5x the floor and the floor 1.1x the shared-memory reference in every round: two bounds, medians over
+    the grid, no verdict; the targets are the same as without the floor."""
+    load = [1.0, 2.0] * 4
+    rows = []
+    for hidden in (128, 256):
+        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(SHARED_REFERENCE, WORKERS, hidden, [0.4 * t for t in load]),
+                 _row(FLOOR, WORKERS, hidden, [0.44 * t for t in load]), _row(OURS, WORKERS, hidden, [0.66 * t for t in load]),
+                 _row(LOCAL, WORKERS, hidden, [0.2 * t for t in load])]
+    ratio_rows = ratios(rows)
+    found = {(b["impl"], b["versus"]): b for b in bounds(ratio_rows)}
+    assert found[OURS, FLOOR]["median"] == pytest.approx(1.5) and found[FLOOR, SHARED_REFERENCE]["median"] == pytest.approx(1.1)
+    assert all(b["kind"] == "bound" and "verdict" not in b and b["sizes"] == 2 for b in found.values())
+    without = [r for r in rows if r["impl"] != FLOOR]
+    assert targets(ratio_rows, rows) == targets(ratios(without), without)
+    assert not bounds(ratios(without))
+
+
+def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_layer():
+    """_Floor: BatchNorm1d's output, gradients and running statistics (its own kernels, the local batch), with one
+    sum of 2C + 1 float64 values in forward and one of 2C in backward, in that order."""
+    import plots
+
+    assert plots.SYNCBN_FLOOR == FLOOR  # the report draws the floor by this name
+    sums = []
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    dy = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    floor, batch_norm = _Floor(4).double(), torch.nn.BatchNorm1d(4).double()
+    with torch.no_grad():
+        for layer in (floor, batch_norm):
+            layer.weight.copy_(torch.arange(1.0, 5.0))
+            layer.bias.fill_(0.5)
+    outputs, grads = [], []
+    with mock.patch.object(allreduce, "shared_memory_allreduce", lambda t, op, *a: sums.append((t.shape, t.dtype, op))):
+        for layer in (floor, batch_norm):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.backward(dy)
+            outputs.append(y.detach())
+            grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
+    assert sums == [((9,), torch.float64, "sum"), ((8,), torch.float64, "sum")]
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for mine, theirs in zip(*grads):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(floor.running_mean, batch_norm.running_mean)
+    torch.testing.assert_close(floor.running_var, batch_norm.running_var)
 
 
 def test_stamped_collectives_time_where_the_caller_waits_and_put_the_real_one_back():
