@@ -160,9 +160,11 @@ def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.
     ``sums`` (2, C) become the global [sum(dy), sum(dy * x_hat)] once ``work`` (the all_reduce
     filling them, or None if they already are) is done. On CPU, per element,
     dx = scale * dy + alpha * x + beta with scale = weight * invstd, alpha = -scale * invstd * b and
-    beta = -scale * a - alpha * mean (in float32 for half inputs). scale * dy needs nothing
-    global, so that pass runs while the all_reduce is in flight; the rest follows it. Every
-    per-channel operation costs microseconds of dispatch, as much as a pass over x at these
+    beta = -scale * a - alpha * mean (in float32 for half inputs): two passes over the data once the
+    sums are here, alpha * x + beta into a new tensor, then + scale * dy in place. (Forming
+    scale * dy while the sums travel would overlap one pass with them but cost a third pass over
+    the data, which large inputs feel; the per-channel terms are what overlaps.) Every
+    per-channel operation costs microseconds of dispatch, as much as a pass over x at small
     sizes, so the coefficients take few of them.
     """
     if not x.numel():
@@ -177,13 +179,13 @@ def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.
         # The kernel wants sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
         return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums[0], sums[1] / invstd, count)
     scale = invstd if weight is None else invstd * weight
-    grad = torch.mul(dy, _per_channel(scale, x))  # the local part (float32 for half inputs: scale is)
     if work is not None:
         work.wait()  # the global sums
     minus_a, minus_b = torch.addcmul(_constant(0.0, sums.dtype, sums.device), sums, scale, value=-1 / total)  # -scale a, -scale b
     alpha = minus_b.mul_(invstd)
     beta = minus_a.addcmul_(alpha, mean, value=-1)
-    grad.addcmul_(x, _per_channel(alpha, x)).add_(_per_channel(beta, x))
+    # float32 for half inputs: the per-channel coefficients are, and they take part in both passes.
+    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x)).addcmul_(dy, _per_channel(scale, x))
     return _as(grad, x.dtype)
 
 
