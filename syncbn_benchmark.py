@@ -26,8 +26,8 @@ what the layer costs beyond BatchNorm and communication alike; beside it (same c
 ``floor``: BatchNorm's own kernels inside a Python ``torch.autograd.Function`` that makes the
 same two sums where a synchronized layer must, the least any layer written that way can cost
 (``_FloorFunction``; ours / floor and floor / that reference are printed as bounds, without
-targets); on CUDA ``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both references; float16/bfloat16 rows (float32
-parameters) are for information. The single-process rows run in the launching process,
+targets); on CUDA ``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both
+references; float16/bfloat16 rows (float32 parameters) are for information. The single-process rows run in the launching process,
 with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
 ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
 beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). On the CPU,
