@@ -27,8 +27,9 @@ Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
 b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
     dx = weight * invstd * (dy - a - x_hat * b),    dweight = sum(dy * x_hat),    dbias = sum(dy),
 where dweight and dbias are the local sums, as in PyTorch: DDP averages them across ranks.
-With ``torch.distributed.all_reduce`` the backward's is asynchronous: weight * invstd * dy needs
-nothing global, so on the CPU that pass over the data runs while the sums travel.
+With ``torch.distributed.all_reduce`` the backward's is asynchronous: the per-channel terms that
+need nothing global (invstd, weight * invstd) are formed while the sums travel; dx then takes two
+passes over the data (``_input_grad``).
 
 Communication: when every rank of the group is on this host (CPU tensors) the two sums go
 through its shared memory (``allreduce.shared_memory_allreduce``: every rank copies its vector
