@@ -21,23 +21,23 @@ shared memory, ``syncbn._sum_across``); ``BatchNorm1d (local)`` with no communic
 ``torch.distributed.all_reduce``: the cost of a synchronized BatchNorm with the communication it
 cannot avoid, as the issue defines it, the reference on the CPU, where ``torch.nn.SyncBatchNorm``
 refuses to run; ``BatchNorm1d + 2 shared-memory all_reduce`` (CPU, workers on one host): the same
-with the communication ours uses (``allreduce.shared_memory_allreduce``), so that its ratio is
-what the layer costs beyond BatchNorm and communication alike; beside it (same condition) the
-``floor``: BatchNorm's own kernels inside a Python ``torch.autograd.Function`` that makes the
-same two sums where a synchronized layer must, the least any layer written that way can cost
-(``_FloorFunction``; ours / floor and floor / that reference are printed as bounds, without
-targets); on CUDA ``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both
-references; float16/bfloat16 rows (float32 parameters) are for information. The single-process rows run in the launching process,
-with no process group: there the layer is ``F.batch_norm`` itself, and a third row times
-``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
-beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). On the CPU,
-at the smallest and the largest size, that row and ``BatchNorm1d (local)`` run once more with
-cold caches (``COLD``: 16 MiB written before every iteration, untimed), as the work after a
-collective finds them. Peak memory (``measure.PeakMemory``) and bytes saved for backward
-(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile of
-one forward + backward (``measure.op_breakdown``) shows where the time goes, and with the
-workers one iteration cut at its two collectives (``phases``) shows the compute between them
-apart from the waiting.
+with the communication ours uses (``allreduce.shared_memory_allreduce``), so that its ratio is what
+the layer costs beyond BatchNorm and communication alike; beside it (same condition) the ``floor``:
+BatchNorm's own kernels inside a Python ``torch.autograd.Function`` that makes the same two sums
+where a synchronized layer must, the least any layer written that way can cost (``_FloorFunction``;
+ours / floor and floor / that reference are printed as bounds, without targets); on CUDA
+``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both references;
+float16/bfloat16 rows (float32 parameters) are for information. The single-process rows run in the
+launching process, with no process group: there the layer is ``F.batch_norm`` itself, and a third
+row times ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
+beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). On the CPU, at
+the smallest and the largest size, that row and ``BatchNorm1d (local)`` run once more with cold
+caches (``COLD``: 16 MiB written before every iteration, untimed), as the work after a collective
+finds them. Peak memory (``measure.PeakMemory``) and bytes saved for backward
+(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile of one
+forward + backward (``measure.op_breakdown``) shows where the time goes, and with the workers one
+iteration cut at its two collectives (``phases``) shows the compute between them apart from the
+waiting.
 """
 
 from __future__ import annotations

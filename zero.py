@@ -10,8 +10,8 @@ each parameter element is owned by exactly one rank, and only its owner keeps it
 state (for AdamW two float32 tensors per parameter: the biggest share of the model states)
 and updates it. Then every rank's updated share is sent to every other rank with an all-gather
 of ``allreduce.py``: when every rank is on one host (CPU tensors), through that host's shared
-memory (``shared_memory_all_gather``: one copy in, one out, no socket; 0.36x torch's
-``all_gather_into_tensor`` at 10 MiB with 2 processes in ``results/all_gather.json``; the
+memory (``shared_memory_all_gather``: one copy in, one out, no socket; 0.37x [0.27, 0.40]
+torch's ``all_gather_into_tensor`` at 10 MiB with 2 processes in ``results/all_gather.json``; the
 file holds n + 1 rows of a bucket's largest share, outside the tensors the benchmark counts), else
 the ring (``all_gather``).
 
