@@ -1,6 +1,5 @@
 """Homework Task 4: all-reduce over point-to-point messages only: ring, butterfly, halving-doubling,
-recursive doubling, a pipelined tree; beyond the homework, through shared memory for ranks on one
-host; and ``allreduce(algorithm="auto")``, which picks one.
+recursive doubling, a pipelined tree, and ``allreduce(algorithm="auto")``, which picks one of them.
 
     python allreduce.py                  # the homework comparison (spawns 1 to 32 workers itself)
     python allreduce.py --quick          # a small subset, a few minutes on two cores
@@ -14,12 +13,12 @@ what the homework asks::
 It reduces ``tensor`` in place over all ranks of ``group`` (``"sum"``, or ``"mean"``: every
 rank divides its contribution by the group size, then the quotients are summed, so a mean
 overflows only where the mean itself would), and returns the same tensor. Only
-``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective (the shared-memory one
-exchanges messages only to set up, and where stores may be reordered, not x86, to wait). Any world size, any
+``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective. Any world size, any
 number of elements (fewer than ranks, not divisible, or none), any floating dtype (integers
 too with ``op="sum"``), contiguous or not: a non-contiguous tensor is reduced in a
 contiguous copy that is copied back, which costs ``numel`` extra elements. Bad input is
-refused before the first message.
+refused before the first message. What carries the messages (gloo's sockets, or this host's
+shared memory) is a transport, not an algorithm: see ``transport.py``.
 
 * ``ring_allreduce``: reduce-scatter then all-gather around the ring; each rank sends
   2(n-1)/n of the tensor in 2(n-1) dependent steps, pipelined with the additions.
@@ -30,23 +29,19 @@ refused before the first message.
   ranks into partners first.
 * ``recursive_doubling_allreduce``: log2(n) exchanges of the whole tensor (latency-optimal).
 * ``tree_allreduce``: pipelined binary-tree reduce then broadcast.
-* ``shared_memory_allreduce``: every rank of the group on one host (CPU tensors): the ranks map
-  one file of /dev/shm; each copies its tensor in, adds 1/n of the columns over all ranks' rows,
-  and copies the sum out. No byte crosses a socket.
-* ``allreduce``: any of them by name, or ``"auto"``: shared memory when the group shares this
-  host (measured fastest at every size here), otherwise the fastest message-passing algorithm for
-  the size in bytes and the world size, from ``CROSSOVER``, measured by ``collectives_benchmark.py --tune``.
+* ``allreduce``: any of them by name, or ``"auto"``: the fastest algorithm for the size in bytes
+  and the world size, from ``CROSSOVER``, measured by ``collectives_benchmark.py --tune``.
 * ``torch_allreduce``: the reference, ``torch.distributed.all_reduce`` with the same contract.
 
 Running the file spawns its own workers (one launch per world size, one intra-op thread
-each) and prints the homework's two tables: every algorithm for 1 to 32 workers, and
-ours against ``torch.distributed.all_reduce`` for 1 to 16 processes and 1,000 to 100,000
-elements, with auto's p50 / torch's p50 (median over interleaved rounds, 95 % interval) and
-its target (<= 1.10x with 2 and 4 processes). Columns: time (maximum over ranks, median of
-the repeats after warm-up), memory (the extra bytes the call allocates, measured in a
-separate untimed call with the scratch buffers of earlier calls released first) and the
-accuracy of averaging (maximum absolute difference from the exact mean computed in
-float64, every rank holding different random data).
+each) and prints the homework's two tables, every algorithm over the same wire (gloo): every
+algorithm for 1 to 32 workers, and ours against ``torch.distributed.all_reduce`` for 1 to 16
+processes and 1,000 to 100,000 elements, with auto's p50 / torch's p50 (median over
+interleaved rounds, 95 % interval) and its target (<= 1.10x with 2 and 4 processes).
+Columns: time (maximum over ranks, median of the repeats after warm-up), memory (the extra
+bytes the call allocates, measured in a separate untimed call with the scratch buffers of
+earlier calls released first) and the accuracy of averaging (maximum absolute difference
+from the exact mean computed in float64, every rank holding different random data).
 
 The last section holds the two halves of the ring as collectives of their own, for sharded
 training: ``reduce_scatter(output, input, op, group)`` and ``all_gather(output, input, group)``
@@ -60,11 +55,8 @@ import argparse
 import functools
 import math
 import os
-import platform
 import threading
-import time
 import warnings
-import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -73,8 +65,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from comm_thread import group_timeout
-from dist_utils import DEFAULT_TIMEOUT_S, PeerFailedError, add_common_args, launch, progress, resolve_backend
+from dist_utils import add_common_args, launch, progress, resolve_backend
 from measure import PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, write_results
 
@@ -97,7 +88,7 @@ TREE_SEGMENT_BYTES = 1 << 20
 # --------------------------------------------------------------------------- the common frame
 
 
-def _check(tensor: torch.Tensor, op: str) -> None:
+def check_input(tensor: torch.Tensor, op: str) -> None:
     """Refuse bad input before any message is sent, so no peer is left waiting for half a protocol."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -132,7 +123,7 @@ def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., No
     The mean divides every rank's contribution by n BEFORE the sum, as ddp.py does: the sum of
     n float16 values near 65504 / n cannot overflow, where summing first would reach inf.
     """
-    _check(tensor, op)
+    check_input(tensor, op)
     rank, n = _group_rank(group)
     if check and n > 1:
         _check_same_input(tensor, op, algorithm, group, rank, n)
@@ -501,7 +492,7 @@ def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> t
 # --------------------------------------------------------------------------- recursive doubling
 
 
-def _pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
+def pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
     """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
 
     gloo: the send is posted before the receive: in a same-run A/B on 2 cores with 4 processes
@@ -539,7 +530,7 @@ def _recursive_doubling(flat: torch.Tensor, rank: int, n: int, group) -> None:
         flat.add_(received)
     distance = 1
     while distance < p:
-        _pair_exchange(flat, received, rank ^ distance, group)
+        pair_exchange(flat, received, rank ^ distance, group)
         flat.add_(received)
         distance *= 2
     if rank < n - p:
@@ -617,230 +608,11 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
     return _allreduce(tensor, op, group, _tree, segment_bytes=segment_bytes, in_flight=in_flight)
 
 
-# --------------------------------------------------------------------------- shared memory (one host)
-# Not a message-passing algorithm: ranks on one host meet in a file of /dev/shm that all of them map.
-# Loopback TCP copies every byte through the kernel twice; here each rank copies its tensor in and the
-# result out once, and adds its 1/n of the elements in between. Two waits per call (``_meet``), bounded
-# by the group's timeout, so a dead peer fails the call instead of hanging it.
-
-# auto runs shared memory from this many bytes up when the group shares a host (None: never). From the
-# smallest size: it took 0.47x-0.73x torch's time at every size from 4000 B to 100 MiB with 2 processes
-# (python collectives_benchmark.py --procs 2 --sizes 4000 16KB 64KB 256KB 1MB 4MB 10MB 100MB --algorithms
-# torch shared_memory recursive_doubling halving_doubling --iters 30 --warmup 3), the fastest at each, and
-# 0.18x-0.44x with 4 (oversubscribed; python collectives_benchmark.py --procs 4 --sizes 4000 64KB 1MB 10MB
-# --algorithms torch shared_memory tree ring --iters 12 --warmup 2).
-SHARED_FROM_BYTES: int | None = 0
-SHARED_MIN_CAPACITY = 1 << 20  # bytes per slot at least; grown by doubling, so few set-ups per group
-# x86 keeps a core's stores in order, so a peer that sees a rank's counter also sees the rows written
-# before it: ranks wait for each other by polling counters in the file. Elsewhere they exchange messages
-# (a 1-element recursive doubling: a message round trip per doubling step).
-POLLS = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@dataclass
-class _SharedSlots:
-    """The group's file, mapped: [token, one counter per rank, one size per rank] (int64), then (n + 1,
-    capacity) bytes of rows: row r is rank r's input, row n the sum."""
-
-    group: weakref.ref  # the group it was made for: a new group may reuse the id of a freed one
-    counters: torch.Tensor  # (n,) int64: how many synchronisations each rank has reached
-    sizes: torch.Tensor  # (n,) int64: the bytes each rank brings to the call in progress (see _meet_same_size)
-    rows: torch.Tensor
-    timeout_s: float  # the group's: a peer that stops counting fails the call after this long
-    syncs: int = 0
-
-
-def _header_bytes(n: int) -> int:
-    return -(-8 * (2 * n + 1) // 64) * 64  # token, counters and sizes, rounded up to keep the rows aligned
-
-
-_SHARED: dict[int, _SharedSlots | None] = {}  # id(group) -> its slots; None: the ranks share no memory
-
-
-def _sync(rank: int, n: int, group) -> None:
-    """Returns on every rank only once every rank has called it (a sum of one int64: point to point only)."""
-    _recursive_doubling(torch.zeros(1, dtype=torch.int64), rank, n, group)
-
-
-def _meet(slots: _SharedSlots, rank: int, n: int, group) -> None:
-    """``_sync`` through the file where stores stay in order (``POLLS``): count, then wait for every count.
-
-    Polls yield the core at once (oversubscribed ranks need it) and sleep after a while; a peer that
-    has not counted within the group's timeout fails the call with ``PeerFailedError``.
-    """
-    if not POLLS:
-        return _sync(rank, n, group)
-    slots.syncs += 1
-    slots.counters[rank] = slots.syncs
-    deadline, polls = time.monotonic() + slots.timeout_s, 0
-    while int(slots.counters.min()) < slots.syncs:
-        polls += 1
-        if polls > 1000:
-            time.sleep(1e-4)
-            if time.monotonic() > deadline:
-                raise PeerFailedError(f"rank {rank}/{n}: a peer failed, diverged or stopped answering: it did not reach "
-                                      f"the shared-memory collective within the {slots.timeout_s:g} s process-group timeout")
-        else:
-            os.sched_yield()
-
-
-def _meet_same_size(slots: _SharedSlots, rank: int, n: int, group, nbytes: int, what: str) -> None:
-    """A call's first ``_meet``, at which every rank also posts the bytes it brings: ranks that disagree (a peer
-    diverged: another channel count, another model) would read each other's rows wrongly and return garbage,
-    so all of them raise, with the same table. On that path a second meet first lets every rank read the
-    table before any can go on to overwrite its entry."""
-    slots.sizes[rank] = nbytes
-    _meet(slots, rank, n, group)
-    sizes = slots.sizes.tolist()
-    if len(set(sizes)) > 1:
-        _meet(slots, rank, n, group)
-        raise ValueError(f"rank {rank}/{n}: the ranks called the shared-memory {what} with different sizes (bytes "
-                         f"per group rank: {sizes}): a peer diverged")
-
-
-def _reserve(path: str, size: int) -> None:
-    """Make the file and allocate its ``size`` bytes now: /dev/shm is a tmpfs of limited size (64 MiB in a
-    default Docker container), and a page written past its room is SIGBUS, not an error. Raises OSError
-    (ENOSPC) instead, and leaves no file."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _map_shared(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
-    """Collective: rank 0 makes a file in /dev/shm, every rank maps it and checks rank 0's random token in it.
-
-    Returns None on every rank if any rank could not see the token (not one host, no /dev/shm, no room
-    in it for (n + 1) rows of ``nbytes`` rounded up to a power of two, at least 1 MiB each). Rank
-    0 unlinks the file as soon as all have tried to map it, or when the set-up fails (a peer died):
-    the mappings live on, nothing is left in /dev/shm.
-    """
-    capacity = max(SHARED_MIN_CAPACITY, 1 << (nbytes - 1).bit_length())
-    header = _header_bytes(n)
-    size = header + (n + 1) * capacity
-    name = torch.zeros(2, dtype=torch.int64)  # [rank 0's pid, its token]; the others add zeros
-    if rank == 0:
-        name[:] = torch.tensor([os.getpid(), int.from_bytes(os.urandom(7), "little")])
-    _recursive_doubling(name, rank, n, group)
-    pid, token = name.tolist()
-    path = f"/dev/shm/dp-kit-allreduce-{pid}-{token:x}"
-    try:
-        if rank == 0:
-            try:
-                _reserve(path, size)
-            except OSError:
-                pass  # then no rank maps it, and all return None below
-        _sync(rank, n, group)  # the file exists
-        try:  # (on another host there is no such file; from_file would make one)
-            raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8) if os.path.exists(path) else None
-        except (OSError, RuntimeError):
-            raw = None
-        if rank == 0 and raw is not None:
-            raw[:8].view(torch.int64).fill_(token)
-        _sync(rank, n, group)  # the token is written
-        seen = torch.tensor([int(raw is not None and raw[:8].view(torch.int64).item() == token)])
-        _recursive_doubling(seen, rank, n, group)  # how many ranks see it
-    finally:
-        if rank == 0 and os.path.exists(path):
-            os.unlink(path)
-    if seen.item() != n:
-        return None
-    words = raw[8:8 * (2 * n + 1)].view(torch.int64)
-    timeout_s = group_timeout(group, torch.device("cpu")) or DEFAULT_TIMEOUT_S  # where a backend does not tell
-    return _SharedSlots(weakref.ref(group), words[:n], words[n:], raw[header:].view(n + 1, capacity), timeout_s)
-
-
-def _shared_slots(nbytes: int, rank: int, n: int, group) -> _SharedSlots | None:
-    """The group's shared file with rows of at least ``nbytes``, mapped (collectively) on first use or to grow;
-    None if the ranks share no memory, or if growing found no room (the smaller file stays for later calls)."""
-    group = group if group is not None else dist.group.WORLD
-    slots = _SHARED.get(id(group), False)
-    if slots is not None and slots is not False and slots.group() is not group:
-        slots = False  # a freed group's mapping under a reused id
-    if slots is False or (slots is not None and slots.rows.size(1) < nbytes):
-        for key in [key for key, old in _SHARED.items() if old is not None and old.group() is None]:
-            del _SHARED[key]  # the mappings of freed groups
-        grown = _map_shared(nbytes, rank, n, group)
-        if grown is None and slots is not False:
-            return None
-        slots = _SHARED[id(group)] = grown
-    return slots
-
-
-def shares_memory(group=None, nbytes: int = 0) -> bool:
-    """Collective: whether every rank of ``group`` can map this host's shared memory, with room for messages
-    of ``nbytes`` (cached per group: a call for more bytes than mapped grows the file, collectively). A
-    caller that knows its largest message asks for it up front, so that a /dev/shm too small for it says
-    no here, before training, rather than in a later call."""
-    rank, n = _group_rank(group)
-    return n == 1 or _shared_slots(nbytes, rank, n, group) is not None
-
-
-def _post_row(flat: torch.Tensor, rank: int, n: int, group, what: str) -> tuple[_SharedSlots, torch.Tensor]:
-    """Copy ``flat`` into this rank's row of the group's shared file and wait until every rank has posted one of
-    the same size (``_meet_same_size``). Returns the slots and the rows, (n + 1, numel) in ``flat``'s dtype.
-    Raises, naming the collective ``what``, for a tensor not on the CPU or ranks that share no memory."""
-    if flat.device.type != "cpu":
-        raise ValueError(f"the shared-memory {what} takes CPU tensors, got one on {flat.device}")
-    nbytes = flat.numel() * flat.element_size()
-    slots = _shared_slots(nbytes, rank, n, group)
-    if slots is None:
-        raise RuntimeError(f"the shared-memory {what} needs every rank of the group on this host (one /dev/shm) "
-                           f"and room in /dev/shm for {n + 1} rows of {nbytes} bytes: use another algorithm")
-    rows = slots.rows[:, :nbytes].view(flat.dtype)
-    rows[rank].copy_(flat)
-    _meet_same_size(slots, rank, n, group, nbytes, what)
-    return slots, rows
-
-
-def _shared_memory(flat: torch.Tensor, rank: int, n: int, group) -> None:
-    """Each rank copies its vector into its row, adds its 1/n of the columns over the rows (rank order) into
-    row n, then copies row n back: every element is summed once, by one rank, so all hold the same bits.
-
-    Two synchronisations: before the sums (every row written) and before the copy back (row n whole).
-    The next call's writes cannot overtake this call's reads: a rank writes its row n piece only after
-    the next call's first synchronisation, which every rank reaches after its copy back.
-    """
-    slots, rows = _post_row(flat, rank, n, group, "all-reduce")  # (n + 1, numel)
-    b = bounds(flat.numel(), n)
-    columns = rows[:, b[rank]:b[rank + 1]]  # (n + 1, this rank's piece)
-    torch.add(columns[0], columns[1], out=columns[n])
-    for r in range(2, n):
-        columns[n].add_(columns[r])
-    _meet(slots, rank, n, group)
-    flat.copy_(rows[n])
-
-
-def shared_memory_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
-    """All-reduce in place through this host's shared memory (every rank of ``group`` on one host, CPU tensors).
-
-    Each rank moves 2 tensors through memory and adds 1/n of one per peer; no byte crosses a socket.
-    Extra memory: (n + 1) slots of the largest message so far (at least 1 MiB each) in /dev/shm, mapped
-    by every rank, kept for the next call. Under the profiler each call is a range named
-    ``SHARED_MEMORY_RANGE`` (gloo's collectives have theirs), on whichever thread makes it.
-    """
-    # A range costs microseconds; asking costs nanoseconds. (The profiler's own flag: _profiler_enabled() is
-    # per thread and False on a communication thread that profile_all_threads records.)
-    if torch.autograd.profiler._is_profiler_enabled:
-        with torch.profiler.record_function(SHARED_MEMORY_RANGE):
-            return _allreduce(tensor, op, group, _shared_memory)
-    return _allreduce(tensor, op, group, _shared_memory)
-
-
-SHARED_MEMORY_RANGE = "shared_memory:all_reduce"
-
-
 # --------------------------------------------------------------------------- automatic choice
 
 
-# The fastest message-passing algorithm by message size for each measured world size (auto's choice when
-# the group does not share one host's memory, or for CUDA tensors): ((largest message in bytes,
-# algorithm), ...), the last bound None. Derived on this machine (2 cores, nothing else running, gloo,
+# The fastest point-to-point algorithm by message size for each measured world size (auto's choice):
+# ((largest message in bytes, algorithm), ...), the last bound None. Derived on this machine (2 cores, nothing else running, gloo,
 # float32) by
 #     python collectives_benchmark.py --tune --procs 2 --iters 60     # the row for 2 processes
 #     python collectives_benchmark.py --tune                            # the rows for 3, 4 and 8 (20 calls)
@@ -872,6 +644,11 @@ def _nearest_world_size(world_size: int, table: dict, warn: bool = True) -> int:
 _WARNED: set[tuple[int, int]] = set()
 
 
+def reset_warnings() -> None:
+    """Forget which world sizes ``choose_algorithm`` has warned about (it warns once per process for each)."""
+    _WARNED.clear()
+
+
 def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None, warn: bool = True) -> str:
     """The algorithm ``allreduce(algorithm="auto")`` runs for a message of ``nbytes`` on ``world_size`` ranks.
 
@@ -897,26 +674,22 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
     and all raise ``ValueError`` naming both sides if any differs, instead of gloo aborting the
     process or the ranks waiting for each other. Every rank must call it with the same arguments.
     """
-    if algorithm != "auto" and algorithm not in _INNER:
-        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(('auto', *_INNER))}")
-    _check(tensor, op)
+    if algorithm != "auto" and algorithm not in SUMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(('auto', *SUMS))}")
+    check_input(tensor, op)
     rank, n = _group_rank(group)
     if algorithm == "auto":
         algorithm = auto_algorithm(tensor, group)
-    return _allreduce(tensor, op, group, _INNER[algorithm], check=check)
+    return _allreduce(tensor, op, group, SUMS[algorithm], check=check)
 
 
 def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
-    """What ``allreduce(algorithm="auto")`` runs for ``tensor``: shared memory from ``SHARED_FROM_BYTES`` up when
-    the group's ranks share this host's memory (CPU tensors; a collective the first time per group), else
-    ``choose_algorithm`` for its size in bytes and the group's size."""
+    """What ``allreduce(algorithm="auto")`` runs for ``tensor``: ``choose_algorithm`` for its size in bytes and
+    the group's size. (Shared memory is not an algorithm but a transport: ``transport.SharedMemory``.)"""
     rank, n = _group_rank(group)
     nbytes = tensor.numel() * tensor.element_size()
     if n == 1 or nbytes == 0:
-        return "recursive_doubling"  # nothing is exchanged: no set-up either
-    if SHARED_FROM_BYTES is not None and nbytes >= SHARED_FROM_BYTES and tensor.device.type == "cpu" \
-            and shares_memory(group):
-        return "shared_memory"
+        return "recursive_doubling"  # nothing is exchanged
     return choose_algorithm(nbytes, n, warn=rank == 0)
 
 
@@ -925,7 +698,7 @@ def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
 
 def torch_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
     """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: divide by n, then sum)."""
-    _check(tensor, op)
+    check_input(tensor, op)
     if op == "mean":
         tensor.div_(dist.get_world_size(group))
     dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
@@ -939,13 +712,11 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
     "halving_doubling": halving_doubling_allreduce,
     "recursive_doubling": recursive_doubling_allreduce,
     "tree": tree_allreduce,
-    "shared_memory": shared_memory_allreduce,
     "auto": allreduce,
 }
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
-_INNER: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
-                                          "recursive_doubling": _recursive_doubling, "tree": _tree,
-                                          "shared_memory": _shared_memory}
+SUMS: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
+                                          "recursive_doubling": _recursive_doubling, "tree": _tree}
 
 
 # --------------------------------------------------------------------------- sharded collectives
@@ -980,9 +751,9 @@ def _contribute(out: torch.Tensor, own: torch.Tensor, scale: int | None) -> None
         torch.div(own, scale, out=out)
 
 
-def _check_sharded(output, input, op: str, group, gathering: bool) -> tuple[int, int]:
+def check_sharded(output, input, op: str, group, gathering: bool) -> tuple[int, int]:
     """Refuse what would fail halfway (or hang a peer) before the first message; returns (rank, world size)."""
-    _check(input, op)
+    check_input(input, op)
     if not isinstance(output, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor output, got {type(output).__name__}")
     if output.dtype != input.dtype or output.device != input.device:
@@ -1066,7 +837,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", 
     about ``segment_bytes``. Extra memory: n-2 chunks of partial sums (n-1 for the mean) and
     ``in_flight`` segments, kept for the next call like the ring's scratch (``release_scratch()``).
     """
-    rank, n = _check_sharded(output, input, op, group, gathering=False)
+    rank, n = check_sharded(output, input, op, group, gathering=False)
 
     def run(out: torch.Tensor, flat: torch.Tensor) -> None:
         if out.numel() == 0:
@@ -1091,7 +862,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
     the left: each rank sends n-1 chunks, (n-1)/n of the output, in pipelined segments, with no
     extra memory (plus a copy of a non-contiguous output or input).
     """
-    rank, n = _check_sharded(output, input, "sum", group, gathering=True)
+    rank, n = check_sharded(output, input, "sum", group, gathering=True)
 
     def run(out: torch.Tensor, flat: torch.Tensor) -> None:
         if out.numel() == 0:
@@ -1111,37 +882,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
     return _sharded(output, input, run)
 
 
-def shared_memory_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    """``all_gather``'s contract through this host's shared memory (every rank of ``group`` on one host, CPU tensors).
-
-    Each rank copies its ``input`` into its row of the group's shared file (the all-reduce's,
-    ``shared_memory_allreduce``) and, once every row is written, all n rows out: one copy in,
-    one out, no byte through a socket. Two synchronisations: before the copy out (every row
-    written) and after it, so that the next call's write of a row cannot overtake a peer still
-    reading it (the all-reduce needs no second wait there: its next writes go to rows no one reads).
-    Extra memory: the group's file, n + 1 rows of at least the largest input so far (1 MiB at least,
-    grown by doubling), mapped by every rank and kept for the next call.
-    """
-    rank, n = _check_sharded(output, input, "sum", group, gathering=True)
-
-    def run(out: torch.Tensor, flat: torch.Tensor) -> None:
-        if out.numel() == 0:
-            return
-        if n == 1:
-            if flat.data_ptr() != out.data_ptr():
-                out.copy_(flat)
-            return
-        slots, rows = _post_row(flat, rank, n, group, "all-gather")  # row j < n is rank j's input
-        out.view(n, -1).copy_(rows[:n])
-        _meet(slots, rank, n, group)
-
-    return _sharded(output, input, run)
-
-
 def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
     """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
     gloo has no AVG, so the mean is the sum divided once."""
-    _check_sharded(output, input, op, group, gathering=False)
+    check_sharded(output, input, op, group, gathering=False)
     dist.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
     if op == "mean":
         output.div_(dist.get_world_size(group))
@@ -1150,22 +894,21 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "m
 
 def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
     """``torch.distributed.all_gather_single`` (formerly ``all_gather_into_tensor``) with the same contract."""
-    _check_sharded(output, input, "sum", group, gathering=True)
+    check_sharded(output, input, "sum", group, gathering=True)
     dist.all_gather_single(output, input, group=group)
     return output
 
 
 # name -> f(output, input, op, group) and f(output, input, group)
 REDUCE_SCATTERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_reduce_scatter, "ring": reduce_scatter}
-ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather,
-                                                     "shared_memory": shared_memory_all_gather}
+ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather}
 
 
 # --------------------------------------------------------------------------- the homework comparison
 
 CUSTOM = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree")
 QUICK = dict(world_sizes=[1, 2, 4], sizes=[1000, 100_000], repeats=20, warmup=2)
-# Seed 000's second table compares with torch on 1 to 16 processes.
+# The homework's second table compares ours with torch on 1 to 16 processes.
 TORCH_TABLE_MAX_WORLD = 16
 
 
@@ -1201,8 +944,9 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
     for i, name in enumerate(algorithms):
         # One call per algorithm per round: round r's ratio compares calls made under the same load.
         ratio = paired_ratio(timings[name].samples, timings["torch"].samples) if "torch" in timings else None
+        # Every row is an algorithm over the group's backend: the same wire for all of them.
         rows.append({"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""),
-                     "algorithm": name, "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
+                     "axis": "algorithm", "transport": ctx.backend, "algorithm": name, "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
                      "round_time_s": timings[name].samples,  # one call per round
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
@@ -1268,7 +1012,7 @@ def target_lines(rows: list[dict]) -> list[str]:
 
 
 def report(rows: list[dict]) -> str:
-    """Seed 000's two tables (every algorithm for every world size; ours against torch), then auto's targets."""
+    """The homework's two tables (every algorithm for every world size; ours against torch), then auto's targets."""
     names = [name for name in (*CUSTOM, "auto") if any(r["algorithm"] == name for r in rows)]
     custom = [("world_size", "world", "d"), ("numel", "elements", "d")]
     for metric, unit, spec in (("ms", "ms", ".3f"), ("kib", "KiB", ".1f"), ("err", "err", ".1e")):
@@ -1278,8 +1022,9 @@ def report(rows: list[dict]) -> str:
               ("ring_ms", "ring ms", ".3f"), ("ring_vs_torch", "ring/torch", ".2f"),
               *[(f"{name}_vs_torch", f"{SHORT[name]}/torch", ".2f") for name in names if name not in ("ring", "auto")],
               ("oversubscribed", "oversubscribed", "s"), ("torch_err", "torch err", ".1e"), ("auto_err", "auto err", ".1e")]
+    wire = ", ".join(sorted({row.get("transport", "gloo") for row in rows}))  # the one wire every algorithm used
     return "\n\n".join([
-        "## Every algorithm (time: median of max over ranks; memory: extra bytes allocated; "
+        f"## Every algorithm, all over {wire} (time: median of max over ranks; memory: extra bytes allocated; "
         "error: max |result - exact float64 mean|)",
         markdown_table(_pivot(rows), custom),
         f"## Ours vs torch.distributed.all_reduce (1 to {TORCH_TABLE_MAX_WORLD} processes; ratios: median of "

@@ -1,33 +1,32 @@
-"""All-reduce benchmark in the conventions of nccl-tests: torch.distributed.all_reduce beside every all-reduce of
-allreduce.py (ring, butterfly, halving-doubling, recursive doubling, tree, shared memory, and ``auto``, the measured choice).
+"""All-reduce, reduce-scatter and all-gather in the conventions of nccl-tests, on two axes, every row labelled.
 
-    torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
     python collectives_benchmark.py --procs 2 4 --json results/collectives.json --plot-dir results/plots
     python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes, a few minutes
+    python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
+    python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
     python collectives_benchmark.py --tune                                      # re-derive allreduce.CROSSOVER
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
-    python collectives_benchmark.py --collective reduce_scatter --procs 2 4 --sizes 10MB 100MB   # or all_gather
+    torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
 
-Backend gloo on CPU, nccl on GPU when one is present (``--backend``). Without torchrun the script
-spawns each process count of ``--procs`` itself. For each size of a geometric sweep (float32; 1 MB
-= 2^20 bytes as in nccl-tests; the smallest default, 4000 bytes, is the homework's 1,000 elements)
-and each algorithm: warm-up calls, then timed calls (``--iters``, 4 times as many up to 1 MiB:
-``calls``), each starting at a barrier with the input refilled outside the timed region; a call
-takes as long as its slowest rank. The algorithms take turns call by call (A B C, then B C A,
-...), so a change of machine load hits all of them alike, and each round gives one ratio to
-torch's call of the same round: the ratio reported is the median over rounds with its 95 %
-bootstrap interval (``measure.paired_ratio``).
+* Algorithms (all-reduce): every point-to-point algorithm of ``allreduce.py`` and ``auto`` against
+  ``torch.distributed.all_reduce``, all over gloo: algorithm against algorithm on the same wire.
+* Transports (``transport.py``; all-reduce, reduce-scatter, all-gather): ``Torch`` (gloo's
+  collectives, loopback TCP) against ``SharedMemory`` with buffers from its ``allocate()`` ("zero
+  copy") and with plain tensors ("staged": copied into the shared arena and back), and
+  ``MessagePassing`` ("p2p": ``allreduce.py``'s auto for the all-reduce, its ring for the others).
+  Shared memory's algorithm is "direct": rank r sums chunk r, reading every rank's buffer where it lies.
 
-Columns, as in nccl-tests: average time, p50 and p95; algbw = bytes / average time; busbw =
-algbw x 2(n-1)/n, the bytes each rank must move in an all-reduce over the time; p50 / torch's
-p50 with its interval; and the largest error of one untimed call on a pattern whose sum is exact
-in float32 (any error at all is a bug, not rounding). Then the targets (``auto`` <= 1.10x torch at
-every size, <= 1.00x at 10 and 100 MB) with met / missed / inconclusive, and the latency-bandwidth
-model T = steps x alpha + bytes x beta fitted to every algorithm (``model_terms`` gives each one's
-steps and bytes on the critical path).
-
-``--tune`` times the point-to-point algorithms over a finer sweep and prints the crossover table
-(the fastest algorithm by size, per process count) in the form of ``allreduce.CROSSOVER``.
+Every row has ``axis`` ("algorithm" or "transport"), ``transport``, ``algorithm`` and ``label``.
+Without torchrun the script spawns each process count of ``--procs`` itself (gloo on CPU, nccl on
+GPU: ``--backend``). Per size (float32, 1 MB = 2^20 bytes) and axis: one untimed call on a pattern
+whose sum is exact in float32 (any error is a bug), then timed calls taking turns call by call,
+each as slow as its slowest rank, paired round by round with torch's call on the same axis: the
+ratio is the median over rounds with its 95 % bootstrap interval. busbw = algbw x 2(n-1)/n for
+the all-reduce, x (n-1)/n for the others (nccl-tests). Targets (met / missed / inconclusive by the
+interval): auto <= 1.10x torch at every size and <= 1.00x at 10 and 100 MB, the ring <= 1.10x at
+10 and 100 MB; shared memory zero copy <= 0.45x torch at 10 MB and <= 0.30x at 100 MB with 2
+processes; p2p reduce-scatter <= 0.70x, all-gather <= 1.10x at 10 and 100 MB. The algorithms get
+a latency-bandwidth model T = steps x alpha + bytes x beta (``model_terms``).
 """
 
 from __future__ import annotations
@@ -37,11 +36,14 @@ import functools
 import math
 import os
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 import allreduce
+import transport
 from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
 from measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from results import environment, format_environment, markdown_table, read_results, write_results
@@ -54,13 +56,22 @@ TUNE_PROCS = [2, 3, 4, 8]
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PERIOD = 1024  # the correctness pattern repeats every PERIOD elements
 LARGE = (10 << 20, 100 << 20)
-# (algorithm, sizes it applies to, largest p50 / torch's p50): the ring's target of the first all-reduce
-# work, and auto's: within 10 % of torch from the homework's 1,000 elements up, no slower at 10 and 100 MB.
+COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
+AXES = {"algorithms": ("algorithm",), "transports": ("transport",), "both": ("algorithm", "transport")}
+# --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
+TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)", "p2p": "p2p"}
+ZERO_COPY = TRANSPORTS["zero_copy"]
+# (axis, label, sizes it applies to or None for every size, process counts or None for any, largest p50 /
+# torch's p50 on that axis). Algorithms: the ring within 10 % of torch at 10 and 100 MB (the first
+# all-reduce work), auto within 10 % from the homework's 1,000 elements up and no slower at 10 and 100 MB.
+# Transports: the all-reduce of a buffer the shared-memory transport allocated (no copy in or out), 2 ranks.
 TARGET = 1.10
-TARGETS = [("ring", LARGE, TARGET), ("auto", None, TARGET), ("auto", LARGE, 1.00)]
-# The sharded collectives: gloo emulates reduce-scatter with a full all-reduce (twice the bytes of a ring
-# reduce-scatter), so ours should be well under torch's time there; its all-gather is a real one.
-COLLECTIVE_TARGETS = {"allreduce": TARGET, "reduce_scatter": 0.70, "all_gather": 1.10}
+TARGETS = [("algorithm", "ring", LARGE, None, TARGET), ("algorithm", "auto", None, None, TARGET),
+           ("algorithm", "auto", LARGE, None, 1.00),
+           ("transport", ZERO_COPY, (10 << 20,), (2,), 0.45), ("transport", ZERO_COPY, (100 << 20,), (2,), 0.30)]
+# Reduce-scatter and all-gather: p2p (the ring) at 10 and 100 MB. gloo emulates reduce-scatter with a full
+# all-reduce (twice the bytes of a ring reduce-scatter), so ours should be well under torch's time there.
+COLLECTIVE_TARGETS = {"reduce_scatter": 0.70, "all_gather": 1.10}
 
 
 def parse_size(text: str) -> int:
@@ -110,26 +121,13 @@ def pattern_error(x: torch.Tensor, world_size: int) -> float:
     return worst
 
 
-# --------------------------------------------------------------------------- one world size
+# --------------------------------------------------------------------------- the harness: check, time, one row each
 
 
-def _check(ctx, x: torch.Tensor, function) -> float:
-    fill_pattern(x, ctx.rank)
-    function(x, "sum")
-    error = torch.tensor([pattern_error(x, ctx.world_size)], dtype=torch.float64, device=ctx.device)
-    torch.distributed.all_reduce(error, torch.distributed.ReduceOp.MAX)  # the worst rank's error
-    return error.item()
-
-
-def _algorithm(name: str, pipeline: dict):
-    """The all-reduce called ``name``; ring and halving-doubling with the given segment size and depth."""
-    function = allreduce.ALGORITHMS[name]
-    return functools.partial(function, **pipeline) if name in ("ring", "halving_doubling") else function
-
-
-def bus_factor(world_size: int) -> float:
-    """busbw / algbw for an all-reduce: each rank must send and receive 2(n-1)/n of the tensor (nccl-tests)."""
-    return 2 * (world_size - 1) / world_size
+def bus_factor(world_size: int, collective: str = "allreduce") -> float:
+    """busbw / algbw: the share of the tensor each rank must send and receive (nccl-tests): 2(n-1)/n for an
+    all-reduce, (n-1)/n for a reduce-scatter or an all-gather."""
+    return (2 if collective == "allreduce" else 1) * (world_size - 1) / world_size
 
 
 def calls(nbytes: int, iters: int) -> int:
@@ -142,66 +140,160 @@ def calls(nbytes: int, iters: int) -> int:
     return iters * SMALL_CALLS if nbytes <= SMALL_BYTES else iters
 
 
-def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
-    """One size: a correctness call per algorithm, then timed calls taking turns (``calls``); the same rows on
-    every rank."""
-    x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
-    errors = {name: _check(ctx, x, _algorithm(name, pipeline)) for name in algorithms}
-    # Summing in place makes x grow n-fold per call: refill it (untimed) before each one. One call per
-    # algorithm per round, so round r of every algorithm ran under the same load: paired ratios.
-    rounds = calls(nbytes, iters)
-    timings = time_interleaved({name: functools.partial(_algorithm(name, pipeline), x, "sum") for name in algorithms},
-                               rounds, warmup, rounds=rounds, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
-    n, size = ctx.world_size, x.numel() * x.element_size()
-    rows = []
-    for name in algorithms:
-        timing = timings[name]
+@dataclass
+class Contender:
+    """One line of a comparison: the row's labels, a no-argument call, and ``check``: one untimed call on
+    the exact pattern that returns this rank's largest error."""
+
+    label: str
+    transport: str
+    algorithm: str
+    call: Callable[[], object]
+    check: Callable[[], float]
+    choice: str | None = None
+    inputs: tuple[torch.Tensor, ...] = ()  # the tensors it works on
+
+
+def _worst(ctx, error: float) -> float:
+    """The largest of every rank's ``error``."""
+    value = torch.tensor([error], dtype=torch.float64, device=ctx.device)
+    torch.distributed.all_reduce(value, torch.distributed.ReduceOp.MAX)
+    return value.item()
+
+
+def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: int, iters: int, warmup: int,
+            setup: Callable[[], object] | None = None) -> list[dict]:
+    """Check every contender, then time them taking turns call by call (``calls`` rounds; ``setup`` refills
+    the inputs, untimed, before each call); one row each, the same on every rank, its ratio paired with the
+    calls of the contender labelled "torch" in the same rounds."""
+    errors = {c.label: _worst(ctx, c.check()) for c in contenders}
+    rounds = calls(size, iters)
+    timings = time_interleaved({c.label: c.call for c in contenders}, rounds, warmup, rounds=rounds, device=ctx.device,
+                               setup=setup)
+    n, rows = ctx.world_size, []
+    for c in contenders:
+        timing = timings[c.label]
         algbw = size / timing.mean / 1e9
         ratio = paired_ratio(timing.samples, timings["torch"].samples) if "torch" in timings else None
-        rows.append({"backend": ctx.backend, "world_size": n, "algorithm": name, "bytes": size, "dtype": "float32",
-                     "avg_s": timing.mean, "p50_s": timing.median, "p95_s": timing.percentile(95), "min_s": min(timing.samples),
-                     "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(n),
-                     "vs_torch": ratio["median"] if ratio else None, "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
+        rows.append({"backend": ctx.backend, "world_size": n, "collective": collective, "axis": axis,
+                     "transport": c.transport, "algorithm": c.algorithm, "label": c.label, "bytes": size,
+                     "dtype": "float32", "avg_s": timing.mean, "p50_s": timing.median, "p95_s": timing.percentile(95),
+                     "min_s": min(timing.samples), "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(n, collective),
+                     "vs_torch": ratio["median"] if ratio else None,
+                     "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
                      "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one call per round
-                     "oversubscribed": oversubscribed(n, ctx.device),
-                     "choice": allreduce.auto_algorithm(x) if name == "auto" and n > 1 else None,
-                     "max_abs_error": errors[name], "correct": errors[name] == 0.0})
+                     "oversubscribed": oversubscribed(n, ctx.device), "choice": c.choice,
+                     "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0})
     return rows
 
 
-def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, warmup: int, pipeline: dict,
-                     collective: str = "allreduce") -> list[dict]:
-    """Every size and algorithm for this world (one spawned group, or the world torchrun started)."""
-    rows = []
-    for nbytes in progress(sizes, desc=f"{ctx.world_size} processes"):
+def _summing(ctx, label: str, transport_name: str, algorithm: str, function, x: torch.Tensor,
+             choice: str | None = None) -> Contender:
+    """An all-reduce ``function(x, "sum")`` in place, checked on the pattern."""
+    call = functools.partial(function, x, "sum")
+
+    def check() -> float:
+        fill_pattern(x, ctx.rank)
+        call()
+        return pattern_error(x, ctx.world_size)
+    return Contender(label, transport_name, algorithm, call, check, choice, (x,))
+
+
+# --------------------------------------------------------------------------- algorithms (all-reduce, one wire)
+
+
+def _algorithm(name: str, pipeline: dict):
+    """The all-reduce called ``name``; ring and halving-doubling with the given segment size and depth."""
+    function = allreduce.ALGORITHMS[name]
+    return functools.partial(function, **pipeline) if name in ("ring", "halving_doubling") else function
+
+
+def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
+    """The algorithm axis at one size: every all-reduce of ``algorithms`` over the group's backend (one input)."""
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
+    choice = allreduce.auto_algorithm(x) if ctx.world_size > 1 else None
+    contenders = [_summing(ctx, name, ctx.backend, name, _algorithm(name, pipeline), x,
+                           choice if name == "auto" else None) for name in algorithms]
+    # Summing in place makes x grow n-fold per call: refill it (untimed) before each one.
+    return measure(ctx, "allreduce", "algorithm", contenders, x.numel() * 4, iters, warmup,
+                   setup=functools.partial(x.fill_, 1.0))
+
+
+# --------------------------------------------------------------------------- transports (all three collectives)
+
+
+def make_transports(ctx, names: list[str], collective: str) -> dict[str, transport.Transport]:
+    """``--transports`` name -> its transport over the whole world (a collective: every rank makes the same).
+    Shared memory only where it can serve: CPU tensors, every rank on this host."""
+    made: dict[str, transport.Transport] = {}
+    shared = None
+    if {"zero_copy", "staged"} & set(names) and ctx.device.type == "cpu" and ctx.world_size > 1:
+        try:
+            shared = transport.SharedMemory()
+        except transport.NotOneHost as error:
+            print0(f"no shared-memory rows: {error}")
+    for name in names:
+        if name == "torch":
+            made[name] = transport.Torch()
+        elif name == "p2p":  # the all-reduce runs auto's choice; reduce-scatter and all-gather are the ring
+            made[name] = transport.MessagePassing(None, "auto" if collective == "allreduce" else "ring")
+        elif shared is not None:
+            made[name] = shared
+    return made
+
+
+def _algorithm_of(made: transport.Transport) -> str:
+    """What runs inside a transport: torch's own collective, shared memory's direct sums, the p2p algorithm."""
+    if isinstance(made, transport.MessagePassing):
+        return made.algorithm
+    return "direct" if isinstance(made, transport.SharedMemory) else "torch"
+
+
+def transport_contenders(ctx, collective: str, nbytes: int, transports: dict[str, transport.Transport]
+                         ) -> tuple[list[Contender], Callable[[], object] | None, int]:
+    """The transport axis at one size: (contenders, the refill before each timed call or None, bytes).
+
+    Zero copy: buffers from the shared-memory transport's ``allocate()``; every other transport: plain
+    tensors (shared memory copies them into its arena and back: staged). Reduce-scatter and all-gather:
+    ``nbytes`` is the full tensor, rounded down to a multiple of the world size (nccl-tests)."""
+    n = ctx.world_size
+    numel = nbytes // 4 // n * n if collective != "allreduce" else nbytes // 4
+
+    def tensors(make) -> tuple[torch.Tensor, ...]:
+        full = make((numel,), dtype=torch.float32)
+        return (full,) if collective == "allreduce" else (full, make((numel // n,), dtype=torch.float32))
+
+    plain = tensors(functools.partial(torch.empty, device=ctx.device))
+    contenders = []
+    for name, made in transports.items():
+        label, algorithm = TRANSPORTS[name], _algorithm_of(made)
+        inputs = tensors(made.allocate) if name == "zero_copy" else plain
         if collective == "allreduce":
-            rows += [{**row, "collective": collective}
-                     for row in benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)]
+            choice = allreduce.auto_algorithm(inputs[0]) if algorithm == "auto" and n > 1 else None
+            contender = _summing(ctx, label, made.describe(), algorithm, made.all_reduce, inputs[0], choice)
         else:
-            rows += benchmark_sharded_size(ctx, collective, nbytes, algorithms, iters, warmup, pipeline)
-    return rows
+            full, shard = inputs
+            call = (functools.partial(made.reduce_scatter, shard, full, "sum") if collective == "reduce_scatter"
+                    else functools.partial(made.all_gather, full, shard))
+            contender = Contender(label, made.describe(), algorithm, call,
+                                  functools.partial(_sharded_error, ctx, collective, call, full, shard), None, inputs)
+        contenders.append(contender)
+    # The all-reduce sums in place: every input is refilled (untimed) before each call. The others keep theirs.
+    fulls = list({id(c.inputs[0]): c.inputs[0] for c in contenders}.values())
+    setup = (lambda: [full.fill_(1.0) for full in fulls]) if collective == "allreduce" else None
+    return contenders, setup, numel * 4
 
 
-# --------------------------------------------------------------------------- reduce-scatter and all-gather
-
-
-def sharded_implementations(collective: str) -> dict:
-    """name -> f(output, input, [op,] group) for a sharded collective of allreduce.py."""
-    return {"reduce_scatter": allreduce.REDUCE_SCATTERS, "all_gather": allreduce.ALL_GATHERS}[collective]
-
-
-def _sharded_call(collective: str, name: str, pipeline: dict, full: torch.Tensor, shard: torch.Tensor):
-    """A no-argument call of one implementation: full -> shard (reduce-scatter, summing) or shard -> full."""
-    function = sharded_implementations(collective)[name]
-    options = pipeline if name == "ring" else {}
-    if collective == "reduce_scatter":
-        return functools.partial(function, shard, full, "sum", **options)
-    return functools.partial(function, full, shard, **options)
+def benchmark_transports_size(ctx, collective: str, nbytes: int, transports: dict[str, transport.Transport],
+                              iters: int, warmup: int) -> list[dict]:
+    """The transport axis at one size (``transport_contenders``), one row per transport."""
+    contenders, setup, size = transport_contenders(ctx, collective, nbytes, transports)
+    return measure(ctx, collective, "transport", contenders, size, iters, warmup, setup)
 
 
 def _sharded_error(ctx, collective: str, call, full: torch.Tensor, shard: torch.Tensor) -> float:
-    """One untimed call on the exact pattern, the largest error over all ranks and elements.
+    """One untimed call on the exact pattern: this rank's largest error over all elements.
 
     Reduce-scatter: every rank's full tensor holds the pattern, the shards are gathered back (with
     torch) and compared with the pattern's sum. All-gather: rank r contributes chunk r of that sum."""
@@ -216,38 +308,24 @@ def _sharded_error(ctx, collective: str, call, full: torch.Tensor, shard: torch.
         shard.copy_(full.view(n, -1)[ctx.rank])
         full.zero_()
         call()
-    error = torch.tensor([pattern_error(full, n)], dtype=torch.float64, device=ctx.device)
-    torch.distributed.all_reduce(error, torch.distributed.ReduceOp.MAX)
-    return error.item()
+    return pattern_error(full, n)
 
 
-def benchmark_sharded_size(ctx, collective: str, nbytes: int, algorithms: list[str], iters: int, warmup: int,
-                           pipeline: dict) -> list[dict]:
-    """One size of reduce-scatter or all-gather, ``nbytes`` being the full tensor (rounded down to a
-    multiple of the world size, as in nccl-tests); busbw = algbw x (n-1)/n, the share each rank sends."""
-    n = ctx.world_size
-    full = torch.empty(nbytes // 4 // n * n, dtype=torch.float32, device=ctx.device)
-    shard = torch.empty(full.numel() // n, dtype=torch.float32, device=ctx.device)
-    functions = {name: _sharded_call(collective, name, pipeline, full, shard) for name in algorithms}
-    errors = {name: _sharded_error(ctx, collective, functions[name], full, shard) for name in algorithms}
-    # Neither collective changes its input: no refill between calls.
-    rounds = calls(nbytes, iters)
-    timings = time_interleaved(functions, rounds, warmup, rounds=rounds, device=ctx.device)
-    size = full.numel() * full.element_size()
+def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, warmup: int, pipeline: dict,
+                     collective: str = "allreduce", transports: list[str] = ()) -> list[dict]:
+    """Every size, on each axis asked for (``algorithms`` and ``transports`` empty: that axis is not measured),
+    for this world (one spawned group, or the world torchrun started)."""
+    made = make_transports(ctx, list(transports), collective)
     rows = []
-    for name in algorithms:
-        timing = timings[name]
-        algbw = size / timing.mean / 1e9
-        ratio = paired_ratio(timing.samples, timings["torch"].samples) if "torch" in timings else None
-        rows.append({"backend": ctx.backend, "world_size": n, "collective": collective, "algorithm": name, "bytes": size,
-                     "dtype": "float32", "avg_s": timing.mean, "p50_s": timing.median, "p95_s": timing.percentile(95),
-                     "min_s": min(timing.samples), "algbw_gbps": algbw, "busbw_gbps": algbw * (n - 1) / n,
-                     "vs_torch": ratio["median"] if ratio else None,
-                     "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
-                     "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
-                     "rounds": len(timing.samples), "round_p50_s": timing.samples,
-                     "oversubscribed": oversubscribed(n, ctx.device),
-                     "max_abs_error": errors[name], "correct": errors[name] == 0.0})
+    try:
+        for nbytes in progress(sizes, desc=f"{ctx.world_size} processes"):
+            if algorithms and collective == "allreduce":
+                rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)
+            if made:
+                rows += benchmark_transports_size(ctx, collective, nbytes, made, iters, warmup)
+    finally:
+        for t in {id(t): t for t in made.values()}.values():
+            t.close()
     return rows
 
 
@@ -283,6 +361,7 @@ def model_terms(algorithm: str, n: int, nbytes: int) -> tuple[float, float]:
 def fit_model(rows: list[dict]) -> list[dict]:
     """Least-squares alpha and beta (both >= 0) per (backend, world size, algorithm) from the measured p50s."""
     fits = []
+    rows = [r for r in rows if r.get("axis", "algorithm") == "algorithm"]  # the model is of algorithms on one wire
     groups = sorted({(r["backend"], r["world_size"], r["algorithm"]) for r in rows
                      if r["algorithm"] in ("torch", *allreduce.CUSTOM)})  # auto is a mix of them: no model of its own
     for backend, n, name in groups:
@@ -325,7 +404,7 @@ def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[di
     rows = []
     for nbytes in sizes:
         x, y = torch.ones(nbytes // 4, device=ctx.device), torch.empty(nbytes // 4, device=ctx.device)
-        timings = time_interleaved({"ours": lambda: allreduce._pair_exchange(x, y, 1 - ctx.rank, None),
+        timings = time_interleaved({"ours": lambda: allreduce.pair_exchange(x, y, 1 - ctx.rank, None),
                                     "gloo": lambda: torch.distributed.all_reduce(x)},
                                    iters, warmup, rounds=iters, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
         for engine, steps, step_bytes in (("ours", 1, nbytes), ("gloo", 2, nbytes / 2)):
@@ -349,7 +428,8 @@ def crossover_table(rows: list[dict]) -> dict[int, tuple]:
     """
     table = {}
     for n in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
-        mine = [r for r in rows if r["world_size"] == n and r["algorithm"] in allreduce.CUSTOM]
+        mine = [r for r in rows if r["world_size"] == n and r["algorithm"] in allreduce.CUSTOM
+                and r.get("axis", "algorithm") == "algorithm"]
         sizes = sorted({r["bytes"] for r in mine})
         names = sorted({r["algorithm"] for r in mine})
         p50 = {(r["algorithm"], r["bytes"]): r["p50_s"] for r in mine}
@@ -380,15 +460,50 @@ def format_table(table: dict[int, tuple]) -> str:
 # --------------------------------------------------------------------------- report
 
 
-COLUMNS = [("world_size", "procs", "d"), ("size", "size", "s"), ("algorithm", "algorithm", "s"),
-           ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"), ("p95_ms", "p95 ms", ".3f"),
-           ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"), ("ratio", "p50 / torch [95% CI]", "s"),
-           ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")]
+COLUMNS = {
+    "algorithm": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "algorithm", "s"),
+                  ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"), ("p95_ms", "p95 ms", ".3f"),
+                  ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+    "transport": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "transport", "s"),
+                  ("algorithm", "algorithm", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
+                  ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+}
 MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), ("alpha_us", "alpha us/step", ".1f"),
                  ("gbps", "1/beta GB/s", ".3f"), ("max_rel_error", "worst |pred - meas| / meas", ".2f")]
+NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transports"}
 
 
-def _ratio_of(row: dict) -> dict:
+def labelled(row: dict) -> dict:
+    """The row with ``axis``, ``transport``, ``algorithm`` and ``label``. A row of a file written before
+    algorithms and transports were measured apart gets them from what it ran: shared memory (which then
+    always copied in and out: staged), and an ``auto`` that ran it, are transports; the other all-reduce rows
+    are algorithms over the backend; the other reduce-scatter and all-gather rows are transports (torch's,
+    and the ring, which p2p runs)."""
+    if "axis" in row:
+        return row
+    name, backend = row["algorithm"], row.get("backend", "gloo")
+    if name == "shared_memory":
+        fields = ("transport", "shared_memory", "direct", TRANSPORTS["staged"])
+    elif name == "auto" and row.get("choice") == "shared_memory":
+        fields = ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)")
+    elif row.get("collective", "allreduce") == "allreduce":
+        fields = ("algorithm", backend, name, name)
+    elif name == "ring":
+        fields = ("transport", "p2p (ring)", "ring", TRANSPORTS["p2p"])
+    else:
+        fields = ("transport", f"torch ({backend})", "torch", TRANSPORTS["torch"])
+    return {**row, **dict(zip(("axis", "transport", "algorithm", "label"), fields))}
+
+
+def allreduce_rows(rows: list[dict]) -> list[dict]:
+    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of ``point_to_point``)."""
+    return [labelled(row) for row in rows if "algorithm" in row]
+
+
+def ratio_of(row: dict) -> dict:
     """The row's ratio to torch in the form of ``measure.paired_ratio``; a row of an older file without
     an interval counts as one measurement (its interval is the point)."""
     low, high = row.get("vs_torch_ci_low"), row.get("vs_torch_ci_high")
@@ -398,28 +513,32 @@ def _ratio_of(row: dict) -> dict:
 
 
 def _ratio_text(row: dict) -> str:
-    return "-" if row.get("vs_torch") is None else format_ratio(_ratio_of(row))
+    return "-" if row.get("vs_torch") is None else format_ratio(ratio_of(row))
 
 
 def target_checks(rows: list[dict]) -> list[dict]:
-    """One check per (target, process count, size): the ratio to torch, its interval and met / missed / inconclusive.
+    """One check per (target, process count, size): the ratio to torch on the row's axis, its interval and
+    met / missed / inconclusive.
 
-    All-reduce rows meet ``TARGETS``; reduce-scatter and all-gather rows their ring's ``COLLECTIVE_TARGETS``
-    at 10 and 100 MB (their sizes are rounded down to a multiple of the world size, as in nccl-tests)."""
+    All-reduce rows meet ``TARGETS``; reduce-scatter and all-gather rows p2p's ``COLLECTIVE_TARGETS`` at
+    10 and 100 MB (their sizes are rounded down to a multiple of the world size, as in nccl-tests)."""
     checks = []
-    for row in rows:
+    for row in map(labelled, rows):
         collective = row.get("collective", "allreduce")
-        targets = TARGETS if collective == "allreduce" else [("ring", LARGE, COLLECTIVE_TARGETS[collective])]
-        near = min(LARGE, key=lambda size: abs(size - row["bytes"]))
-        for algorithm, sizes, target in targets:
-            if row["algorithm"] != algorithm or row.get("vs_torch") is None:
+        targets = TARGETS if collective == "allreduce" else [
+            ("transport", TRANSPORTS["p2p"], LARGE, None, COLLECTIVE_TARGETS[collective])]
+        for axis, label, sizes, worlds, limit in targets:
+            if (row["axis"], row["label"]) != (axis, label) or row.get("vs_torch") is None:
                 continue
-            if sizes is not None and abs(near - row["bytes"]) >= 64:
+            if worlds is not None and row["world_size"] not in worlds:
                 continue
-            checks.append({"collective": collective, "algorithm": algorithm, "world_size": row["world_size"],
-                           "bytes": near if sizes is not None else row["bytes"], "limit": target,
-                           "ratio": _ratio_of(row), "verdict": verdict(_ratio_of(row), target),
-                           "oversubscribed": bool(row.get("oversubscribed")), "row": row})
+            near = min(sizes, key=lambda size: abs(size - row["bytes"])) if sizes is not None else row["bytes"]
+            if abs(near - row["bytes"]) >= 64:
+                continue
+            checks.append({"collective": collective, "axis": axis, "label": label, "algorithm": row["algorithm"],
+                           "world_size": row["world_size"], "bytes": near, "limit": limit, "ratio": ratio_of(row),
+                           "verdict": verdict(ratio_of(row), limit), "oversubscribed": bool(row.get("oversubscribed")),
+                           "row": row})
     return checks
 
 
@@ -427,23 +546,27 @@ def target_lines(rows: list[dict]) -> list[str]:
     """``target_checks`` as one printed line each."""
     lines = []
     for c in target_checks(rows):
-        name = c["algorithm"] if c["collective"] == "allreduce" else f"{c['algorithm']} {c['collective']}"
+        name = c["label"] if c["axis"] == "algorithm" else f"{NAMES[c['collective']]} through {c['label']}"
         label = f" [oversubscribed: {c['world_size']} processes on {os.cpu_count()} cores]" if c["oversubscribed"] else ""
         lines.append(f"target {name} <= {c['limit']:.2f}x torch, {c['world_size']} processes, {format_size(c['bytes'])}: "
                      f"{_ratio_text(c['row'])} {c['verdict']}{label}")
     return lines
 
 
-def allreduce_rows(rows: list[dict]) -> list[dict]:
-    """The all-reduce rows of a results file (it also holds the one-step rows of ``point_to_point``)."""
-    return [row for row in rows if "algorithm" in row]
-
-
 def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
+    """One table per axis, the correctness line, the targets, the model and the one-step rows."""
     rows = allreduce_rows(rows)
-    shown = [{**row, "size": format_size(row["bytes"]), "avg_ms": row["avg_s"] * 1e3, "p50_ms": row["p50_s"] * 1e3,
-              "p95_ms": row["p95_s"] * 1e3, "ratio": _ratio_text(row)} for row in rows]
-    lines = [markdown_table(shown, COLUMNS), ""]
+    lines = []
+    for axis in ("algorithm", "transport"):
+        mine = [row for row in rows if row["axis"] == axis]
+        if not mine:
+            continue
+        backends = ", ".join(sorted({row["backend"] for row in mine}))
+        collectives = ", ".join(NAMES[c] for c in dict.fromkeys(row.get("collective", "allreduce") for row in mine))
+        shown = [{**row, "size": format_size(row["bytes"]), "avg_ms": row["avg_s"] * 1e3, "p50_ms": row["p50_s"] * 1e3,
+                  "p95_ms": row["p95_s"] * 1e3, "ratio": _ratio_text(row)} for row in mine]
+        lines += [f"## {collectives}: {AXIS_TITLES[axis].format(backend=backends)}", "",
+                  markdown_table(shown, COLUMNS[axis]), ""]
     wrong = [row for row in rows if not row["correct"]]
     lines.append(f"correctness: {'all exact' if not wrong else f'{len(wrong)} WRONG results: ' + str(wrong)}")
     lines += target_lines(rows)
@@ -458,25 +581,30 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
 
 
 def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str = "p50_s", scale: float = 1e3,
-                  bound: float | None = None) -> None:
-    """``key`` x ``scale`` against size on log axes: one line per algorithm in its report colour, with a 95 %
-    bootstrap interval over its per-call rounds where the row has them; ``auto``'s measured calls as black
-    crosses, a ring around the algorithm ``auto`` chose at each size, and ``bound`` as a dashed line."""
+                  bound: float | None = None, axis: str = "algorithm") -> None:
+    """``key`` x ``scale`` against size on log axes for the rows of one axis ("algorithm" or "transport"):
+    one line per label in its report colour, with a 95 % bootstrap interval over its per-call rounds where
+    the row has them; ``auto``'s measured calls as black crosses, a ring around the algorithm ``auto``
+    chose at each size, and ``bound`` as a dashed line."""
     import plots  # imported here: the benchmark itself needs no matplotlib
 
-    mine = [r for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)]
-    for algorithm in dict.fromkeys(r["algorithm"] for r in mine):
-        points = sorted((r for r in mine if r["algorithm"] == algorithm), key=lambda r: r["bytes"])
+    rows = [r for r in map(labelled, rows) if (r["backend"], r["world_size"]) == (backend, world_size)]
+    mine = [r for r in rows if r["axis"] == axis]
+    if axis == "transport" and mine and not any(r["label"] == "torch" for r in mine):
+        # A file written before the axes: the reference is the algorithm axis's call of torch's collective.
+        mine = [r for r in rows if (r["axis"], r["label"]) == ("algorithm", "torch")] + mine
+    for label in dict.fromkeys(r["label"] for r in mine):
+        points = sorted((r for r in mine if r["label"] == label), key=lambda r: r["bytes"])
         xs, ys = [r["bytes"] for r in points], [r[key] * scale for r in points]
-        if algorithm == "auto":
+        if label == "auto":
             ax.plot(xs, ys, "kx", markersize=9, label="auto (measured)")
             continue
         spans = [plots.interval(r, key) for r in points]  # None where the row has no per-round values
         errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y) for y, span in zip(ys, spans)]
-        ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(algorithm),
-                    label=algorithm.replace("_", " "))
-    chosen = [(a["bytes"], r[key] * scale) for a in mine if a["algorithm"] == "auto" and a.get("choice")
-              for r in mine if r["algorithm"] == a["choice"] and r["bytes"] == a["bytes"]]
+        ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(label),
+                    label=label.replace("_", " "))
+    chosen = [(a["bytes"], r[key] * scale) for a in mine if a["label"] == "auto" and a.get("choice")
+              for r in mine if r["label"] == a["choice"] and r["bytes"] == a["bytes"]]
     if chosen:
         ax.plot(*zip(*chosen), "o", markersize=13, markerfacecolor="none", markeredgecolor="k", label="auto's choice")
     if bound:
@@ -488,15 +616,18 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
     plots.log_axis(ax.yaxis)
     ax.tick_params(axis="x", labelrotation=45)
     suffix = " (oversubscribed)" if any(r.get("oversubscribed") for r in mine) else ""
-    ax.set_title(f"{backend}, {world_size} processes{suffix}")
+    ax.set_title(f"{AXIS_TITLES[axis].format(backend=backend)}, {world_size} processes{suffix}")
     ax.set_xlabel("message size")
     ax.grid(True, which="major", alpha=0.3)
+    if not mine:
+        plots._missing(ax, f"{axis} rows for {world_size} processes on {backend}")
 
 
 def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
     """Measured p50 (points) and the fitted model's prediction (lines), one colour per algorithm."""
     import plots  # imported here: the benchmark itself needs no matplotlib
 
+    rows = [r for r in map(labelled, rows) if r["axis"] == "algorithm"]
     sizes = sorted({r["bytes"] for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)})
     grid = np.geomspace(sizes[0], sizes[-1], 50)
     for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
@@ -513,8 +644,9 @@ def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size:
 
 
 def plot(rows: list[dict], directory: str) -> list[str]:
-    """Three charts, one panel per backend and process count: p50 time per size with auto's choice marked,
-    bus bandwidth per size, and the fitted model against the measurements. Returns the paths written."""
+    """Three charts, one column of panels per backend and process count: p50 time and bus bandwidth per size
+    (a row of panels per axis: the algorithms over one wire, the transports), and the fitted model of the
+    algorithms against their measurements. Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -526,25 +658,28 @@ def plot(rows: list[dict], directory: str) -> list[str]:
     bound = max((r["step_gbps"] for r in rows if r.get("engine") and r["bytes"] >= 2**20), default=None)
     rows = allreduce_rows(rows)
     panels = sorted({(row["backend"], row["world_size"]) for row in rows})
+    present = [axis for axis in ("algorithm", "transport") if any(row["axis"] == axis for row in rows)]
     fits = fit_model(rows)
     paths = []
     collective = rows[0].get("collective", "allreduce") if rows else "allreduce"
     charts = [("time", "p50 time (ms)"), ("busbw", "bus bandwidth (GB/s)")]
     charts += [("model", "time (ms)")] if fits and collective == "allreduce" else []  # the model is all-reduce's
     for chart, label in charts:
-        figure, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.5, 4.2), squeeze=False,
-                                    layout="constrained")
-        for ax, (backend, world) in zip(axes[0], panels):
-            if chart == "time":
-                draw_per_size(ax, rows, backend, world)
-            elif chart == "busbw":
-                draw_per_size(ax, rows, backend, world, key="busbw_gbps", scale=1.0, bound=bound)
-            else:
-                draw_model(ax, rows, fits, backend, world)
-        axes[0][0].set_ylabel(label)
-        handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+        shown = ["algorithm"] if chart == "model" else present
+        figure, axes = plt.subplots(len(shown), len(panels), figsize=(4.6 * len(panels) + 2.5, 4.2 * len(shown)),
+                                    squeeze=False, layout="constrained")
+        for row_axes, axis in zip(axes, shown):
+            for ax, (backend, world) in zip(row_axes, panels):
+                if chart == "time":
+                    draw_per_size(ax, rows, backend, world, axis=axis)
+                elif chart == "busbw":
+                    draw_per_size(ax, rows, backend, world, key="busbw_gbps", scale=1.0, bound=bound, axis=axis)
+                else:
+                    draw_model(ax, rows, fits, backend, world)
+            row_axes[0].set_ylabel(label)
+        handles = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
         figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small", frameon=False)
-        figure.suptitle(f"{collective.replace('_', '-')}: {label} against size")
+        figure.suptitle(f"{NAMES[collective]}: {label} against size")
         path = os.path.join(directory, f"{collective}_{chart}.png")
         figure.savefig(path, dpi=110)
         plt.close(figure)
@@ -563,25 +698,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=parse_size, nargs="+", default=None,
                         help=f"message sizes in bytes, KB, MB or GB (powers of 2) (default: {' '.join(DEFAULT_SIZES)}; "
                              f"with --tune {' '.join(TUNE_SIZES)})")
+    parser.add_argument("--collective", choices=COLLECTIVES, default="allreduce",
+                        help="what to time; reduce_scatter and all_gather are compared on the transport axis only "
+                             "(default: %(default)s)")
+    parser.add_argument("--axis", choices=tuple(AXES), default=None,
+                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, all "
+                             "over one backend; transports: transport.py's Torch, SharedMemory (zero copy and staged) "
+                             "and MessagePassing (p2p) (default: both for allreduce, transports for the others, "
+                             "algorithms with --tune)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
-                        help="what to measure; 'torch' is torch.distributed.all_reduce "
+                        help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
+    parser.add_argument("--transports", nargs="+", choices=tuple(TRANSPORTS), default=None,
+                        help="the transport axis: " + ", ".join(f"{k} ({v})" for k, v in TRANSPORTS.items())
+                             + "; 'torch' is the reference (default: all)")
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"timed calls (rounds) per size and algorithm, {SMALL_CALLS} times as many up to "
+                        help=f"timed calls (rounds) per size and contender, {SMALL_CALLS} times as many up to "
                              f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed calls before them (default: 5; --quick {QUICK['warmup']})")
     parser.add_argument("--segment-bytes", type=parse_size, default=allreduce.SEGMENT_BYTES,
-                        help="ring and halving-doubling: bytes per pipelined message, for tuning (default: %(default)s)")
+                        help="algorithm axis, ring and halving-doubling: bytes per pipelined message, for tuning "
+                             "(default: %(default)s)")
     parser.add_argument("--in-flight", type=int, default=allreduce.IN_FLIGHT,
-                        help="ring and halving-doubling: messages posted ahead of the one being added (default: %(default)s)")
+                        help="algorithm axis, ring and halving-doubling: messages posted ahead of the one being added "
+                             "(default: %(default)s)")
     parser.add_argument("--tune", action="store_true",
                         help="time the point-to-point algorithms on a finer sweep and print allreduce.CROSSOVER")
-    parser.add_argument("--collective", choices=("allreduce", "reduce_scatter", "all_gather"), default="allreduce",
-                        help="what to time; reduce_scatter and all_gather compare allreduce.py's rings (and its "
-                             "shared-memory all-gather) with torch's reduce_scatter_tensor and all_gather_into_tensor "
-                             "(algorithms 'torch', 'ring' and, for all_gather, 'shared_memory') "
-                             "(default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help=f"small and fast: {QUICK} (explicit flags win)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="save the time, bus-bandwidth and model charts here as PNG (default: none)")
@@ -589,8 +732,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="measure nothing: print (and plot) the results in this file (default: none)")
     add_common_args(parser)
     args = parser.parse_args(argv)
+    sharded = args.collective != "allreduce"
+    if sharded and (args.axis not in (None, "transports") or args.algorithms is not None):
+        parser.error(f"--collective {args.collective} compares transports only (--transports), not algorithms")
+    if args.tune and (args.axis not in (None, "algorithms") or sharded):
+        parser.error("--tune times the point-to-point all-reduces: no --axis transports, no --collective")
     defaults = {"procs": TUNE_PROCS if args.tune else [2, 4], "sizes": TUNE_SIZES if args.tune else DEFAULT_SIZES,
-                "algorithms": list(allreduce.CUSTOM) if args.tune else list(allreduce.ALGORITHMS), "iters": 20, "warmup": 5}
+                "axis": "algorithms" if args.tune else "transports" if sharded else "both",
+                "algorithms": list(allreduce.CUSTOM) if args.tune else list(allreduce.ALGORITHMS),
+                "transports": list(TRANSPORTS), "iters": 20, "warmup": 5}
     if args.quick:
         defaults.update(QUICK)
     for key, value in defaults.items():  # explicit flags win over --quick and --tune
@@ -598,12 +748,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, [parse_size(v) for v in value] if key == "sizes" else value)
     if args.iters < 1 or args.warmup < 0 or min(args.procs) < 1 or min(args.sizes) < 4 or args.in_flight < 1:
         parser.error("--iters, --procs and --in-flight must be at least 1, --warmup at least 0, sizes at least 4 bytes")
-    if args.collective != "allreduce":
-        names = list(sharded_implementations(args.collective))
-        if args.algorithms == list(allreduce.ALGORITHMS):  # the all-reduce default: take every implementation
-            args.algorithms = names
-        elif set(args.algorithms) - set(names):
-            parser.error(f"--collective {args.collective} has the algorithms {names} only")
+    # What is measured, as the results file's config will say: an axis left out measures nothing.
+    if "algorithm" not in AXES[args.axis] or sharded:
+        args.algorithms = []
+    if "transport" not in AXES[args.axis]:
+        args.transports = []
     return args
 
 
@@ -612,7 +761,7 @@ def pipeline(args: argparse.Namespace) -> dict:
 
 
 def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict] | None = None) -> None:
-    """Rank 0 (or the spawning parent): the table, the targets, the model, the JSON file, the charts."""
+    """Rank 0 (or the spawning parent): the tables, the targets, the model, the JSON file, the charts."""
     print(report(rows, p2p), flush=True)
     if args.tune:
         print("\n# paste into allreduce.py (measured by: python collectives_benchmark.py --tune"
@@ -624,11 +773,12 @@ def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict
         print("charts: " + ", ".join(plot(rows + (p2p or []), args.plot_dir)), flush=True)
 
 
-def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options,
-                         collective: str = "allreduce") -> tuple[list[dict], list[dict]]:
-    """The sweep, then (2 processes, all-reduce) one step of our engine against one of gloo's."""
-    rows = benchmark_worker(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective)
-    return rows, point_to_point(ctx, iters, warmup) if ctx.world_size == 2 and collective == "allreduce" else []
+def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective: str = "allreduce",
+                         transports: list[str] = ()) -> tuple[list[dict], list[dict]]:
+    """The sweep, then (2 processes, the algorithm axis) one step of our engine against one of gloo's."""
+    rows = benchmark_worker(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective, transports)
+    steps = ctx.world_size == 2 and collective == "allreduce" and algorithms
+    return rows, point_to_point(ctx, iters, warmup) if steps else []
 
 
 def run_spawned(args: argparse.Namespace) -> None:
@@ -636,11 +786,11 @@ def run_spawned(args: argparse.Namespace) -> None:
     backend = resolve_backend(args.backend)
     device = "cuda" if backend == "nccl" else "cpu"
     env = environment(backend, device, max(args.procs), threads=1, procs=args.procs)
-    print(format_environment(env) + f"\n* {args.collective}, process counts {args.procs}", flush=True)
+    print(format_environment(env) + f"\n* {args.collective}, axis {args.axis}, process counts {args.procs}", flush=True)
     rows, p2p = [], []
     for n in args.procs:
         result = launch(_with_point_to_point, n, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
-                        args.collective, backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
+                        args.collective, args.transports, backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
         rows += result[0]
         p2p += [] if args.tune else result[1]
     finish(rows, env, args, p2p)
@@ -651,7 +801,7 @@ def run_under_torchrun(args: argparse.Namespace) -> None:
         env = environment(ctx.backend, ctx.device, ctx.world_size)
         print0(format_environment(env))
         rows, p2p = _with_point_to_point(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
-                                         args.collective)
+                                         args.collective, args.transports)
         if ctx.is_master:
             finish(rows, env, args, p2p)
 

@@ -1,29 +1,22 @@
-"""A communication thread: our collectives run in the background, in order, in a process group of their own.
+"""A communication thread: collectives run in the background, in order, in a process group of their own.
 
-Our collectives (``allreduce.all_gather``, ``allreduce.reduce_scatter``) are blocking
-point-to-point rings in Python with no work handle to wait on later, so a thread is what
-lets them run while the caller computes. ``fsdp.FSDP`` (gathers and reduce-scatters during
-forward and backward) and ``zero.ShardedOptimizer`` (the updated parameters' all-gathers)
-both use one ``CommThread``::
+A transport made with ``background=True`` (``transport.SharedMemory``, ``transport.MessagePassing``)
+runs every call on one ``CommThread``, so that ``async_op=True`` returns at once and the caller
+computes while the thread sends, receives and adds::
 
-    comm = CommThread(process_group, device, name="zero-comm")
-    future = comm.submit(allreduce.all_gather, out, shard, group=comm.group)
-    ...                      # compute; the thread sends and receives meanwhile
-    comm.wait(future)        # raises if the collective failed, or after the group's timeout
+    comm = CommThread(process_group, device, name="shm-comm")
+    future = comm.submit(fn, *args)      # fn runs on the thread, after every earlier submission
+    ...                                  # compute meanwhile
+    comm.wait(future)                    # raises fn's error, or after the group's timeout
     comm.close()
 
-* One thread per ``CommThread`` and a new process group over the same ranks
-  (``comm.group``): collectives submitted in the same order on every rank run in that
-  order, and never interleave with the caller's collectives on the original group
-  (DDP's all-reduce, SyncBatchNorm, the trainer's). Every member must create it (a new
-  group), in the same order.
-* The new group inherits the original group's timeout (``new_group`` would otherwise
-  take the 30-minute default), and ``wait`` gives up after that timeout too: nothing
-  waits forever for a dead peer.
-* ``enabled=False`` runs every submitted call inline (the same code path, no overlap),
-  for A/B measurements.
-* On CUDA the thread uses the caller's device (a new thread starts on device 0) and its
-  default stream, as the caller does; take ``wait`` before the caller touches a buffer.
+* One thread per ``CommThread`` and a new process group over the same ranks (``comm.group``):
+  calls submitted in the same order on every rank run in that order, and never interleave with
+  the caller's collectives on the original group. Every member must create it, in the same order.
+* The new group inherits the original group's timeout (``new_group`` would otherwise take the
+  30-minute default), and ``wait`` gives up after that timeout too: nothing waits forever.
+* ``enabled=False`` runs every submitted call inline (the same code path, no overlap).
+* On CUDA the thread uses the caller's device and its default stream, as the caller does.
 """
 
 from __future__ import annotations

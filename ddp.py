@@ -24,6 +24,10 @@ flat       ``FlatDDP``: after backward, all gradients copied into one flat tenso
 naive      ``NaiveDDP``: after backward, one blocking all-reduce per parameter.
 pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
 =========  ==============================================================================
+
+Each sums through the transport its ``transport=`` names (``transport.resolve``; "auto", the
+default: this host's shared memory when every rank is on it and the gradients are on the CPU,
+else torch.distributed's collectives).
 """
 
 from __future__ import annotations
@@ -39,8 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-import allreduce
-from comm_thread import CommThread
+import transport as transports
 from measure import synchronize
 
 MIB = 2**20
@@ -182,7 +185,7 @@ class _DataParallel(nn.Module):
     buffer is added: ``parameters()`` and ``named_parameters()`` are the wrapped module's.
     """
 
-    def __init__(self, module: nn.Module, process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, transport="auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist_utils.distributed)")
@@ -200,12 +203,12 @@ class _DataParallel(nn.Module):
         self.last_wait_s = 0.0
         self.sync_device_for_timing = False
         check_same_model(module, process_group)  # before the broadcast, which a mismatch would abort or corrupt
+        # How the ranks sum gradients (``transport.resolve``: "auto" is this host's shared memory when every
+        # rank is on it and the gradients are on the CPU, else torch.distributed's all_reduce). Chosen before
+        # the broadcast, so that ranks refused for choosing different transports keep their own weights.
+        device = self._trainable[0].device if self._trainable else torch.device("cpu")
+        self.transport = transports.resolve(transport, process_group, device, engine=type(self).__name__)
         self.broadcasts = broadcast_module_state(module, process_group)
-        # How the ranks sum gradients: through this host's shared memory when every rank is on it and the
-        # gradients are on the CPU (allreduce.shared_memory_allreduce: no socket), else torch.distributed's
-        # all_reduce (gloo across hosts, NCCL on GPUs). The same for every variant, so they compare alike.
-        self.shared_memory = (self.world_size > 1 and all(p.device.type == "cpu" for p in self._trainable)
-                              and allreduce.shares_memory(process_group, self._largest_sum_bytes()))
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._in_flight():
@@ -264,17 +267,6 @@ class _DataParallel(nn.Module):
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(id(param), "<unnamed>")
 
-    def _largest_sum_bytes(self) -> int:
-        """The largest tensor ``_sum`` will get (one gradient): room the shared memory must have from the start."""
-        return max((p.numel() * p.element_size() for p in self._trainable), default=0)
-
-    def _sum(self, tensor: torch.Tensor) -> None:
-        """``tensor`` summed over the ranks in place, blocking (see ``shared_memory``)."""
-        if self.shared_memory:
-            allreduce.shared_memory_allreduce(tensor, "sum", self.process_group)
-        else:
-            dist.all_reduce(tensor, group=self.process_group)
-
 
 def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's gradient; a missing one becomes zeros, set as its .grad (rank-consistent)."""
@@ -290,8 +282,9 @@ def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
 class NaiveDDP(_DataParallel):
     """One blocking all-reduce per trainable parameter, after backward.
 
-    ``NaiveDDP(module, process_group=None)``. The baseline: no overlap with backward and
-    one collective (one round trip) per parameter.
+    ``NaiveDDP(module, process_group=None, transport="auto")``. The baseline: no overlap with
+    backward and one collective (one round trip) per parameter. ``transport``: how the ranks
+    sum (``transport.resolve``), as for ``DDP``.
 
     Note: a parameter whose ``.grad`` is None on a rank contributes zeros and, like every
     other, ends with the average as its gradient (zeros if no rank had one). ``DDP``
@@ -300,33 +293,33 @@ class NaiveDDP(_DataParallel):
 
     def _finish(self) -> None:
         for grad in _grads_or_zeros(self._trainable):
-            grad.div_(self.world_size)  # before the sum: see the note above _DataParallel
-            self._sum(grad)
+            self.transport.all_reduce(grad, "mean")  # divides before the sum: see the note above _DataParallel
 
 
 class FlatDDP(_DataParallel):
     """All gradients flattened into one tensor (per dtype and device), one all-reduce, after backward.
 
-    ``FlatDDP(module, process_group=None)``. One round trip per step, but no overlap
-    with backward, and two extra copies of the gradients (into the flat tensor and back)
-    with a temporary flat tensor as big as all gradients.
+    ``FlatDDP(module, process_group=None, transport="auto")``. One round trip per step, but
+    no overlap with backward, and two extra copies of the gradients (into the flat tensor and
+    back); the flat tensor, as big as all gradients, is allocated once by the transport.
 
     Note: missing gradients are handled as in ``NaiveDDP`` (zeros in, average out).
     """
 
-    def _largest_sum_bytes(self) -> int:
-        """All gradients of one dtype and device, flattened."""
-        totals: dict[tuple, int] = {}
-        for p in self._trainable:
-            totals[p.dtype, p.device] = totals.get((p.dtype, p.device), 0) + p.numel() * p.element_size()
-        return max(totals.values(), default=0)
+    def __init__(self, module: nn.Module, process_group=None, transport="auto"):
+        super().__init__(module, process_group, transport)
+        # One flat buffer per (dtype, device), allocated by the transport once (zero copy on shared memory).
+        self._flats = [self.transport.allocate((sum(p.numel() for p in params),), dtype=params[0].dtype,
+                                               device=params[0].device)
+                       for params in coalesce(self._trainable, cap_bytes=2**62)]
 
     def _finish(self) -> None:
-        for grads in coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62):
-            flat = _flatten_dense_tensors(grads)  # (total numel,) in registration order
-            flat.div_(self.world_size)
-            self._sum(flat)
-            for grad, average in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for flat, grads in zip(self._flats, coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62)):
+            views = _unflatten_dense_tensors(flat, grads)  # (total numel,) in registration order
+            for grad, view in zip(grads, views):
+                torch.div(grad, self.world_size, out=view)  # before the sum: see the note above _DataParallel
+            self.transport.all_reduce(flat, "sum")
+            for grad, average in zip(grads, views):
                 grad.copy_(average)
 
 
@@ -406,7 +399,7 @@ class Bucket:
     nbytes: int  # gradient bytes, flags excluded
     pending: int = 0  # parameters whose gradient has not arrived in this step
     missing: list[int] = field(default_factory=list)  # slots whose param had no gradient at launch
-    work: dist.Work | None = None
+    work: transports.Work | None = None
 
     @property
     def grads(self) -> torch.Tensor:
@@ -427,10 +420,12 @@ class Bucket:
 
 
 def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], positions: list[int],
-                 flags: bool = True) -> Bucket:
+                 flags: bool = True, allocate=torch.empty) -> Bucket:
+    """The bucket's flat tensor comes from ``allocate`` (the transport's: on shared memory it lies in the
+    segment the peers read, so its sum needs no copy)."""
     numel = sum(p.numel() for p in params)
     first = params[0]
-    flat = torch.zeros(numel + (len(params) if flags else 0), dtype=first.dtype, device=first.device)
+    flat = allocate((numel + (len(params) if flags else 0),), dtype=first.dtype, device=first.device).zero_()
     views, offset = [], 0
     for p in params:
         views.append(flat.as_strided(p.shape, _dense_strides(p), offset))
@@ -473,7 +468,7 @@ def _hook(ddp_ref: weakref.ref, position: int):
 class DDP(_DataParallel):
     """Data parallelism with bucketed gradient all-reduces overlapped with backward.
 
-    ``DDP(module, bucket_cap_mb=25.0, process_group=None, find_unused_parameters=True)``
+    ``DDP(module, bucket_cap_mb=25.0, process_group=None, find_unused_parameters=True, transport="auto")``
 
     The rule: after the last backward of every step call ``finish_gradient_synchronization()``
     (or ``sync_gradients(model)``), and only then ``optimizer.step()``: until it returns, the
@@ -497,10 +492,10 @@ class DDP(_DataParallel):
     * During a synchronised backward, a post-accumulate-grad hook marks each gradient
       ready. A complete bucket is all-reduced (sum) asynchronously at once, but buckets
       are launched strictly in index order on every rank: gloo and NCCL match collectives
-      by call order, and ranks may finish gradients in different orders. On one CPU host
-      (``shared_memory``) the sums go through its shared memory, run in that order on a
-      communication thread (``comm_thread.CommThread``); else, or when /dev/shm has no room
-      for the largest bucket, torch's asynchronous all_reduce.
+      by call order, and ranks may finish gradients in different orders. The sums go through
+      ``transport`` (``transport.resolve``: by default this host's shared memory when every
+      rank is on it, where a bucket is summed in the hook that completes it, in the shared
+      segment the transport allocated it in; else torch's asynchronous all_reduce).
     * Each gradient is divided by the world size as it enters its bucket (before the
       sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
       ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
@@ -512,7 +507,9 @@ class DDP(_DataParallel):
       ``module.`` prefix, as with PyTorch's DDP: save ``ddp.module.state_dict()`` for a
       checkpoint that loads into the plain model.
     * ``last_wait_s``: seconds the last ``finish_gradient_synchronization()`` took, i.e.
-      communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA).
+      communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA). On
+      an inline transport (shared memory by default) the sums run inside backward, which
+      they lengthen, so it is near zero there: compare step times instead.
 
     Which gradient is averaged: each rank contributes the ``param.grad`` it holds at the
     end of the step (the sum of everything accumulated since the last ``zero_grad``,
@@ -545,11 +542,12 @@ class DDP(_DataParallel):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-                 find_unused_parameters: bool = True, last_bucket_cap_mb: float = LAST_BUCKET_CAP_MB):
+                 find_unused_parameters: bool = True, last_bucket_cap_mb: float = LAST_BUCKET_CAP_MB,
+                 transport="auto"):
         if bucket_cap_mb < 0 or last_bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb and last_bucket_cap_mb must be >= 0, got {bucket_cap_mb} and "
                              f"{last_bucket_cap_mb}")
-        super().__init__(module, process_group)
+        super().__init__(module, process_group, transport)
         self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
@@ -559,28 +557,15 @@ class DDP(_DataParallel):
         for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes,
                                                          int(last_bucket_cap_mb * MIB))):
             params = [self._trainable[i] for i in positions]
-            bucket = _make_bucket(index, params, [self._name(p) for p in params], positions, find_unused_parameters)
+            bucket = _make_bucket(index, params, [self._name(p) for p in params], positions, find_unused_parameters,
+                                  self.transport.allocate)
             self.buckets.append(bucket)
             for slot, position in enumerate(positions):
                 self._slot_of[position] = (bucket, slot)
         self._reset_step()
-        # Through shared memory a sum is blocking Python: a communication thread with a group of its own runs the
-        # buckets' sums in launch order while backward goes on (torch's all_reduce has its own async work).
-        self._comm = None
-        if self.shared_memory:
-            self._comm = CommThread(process_group, torch.device("cpu"), name="ddp-comm")
-            # Its own file (a collective), with room for the largest bucket now, not in backward; else torch's.
-            if not allreduce.shares_memory(self._comm.group, max((b.flat.numel() * b.flat.element_size()
-                                                                  for b in self.buckets), default=0)):
-                self._comm.close()
-                self._comm, self.shared_memory = None, False
         self_ref = weakref.ref(self)
         self._hook_handles = [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
                               for position, p in enumerate(self._trainable)]
-
-    def _largest_sum_bytes(self) -> int:
-        """None on the module's group: the buckets' sums go through the communication thread's (``__init__``)."""
-        return 0
 
     def remove_hooks(self) -> None:
         """Detach from the module's parameters: later backward passes are plain local ones."""
@@ -646,11 +631,7 @@ class DDP(_DataParallel):
         bucket.flags.fill_(1)
         if bucket.missing:
             bucket.flags[bucket.missing] = 0
-        if self._comm is not None:
-            bucket.work = _Submitted(self._comm, self._comm.submit(allreduce.shared_memory_allreduce, bucket.flat, "sum",
-                                                                   self._comm.group))
-        else:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        bucket.work = self.transport.all_reduce(bucket.flat, "sum", async_op=True)
 
     def _finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:
@@ -670,22 +651,11 @@ class DDP(_DataParallel):
                     bucket.params[slot].grad = bucket.views[slot]
 
 
-class _Submitted:
-    """A sum on the communication thread, waited on like torch's work handle (``wait``: raises its error, or
-    after the group's timeout)."""
-
-    def __init__(self, comm: CommThread, future):
-        self.comm, self.future = comm, future
-
-    def wait(self) -> None:
-        self.comm.wait(self.future)
-
-
 # --------------------------------------------------------------------------- selection by name
 
 
 def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
-             find_unused_parameters: bool = True, **pytorch_kwargs) -> nn.Module:
+             find_unused_parameters: bool = True, transport=None, **pytorch_kwargs) -> nn.Module:
     """Wrap ``module`` in the data-parallel variant named ``variant`` (one of ``VARIANTS``).
 
     ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``;
@@ -696,22 +666,35 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     collective per forward; its other arguments keep their defaults (e.g.
     ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them.
 
+    ``transport``: how the gradients are summed (``transport.resolve``). None is each
+    engine's own default: "auto" for ours, PyTorch's built-in all-reduce for ``pytorch``.
+    Given for ``pytorch``, any transport but "torch" is registered as its communication
+    hook (``transport.ddp_comm_hook``), so the two engines can be compared on one transport.
+
     Drive every variant the same way: ``no_sync()`` around the backward passes that only
     accumulate, ``sync_gradients(model)`` before the optimizer step.
     """
+    ours = "auto" if transport is None else transport
     if variant == "bucketed":
-        return DDP(module, bucket_cap_mb, process_group, find_unused_parameters)
+        return DDP(module, bucket_cap_mb, process_group, find_unused_parameters, transport=ours)
     if variant == "overlap":
-        return DDP(module, 0.0, process_group, find_unused_parameters)
+        return DDP(module, 0.0, process_group, find_unused_parameters, transport=ours)
     if variant == "flat":
-        return FlatDDP(module, process_group)
+        return FlatDDP(module, process_group, transport=ours)
     if variant == "naive":
-        return NaiveDDP(module, process_group)
+        return NaiveDDP(module, process_group, transport=ours)
     if variant == "pytorch":
         device = next(module.parameters()).device
         kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
                       process_group=process_group, forward_sync_buffers=False)
-        return torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
+        model = torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
+        # Always resolved (None as "torch", its own communication): resolve is a collective, so ranks that
+        # chose differently all raise instead of some waiting in it for the others.
+        chosen = transports.resolve("torch" if transport is None else transport, process_group, device,
+                                    engine="DistributedDataParallel")
+        if not isinstance(chosen, transports.Torch):
+            model.register_comm_hook(chosen, transports.ddp_comm_hook)
+        return model
     raise ValueError(f"unknown DDP variant {variant!r}: choose one of {', '.join(VARIANTS)}")
 
 

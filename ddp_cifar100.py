@@ -127,6 +127,7 @@ from measure import PeakMemory, gather_rows, synchronize
 from models import NUM_CLASSES, build_model
 from results import environment, format_environment, markdown_table, write_durably, write_results
 from syncbn import convert_sync_batchnorm
+import transport as transports
 from zero import ShardedOptimizer
 
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
@@ -321,18 +322,21 @@ def resolve_sync_bn(requested: str, impl: str, device: torch.device) -> tuple[st
                         "on CPU tensors, so BatchNorm is synchronised by syncbn.py (ours) instead"]
 
 
-def convert_batchnorm(model: nn.Module, sync_bn: str) -> nn.Module:
+def convert_batchnorm(model: nn.Module, sync_bn: str, transport: str = "auto") -> nn.Module:
     if sync_bn == "selfmade":
-        return convert_sync_batchnorm(model)
+        return convert_sync_batchnorm(model, transport=transport)
     if sync_bn == "pytorch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
 
-def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float, sharding: str = "none") -> nn.Module:
+def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float, sharding: str = "none",
+               transport: str = "auto") -> nn.Module:
     """Our DDP (ddp.DDP) or PyTorch's (also for ``sharding="zero"``, which shards only the optimizer);
     for ``"fsdp"`` our ``fsdp.FSDP`` or PyTorch's ``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer and
-    the root. All take rank 0's parameters at construction.
+    the root. All take rank 0's parameters at construction, and all communicate through ``transport``
+    (``transport.resolve``): PyTorch's through its communication hook, or fully_shard's custom
+    all-gather and reduce-scatter, unless it is "torch" (their own).
 
     PyTorch's DDP gets ``forward_sync_buffers=False`` (from ``ddp.make_ddp``), like ours: BatchNorm
     buffers are either kept equal by SyncBatchNorm or per-rank by choice (--sync-bn none), and
@@ -340,14 +344,18 @@ def wrap_model(model: nn.Module, impl: str, bucket_cap_mb: float, sharding: str 
     broadcast per optimizer step.
     """
     if sharding != "fsdp":
-        return make_ddp("bucketed" if impl == "selfmade" else "pytorch", model, bucket_cap_mb)
+        return make_ddp("bucketed" if impl == "selfmade" else "pytorch", model, bucket_cap_mb, transport=transport)
     if impl == "selfmade":
-        return FSDP(model, shard_types=FSDP_SHARD_TYPES)
+        return FSDP(model, shard_types=FSDP_SHARD_TYPES, transport=transport)
     broadcast_module_state(model)  # fully_shard shards what each rank holds: make it rank 0's first
     for layer in model.modules():
         if isinstance(layer, FSDP_SHARD_TYPES):
             fully_shard(layer)
-    return fully_shard(model)
+    model = fully_shard(model)
+    chosen = transports.resolve(transport, None, next(model.parameters()).device, engine="fully_shard")
+    if not isinstance(chosen, transports.Torch):
+        transports.use_with_fully_shard(model, chosen)
+    return model
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -357,7 +365,7 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.O
     if args.sharding != "zero":
         return torch.optim.SGD(model.parameters(), **options)
     if args.distributed_impl == "selfmade":
-        return ShardedOptimizer(model.parameters(), torch.optim.SGD, **options)
+        return ShardedOptimizer(model.parameters(), torch.optim.SGD, transport=args.transport, **options)
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **options)
 
 
@@ -585,7 +593,7 @@ class Trainer:
         self._probing = True
         try:
             self.resumed_from = self._resume()
-            self.model = wrap_model(model, args.distributed_impl, args.bucket_cap_mb, args.sharding)
+            self.model = wrap_model(model, args.distributed_impl, args.bucket_cap_mb, args.sharding, args.transport)
             if callable(optimizer):  # built over the wrapped model: FSDP's parameters are its shards
                 self.optimizer = optimizer(self.model)
             if self._optimizer_state is not None:
@@ -766,7 +774,7 @@ def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set: Datase
                   identity: dict | None = None) -> Trainer:
     """Model (after seeding: the same initial weights on every rank and for both DDPs), SGD, data, Trainer."""
     torch.manual_seed(args.seed)
-    model = convert_batchnorm(build_model(args.model), sync_bn).to(ctx.device)
+    model = convert_batchnorm(build_model(args.model), sync_bn, args.transport).to(ctx.device)
     loader = train_loader(train_set, ctx, args.batch_size, args.seed, args.num_workers)
     return Trainer(model, lambda wrapped: build_optimizer(wrapped, args), loader, val_set, ctx, args, identity)
 
@@ -804,7 +812,8 @@ def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, trai
 
 def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list[str], trainer: Trainer) -> dict:
     """The flags, what they resolved to, and what the measurements mean: printed once, stored in the metrics."""
-    return {**vars(args), **{f"{k}_used": v for k, v in identity.items()}, "notices": notices,
+    used = transports.resolve(args.transport, None, ctx.device, engine="ddp_cifar100").describe()  # a collective
+    return {**vars(args), **{f"{k}_used": v for k, v in identity.items()}, "notices": notices, "transport_used": used,
             "global_batch": args.batch_size * args.grad_accum_steps * ctx.world_size,
             "steps_per_epoch": sum(steps for steps, _ in trainer.plan), "device": str(ctx.device),
             "val_size_used": len(trainer.val_set) if trainer.val_set is not None else None,
@@ -898,6 +907,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bf16: forward passes (training and validation) under torch.autocast with bfloat16; parameters, "
                         "gradients and the optimizer stay float32 (default: %(default)s)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DDPs (default: %(default)s)")
+    p.add_argument("--transport", choices=transports.NAMES, default="auto",
+                   help="how every engine's tensors travel, for both implementations (PyTorch's DDP through its comm "
+                        "hook, fully_shard through its custom collectives; its ZeroRedundancyOptimizer always uses "
+                        "torch.distributed): torch (gloo, NCCL), shared_memory (ranks on one host, CPU), p2p "
+                        "(allreduce.py's algorithms); auto = shared_memory on one CPU host, else torch "
+                        "(default: %(default)s)")
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader worker processes; 0 loads in the training process (default: %(default)s)")
     p.add_argument("--save-model", metavar="PATH", default=None,

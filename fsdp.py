@@ -18,16 +18,17 @@ the shards are all-gathered into the full flat tensor (in ``compute_dtype``), th
 runs on views of it, and the full tensor is freed. Backward gathers it again where
 autograd needs the weights, and once the unit's gradient is complete it is reduce-scattered
 (averaged) into this rank's shard of the gradient. Every other parameter is replicated and
-its gradient all-reduced, exactly as in ``ddp.DDP``. The collectives are ours
-(``allreduce.all_gather`` / ``allreduce.reduce_scatter``, point to point only).
+its gradient all-reduced, exactly as in ``ddp.DDP``. Both collectives go through the
+``transport``, which also allocates their buffers: on one host the gathered tensor and the
+flat gradient lie in shared memory, where the peers read them.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 import warnings
 import weakref
-from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -35,8 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from allreduce import all_gather, reduce_scatter
-from comm_thread import CommThread
+import transport as transports
 from ddp import DDP, broadcast_module_state, check_same_model
 
 DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
@@ -68,7 +68,7 @@ class Unit:
     padded: int
     shard: nn.Parameter       # (padded // world,) master dtype: what the optimizer updates on this rank
     full: torch.Tensor | None = None        # (padded,) compute dtype, while gathered
-    future: Future | None = None            # a gather on its way into ``full``
+    work: transports.Work | None = None     # a gather on its way into ``full``
     views: list[torch.Tensor] = field(default_factory=list)
     gathers: int = 0          # gathers made in this forward that autograd recorded, not yet through backward
 
@@ -86,7 +86,24 @@ class _Saved:
     stride: tuple[int, ...]
     offset: int
     calls: list               # the forward's unit-module calls, for the backward prefetch
-    call: int                 # which of them saved it
+    saving: list              # indices of the calls that saved a gathered tensor (filled during the forward)
+    call: int                 # which call saved it
+
+
+@dataclass(eq=False)
+class _Reduction:
+    """A unit's reduce-scatter: ``out`` becomes this rank's averaged shard of its gradient. ``source``, the flat
+    gradient, is kept until ``work`` is done: a transport may read it after ``reduce_scatter`` returned."""
+
+    unit: Unit
+    out: torch.Tensor                        # (padded // world,) master dtype
+    source: torch.Tensor | None              # (padded,) master dtype, until done
+    work: transports.Work | None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = self.source = None  # the flat gradient can go
 
 
 @dataclass(frozen=True)
@@ -101,7 +118,7 @@ class _Gathered(torch.autograd.Function):
     """shard (s,) -> the unit's parameters, views of the gathered full flat tensor (padded,): its
     backward reduce-scatters their gradients.
 
-    The gather itself happened before (possibly prefetched on the communication thread);
+    The gather itself happened before (possibly prefetched, in flight on an asynchronous transport);
     this function only ties the parameter views into the autograd graph so that, once every
     use of the unit's parameters has added its gradient, one backward call receives each
     parameter's gradient (None for one nothing used). It hands them to ``FSDP._reduce``
@@ -115,14 +132,20 @@ class _Gathered(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shard, full, fsdp, unit):
-        ctx.fsdp, ctx.unit = fsdp, unit
+    def forward(ctx, shard, full, fsdp, index):
+        # Weak, and the unit by index: the unit keeps the views (and so this node) until backward, and a
+        # reference back from the node would be a cycle through C++ that Python's gc cannot free.
+        ctx.fsdp, ctx.index = weakref.ref(fsdp), index
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, not a tensor of zeros
-        return _views(full, unit)
+        return _views(full, fsdp.units[index])
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.fsdp._reduce(ctx.unit, grads)
+        fsdp = ctx.fsdp()
+        if fsdp is None:
+            raise RuntimeError("FSDP: the wrapper was freed before backward reached its sharded layers: keep it "
+                               "alive until backward")
+        fsdp._reduce(fsdp.units[ctx.index], grads)
         return None, None, None, None
 
 
@@ -130,10 +153,10 @@ class _Gathered(torch.autograd.Function):
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism over our own all-gather and reduce-scatter.
+    """Fully sharded data parallelism: all-gathers and reduce-scatters through a ``transport``.
 
     ``FSDP(module, compute_dtype=None, shard_types=(nn.Linear, nn.Embedding),
-    reshard_after_forward=True, process_group=None)``
+    reshard_after_forward=True, process_group=None, transport="auto")``
 
     * Construction: every rank must wrap an identical model (same parameter names, shapes,
       dtypes; checked with one all_gather_object, raising on every rank with the first
@@ -155,11 +178,12 @@ class FSDP(nn.Module):
       gather per step less, like ZeRO stage 2). The next unit's gather is prefetched, in
       the order of the previous forward.
     * Backward: tensors autograd saved from a freed unit are recorded as (unit, offset,
-      shape) and gathered again when backward unpacks them, prefetching the unit before it.
-      When the unit's whole gradient is known, its parameters' gradients are copied into one
-      flat master-dtype (float32) tensor, the only full-size one, and reduce-scattered (mean
-      over ranks) on the communication thread while backward goes on. Replicated
-      parameters are handled by an internal ``ddp.DDP`` (bucketed all-reduces, averaged).
+      shape) and gathered again when backward unpacks them, prefetching the previous call
+      that saved weights too. When the unit's whole gradient is known, its parameters'
+      gradients are copied into one flat master-dtype (float32) tensor, the only full-size
+      one, and reduce-scattered (mean over ranks) through the transport while backward goes
+      on (at most one in flight). Replicated parameters are handled by an internal
+      ``ddp.DDP`` (bucketed all-reduces, averaged).
     * ``finish_gradient_synchronization()``: waits for everything; afterwards each shard's
       ``.grad`` is the master-dtype average over ranks of its slice of the gradient (added
       to what was there: gradients accumulate as usual) and each replicated parameter's
@@ -179,17 +203,10 @@ class FSDP(nn.Module):
     once: autograd adds its uses' gradients (in ``compute_dtype``) and one reduce-scatter
     follows; with True each use has its own gather and reduce-scatter (in float32).
 
-    Communication runs on one background thread per FSDP in its own process group (a new
-    group over the same ranks, with the same timeout: ``comm_thread.CommThread``), so
-    gathers and reduce-scatters are issued in the same order on every rank and never
-    interleave with collectives of the main thread (the replicated
-    all-reduce, SyncBatchNorm, the trainer's). Our collectives are blocking point-to-point
-    rings with no work handle to wait on later, so a thread is what lets them run while
-    backward computes. ``comm_thread=False`` runs them inline instead (no overlap); compare
-    with ``python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"
-    "fsdp ours inline"``. On CUDA the thread uses this rank's device and its default
-    stream, as the main thread does, and the future is waited for before the main
-    thread touches a buffer.
+    Communication goes through ``transport`` (``transport.resolve``; "auto": this host's shared
+    memory when every rank is on it, else PyTorch's collectives), issued in the same order on
+    every rank; asynchronous where the transport is (NCCL; ``SharedMemory(background=True)``),
+    so that the next unit's gather is prefetched while this one computes.
 
     Warnings:
         * Every rank must call forward (also in eval and under ``torch.no_grad()``) and
@@ -203,7 +220,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_types: tuple[type, ...] = DEFAULT_SHARD_TYPES, reshard_after_forward: bool = True,
-                 process_group=None, *, comm_thread: bool = True):
+                 process_group=None, *, transport="auto"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs an initialised process group (dist_utils.distributed)")
@@ -220,6 +237,8 @@ class FSDP(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         # One collective: every rank raises the same error for a local problem or differing models.
         check_same_model(module, process_group, local_problem=_local_problem(module), wrapper="FSDP")
+        # Also a collective that raises on every rank (ranks asking for different transports): before any data moves.
+        self.transport = transports.resolve(transport, process_group, next(module.parameters()).device, engine="FSDP")
         broadcast_module_state(module, process_group)
 
         self.module = module
@@ -237,14 +256,11 @@ class FSDP(nn.Module):
                           "data parallelism (ddp.DDP)", stacklevel=2)
         # The replicated parameters (those still registered) get DDP's bucketed, averaged all-reduce.
         # Stored outside the module tree so parameters() does not list them twice.
-        self.__dict__["_replicated"] = DDP(module, process_group=process_group)
-
-        shard = next(iter(self.flat.values()), None)
-        self._comm = CommThread(process_group, shard.device if shard is not None else torch.device("cpu"),
-                                enabled=comm_thread, name="fsdp-comm")
+        self.__dict__["_replicated"] = DDP(module, process_group=process_group, transport=self.transport)
         self._storage_to_unit: dict[int, Unit] = {}
-        self._reductions: list[tuple[Unit, torch.Tensor, Future]] = []
+        self._reductions: list[_Reduction] = []
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
+        self._saving_calls: list[int] = []       # which of them saved a gathered tensor for backward
         self._previous_calls: list[nn.Module] = []
         self._in_forward = False
         self._outer_hooks = None
@@ -313,7 +329,7 @@ class FSDP(nn.Module):
         self._release_all()  # gathers kept from an earlier forward may be stale (the optimizer stepped)
         grad = torch.is_grad_enabled()
         self._no_grad_forward = not grad
-        self._calls = []
+        self._calls, self._saving_calls = [], []
         # An enclosing saved-tensor hook pair (activation offloading, a measurement) would be shadowed
         # by ours: ours hands it every tensor that is not a view of a gathered unit.
         self._outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -360,7 +376,7 @@ class FSDP(nn.Module):
             return
         full = self._wait(unit)
         if torch.is_grad_enabled():
-            unit.views = list(_Gathered.apply(unit.shard, full, self, unit))
+            unit.views = list(_Gathered.apply(unit.shard, full, self, unit.index))
             unit.gathers += 1
         else:
             unit.views = list(_views(full, unit))
@@ -371,21 +387,24 @@ class FSDP(nn.Module):
     # ---- gathering and freeing
 
     def _gather(self, unit: Unit) -> None:
-        """Start gathering the unit's full tensor unless it is gathered or on its way."""
-        if unit.full is not None or unit.future is not None:
+        """Start gathering the unit's full tensor unless it is gathered or on its way.
+
+        The shard is cast (``compute_dtype`` halves the bytes sent) straight into its own chunk of the
+        transport's buffer, and the all-gather runs in place: the peers read that chunk where it lies."""
+        if unit.full is not None or unit.work is not None:
             return
-        source = unit.shard.detach()
-        if self.compute_dtype is not None:
-            source = source.to(self.compute_dtype)  # halves the bytes sent
-        full = torch.empty(unit.padded, dtype=source.dtype, device=source.device)
-        unit.future = self._comm.submit(all_gather, full, source, group=self._comm.group)
+        shard = unit.shard.detach()
+        full = self.transport.allocate((unit.padded,), dtype=self.compute_dtype or shard.dtype, device=shard.device)
+        own = full[self.rank * shard.numel():(self.rank + 1) * shard.numel()]
+        own.copy_(shard)
+        unit.work = self.transport.all_gather(full, own, async_op=True)
         unit.full = full
         self._storage_to_unit[full.untyped_storage().data_ptr()] = unit
 
     def _wait(self, unit: Unit) -> torch.Tensor:
-        if unit.future is not None:
-            self._comm.wait(unit.future)
-            unit.future = None
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
         return unit.full
 
     def _release(self, unit: Unit) -> None:
@@ -406,12 +425,20 @@ class FSDP(nn.Module):
     # ---- backward
 
     def _pack(self, tensor: torch.Tensor):
-        """Saved-tensor hook: a view of a gathered unit is saved as where to find it, not as memory."""
+        """Saved-tensor hook: a view of a gathered unit is saved as where to find it, not as memory.
+
+        Any other tensor is kept detached (autograd reattaches it when unpacking): an output that its own
+        node saves would otherwise hold that node, a cycle through C++ that keeps the graph (and this
+        wrapper, whose ``_unpack`` it holds) alive for good when no backward comes (pytorch/pytorch#115255)."""
+        tensor = tensor.detach()
         unit = self._storage_to_unit.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
         if unit is None or tensor.dtype != unit.full.dtype:
             return tensor if self._outer_hooks is None else _Outer(self._outer_hooks[1], self._outer_hooks[0](tensor))
+        call = len(self._calls) - 1
+        if not self._saving_calls or self._saving_calls[-1] != call:
+            self._saving_calls.append(call)
         return _Saved(unit, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), self._calls,
-                      len(self._calls) - 1)
+                      self._saving_calls, call)
 
     def _unpack(self, saved):
         if isinstance(saved, _Outer):
@@ -419,22 +446,29 @@ class FSDP(nn.Module):
         if not isinstance(saved, _Saved):
             return saved
         self._gather(saved.unit)
-        if saved.call > 0:  # prefetch the unit that backward reaches next
-            for unit in self._units_of_module[saved.calls[saved.call - 1]]:
+        # Prefetch for the next call backward reaches that saved weights: not simply the call before, which
+        # may need none (an embedding's backward needs only the indices) and would be gathered for nothing.
+        earlier = bisect.bisect_left(saved.saving, saved.call)
+        if earlier:
+            for unit in self._units_of_module[saved.calls[saved.saving[earlier - 1]]]:
                 self._gather(unit)
         full = self._wait(saved.unit)
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     def _reduce(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
         """A unit's gradient is complete (``_Gathered.backward``: one per parameter, in compute dtype, None
-        where unused): flattened into one master-dtype tensor and reduce-scattered, asynchronously."""
+        where unused): flattened into one master-dtype tensor and reduce-scattered, asynchronously.
+
+        At most one reduce-scatter is in flight: the previous one is waited for (it had this unit's backward
+        to run in) before this unit's flat gradient is made, so one full-size gradient exists at a time."""
         if torch.is_grad_enabled():
             raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
-        self._comm.drop_finished()  # earlier reductions' sources, before a new full-size one
-        source = _flat_gradient(unit, grads)
+        if self._reductions:
+            self._reductions[-1].wait()
+        source = _flat_gradient(unit, grads, self.transport.allocate)
         out = torch.empty(unit.padded // self.world_size, dtype=unit.master_dtype, device=source.device)
-        self._reductions.append((unit, out, self._comm.submit(reduce_scatter, out, source, op="mean",
-                                                              group=self._comm.group)))
+        work = self.transport.reduce_scatter(out, source, "mean", async_op=True)
+        self._reductions.append(_Reduction(unit, out, source, work))
         unit.gathers -= 1
         if self.reshard_after_forward or unit.gathers == 0:
             self._release(unit)
@@ -457,16 +491,16 @@ class FSDP(nn.Module):
                                "gradients enabled")
         start = time.perf_counter()
         with torch.no_grad():
-            for unit, out, future in self._reductions:
-                self._comm.wait(future)
+            for reduction in self._reductions:
+                reduction.wait()
+                unit = reduction.unit
                 if unit.shard.grad is None:
-                    unit.shard.grad = out
+                    unit.shard.grad = reduction.out
                 else:
-                    unit.shard.grad += out
+                    unit.shard.grad += reduction.out
             self._reductions = []
             self._replicated.finish_gradient_synchronization()
         self._release_all()
-        self._comm.drop_finished()  # every collective of the step is done: nothing stays in use
         for unit in self.units:
             unit.gathers = 0
         self.last_wait_s = time.perf_counter() - start
@@ -480,9 +514,8 @@ class FSDP(nn.Module):
         fulls = {}
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
-            self._comm.wait(self._comm.submit(all_gather, full, unit.shard.detach(), group=self._comm.group))
+            self.transport.all_gather(full, unit.shard.detach())
             fulls[unit.index] = full
-        self._comm.drop_finished()
         replicated = dict(self.module.named_parameters())
         out = {}
         for name in self._param_names:
@@ -527,11 +560,10 @@ class FSDP(nn.Module):
                 buffers[key].copy_(state[key])
 
     def close(self) -> None:
-        """Stop the communication thread and remove the hooks (the wrapper is unusable afterwards)."""
+        """Remove the hooks (the wrapper is unusable afterwards)."""
         for handle in self._hook_handles:
             handle.remove()
         self._replicated.remove_hooks()
-        self._comm.close(wait=False)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -579,17 +611,18 @@ def _key_to_param_name(module: nn.Module) -> dict[str, str]:
             for attr, p in m._parameters.items() if p is not None and id(p) in first}
 
 
-def _flat_gradient(unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+def _flat_gradient(unit: Unit, grads: tuple[torch.Tensor | None, ...], allocate) -> torch.Tensor:
     """The unit's (padded,) master-dtype gradient: reduced in the master dtype (no float16 overflow).
 
-    A unit of one master-dtype parameter that fills it (the GPT's embedding) reduces its
-    gradient as it is, contiguous; otherwise one new tensor, each gradient cast as it is copied in.
+    A unit of one master-dtype parameter that fills it (the GPT's embedding) reduces its gradient as
+    it is (a transport that needs it elsewhere copies it once, as the copy below would); otherwise one
+    tensor from ``allocate`` (the transport's), each gradient cast as it is copied in.
     """
     (grad, *rest) = grads
     if not rest and grad is not None and grad.dtype == unit.master_dtype and grad.numel() == unit.padded \
             and grad.is_contiguous():
         return grad.view(-1)
-    flat = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
+    flat = allocate((unit.padded,), dtype=unit.master_dtype, device=unit.shard.device)
     for grad, view in zip(grads, _views(flat, unit)):
         if grad is None:
             view.zero_()

@@ -182,6 +182,11 @@ class PeakMemory:
     worker finishing a collective after the caller let go of its buffer) is freed without
     an event, so a block that ends such collectives can overstate the peak by that buffer.
     Measure steady-state steps (after construction broadcasts) where that matters.
+    Wait for every asynchronous collective launched inside before the block ends: a gloo work
+    that completes after the profiler stopped crashes the process when its handle is freed
+    (seen with ZeRO's overlapped all-gathers on gloo: ``ShardedOptimizer.wait_for_parameters``).
+    Memory in /dev/shm (``transport.SharedMemory``) is not torch's allocator's: see
+    ``SharedMemory.observe_blocks``.
     Profiling slows the block down: measure memory and time in separate runs.
 
     Usage::
@@ -273,14 +278,18 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = 
     including inputs and outputs that are saved because backward needs them, except the
     storages of ``exclude`` (e.g. the parameters, to count activations only).
     """
+    # Keyed by the storage object, not its address: an engine that frees a storage's memory during fn
+    # (fully_shard frees gathered weights with resize_) lets a later tensor reuse the same address.
     storages: dict[int, int] = {}
-    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    excluded = {t.untyped_storage()._cdata for t in exclude}
 
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        if storage._cdata not in excluded:
+            storages[storage._cdata] = storage.nbytes()
+        # Detached: a saved output that refers to its own graph makes a cycle through autograd's C++ nodes that
+        # Python's collector cannot see (pytorch/pytorch#115255), and fn's graph would never be freed.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()

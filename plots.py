@@ -39,6 +39,8 @@ COLOURS = {
     "flat": "#CC79A7", "halving_doubling": "#CC79A7",
     "naive": "#56B4E9", "tree": "#56B4E9",
     "recursive_doubling": "#882255", "shared_memory": "#999933", "auto": "#000000",
+    # The transports of collectives_benchmark.py (rows labelled by transport, not by algorithm).
+    "shared_memory (zero copy)": "#999933", "shared_memory (staged)": "#DDCC77", "p2p": "#332288",
     "no ddp": "#000000", "no_ddp": "#000000",
     "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
     "BatchNorm1d + 2 shared-memory all_reduce": "#555555",
@@ -230,17 +232,26 @@ def training_curves(runs: dict[str, dict]) -> Figure:
 
 
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
-# The same with the communication ours uses when the workers share a host (syncbn_benchmark.SHARED_REFERENCE).
-SYNCBN_SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
-# The least a Python autograd.Function with those two sums costs (syncbn_benchmark.FLOOR), drawn against the latter.
-SYNCBN_FLOOR = "floor: BatchNorm in a Python Function + 2 shared-memory sums"
+# The least a Python autograd.Function with those two sums costs (syncbn_benchmark.FLOOR), drawn against the reference.
+SYNCBN_FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
 
 
-def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "ours") -> list[dict]:
-    """Per (batch, hidden): ``impl`` / ``reference`` time with its interval (when the rows have rounds or ci fields)."""
+_ONLY = object()  # syncbn_ratios' default transport: the one the file times ``impl`` and ``reference`` on
+
+
+def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "ours", transport=_ONLY) -> list[dict]:
+    """Per (batch, hidden): ``impl`` / ``reference`` time on one transport (rows of ``transport``; None: rows
+    without one, as files written before transports were a column) with its interval. By default the file's
+    only transport for these two; ValueError when it has several (a ratio never mixes two transports)."""
     # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of the workers.
-    rows = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
-            and r.get("dtype", "float32") == "float32"]
+    times = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
+             and r.get("dtype", "float32") == "float32"]
+    if transport is _ONLY:
+        present = sorted({r.get("transport") for r in times if r.get("impl") in (impl, reference)}, key=str)
+        if len(present) > 1:
+            raise ValueError(f"the file times {impl!r} and {reference!r} on transports {present}: pass transport=")
+        transport = present[0] if present else None
+    rows = [r for r in times if r.get("transport") == transport]
     ref = {(r["batch"], r["hidden"]): r for r in rows if r.get("impl") == reference}
     out = []
     for r in rows:
@@ -252,7 +263,8 @@ def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "our
             value = {"median": r["vs_reference"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
         else:  # per-round medians (round_p50_s) where the rows have them
             value = ratio(r, ref[(r["batch"], r["hidden"])], "p50_s" if round_values(r, "p50_s") else "time_s")
-        out.append({"batch": r["batch"], "hidden": r["hidden"], "workers": r.get("workers"), **value})
+        out.append({"batch": r["batch"], "hidden": r["hidden"], "workers": r.get("workers"), "transport": transport,
+                    **value})
     return out
 
 
@@ -271,23 +283,27 @@ def _ratio_bars(ax, points: list[dict], offset: float, width: float, color: str,
 
 
 def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
-    """Ours / (BatchNorm1d + the two all_reduce calls any synchronized BatchNorm needs), per size, one
-    panel per batch, a bar per reference in the file (torch's all_reduce; shared memory, the communication
-    ours uses on one host), and where the file has it the floor / the latter (the least a layer written as a
-    Python Function costs there); error bars: 95 % intervals where the rows carry them; the target as a line."""
-    pairs = (("ours", SYNCBN_REFERENCE, colour("ours")), ("ours", SYNCBN_SHARED_REFERENCE, colour("shared_memory")),
-             (SYNCBN_FLOOR, SYNCBN_SHARED_REFERENCE, "#BBBBBB"))
-    series = [(impl, name, bar, syncbn_ratios(doc, name, impl)) for impl, name, bar in pairs]
-    series = [s for s in series if s[-1]] or series[:1]
+    """Ours / (BatchNorm1d + the two all_reduce calls any synchronized BatchNorm needs) on the same transport,
+    per size, one panel per batch, a bar per transport in the file (gloo; this host's shared memory), and the
+    floor / the reference on shared memory (the least a layer written as a Python Function costs there);
+    error bars: 95 % intervals where the rows carry them; the target as a line. Engine against engine only:
+    no bar divides a time on one transport by a time on another."""
+    transports = sorted({r.get("transport") for r in doc["results"] if r.get("kind", "time") == "time"
+                         and r.get("impl") == "ours" and r.get("setting", "workers") == "workers"}, key=str)
+    pairs = [("ours", t, colour("shared_memory") if t == "shm" else colour("ours")) for t in transports]
+    pairs += [(SYNCBN_FLOOR, t, "#BBBBBB") for t in transports if t == "shm"]
+    series = [(impl, t, bar, syncbn_ratios(doc, SYNCBN_REFERENCE, impl, t)) for impl, t, bar in pairs]
+    series = [s for s in series if s[-1]] or series[:1] or [("ours", None, colour("ours"), [])]
     batches = sorted({r["batch"] for r in series[0][-1]})
     figure, axes = _figure(1, max(1, len(batches)), width=4.2 * max(1, len(batches)) + 2, height=3.4, sharey=True)
     width = 0.6 / len(series)
     for ax, batch in zip(axes[0], batches):
         with_ci = False
-        for k, (impl, name, bar, ratios) in enumerate(series):
+        for k, (impl, transport, bar, ratios) in enumerate(series):
             points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
+            on = f" [{transport}]" if transport else ""
             with_ci |= _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar,
-                                   f"{'floor' if impl == SYNCBN_FLOOR else impl} / ({name})",
+                                   f"{'floor' if impl == SYNCBN_FLOOR else impl}{on} / ({SYNCBN_REFERENCE}){on}",
                                    "95 % interval" if k == 0 else None)
         ax.axhline(target, color="#AA0000", linestyle="--", label=f"target {target:g}x")
         ax.axhline(1.0, color="black", linewidth=0.8)
@@ -309,21 +325,25 @@ def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
 
 def allreduce_table(doc: dict) -> Figure:
     """The homework's all-reduce tables as a chart: time (top) and error against the exact mean
-    (bottom) against world size, one panel per tensor size, one colour per algorithm; world sizes
-    above the machine's cores are shaded as oversubscribed."""
+    (bottom) against world size, one panel per tensor size, one colour per algorithm, every algorithm
+    over the same wire (the run's backend); world sizes above the machine's cores are shaded as
+    oversubscribed. A transport in the file (shared memory, in files written before transports were
+    measured apart) is no algorithm: it is drawn dashed and labelled as a transport."""
     rows, env = doc["results"], doc.get("env", {})
     sizes = sorted({r["numel"] for r in rows})
     worlds = sorted({r["world_size"] for r in rows})
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    transports = {r["algorithm"] for r in rows if _is_transport(r)}
     figure, axes = _figure(2, len(sizes), width=3.6 * len(sizes) + 2, height=3.0, sharex=True)
     for column, numel in enumerate(sizes):
         time_ax, error_ax = axes[0][column], axes[1][column]
         for algorithm in algorithms:
+            style = dict(color=colour(algorithm), linestyle="--" if algorithm in transports else "-")
+            label = f"transport: {algorithm.replace('_', ' ')}" if algorithm in transports else algorithm.replace("_", "-")
             points = sorted((r["world_size"], r) for r in rows if r["numel"] == numel and r["algorithm"] == algorithm)
-            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", color=colour(algorithm),
-                         label=algorithm.replace("_", "-"))
+            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", label=label, **style)
             errors = [(w, r["max_abs_error"]) for w, r in points if w > 1 and r.get("max_abs_error") is not None]
-            error_ax.plot([w for w, _ in errors], [e for _, e in errors], marker="o", color=colour(algorithm))
+            error_ax.plot([w for w, _ in errors], [e for _, e in errors], marker="o", **style)
         over = [w for w in worlds if oversubscribed({"world_size": w}, env)]
         for ax in (time_ax, error_ax):
             _log_x(ax, worlds)
@@ -335,11 +355,22 @@ def allreduce_table(doc: dict) -> Figure:
         error_ax.set(xlabel="processes")
     axes[0][0].set_ylabel("time (ms, median of slowest rank)")
     axes[1][0].set_ylabel("max |result - exact mean|")
+    wire = env.get("backend") or "one backend"
+    figure.suptitle(f"all-reduce algorithms, all over {wire}" + ("; dashed: a transport, not an algorithm" if transports else ""))
     _legend_outside(figure)
     return figure
 
 
+def _is_transport(row: dict) -> bool:
+    """A row on the transport axis: its own ``axis`` field, or shared memory in a file written without one."""
+    return row.get("axis", "transport" if row.get("algorithm") == "shared_memory" else "algorithm") == "transport"
+
+
 # --------------------------------------------------------------------------- DDP variants and bucket sizes
+
+
+# One line style per transport of ddp_benchmark.py's rows (the colour is the implementation's).
+TRANSPORT_LINES = {"torch": "-", "shm": "--", "shm-thread": ":"}
 
 
 def _models(rows):
@@ -356,14 +387,17 @@ def ddp_variants(doc: dict) -> Figure:
     for (sweep_ax, bar_ax), model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
         caps = sorted({r["bucket_cap_mb"] for r in mine if r.get("bucket_cap_mb")})
-        names = list(dict.fromkeys(kind(r) for r in mine if r.get("bucket_cap_mb")))
-        for i, name in enumerate(names):
-            points = sorted((r["bucket_cap_mb"], r) for r in mine if kind(r) == name and r.get("bucket_cap_mb"))
-            shift = 1.06 ** (i - (len(names) - 1) / 2)  # side by side, so the error bars stay apart
+        # A series per implementation and transport (rows of files written before transports were a column: None).
+        series = list(dict.fromkeys((kind(r), r.get("transport")) for r in mine if r.get("bucket_cap_mb")))
+        for i, (name, on) in enumerate(series):
+            points = sorted(((r["bucket_cap_mb"], r) for r in mine if (kind(r), r.get("transport")) == (name, on)
+                             and r.get("bucket_cap_mb")), key=lambda point: point[0])
+            shift = 1.06 ** (i - (len(series) - 1) / 2)  # side by side, so the error bars stay apart
             x = [b * shift for b, _ in points]
             y = [r["p50_s"] for _, r in points]
             yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
-            sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name), label=name)
+            sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name),
+                              linestyle=TRANSPORT_LINES.get(on, "-"), label=f"{name} [{on}]" if on else name)
         baseline = next((r for r in mine if kind(r) in ("no ddp", "no_ddp")), None)
         if baseline:
             sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":", label="no ddp (no communication)")
@@ -459,6 +493,8 @@ def ddp_sweep(doc: dict) -> Figure:
 
 # The record_function ranges of one benchmark iteration (ddp_benchmark.Replica.step), in order.
 COMPUTE_PHASES = PHASES
+# The profiler ranges of a collective: gloo's and NCCL's own, and transport.SharedMemory's ("shared_memory:<kind>").
+COLLECTIVE_RANGES = ("gloo", "nccl", "shared_memory")
 # Greys for compute, so that the communication lanes carry the implementation's colour; waiting in red.
 PHASE_COLOURS = {"forward": "#CCCCCC", "backward": "#777777", "sync_gradients": "#AA0000", "optimizer_step": "#333333"}
 
@@ -480,10 +516,14 @@ def timeline_events(trace: dict, iteration: int = -1) -> dict:
     comm: dict = {}
     for e in sorted(inside, key=lambda e: e["ts"]):
         name = str(e["name"])
-        if e.get("tid") != it.get("tid") and "all_reduce" in name.replace("allreduce", "all_reduce") \
-                and name.startswith(("gloo", "nccl", "shared_memory")):
-            comm.setdefault(e["tid"], []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
-    lanes = {f"comm thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items()))}
+        if "all_reduce" in name.replace("allreduce", "all_reduce") and name.startswith(COLLECTIVE_RANGES):
+            comm.setdefault(e.get("tid"), []).append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
+    # A sum made by the compute thread itself (shared memory, inline in the backward hook) gets a lane of its own
+    # below the compute lane, so that it shows beside the phase it interrupts.
+    inline = comm.pop(it.get("tid"), None)
+    lanes = {f"comm thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items(), key=lambda kv: str(kv[0])))}
+    if inline:
+        lanes["sums in the compute thread"] = inline
     return {"phases": sorted(phases, key=lambda p: p[1]), "comm": lanes, "length": it["dur"] / 1e3}
 
 
@@ -514,7 +554,7 @@ def overlap_timeline(traces: dict[str, dict]) -> Figure:
 def trim_trace(trace: dict) -> dict:
     """The events ``timeline_events`` reads (iterations, phases, collectives): a few kB instead of a few
     MB, small enough to commit beside the results. Still a Chrome trace."""
-    keep = ("iteration ", *COMPUTE_PHASES, "gloo:", "nccl:")
+    keep = ("iteration ", *COMPUTE_PHASES, *(f"{name}:" for name in COLLECTIVE_RANGES))
     return {"traceEvents": [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
 
 
@@ -573,9 +613,12 @@ SHARDINGS = ("ddp", "zero", "fsdp")
 
 
 def our_variant(rows: list[dict], sharding: str) -> str | None:
-    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours' when measured, else the first of ours."""
+    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours [shm]' (memory does not depend on the
+    transport but for its buffers, which this variant's rows count), else '<sharding> ours' (files written before
+    transports were named), else the first of ours."""
     names = list(dict.fromkeys(r["variant"] for r in rows if r.get("sharding") == sharding and " ours" in r["variant"]))
-    return f"{sharding} ours" if f"{sharding} ours" in names else (names[0] if names else None)
+    preferred = next((n for n in (f"{sharding} ours [shm]", f"{sharding} ours") if n in names), None)
+    return preferred or (names[0] if names else None)
 
 
 def sharding_memory(doc: dict) -> Figure:

@@ -1,8 +1,9 @@
 """Results: the environment header, the one JSON layout all our benchmarks share, and tables.
 
 Every script prints ``format_environment(environment(...))`` before it measures, and writes
-``{schema, benchmark, env, config, results: [row, ...]}`` with ``write_results`` (times in
-seconds, memory in bytes, rows flat). ``read_results`` refuses any other layout, naming the
+``{schema, benchmark, env, config, results: [row, ...], targets: [check, ...]}`` with
+``write_results`` (times in seconds, memory in bytes, rows flat; ``targets`` holds the verdicts
+the benchmark computed where it measured, which the README and the report read as they are). ``read_results`` refuses any other layout, naming the
 schema it expected. ``write_durably`` is how every file we produce is written (results,
 checkpoints, the executed notebook): whole or not at all, flushed to the disk.
 """
@@ -78,13 +79,17 @@ def format_environment(env: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(path: str, benchmark: str, env: dict, config: dict, rows: list[dict]) -> None:
-    """Write the shared JSON layout: ``{schema, benchmark, env, config, results: [row, ...]}``.
+def write_results(path: str, benchmark: str, env: dict, config: dict, rows: list[dict],
+                  targets: list[dict] | None = None) -> None:
+    """Write the shared JSON layout: ``{schema, benchmark, env, config, results: [row, ...], targets: [...]}``.
 
-    Rows are flat dicts; times are in seconds and memory in bytes. Written with
-    ``write_durably``: a reader never sees half a file, and a failure leaves the old one.
+    Rows are flat dicts; times are in seconds and memory in bytes. ``targets``: the benchmark's
+    target checks with their verdicts (each a flat dict with ``target``, ``limit``, ``ratio`` and
+    ``verdict``), stored where they were computed. Written with ``write_durably``: a reader never
+    sees half a file, and a failure leaves the old one.
     """
-    doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "env": env, "config": config, "results": rows}
+    doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "env": env, "config": config, "results": rows,
+           "targets": targets or []}
     text = json.dumps(doc, indent=1, default=_jsonable) + "\n"  # an unserialisable row fails before any file is touched
     write_durably(path, lambda f: f.write(text.encode()))
 

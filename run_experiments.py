@@ -56,6 +56,10 @@ _QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", 
                 "--grad-accum-steps", "2")
 _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
+# The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
+# memory) and the transport under one engine (fully_shard on shared memory / on gloo: its target is for this size).
+SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]")
+
 EXPERIMENTS = (
     Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
                ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider", "--junitxml={out}/syncbn_tests.xml"),
@@ -91,21 +95,22 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "12", "--rounds", "6",
                 "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
-    Experiment("ddp_headline", "bucketed DDP against PyTorch's at its defaults and best settings, resnet18, many rounds "
-               "(the targets; naive for the exposed wait)",
+    Experiment("ddp_headline", "bucketed DDP against PyTorch's on each transport (gloo, shared memory), the "
+               "transports under each engine, and a communication thread against summing in the backward hook; "
+               "resnet18, many rounds (the targets; naive for the exposed wait)",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "100", "--rounds", "20", "--warmup", "1",
-                "--no-breakdown", "--json", "{out}/ddp_headline.json"),
+                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16",
+                "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown", "--json", "{out}/ddp_headline.json"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--bucket-sizes", "25", "--iters", "320", "--rounds", "80", "--no-breakdown", "--json",
-                "{out}/ddp_headline.json"), nproc=2),
+                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--iters", "320", "--rounds",
+                "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
     Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
-                "--bucket-sizes", "25", "--batch-size", "16", "--iters", "2", "--rounds", "1", "--warmup", "2",
-                "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"),
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "overlap", "bucketed",
-                "--bucket-sizes", "25", "--iters", "2", "--rounds", "1", "--no-breakdown", "--profile", "{out}/traces",
-                "--trim-traces"), nproc=2),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
+                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "2",
+                "--rounds", "1", "--warmup", "2", "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
+                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--iters", "2", "--rounds", "1",
+                "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants", "pytorch",
                 "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
@@ -120,11 +125,11 @@ EXPERIMENTS = (
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),
     Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, ours and "
-               "PyTorch's DDP",
-               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", "ddp ours", "ddp pytorch",
-                "zero ours", "--iters", "36", "--rounds", "18", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
-               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", "ddp ours", "ddp pytorch",
-                "zero ours", "--iters", "120", "--rounds", "40", "--json", "{out}/sharding_gpt.json")),
+               "PyTorch's DDP on shared memory; fully_shard on shared memory against fully_shard on gloo",
+               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
+                "--iters", "30", "--rounds", "15", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
+               ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
+                "--iters", "120", "--rounds", "40", "--json", "{out}/sharding_gpt.json")),
 )
 NAMES = tuple(e.name for e in EXPERIMENTS)
 

@@ -1,44 +1,39 @@
-"""Sharded data parallelism, measured: time per iteration and what each rank holds, for DDP, ZeRO and
-FSDP (ours and PyTorch's), on resnet18 and the GPT model, with AdamW.
+"""Sharded data parallelism, measured: time per iteration and what each rank holds for DDP, ZeRO and FSDP,
+ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, with AdamW.
 
-    python sharding_benchmark.py                                   # spawns 1, 2 and 4 processes in turn
-    python sharding_benchmark.py --quick --json results/sharding.json                   # about a minute
-    python sharding_benchmark.py --procs 2 --models gpt --variants "zero ours" "zero pytorch"
-    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours" "fsdp ours inline"  # overlap A/B
-    python sharding_benchmark.py --procs 2 --variants "ddp ours" "zero ours" "zero ours in step" "zero ours blocking"
+    python sharding_benchmark.py                                     # spawns 1, 2 and 4 processes in turn
+    python sharding_benchmark.py --quick --json results/sharding.json
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp pytorch"   # fully_shard on [torch] and [shm]
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"      # [torch], [shm], [shm-thread]
+    python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero ours in step [shm]"
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
+A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (a name
+without the brackets in --variants means every transport it is registered on). Transports:
+[torch] is torch.distributed's collectives (gloo here, PyTorch's engines as they come); [shm] is
+``transport.SharedMemory``, for PyTorch's DDP through ``transport.ddp_comm_hook`` and for
+``fully_shard`` through ``transport.use_with_fully_shard``; [shm-thread] is the same on a
+communication thread. ``ZeroRedundancyOptimizer`` broadcasts through torch.distributed itself and
+takes no transport: "zero pytorch" runs on [torch] only. Each target divides the times of two
+variants that differ on one axis only (engine, sharding, transport or an option: see ``AXES``), so
+no ratio credits an engine with a transport's gain. With one process there is no communication:
+only [torch] runs.
+
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
-``zero_grad(set_to_none=True)``; random inputs made once per rank outside the timed region.
-Every variant of the registry ``VARIANTS`` is built once per model (same seed), warmed up,
-then timed in ``--rounds`` rounds, each timing every variant in a rotated order
-(``measure.time_interleaved``): an iteration starts at a barrier and lasts as long as its
-slowest rank. Ratios (ours / PyTorch's for the same sharding, ZeRO / DDP) are the median of
-the per-round p50 ratios with a 95 % bootstrap interval (``measure.paired_ratio``), and
-their targets read met / missed / inconclusive.
-
-Memory, per rank (maximum over ranks), counted from the tensors the rank really holds after
-one untimed iteration (distinct storages, so a tied weight or a bucket holding every gradient
-counts once): parameters; gradients (after synchronisation); optimizer state; activations
-(what autograd saves in forward, parameters excluded); peak = what is kept between iterations
-(parameters, optimizer state, the variant's own buffers: DDP's gradient buckets, ours and
-PyTorch's alike) + the most bytes allocated above it during an iteration (``measure.PeakMemory``). "Ideal" is the model states (parameters +
-gradients + AdamW's two moments) a rank must hold under that sharding: all of them for DDP,
-1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP.
-FSDP's gathered weights that autograd saves count as activations for PyTorch's ``fully_shard`` (its
-saved tensors are the gathered parameters) and for ours with ``keep`` (kept for backward), not for
-ours with resharding (it saves where to find them again, and gathers them in backward).
-
-A variant is a builder registered with ``@variant``: a new sharding (FSDP) plugs in as more
-builders with their own ideal and targets.
+``zero_grad(set_to_none=True)``, on random inputs made once per rank. Every variant is built once
+per model (same seed), warmed up, then timed in ``--rounds`` rounds that interleave the variants
+(``measure.time_interleaved``); ratios are medians of per-round p50 ratios with 95 % bootstrap
+intervals (``measure.paired_ratio``), read met / missed / inconclusive against their targets.
+Memory is counted per rank from the tensors it holds (the report explains the columns).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -49,6 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 # default group as a default argument after teardown (see dist_utils._teardown).
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+import transport as transports
 import zero
 from ddp import DDP, sync_gradients
 from fsdp import FSDP
@@ -64,11 +60,33 @@ LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
 DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
                 gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
+# Its variants: each engine target on [torch] and on [shm], ZeRO / DDP, the transport ratios; no keep / bf16.
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
-             gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1)
-TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter, the same sharding
-TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter, the same implementation
+             gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
+             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]", "zero ours [torch]",
+                       "zero ours [shm]", "zero pytorch [torch]", "fsdp ours [torch]", "fsdp ours [shm]",
+                       "fsdp pytorch [torch]", "fsdp pytorch [shm]"])
+GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
+TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
+TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
+TARGET_SHM_VS_TORCH = 0.85  # fully_shard on our shared memory / fully_shard on gloo, the GPT at its default size
 TARGET_STATE_VS_IDEAL = 1.10  # per-rank model-state bytes / ideal
+
+# What a target's two variants differ in (one thing only); every target row names its axis.
+AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
+        "sharding": "ZeRO / DDP: the same engine on the same transport",
+        "transport": "one engine: shared memory / torch.distributed (gloo), or on a communication thread / inline",
+        "option": "one engine on one transport: an option / its default",
+        "memory": "model-state bytes per rank / the ideal"}
+# Where a target's limit holds (elsewhere its ratio is shown for information): a reader's phrase and a test.
+SCOPES = {"gpt default": ("the GPT at its default size",
+                          lambda model, args: model == "gpt" and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
+# A variant's transport, by the label in its name: made once per model for every variant on it (a collective).
+TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
+    "torch": lambda: transports.Torch(),                              # torch.distributed's collectives (gloo, NCCL)
+    "shm": lambda: transports.SharedMemory(),                         # this host's shared memory, in the caller's thread
+    "shm-thread": lambda: transports.SharedMemory(background=True),   # the same on a communication thread
+}
 
 
 # --------------------------------------------------------------------------- the variants
@@ -83,6 +101,7 @@ class Setup:
     exposed_s: Callable[[], float | None] = lambda: None  # the last iteration's exposed communication, if measurable
     kept: Callable[[], list[torch.Tensor]] = list  # buffers kept between iterations besides parameters and state
     state: Callable[[], list[torch.Tensor]] | None = None  # optimizer-state tensors (default: optimizer.state)
+    settle: Callable[[], None] = lambda: None  # waits for communication an iteration leaves in flight
 
     def state_tensors(self) -> list[torch.Tensor]:
         if self.state is not None:
@@ -91,31 +110,81 @@ class Setup:
 
 
 @dataclass(frozen=True)
+class Target:
+    """This variant's sec/iter over ``other``'s, which differs from it on ``axis`` only."""
+
+    other: str  # a variant's name; without "[transport]": the one on this variant's transport
+    axis: str  # a key of AXES
+    limit: float | None = None  # at most this; None: for information
+    scope: str | None = None  # a key of SCOPES: where the limit holds
+
+
+@dataclass(frozen=True)
 class Variant:
-    name: str
-    sharding: str  # a key of IDEAL
-    build: Callable[[nn.Module], Setup]
-    targets: tuple[tuple[str, float | None], ...] = ()  # (other variant, limit of this / other sec/iter or None)
+    name: str  # "<base> [<transport>]"
+    base: str  # "zero ours", "fsdp pytorch keep", ...
+    sharding: str  # "ddp", "zero" or "fsdp" (see ideal_bytes)
+    transport: str  # a key of TRANSPORTS
+    build: Callable[[nn.Module, transports.Transport], Setup]
+    targets: tuple[Target, ...] = ()  # with full names
     default: bool = True  # measured unless --variants says otherwise
 
 
 VARIANTS: dict[str, Variant] = {}
+# Transport targets made for every engine on two transports: shared memory against torch.distributed's,
+# the communication thread against the caller's thread.
+COMPARED_WITH = {"shm": "torch", "shm-thread": "shm"}
 
 
-def variant(name: str, sharding: str, targets: tuple[tuple[str, float | None], ...] = (), default: bool = True):
-    """Register a builder ``f(module) -> Setup`` (module: seeded, on this rank's device) under ``name``."""
+def variant(base: str, sharding: str, on: tuple[str, ...] = ("torch", "shm"), targets: tuple[Target, ...] = (),
+            default: tuple[str, ...] = ("torch", "shm")):
+    """Register a builder ``f(module, transport) -> Setup`` (module: seeded, on this rank's device) as
+    "base [t]" for each transport ``t`` of ``on`` (measured by default on those of ``default``).
+
+    A target's other variant without "[...]" is taken on the same transport, so an engine or sharding
+    target never compares two transports. Every "[shm]" variant is also compared with its "[torch]" self and
+    every "[shm-thread]" one with its "[shm]" self (axis "transport"; for information unless a target says so)."""
     def register(build):
-        VARIANTS[name] = Variant(name, sharding, build, targets, default)
+        for t in on:
+            own = [replace(x, other=x.other if x.other.endswith("]") else f"{x.other} [{t}]") for x in targets]
+            other = COMPARED_WITH.get(t)
+            if other in on and not any(x.other == f"{base} [{other}]" for x in own):
+                own.append(Target(f"{base} [{other}]", "transport"))
+            own = [x for x in own if x.other != f"{base} [{t}]"]  # e.g. a transport target of its own transport
+            VARIANTS[f"{base} [{t}]"] = Variant(f"{base} [{t}]", base, sharding, t, build, tuple(own), t in default)
         return build
     return register
+
+
+def select(names: list[str]) -> list[str]:
+    """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has."""
+    out = []
+    for name in names:
+        matches = [name] if name in VARIANTS else [v.name for v in VARIANTS.values() if v.base == name]
+        if not matches:
+            bases = ", ".join(dict.fromkeys(v.base for v in VARIANTS.values()))
+            raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on {'/'.join(TRANSPORTS)}, e.g. "
+                             "'fsdp ours [shm]'; without brackets: every transport it runs on)")
+        out += [m for m in matches if m not in out]
+    return out
+
+
+def runnable(names: list[str], world_size: int, device: torch.device) -> list[str]:
+    """The variants this world can run: one process has no communication (only [torch] runs), and shared memory
+    takes CPU tensors."""
+    return [v for v in names if VARIANTS[v].transport == "torch" or (world_size > 1 and device.type == "cpu")]
 
 
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def _pytorch_ddp(module: nn.Module) -> nn.Module:
-    return nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)  # like ours: buffers synced once
+def _pytorch_ddp(module: nn.Module, transport: transports.Transport) -> nn.Module:
+    """PyTorch's DDP: its own all-reduce on [torch], our transport through its communication hook otherwise."""
+    model = nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)  # like ours: buffers synced once
+    if not isinstance(transport, transports.Torch):
+        model.register_comm_hook(transport, transports.ddp_comm_hook)  # averages each bucket, as its own does
+    return model
 
 
 def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.Tensor]:
@@ -129,64 +198,65 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
     return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
-@variant("ddp ours", "ddp", targets=(("ddp pytorch", TARGET_VS_PYTORCH),))
-def ddp_ours(module: nn.Module) -> Setup:
-    model = DDP(module)
+@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"), targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
+def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
+    model = DDP(module, transport=transport)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
-                 kept=lambda: [b.flat for b in model.buckets])  # the buckets, which hold the gradients
+                 kept=lambda: [b.flat for b in model.buckets])  # the buckets (the transport's), which hold the gradients
 
 
 @variant("ddp pytorch", "ddp")
-def ddp_pytorch(module: nn.Module) -> Setup:
-    model = _pytorch_ddp(module)
+def ddp_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
+    model = _pytorch_ddp(module, transport)
     return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
 
 
-def _zero_ours(module: nn.Module, overlap_forward: bool = True, **options) -> Setup:
-    """Our DDP and our ZeRO over it; ``overlap_forward``: the all-gathers overlap the next forward
-    (``ShardedOptimizer.overlap_with_forward``), else step() waits for them."""
-    model = DDP(module)
-    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, **options)
+def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forward: bool = True, **options) -> Setup:
+    """Our DDP and our ZeRO over it, on one transport; ``overlap_forward``: the all-gathers overlap the next
+    forward (``ShardedOptimizer.overlap_with_forward``), else step() waits for them."""
+    model = DDP(module, transport=transport)
+    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, transport=transport, **options)
     if overlap_forward:
         optimizer.overlap_with_forward(model)
     return Setup(model, optimizer, exposed_s=lambda: model.last_wait_s + optimizer.last_share_s,
-                 kept=lambda: [b.flat for b in model.buckets])
+                 kept=lambda: [b.flat for b in model.buckets]  # gradient buckets, then each all-gather buffer
+                 + [b.buffer for b in optimizer.buckets if b.buffer is not None],
+                 settle=optimizer.wait_for_parameters)  # overlap_with_forward: all-gathers still on their way
 
 
-@variant("zero ours", "zero", targets=(("zero pytorch", TARGET_VS_PYTORCH), ("ddp ours", TARGET_ZERO_VS_DDP)))
-def zero_ours(module: nn.Module) -> Setup:
-    return _zero_ours(module)
+@variant("zero ours", "zero", on=("torch", "shm", "shm-thread"),
+         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH), Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
+def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
+    return _zero_ours(module, transport)
 
 
-@variant("zero ours in step", "zero", targets=(("zero ours", None),), default=False)
-def zero_ours_in_step(module: nn.Module) -> Setup:
+@variant("zero ours in step", "zero", targets=(Target("zero ours", "option"),), default=())
+def zero_ours_in_step(module: nn.Module, transport: transports.Transport) -> Setup:
     """The default ShardedOptimizer: step() waits (only the update of later buckets overlaps the all-gathers)."""
-    return _zero_ours(module, overlap_forward=False)
+    return _zero_ours(module, transport, overlap_forward=False)
 
 
-@variant("zero ours blocking", "zero", targets=(("zero ours", None),), default=False)
-def zero_ours_blocking(module: nn.Module) -> Setup:
-    """Before buckets and overlap: one all-gather per dtype, inline, at the end of step()."""
-    return _zero_ours(module, overlap_forward=False, comm_thread=False, bucket_cap_mb=float("inf"))
-
-
-@variant("zero ours broadcast", "zero", targets=(("zero ours", None),), default=False)
-def zero_ours_broadcast(module: nn.Module) -> Setup:
-    """The alternative update: one broadcast per owner instead of the ring all-gather (measured, not chosen)."""
-    setup = zero_ours(module)
+@variant("zero ours broadcast", "zero", on=("torch",), targets=(Target("zero ours", "option"),), default=())
+def zero_ours_broadcast(module: nn.Module, transport: transports.Transport) -> Setup:
+    """The alternative update: one torch.distributed broadcast per owner instead of the all-gather (measured, not
+    chosen). The broadcasts bypass the transport: only [torch] compares them with the default alone."""
+    setup = _zero_ours(module, transport)
     setup.optimizer.update = "broadcast"
     return setup
 
 
-@variant("zero ours tensor", "zero", targets=(("zero ours", None),), default=False)
-def zero_ours_tensor(module: nn.Module) -> Setup:
+@variant("zero ours tensor", "zero", targets=(Target("zero ours", "option"),), default=())
+def zero_ours_tensor(module: nn.Module, transport: transports.Transport) -> Setup:
     """Whole tensors per rank (exact for per-tensor optimizers): uneven when one tensor is a large part of the model."""
-    return _zero_ours(module, partition="tensor")
+    return _zero_ours(module, transport, partition="tensor")
 
 
-@variant("zero pytorch", "zero", targets=(("ddp pytorch", TARGET_ZERO_VS_DDP),))
-def zero_pytorch(module: nn.Module) -> Setup:
-    model = _pytorch_ddp(module)
+@variant("zero pytorch", "zero", on=("torch",), targets=(Target("ddp pytorch", "sharding", TARGET_ZERO_VS_DDP),),
+         default=("torch",))
+def zero_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
+    """ZeroRedundancyOptimizer over PyTorch's DDP: it broadcasts the updated parameters through torch.distributed
+    itself, so it cannot take our transport: [torch] only (ours is compared with it there)."""
+    model = _pytorch_ddp(module, transport)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     return Setup(model, optimizer, kept=lambda: _reducer_buckets(model),
                  state=lambda: [t for s in optimizer.optim.state.values() for t in s.values()
@@ -198,14 +268,16 @@ def zero_pytorch(module: nn.Module) -> Setup:
 FSDP_SHARD_TYPES = (nn.Linear, nn.Embedding, nn.Conv2d)
 
 
-def _fsdp_ours(module: nn.Module, **options) -> Setup:
-    model = FSDP(module, shard_types=FSDP_SHARD_TYPES, **options)
+def _fsdp_ours(module: nn.Module, transport: transports.Transport, **options) -> Setup:
+    model = FSDP(module, shard_types=FSDP_SHARD_TYPES, transport=transport, **options)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
                  kept=lambda: [b.flat for b in model._replicated.buckets])  # the replicated parameters' gradients
 
 
-def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=True) -> Setup:
-    """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards."""
+def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dtype=None,
+                  reshard_after_forward=True) -> Setup:
+    """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards; on a
+    transport other than [torch], its all-gathers and reduce-scatters through it (``use_with_fully_shard``)."""
     # Like ours: each sharded layer's floating inputs cast to the compute dtype and its outputs back to
     # float32, the root's norms in float32. By default the outputs would stay in the compute dtype and
     # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.
@@ -217,6 +289,8 @@ def _fsdp_pytorch(module: nn.Module, compute_dtype=None, reshard_after_forward=T
                     mp_policy=policy)
     model = fully_shard(module, reshard_after_forward=reshard_after_forward,
                         mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    if not isinstance(transport, transports.Torch) and transports.use_with_fully_shard(model, transport) == 0:
+        raise RuntimeError("no FSDPModule took the transport")
     return Setup(model, adamw(model.parameters()))
 
 
@@ -234,20 +308,22 @@ def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
     return [members for _, members in groups]
 
 
-@variant("fsdp ours inline", "fsdp", targets=(("fsdp ours", None),), default=False)
-def fsdp_ours_inline(module: nn.Module) -> Setup:
-    """Our collectives on the calling thread instead of the communication thread: what overlap buys."""
-    return _fsdp_ours(module, comm_thread=False)
-
-
 for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
                         (" bf16", dict(compute_dtype=torch.bfloat16)),
                         (" bf16 keep", dict(compute_dtype=torch.bfloat16, reshard_after_forward=False))):
     # "keep": reshard_after_forward=False (gathered once per step, kept for backward); "bf16": gathered
     # and computed in bfloat16, float32 master shards, gradients and AdamW. The bf16 keep pair is opt-in.
-    variant(f"fsdp ours{_name}", "fsdp", targets=((f"fsdp pytorch{_name}", TARGET_VS_PYTORCH),),
-            default=_name != " bf16 keep")(functools.partial(_fsdp_ours, **_options))
-    variant(f"fsdp pytorch{_name}", "fsdp", default=_name != " bf16 keep")(functools.partial(_fsdp_pytorch, **_options))
+    # Ours also on a communication thread ([shm-thread]: what overlap buys on a CPU host).
+    _default = () if _name == " bf16 keep" else ("torch", "shm")
+    variant(f"fsdp ours{_name}", "fsdp", on=("torch", "shm", "shm-thread") if not _name else ("torch", "shm"),
+            targets=(Target(f"fsdp pytorch{_name}", "engine", TARGET_VS_PYTORCH),),
+            default=_default)(functools.partial(_fsdp_ours, **_options))
+    # The transport's target: fully_shard on our shared memory against fully_shard on gloo, at the GPT's default size.
+    variant(f"fsdp pytorch{_name}", "fsdp", default=_default,
+            targets=(Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),) if not _name else ()
+            )(functools.partial(_fsdp_pytorch, **_options))
+# A target on a transport its other variant does not run on (there is no "zero pytorch [shm]") is dropped.
+VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS)) for name, v in VARIANTS.items()})
 
 
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
@@ -320,11 +396,47 @@ def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
 # --------------------------------------------------------------------------- one iteration
 
 
+class SharedMirror:
+    """Makes a ``SharedMemory`` transport's blocks in /dev/shm visible to ``PeakMemory``, which sees torch's CPU
+    allocator only: inside the block, each block this rank's arena hands out is mirrored by a torch allocation
+    of its size that is never touched (virtual memory: torch neither zeroes nor fills it), freed when the block
+    is, so PeakMemory's timeline holds the shared bytes when they are held. ``bytes``: the most bytes taken in
+    /dev/shm above the level at entry. A transport without an arena (torch's, one process) mirrors nothing.
+    Like PeakMemory, it misses what another thread allocates (a communication thread's staging block).
+    """
+
+    def __init__(self, transport: transports.Transport | None):
+        self.transport = transport if isinstance(transport, transports.SharedMemory) else None
+        self.bytes = 0
+        self._mirrors: dict[int, torch.Tensor] = {}  # offset of a block taken inside -> its mirror
+        self._held = 0
+        self._watch = contextlib.nullcontext()
+
+    def _observe(self, offset: int, nbytes: int, taken: bool) -> None:
+        if taken:
+            self._mirrors[offset] = torch.empty(nbytes, dtype=torch.uint8)
+            self._held += nbytes
+            self.bytes = max(self.bytes, self._held)
+        elif self._mirrors.pop(offset, None) is not None:
+            self._held -= nbytes
+
+    def __enter__(self) -> "SharedMirror":
+        if self.transport is not None:
+            self._watch = self.transport.observe_blocks(self._observe)
+        self._watch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._watch.__exit__(*exc)
+        self._mirrors.clear()
+
+
 @dataclass
 class Run:
-    """A built variant with its batch; ``step()`` is one iteration, ``exposed`` its exposed communication."""
+    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed communication."""
 
     setup: Setup
+    transport: transports.Transport
     inputs: torch.Tensor
     targets: torch.Tensor
     exposed: list[float] = field(default_factory=list)
@@ -345,8 +457,11 @@ class Run:
         self.finish(self.forward())
 
     def memory(self, device: torch.device) -> dict:
-        """One untimed iteration, counting what this rank holds; then one under PeakMemory."""
+        """One untimed iteration, counting what this rank holds; then one under PeakMemory (and SharedMirror)."""
         model, optimizer = self.setup.model, self.setup.optimizer
+        shared = self.transport if isinstance(self.transport, transports.SharedMemory) else None
+        if shared is not None:
+            shared.release_staging()  # variants share the transport: the iteration below takes what this one needs
         params = list(model.parameters())
         box = []
         activations = saved_tensor_bytes(lambda: box.append(self.forward()), exclude=[_local(p) for p in params])
@@ -357,10 +472,18 @@ class Run:
         optimizer.zero_grad(set_to_none=True)
         counts = {"params_bytes": storage_bytes(params), "grads_bytes": grads,
                   "state_bytes": storage_bytes(self.setup.state_tensors()), "activation_bytes": activations}
-        kept = storage_bytes([*params, *self.setup.state_tensors(), *self.setup.kept()])
-        with PeakMemory(device) as peak:
+        kept_tensors = [*params, *self.setup.state_tensors(), *self.setup.kept()]
+        staging = shared.staging_bytes if shared is not None else 0  # a block the transport keeps in /dev/shm
+        kept = storage_bytes(kept_tensors) + staging
+        with SharedMirror(shared) as transient, PeakMemory(device) as peak:
             self.step()
-        counts["peak_bytes"] = kept + peak.bytes
+            # Nothing may still run when the profiler stops: a gloo collective launched under it and finished
+            # after it (ZeRO's all-gathers on [torch]) leaves a worker process crashing later (SIGSEGV in
+            # the profiler's ThreadLocalSubqueue destructor, when the collective's handle is freed).
+            self.setup.settle()
+        counts["peak_bytes"] = kept + peak.bytes  # the blocks taken in /dev/shm inside: in PeakMemory's timeline
+        counts["shared_peak_bytes"] = (storage_bytes(t for t in kept_tensors if shared is not None and shared.owns(t))
+                                       + staging + transient.bytes)
         return counts
 
 
@@ -369,31 +492,41 @@ class Run:
 
 def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
     """Build every variant, time them in interleaved rounds, count their memory; rows for this model."""
+    names = runnable(names, ctx.world_size, ctx.device)
     batch = make_batch(name, args, ctx.rank, ctx.device)
     full = full_sizes(fresh_module(name, args, ctx.device))
-    runs = {v: Run(VARIANTS[v].build(fresh_module(name, args, ctx.device)), *batch) for v in names}
-    timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
-                               device=ctx.device)
-    per_round = {v: _round_p50s(timings[v].samples, args.iters, args.rounds) for v in names}
-    rows = []
-    for v in names:
-        counts = runs[v].memory(ctx.device)
-        per_rank = gather_rows(list(counts.values()))  # (world, counts)
-        worst = per_rank.max(0).values.tolist()  # each count's maximum over ranks
-        exposed = gather_rows(runs[v].exposed[-args.iters:]).max(0).values.tolist()
-        samples = timings[v].samples
-        row = {"model": name, "world_size": ctx.world_size, "variant": v, "sharding": VARIANTS[v].sharding,
-               "p50_s": percentile(samples, 50), "p95_s": percentile(samples, 95), "round_p50_s": per_round[v],
-               "exposed_comm_s": None if any(e != e for e in exposed) else percentile(exposed, 50),
-               **{key: int(value) for key, value in zip(counts, worst)},
-               "state_bytes_per_rank": [int(b) for b in per_rank[:, list(counts).index("state_bytes")]],
-               "ideal_bytes": ideal_bytes(VARIANTS[v].sharding, full, ctx.world_size),
-               "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
-        row["model_state_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["state_bytes"]
-        row["state_vs_ideal"] = row["model_state_bytes"] / row["ideal_bytes"]
-        rows.append(row)
-    del runs
-    return rows + target_rows(rows)
+    # One transport of each kind, shared by the variants on it (made in TRANSPORTS' order on every rank).
+    made = {t: make() for t, make in TRANSPORTS.items() if any(VARIANTS[v].transport == t for v in names)}
+    try:
+        runs = {v: Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[VARIANTS[v].transport]),
+                       made[VARIANTS[v].transport], *batch) for v in names}
+        timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
+                                   device=ctx.device)
+        rows = [_row(ctx, args, name, v, runs[v], timings[v].samples, full) for v in names]
+        del runs
+    finally:
+        for t in made.values():
+            t.close()
+    return rows + target_rows(rows, args)
+
+
+def _row(ctx, args, name: str, v: str, run: Run, samples: list[float], full: dict) -> dict:
+    counts = run.memory(ctx.device)
+    per_rank = gather_rows(list(counts.values()))  # (world, counts)
+    worst = per_rank.max(0).values.tolist()  # each count's maximum over ranks
+    exposed = gather_rows(run.exposed[-args.iters:]).max(0).values.tolist()
+    row = {"model": name, "world_size": ctx.world_size, "variant": v, "sharding": VARIANTS[v].sharding,
+           "transport": VARIANTS[v].transport, "transport_detail": run.transport.describe(),
+           "p50_s": percentile(samples, 50), "p95_s": percentile(samples, 95),
+           "round_p50_s": _round_p50s(samples, args.iters, args.rounds),
+           "exposed_comm_s": None if any(e != e for e in exposed) else percentile(exposed, 50),
+           **{key: int(value) for key, value in zip(counts, worst)},
+           "state_bytes_per_rank": [int(b) for b in per_rank[:, list(counts).index("state_bytes")]],
+           "ideal_bytes": ideal_bytes(VARIANTS[v].sharding, full, ctx.world_size),
+           "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
+    row["model_state_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["state_bytes"]
+    row["state_vs_ideal"] = row["model_state_bytes"] / row["ideal_bytes"]
+    return row
 
 
 def _round_p50s(samples: list[float], iters: int, rounds: int) -> list[float]:
@@ -404,17 +537,25 @@ def _round_p50s(samples: list[float], iters: int, rounds: int) -> list[float]:
     return [percentile(samples[s:s + k], 50) for s, k in zip(starts, sizes)]
 
 
-def target_rows(rows: list[dict]) -> list[dict]:
-    """Every target of every variant measured, as rows: the paired ratio and its verdict."""
+def target_rows(rows: list[dict], args) -> list[dict]:
+    """Every target of every variant measured (its other variant measured too), as rows (no "variant" key: that
+    marks the measured rows): the paired ratio, its axis and verdict; a limit outside its scope is shown for
+    information (verdict "-")."""
     by_name = {row["variant"]: row for row in rows}
     out = []
     for row in rows:
-        for other, limit in VARIANTS[row["variant"]].targets:
-            if other in by_name:
-                ratio = paired_ratio(row["round_p50_s"], by_name[other]["round_p50_s"])
-                out.append({"model": row["model"], "world_size": row["world_size"], "target": f"{row['variant']} / {other}",
-                            "limit": limit, "ratio": ratio, "verdict": "-" if limit is None else verdict(ratio, limit)})
-        out.append({"model": row["model"], "world_size": row["world_size"], "target": f"{row['variant']} state / ideal",
+        where = {"model": row["model"], "world_size": row["world_size"]}
+        for target in VARIANTS[row["variant"]].targets:
+            if target.other not in by_name:
+                continue
+            ratio = paired_ratio(row["round_p50_s"], by_name[target.other]["round_p50_s"])
+            phrase, applies = SCOPES[target.scope] if target.scope else (None, lambda model, args: True)
+            limit = target.limit if applies(row["model"], args) else None
+            out.append({**where, "target": f"{row['variant']} / {target.other}", "axis": target.axis,
+                        "numerator": row["variant"], "denominator": target.other, "limit": limit, "ratio": ratio,
+                        "verdict": "-" if limit is None else verdict(ratio, limit),
+                        "scope": phrase, "scoped_limit": target.limit if phrase else None})
+        out.append({**where, "target": f"{row['variant']} state / ideal", "axis": "memory", "numerator": row["variant"],
                     "limit": TARGET_STATE_VS_IDEAL, "ratio": None,
                     "verdict": "met" if row["state_vs_ideal"] <= TARGET_STATE_VS_IDEAL else "missed",
                     "value": row["state_vs_ideal"]})
@@ -432,10 +573,24 @@ def worker(ctx, args) -> list[dict]:
 
 
 MIB = 2 ** 20
-COLUMNS = [("world_size", "procs", "d"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
+COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
            ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
            ("grads_mib", "grads MiB", ".1f"), ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
-           ("peak_mib", "peak MiB", ".1f"), ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "states / ideal", ".2f")]
+           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("ideal_mib", "ideal MiB", ".1f"),
+           ("state_vs_ideal", "states / ideal", ".2f")]
+MEMORY_NOTES = """\
+memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
+storages: a tied weight or a bucket holding every gradient counts once): parameters; gradients (after
+synchronisation); optimizer state; activations (what autograd saves in forward, parameters excluded: the
+gathered weights count for fully_shard, whose saved tensors they are, and for ours with keep, not for ours
+resharding, which gathers them again in backward). Peak = what is kept between iterations (parameters,
+optimizer state, the variant's own buffers: DDP's buckets, ours and PyTorch's, ZeRO's all-gather buffers, the
+shared-memory transport's staging block) + the most bytes held above it during an iteration, in torch's
+allocator and in /dev/shm together (each block the shared-memory transport takes is mirrored in the memory
+profiler's timeline when it is taken and freed). "/dev/shm MiB": the most bytes a variant held in shared
+memory (its buffers, the staging block, blocks taken during the iteration), which a memory profiler does not
+see. Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them
+for DDP, 1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP."""
 
 
 def report(rows: list[dict]) -> str:
@@ -443,17 +598,32 @@ def report(rows: list[dict]) -> str:
     for row in (r for r in rows if "variant" in r):
         line = {**row, "p50_ms": row["p50_s"] * 1e3, "p95_ms": row["p95_s"] * 1e3,
                 "exposed_ms": None if row["exposed_comm_s"] is None else row["exposed_comm_s"] * 1e3}
-        for key in ("params", "grads", "state", "activation", "peak", "ideal"):
+        for key in ("params", "grads", "state", "activation", "peak", "shared_peak", "ideal"):
             line[f"{key}_mib"] = row[f"{key}_bytes"] / MIB
         line["world_size"] = f"{row['world_size']}{' (oversubscribed)' if row['oversubscribed'] else ''}"
         shown.append(line)
-    columns = [("world_size", "procs", "s"), *COLUMNS[1:]]
-    lines = [markdown_table(shown, columns), "", "targets (ratios: median of per-round p50 ratios, 95 % bootstrap CI):"]
-    for row in (r for r in rows if "target" in r):
-        value = format_ratio(row["ratio"]) if row["ratio"] else f"{row['value']:.2f}x"
-        limit = "no target" if row["limit"] is None else f"target <= {row['limit']:.2f}"
-        lines.append(f"  {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): {row['verdict']}")
-    return "\n".join(lines)
+    fallbacks = sorted({f"{r['variant']}: {r['transport_detail']}" for r in rows
+                        if "transport_detail" in r and "through torch" in r["transport_detail"]})
+    lines = [markdown_table(shown, COLUMNS), ""]
+    if fallbacks:
+        lines += ["NOTE: /dev/shm had no room, these shared-memory variants went through torch.distributed: "
+                  + "; ".join(fallbacks), ""]
+    lines.append("targets by axis (ratios: median of per-round p50 ratios, 95 % bootstrap CI):")
+    targets = [r for r in rows if "target" in r]
+    for axis, meaning in AXES.items():
+        mine = [r for r in targets if r["axis"] == axis]
+        if mine:
+            lines.append(f"  {axis} ({meaning}):")
+        for row in mine:
+            value = format_ratio(row["ratio"]) if row["ratio"] else f"{row['value']:.2f}x"
+            if row["limit"] is not None:
+                limit = f"target <= {row['limit']:.2f}"
+            elif row.get("scope"):
+                limit = f"target <= {row['scoped_limit']:.2f} on {row['scope']} only: for information here"
+            else:
+                limit = "for information"
+            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): {row['verdict']}")
+    return "\n".join(lines + ["", MEMORY_NOTES])
 
 
 # --------------------------------------------------------------------------- entry points
@@ -465,8 +635,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(default: {DEFAULTS['procs']}, quick {QUICK['procs']})")
     parser.add_argument("--models", nargs="+", choices=MODELS,
                         help=f"(default: {DEFAULTS['models']}, quick {QUICK['models']})")
-    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=[v.name for v in VARIANTS.values() if v.default],
-                        help="(default: %(default)s)")
+    defaults = [v.name for v in VARIANTS.values() if v.default]
+    parser.add_argument("--variants", nargs="+", metavar="VARIANT",
+                        help="each 'name [transport]' (quoted), or a name alone for every transport it runs on; names: "
+                             f"{', '.join(dict.fromkeys(v.base for v in VARIANTS.values()))}; transports: "
+                             f"{', '.join(TRANSPORTS)} (not with one process, nor on GPUs). Default: every name on "
+                             "[torch] and [shm] (zero pytorch on [torch] only), but the opt-in "
+                             f"{', '.join(v.name for v in VARIANTS.values() if not v.default)}; quick: "
+                             f"{', '.join(QUICK['variants'])}")
     for flag, kind, text in (("batch-size", int, "samples per rank"), ("image-size", int, "resnet18 input side"),
                              ("gpt-vocab", int, "GPT vocabulary"), ("gpt-seq-len", int, "GPT tokens per sample"),
                              ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"), ("gpt-heads", int, "GPT heads"),
@@ -478,9 +654,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small and fast settings (explicit flags win)")
     add_common_args(parser)
     args = parser.parse_args(argv)
-    for key, value in (QUICK if args.quick else DEFAULTS).items():
+    for key, value in ({**DEFAULTS, "variants": defaults} if not args.quick else QUICK).items():
         if getattr(args, key) is None:  # explicit flags win over --quick
             setattr(args, key, value)
+    try:
+        args.variants = select(args.variants)
+    except ValueError as error:
+        parser.error(str(error))
     if min(args.procs) < 1 or args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.batch_size < 1:
         parser.error("--procs, --iters, --rounds and --batch-size must be at least 1, --warmup at least 0")
     return args

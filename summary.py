@@ -40,53 +40,60 @@ def _pct(x: float) -> str:
 # --------------------------------------------------------------------------- sections
 
 
-def _ddp_checks(doc: dict) -> dict[str, list[dict]]:
-    """The benchmark's own target checks, recomputed from its rows, for resnet18 at 2 ranks (not oversubscribed)."""
-    import ddp_benchmark as bench
-
-    bench.relate(doc["results"])
-    by_target: dict[str, list[dict]] = {}
-    for c in bench.target_checks(doc["results"]):
-        if c["model"] == "resnet18" and c["world_size"] == 2 and not c["oversubscribed"]:
-            by_target.setdefault(c["target"], []).append(c)
-    return by_target
+def _ddp_targets(doc: dict) -> list[dict]:
+    """The target checks ddp_benchmark.py stored with its rows, for resnet18 at 2 ranks (not oversubscribed)."""
+    if "targets" not in doc or not doc["targets"]:
+        raise MissingResults("the DDP results hold no target checks: they were written before ddp_benchmark.py "
+                             "stored its verdicts; run `python run_experiments.py --quick --only ddp_benchmark "
+                             "ddp_headline` again")
+    return [c for c in doc["targets"]
+            if c["model"] == "resnet18" and c["world_size"] == 2 and not c["oversubscribed"]]
 
 
 def ddp_lines(headline: dict, broad: dict) -> list[str]:
-    """Bucketed DDP against PyTorch's on resnet18, 2 ranks (the target's setting): time and memory from the
-    headline run (many rounds), the exposed wait against naive's all-reduce from the headline run when it
-    times naive, else from the broad run."""
-    rows = headline["results"]
-    by_target = _ddp_checks(headline)
-    time_check = by_target["p50 / faster pytorch p50"][0]
-    memory_check = by_target["peak memory / same pytorch row"][0]
+    """The DDP headline run (resnet18, 2 ranks, many rounds), one line per axis: the engine against PyTorch's on
+    each transport, the transport under each engine, and what overlapping the sums with backward buys."""
+    checks = _ddp_targets(headline)
+    rows = {r["label"]: r for r in headline["results"] if r["model"] == "resnet18" and r["world_size"] == 2}
+    any_row = next(iter(rows.values()))
+    lines = [f"- **DDP** (`ddp_benchmark.py`, resnet18, batch {any_row['batch_size']} per rank, 2 processes, "
+             f"{headline['config']['rounds']} rounds; [torch] = gloo's loopback TCP, PyTorch's DDP with its own "
+             "communication; [shm] = this host's shared memory, PyTorch's DDP through `transport.ddp_comm_hook`):"]
+    for c in checks:
+        if c["axis"] == "engine" and c["target"].startswith("p50"):
+            memory = next((m for m in checks if m["target"].startswith("peak memory") and m["label"] == c["label"]), None)
+            extra = (f"; peak memory {format_ratio(memory['ratio'])} (target <= {memory['limit']:.2f}x: "
+                     f"**{memory['verdict']}**)") if memory else ""
+            lines.append(f"  - engine, one transport: {c['label']} / {c['reference']}: {format_ratio(c['ratio'])} "
+                         f"(target <= {c['limit']:.2f}x): **{c['verdict']}**{extra}")
+    for c in checks:
+        if c["axis"] == "transport":
+            lines.append(f"  - transport, one engine: {c['label']} / {c['reference']}: {format_ratio(c['ratio'])} "
+                         f"(target <= {c['limit']:.2f}x): **{c['verdict']}**")
+    lines += _overlap_lines(rows, checks)
+    return lines
 
-    def row(label):
-        return next(r for r in rows if r["model"] == "resnet18" and r["world_size"] == 2 and r["label"] == label)
 
-    ours, reference = row(time_check["label"]), row(time_check["reference"])
-    exposed_from = headline if any(r["label"] == "naive" for r in rows) else broad
-    hidden = [c for c in _ddp_checks(exposed_from).get("exposed wait / naive's all-reduce time", [])
-              if c["label"] == time_check["label"]]
-    lines = [
-        f"- **DDP** (`ddp_benchmark.py`, resnet18, batch {ours['batch_size']} per rank, 2 processes, "
-        f"{ours['rounds']} rounds): bucketed 25 MiB takes {format_ratio(ours['vs_pytorch'])} the time per "
-        f"iteration of PyTorch's DDP at its defaults and {format_ratio(ours['vs_pytorch_best'])} at its best "
-        f"settings (`gradient_as_bucket_view`, `static_graph`); target <= {time_check['limit']:.2f}x the faster "
-        f"({time_check['reference']}): **{time_check['verdict']}**. Peak memory "
-        f"{ours['peak_bytes'] - reference['peak_bytes']:+,d} bytes against that row's {reference['peak_bytes']:,d} "
-        f"({format_ratio(memory_check['ratio'])}; target <= {memory_check['limit']:.2f}x: **{memory_check['verdict']}**).",
-    ]
-    if headline["env"]["device"] == "cpu":  # the ranks of torchrun --standalone share one host
-        lines.append("  Transports differ: on one CPU host our DDP sums its buckets through shared memory "
-                     "(`ddp.DDP.shared_memory`), PyTorch's DDP through gloo's loopback TCP.")
+def _overlap_lines(rows: dict[str, dict], checks: list[dict]) -> list[str]:
+    """What a communication thread buys (the benchmark's information checks), and how much of the sums the
+    asynchronous transports leave exposed (its overlap targets)."""
+    lines = []
+    for c in (c for c in checks if c["axis"] == "overlap" and c["limit"] is None):
+        r = c["ratio"]
+        if r["ci_low"] > 1:
+            how = ("slower: on this CPU host the sums are copies and additions made by the cores that compute, so "
+                   "a thread to hide them behind backward costs more than it hides; the default sums each bucket "
+                   "in the backward hook")
+        elif r["ci_high"] < 1:
+            how = "faster: here overlap pays, and `SharedMemory(group, background=True)` is the better transport"
+        else:
+            how = "neither faster nor slower (the interval holds 1): the default sums inline, with no thread"
+        lines.append(f"  - overlap: {c['label']} / {c['reference']}: {format_ratio(r)}, {how}")
+    hidden = [c for c in checks if c["axis"] == "overlap" and c["limit"] is not None]
     if hidden:
-        exposed = sorted(c["ratio"]["median"] for c in hidden)
-        share = _pct(exposed[0]) if len(exposed) == 1 else f"{_pct(exposed[0])} to {_pct(exposed[-1])}"
-        lines.append(f"  Overlapping the all-reduce with backward leaves {share} of the naive variant's all-reduce "
-                     f"time exposed (bucket cap {', '.join(c['label'].split()[1] for c in hidden)}, the "
-                     f"{'headline' if exposed_from is headline else 'broad'} run's {exposed_from['config']['rounds']} "
-                     f"rounds; target <= {_pct(hidden[0]['limit'])}: **{_verdicts(hidden)}**).")
+        lines.append("  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: "
+                     + "; ".join(f"{c['label']} {format_ratio(c['ratio'])} (target <= {c['limit']:.2f}x: "
+                                 f"**{c['verdict']}**)" for c in hidden))
     return lines
 
 
@@ -112,33 +119,71 @@ def _verdicts(checks: list[dict]) -> str:
 
 
 def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -> list[str]:
-    """All-reduce, reduce-scatter and all-gather against torch.distributed's on gloo, per process count
-    that is not oversubscribed."""
-    import collectives_benchmark as bench  # the benchmark's own targets, recomputed from its rows
+    """Per process count that is not oversubscribed: the all-reduce algorithms against torch.distributed.all_reduce
+    over the same wire (gloo), then the transports against torch's collectives, for all three collectives."""
+    import collectives_benchmark as bench  # the benchmark's own labels and targets, recomputed from its rows
 
     lines = []
-    checks = [c for c in bench.target_checks(bench.allreduce_rows(allreduce["results"])) if not c["oversubscribed"]]
-    for world in sorted({c["world_size"] for c in checks}):
-        auto = [c for c in checks if c["world_size"] == world and c["algorithm"] == "auto"]
+    rows = [r for r in bench.allreduce_rows(allreduce["results"]) if not r["oversubscribed"]]
+    checks = [c for c in bench.target_checks(rows) if not c["oversubscribed"]]
+    for world in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
+        auto = [c for c in checks if (c["world_size"], c["axis"], c["label"]) == (world, "algorithm", "auto")]
         every = [c for c in auto if c["limit"] > 1.0]
         large = [c for c in auto if c["limit"] <= 1.0]
-        ratios = sorted(c["ratio"]["median"] for c in every)
-        sizes = sorted(c["bytes"] for c in every)
-        calls = sorted({c["ratio"]["rounds"] for c in every})  # collectives_benchmark.calls: more for small sizes
-        calls_text = str(calls[0]) if len(calls) == 1 else f"{calls[0]} to {calls[-1]}"
-        lines.append(
-            f"- **All-reduce** (`collectives_benchmark.py`, {world} processes, {calls_text} interleaved calls per "
-            f"algorithm and size): `allreduce(algorithm=\"auto\")` takes {ratios[0]:.2f}x to {ratios[-1]:.2f}x "
-            f"the time of `torch.distributed.all_reduce` from {bench.format_size(sizes[0])} to "
-            f"{bench.format_size(sizes[-1])}; target <= {every[0]['limit']:.2f}x at every size: {_verdicts(every)}; "
-            f"<= {large[0]['limit']:.2f}x at " + " and ".join(bench.format_size(c["bytes"]) for c in large) + ": "
-            + "; ".join(f"{format_ratio(c['ratio'])} **{c['verdict']}**" for c in large) + ".")
+        if every:
+            ratios = sorted(c["ratio"]["median"] for c in every)
+            sizes = sorted(c["bytes"] for c in every)
+            calls = sorted({c["ratio"]["rounds"] for c in every})  # collectives_benchmark.calls: more for small sizes
+            calls_text = str(calls[0]) if len(calls) == 1 else f"{calls[0]} to {calls[-1]}"
+            lines.append(
+                f"- **All-reduce, algorithms** (`collectives_benchmark.py`, {world} processes, every algorithm over gloo, "
+                f"{calls_text} interleaved calls per algorithm and size): `allreduce(algorithm=\"auto\")` takes "
+                f"{ratios[0]:.2f}x to {ratios[-1]:.2f}x the time of `torch.distributed.all_reduce` from "
+                f"{bench.format_size(sizes[0])} to {bench.format_size(sizes[-1])}; target <= {every[0]['limit']:.2f}x at "
+                f"every size: {_verdicts(every)}; <= {large[0]['limit']:.2f}x at "
+                + " and ".join(bench.format_size(c["bytes"]) for c in large) + ": "
+                + "; ".join(f"{format_ratio(c['ratio'])} **{c['verdict']}**" for c in large) + ".")
+        else:
+            lines.append(f"- **All-reduce, algorithms** ({world} processes): the results hold no all-reduce of `auto` "
+                         "over gloo alone (an `auto` that ran shared memory is a transport): no algorithm headline.")
+        parts = _transport_parts(rows, checks, world, "allreduce")
+        if parts:
+            lines.append(f"- **All-reduce, transports** (`collectives_benchmark.py`, {world} processes, p50 / torch's "
+                         f"over gloo): " + "; ".join(parts) + ".")
     for doc in (reduce_scatter, all_gather):
-        for c in (c for c in bench.target_checks(doc["results"]) if not c["oversubscribed"]):
-            lines.append(f"- **{c['collective'].replace('_', '-')}** ring, {c['world_size']} processes, "
-                         f"{bench.format_size(c['bytes'])}: {format_ratio(c['ratio'])} torch's time "
-                         f"(target <= {c['limit']:.2f}x): **{c['verdict']}**.")
+        rows = [r for r in bench.allreduce_rows(doc["results"]) if not r["oversubscribed"]]
+        checks = [c for c in bench.target_checks(rows) if not c["oversubscribed"]]
+        for world in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
+            collective = rows[0].get("collective", "allreduce")
+            parts = _transport_parts(rows, checks, world, collective)
+            if parts:
+                lines.append(f"- **{bench.NAMES[collective].capitalize()}, transports** (`collectives_benchmark.py "
+                             f"--collective {collective}`, {world} processes, p50 / torch's over gloo): "
+                             + "; ".join(parts) + ".")
     return lines
+
+
+def _transport_parts(rows: list[dict], checks: list[dict], world: int, collective: str) -> list[str]:
+    """Each transport's ratio to torch's at 10 and 100 MiB, with its target where it has one."""
+    import collectives_benchmark as bench
+
+    parts = []
+    mine = [r for r in rows if (r["world_size"], r["axis"]) == (world, "transport") and r["label"] != "torch"
+            and r.get("vs_torch") is not None and r.get("collective", "allreduce") == collective]
+    for label in dict.fromkeys(r["label"] for r in mine):
+        at = []
+        for size in bench.LARGE:
+            row = next((r for r in mine if r["label"] == label and abs(r["bytes"] - size) < 64), None)
+            if row is None:
+                continue
+            check = next((c for c in checks if (c["label"], c["world_size"], c["bytes"]) == (label, world, size)), None)
+            target = f" (target <= {check['limit']:.2f}x: **{check['verdict']}**)" if check else ""
+            at.append(f"{format_ratio(bench.ratio_of(row))} at {bench.format_size(size)}{target}")
+        if at:  # p2p with the algorithm it runs: auto for the all-reduce, the ring for the others
+            algorithm = next(r["algorithm"] for r in mine if r["label"] == label)
+            name = f"{label} ({algorithm})" if label == "p2p" else label
+            parts.append(f"{name} " + ", ".join(at))
+    return parts
 
 
 def _sharding_models(config: dict) -> str:
@@ -148,7 +193,10 @@ def _sharding_models(config: dict) -> str:
 
 
 def sharding_lines(doc: dict) -> list[str]:
-    """Sharded data parallelism at the largest world size that is not oversubscribed."""
+    """Sharded data parallelism at the largest world size that is not oversubscribed: the memory against the
+    ideal, then each timed comparison on its axis (engine: ours / PyTorch's on one transport; sharding: ZeRO /
+    DDP on one transport; transport: one engine's shared memory / gloo). A comparison without a target here
+    (out of its scope, or for information) is listed as a measurement, not as a verdict."""
     rows = [r for r in doc["results"] if "variant" in r]
     world = max(r["world_size"] for r in rows if not r["oversubscribed"])
     targets = [t for t in doc["results"] if "target" in t and t["world_size"] == world]
@@ -159,8 +207,11 @@ def sharding_lines(doc: dict) -> list[str]:
              f"{world} processes, {doc['config']['rounds']} rounds): model-state bytes per rank within "
              f"{states[0]['limit']:.2f}x the ideal for {sum(t['verdict'] == 'met' for t in states)} of {len(states)} "
              f"rows (largest {worst_state['value']:.2f}x, {worst_state['target'].split(' state')[0]}); time:"]
-    lines += [f"  - {t['model']}: {t['target']} {format_ratio(t['ratio'])} (target <= {t['limit']:.2f}): **{t['verdict']}**"
-              for t in timed]
+    for axis in dict.fromkeys(t.get("axis", "engine") for t in timed):
+        for t in (t for t in timed if t.get("axis", "engine") == axis):
+            judged = (f" (target <= {t['limit']:.2f}): **{t['verdict']}**" if t["limit"] is not None
+                      else " (for information)")
+            lines.append(f"  - {axis}, {t['model']}: {t['target']} {format_ratio(t['ratio'])}{judged}")
     return lines
 
 
@@ -171,10 +222,19 @@ def training_lines(ours: dict, theirs: dict) -> list[str]:
 
     a, b = final(ours), final(theirs)
     config = ours["config"]
+    transport = [doc["config"].get("transport_used") for doc in (ours, theirs)]
+    if None in transport:  # files written before ddp_cifar100.py recorded it: sameness is unknown, not claimed
+        same = "transport not recorded: the step times may compare engine and transport together"
+    elif transport[0] == transport[1]:
+        same = (f"both on the same transport ({transport[0]}; PyTorch's DDP through `transport.ddp_comm_hook` where "
+                "it is not torch)")
+    else:
+        same = (f"on different transports (ours {transport[0]}, PyTorch's {transport[1]}): the step times compare "
+                "engine and transport together")
     return [
         f"- **Training** (`ddp_cifar100.py`, {config['model_used']} on {config['dataset_used']} data, "
         f"{config['train_size_used']} images, {a['epochs']} epochs, {ours['env']['world_size']} processes, one run "
-        f"each): validation accuracy {100 * a['val_acc']:.1f} % with our DDP and SyncBatchNorm, "
+        f"each, {same}): validation accuracy {100 * a['val_acc']:.1f} % with our DDP and SyncBatchNorm, "
         f"{100 * b['val_acc']:.1f} % with PyTorch's DDP; median time per optimizer step "
         f"{a['step_time_median_s'] / b['step_time_median_s']:.2f}x PyTorch's (a single run: no interval).",
     ]

@@ -31,11 +31,11 @@ With ``torch.distributed.all_reduce`` the backward's is asynchronous: the per-ch
 need nothing global (invstd, weight * invstd) are formed while the sums travel; dx then takes two
 passes over the data (``_input_grad``).
 
-Communication: when every rank of the group is on this host (CPU tensors) the two sums go
-through its shared memory (``allreduce.shared_memory_allreduce``: every rank copies its vector
-in, adds its half, copies the sum out; no socket), else through ``torch.distributed.all_reduce``
-(gloo across hosts, NCCL on GPUs): ``_sum_across``. ``syncbn_benchmark.py`` times both against
-BatchNorm plus the same two collectives.
+Communication: the two sums go through the layer's ``transport`` (``transport.resolve``, made
+at the first synchronized forward: "auto" is this host's shared memory when every rank of the
+group is on it and the input is on the CPU, else ``torch.distributed.all_reduce``).
+``syncbn_benchmark.py`` times the layer against BatchNorm plus the same two sums on the same
+transport.
 
 The synchronisation (packing, float64 combination, the collectives, the global terms of
 dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
@@ -49,7 +49,9 @@ With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`
 
 from __future__ import annotations
 
+import copy
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -58,7 +60,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import allreduce
+import transport as transports
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 
@@ -193,21 +195,8 @@ def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.
 # --------------------------------------------------------------------------- the synchronisation (ours)
 
 
-def _sum_across(tensor: torch.Tensor, group, async_op: bool = False):
-    """``tensor`` summed over the ranks of ``group`` in place; returns a work handle to wait on, or None when done.
-
-    Through this host's shared memory when every rank is on it (CPU tensors; set up by the first
-    call, a collective, which every rank makes at the same forward), else
-    ``torch.distributed.all_reduce``. Ranks that bring different sizes (other channel counts) all
-    raise ValueError in the shared-memory path; gloo aborts a process on such a mismatch.
-    """
-    if tensor.device.type == "cpu" and allreduce.shares_memory(group):
-        allreduce.shared_memory_allreduce(tensor, "sum", group)
-        return None
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
-
-
-def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
+                    transport) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one sum across ranks.
 
     Chan's combination (module docstring): this rank sends [n_r m_r, M2_r + n_r m_r^2, n_r]
@@ -225,8 +214,8 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, group) -> t
     if count:
         sum_square.addcmul_(sum_x, sum_x)  # M2_r / n_r + m_r^2 (float64)
         packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
-    if group is not None:
-        _sum_across(packed, group)  # now the global sums
+    if transport is not None:
+        transport.all_reduce(packed)  # now the global sums
     total = int(packed[-1])  # the same on every rank: all raise or none do
     if total < 2:
         return None, None, total
@@ -242,13 +231,14 @@ def _update_running_stats(running_mean, running_var, mean, var, total: int, mome
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch normalization over the batch of every rank in ``group`` (``None``: this process only).
+    """Batch normalization over the batch of every rank of ``transport`` (``None``: this process only).
 
-    ``forward(x, weight, bias, running_mean, running_var, eps, momentum, group)``: x is
+    ``forward(x, weight, bias, running_mean, running_var, eps, momentum, transport)``: x is
     (N, C, *); weight and bias (C) or None; running_mean and running_var (C) are updated
-    in place with factor ``momentum`` when given (None: no update). Every rank of
-    ``group`` must call it, whatever its local N (0 included), and the same number of
-    times; a global count of one value per channel raises ValueError on every rank.
+    in place with factor ``momentum`` when given (None: no update); ``transport`` a
+    ``transport.Transport`` over the ranks to synchronise. Every one of its ranks must call
+    it, whatever its local N (0 included), and the same number of times; a global count of
+    one value per channel raises ValueError on every rank.
 
     Saved for backward: x and three (C) vectors (weight, mean, variance), no more than
     BatchNorm saves. On CUDA, reading the global count (``.item()``) is one host
@@ -256,17 +246,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, transport):
         _check_dtypes(x, weight, bias, running_mean, running_var, eps)
         x = _cuda_layout(x) if x.is_cuda else x
         channels = x.size(1)
         count = x.numel() // channels if channels else 0  # local values per channel
         dtype = _compute_dtype(x.dtype)
-        mean, var, total = _global_moments(x, count, dtype, group)
+        mean, var, total = _global_moments(x, count, dtype, transport)
         if total == 1:
-            where = " on this rank, and 1 value per channel over all ranks" if group is not None else ""
+            where = " on this rank, and 1 value per channel over all ranks" if transport is not None else ""
             raise ValueError(f"{_TOO_FEW_VALUES}, got input size {x.shape}{where}")
-        ctx.group, ctx.total, ctx.eps = group, total, eps
+        ctx.transport, ctx.total, ctx.eps = transport, total, eps
         ctx.dtypes = (x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.empty_channels = channels if total == 0 else None
         if total == 0:  # an empty global batch, as BatchNorm: empty output, statistics untouched
@@ -298,7 +288,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_x:
             sums = torch.stack((sum_dy, sum_dy_xhat))  # (C, C -> 2C)
             # The global sums; _input_grad computes what needs none of them while they travel.
-            work = None if ctx.group is None else _sum_across(sums, ctx.group, async_op=True)
+            work = None if ctx.transport is None else ctx.transport.all_reduce(sums, async_op=True)
             grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total, work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
@@ -308,11 +298,16 @@ class SyncBatchNorm(_BatchNorm):
 
     Args are BatchNorm's (``num_features``, ``eps=1e-5``, ``momentum=0.1``, ``affine=True``,
     ``track_running_stats=True``, ``device``, ``dtype``, keyword ``bias=True``) plus
-    ``process_group`` (default ``None``: the whole world).
+    ``process_group`` (default ``None``: the whole world) and keyword ``transport`` (default
+    ``"auto"``; a name of ``transport.NAMES`` or a ``Transport`` over the group's ranks): what
+    carries the sums, resolved by ``transport.resolve`` (a collective) at the first
+    synchronized forward and kept; every rank must pass the same, or all of them raise
+    ValueError there. A deep copy shares the process group and a ``Transport`` object, and
+    resolves its own transport again.
 
     Same parameters, buffers and state_dict keys as BatchNorm (``weight``, ``bias``,
     ``running_mean``, ``running_var``, ``num_batches_tracked``), so state dicts load both
-    ways. In training, the statistics are those of the global batch (one ``all_reduce``
+    ways. In training, the statistics are those of the global batch (one sum across ranks
     in forward, one in backward); ``running_var`` is updated with the unbiased variance
     over the global count; ``momentum=None`` is a cumulative moving average. When there is
     nobody to synchronise with (eval mode, world size 1, no initialised process group) it
@@ -330,9 +325,13 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group=None, device=None, dtype=None, *, bias: bool = True):
+                 track_running_stats: bool = True, process_group=None, device=None, dtype=None, *, bias: bool = True,
+                 transport="auto"):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
         self.process_group = process_group
+        self.transport = transport
+        # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
+        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport]] = {}
 
     def _check_input_dim(self, x) -> None:
         """Bad input fails here, on the rank that has it, before any communication."""
@@ -356,18 +355,44 @@ class SyncBatchNorm(_BatchNorm):
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
 
-    def _group(self):
-        """The process group to reduce over, or None when there is nobody else to talk to."""
+    def _transport(self, x: torch.Tensor):
+        """The transport to reduce over, or None when there is nobody else to talk to. Resolved (a collective)
+        at the first synchronized forward on each device type, then reused."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        return group if dist.get_world_size(group) > 1 else None
+        if dist.get_world_size(group) == 1:
+            return None
+        key = (id(group), x.device.type)
+        known, chosen = self._resolved.get(key, (None, None))
+        if known is None or known() is not group:  # never resolved, or a freed group's id reused
+            # Parameters of a dtype BatchNorm refuses for x raise here, before the collective (as they do later).
+            _check_dtypes(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+            chosen = transports.resolve(self.transport, group, x.device, engine="SyncBatchNorm")
+            self._resolved[key] = (weakref.ref(group), chosen)
+        return chosen
+
+    def __getstate__(self):
+        """Pickled and deep-copied without the resolved transports (shared memory is this process's)."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "_resolved": {}}
+
+    def __deepcopy__(self, memo):
+        """A copy shares the process group and a ``Transport`` passed as ``transport`` (where the ranks meet:
+        neither can be copied) and resolves its own transport at its first synchronized forward."""
+        for shared in (self.process_group, self.transport):
+            if shared is not None and not isinstance(shared, str):
+                memo.setdefault(id(shared), shared)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
+        transport = self._transport(input) if self.training else None  # before counting the batch: it may refuse
         momentum = self._momentum()
-        group = self._group() if self.training else None
-        if group is None:
+        if transport is None:
             # Nobody to synchronise with (eval mode, one process, world size 1): BatchNorm itself, as
             # torch.nn.SyncBatchNorm does. Eval uses the running statistics, or without them the batch's.
             running = not self.training or self.track_running_stats
@@ -376,14 +401,15 @@ class SyncBatchNorm(_BatchNorm):
                                 self.eps)
         update = momentum is not None
         return SyncBatchNormFunction.apply(input, self.weight, self.bias, self.running_mean if update else None,
-                                           self.running_var if update else None, self.eps, momentum, group)
+                                           self.running_var if update else None, self.eps, momentum, transport)
 
 
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` by a ``SyncBatchNorm`` sharing its state.
+def convert_sync_batchnorm(module: nn.Module, process_group=None, transport="auto") -> nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` by a ``SyncBatchNorm`` sharing its state
+    (all of them summing through ``transport``, see ``SyncBatchNorm``).
 
     The new layers hold the same ``Parameter`` objects (an optimizer built before the
     conversion keeps working) and the same buffers, and keep the training flag. Returns
@@ -394,7 +420,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if any(nn.parameter.is_lazy(t) for t in (*module.parameters(False), *module.buffers(False))):
             raise ValueError("convert_sync_batchnorm: run a forward pass through lazy BatchNorm layers first")
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group, device="meta", bias=module.bias is not None)
+                                  module.track_running_stats, process_group, device="meta",
+                                  bias=module.bias is not None, transport=transport)
         for name in ("weight", "bias"):
             setattr(converted, name, getattr(module, name))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -403,5 +430,5 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None) -> nn.Module:
         if hasattr(module, "qconfig"):
             converted.qconfig = module.qconfig
     for name, child in module.named_children():
-        converted.add_module(name, convert_sync_batchnorm(child, process_group))
+        converted.add_module(name, convert_sync_batchnorm(child, process_group, transport))
     return converted

@@ -1,64 +1,52 @@
-"""Time and memory of synchronized BatchNorm, forward + backward, ours against PyTorch.
+"""Time and memory of synchronized BatchNorm, forward + backward: the engine on each transport, and the transports.
 
     python syncbn_benchmark.py                    # spawns 2 workers itself (gloo on CPU; nccl when GPUs are visible)
     python syncbn_benchmark.py --quick            # the same grid with fewer iterations
+    python syncbn_benchmark.py --quick --settings workers --dtypes float32   # the workers' targets only
     python syncbn_benchmark.py --baseline main    # also times syncbn.py as of a git revision: the A/B of a change
     torchrun --standalone --nproc_per_node 2 syncbn_benchmark.py --json results/syncbn.json
 
-The homework's setup: a global batch of B samples split evenly over the workers, H channels,
-standard normal inputs, loss = sum of the outputs over the first B/2 samples of the global
-batch (with 2 workers rank 1's upstream gradient is zero; it still joins both collectives).
-One iteration = forward + backward; inputs are made before the timed region; a barrier
-precedes every iteration, which counts as long as its slowest rank. Implementations take
-turns in interleaved rounds (the order rotated each round), so a change in the machine's
-load hits them alike, and each ratio is the median of per-round ratios of round medians
-with a 95 % bootstrap interval over rounds (``measure.paired_ratio``); a target is met when
-the whole interval is at or below it, missed when it is all above, else inconclusive.
+Two axes, never mixed. Every synchronized implementation sums through a transport object made once
+per run (``transport.Torch``: torch.distributed, gloo or NCCL, rows ``[torch]``; ``transport.SharedMemory``
+when the workers share a CPU host, rows ``[shm]``). The engine: ours [t] against ``BatchNorm1d + 2 all_reduce``
+[t], BatchNorm1d plus the two sums of 2C + 1 values any synchronized BatchNorm makes, on the same transport
+t; the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per transport.
+The transport: ours [shm] / ours [torch], for information. The floor [t] (``_FloorFunction``: BatchNorm's
+kernels in a Python autograd.Function making the same two sums through t) bounds what a layer of this design
+costs; where an engine target is missed, the report splits ours' time beyond the reference at that size
+into the floor's part and ours' own. ``BatchNorm1d (local)`` has no communication; on CUDA
+``torch.nn.SyncBatchNorm`` [torch] (NCCL) is timed too. float16/bfloat16 rows are for information, on the
+transport "auto" picks (shared memory on one CPU host).
 
-Implementations: ``ours`` (``syncbn.SyncBatchNorm``; with the workers on one host it sums through
-shared memory, ``syncbn._sum_across``); ``BatchNorm1d (local)`` with no communication;
-``BatchNorm1d + 2 all_reduce`` of 2C + 1 float32 values (after forward and after backward) with
-``torch.distributed.all_reduce``: the cost of a synchronized BatchNorm with the communication it
-cannot avoid, as the issue defines it, the reference on the CPU, where ``torch.nn.SyncBatchNorm``
-refuses to run; ``BatchNorm1d + 2 shared-memory all_reduce`` (CPU, workers on one host): the same
-with the communication ours uses (``allreduce.shared_memory_allreduce``), so that its ratio is what
-the layer costs beyond BatchNorm and communication alike; beside it (same condition) the ``floor``:
-BatchNorm's own kernels inside a Python ``torch.autograd.Function`` that makes the same two sums
-where a synchronized layer must, the least any layer written that way can cost (``_FloorFunction``;
-ours / floor and floor / that reference are printed as bounds, without targets); on CUDA
-``torch.nn.SyncBatchNorm`` too. float32 rows carry the targets, against both references;
-float16/bfloat16 rows (float32 parameters) are for information. The single-process rows run in the
-launching process, with no process group: there the layer is ``F.batch_norm`` itself, and a third
-row times ``SyncBatchNormFunction`` without its collectives (what the synchronized layer computes
-beyond BatchNorm's kernels; with ``--baseline``, the same at the given revision). On the CPU, at
-the smallest and the largest size, that row and ``BatchNorm1d (local)`` run once more with cold
-caches (``COLD``: 16 MiB written before every iteration, untimed), as the work after a collective
-finds them. Peak memory (``measure.PeakMemory``) and bytes saved for backward
-(``measure.saved_tensor_bytes``) come from separate untimed passes; a per-operator profile of one
-forward + backward (``measure.op_breakdown``) shows where the time goes, and with the workers one
-iteration cut at its two collectives (``phases``) shows the compute between them apart from the
-waiting.
+The homework's setup: a global batch of B samples split evenly over the workers, H channels, standard
+normal inputs, loss = sum of the outputs over the first B/2 samples of the global batch. One iteration
+= forward + backward after a barrier, as long as its slowest rank. Implementations take turns in
+interleaved rounds; a ratio is the median of per-round ratios with a 95 % bootstrap interval
+(``measure.paired_ratio``): a target is met when the whole interval is at or below it, missed when it
+is all above, else inconclusive. With one process (no process group) the layer is ``F.batch_norm``,
+timed against BatchNorm1d beside ``SyncBatchNormFunction`` without its collectives, also with cold
+caches (``COLD``). Peak memory, bytes saved for backward, a per-operator profile and, with the workers,
+one iteration cut at its two sums (``phases``) come from separate passes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
+import inspect
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Callable
-from unittest import mock
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-import allreduce
+import transport as transports
 from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
 from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
                      saved_tensor_bytes, synchronize, time_iterations, verdict)
@@ -67,10 +55,8 @@ import syncbn
 from syncbn import SyncBatchNorm
 
 OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
-# The reference with the communication ours uses when the workers share a host (CPU).
-SHARED_REFERENCE = "BatchNorm1d + 2 shared-memory all_reduce"
-# The least a synchronized BatchNorm written as a Python autograd.Function pays with that communication (_FloorFunction).
-FLOOR = "floor: BatchNorm in a Python Function + 2 shared-memory sums"
+# The least a synchronized BatchNorm written as a Python autograd.Function pays with the same two sums (_FloorFunction).
+FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
 SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
@@ -79,12 +65,15 @@ WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one
 COLD = "1 process, cold caches"
 EVICT_BYTES = 16 << 20  # written before each COLD iteration: several times a core's own caches (L1 and L2)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# CPU targets (float32, 2 workers): ours / (BatchNorm1d + 2 all_reduce) per size and as the median over the
-# grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
+# The ``transport`` field of a row: what carries its sums (None: no sum across ranks, e.g. BatchNorm1d (local)).
+TORCH, SHM = "torch", "shm"
+TRANSPORTS = (TORCH, SHM)  # made in this order on every rank
+# CPU targets (float32, 2 workers), per transport t: ours [t] / (BatchNorm1d + 2 all_reduce) [t] per size and as the
+# median over the grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
-# Bounds (the floor, CPU workers on one host), printed as medians over the grid without targets: what ours costs
-# beyond the floor, and what the floor costs beyond BatchNorm1d and the same two sums made outside autograd.
-BOUNDS = ((WORKERS, OURS, FLOOR, None), (WORKERS, FLOOR, SHARED_REFERENCE, None))
+# Bounds on each transport, printed as medians over the grid without targets: what ours costs beyond the floor,
+# and what the floor costs beyond BatchNorm1d and the same two sums made outside autograd.
+BOUNDS = ((OURS, FLOOR), (FLOOR, REFERENCE))
 PROFILE_ITERS = 20
 # One process times this many times --iters (warm caches): its iterations are a few tens of microseconds, several
 # times shorter than the workers', and their ratios to BatchNorm1d's need more of them to settle.
@@ -92,11 +81,75 @@ SINGLE_ITERS_FACTOR = 8
 PHASE_ITERS = 200
 # One iteration with two collectives, cut where the caller blocks on each: what runs around them, how long each waits.
 PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
+COMPUTE_PHASES, SUM_PHASES = PHASES[0::2], PHASES[1::2]
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
 QUICK = {"iters": 96, "rounds": 12, "warmup": 5}
 
+Contender = tuple[str, "str | None"]  # (impl, transport name or None)
 
-# --------------------------------------------------------------------------- one case
+
+def label(impl: str, transport: str | None) -> str:
+    """``ours [shm]``: an implementation and the transport of its sums."""
+    return impl if transport is None else f"{impl} [{transport}]"
+
+
+# --------------------------------------------------------------------------- the transports
+
+
+def make_transports(device: torch.device) -> dict[str, transports.Transport]:
+    """The run's transports, by row name, made once in the same order on every rank (each is a collective):
+    torch.distributed's, then this host's shared memory when the tensors are on the CPU and every rank is here."""
+    made = {TORCH: transports.Torch()}
+    if device.type == "cpu":
+        try:
+            made[SHM] = transports.SharedMemory()
+        except transports.NotOneHost:  # raised on every rank alike
+            pass
+    return made
+
+
+class _Stamped(transports.Wrapped):
+    """``inner`` with the clock appended to ``stamps`` before and after the caller is blocked on each all_reduce:
+    around the call when it returns done (a blocking call; shared memory sums in the caller's thread), else around
+    the ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
+    is synchronised first, so a stamp means the work is done. Every rank must wrap alike."""
+
+    name = "stamped"
+
+    def __init__(self, inner: transports.Transport, stamps: list[float], device: torch.device):
+        super().__init__(inner)
+        self.stamps, self.device = stamps, device
+
+    def clock(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def all_reduce(self, tensor, op="sum", *, async_op=False):
+        start = self.clock()
+        work = self.inner.all_reduce(tensor, op, async_op=async_op)
+        if work is None or work.is_completed():
+            self.stamps += [start, self.clock()]
+            return work
+        return _StampedWork(work, self)
+
+
+class _StampedWork(transports.Work):
+    """A collective's work whose ``wait`` is stamped (see ``_Stamped``)."""
+
+    def __init__(self, work: transports.Work, stamped: _Stamped):
+        self.work, self.stamped = work, stamped
+
+    def wait(self) -> bool:
+        start = self.stamped.clock()
+        self.work.wait()
+        self.stamped.stamps += [start, self.stamped.clock()]
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+# --------------------------------------------------------------------------- the implementations
 
 
 def _load_baseline(revision: str):
@@ -112,8 +165,36 @@ def _load_baseline(revision: str):
     return module
 
 
+def _sum_through(tensor: torch.Tensor, transport: transports.Transport, async_op: bool = False):
+    """What an older syncbn.py (``_sum_across(tensor, group, async_op)``, before the transport seam) calls to sum:
+    here it is handed the run's transport in place of its group (``_older_layer``)."""
+    return transport.all_reduce(tensor, async_op=async_op)
+
+
+def _older_layer(module, hidden: int, transport: transports.Transport) -> torch.nn.Module:
+    """An older revision's SyncBatchNorm summing through ``transport``: its module (our private copy) sums with
+    ``_sum_through``, and the layer hands the transport where it handed its group."""
+    if not hasattr(module, "_sum_across"):
+        raise ValueError("--baseline: syncbn.py at that revision neither takes a transport nor sums through "
+                         "_sum_across: it cannot be timed over the run's transports")
+    module._sum_across = _sum_through
+
+    class Older(module.SyncBatchNorm):
+        def _group(self):
+            return transport
+    return Older(hidden)
+
+
+def _ours(module, hidden: int, transport: transports.Transport | None) -> torch.nn.Module:
+    if transport is None:  # one process: nobody to synchronise with
+        return module.SyncBatchNorm(hidden)
+    if "transport" in inspect.signature(module.SyncBatchNorm).parameters:
+        return module.SyncBatchNorm(hidden, transport=transport)
+    return _older_layer(module, hidden, transport)
+
+
 class _WithoutCollectives(SyncBatchNorm):
-    """SyncBatchNorm's Function with no group: all of its work but the two sums across ranks."""
+    """SyncBatchNorm's Function with no transport: all of its work but the two sums across ranks."""
 
     def __init__(self, hidden: int, function):
         super().__init__(hidden)
@@ -126,24 +207,24 @@ class _WithoutCollectives(SyncBatchNorm):
 
 class _FloorFunction(torch.autograd.Function):
     """A timing device, not a layer: what any synchronized BatchNorm written as a Python autograd.Function
-    (``syncbn.SyncBatchNormFunction``, ``torch.nn.SyncBatchNorm``'s) pays at least with shared-memory sums.
+    (``syncbn.SyncBatchNormFunction``, ``torch.nn.SyncBatchNorm``'s) pays at least with the same sums.
 
     BatchNorm's own fused kernels (``native_batch_norm`` in training mode, which also updates the running
-    statistics, and its backward), with a sum across ranks of 2C + 1 float64 values inside forward and of 2C
-    inside backward, where a synchronized layer must make them: before the output exists, and before the input
-    gradient does. It normalizes with the local batch's statistics and sends zeros (buffers made once, outside
-    the timed region). Ours does this and the synchronisation's own arithmetic (packing, the float64
-    combination, the global terms of dx): ours / floor is that arithmetic's price; floor / (BatchNorm1d + 2
-    shared-memory all_reduce) is what the Function and the sums' place in the graph cost, which no layer of
-    this design goes below.
+    statistics, and its backward), with a sum across ranks through ``transport`` of 2C + 1 float64 values
+    inside forward and of 2C inside backward, where a synchronized layer must make them: before the output
+    exists, and before the input gradient does. It normalizes with the local batch's statistics and sends
+    zeros (buffers made once, outside the timed region). Ours does this and the synchronisation's own
+    arithmetic (packing, the float64 combination, the global terms of dx): ours / floor is that
+    arithmetic's price; floor / (BatchNorm1d + 2 all_reduce) on the same transport is what the Function and
+    the sums' place in the graph cost, which no layer of this design goes below.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, sums):
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, sums, transport):
         y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var, True, momentum, eps)
-        allreduce.shared_memory_allreduce(sums[0], "sum")  # (2C + 1,) float64: the forward's statistics
+        transport.all_reduce(sums[0])  # (2C + 1,) float64: the forward's statistics
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.eps, ctx.sums = eps, sums
+        ctx.eps, ctx.sums, ctx.transport = eps, sums, transport
         return y
 
     @staticmethod
@@ -152,30 +233,32 @@ class _FloorFunction(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         grads = torch.ops.aten.native_batch_norm_backward(dy, x, weight, None, None, mean, invstd, True, ctx.eps,
                                                           list(ctx.needs_input_grad[:3]))
-        allreduce.shared_memory_allreduce(ctx.sums[1], "sum")  # (2C,) float64: the backward's two sums
-        return (*grads, None, None, None, None, None)
+        ctx.transport.all_reduce(ctx.sums[1])  # (2C,) float64: the backward's two sums
+        return (*grads, None, None, None, None, None, None)
 
 
 class _Floor(torch.nn.BatchNorm1d):
-    """BatchNorm1d's parameters and buffers through ``_FloorFunction`` (CPU, the workers on one host)."""
+    """BatchNorm1d's parameters and buffers through ``_FloorFunction``, summing through ``transport``."""
 
-    def __init__(self, hidden: int):
+    def __init__(self, hidden: int, transport: transports.Transport):
         super().__init__(hidden)
+        self.transport = transport
         self.sums = (torch.zeros(2 * hidden + 1, dtype=torch.float64), torch.zeros(2 * hidden, dtype=torch.float64))
 
     def forward(self, x):
         return _FloorFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
-                                    self.momentum, self.sums)
+                                    self.momentum, self.sums, self.transport)
 
 
-def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> torch.nn.Module:
+def _make_layer(impl: str, hidden: int, device: torch.device, transport: transports.Transport | None = None,
+                baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
     if impl == FLOOR:
-        layer = _Floor(hidden)
+        layer = _Floor(hidden, transport)
     elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
-        layer = module.SyncBatchNorm(hidden)
+        layer = _ours(module, hidden, transport)
     elif impl == TORCH_SYNC:
         layer = torch.nn.SyncBatchNorm(hidden)
     else:
@@ -183,31 +266,43 @@ def _make_layer(impl: str, hidden: int, device: torch.device, baseline=None) -> 
     return layer.to(device).train()
 
 
-def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int) -> Callable[[], None]:
+def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
+               transport: transports.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
-    if impl not in (REFERENCE, SHARED_REFERENCE) or not dist.is_initialized():
+    if impl != REFERENCE or transport is None:
         def step():
             x.grad = None
             layer(x)[:loss_rows].sum().backward()
         return step
 
-    # BatchNorm's own work plus the two collectives a synchronized BatchNorm cannot avoid.
+    # BatchNorm's own work plus the two sums a synchronized BatchNorm cannot avoid (plain tensors, as ours sends).
     channels = x.size(1)
     forward_stats, backward_stats = (torch.zeros(2 * channels + 1, device=x.device) for _ in range(2))
-    if impl == REFERENCE:
-        def total(t):
-            dist.all_reduce(t)
-    else:
-        def total(t):
-            allreduce.shared_memory_allreduce(t, "sum")
 
     def reference_step():
         x.grad = None
         y = layer(x)
-        total(forward_stats)
+        transport.all_reduce(forward_stats)
         y[:loss_rows].sum().backward()
-        total(backward_stats)
+        transport.all_reduce(backward_stats)
     return reference_step
+
+
+def contenders(device: torch.device, transport_names, baseline: str | None, dtype: str) -> list[Contender]:
+    """The timed (implementation, transport) pairs of the workers: on each transport ours, the reference and (float32:
+    it attributes the targets' misses) the floor; BatchNorm1d without communication; on CUDA torch's SyncBatchNorm.
+    float16/bfloat16 (information) run on one transport, the one "auto" picks (the last made), which keeps the
+    quick run's time."""
+    names = list(transport_names)
+    out: list[Contender] = []
+    for t in names if dtype == "float32" else names[-1:]:
+        out += [(OURS, t), (REFERENCE, t)] + ([(FLOOR, t)] if dtype == "float32" else [])
+        out += [(f"{OURS}@{baseline}", t)] if baseline else []
+    out.append((LOCAL, None))
+    return out + ([(TORCH_SYNC, TORCH)] if device.type == "cuda" else [])
+
+
+# --------------------------------------------------------------------------- one case
 
 
 def _local_input(rank: int, world: int, batch: int, hidden: int, dtype: torch.dtype,
@@ -234,84 +329,56 @@ def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, d
     return int(most[0]), int(most[1])
 
 
-def run_case(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
-             dtype_name: str, args, baseline=None, setting: str | None = None, setup=None) -> list[dict]:
-    """Every implementation on one (batch, hidden, dtype), timed in interleaved rounds; one row each.
+def run_case(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
+             dtype_name: str, args, baseline=None, setting: str | None = None, setup=None,
+             made: dict[str, transports.Transport] | None = None) -> list[dict]:
+    """Every (implementation, transport) of ``impls`` on one (batch, hidden, dtype), timed in interleaved rounds;
+    one row each. ``made`` maps a transport name to the transport (``make_transports``).
 
     ``setup`` runs before every iteration, outside the timed region; ``setting`` labels the rows
     (default: WORKERS with a process group, else SINGLE)."""
+    made = made or {}
     x, loss_rows = _local_input(rank, world, batch, hidden, DTYPES[dtype_name], device)
-    layers = {impl: _make_layer(impl, hidden, device, baseline) for impl in impls}
-    steps = {impl: _make_step(impl, layers[impl], x, loss_rows) for impl in impls}
+    layers = {c: _make_layer(c[0], hidden, device, made.get(c[1]), baseline) for c in impls}
+    steps = {c: _make_step(c[0], layers[c], x, loss_rows, made.get(c[1])) for c in impls}
     per_round = max(1, args.iters // args.rounds)
-    samples: dict[str, list[list[float]]] = {impl: [] for impl in impls}
+    samples: dict[Contender, list[list[float]]] = {c: [] for c in impls}
     for round_ in range(args.rounds):
         shift = round_ % len(impls)
-        for impl in impls[shift:] + impls[:shift]:
-            timing = time_iterations(steps[impl], per_round, warmup=args.warmup if round_ == 0 else 2, device=device,
+        for c in impls[shift:] + impls[:shift]:
+            timing = time_iterations(steps[c], per_round, warmup=args.warmup if round_ == 0 else 2, device=device,
                                      setup=setup)
-            samples[impl].append(timing.samples)  # per iteration, the slowest rank's time
+            samples[c].append(timing.samples)  # per iteration, the slowest rank's time
     rows = []
-    for impl in impls:
-        flat = [t for r in samples[impl] for t in r]
-        peak, saved = _memory(steps[impl], layers[impl], x, device)
-        rows.append({"kind": "time", "impl": impl, "setting": setting or (WORKERS if world > 1 else SINGLE),
+    for c in impls:
+        impl, t = c
+        flat = [s for r in samples[c] for s in r]
+        peak, saved = _memory(steps[c], layers[c], x, device)
+        rows.append({"kind": "time", "impl": impl, "transport": t,
+                     "transport_detail": made[t].describe() if t in made else None,
+                     "setting": setting or (WORKERS if world > 1 else SINGLE),
                      "dtype": dtype_name, "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
                      "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
                      "time_s": float(np.median(flat)), "p10_s": percentile(flat, 10), "p90_s": percentile(flat, 90),
-                     **{f"round_p{q}_s": [percentile(r, q) for r in samples[impl]] for q in (10, 50, 90)},
+                     **{f"round_p{q}_s": [percentile(r, q) for r in samples[c]] for q in (10, 50, 90)},
                      "peak_bytes": peak, "saved_bytes": saved})
     return rows
 
 
-def breakdown(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int) -> list[dict]:
+def breakdown(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
+              made: dict[str, transports.Transport] | None = None, iters: int = PROFILE_ITERS) -> list[dict]:
     """Per-operator CPU time of one forward + backward (profiled, rank 0's), ours against BatchNorm1d."""
+    made = made or {}
     x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
     rows = []
-    for impl in impls:
-        step = _make_step(impl, _make_layer(impl, hidden, device), x, loss_rows)
+    for impl, t in impls:
+        step = _make_step(impl, _make_layer(impl, hidden, device, made.get(t)), x, loss_rows, made.get(t))
         step()
-        profile = op_breakdown(step, PROFILE_ITERS, top=12, device=device)
-        rows.append({"kind": "breakdown", "impl": impl, "setting": WORKERS if world > 1 else SINGLE,
+        profile = op_breakdown(step, iters, top=12, device=device)
+        rows.append({"kind": "breakdown", "impl": impl, "transport": t, "setting": WORKERS if world > 1 else SINGLE,
                      "dtype": "float32", "device": device.type, "batch": batch, "hidden": hidden, "workers": world,
-                     "iters": PROFILE_ITERS, "ops": profile["ops"], "top_self_s": sum(o["self_s"] for o in profile["ops"])})
+                     "iters": iters, "ops": profile["ops"], "top_self_s": sum(o["self_s"] for o in profile["ops"])})
     return rows
-
-
-@contextlib.contextmanager
-def _stamped_collectives(stamps: list[float], device: torch.device):
-    """Append the clock before and after the caller is blocked on each ``torch.distributed.all_reduce`` or
-    ``allreduce.shared_memory_allreduce`` (ours and the references call one of them) to ``stamps``: around the
-    call itself, or for ``async_op=True`` around the ``wait()`` of the work it returns (what runs in between
-    is the caller's, overlapped). On a GPU the device is synchronised first, so a stamp means the work is done."""
-    real, real_shared = dist.all_reduce, allreduce.shared_memory_allreduce
-
-    def blocked(call):
-        synchronize(device)
-        stamps.append(time.perf_counter())
-        result = call()
-        synchronize(device)
-        stamps.append(time.perf_counter())
-        return result
-
-    def stamped(*args, **kwargs):
-        if not kwargs.get("async_op"):
-            return blocked(lambda: real(*args, **kwargs))
-        work = real(*args, **kwargs)
-        return _StampedWork(work, lambda *a, **k: blocked(lambda: work.wait(*a, **k)))
-    with mock.patch.object(dist, "all_reduce", stamped), \
-            mock.patch.object(allreduce, "shared_memory_allreduce", lambda *a, **k: blocked(lambda: real_shared(*a, **k))):
-        yield
-
-
-class _StampedWork:
-    """A collective's work handle whose ``wait`` is stamped (see ``_stamped_collectives``)."""
-
-    def __init__(self, work, wait):
-        self._work, self.wait = work, wait
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
@@ -324,56 +391,61 @@ def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
     return np.append(np.median(durations, axis=0), np.median(durations.sum(axis=1)))
 
 
-def phases(rank: int, world: int, device: torch.device, impls: list[str], batch: int, hidden: int,
-           iters: int) -> list[dict]:
+def phases(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
+           iters: int, made: dict[str, transports.Transport]) -> list[dict]:
     """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, and of the whole
-    iteration, each the maximum over ranks).
+    iteration, each the maximum over ranks), its transport wrapped in ``_Stamped``.
 
     The profiler charges a collective's wait to whatever called it (SyncBatchNormFunction's
     "self" time); this shows the compute between the collectives apart from the waiting.
     """
     x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
     rows = []
-    for impl in impls:
-        step, stamps = _make_step(impl, _make_layer(impl, hidden, device), x, loss_rows), []
+    for impl, t in impls:
+        stamps: list[float] = []
+        stamped = _Stamped(made[t], stamps, device)
+        step = _make_step(impl, _make_layer(impl, hidden, device, stamped), x, loss_rows, stamped)
 
         def stamped_step():
             stamps.append(time.perf_counter())
             step()
             synchronize(device)
             stamps.append(time.perf_counter())
-        with _stamped_collectives(stamps, device):
-            time_iterations(stamped_step, iters, warmup=2, device=device)
+        time_iterations(stamped_step, iters, warmup=2, device=device)
         *slowest, iteration = map(float, gather_rows(list(_phase_medians(stamps, iters))).max(dim=0).values)
-        rows.append({"kind": "phases", "impl": impl, "setting": WORKERS, "dtype": "float32", "device": device.type,
-                     "batch": batch, "hidden": hidden, "workers": world, "iters": iters,
+        rows.append({"kind": "phases", "impl": impl, "transport": t, "setting": WORKERS, "dtype": "float32",
+                     "device": device.type, "batch": batch, "hidden": hidden, "workers": world, "iters": iters,
                      "phases_s": dict(zip(PHASES, slowest)), "iteration_s": iteration})
     return rows
 
 
-def implementations(device: torch.device, baseline: str | None, shared: bool = False) -> list[str]:
-    """The timed implementations; ``shared``: the workers share this host's memory (a collective to find out)."""
-    impls = [OURS, LOCAL, REFERENCE] + ([SHARED_REFERENCE, FLOOR] if shared else []) \
-        + ([TORCH_SYNC] if device.type == "cuda" else [])
-    return impls + ([f"{OURS}@{baseline}"] if baseline else [])
-
-
-def run(ctx, args) -> list[dict]:
+def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_ITERS) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    shared = ctx.device.type == "cpu" and allreduce.shares_memory()
-    impls = implementations(ctx.device, args.baseline, shared)
-    references = [REFERENCE] + ([SHARED_REFERENCE] if shared else [])
-    cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
-    rows = []
-    for dtype_name, batch, hidden in progress(cases, desc="syncbn benchmark, workers"):
-        rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline)
-    for batch, hidden in _profiled_sizes(args):
-        rows += breakdown(ctx.rank, ctx.world_size, ctx.device, [OURS, LOCAL, *references], batch, hidden)
-        rows += phases(ctx.rank, ctx.world_size, ctx.device, [OURS, *references] + ([FLOOR] if shared else []),
-                       batch, hidden, PHASE_ITERS)
-    return rows
+    made = make_transports(ctx.device)
+    try:
+        cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
+        rows = []
+        for dtype_name, batch, hidden in progress(cases, desc="syncbn benchmark, workers"):
+            impls = contenders(ctx.device, made, args.baseline, dtype_name)
+            rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline,
+                             made=made)
+        for batch, hidden in _profiled_sizes(args):
+            engines = [(impl, t) for t in made for impl in (OURS, REFERENCE)]
+            rows += breakdown(ctx.rank, ctx.world_size, ctx.device, engines + [(LOCAL, None)], batch, hidden, made,
+                              profile_iters)
+            cut = [(impl, t) for t in made for impl in (OURS, REFERENCE, FLOOR)]
+            rows += phases(ctx.rank, ctx.world_size, ctx.device, cut, batch, hidden, phase_iters, made)
+        return rows
+    finally:
+        for made_one in made.values():
+            made_one.close()
+
+
+def _profiled_sizes(args) -> list[tuple[int, int]]:
+    """The smallest and the largest size of the grid."""
+    return sorted({(min(args.batch), min(args.hidden)), (max(args.batch), max(args.hidden))})
 
 
 def _evictor(device: torch.device) -> Callable[[], None]:
@@ -390,59 +462,153 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     assert not dist.is_initialized()
     torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    impls = [OURS, LOCAL, SYNC_PATH] + ([f"{SYNC_PATH}@{args.baseline}"] if args.baseline else [])
+    impls = [(OURS, None), (LOCAL, None), (SYNC_PATH, None)]
+    impls += [(f"{SYNC_PATH}@{args.baseline}", None)] if args.baseline else []
     warm = argparse.Namespace(**{**vars(args), "iters": SINGLE_ITERS_FACTOR * args.iters})
     rows = []
     for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
         rows += run_case(0, 1, device, impls, batch, hidden, "float32", warm, baseline)
     for batch, hidden in _profiled_sizes(args):
         if device.type == "cpu":
-            rows += run_case(0, 1, device, [LOCAL, SYNC_PATH], batch, hidden, "float32", args, setting=COLD,
-                             setup=_evictor(device))
-        rows += breakdown(0, 1, device, [OURS, LOCAL, SYNC_PATH], batch, hidden)
+            rows += run_case(0, 1, device, [(LOCAL, None), (SYNC_PATH, None)], batch, hidden, "float32", args,
+                             setting=COLD, setup=_evictor(device))
+        rows += breakdown(0, 1, device, [(OURS, None), (LOCAL, None), (SYNC_PATH, None)], batch, hidden)
     return rows
 
 
-def _profiled_sizes(args) -> list[tuple[int, int]]:
-    """The smallest and the largest size of the grid."""
-    return sorted({(min(args.batch), min(args.hidden)), (max(args.batch), max(args.hidden))})
+# --------------------------------------------------------------------------- ratios, targets, attribution
 
 
-# --------------------------------------------------------------------------- ratios and targets
-
-
-def _times(rows: list[dict], impl: str, setting: str, dtype: str) -> dict[tuple[int, int], dict]:
+def _times(rows: list[dict], impl: str, transport: str | None, setting: str, dtype: str) -> dict[tuple[int, int], dict]:
     return {(r["batch"], r["hidden"]): r for r in rows
-            if r["kind"] == "time" and r["impl"] == impl and r["setting"] == setting and r["dtype"] == dtype}
+            if r["kind"] == "time" and (r["impl"], r.get("transport"), r["setting"], r["dtype"]) ==
+            (impl, transport, setting, dtype)}
+
+
+def _transports_in(rows: list[dict]) -> list[str]:
+    present = {r.get("transport") for r in rows if r["kind"] == "time"}
+    return [t for t in TRANSPORTS if t in present]
+
+
+def comparisons(rows: list[dict]) -> list[tuple]:
+    """(setting, (impl, transport), (versus, transport), target or None, axis) for every ratio the rows allow.
+    Axis "engine": two implementations, one transport (or none); "transport": one implementation, two transports."""
+    device = rows[0]["device"]
+    present = _transports_in(rows)
+    out = []
+    for t in present:
+        out += [(WORKERS, (OURS, t), (REFERENCE, t), CPU_TARGET if device == "cpu" else None, "engine"),
+                (WORKERS, (OURS, t), (LOCAL, None), None, "engine"),
+                *((WORKERS, (mine, t), (versus, t), None, "engine") for mine, versus in BOUNDS)]
+    if TORCH in present and SHM in present:
+        out.append((WORKERS, (OURS, SHM), (OURS, TORCH), None, "transport"))
+    if device == "cuda":
+        out.append((WORKERS, (OURS, TORCH), (TORCH_SYNC, TORCH), TARGET_CUDA, "engine"))
+    out += [(SINGLE, (OURS, None), (LOCAL, None), TARGET_SINGLE, "engine"),
+            (SINGLE, (SYNC_PATH, None), (LOCAL, None), None, "engine"),
+            (COLD, (SYNC_PATH, None), (LOCAL, None), None, "engine")]
+    # --baseline: the A/B of a change, ours now against ours at the given revision, on the same transport.
+    for impl, t in dict.fromkeys((r["impl"], r.get("transport")) for r in rows if r["kind"] == "time"):
+        if "@" in impl:
+            out.append((WORKERS if impl.startswith(OURS + "@") else SINGLE, (impl.split("@")[0], t), (impl, t), None,
+                        "engine"))
+    return out
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """One row per (setting, dtype, size, comparison): the paired ratio of round medians, and a verdict when
-    it carries a target (float32 only)."""
+    it carries a target (float32 only); the engine targets on the CPU carry their attribution (``_attribution``)."""
     device = rows[0]["device"]
-    comparisons = [(WORKERS, OURS, REFERENCE, CPU_TARGET if device == "cpu" else None),
-                   (WORKERS, OURS, SHARED_REFERENCE, CPU_TARGET), (WORKERS, OURS, LOCAL, None),
-                   *BOUNDS,
-                   (SINGLE, OURS, LOCAL, TARGET_SINGLE), (SINGLE, SYNC_PATH, LOCAL, None), (COLD, SYNC_PATH, LOCAL, None)]
-    if device == "cuda":
-        comparisons.append((WORKERS, OURS, TORCH_SYNC, TARGET_CUDA))
-    # --baseline: the A/B of a change, ours now against ours at the given revision.
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        if "@" in impl:
-            comparisons.append((WORKERS if impl.startswith(OURS + "@") else SINGLE, impl.split("@")[0], impl, None))
     out = []
-    for setting, mine, versus, limit in comparisons:
+    for setting, (mine, t_mine), (versus, t_versus), limit, axis in comparisons(rows):
         for dtype in sorted({r["dtype"] for r in rows if r["kind"] == "time" and r["setting"] == setting}):
-            ours, theirs = _times(rows, mine, setting, dtype), _times(rows, versus, setting, dtype)
+            ours, theirs = _times(rows, mine, t_mine, setting, dtype), _times(rows, versus, t_versus, setting, dtype)
+            floors = _times(rows, FLOOR, t_mine, setting, dtype) if versus == REFERENCE and mine == OURS else {}
             for key in sorted(set(ours) & set(theirs)):
                 ratio = paired_ratio(ours[key]["round_p50_s"], theirs[key]["round_p50_s"])
                 target = limit if dtype == "float32" else None
-                out.append({"kind": "ratio", "impl": mine, "versus": versus, "setting": setting, "dtype": dtype,
-                            "device": device, "batch": key[0], "hidden": key[1], **ratio, "target": target,
-                            "verdict": None if target is None else verdict(ratio, target),
-                            "saved_ratio": ours[key]["saved_bytes"] / theirs[key]["saved_bytes"],
-                            "peak_ratio": ours[key]["peak_bytes"] / max(1, theirs[key]["peak_bytes"])})
+                row = {"kind": "ratio", "impl": mine, "versus": versus, "transport": t_mine,
+                       "versus_transport": t_versus, "axis": axis, "setting": setting, "dtype": dtype,
+                       "device": device, "batch": key[0], "hidden": key[1], **ratio, "target": target,
+                       "verdict": None if target is None else verdict(ratio, target),
+                       "saved_ratio": ours[key]["saved_bytes"] / theirs[key]["saved_bytes"],
+                       "peak_ratio": ours[key]["peak_bytes"] / max(1, theirs[key]["peak_bytes"])}
+                if target is not None and key in floors:
+                    row.update(_attribution(ours[key], theirs[key], floors[key], target, _phases_of(rows, t_mine, key)))
+                    if row["verdict"] != "met":
+                        row["why"] = _why(row)
+                out.append(row)
     return out
+
+
+def _phases_of(rows: list[dict], transport: str, key: tuple[int, int]) -> dict[str, dict]:
+    """impl -> its phases row at this size on this transport (phases are cut at the profiled sizes only)."""
+    return {r["impl"]: r for r in rows if r["kind"] == "phases" and r.get("transport") == transport
+            and (r["batch"], r["hidden"]) == key}
+
+
+def _attribution(ours: dict, reference: dict, floor: dict, limit: float, cut: dict[str, dict]) -> dict:
+    """Where ours' time beyond the reference goes at one size, from per-round medians paired round by round.
+
+    ``excess_s``: ours - reference; ``floor_excess_s``: floor - reference (the Python Function frame and the sums'
+    place in the graph, which any layer of this design pays); ``own_excess_s``: the rest, ours beyond the floor
+    (packing, the float64 combination, dx's global terms). ``left_s`` / ``left_grid_s``: what ours must lose to be
+    ``limit`` / ``TARGET_GRID`` times the reference (negative: within it). With phases at this size,
+    ``compute_excess_s`` and ``wait_excess_s`` split ours - reference into compute and waiting in the two sums."""
+    o, r, f = (np.array(row["round_p50_s"]) for row in (ours, reference, floor))
+    excess, floor_excess = float(np.median(o - r)), float(np.median(f - r))
+    out = {"excess_s": excess, "floor_excess_s": floor_excess, "own_excess_s": excess - floor_excess,
+           "left_s": float(np.median(o - limit * r)), "left_grid_s": float(np.median(o - TARGET_GRID * r)),
+           "floor_ratio": float(np.median(f / r))}
+    if OURS in cut and REFERENCE in cut:
+        total = {impl: (sum(cut[impl]["phases_s"][p] for p in COMPUTE_PHASES),
+                        sum(cut[impl]["phases_s"][p] for p in SUM_PHASES)) for impl in (OURS, REFERENCE)}
+        out["compute_excess_s"] = total[OURS][0] - total[REFERENCE][0]
+        out["wait_excess_s"] = total[OURS][1] - total[REFERENCE][1]
+    return out
+
+
+def _us(seconds: float) -> str:
+    return f"{1e6 * seconds:.0f} us"
+
+
+def _signed(seconds: float) -> str:
+    return f"{1e6 * seconds:+.0f} us"
+
+
+def _share(part: float, whole: float) -> str:
+    return f" ({100 * part / whole:.0f} %)"
+
+
+def _more(seconds: float) -> str:
+    """``12 us more`` or ``12 us less``."""
+    return f"{_us(abs(seconds))} {'more' if seconds >= 0 else 'less'}"
+
+
+def _why(row: dict) -> str:
+    """One size's miss of the engine target (a ratio row with ``_attribution``), said from its numbers."""
+    limit, excess = row["target"], row["excess_s"]
+    own, floor = row["own_excess_s"], row["floor_excess_s"]
+    if row["left_s"] > 0:
+        left = f"it must lose {_us(row['left_s'])} of its {_us(excess)} beyond the reference to meet <= {limit}"
+    else:
+        left = (f"its median is {_us(-row['left_s'])} within <= {limit} but the interval reaches above it: "
+                "more rounds would decide")
+    shares = floor >= 0 and own >= 0 and excess > 0  # parts of the excess only when both are
+    text = (f"{row['batch']}x{row['hidden']} [{row['transport']}]: ours {format_ratio(row)} the reference, "
+            f"{row['verdict']}; {left}. The floor (a Python autograd.Function around BatchNorm's kernels, the sums "
+            f"inside it) takes {row['floor_ratio']:.2f}x the reference: {_signed(floor)}"
+            f"{_share(floor, excess) if shares else ''} is that frame and the sums' place in the graph, "
+            f"{_signed(own)}{_share(own, excess) if shares else ''} ours beyond the floor (packing, the float64 "
+            "combination, dx's global terms).")
+    if row["floor_ratio"] > limit:
+        text += f" The floor alone is above {limit}x: no layer written as a Python autograd.Function meets it here."
+    elif row["left_s"] > 0:
+        text += f" The floor is within it: ours beyond the floor ({_us(own)}) must shrink by {_us(row['left_s'])}."
+    if "compute_excess_s" in row:
+        text += (f" Cut at its two sums, ours computes {_more(row['compute_excess_s'])} than the reference per "
+                 f"iteration and waits {_more(row['wait_excess_s'])} in the sums.")
+    return text
 
 
 def _grid_ratio(entries: list[dict]) -> dict:
@@ -452,44 +618,85 @@ def _grid_ratio(entries: list[dict]) -> dict:
     return {**ratio, "sizes": len(entries)}
 
 
+def _tag(transport: str | None) -> str:
+    return "" if transport is None else f" [{transport}]"
+
+
+def _grid_why(entries: list[dict]) -> str:
+    """Why the median over the grid misses ``TARGET_GRID``: the sizes above it, and the floor's share there."""
+    def size(e: dict) -> str:
+        cut = f" ({_us(e['left_grid_s'])} to cut)" if e.get("left_grid_s", 0) > 0 else ""
+        return f"{e['batch']}x{e['hidden']} {e['median']:.2f}x{cut}"
+
+    above = [e for e in entries if e["median"] > TARGET_GRID]
+    text = (f"{len(above)} of {len(entries)} sizes above {TARGET_GRID}x: {', '.join(map(size, above))}." if above else
+            f"no size's median is above {TARGET_GRID}x, but the interval over the grid reaches above it.")
+    floors = [e["floor_ratio"] for e in entries if "floor_ratio" in e]
+    if floors:
+        floor = float(np.median(floors))
+        text += (f" The floor's median over the grid is {floor:.2f}x the reference"
+                 + (f", itself above {TARGET_GRID}x: the Function frame alone misses it." if floor > TARGET_GRID
+                    else ": ours beyond the floor is what must shrink."))
+    return text
+
+
 def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with its verdict (float32)."""
+    """The issue's targets, each with its verdict (float32), per transport; a missed engine target says why."""
     out = []
-    for setting, versus in dict.fromkeys((r["setting"], r["versus"]) for r in ratio_rows if r["target"] is not None):
-        entries = [r for r in ratio_rows if r["setting"] == setting and r["versus"] == versus and r["target"]
-                   and r["impl"] == OURS]
+    groups = dict.fromkeys((r["setting"], r["versus"], r["transport"]) for r in ratio_rows if r["target"] is not None)
+    for setting, versus, t in groups:
+        entries = [r for r in ratio_rows if (r["setting"], r["versus"], r["transport"]) == (setting, versus, t)
+                   and r["target"] and r["impl"] == OURS]
         limit = entries[0]["target"]
         verdicts = [e["verdict"] for e in entries]
         worst = "missed" if "missed" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "met")
-        out.append({"kind": "target", "name": f"{setting}: every size, ours / ({versus}) <= {limit}",
-                    "setting": setting, "versus": versus, "limit": limit, "verdict": worst,
-                    "sizes_met": verdicts.count("met"), "sizes": len(entries)})
-        if setting == WORKERS and versus in (REFERENCE, SHARED_REFERENCE):
+        row = {"kind": "target", "name": f"{setting}{_tag(t)}: every size, ours / ({versus}) <= {limit}",
+               "setting": setting, "versus": versus, "transport": t, "limit": limit, "verdict": worst,
+               "sizes_met": verdicts.count("met"), "sizes": len(entries)}
+        if worst != "met":
+            missed = ", ".join(f"{e['batch']}x{e['hidden']} {e['verdict']}" for e in entries if e["verdict"] != "met")
+            row["why"] = f"not met at {missed}" + ("; per size, the ratio rows' 'why'" if any("why" in e for e in entries)
+                                                   else "")
+        out.append(row)
+        if setting == WORKERS and versus == REFERENCE:
             grid = _grid_ratio(entries)
-            out.append({"kind": "target", "name": f"{setting}: median over the grid, ours / ({versus}) <= {TARGET_GRID}",
-                        "setting": setting, "versus": versus, "limit": TARGET_GRID, **grid,
-                        "verdict": verdict(grid, TARGET_GRID)})
+            name = f"{setting}{_tag(t)}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"
+            row = {"kind": "target", "name": name, "setting": setting, "versus": versus, "transport": t, "limit": TARGET_GRID, **grid,
+                   "verdict": verdict(grid, TARGET_GRID)}
+            if row["verdict"] != "met":
+                row["why"] = _grid_why(entries)
+            out.append(row)
     for what in ("saved_bytes", "peak_bytes"):
         for setting in sorted({r["setting"] for r in time_rows if r["kind"] == "time"}):
-            ours, local = _times(time_rows, OURS, setting, "float32"), _times(time_rows, LOCAL, setting, "float32")
-            if not ours:  # COLD times the synchronized path only
-                continue
-            worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
-            out.append({"kind": "target", "name": f"{setting}: {what} of ours <= BatchNorm1d's at every size",
-                        "setting": setting, "limit": 1.0, "verdict": "missed" if worse else "met",
-                        "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
+            local = _times(time_rows, LOCAL, None, setting, "float32")
+            for t in (_transports_in(time_rows) if setting == WORKERS else [None]):
+                ours = _times(time_rows, OURS, t, setting, "float32")
+                if not ours:  # COLD times the synchronized path only
+                    continue
+                worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
+                out.append({"kind": "target", "name": f"{setting}{_tag(t)}: {what} of ours <= BatchNorm1d's at every size",
+                            "setting": setting, "transport": t, "limit": 1.0, "verdict": "missed" if worse else "met",
+                            "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
     return out
 
 
 def bounds(ratio_rows: list[dict]) -> list[dict]:
-    """The median over the grid of each of ``BOUNDS`` the rows hold (float32), without a target."""
+    """Medians over the grid without a target (float32): each of ``BOUNDS`` on each transport (kind "bound"), and
+    the transport axis, ours [shm] / ours [torch] (kind "comparison")."""
     out = []
-    for setting, mine, versus, _ in BOUNDS:
-        entries = [r for r in ratio_rows if (r["setting"], r["impl"], r["versus"], r["dtype"]) ==
-                   (setting, mine, versus, "float32")]
-        if entries:
-            out.append({"kind": "bound", "name": f"{setting}: median over the grid, {mine} / ({versus})",
-                        "setting": setting, "impl": mine, "versus": versus, **_grid_ratio(entries)})
+    float32 = [r for r in ratio_rows if r["dtype"] == "float32" and r["setting"] == WORKERS]
+    for t in TRANSPORTS:
+        for mine, versus in BOUNDS:
+            entries = [r for r in float32 if (r["impl"], r["versus"], r["transport"], r["versus_transport"]) ==
+                       (mine, versus, t, t)]
+            if entries:
+                out.append({"kind": "bound", "name": f"{WORKERS}{_tag(t)}: median over the grid, {mine} / ({versus})",
+                            "setting": WORKERS, "impl": mine, "versus": versus, "transport": t, **_grid_ratio(entries)})
+    entries = [r for r in float32 if r["axis"] == "transport" and r["impl"] == OURS]
+    if entries:
+        out.append({"kind": "comparison", "name": f"{WORKERS}: median over the grid, {label(OURS, SHM)} / "
+                    f"{label(OURS, TORCH)} (the transport alone, the same engine)", "setting": WORKERS, "impl": OURS,
+                    "versus": OURS, "transport": SHM, "versus_transport": TORCH, **_grid_ratio(entries)})
     return out
 
 
@@ -500,22 +707,27 @@ RATIO_COLUMNS = [("setting", "setting", "s"), ("dtype", "dtype", "s"), ("batch",
                  ("hidden", "hidden", "d"), ("text", "ratio [95 % CI]", "s"), ("target", "target", "s"),
                  ("verdict", "verdict", "s"), ("saved_ratio", "saved ratio", ".2f"),
                  ("peak_ratio", "peak ratio", ".2f")]
+ATTRIBUTION_COLUMNS = [("size", "size", "s"), ("text", "ours / reference", "s"), ("verdict", "verdict", "s"),
+                       ("excess", "ours - reference (us)", ".0f"), ("floor", "of which the floor's (us)", ".0f"),
+                       ("own", "of which ours beyond the floor (us)", ".0f"),
+                       ("left", f"left to <= {CPU_TARGET} (us)", ".0f"),
+                       ("left_grid", f"left to <= {TARGET_GRID} (us)", ".0f")]
 
 
 def _time_table(rows: list[dict], setting: str, dtype: str) -> str:
-    impls = list(dict.fromkeys(r["impl"] for r in rows if r["kind"] == "time" and r["setting"] == setting
-                               and r["dtype"] == dtype))
-    by_impl = {impl: _times(rows, impl, setting, dtype) for impl in impls}
+    impls = list(dict.fromkeys((r["impl"], r.get("transport")) for r in rows if r["kind"] == "time"
+                               and r["setting"] == setting and r["dtype"] == dtype))
+    by_impl = {c: _times(rows, *c, setting, dtype) for c in impls}
     table = []
     for key in sorted(by_impl[impls[0]]):
         entry = {"batch": key[0], "hidden": key[1]}
-        for impl in impls:
-            entry[impl] = 1e3 * by_impl[impl][key]["time_s"]
-            entry[impl + " peak"] = by_impl[impl][key]["peak_bytes"] / 1024
+        for c in impls:
+            entry[label(*c)] = 1e3 * by_impl[c][key]["time_s"]
+            entry[label(*c) + " peak"] = by_impl[c][key]["peak_bytes"] / 1024
         table.append(entry)
     columns = [("batch", "batch", "d"), ("hidden", "hidden", "d")]
-    columns += [(impl, f"{impl} (ms)", ".3f") for impl in impls]
-    columns += [(impl + " peak", f"{impl} peak (KiB)", ".0f") for impl in impls]
+    columns += [(label(*c), f"{label(*c)} (ms)", ".3f") for c in impls]
+    columns += [(label(*c) + " peak", f"{label(*c)} peak (KiB)", ".0f") for c in impls]
     return markdown_table(table, columns)
 
 
@@ -523,16 +735,33 @@ def _breakdown_text(rows: list[dict]) -> list[str]:
     lines = []
     for row in (r for r in rows if r["kind"] == "breakdown"):
         ops = ", ".join(f"{o['op']} {1e6 * o['self_s']:.1f}us x{o['calls']:g}" for o in row["ops"])
-        lines.append(f"  {row['setting']}, {row['batch']}x{row['hidden']}, {row['impl']}: top operators "
-                     f"{1e6 * row['top_self_s']:.0f} us self CPU per iteration: {ops}")
+        lines.append(f"  {row['setting']}, {row['batch']}x{row['hidden']}, {label(row['impl'], row.get('transport'))}: "
+                     f"top operators {1e6 * row['top_self_s']:.0f} us self CPU per iteration: {ops}")
     return lines
 
 
 def _phases_table(rows: list[dict]) -> str:
-    table = [{"size": f"{r['batch']}x{r['hidden']}", "impl": r["impl"], "iteration": 1e6 * r["iteration_s"],
-              **{p: 1e6 * s for p, s in r["phases_s"].items()}} for r in rows if r["kind"] == "phases"]
+    table = [{"size": f"{r['batch']}x{r['hidden']}", "impl": label(r["impl"], r.get("transport")),
+              "iteration": 1e6 * r["iteration_s"], **{p: 1e6 * s for p, s in r["phases_s"].items()}}
+             for r in rows if r["kind"] == "phases"]
     return markdown_table(table, [("size", "size", "s"), ("impl", "implementation", "s")]
                           + [(p, f"{p} (us)", ".0f") for p in PHASES] + [("iteration", "iteration (us)", ".0f")])
+
+
+def attribution_lines(rows: list[dict]) -> list[str]:
+    """Per transport with engine targets: a table of ours' time beyond the reference split with the floor, then
+    what is left and why at every size that does not meet the per-size target."""
+    lines = []
+    engine = [r for r in rows if r["kind"] == "ratio" and "excess_s" in r]
+    for t in dict.fromkeys(r["transport"] for r in engine):
+        mine = [r for r in engine if r["transport"] == t]
+        table = [{"size": f"{r['batch']}x{r['hidden']}", "text": format_ratio(r), "verdict": r["verdict"],
+                  "excess": 1e6 * r["excess_s"], "floor": 1e6 * r["floor_excess_s"], "own": 1e6 * r["own_excess_s"],
+                  "left": 1e6 * r["left_s"], "left_grid": 1e6 * r["left_grid_s"]} for r in mine]
+        lines.append(f"\n{WORKERS} [{t}]: ours' time beyond {REFERENCE} [{t}], split with the floor "
+                     f"(paired per-round medians, us per iteration)\n{markdown_table(table, ATTRIBUTION_COLUMNS)}")
+        lines += [f"  {r['why']}" for r in mine if "why" in r]
+    return lines
 
 
 def report(rows: list[dict], env: dict, config: dict) -> None:
@@ -540,30 +769,34 @@ def report(rows: list[dict], env: dict, config: dict) -> None:
     oversub = oversubscribed(env["world_size"], env["device"])
     print(f"* {config['iters']} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
           f"and warm caches) in {config['rounds']} interleaved rounds; "
-          "times are medians of the per-iteration maximum over ranks" + ("; OVERSUBSCRIBED (more processes than "
-                                                                         "cores): timings say little" if oversub else ""))
+          "times are medians of the per-iteration maximum over ranks; [torch]: torch.distributed's all_reduce, "
+          "[shm]: this host's shared memory" + ("; OVERSUBSCRIBED (more processes than cores): timings say little"
+                                                 if oversub else ""))
     for setting in (WORKERS, SINGLE, COLD):
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
-                print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n{_time_table(rows, setting, dtype)}")
+                print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n"
+                      f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
-    for mine, versus in dict.fromkeys((r["impl"], r["versus"]) for r in ratio_rows):
-        table = [r for r in ratio_rows if r["impl"] == mine and r["versus"] == versus]
-        print(f"\n{mine} / {versus}\n{markdown_table(table, RATIO_COLUMNS)}")
+    pairs = dict.fromkeys((r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"]) for r in ratio_rows)
+    for axis, mine, t_mine, versus, t_versus in pairs:
+        table = [r for r in ratio_rows if (r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"])
+                 == (axis, mine, t_mine, versus, t_versus)]
+        print(f"\n{axis}: {label(mine, t_mine)} / {label(versus, t_versus)}\n{markdown_table(table, RATIO_COLUMNS)}")
     print("\nWhere the time goes (profiled, self CPU time per iteration):")
     print("\n".join(_breakdown_text(rows)))
     if any(r["kind"] == "phases" for r in rows):
-        print(f"\n{WORKERS}: one iteration cut at its two collectives (median per phase, slowest rank)\n"
-              f"{_phases_table(rows)}")
-    if any(r["kind"] == "bound" for r in rows):
-        print("\nBounds (no target):")
-        for b in (r for r in rows if r["kind"] == "bound"):
+        print(f"\n{WORKERS}: one iteration cut at its two sums (median per phase, slowest rank)\n{_phases_table(rows)}")
+    print("\n".join(attribution_lines(rows)))
+    if any(r["kind"] in ("bound", "comparison") for r in rows):
+        print("\nBounds and the transport axis (no target):")
+        for b in (r for r in rows if r["kind"] in ("bound", "comparison")):
             print(f"  {b['name']}: {format_ratio(b)}")
     print("\nTargets:")
     for t in (r for r in rows if r["kind"] == "target"):
         detail = f" ({format_ratio(t)})" if "median" in t else f" ({t['sizes_met']} of {t['sizes']} sizes)"
-        print(f"  {t['name']}: {t['verdict'].upper()}{detail}")
+        print(f"  {t['name']}: {t['verdict'].upper()}{detail}" + (f": {t['why']}" if "why" in t else ""))
 
 
 # --------------------------------------------------------------------------- entry points
@@ -582,20 +815,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 512, 1024],
                         help="numbers of channels (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
-                        help="input dtypes timed with the workers; parameters stay float32 (default: %(default)s)")
-    parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation and size, "
-                        f"{SINGLE_ITERS_FACTOR}x as many with one process (default: {NORMAL['iters']}; {QUICK['iters']} "
-                        "with --quick)")
+                        help="input dtypes timed with the workers: float32 on every transport, the others on the one "
+                             "'auto' picks; parameters stay float32 (default: %(default)s)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation, transport and "
+                        f"size, {SINGLE_ITERS_FACTOR}x as many with one process (default: {NORMAL['iters']}; "
+                        f"{QUICK['iters']} with --quick)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds the iterations are split into "
                         f"(default: {NORMAL['rounds']}; {QUICK['rounds']} with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations before the first round "
                         f"(default: {NORMAL['warmup']}; {QUICK['warmup']} with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: %(default)s)")
     parser.add_argument("--settings", nargs="+", choices=[WORKERS, "single"], default=[WORKERS, "single"],
-                        help="what to time: the spawned workers, and/or one process without a process group "
+                        help="what to time: the spawned workers (on every transport: torch.distributed, and shared "
+                             "memory when they share a CPU host), and/or one process without a process group "
                              "(default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also time syncbn.py as of this git revision, as 'ours@REV' (default: none)")
+                        help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport "
+                             "(default: none)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)
@@ -629,7 +865,7 @@ def main(args) -> None:
             sys.exit(f"error: --batch {batch} is not divisible by --workers {args.workers}")
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     # Generous bound on the whole run: the process-group timeout catches a stuck peer much sooner.
-    budget = 600 + 0.05 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
+    budget = 600 + 0.1 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
     rows = []
     if WORKERS in args.settings:
         rows += launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,

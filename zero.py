@@ -5,64 +5,34 @@
     optimizer.overlap_with_forward(model)             # optional: the next forward waits per layer
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-Every rank still holds the whole model and, after backward, the whole averaged gradient; but
-each parameter element is owned by exactly one rank, and only its owner keeps its optimizer
-state (for AdamW two float32 tensors per parameter: the biggest share of the model states)
-and updates it. Then every rank's updated share is sent to every other rank with an all-gather
-of ``allreduce.py``: when every rank is on one host (CPU tensors), through that host's shared
-memory (``shared_memory_all_gather``: one copy in, one out, no socket; 0.37x [0.27, 0.40]
-torch's ``all_gather_into_tensor`` at 10 MiB with 2 processes in ``results/all_gather.json``; the
-file holds n + 1 rows of a bucket's largest share, outside the tensors the benchmark counts), else
-the ring (``all_gather``).
+Every rank still holds the whole model and the whole averaged gradient, but each parameter
+element is owned by exactly one rank, and only its owner keeps its optimizer state (for AdamW
+two float32 tensors per parameter, the largest part of the model states) and updates it. Then
+every rank's updated share goes to every other rank in one all-gather per *bucket* (at most
+``bucket_cap_mb`` of one param group and dtype), through the ``transport``: the buffers are the
+transport's, so on one host the shares are read where they lie in shared memory.
 
-Buckets and overlap. Each param group's parameters of one dtype are cut, in order, into
-*buckets* of at most ``bucket_cap_mb`` (a bigger tensor alone, as ``ddp.coalesce`` cuts
-them), and every bucket is partitioned among the ranks and all-gathered on its own.
-``step()`` updates this rank's share of bucket 0, hands bucket 0's all-gather to a
-communication thread (``comm_thread.CommThread``: our collectives are blocking Python, the
-thread is what lets them run while this thread computes), updates bucket 1 meanwhile, and so on.
-A lone bucket (a model under ``bucket_cap_mb`` of one dtype, in one param group) is shared
-inside ``step()`` instead: nothing could overlap it, and the thread's hand-offs cost time
-(measured in ``_launch``). Then:
+``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; by default it
+returns once every parameter is up to date. After ``overlap_with_forward(module)`` it returns
+without waiting and each layer of the next forward waits for the bucket holding its parameters.
+Whether the all-gathers really overlap is the transport's matter: an asynchronous one (PyTorch's,
+``SharedMemory(group, background=True)``) runs them beside the next bucket's update and the next
+forward; the default on one CPU host runs each in the caller's thread at its call (there the
+all-gathers are copies made by the cores that compute).
 
-* by default ``step()`` waits for every bucket before it returns: every parameter is up to
-  date afterwards, whatever reads it (only the optimizer's own update of later buckets
-  overlaps the all-gathers);
-* after ``optimizer.overlap_with_forward(module)``, ``step()`` returns at once and the
-  next forward of ``module`` waits, layer by layer, for the bucket holding the parameters
-  of the layer about to run (forward pre-hooks on every submodule owning a parameter):
-  the all-gathers also overlap ``zero_grad``, the data loading and the first layers'
-  forward. See ``overlap_with_forward`` for what waits and what a caller must do.
-
-The partition (the same on every rank, computed from the shapes alone):
-
-* ``partition="flat"`` (default): each bucket's parameters flattened back to back, cut into
-  n ranges of near-equal length (``allreduce.bounds``); a parameter crossing a boundary is
-  split, and its owners' optimizers update 1-D views of their elements. The state is 1/n of
-  the whole to within one element per bucket, whatever the tensor sizes. Exact for
-  element-wise updates (SGD, Adam, AdamW: the same arithmetic on the same elements, bit for
-  bit); an update that looks at a whole tensor (LAMB's per-tensor trust ratio, Adafactor's
-  factored moments, a norm) sees a piece of it, or a 1-D view of a matrix, and is NOT the
-  unsharded update: use ``partition="tensor"``.
-* ``partition="tensor"``: whole parameters, largest first, each to the rank owning the
-  fewest elements so far (ties to the lowest rank; frozen parameters weigh nothing),
-  balanced over the whole model, not per bucket. Exact for any update that treats each
-  tensor as a unit, at the price of uneven shares when one tensor is a large part of the
-  model (a GPT's token embedding); a bucket's all-gather sends its largest share from
-  every rank (padded).
-
-An update that couples tensors (a global gradient norm computed inside the optimizer, LBFGS's
-line search over all parameters) sees this rank's share of one bucket only, under either
-partition.
-
-Tested bit for bit against the unsharded optimizer: ``tests/test_zero.py``.
+The partition, computed from the shapes alone, the same on every rank: ``"flat"`` (default) cuts
+each bucket's parameters, back to back, into n near-equal ranges, splitting a parameter at a
+boundary: exact for element-wise updates (SGD, Adam, AdamW: bit for bit the unsharded
+optimizer), not for one that looks at a whole tensor (LAMB, Adafactor, a norm); ``"tensor"``
+gives whole parameters, largest first, to the least loaded rank: exact for any per-tensor update,
+uneven when one tensor dominates. An update that couples tensors (a global norm inside the
+optimizer, LBFGS) sees one bucket's share only. ``tests/test_zero.py`` checks it bit for bit.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -70,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import allreduce
-from comm_thread import CommThread
+import transport as transports
+from allreduce import bounds
 from ddp import coalesce
 
 
@@ -95,14 +65,15 @@ class Bucket:
     """Consecutive parameters of one param group and dtype, all-gathered together after their update.
 
     ``by_rank[r]``: rank r's pieces of them, in order (what row r of the all-gather buffer
-    holds, back to back). ``future``: the all-gather on its way into the parameters, from
-    ``step()`` until someone waits for it."""
+    holds, back to back). ``work``: the all-gather on its way into ``buffer``, from ``step()`` until
+    someone waits for it and copies the rows into the parameters."""
 
     index: int
     group: int                     # the param group (of this optimizer and of the local one)
     params: list[torch.Tensor]
     by_rank: list[list[Piece]]
-    future: Future | None = field(default=None, repr=False)
+    buffer: torch.Tensor | None = field(default=None, repr=False)  # (n, width), allocated by the transport
+    work: transports.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
 
     def mine(self, rank: int) -> list[torch.Tensor]:
         return [piece.tensor for piece in self.by_rank[rank]]
@@ -123,8 +94,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         partition: ``"flat"`` (default) or ``"tensor"``, see the module docstring.
         bucket_cap_mb: MiB of parameters per bucket (default 25, as DDP's); ``float("inf")``:
             one bucket per param group and dtype (nothing to overlap), 0: one per parameter.
-        comm_thread: all-gather on the communication thread (default) or inline, on the
-            calling thread (no overlap: for A/B measurements).
+        transport: how the updated shares travel (``transport.resolve``; default "auto": this
+            host's shared memory when every rank is on it, else PyTorch's all-gather). An
+            asynchronous transport overlaps each bucket's all-gather with the next bucket's update
+            (and the next forward, see ``overlap_with_forward``); an inline one completes it at its call.
         **defaults: options for ``optimizer_cls`` (``lr=...``), defaults of every param group.
 
     ``param_groups`` lists every parameter (so ``zero_grad`` and learning-rate schedulers act
@@ -134,13 +107,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward`` the
     same way, with the same model (collectives, or they reshape the collectives).
 
-    ``last_share_s``: seconds the calling thread spent waiting for the last step's updated
-    parameters, i.e. the share communication nothing overlapped. By default all of it is
-    inside ``step()``; with ``overlap_with_forward`` it is what the following forward (or any
-    other wait) spent waiting, and it is set once every bucket of that step has arrived.
+    ``last_share_s``: seconds the calling thread spent on sharing the last step's updated
+    parameters, i.e. the share communication nothing overlapped: packing each bucket's share,
+    the all-gather calls (all of an all-gather that the transport runs inline), the waits for
+    the asynchronous ones and the copies into the parameters. By default all of it is inside
+    ``step()``; with ``overlap_with_forward`` the waits of the following forward (or of any
+    other wait) count too, and it is set once every bucket of that step has arrived.
 
-    ``close()`` waits for the parameters, removes the hooks and joins the communication
-    thread (garbage collection stops the thread too).
+    ``close()`` waits for the parameters and removes the hooks; the transport stays open (it
+    may serve other engines: close one you made yourself when done with it).
 
     Checkpoints are CONSOLIDATED: ``state_dict()`` gathers every rank's state and returns, on
     every rank, exactly what ``optimizer_cls`` over all the parameters would return, so it can
@@ -148,10 +123,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     over any number of ranks; ``load_state_dict`` keeps the state of this rank's pieces.
     """
 
-    update = "all_gather"  # or "broadcast": how step() shares the updated parameters (see _share_bucket)
+    # How step() shares the updated parameters: an all-gather through the transport, or "broadcast": one
+    # torch.distributed.broadcast per owner (n rounds where a ring all-gather pipelines them; for A/B timing).
+    update = "all_gather"
 
     def __init__(self, params: Iterable, optimizer_cls: type, process_group=None, *, partition: str = "flat",
-                 bucket_cap_mb: float = 25.0, comm_thread: bool = True, **defaults: Any):
+                 bucket_cap_mb: float = 25.0, transport="auto", **defaults: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if partition not in PARTITIONS:
@@ -172,14 +149,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready = True
         self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
-        self._comm = CommThread(process_group, device, enabled=comm_thread, name="zero-comm")
-        # Ranks on one host (CPU) gather through its shared memory; otherwise our ring (see _share_bucket).
-        largest_share = max((b.width * b.params[0].element_size() for b in self.buckets if b.params), default=0)
-        self._all_gather = (allreduce.shared_memory_all_gather if device.type == "cpu" and self.world_size > 1
-                            and allreduce.shares_memory(self._comm.group, largest_share) else allreduce.all_gather)
+        self.transport = transports.resolve(transport, process_group, device, engine="ShardedOptimizer")
+        self._allocate_buffers(self.buckets)
         self._module: nn.Module | None = None  # set by overlap_with_forward
         self._hooks: list = []
-        self._waited_s = 0.0  # waits for the buckets in flight so far
+        self._waited_s = 0.0  # the calling thread's time on this step's share so far (see last_share_s)
         self.last_share_s = 0.0
 
     # ------------------------------------------------------------------ partition
@@ -203,6 +177,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine += bucket.mine(self.rank)
         return mine
 
+    def _allocate_buffers(self, buckets: list[Bucket]) -> None:
+        """Each bucket's (n, largest share) all-gather buffer, allocated once by the transport (on shared memory
+        it lies in the segment the peers read: the all-gather copies each share once, into its place)."""
+        for bucket in buckets:
+            if bucket.width and self.world_size > 1:
+                bucket.buffer = self.transport.allocate((self.world_size, bucket.width), dtype=bucket.params[0].dtype,
+                                                        device=bucket.params[0].device)
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to every rank's partition (every rank must add the same group)."""
         if not self._ready:  # called by the base constructor
@@ -211,8 +193,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (group,) = _param_groups([param_group], known=[p for g in self.param_groups for p in g["params"]])
         self.wait_for_parameters()
         super().add_param_group(group)
+        first_new = len(self.buckets)
         self.local.add_param_group({**self.param_groups[-1],
                                     "params": self._assign(group["params"], len(self.param_groups) - 1)})
+        self._allocate_buffers(self.buckets[first_new:])
         if self._module is not None:  # the new parameters' layers wait for their buckets too
             self._install_hooks(self._module)
 
@@ -226,7 +210,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Update this rank's pieces bucket by bucket, each bucket's all-gather overlapping the next
         bucket's update; return when every parameter is up to date (or at once, see
         ``overlap_with_forward``)."""
-        self.wait_for_parameters()  # the previous step's gathers still read and write the parameters
+        self.wait_for_parameters()  # the previous step's gathers still use the buffers; their rows are not in place
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -247,6 +231,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 piece.tensor.grad = None  # do not keep the gradient alive past zero_grad(set_to_none=True)
         if self._module is None:
             self.wait_for_parameters()
+        else:
+            self._note_share_time()  # an inline transport left nothing for the forward to wait for
         return loss
 
     def _update(self, bucket: Bucket) -> None:
@@ -266,47 +252,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.local.param_groups = groups
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start sharing the bucket's updated pieces on the communication thread; a lone bucket is shared inline.
+        """Start sharing the bucket's updated pieces: this rank's share into its row of the bucket's buffer, then
+        the all-gather (asynchronous where the transport is; ``wait_for_parameters`` copies the rows out)."""
+        if bucket.buffer is None:  # nothing to share: one rank owns every piece
+            return
+        start = time.perf_counter()
+        _copy_pieces(bucket.by_rank[self.rank], bucket.buffer[self.rank], into_row=True)
+        if self.update == "broadcast":
+            _broadcast_rows(bucket.buffer.view(-1), bucket.buffer[self.rank], self.process_group)
+        else:
+            bucket.work = self.transport.all_gather(bucket.buffer.view(-1), bucket.buffer[self.rank], async_op=True)
+        self._waited_s += time.perf_counter() - start  # an inline transport's whole all-gather is in here
+        if bucket.work is None or bucket.work.is_completed():  # done already (inline transports): no wait
+            self._unpack(bucket)
 
-        A lone bucket has no later update to overlap, and the next forward's first layer waits for
-        it: the thread would add only its hand-offs. Measured on the quick GPT (one bucket, 2
-        processes) before this rule: the threaded share took 1.13x [1.07, 1.15] our DDP's time per
-        iteration, the inline one ("zero ours blocking") 0.90x [0.86, 0.95] the threaded one
-        (``python sharding_benchmark.py --quick --procs 2 --variants "ddp ours" "zero ours" "zero ours
-        blocking" --iters 240 --rounds 40``); resnet18 (two buckets) keeps the thread, which made it
-        0.90x [0.87, 0.92] DDP's time where inline took 1.11x [1.08, 1.15] the threaded one (the same
-        with ``--models resnet18 --variants "ddp ours" "zero ours" "zero ours blocking" --iters 40
-        --rounds 20``).
-        """
-        width = bucket.width
-        if width == 0 or self.world_size == 1:  # nothing to share: one rank owns every piece
-            return
-        device = bucket.params[0].device
-        # (n, largest share), padded. Allocated (and later freed) by this thread: see CommThread.submit.
-        buffer = torch.empty(self.world_size, width, dtype=bucket.params[0].dtype, device=device)
-        share = _broadcast_rows if self.update == "broadcast" else self._all_gather
-        if len(self.buckets) == 1:
-            start = time.perf_counter()
-            _share_bucket(buffer, bucket.by_rank, self.rank, share, self._comm.group)
-            self._waited_s += time.perf_counter() - start  # exposed, as a wait for the thread would be
-            return
-        bucket.future = self._comm.submit(_share_bucket, buffer, bucket.by_rank, self.rank, share, self._comm.group)
+    def _unpack(self, bucket: Bucket) -> None:
+        """Wait for the bucket's all-gather, then copy every other rank's pieces from their rows into the
+        parameters: the all-gather writes only the buffer, so a parameter changes here, in the caller's thread."""
+        start = time.perf_counter()
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        for owner, pieces in enumerate(bucket.by_rank):
+            if owner != self.rank:
+                _copy_pieces(pieces, bucket.buffer[owner], into_row=False)
+        self._waited_s += time.perf_counter() - start
 
     def wait_for_parameters(self, through: int | None = None) -> None:
         """Wait until the updated parameters of buckets ``0..through`` (default: all) have arrived.
 
         Only needed with ``overlap_with_forward``, before reading a parameter in a way the
         hooks do not see (see there); a no-op when nothing is in flight. Raises the
-        all-gather's error, or TimeoutError after the process group's timeout."""
+        all-gather's error, or the transport's after the process group's timeout."""
         last = len(self.buckets) - 1 if through is None else through
         for bucket in self.buckets[:last + 1]:  # launched in this order: an earlier one is never later
-            if bucket.future is None:
-                continue
-            start = time.perf_counter()
-            self._comm.wait(bucket.future)
-            bucket.future = None
-            self._waited_s += time.perf_counter() - start
-        if through is None or all(bucket.future is None for bucket in self.buckets[last + 1:]):
+            if bucket.work is not None:
+                self._unpack(bucket)
+        self._note_share_time()
+
+    def _note_share_time(self) -> None:
+        if all(bucket.work is None for bucket in self.buckets):
             self.last_share_s = self._waited_s  # every bucket of the last step is in
 
     # ------------------------------------------------------------------ overlap with the next forward
@@ -314,8 +299,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def overlap_with_forward(self, module: nn.Module) -> None:
         """From now on ``step()`` returns before the parameters arrive; ``module``'s next forward waits for them.
 
-        Hooks on ``module`` wait, so that nothing reads a parameter while its all-gather may
-        still write it:
+        Hooks on ``module`` wait, so that nothing reads a parameter before its bucket's all-gather
+        is done and the other ranks' pieces are copied into it:
 
         * a forward pre-hook on every submodule that owns one of this optimizer's parameters
           (in its own ``_parameters``) waits for the buckets up to the one holding them;
@@ -359,11 +344,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     def close(self) -> None:
-        """Wait for the parameters, remove the hooks, stop and join the communication thread (idempotent)."""
+        """Wait for the parameters and remove the hooks (idempotent); the transport stays open."""
         self.wait_for_parameters()
         self._remove_hooks()
         self._module = None
-        self._comm.close()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -495,7 +479,7 @@ def _param_groups(params: Iterable, known: Iterable[torch.Tensor] = ()) -> list[
 def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
     """``params`` (one dtype) flattened back to back and cut into ``world_size`` near-equal ranges:
     each parameter's piece in each range it crosses, in order."""
-    edges = allreduce.bounds(sum(p.numel() for p in params), world_size)
+    edges = bounds(sum(p.numel() for p in params), world_size)
     pieces, offset = [], 0
     for p in params:
         for owner in range(world_size):
@@ -507,26 +491,6 @@ def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
     return pieces
 
 
-@torch.no_grad()
-def _share_bucket(buffer: torch.Tensor, by_rank: list[list[Piece]], rank: int, gather: Callable, group) -> None:
-    """Every owner's pieces of one bucket to every rank (on the communication thread, or inline for a lone bucket).
-
-    ``buffer``: (n, largest share). Rank j packs its pieces into row j, padded; ``gather``, an
-    all-gather (``allreduce.all_gather``, our ring, or ``shared_memory_all_gather`` when the
-    ranks share a host), fills the other rows; each rank copies them into its parameters. The thread
-    reads only this rank's pieces of this bucket, which the caller's later updates do not
-    touch, and writes only other ranks' pieces, which nothing reads until the wait.
-    All-gather rather than one broadcast per owner: the ring sends each rank's (n-1)/n of the
-    buffer in n-1 pipelined steps, n broadcasts serialise n rounds (``update = "broadcast"``,
-    ``_broadcast_rows``; ``sharding_benchmark.py`` times both in the same rounds).
-    """
-    _copy_pieces(by_rank[rank], buffer[rank], into_row=True)
-    gather(buffer.view(-1), buffer[rank], group)
-    for owner, pieces in enumerate(by_rank):
-        if owner != rank:
-            _copy_pieces(pieces, buffer[owner], into_row=False)
-
-
 def _broadcast_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """The all-gather's contract (``input`` is row r of ``output`` viewed (n, -1)) as one broadcast per owner."""
     rows = output.view(dist.get_world_size(group), -1)
@@ -536,7 +500,7 @@ def _broadcast_rows(output: torch.Tensor, input: torch.Tensor, group) -> None:
 
 def _waiter(ref: weakref.ref, through: int | None) -> Callable[[], None]:
     """A hook body: wait for the buckets up to ``through`` (None: all) of the optimizer ``ref`` points to.
-    A weak reference: the module's hooks must not keep the optimizer (and its thread) alive."""
+    A weak reference: the module's hooks must not keep the optimizer (and its buffers) alive."""
     def wait() -> None:
         optimizer = ref()
         if optimizer is not None:

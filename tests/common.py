@@ -8,6 +8,8 @@
   (``--standalone`` picks a free port) with a timeout; the whole process group is killed
   when it expires.
 * ``CollectiveCounter``: counts calls into ``torch.distributed`` inside a worker.
+* ``CountingTransport``: a transport that counts the collectives an engine makes through it, whatever
+  carries them (pass it as the engine's ``transport=``).
 * ``launch_expecting_peer_failure``: a group in which one rank must fail because a peer
   stopped answering, with the message and the time it took.
 """
@@ -20,15 +22,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import allreduce
-from comm_thread import CommThread
+import transport as transports
 from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,31 +171,6 @@ class CollectiveCounter:
         self._saved.clear()
 
 
-class SumCounter(CollectiveCounter):
-    """A ``CollectiveCounter`` that also counts our shared-memory all-reduce as an ``all_reduce``: a sum across
-    ranks, whatever carries it. A blocking call counts when made from the thread that entered the counter;
-    one handed to a ``comm_thread.CommThread`` counts at the hand-off, when it is launched (as an asynchronous
-    ``all_reduce`` counts at its call), not when the thread runs it."""
-
-    def __enter__(self) -> "SumCounter":
-        super().__enter__()
-        thread, real_sum, real_submit = threading.get_ident(), allreduce.shared_memory_allreduce, CommThread.submit
-
-        def counted_sum(*args, **kwargs):
-            if threading.get_ident() == thread:
-                self.calls["all_reduce"] += 1
-            return real_sum(*args, **kwargs)
-
-        def counted_submit(comm, fn, *args, **kwargs):
-            if fn is counted_sum:
-                self.calls["all_reduce"] += 1
-            return real_submit(comm, fn, *args, **kwargs)
-        for owner, name, wrapped in ((allreduce, "shared_memory_allreduce", counted_sum), (CommThread, "submit", counted_submit)):
-            self._saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, wrapped)
-        return self
-
-
 def run_in_subgroups(grid_in, world_size: int, rounds, *args) -> dict[int, list]:
     """Run ``grid_in(group, *args)`` on every group of ``rounds`` inside ONE spawned world.
 
@@ -241,3 +216,41 @@ def assert_refused(refusals: dict[str, dict], expected: dict[str, str]) -> None:
         outcome = refusals[case]
         assert outcome["error"] is not None and outcome["error"].startswith(start), (case, outcome["error"])
         assert outcome["calls"] == {}, case
+
+
+class CountingTransport(transports.Wrapped):
+    """Wraps a transport (default: ``resolve("auto")`` over ``group``) and counts the collectives made through
+    it: ``calls["all_reduce" | "reduce_scatter" | "all_gather"]`` at the call (an asynchronous one when it
+    is launched, as torch's counts), and ``bytes[kind]``. Buffers are the inner transport's (``allocate``),
+    so a shared-memory inner transport still sums them without a copy. Every rank must wrap alike."""
+
+    name = "counting"
+
+    def __init__(self, inner: transports.Transport | str = "auto", group=None, device="cpu"):
+        super().__init__(inner if isinstance(inner, transports.Transport) else transports.resolve(inner, group, device))
+        self.calls: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
+
+    @property
+    def collectives(self) -> int:
+        return sum(self.calls.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def _count(self, kind: str, tensor) -> None:
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def all_reduce(self, tensor, op="sum", *, async_op=False):
+        self._count("all_reduce", tensor)
+        return super().all_reduce(tensor, op, async_op=async_op)
+
+    def reduce_scatter(self, output, input, op="sum", *, async_op=False):
+        self._count("reduce_scatter", input)
+        return super().reduce_scatter(output, input, op, async_op=async_op)
+
+    def all_gather(self, output, input, *, async_op=False):
+        self._count("all_gather", output)
+        return super().all_gather(output, input, async_op=async_op)

@@ -35,9 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import allreduce  # noqa: E402
 import ddp_cifar100  # noqa: E402
-from comm_thread import CommThread  # noqa: E402
+import transport  # noqa: E402
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 LAST = WORLD - 1
@@ -73,21 +72,20 @@ def install(point: str, n: int, checkpoint_dir: str | None) -> None:
     ddp_cifar100.Trainer.__init__ = init
 
     if point == "allreduce" and RANK == LAST:
-        all_reduce, submit = dist.all_reduce, CommThread.submit
+        all_reduce, sum_chunk = dist.all_reduce, transport._sum_chunk
 
-        def all_reduce_then_die(tensor, *args, **kwargs):
+        def all_reduce_then_die(tensor, *args, **kwargs):  # torch's: the bucket's sum in flight
             work = all_reduce(tensor, *args, **kwargs)
             if kwargs.get("async_op") and trainer is not None and trainer.step == n:
                 die(f"with a bucket's all-reduce in flight after step {n}")
             return work
 
-        def submit_then_die(comm, fn, *args, **kwargs):  # one host: our DDP hands its sums to a thread
-            future = submit(comm, fn, *args, **kwargs)
-            if fn is allreduce.shared_memory_allreduce and trainer is not None and trainer.step == n:
-                die(f"with a bucket's all-reduce in flight after step {n}")
-            return future
+        def sum_then_die(*args, **kwargs):  # one host: in the middle of a shared-memory sum
+            if trainer is not None and trainer.step == n:
+                die(f"in the middle of a bucket's shared-memory sum after step {n}")
+            return sum_chunk(*args, **kwargs)
 
-        dist.all_reduce, CommThread.submit = all_reduce_then_die, submit_then_die
+        dist.all_reduce, transport._sum_chunk = all_reduce_then_die, sum_then_die
 
     if point == "scatter" and RANK == LAST:
         scatter, calls = dist.scatter, {}

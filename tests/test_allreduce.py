@@ -1,5 +1,5 @@
-"""allreduce.py: ring, butterfly, halving-doubling, recursive-doubling, tree, shared-memory and automatic
-all-reduce, against the exact result computed in float64.
+"""allreduce.py: ring, butterfly, halving-doubling, recursive-doubling, tree and automatic all-reduce,
+against the exact result computed in float64. (The shared-memory transport is tested in test_transport.py.)
 
 World sizes 1, 2, 3, 4, 5 and 8 all run in ONE spawned group of 8 workers (spawning costs seconds
 of importing torch per process, a case milliseconds): sizes 1 to 5 are disjoint subgroups that
@@ -11,20 +11,16 @@ checks the results against the exact sum or mean.
 
 from __future__ import annotations
 
-import errno
-import glob
 import math
-import os
 import time
 import warnings
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import allreduce
-from common import CollectiveCounter, launch_expecting_peer_failure, run_in_subgroups
+from common import CollectiveCounter, run_in_subgroups
 from dist_utils import WorkerError, launch
 from measure import PeakMemory
 
@@ -34,9 +30,7 @@ WORLD = 8
 WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 # Each algorithm with its defaults, and the pipelined ones with tiny segments so that even 1003
 # elements take several segments (2 to 16 per chunk for the ring), reusing their scratch rows.
-BASE = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree", "shared_memory", "auto")
-# What waits without messages once set up (polling shared counters: x86); auto is shared memory here.
-MESSAGE_FREE = ("shared_memory", "auto") if allreduce.POLLS else ()
+BASE = ("ring", "butterfly", "halving_doubling", "recursive_doubling", "tree", "auto")
 VARIANTS = {
     **{name: (name, {}) for name in BASE},
     "ring_segmented": ("ring", {"segment_bytes": 256, "in_flight": 3}),
@@ -61,12 +55,13 @@ def rank_input(numel: int, rank: int, dtype: str, salt: int = 0) -> torch.Tensor
 
 
 def cases(world_size: int):
-    """(variant, numel, dtype, op): every size, float dtype and op for every algorithm and ``auto``; int64
-    sums; the segmented variants on the largest size only (where segments are many: a case is as slow as
+    """(variant, numel, dtype, op): every size, float dtype and op for every algorithm; ``auto`` on every size in
+    float32 (it runs one of those algorithms, chosen by bytes: ``test_auto_returns_the_bits_of_the_algorithm_it_names``);
+    int64 sums; the segmented variants on the largest size only (where segments are many: a case is as slow as
     its number of dependent message hops on an oversubscribed machine)."""
     for variant in BASE:
         for numel in sizes(world_size):
-            for dtype in FLOATS:
+            for dtype in FLOATS if variant != "auto" else ("float32",):
                 for op in allreduce.OPS:
                     yield variant, numel, dtype, op
         yield variant, 1003, "int64", "sum"
@@ -129,22 +124,21 @@ def _auto_against_named(group) -> dict:
     """Per (table, numel, dtype): the algorithm auto chose and whether its result has the bits of that algorithm's."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {}
-    saved = allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES
+    saved = allreduce.CROSSOVER
     try:
-        for table, dtypes in (("real", FLOATS), ("every algorithm", ("float32",))):
-            if table != "real":  # the table's choice, as for a group spread over several hosts
-                allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES = {n: AUTO_TABLE}, None
-            for numel in AUTO_SIZES:
-                for dtype in dtypes:
-                    auto, named = rank_input(numel, rank, dtype, salt=3), rank_input(numel, rank, dtype, salt=3)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")  # a world size the real table lacks: tested separately
-                        name = allreduce.auto_algorithm(auto, group)
-                        allreduce.allreduce(auto, "mean", group)
-                    allreduce.ALGORITHMS[name](named, "mean", group)
-                    out[table, numel, dtype] = (name, torch.equal(auto, named))
+        for table in ("real", "every algorithm"):
+            if table != "real":
+                allreduce.CROSSOVER = {n: AUTO_TABLE}
+            for numel in AUTO_SIZES:  # float32: the choice depends on bytes only, the dtypes are the grid's
+                auto, named = rank_input(numel, rank, "float32", salt=3), rank_input(numel, rank, "float32", salt=3)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a world size the real table lacks: tested separately
+                    name = allreduce.auto_algorithm(auto, group)
+                    allreduce.allreduce(auto, "mean", group)
+                allreduce.ALGORITHMS[name](named, "mean", group)
+                out[table, numel, "float32"] = (name, torch.equal(auto, named))
     finally:
-        allreduce.CROSSOVER, allreduce.SHARED_FROM_BYTES = saved
+        allreduce.CROSSOVER = saved
     return out
 
 
@@ -164,78 +158,12 @@ def _checked(group) -> dict:
             "calls": dict(counter.calls)}
 
 
-def _apart(group) -> dict:
-    """The group as if group rank 1 were on another host (it cannot see rank 0's file in /dev/shm)."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    key = id(group if group is not None else dist.group.WORLD)
-    exists = os.path.exists
-    hidden = lambda path: exists(path) and not (rank == 1 and path.startswith("/dev/shm/dp-kit-"))
-    allreduce._SHARED.pop(key, None)  # forget the mapping the cases made: set up again, apart
-    try:
-        with mock.patch.object(allreduce.os.path, "exists", hidden):
-            shares = allreduce.shares_memory(group)
-        try:
-            allreduce.shared_memory_allreduce(torch.ones(4), "sum", group)
-            error = None
-        except RuntimeError as e:
-            error = str(e)
-        auto = allreduce.auto_algorithm(torch.ones(1 << 20), group)
-    finally:
-        allreduce._SHARED.pop(key, None)
-    left = glob.glob(f"/dev/shm/dp-kit-allreduce-{os.getpid()}-*") if rank == 0 else []
-    return {"shares": shares, "error": error, "auto": auto, "left": left}
-
-
-def _no_room(group) -> dict:
-    """/dev/shm with no room (posix_fallocate fails with ENOSPC on rank 0, which makes the file): the set-up says
-    no on every rank; growing an existing file says no and keeps the smaller one; nothing is left in /dev/shm."""
-    rank, key = dist.get_rank(group), id(group if group is not None else dist.group.WORLD)
-
-    def full(*args):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    allreduce._SHARED.pop(key, None)
-    try:
-        with mock.patch.object(allreduce.os, "posix_fallocate", full):
-            first = allreduce.shares_memory(group, 1 << 20)
-        allreduce._SHARED.pop(key, None)
-        small = allreduce.shares_memory(group)  # room for the minimum
-        with mock.patch.object(allreduce.os, "posix_fallocate", full):
-            grown = allreduce.shares_memory(group, 8 << 20)
-            try:
-                allreduce.shared_memory_allreduce(torch.ones(2 << 20), "sum", group)  # 8 MiB
-                error = None
-            except RuntimeError as e:
-                error = str(e)
-        after = allreduce.shared_memory_allreduce(torch.ones(4), "sum", group)  # the smaller file still works
-    finally:
-        allreduce._SHARED.pop(key, None)
-    left = glob.glob(f"/dev/shm/dp-kit-allreduce-{os.getpid()}-*") if rank == 0 else []
-    return {"first": first, "small": small, "grown": grown, "error": error, "after": after, "left": left}
-
-
-def _mismatched_shared(group) -> dict:
-    """Each group rank brings another size to the shared-memory all-reduce and all-gather; then a good call."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    errors = {}
-    for name, call in (("all-reduce", lambda: allreduce.shared_memory_allreduce(torch.ones(4 + rank), "sum", group)),
-                       ("all-gather", lambda: allreduce.shared_memory_all_gather(torch.ones(n * (4 + rank)),
-                                                                                 torch.ones(4 + rank), group))):
-        try:
-            call()
-            errors[name] = None
-        except ValueError as e:
-            errors[name] = str(e)
-    after = allreduce.shared_memory_allreduce(torch.full((3,), float(rank)), "sum", group)
-    return {"errors": errors, "after": after}
-
-
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {"cases": {case: _run_case(group, *case) for case in cases(n)},
            "noncontiguous": {}, "empty": {}, "refused": {}, "overflow": {}, "ring_scratch": _ring_scratch_bytes(group),
-           "auto": _auto_against_named(group), "checked": _checked(group), "mismatched": _mismatched_shared(group), "no room": _no_room(group),
-           "apart": _apart(group)}
+           "auto": _auto_against_named(group), "checked": _checked(group)}
     for variant in VARIANTS:
         # Every other element of a (1003, 2) matrix: strided, so reduced in a contiguous copy.
         matrix = rank_input(2006, rank, "float64", salt=1).view(1003, 2)
@@ -362,17 +290,8 @@ def test_only_point_to_point_messages_are_used(grids, n):
             assert set(outcome["calls"]) <= {"isend", "irecv", "batch_isend_irecv"}, (case, outcome["calls"])
             if n == 1:
                 assert outcome["calls"] == {}, "a world of one has nobody to talk to"
-            elif case[0] not in MESSAGE_FREE:
+            else:
                 assert outcome["p2p"] > 0, case
-
-
-@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
-def test_once_set_up_shared_memory_waits_without_messages_where_stores_stay_in_order(grids, n):
-    """auto (shared memory here) runs after the shared-memory cases of its group have mapped the file."""
-    for case in (c for c in cases(n) if c[0] == "auto"):
-        for ranks_out in grids[n]:
-            calls = ranks_out["cases"][case]["calls"]
-            assert (calls == {}) if allreduce.POLLS else (calls.get("isend", 0) > 0), (case, calls)
 
 
 @pytest.mark.parametrize("variant", ["ring", "ring_segmented", "butterfly"])
@@ -454,8 +373,11 @@ def test_auto_returns_the_bits_of_the_algorithm_it_names(grids, n):
     if n > 1:  # the test table sends each size to a different algorithm: every branch of the choice is exercised
         chosen = [grids[n][0]["auto"]["every algorithm", numel, "float32"][0] for numel in AUTO_SIZES]
         assert chosen == [name for _, name in AUTO_TABLE]
-        # All ranks on this host: the real choice is shared memory at every size.
-        assert {name for (table, *_), (name, _) in grids[n][0]["auto"].items() if table == "real"} == {"shared_memory"}
+        # The real choice is CROSSOVER's (the nearest measured world size's), whatever the host.
+        for (table, numel, dtype), (name, _) in grids[n][0]["auto"].items():
+            if table == "real":
+                nbytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+                assert name == allreduce.choose_algorithm(nbytes, n, warn=False), (numel, dtype, name)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -519,49 +441,6 @@ def test_bad_input_is_refused_before_any_message(grids, n, variant):
         assert refused["int_mean"]["calls"] == {} and refused["unknown_op"]["calls"] == {}
 
 
-@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
-def test_ranks_that_do_not_share_memory_fall_back_to_messages_and_leave_no_file(grids, n):
-    for ranks_out in grids[n]:
-        apart = ranks_out["apart"]
-        assert apart["shares"] is False, "every rank learns that one could not map the file"
-        assert "needs every rank of the group on this host" in apart["error"]
-        assert apart["auto"] == allreduce.choose_algorithm(4 << 20, n, warn=False), "auto takes the table's choice"
-        assert apart["left"] == [], "rank 0 unlinks its file once every rank has tried to map it"
-
-
-def _silent_after_set_up(ctx):
-    allreduce.shares_memory()  # both map the file
-    if ctx.rank == 0:
-        allreduce.shared_memory_allreduce(torch.ones(8), "sum")  # rank 1 never comes
-
-
-@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
-def test_without_room_in_dev_shm_the_shared_memory_says_no_on_every_rank_instead_of_crashing(grids, n):
-    """A tmpfs page written past the tmpfs's size is SIGBUS: the file's bytes are allocated before any rank maps it."""
-    for ranks_out in grids[n]:
-        got = ranks_out["no room"]
-        assert got["first"] is False and got["small"] is True and got["grown"] is False
-        assert "room in /dev/shm" in got["error"]
-        assert torch.equal(got["after"], torch.full((4,), float(n))) and got["left"] == []
-
-
-@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
-def test_ranks_that_bring_different_sizes_to_shared_memory_all_raise_and_the_group_stays_usable(grids, n):
-    """Without the check each rank would read its peers' rows at its own length and return garbage, silently."""
-    sizes = [4 * (4 + r) for r in range(n)]  # float32
-    for rank, ranks_out in enumerate(grids[n]):
-        got = ranks_out["mismatched"]
-        for name, error in got["errors"].items():
-            assert error == (f"rank {rank}/{n}: the ranks called the shared-memory {name} with different sizes "
-                             f"(bytes per group rank: {sizes}): a peer diverged"), error
-        assert torch.equal(got["after"], torch.full((3,), float(sum(range(n)))))
-
-
-def test_a_peer_that_never_arrives_fails_the_shared_memory_all_reduce_within_the_group_timeout():
-    message, seconds = launch_expecting_peer_failure(_silent_after_set_up, 2, rank=0, pg_timeout_s=3)
-    assert "shared-memory collective" in message and seconds < 60
-
-
 def _mismatched_sizes(ctx):
     x = torch.ones(1000 + 3 * ctx.rank)
     allreduce.ring_allreduce(x, "sum")
@@ -594,7 +473,7 @@ def test_an_unknown_algorithm_lists_the_valid_ones():
 
 def test_a_world_size_without_a_measured_crossover_uses_the_nearest_and_says_so_once():
     table = {2: ((100, "recursive_doubling"), (None, "ring")), 8: ((1000, "tree"), (None, "halving_doubling"))}
-    allreduce._WARNED.clear()
+    allreduce.reset_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         chosen = [allreduce.choose_algorithm(nbytes, 6, table) for nbytes in (50, 500, 5000)]
@@ -611,11 +490,12 @@ def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_
         return {"world_size": world, "numel": 1000, "dtype": "float32", "algorithm": algorithm, "time_s": seconds,
                 "time_p90_s": seconds, "round_time_s": [seconds] * 8, "vs_torch": ratio, "vs_torch_ci_low": ci[0],
                 "vs_torch_ci_high": ci[1], "choice": choice, "oversubscribed": world > 2, "memory_bytes": 0,
-                "max_abs_error": 0.0}
+                "max_abs_error": 0.0, "axis": "algorithm", "transport": "gloo"}
     rows = [row("torch", 1e-3, 2, 1.0, (1.0, 1.0)), row("auto", 0.9e-3, 2, 0.9, (0.8, 1.0), "recursive_doubling"),
             row("torch", 1e-3, 4, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 4, 1.3, (1.2, 1.4), "tree"),
             row("torch", 1e-3, 8, 1.0, (1.0, 1.0)), row("auto", 1.3e-3, 8, 1.3, (1.0, 1.6), "tree")]
     text = allreduce.report(rows)
+    assert text.startswith("## Every algorithm, all over gloo (")  # algorithm against algorithm, one wire
     assert "| 2 | 1000 | 1.000 | 0.900 | RD | 0.90x [0.80, 1.00] |" in text
     assert "target auto <= 1.10x torch, 2 processes, 1000 elements: 0.90x [0.80, 1.00] met" in text
     assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text

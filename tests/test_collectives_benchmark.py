@@ -1,5 +1,6 @@
-"""collectives_benchmark.py: what it measures (run on 2 spawned workers and checked against numbers the test
-computes itself), its exact correctness pattern, the model fit, the crossover table, the targets and the chart."""
+"""collectives_benchmark.py: what it measures on each axis (run on 2 spawned workers and checked against numbers
+the test computes itself), its exact correctness pattern, the labels that keep algorithms and transports apart,
+the model fit, the crossover table, the targets and the charts."""
 
 import math
 
@@ -12,6 +13,8 @@ import collectives_benchmark as bench
 from common import run_workers
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
+TRANSPORT_SIZE = 64 << 10
+LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory (zero copy), shared_memory (staged), p2p
 
 
 def _broken(tensor, op="mean", group=None):
@@ -22,12 +25,28 @@ def _broken(tensor, op="mean", group=None):
     return tensor
 
 
+def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
+    """The transport axis of one collective at one size, and which contenders' inputs the shared memory owns."""
+    made = bench.make_transports(ctx, list(bench.TRANSPORTS), collective)
+    shared = made["zero_copy"]
+    contenders, _, _ = bench.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
+    owned = {c.label: [shared.owns(t) for t in c.inputs] for c in contenders}
+    del contenders
+    rows = bench.benchmark_transports_size(ctx, collective, TRANSPORT_SIZE, made, iters=1, warmup=0)
+    for t in {id(t): t for t in made.values()}.values():
+        t.close()
+    return rows, owned
+
+
 def _measure(ctx) -> dict:
     allreduce.ALGORITHMS["broken"] = _broken  # this worker only: the benchmark looks algorithms up by name
     pipeline = {"segment_bytes": allreduce.SEGMENT_BYTES, "in_flight": allreduce.IN_FLIGHT}
     rows = [row for nbytes in SIZES
-            for row in bench.benchmark_size(ctx, nbytes, [*allreduce.ALGORITHMS], iters=3, warmup=1, pipeline=pipeline)]
-    return {"rows": rows, "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000))}
+            for row in bench.benchmark_size(ctx, nbytes, [*allreduce.ALGORITHMS], iters=2, warmup=1, pipeline=pipeline)]
+    transports = {collective: _transports(ctx, collective) for collective in bench.COLLECTIVES}
+    return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
+            "owned": {c: owned for c, (_, owned) in transports.items()},
+            "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000))}
 
 
 @pytest.fixture(scope="module")
@@ -36,37 +55,66 @@ def measured() -> list[dict]:
     return run_workers(_measure, 2)
 
 
+def _all_rows(result: dict) -> list[dict]:
+    return result["rows"] + [row for rows in result["transports"].values() for row in rows]
+
+
 def test_every_rank_reports_the_same_rows(measured):
     first, second = measured
-    assert [r["p50_s"] for r in first["rows"]] == [r["p50_s"] for r in second["rows"]]  # maxima over ranks
+    assert [r["p50_s"] for r in _all_rows(first)] == [r["p50_s"] for r in _all_rows(second)]  # maxima over ranks
 
 
-def test_each_size_has_one_row_per_algorithm_with_its_bytes(measured):
+def test_each_size_has_one_row_per_algorithm_over_one_wire(measured):
     rows = measured[0]["rows"]
     names = [*allreduce.ALGORITHMS, "broken"]  # the workers added the wrong one
     assert [(r["bytes"], r["algorithm"]) for r in rows] == [(s, a) for s in SIZES for a in names]
+    assert "shared_memory" not in allreduce.ALGORITHMS, "shared memory is a transport, not an algorithm"
     assert all(r["world_size"] == 2 and not r["oversubscribed"] for r in rows)
+    assert all((r["axis"], r["transport"], r["label"], r["collective"]) == ("algorithm", "gloo", r["algorithm"], "allreduce")
+               for r in rows)
+
+
+def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_inside(measured):
+    inside = {"allreduce": "auto", "reduce_scatter": "ring", "all_gather": "ring"}
+    for collective, rows in measured[0]["transports"].items():
+        assert [r["label"] for r in rows] == LABELS
+        assert all(r["axis"] == "transport" and r["collective"] == collective for r in rows)
+        assert [r["transport"] for r in rows] == ["torch (gloo)", "shared_memory", "shared_memory",
+                                                  f"p2p ({inside[collective]})"]
+        assert [r["algorithm"] for r in rows] == ["torch", "direct", "direct", inside[collective]]
+        size = TRANSPORT_SIZE if collective == "allreduce" else TRANSPORT_SIZE // 4 // 2 * 2 * 4
+        assert {r["bytes"] for r in rows} == {size}
+
+
+def test_zero_copy_works_on_buffers_the_transport_allocated_and_staged_on_plain_tensors(measured):
+    for collective, owned in measured[0]["owned"].items():
+        assert owned["shared_memory (zero copy)"] and all(owned["shared_memory (zero copy)"]), collective
+        for label in ("torch", "shared_memory (staged)", "p2p"):
+            assert not any(owned[label]), (collective, label)
 
 
 def test_small_messages_get_more_timed_calls(measured):
     """Up to 1 MiB a size gets 4 times --iters rounds (one call each); above it, --iters."""
     assert bench.calls(4000, 3) == bench.calls(1 << 20, 3) == 12
     assert bench.calls((1 << 20) + 1, 3) == bench.calls(100 << 20, 3) == 3
-    assert {r["rounds"] for r in measured[0]["rows"]} == {12}  # both measured sizes are small
-    assert all(len(r["round_p50_s"]) == 12 for r in measured[0]["rows"])
+    transports = [row for rows in measured[0]["transports"].values() for row in rows]
+    assert {r["rounds"] for r in measured[0]["rows"]} == {8} and {r["rounds"] for r in transports} == {4}  # all small
+    assert all(len(r["round_p50_s"]) == r["rounds"] for r in _all_rows(measured[0]))
 
 
 def test_bandwidths_follow_from_bytes_and_time(measured):
-    """algbw = bytes / mean time; busbw = algbw x 2(n-1)/n (nccl-tests), computed here from the row's own numbers."""
-    for row in measured[0]["rows"]:
+    """algbw = bytes / mean time; busbw = algbw x 2(n-1)/n for an all-reduce, x (n-1)/n for the others
+    (nccl-tests), computed here from the row's own numbers."""
+    for row in _all_rows(measured[0]):
         algbw = row["bytes"] / row["avg_s"] / 1e9
+        share = 2 * (2 - 1) / 2 if row["collective"] == "allreduce" else (2 - 1) / 2
         assert row["algbw_gbps"] == pytest.approx(algbw, rel=1e-12)
-        assert row["busbw_gbps"] == pytest.approx(algbw * 2 * (2 - 1) / 2, rel=1e-12)
+        assert row["busbw_gbps"] == pytest.approx(algbw * share, rel=1e-12)
         assert 0 < row["min_s"] <= row["p50_s"] <= row["p95_s"]
 
 
-def test_every_real_algorithm_is_exact_and_a_wrong_one_is_flagged(measured):
-    for row in measured[0]["rows"]:
+def test_every_real_contender_is_exact_and_a_wrong_one_is_flagged(measured):
+    for row in _all_rows(measured[0]):
         if row["algorithm"] == "broken":
             assert row["max_abs_error"] == 1.0 and not row["correct"]
         else:
@@ -75,14 +123,16 @@ def test_every_real_algorithm_is_exact_and_a_wrong_one_is_flagged(measured):
     assert f"correctness: {len(SIZES)} WRONG results" in text
 
 
-def test_ratios_pair_each_call_with_torchs_call_of_the_same_round(measured):
-    for row in measured[0]["rows"]:
+def test_ratios_pair_each_call_with_torchs_call_of_the_same_round_and_axis(measured):
+    for row in _all_rows(measured[0]):
         low, high = row["vs_torch_ci_low"], row["vs_torch_ci_high"]
         assert low <= row["vs_torch"] <= high
-        if row["algorithm"] == "torch":
+        if row["label"] == "torch":
             assert row["vs_torch"] == low == high == 1.0
     auto = [r for r in measured[0]["rows"] if r["algorithm"] == "auto"]
-    assert [r["choice"] for r in auto] == ["shared_memory"] * len(SIZES), "two ranks on one host: shared memory"
+    assert [r["choice"] for r in auto] == [allreduce.choose_algorithm(s, 2, warn=False) for s in SIZES]
+    p2p = [r for rows in measured[0]["transports"].values() for r in rows if r["label"] == "p2p"]
+    assert [r["choice"] for r in p2p] == [allreduce.choose_algorithm(TRANSPORT_SIZE, 2, warn=False), None, None]
 
 
 def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
@@ -93,16 +143,28 @@ def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
         assert row["step_gbps"] == pytest.approx(moved / row["step_s"] / 1e9, rel=1e-12)
 
 
+def test_the_report_has_one_table_per_axis(measured):
+    text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
+    algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
+    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory (zero copy) |")
+
+
 # --------------------------------------------------------------------------- no processes
 
 
 def _row(algorithm, seconds, nbytes=10 << 20, world=2, ratio=None, ci=None, oversubscribed=False, correct=True,
-         choice=None):
-    return {"backend": "gloo", "world_size": world, "algorithm": algorithm, "bytes": nbytes, "avg_s": seconds,
-            "p50_s": seconds, "p95_s": seconds, "algbw_gbps": 1.0, "busbw_gbps": 1.0, "vs_torch": ratio,
-            "vs_torch_ci_low": ci[0] if ci else None, "vs_torch_ci_high": ci[1] if ci else None,
+         choice=None, axis="algorithm", label=None, collective="allreduce"):
+    return {"backend": "gloo", "world_size": world, "collective": collective, "axis": axis,
+            "transport": "gloo" if axis == "algorithm" else label, "algorithm": algorithm, "label": label or algorithm,
+            "bytes": nbytes, "avg_s": seconds, "p50_s": seconds, "p95_s": seconds, "algbw_gbps": 1.0, "busbw_gbps": 1.0,
+            "vs_torch": ratio, "vs_torch_ci_low": ci[0] if ci else None, "vs_torch_ci_high": ci[1] if ci else None,
             "oversubscribed": oversubscribed, "choice": choice,
             "max_abs_error": 0.0 if correct else 2.0, "correct": correct}
+
+
+def _transport_row(label, seconds, **kw):
+    algorithm = {"torch": "torch", "p2p": "auto"}.get(label, "direct")
+    return _row(algorithm, seconds, axis="transport", label=label, **kw)
 
 
 def test_sizes_are_powers_of_two_units_like_nccl_tests():
@@ -144,6 +206,61 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
     assert len(lines) == 6  # auto at 4000 B has no 1.00 target; torch has none
 
 
+def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_processes():
+    zero, staged = "shared_memory (zero copy)", "shared_memory (staged)"
+    rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]),
+            _transport_row(zero, 0.04, ratio=0.40, ci=[0.38, 0.43]),
+            _transport_row(zero, 0.33, nbytes=100 << 20, ratio=0.33, ci=[0.31, 0.35]),
+            _transport_row(zero, 0.3, nbytes=1 << 20, ratio=0.3, ci=[0.2, 0.4]),  # no target at 1 MiB
+            _transport_row(zero, 0.5, world=4, ratio=0.5, ci=[0.45, 0.55], oversubscribed=True),  # nor with 4
+            _transport_row(staged, 0.06, ratio=0.6, ci=[0.55, 0.65]),  # no target for staged
+            _transport_row("p2p", 0.1, ratio=1.0, ci=[0.9, 1.1], choice="halving_doubling"),  # nor for p2p's all-reduce
+            _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
+    lines = bench.target_lines(rows)
+    assert lines == [
+        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: 0.40x [0.38, 0.43] met",
+        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: 0.33x [0.31, 0.35] missed"]
+    inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
+    assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
+        ("transport", zero, 0.30, "inconclusive")]
+
+
+def test_an_algorithm_target_never_judges_a_transport_row():
+    """A transport row whose algorithm has a target on the other axis (p2p runs auto) is not that target's row."""
+    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]), _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
+    assert bench.target_checks(rows) == []
+
+
+def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the_world():
+    rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0], collective="reduce_scatter"),
+            _transport_row("p2p", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65], collective="reduce_scatter"),
+            _transport_row("p2p", 0.12, ratio=1.2, ci=[1.15, 1.25], collective="all_gather"),
+            _transport_row("shared_memory (zero copy)", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
+    text = bench.report(rows)
+    assert "target reduce-scatter through p2p <= 0.70x torch, 2 processes, 10MiB: 0.60x [0.55, 0.65] met" in text
+    assert "target all-gather through p2p <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
+    assert "target auto" not in text and "target ring" not in text and "zero copy) <=" not in text
+    assert "## reduce-scatter, all-gather: transports" in text and "algorithms over" not in text
+
+
+def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
+    """Shared memory then always copied in and out (staged); an auto that ran it was a transport, not an algorithm."""
+    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c, **({"collective": k} if k else {})}
+           for a, c, k in (("ring", None, None), ("shared_memory", None, "allreduce"), ("auto", "shared_memory", None),
+                           ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
+                           ("shared_memory", None, "all_gather"))]
+    got = [(r["axis"], r["transport"], r["algorithm"], r["label"]) for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
+    assert got == [("algorithm", "gloo", "ring", "ring"),
+                   ("transport", "shared_memory", "direct", "shared_memory (staged)"),
+                   ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
+                   ("algorithm", "gloo", "auto", "auto"),
+                   ("transport", "p2p (ring)", "ring", "p2p"),
+                   ("transport", "torch (gloo)", "torch", "torch"),
+                   ("transport", "shared_memory", "direct", "shared_memory (staged)")]
+    new = _transport_row("p2p", 0.1)
+    assert bench.labelled(new) is new
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_the_model_fit_recovers_known_alpha_and_beta(world):
     """Times made by the model itself (alpha 150 us, 0.5 GB/s) must give back exactly those parameters."""
@@ -155,6 +272,7 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
             steps, moved = bench.model_terms(name, world, nbytes)
             rows.append(_row(name, steps * alpha + moved * beta, nbytes=nbytes, world=world))
     rows.append(_row("auto", 1.0, world=world))  # not a model of its own: ignored
+    rows += [_transport_row("torch", 1.0, nbytes=s, world=world) for s in sizes]  # another axis: ignored
     fits = bench.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
@@ -178,6 +296,7 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
              for i, size in enumerate(sizes)}  # recursive doubling, then the ring; the tree 3 % ahead at one size only
     rows = [_row(name, t, nbytes=size, world=4) for size, by_name in times.items() for name, t in by_name.items()]
     rows.append(_row("torch", 0.001, nbytes=4096, world=4))  # not ours: never chosen
+    rows.append(_row("ring", 0.001, nbytes=4096, world=4, axis="transport", label="p2p"))  # another axis: never chosen
     table = bench.crossover_table(rows)
     assert table == {4: ((int(math.sqrt(sizes[1] * sizes[2])), "recursive_doubling"), (None, "ring"))}
     namespace = {}
@@ -186,21 +305,29 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
     assert [allreduce.choose_algorithm(s, 4, table) for s in sizes] == ["recursive_doubling"] * 2 + ["ring"] * 5
 
 
-def test_the_per_size_chart_marks_the_algorithm_auto_chose():
+def _chart_rows():
+    return [_row("ring", 3e-3, nbytes=4000), _row("recursive_doubling", 1e-3, nbytes=4000),
+            _row("ring", 5e-3, nbytes=1 << 20), _row("recursive_doubling", 9e-3, nbytes=1 << 20),
+            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"), _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
+            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS) for s in (4000, 1 << 20)]]
+
+
+def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [_row("ring", 3e-3, nbytes=4000), _row("recursive_doubling", 1e-3, nbytes=4000),
-            _row("ring", 5e-3, nbytes=1 << 20), _row("recursive_doubling", 9e-3, nbytes=1 << 20),
-            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"), _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring")]
-    figure, ax = plt.subplots()
-    bench.draw_per_size(ax, rows, "gloo", 2)
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    assert set(ax.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
+    figure, (algorithms, transports) = plt.subplots(1, 2)
+    bench.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
+    lines = {line.get_label(): line for line in algorithms.get_lines()}
+    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
     assert list(lines["auto's choice"].get_xdata()) == [4000, 1 << 20]
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
+    assert algorithms.get_title() == "algorithms over gloo, 2 processes"
+    bench.draw_per_size(transports, _chart_rows(), "gloo", 2, axis="transport")
+    assert transports.get_legend_handles_labels()[1] == [label.replace("_", " ") for label in LABELS]
+    assert transports.get_title() == "transports, 2 processes"
     plt.close(figure)
 
 
@@ -208,24 +335,43 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
     quick = bench.parse_args(["--quick", "--iters", "7"])
     assert quick.iters == 7 and quick.warmup == bench.QUICK["warmup"] and quick.procs == bench.QUICK["procs"]
     tune = bench.parse_args(["--tune", "--procs", "2"])
-    assert tune.procs == [2] and tune.algorithms == list(allreduce.CUSTOM)
+    assert tune.procs == [2] and tune.algorithms == list(allreduce.CUSTOM) and tune.transports == []
     assert tune.sizes == [bench.parse_size(s) for s in bench.TUNE_SIZES]
     plain = bench.parse_args([])
     assert plain.iters == 20 and plain.sizes == [bench.parse_size(s) for s in bench.DEFAULT_SIZES]
-
-
-def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the_world():
-    rows = [{**_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]), "collective": "reduce_scatter"},
-            {**_row("ring", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65]), "collective": "reduce_scatter"},
-            {**_row("ring", 0.12, ratio=1.2, ci=[1.15, 1.25]), "collective": "all_gather"}]
-    text = bench.report(rows)
-    assert "target ring reduce_scatter <= 0.70x torch, 2 processes, 10MiB: 0.60x [0.55, 0.65] met" in text
-    assert "target ring all_gather <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
-    assert "target auto" not in text and "target ring <= " not in text  # the all-reduce targets are all-reduce's
-
-
-def test_a_sharded_collective_takes_its_own_algorithms():
-    assert bench.parse_args(["--collective", "all_gather"]).algorithms == ["torch", "ring", "shared_memory"]
-    assert bench.parse_args(["--collective", "reduce_scatter"]).algorithms == ["torch", "ring"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["--collective", "reduce_scatter", "--algorithms", "butterfly"])
+        bench.parse_args(["--tune", "--axis", "transports"])
+
+
+def test_the_axis_selects_what_is_measured():
+    both = bench.parse_args([])
+    assert both.axis == "both" and both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    algorithms = bench.parse_args(["--axis", "algorithms"])
+    assert algorithms.algorithms == list(allreduce.ALGORITHMS) and algorithms.transports == []
+    transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "zero_copy"])
+    assert transports.algorithms == [] and transports.transports == ["torch", "zero_copy"]
+
+
+def test_a_sharded_collective_compares_transports_only():
+    for collective in ("all_gather", "reduce_scatter"):
+        args = bench.parse_args(["--collective", collective])
+        assert args.axis == "transports" and args.algorithms == [] and args.transports == list(bench.TRANSPORTS)
+    for wrong in (["--algorithms", "butterfly"], ["--axis", "algorithms"], ["--axis", "both"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--collective", "reduce_scatter", *wrong])
+
+
+def test_the_transport_panel_of_an_older_file_takes_torchs_call_from_the_algorithm_axis():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    old = [{k: v for k, v in _row(a, 1e-3, nbytes=s).items() if k not in ("axis", "transport", "label", "collective")}
+           for a in ("torch", "ring", "shared_memory") for s in (4000, 1 << 20)]
+    figure, (algorithms, transports) = plt.subplots(1, 2)
+    bench.draw_per_size(algorithms, old, "gloo", 2)
+    bench.draw_per_size(transports, old, "gloo", 2, axis="transport")
+    assert algorithms.get_legend_handles_labels()[1] == ["torch", "ring"]
+    assert transports.get_legend_handles_labels()[1] == ["torch", "shared memory (staged)"]
+    plt.close(figure)

@@ -7,6 +7,10 @@ process (the oracle) and compares. Models are float64, so "exactly" means agreem
 one mean). A summed instead of averaged gradient, a lost micro-batch, a gradient of
 the wrong parameter or a skipped step is off by far more. The comparison with PyTorch's
 DDP runs in float32, as real training does.
+
+Every variant also runs on each transport (``transport.resolve``: "auto", which is this host's
+shared memory here, "torch", "p2p", and Transport objects); a ``CountingTransport`` passed as
+``transport=`` counts the sums an engine makes through it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import errno
 import functools
 import itertools
+import warnings
 from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -24,8 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import allreduce
-from common import CollectiveCounter, SumCounter, run_workers
+import transport as transports
+from common import POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
 from ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp,
                  sync_gradients)
 
@@ -143,7 +148,7 @@ MODELS = {"frozen": Frozen, "tied": Tied, "big": big}
 
 
 def build(factory, seed, dtype=torch.float64):
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed would also format a traceback for CUDA, each call
     return factory().to(dtype)
 
 
@@ -211,27 +216,29 @@ def train(model, loss_of, accum=1, zero_mode="set_to_none", steps=STEPS, counter
     ``loss_of(step, micro)`` computes one micro-batch's loss. Data-parallel wrappers get
     ``no_sync()`` on all micro-batches but the last and ``sync_gradients`` before the step.
     Returns the final parameters and buffers, the last step's gradients (None where None)
-    and, per step, collectives counted inside no_sync, all_reduces launched by the end of
-    the synchronised backward, and all_reduces in total. ``on_sync(model)`` runs after
-    every synchronisation; its answers are returned too.
+    and, with a ``counter`` (the ``CountingTransport`` the model sums through, or an entered
+    ``CollectiveCounter``), per step: collectives counted inside no_sync, all_reduces made by
+    the end of the synchronised backward, and all_reduces in total. ``on_sync(model)`` runs
+    after every synchronisation; its answers are returned too.
     """
     optimizer = optimizer(model.parameters(), lr=LR, momentum=MOMENTUM)
     clear_grads(model, optimizer, zero_mode)
-    counter = counter or SumCounter()
     counts, grads, seen = [], {}, []
     for step in range(steps):
         in_no_sync = 0
-        counter.reset()
+        if counter is not None:
+            counter.reset()
         for micro in range(accum):
             last = micro == accum - 1
             with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
                 (loss_of(step, micro) / accum).backward()
-            if not last:
+            if not last and counter is not None:
                 in_no_sync += counter.collectives
                 counter.reset()
-        after_backward = counter.calls["all_reduce"]
+        after_backward = counter.calls["all_reduce"] if counter is not None else None
         sync_gradients(model)
-        counts.append((in_no_sync, after_backward, counter.calls["all_reduce"]))
+        if counter is not None:
+            counts.append((in_no_sync, after_backward, counter.calls["all_reduce"]))
         seen.append(on_sync(model) if on_sync else None)
         grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
         optimizer.step()
@@ -262,32 +269,41 @@ def _grads_are_bucket_views(model):
                for b in model.buckets for p in b.params)
 
 
+def _owned(model) -> list[bool]:
+    """Whether each buffer the variant sums in lies in memory its transport allocated (zero copy): DDP's
+    bucket flats, FlatDDP's flat buffers (none for NaiveDDP, which sums the gradients themselves)."""
+    if isinstance(model, DDP):
+        return [model.transport.owns(b.flat) for b in model.buckets]
+    return [model.transport.owns(flat) for flat in getattr(model, "_flats", [])]
+
+
 def _ddp_runs(ctx):
-    """Every (model, cap, zero mode, accumulation) run of the hand-written DDP."""
+    """Every (model, cap, zero mode, accumulation) run of the hand-written DDP, counted by the transport
+    it sums through (around "auto": this host's shared memory)."""
     out = {}
-    with SumCounter() as counter:
-        for name, factory in MODELS.items():
-            for cap_name, cap in CAPS.items():
-                for zero_mode in ZERO_MODES:
-                    for accum in ACCUMS:
-                        model = DDP(build(factory, seed=0), bucket_cap_mb=cap)
-                        result = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum, zero_mode,
-                                       counter=counter, on_sync=_grads_are_bucket_views, optimizer=torch.optim.SGD)
-                        result["buckets"], result["shared_memory"] = len(model.buckets), model.shared_memory
-                        out[name, cap_name, zero_mode, accum] = result
+    counter = CountingTransport("auto")
+    for name, factory in MODELS.items():
+        for cap_name, cap in CAPS.items():
+            for zero_mode in ZERO_MODES:
+                for accum in ACCUMS:
+                    model = DDP(build(factory, seed=0), bucket_cap_mb=cap, transport=counter)
+                    result = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum, zero_mode,
+                                   counter=counter, on_sync=_grads_are_bucket_views, optimizer=torch.optim.SGD)
+                    result.update(buckets=len(model.buckets), transport=model.transport.describe(), owned=_owned(model))
+                    out[name, cap_name, zero_mode, accum] = result
     return out
 
 
 def _baseline_runs(ctx):
     """NaiveDDP and FlatDDP on every model, with and without accumulation."""
     out = {}
-    with SumCounter() as counter:
-        for wrapper in (NaiveDDP, FlatDDP):
-            for name, factory in MODELS.items():
-                for accum in ACCUMS:
-                    model = wrapper(build(factory, seed=0))
-                    out[wrapper.__name__, name, accum] = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum,
-                                                               counter=counter, optimizer=torch.optim.SGD)
+    counter = CountingTransport("auto")
+    for wrapper in (NaiveDDP, FlatDDP):
+        for name, factory in MODELS.items():
+            for accum in ACCUMS:
+                model = wrapper(build(factory, seed=0), transport=counter)
+                out[wrapper.__name__, name, accum] = train(model, mse_loss(model, ctx.world_size, ctx.rank), accum,
+                                                           counter=counter, optimizer=torch.optim.SGD)
     return out
 
 
@@ -312,8 +328,9 @@ def _construction(ctx):
         net.bn.running_mean.fill_(ctx.rank + 1.0)
         net.bn.num_batches_tracked.fill_(ctx.rank + 5)
     before = {k: v.clone() for k, v in net.state_dict().items()}
+    chosen = transports.resolve("auto")  # made beforehand: a first shared-memory transport maps its files
     with CollectiveCounter() as counter:
-        ddp = DDP(net)
+        ddp = DDP(net, transport=chosen)
     return {
         "before": before,
         "after": {k: v.clone() for k, v in net.state_dict().items()},
@@ -442,32 +459,104 @@ def _against_pytorch(ctx):
     return out
 
 
-def _over_torch_all_reduce(ctx):
-    """DDP, NaiveDDP and FlatDDP as on ranks of different hosts (shares_memory made to say no): torch's all_reduce."""
+TRANSPORT_VARIANTS = ("bucketed", "overlap", "naive", "flat")  # make_ddp's names for DDP (4 KiB buckets), DDP
+# (one bucket per parameter), NaiveDDP and FlatDDP
+NAMED = ("auto", "torch", "p2p")
+# The cases of _over_transports: each name as given, and a Transport object that counts the sums, around a
+# shared-memory transport that sums on a communication thread. (Sums through "torch" are counted as
+# torch.distributed calls; _ddp_runs and _baseline_runs count those of "auto" through a CountingTransport.)
+COUNTED = ("counting threaded shared_memory",)
+TRANSPORT_ACCUM = TRANSPORT_STEPS = 2  # per run of _over_transports: enough for no_sync and a second step
+
+
+def _summed_by_end_of_backward(model, ctx) -> list[tuple[bool, bool]] | None:
+    """One more synchronised backward: (launched, done) for each of DDP's buckets when it returns."""
+    if not isinstance(model, DDP):
+        return None
+    x, y = shard(global_batch(TRANSPORT_STEPS, 0, ctx.world_size), ctx.rank)
+    F.mse_loss(model(x), y).backward()
+    seen = [(b.work is not None, b.work is not None and b.work.is_completed()) for b in model.buckets]
+    model.finish_gradient_synchronization()
+    return seen
+
+
+def _over_transports(ctx):
+    """Every variant on ``big`` over each transport. By name, counting the torch.distributed calls (``counts``
+    per step; ``torch_calls``: those of the last step's synchronised backward and synchronisation); as a
+    CountingTransport, counting the sums made through it. Then PyTorch's DDP summing through our shared
+    memory (its comm hook)."""
     out = {}
-    with mock.patch.object(allreduce, "shares_memory", lambda group=None, nbytes=0: False), CollectiveCounter() as counter:
-        for wrapper in (DDP, NaiveDDP, FlatDDP):
-            model = wrapper(build(big, seed=0))
-            out[wrapper.__name__] = train(model, mse_loss(model, ctx.world_size, ctx.rank), 3, counter=counter,
-                                          optimizer=torch.optim.SGD)
-            out[wrapper.__name__]["shared_memory"] = model.shared_memory
+
+    def run(spec, variant, counter=None):
+        model = make_ddp(variant, build(big, seed=0), bucket_cap_mb=4 * KIB, transport=spec)
+        with CollectiveCounter() as calls:
+            result = train(model, mse_loss(model, ctx.world_size, ctx.rank), TRANSPORT_ACCUM, steps=TRANSPORT_STEPS,
+                           counter=counter or calls)
+        result.update(transport=getattr(model, "transport", None) and model.transport.describe(), owned=_owned(model),
+                      torch_calls=dict(calls.calls), summed=_summed_by_end_of_backward(model, ctx))
+        return result
+
+    for spec in NAMED:
+        for variant in TRANSPORT_VARIANTS:
+            out[spec, variant] = run(spec, variant)
+    threaded = transports.SharedMemory(background=True)
+    counter = CountingTransport(threaded)
+    for variant in TRANSPORT_VARIANTS:
+        out["counting threaded shared_memory", variant] = run(counter, variant, counter)
+    threaded.close()
+    counter = CountingTransport("shared_memory")
+    out["shared_memory", "pytorch"] = run("shared_memory", "pytorch")
+    out["counting shared_memory", "pytorch"] = run(counter, "pytorch", counter)
     return out
 
 
+def _full(*args):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def _no_room_in_dev_shm(ctx):
-    """DDP built while /dev/shm has no room for its buckets (posix_fallocate fails): it sums with torch's all_reduce."""
-    def full(*args):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    with mock.patch.object(allreduce.os, "posix_fallocate", full):
-        model = DDP(build(big, seed=0))
-    with CollectiveCounter() as counter:
-        result = train(model, mse_loss(model, ctx.world_size, ctx.rank), 3, counter=counter, optimizer=torch.optim.SGD)
-    return {**result, "shared_memory": model.shared_memory}
+    """DDP built while /dev/shm is full (``posix_fallocate`` fails with ENOSPC), on a shared-memory transport
+    made then (no room for its control file: it goes through torch), and on one made before (no room for
+    the buckets: they are plain tensors, staged through its arena at each sum). Each trains, counting the
+    torch.distributed calls and the transport's warnings."""
+    out = {}
+    for case in ("no room at all", "no room for buckets"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            made_before = transports.SharedMemory() if case == "no room for buckets" else None
+            with mock.patch.object(transports.os, "posix_fallocate", _full):
+                model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB, transport=made_before or transports.SharedMemory())
+            with CollectiveCounter() as calls:
+                result = train(model, mse_loss(model, ctx.world_size, ctx.rank), TRANSPORT_ACCUM, steps=TRANSPORT_STEPS,
+                               optimizer=torch.optim.SGD)
+        out[case] = {**result, "transport": model.transport.describe(), "owned": _owned(model),
+                     "torch_calls": dict(calls.calls),
+                     "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+    return out
+
+
+def _transport_refusals(ctx):
+    """Ranks that pass different transports to a wrapper (two names, a name no transport has, PyTorch's DDP
+    through make_ddp, each rank a transport over a group of its own): each rank's error, and whether its
+    module kept its own weights (a refused wrapper broadcasts nothing)."""
+    out = {}
+    for wrapper in (DDP, NaiveDDP):
+        net = build(big, seed=40 + ctx.rank)
+        before = net[0].weight.clone()
+        out["different", wrapper.__name__] = refused(lambda: wrapper(net, transport=("torch", "p2p")[ctx.rank]))["error"]
+        out["weights kept", wrapper.__name__] = torch.equal(net[0].weight, before)
+    out["unknown"] = refused(lambda: DDP(build(big, seed=0), transport=("auto", "carrier pigeon")[ctx.rank]))["error"]
+    out["pytorch"] = refused(lambda: make_ddp("pytorch", build(big, seed=0),
+                                              transport=("torch", "shared_memory")[ctx.rank]))["error"]
+    alone = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank must call new_group
+    out["own group"] = refused(lambda: DDP(build(big, seed=0), transport=transports.Torch(alone[ctx.rank])))["error"]
+    dist.barrier()  # the group still works after the refusals
+    return out
 
 
 def _two_rank_cases(ctx):
-    return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "over torch": _over_torch_all_reduce(ctx),
-            "no room": _no_room_in_dev_shm(ctx),
+    return {"ddp": _ddp_runs(ctx), "baselines": _baseline_runs(ctx), "transports": _over_transports(ctx),
+            "no room": _no_room_in_dev_shm(ctx), "refusals": _transport_refusals(ctx),
             "layouts": _layouts(ctx),
             "construction": _construction(ctx), "unused": _unused(ctx), "arrival": _arrival_order(ctx),
             "unused_without_flags": _unused_without_flags(ctx),
@@ -475,7 +564,8 @@ def _two_rank_cases(ctx):
 
 
 def _three_rank_cases(ctx):
-    """An odd world size (division by 3), and a DDP on the subgroup of ranks 1 and 2."""
+    """An odd world size (division by 3), and a DDP on the subgroup of ranks 1 and 2 (then one given a
+    transport over all three ranks: refused)."""
     out = {"unused": _unused(ctx)}
     model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
     out["big"] = train(model, mse_loss(model, 3, ctx.rank), accum=3)
@@ -486,6 +576,8 @@ def _three_rank_cases(ctx):
     if ctx.rank in (1, 2):
         model = DDP(build(big, seed=30 + ctx.rank), bucket_cap_mb=4 * KIB, process_group=subgroup)
         out["subgroup"] = train(model, mse_loss(model, 2, ctx.rank - 1), accum=2)
+        over_all = transports.Torch()
+        out["other group"] = refused(lambda: DDP(build(big, seed=0), process_group=subgroup, transport=over_all))["error"]
     return out
 
 
@@ -515,6 +607,11 @@ def oracle(name, accum, world, seed=0, steps=STEPS):
     """One process, the whole global batch: the result every rank of a data-parallel run must reach."""
     model = build(MODELS[name], seed)
     return train(model, mse_loss(model, world), accum, steps=steps)
+
+
+def transport_oracle():
+    """The oracle of the runs of ``_over_transports``."""
+    return oracle("big", TRANSPORT_ACCUM, world=2, steps=TRANSPORT_STEPS)
 
 
 def oracle_partial(world):
@@ -574,25 +671,6 @@ def test_frozen_parameters_get_no_gradient_and_do_not_move(two):
     assert result["grads"]["module.embed.weight"] is None and result["grads"]["module.embed.bias"] is None
     initial = build(Frozen, seed=0).state_dict()
     torch.testing.assert_close(result["state"]["module.embed.weight"], initial["embed.weight"], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("wrapper", ["DDP", "NaiveDDP", "FlatDDP"])
-def test_on_different_hosts_the_sums_go_through_torch_all_reduce_and_train_like_one_process(two, wrapper):
-    """Every other case here runs on one host, where the variants sum through shared memory."""
-    for rank in range(2):
-        result = two[rank]["over torch"][wrapper]
-        assert result["shared_memory"] is False
-        assert_trains_like(result, oracle("big", 3, world=2))
-        assert all(after_sync > 0 for _, _, after_sync in result["counts"]), "torch's all_reduce was called"
-        assert all(two[rank]["ddp"][key]["shared_memory"] for key in two[rank]["ddp"]), "one host: shared memory"
-
-
-def test_without_room_in_dev_shm_for_its_buckets_ddp_sums_with_torch_all_reduce(two):
-    for rank in range(2):
-        result = two[rank]["no room"]
-        assert result["shared_memory"] is False
-        assert_trains_like(result, oracle("big", 3, world=2))
-        assert all(after_sync > 0 for _, _, after_sync in result["counts"]), "torch's all_reduce was called"
 
 
 @pytest.mark.parametrize("wrapper", ["NaiveDDP", "FlatDDP"])
@@ -703,12 +781,10 @@ def test_constructor_checks_the_models_then_broadcasts_rank0_weights_and_buffers
         assert torch.equal(rank0["after"][k], value), k
         assert torch.equal(rank1["after"][k], value), k
     dtypes = {v.dtype for v in rank0["before"].values()}
-    # One all_gather_object compares the ranks' models first (see the mismatch tests). On one host the
-    # communication thread's new group then maps its shared memory: point-to-point messages only.
+    # One all_gather_object compares the ranks' models first (see the mismatch tests), one more checks that
+    # they chose the same transport (transport.resolve; the one given here was made beforehand).
     for calls in (rank0["calls"], rank1["calls"]):
-        assert {k: v for k, v in calls.items() if k not in ("isend", "irecv")} == {"all_gather_object": 1,
-                                                                                "broadcast": len(dtypes)}
-        assert calls.get("isend", 0) > 0 and calls["isend"] == calls["irecv"]
+        assert calls == {"all_gather_object": 2, "broadcast": len(dtypes)}
 
 
 def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two):
@@ -718,8 +794,142 @@ def test_wrapper_adds_no_parameters_and_prefixes_state_dict_keys_with_module(two
 
 
 def test_grads_are_views_of_the_buckets_after_synchronisation(two):
-    """No copy back: after each step, every gradient is its bucket's memory, whatever zero_grad did."""
-    assert all(result["on_sync"] == [True] * STEPS for result in two[0]["ddp"].values())
+    """No copy back: after each step, every gradient is its bucket's memory, whatever zero_grad did; and no copy
+    in or out of the sum: on this host every bucket lies in the shared memory of the transport summing it."""
+    for rank in range(2):
+        for key, result in two[rank]["ddp"].items():
+            assert result["on_sync"] == [True] * STEPS, key
+            assert result["transport"] == "counting shared_memory" and all(result["owned"]), key
+
+
+# --------------------------------------------------------------------------- tests: transports
+
+
+def sums_per_step(variant: str) -> tuple[int, int]:
+    """(sums made by the end of the synchronised backward, sums in all) in one step of ``variant`` on ``big``
+    (the bucketed one with 4 KiB buckets)."""
+    trainable = sum(p.requires_grad for p in build(big, 0).parameters())
+    return {"bucketed": (len(BIG_LAYOUTS["4KiB"]),) * 2, "overlap": (trainable, trainable), "naive": (0, trainable),
+            "flat": (0, 1)}[variant]
+
+
+@pytest.mark.parametrize("variant", TRANSPORT_VARIANTS)
+@pytest.mark.parametrize("spec", NAMED + COUNTED)
+def test_every_variant_trains_like_one_process_on_every_transport(two, spec, variant):
+    for rank in range(2):
+        assert_trains_like(two[rank]["transports"][spec, variant], transport_oracle())
+
+
+DESCRIPTIONS = {"auto": "shared_memory", "torch": "torch (gloo)", "p2p": "p2p (auto)"}
+
+
+@pytest.mark.parametrize("spec", NAMED)
+def test_the_transport_named_carries_every_sum(two, spec):
+    """The torch.distributed calls of a synchronised step: "torch", one all_reduce a sum; "p2p", point-to-point
+    messages only; "auto" (shared memory: every rank is on this host) none, where its ranks meet by polling
+    (x86)."""
+    for rank in range(2):
+        for variant in TRANSPORT_VARIANTS:
+            result = two[rank]["transports"][spec, variant]
+            assert result["transport"] == DESCRIPTIONS[spec], variant
+            calls = result["torch_calls"]
+            if spec == "torch":
+                assert calls == {"all_reduce": sums_per_step(variant)[1]}, variant
+            elif spec == "p2p":
+                assert calls and set(calls) <= set(POINT_TO_POINT), (variant, calls)
+            elif transports.POLLS:
+                assert calls == {}, (variant, calls)
+
+
+@pytest.mark.parametrize("spec", ("torch", *COUNTED))
+def test_the_sums_go_through_the_transport_given_one_per_bucket_none_inside_no_sync(two, spec):
+    """Counted by the CountingTransport given; for "torch", as torch.distributed's all_reduce calls."""
+    for rank in range(2):
+        for variant in TRANSPORT_VARIANTS:
+            during, total = sums_per_step(variant)
+            assert two[rank]["transports"][spec, variant]["counts"] == [(0, during, total)] * TRANSPORT_STEPS, variant
+
+
+def test_on_shared_memory_the_transport_owns_the_buffers_it_sums_and_elsewhere_none(two):
+    """Zero copy: DDP's bucket flats and FlatDDP's flat buffers lie in the transport's shared memory (and
+    DDP's param.grad are views of its buckets: ``test_grads_are_views_of_the_buckets_after_synchronisation``)."""
+    for rank in range(2):
+        runs = two[rank]["transports"]
+        for variant in ("bucketed", "overlap", "flat"):
+            for spec in ("auto", "counting threaded shared_memory"):
+                assert runs[spec, variant]["owned"] and all(runs[spec, variant]["owned"]), (spec, variant)
+            for spec in ("torch", "p2p"):
+                assert runs[spec, variant]["owned"] and not any(runs[spec, variant]["owned"]), (spec, variant)
+
+
+def test_an_inline_transport_sums_each_bucket_in_backward_an_asynchronous_one_has_launched_it(two):
+    """Shared memory and p2p run in the caller's thread by default: the hook that completes a bucket sums it,
+    so when backward returns every sum is done (and, since buckets go in index order, the launch order
+    holds: ``test_buckets_are_launched_in_the_same_order_...``). torch's all_reduce and the threaded
+    shared memory have launched every bucket by then, and may still be summing."""
+    for rank in range(2):
+        runs = two[rank]["transports"]
+        for variant in ("bucketed", "overlap"):
+            buckets = sums_per_step(variant)[1]
+            for spec in ("auto", "p2p"):
+                assert runs[spec, variant]["summed"] == [(True, True)] * buckets, (spec, variant)
+            for spec in ("torch", "counting threaded shared_memory"):
+                summed = runs[spec, variant]["summed"]
+                assert len(summed) == buckets and all(launched for launched, _ in summed), (spec, variant)
+
+
+def test_pytorch_ddp_summing_through_our_shared_memory_trains_like_one_process(two):
+    """``make_ddp("pytorch", ..., transport="shared_memory")``: PyTorch's DDP with ``transport.ddp_comm_hook``.
+    Its buckets are its own: the count is checked for its form (sums in backward, none in no_sync)."""
+    for rank in range(2):
+        runs = two[rank]["transports"]
+        for spec in ("shared_memory", "counting shared_memory"):
+            assert_trains_like(runs[spec, "pytorch"], transport_oracle())
+        counts = runs["counting shared_memory", "pytorch"]["counts"]
+        assert len(counts) == TRANSPORT_STEPS and all(no_sync == 0 and 0 < during == total for no_sync, during, total in counts)
+
+
+def test_ddp_built_while_dev_shm_is_full_warns_once_and_still_trains_like_one_process(two):
+    """A shared-memory transport made while /dev/shm is full goes through torch's all_reduce; one made before,
+    with room for its files but none for the buckets, stages them (plain tensors) through its arena, which
+    still carries every sum. Group rank 0 warns, once."""
+    buckets = len(BIG_LAYOUTS["4KiB"])
+    for rank in range(2):
+        for case in ("no room at all", "no room for buckets"):
+            result = two[rank]["no room"][case]
+            assert_trains_like(result, transport_oracle())
+            assert result["owned"] == [False] * buckets, case
+            assert len([w for w in result["warnings"] if "/dev/shm" in w]) == (1 if rank == 0 else 0), result["warnings"]
+        full, staged = two[rank]["no room"]["no room at all"], two[rank]["no room"]["no room for buckets"]
+        assert full["transport"] == "shared_memory (through torch: no room)"
+        assert full["torch_calls"] == {"all_reduce": TRANSPORT_STEPS * buckets}
+        assert staged["transport"] == "shared_memory"
+        assert staged["torch_calls"] == {} or not transports.POLLS
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "NaiveDDP"])
+def test_ranks_choosing_different_transports_are_refused_on_every_rank_before_the_broadcast(two, wrapper):
+    assert not torch.equal(build(big, 40)[0].weight, build(big, 41)[0].weight), "precondition: the weights differ"
+    for rank in range(2):
+        refusals = two[rank]["refusals"]
+        message = refusals["different", wrapper]
+        assert message.startswith(f"ValueError: {wrapper}: the ranks chose different transports"), message
+        assert "rank 0: torch" in message and "rank 1: p2p" in message, message
+        assert refusals["weights kept", wrapper] is True, "a refused wrapper broadcast rank 0's weights"
+
+
+def test_an_unknown_transport_or_one_over_other_ranks_is_refused_on_every_rank(two, three):
+    for rank in range(2):
+        refusals = two[rank]["refusals"]
+        assert refusals["unknown"].startswith("ValueError: DDP: unknown transport 'carrier pigeon' (on group rank 1)")
+        assert refusals["pytorch"].startswith("ValueError: DistributedDataParallel: the ranks chose different "
+                                              "transports (rank 0: torch, rank 1: shared_memory)"), refusals["pytorch"]
+        # Each rank's transport over a group of its own: they differ in their ranks, which the message names.
+        assert refusals["own group"].startswith("ValueError: DDP: the transport is over ranks [0] (on group rank 0), "
+                                                "the engine's group over [0, 1]"), refusals["own group"]
+    for rank in (1, 2):
+        assert three[rank]["other group"].startswith("ValueError: DDP: the transport is over ranks [0, 1, 2] (on group "
+                                                     "rank 0), the engine's group over [1, 2]"), three[rank]["other group"]
 
 
 # --------------------------------------------------------------------------- tests: unused parameters, errors

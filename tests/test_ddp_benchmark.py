@@ -1,18 +1,21 @@
-"""ddp_benchmark.py: a tiny run of every variant writes sane results in the shared layout; the diff compares two.
+"""ddp_benchmark.py: a tiny run of every variant on every transport writes sane results in the shared layout.
 
 One spawned group does the measuring: the sweep at world size 2 (2 workers through
 dist_utils.launch; its single-process no-ddp row runs in this process) on the homework CNN,
-batch 2 per rank, 2 timed iterations in 2 rounds after 1 warm-up, writing JSON and Chrome
-traces. Every test below reads that run, or the diff of its file against a copy with
-timings changed by known factors. Timings themselves are never asserted: only their
-relations (percentiles of the slowest rank's samples, examples/sec = global batch / time,
-waits inside iterations, overhead against the no-ddp row).
+batch 2 per rank, 2 timed iterations in one round after 1 warm-up, at PyTorch's default bucket
+cap (25 MiB), on gloo, shared memory and shared memory with a communication thread, writing
+JSON and Chrome traces. Every test of it reads that run, or the diff of its file against a copy
+with timings changed by known factors. Its timings themselves are never asserted: only their
+relations (percentiles of the slowest rank's samples, waits inside iterations), which checks
+compare which rows, and what each variant keeps and sends. The statistics and the verdicts are
+checked exactly on a world of one timed by a scripted clock (rounds, drift, every axis).
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import itertools
 import json
 import math
 import os
@@ -22,21 +25,28 @@ import numpy as np
 import pytest
 import torch
 
-import allreduce
+import ddp
 import ddp_benchmark as bench
 import measure
+import plots
+import transport as transports
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 from ddp import LAST_BUCKET_CAP_MB
 from models import Net
 from results import read_results, write_results
 
-BATCH, ITERS, ROUNDS, WORLD = 2, 2, 2, 2
-BUCKETS = (1.0, 10.0, 25.0, 100.0, 1000.0)  # the default bucket sizes the issue lists
-SELFMADE = ("naive", "flat", "overlap", "bucketed")
-# The rows the issue asks for, in the order they are printed.
-LABELS = (["no ddp"] + [f"pytorch {mb:g}M" for mb in BUCKETS] + ["pytorch-best 25M"]
-          + ["naive", "flat", "overlap"]
-          + [f"bucketed {mb:g}M" for mb in BUCKETS])
+# One round: rounds are pooled and paired in the scripted run below; here every row is built once.
+BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
+BUCKETS = (25.0,)  # PyTorch's default, the targets' size: other sizes only add rows (variants_for is tested alone)
+SWEEP_TRANSPORTS = ("torch", "shm", "shm-thread")
+# The rows of the sweep, in the order they are printed: PyTorch's DDP at its defaults with its own gloo only,
+# at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
+# after backward, so a thread would change nothing for them; overlap and bucketed on every transport.
+LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+          "naive [torch]", "naive [shm]", "flat [torch]", "flat [shm]",
+          "overlap [torch]", "overlap [shm]", "overlap [shm-thread]",
+          "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
+SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +57,7 @@ def sweep(tmp_path_factory):
     with redirect_stdout(out):
         bench.main(["sweep", "--world-sizes", str(WORLD), "--models", "cnn", "--batch-size", str(BATCH),
                     "--iters", str(ITERS), "--rounds", str(ROUNDS), "--warmup", "1", "--timeout", str(PG_TIMEOUT_S),
+                    "--bucket-sizes", *map(str, BUCKETS), "--transports", *SWEEP_TRANSPORTS,
                     "--max-time", str(WORKERS_TIMEOUT_S), "--json", str(tmp / "run.json"), "--profile", str(tmp / "traces")])
     return read_results(str(tmp / "run.json")), out.getvalue(), tmp / "traces"
 
@@ -55,8 +66,78 @@ def rows_at(doc: dict, world: int) -> dict[str, dict]:
     return {r["label"]: r for r in doc["results"] if r["world_size"] == world}
 
 
+def transport_of(label: str) -> str | None:
+    """The transport a label names in brackets ("naive [shm]" -> "shm"); None for "no ddp"."""
+    return label[label.index("[") + 1:-1] if label.endswith("]") else None
+
+
+def engine_of(label: str) -> str:
+    """A label without its transport ("pytorch-best 25M [shm]" -> "pytorch-best 25M")."""
+    return label.split(" [")[0]
+
+
 def cnn_parameters() -> list[torch.Tensor]:
     return list(Net().parameters())
+
+
+# --------------------------------------------------------------------------- which rows run
+
+
+# The default rows on a CPU (transports torch and shm), at the default bucket sizes the issue lists.
+DEFAULT_LABELS = (["no ddp"] + [f"pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
+                  + ["pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "naive [torch]", "naive [shm]",
+                     "flat [torch]", "flat [shm]", "overlap [torch]", "overlap [shm]"]
+                  + [f"bucketed {mb}M [{t}]" for t in ("torch", "shm") for mb in (1, 10, 25, 100, 1000)])
+
+
+def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on_torch_alone_on_gpus():
+    args = bench.parse_args([])
+    assert bench.default_transports(args, torch.device("cpu")) == ["torch", "shm"]
+    assert bench.default_transports(args, torch.device("cuda")) == ["torch"]
+    assert bench.benchmark_config(args, ["cnn"])["variants"] == DEFAULT_LABELS
+    assert [v.label for v in bench.variants_for(bench.DDP_KINDS, args.bucket_sizes)] == DEFAULT_LABELS
+    on_gpus = bench.variants_for(bench.DDP_KINDS, [25.0], ["torch"])
+    assert {v.transport for v in on_gpus} == {None, "torch"}
+
+
+def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
+    variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shm", "shm-thread"])
+    assert [v.label for v in variants if v.transport == "shm-thread"] == ["overlap [shm-thread]", "bucketed 1M [shm-thread]"]
+    # PyTorch's DDP at its defaults keeps its own gloo, and also runs at its default bucket size (25 MiB)
+    assert [v.label for v in variants if v.kind == "pytorch"] == ["pytorch 1M [torch]", "pytorch 25M [torch]"]
+    assert [v.label for v in variants if v.kind == "pytorch-best"] == ["pytorch-best 25M [torch]", "pytorch-best 25M [shm]"]
+    assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
+    assert bench.Variant("bucketed", 25.0, "shm-thread").slug == "bucketed-25M-[shm-thread]"
+
+
+def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monkeypatch):
+    """Each transport is made collectively: ranks that made them in different orders (a set's order differs
+    between processes) would wait on each other forever. Recorded here without a process group."""
+    built = []
+
+    class Made:
+        def __init__(self, what):
+            self.what = what
+            built.append(what)
+
+    monkeypatch.setattr(transports, "SharedMemory", lambda group=None, *, background=False: Made(
+        "shared memory on a thread" if background else "shared_memory"))
+    monkeypatch.setattr(transports, "resolve", lambda spec, group=None, device=None, **_: Made(spec))
+    cpu = torch.device("cpu")
+    for order in itertools.permutations(bench.TRANSPORTS):
+        for names in (list(order), set(order), dict.fromkeys(order)):
+            built.clear()
+            made = bench.make_transports(names, cpu)
+            assert built == ["torch", "shared_memory", "shared memory on a thread"], names
+            assert list(made) == list(bench.TRANSPORTS) and [m.what for m in made.values()] == built
+    for order in itertools.permutations(("shm-thread", "torch")):
+        built.clear()
+        assert list(bench.make_transports(set(order), cpu)) == ["torch", "shm-thread"]
+        assert built == ["torch", "shared memory on a thread"]
+    built.clear()
+    with pytest.raises(ValueError, match="unknown transport"):
+        bench.make_transports(["torch", "gloo"], cpu)
+    assert built == []  # refused before any was made
 
 
 # --------------------------------------------------------------------------- the results file
@@ -68,15 +149,74 @@ def test_results_file_is_in_the_shared_layout(sweep):
     assert doc["env"]["torch"] == torch.__version__ and doc["env"]["backend"] == "gloo"
     assert doc["env"]["world_size"] == [1, WORLD] and doc["env"]["threads"] == 1
     assert doc["config"]["bucket_sizes"] == list(BUCKETS) and doc["config"]["world_sizes"] == [1, WORLD]
+    assert doc["config"]["transports"] == list(SWEEP_TRANSPORTS)
     assert doc["config"]["variants"] == LABELS
 
 
-def test_a_row_per_variant_and_the_single_process_no_ddp_row(sweep):
+def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep):
     doc, _, _ = sweep
     assert [r["label"] for r in doc["results"] if r["world_size"] == WORLD] == LABELS
     assert [r["label"] for r in doc["results"] if r["world_size"] == 1] == ["no ddp"]
-    buckets = {label: r["bucket_cap_mb"] for label, r in rows_at(doc, WORLD).items()}
-    assert buckets["overlap"] == 0 and buckets["naive"] is None and buckets["pytorch 25M"] == 25
+    rows = rows_at(doc, WORLD)
+    assert all(r["transport"] == transport_of(label) for label, r in rows.items())
+    buckets = {label: r["bucket_cap_mb"] for label, r in rows.items()}
+    assert buckets["overlap [shm]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
+
+
+def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
+    doc, printed, _ = sweep
+    assert doc["targets"] and doc["targets"] == bench.target_checks(doc["results"])
+    assert "\n".join(bench.targets_text(doc["targets"])) in printed
+
+
+def test_each_check_compares_along_one_axis(sweep):
+    """Engine: two engines on one transport. Transport: one engine on two transports (or against no DDP at all).
+    Overlap: exposed waits on the asynchronous transports, against naive's sums on the same wire; and, for
+    information only, the communication thread against the same sums made inline."""
+    doc, _, _ = sweep
+    rows = rows_at(doc, WORLD)
+    faster_on_torch = min(("pytorch 25M [torch]", "pytorch-best 25M [torch]"), key=lambda label: rows[label]["p50_s"])
+    expected = {
+        ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [torch]", faster_on_torch),
+        ("engine", "peak memory / same pytorch row", "bucketed 25M [torch]", faster_on_torch),
+        ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
+        ("engine", "peak memory / same pytorch row", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
+        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]"),
+        ("transport", "p50 / no DDP", "bucketed 25M [shm]", "no ddp"),
+        *(("overlap", "exposed wait / naive's all-reduce time", f"{v} [{t}]", naive)
+          for t, naive in (("torch", "naive [torch]"), ("shm-thread", "naive [shm]"))
+          for v in ("overlap", "bucketed 25M")),
+        *(("overlap", "p50 / the same sums in the backward hook", f"{v} [shm-thread]", f"{v} [shm]")
+          for v in ("overlap", "bucketed 25M")),
+    }
+    checks = doc["targets"]
+    assert {(c["axis"], c["target"], c["label"], c["reference"]) for c in checks} == expected
+    assert len(checks) == len(expected)
+    for c in checks:
+        assert (c["model"], c["world_size"]) == ("cnn", WORLD)
+        if c["axis"] == "engine":
+            assert transport_of(c["label"]) == transport_of(c["reference"]), c
+        elif c["axis"] == "transport":
+            assert c["reference"] == "no ddp" or (engine_of(c["label"]) == engine_of(c["reference"])
+                                                  and transport_of(c["label"]) != transport_of(c["reference"])), c
+        elif c["limit"] is not None:
+            assert transport_of(c["label"]) in bench.ASYNCHRONOUS, c
+        if c["limit"] is None:
+            assert c["verdict"] == "information" and c["axis"] == "overlap", c
+        else:
+            assert c["verdict"] == measure.verdict(c["ratio"], c["limit"]), c
+
+
+def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
+    rows = rows_at(sweep[0], WORLD)
+    for label, row in rows.items():
+        assert row["vs_no_ddp"] == measure.paired_ratio(row["round_p50_s"], rows["no ddp"]["round_p50_s"])
+        for kind, key in (("pytorch", "vs_pytorch"), ("pytorch-best", "vs_pytorch_best")):
+            reference = rows.get(f"{kind} 25M [{transport_of(label)}]")
+            assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
+    # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
+    assert rows["bucketed 25M [shm]"]["vs_pytorch"] is None and rows["bucketed 25M [shm]"]["vs_pytorch_best"]
+    assert rows["bucketed 25M [shm-thread]"]["vs_pytorch"] is None is rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"]
 
 
 # --------------------------------------------------------------------------- the statistics, against a scripted clock
@@ -84,44 +224,46 @@ def test_a_row_per_variant_and_the_single_process_no_ddp_row(sweep):
 
 # Seconds per iteration of each variant in a world of one, and the exposed wait ours report.
 # The oracle: every figure below follows from these numbers by hand, not from the benchmark's code.
-SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M": (0.150, 0.0), "pytorch-best 25M": (0.120, 0.0),
-          "bucketed 25M": (0.132, 0.004), "naive": (0.200, 0.080)}
+SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M [torch]": (0.150, 0.0), "pytorch-best 25M [torch]": (0.120, 0.0),
+          "pytorch-best 25M [shm]": (0.108, 0.0), "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
+          "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shm]": (0.104, 0.001),
+          "bucketed 25M [shm-thread]": (0.1144, 0.036)}
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
 SCRIPTED_ITERS = 8  # 2 per round
+# The engine each kind must be built as (in a world of one every transport is torch's: nothing travels).
+ENGINES = {"no_ddp": Net, "pytorch": torch.nn.parallel.DistributedDataParallel,
+           "pytorch-best": torch.nn.parallel.DistributedDataParallel, "bucketed": ddp.DDP, "naive": ddp.NaiveDDP}
 
 
 class ScriptedClock:
     """Stands in for time.perf_counter in measure.py: a step advances it by its variant's scripted time."""
 
     def __init__(self):
-        self.now, self.replicas = 0.0, 0
+        self.now, self.replicas, self.built = 0.0, 0, []
 
     def perf_counter(self) -> float:
         return self.now
 
 
-def _label_of(model) -> str:
-    import ddp
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return "pytorch-best 25M" if model.gradient_as_bucket_view else "pytorch 25M"
-    return {ddp.DDP: "bucketed 25M", ddp.NaiveDDP: "naive"}.get(type(model), "no ddp")
-
-
 @pytest.fixture(scope="module")
-def scripted(tmp_path_factory):
-    """A world-of-one run of no ddp, both PyTorch rows, bucketed 25M and naive, timed by the scripted clock."""
+def scripted():
+    """A world-of-one run of no ddp, both PyTorch rows, bucketed 25M and naive on every transport, timed by the
+    scripted clock; also what make_replica built for each variant."""
     clock = ScriptedClock()
     variants = len(SCRIPT)
     real_make, real_time = bench.make_replica, measure.time
 
-    def make_replica(variant, module, batch):
-        replica = real_make(variant, module, batch)
+    def make_replica(variant, module, batch, made):
+        replica = real_make(variant, module, batch, made)
+        assert set(made) == set(bench.TRANSPORTS)  # one transport object per name, made once for the whole run
+        clock.built.append((variant, replica.model))
+        replica.label = variant.label
         replica.drift = DRIFT[clock.replicas // variants]  # schedule(): round r builds every variant once
         clock.replicas += 1
         return replica
 
     def step(replica):
-        seconds, wait = SCRIPT[_label_of(replica.model)]
+        seconds, wait = SCRIPT[replica.label]
         clock.now += seconds * replica.drift
         replica.waits.append(wait * replica.drift)
 
@@ -131,20 +273,32 @@ def scripted(tmp_path_factory):
     patch.setattr(measure, "time", clock)
     try:
         args = bench.parse_args(["--models", "cnn", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                                 "--bucket-sizes", "25", "--batch-size", str(BATCH), "--iters", str(SCRIPTED_ITERS),
-                                 "--rounds", str(len(DRIFT)), "--warmup", "1", "--no-breakdown"])
+                                 "--transports", *bench.TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
+                                 "--iters", str(SCRIPTED_ITERS), "--rounds", str(len(DRIFT)), "--warmup", "1",
+                                 "--no-breakdown"])
         rows = bench.run_in_this_process(args, ["cnn"], args.variants)
     finally:
         patch.undo()
     assert real_time is measure.time
     bench.relate(rows)
-    return {r["label"]: r for r in rows}
+    return {r["label"]: r for r in rows}, clock.built
+
+
+def test_each_variant_is_built_as_its_engine(scripted):
+    rows, built = scripted
+    assert list(rows) == list(SCRIPT)
+    assert len(built) == len(SCRIPT) * len(DRIFT)
+    for variant, model in built:
+        assert type(model) is ENGINES[variant.kind], variant
+        if variant.kind.startswith("pytorch"):
+            assert model.gradient_as_bucket_view == (variant.kind == "pytorch-best")
 
 
 def test_percentiles_pool_the_scripted_times_of_every_round(scripted):
+    rows, _ = scripted
     for label, (seconds, _) in SCRIPT.items():
         expected = [seconds * d for d in DRIFT for _ in range(SCRIPTED_ITERS // len(DRIFT))]
-        row = scripted[label]
+        row = rows[label]
         assert row["samples_s"] == pytest.approx(expected)
         for p in bench.PERCENTILES:
             assert row[f"p{p}_s"] == pytest.approx(float(np.percentile(expected, p)))
@@ -152,74 +306,169 @@ def test_percentiles_pool_the_scripted_times_of_every_round(scripted):
         assert row["round_p50_s"] == pytest.approx([seconds * d for d in DRIFT])
 
 
-def test_ratios_pair_rounds_so_drift_cancels_and_the_interval_is_exact(scripted):
-    # Every round, bucketed takes 0.132 / 0.150 = 0.88 of pytorch's time and 1.10 of pytorch-best's,
-    # whatever the drift: the interval over rounds is a single point.
-    bucketed = scripted["bucketed 25M"]
-    for key, expected in (("vs_pytorch", 0.88), ("vs_pytorch_best", 1.10)):
-        ratio = bucketed[key]
-        assert [ratio["ci_low"], ratio["median"], ratio["ci_high"]] == pytest.approx([expected] * 3)
-        assert ratio["rounds"] == len(DRIFT)
-    assert bench.faster_pytorch(scripted)["label"] == "pytorch-best 25M"
+def exact(ratio: dict, expected: float) -> bool:
+    """A ratio the same in every round: the interval over rounds is a single point."""
+    return [ratio["ci_low"], ratio["median"], ratio["ci_high"]] == pytest.approx([expected] * 3)
+
+
+def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_transport(scripted):
+    # Every round, bucketed [torch] takes 0.132 / 0.150 = 0.88 of pytorch [torch]'s time and 1.10 of
+    # pytorch-best [torch]'s, whatever the drift; bucketed [shm] 0.104 / 0.108 of pytorch-best [shm]'s.
+    rows, _ = scripted
+    assert exact(rows["bucketed 25M [torch]"]["vs_pytorch"], 0.88)
+    assert exact(rows["bucketed 25M [torch]"]["vs_pytorch_best"], 1.10)
+    assert rows["bucketed 25M [torch]"]["vs_pytorch"]["rounds"] == len(DRIFT)
+    assert rows["bucketed 25M [shm]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
+    assert exact(rows["bucketed 25M [shm]"]["vs_pytorch_best"], 0.104 / 0.108)
+    assert rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
+    assert exact(rows["naive [shm]"]["vs_no_ddp"], 1.8)
+    assert bench.faster_pytorch(rows, "torch")["label"] == "pytorch-best 25M [torch]"
+    assert bench.faster_pytorch(rows, "shm")["label"] == "pytorch-best 25M [shm]"
+    assert bench.faster_pytorch(rows, "shm-thread") is None
 
 
 def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
+    rows, _ = scripted
     p50_drift = float(np.median([d for d in DRIFT for _ in range(SCRIPTED_ITERS // len(DRIFT))]))  # 1.75
-    assert scripted["naive"]["overhead_s"] == pytest.approx((0.200 - 0.100) * p50_drift)
-    assert scripted["naive"]["overhead_frac"] == pytest.approx(1.0)
+    assert rows["naive [torch]"]["overhead_s"] == pytest.approx((0.200 - 0.100) * p50_drift)
+    assert rows["naive [torch]"]["overhead_frac"] == pytest.approx(1.0)
+    assert rows["naive [shm]"]["overhead_frac"] == pytest.approx(0.8)
 
 
 def test_exposed_wait_and_its_share_of_the_iteration(scripted):
+    rows, _ = scripted
     drift_sum = sum(DRIFT) * (SCRIPTED_ITERS // len(DRIFT))
-    for label in ("bucketed 25M", "naive"):
+    for label in ("bucketed 25M [torch]", "bucketed 25M [shm-thread]", "naive [torch]", "naive [shm]"):
         seconds, wait = SCRIPT[label]
-        row = scripted[label]
+        row = rows[label]
         assert row["comm_share"] == pytest.approx(wait * drift_sum / (seconds * drift_sum))
         assert row["round_comm_wait_s"] == pytest.approx([wait * d for d in DRIFT])
-    for label in ("no ddp", "pytorch 25M", "pytorch-best 25M"):  # nothing a host clock can isolate
-        assert scripted[label]["comm_wait_s"] is None and scripted[label]["comm_share"] is None
+    for label in ("no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]"):
+        assert rows[label]["comm_wait_s"] is None and rows[label]["comm_share"] is None  # nothing a host clock isolates
 
 
-def test_targets_use_the_faster_pytorch_row_and_say_met_missed_or_inconclusive(scripted):
-    rows = [{**r, "world_size": 2} for r in scripted.values()]  # targets need 2 ranks; the rows are the same
+def scripted_checks(scripted, world=2):
+    rows = [{**r, "world_size": world} for r in scripted[0].values()]  # targets need 2 ranks; the rows are the same
     bench.relate(rows)
-    checks = {c["target"]: c for c in bench.target_checks(rows)}
-    time_check = checks["p50 / faster pytorch p50"]
-    assert time_check["reference"] == "pytorch-best 25M" and time_check["ratio"]["median"] == pytest.approx(1.10)
-    assert time_check["verdict"] == "missed"  # 1.10 > 1.00 in every round
-    hidden = checks["exposed wait / naive's all-reduce time"]
-    assert hidden["ratio"]["median"] == pytest.approx(0.004 / 0.080) and hidden["verdict"] == "met"
-    text = "\n".join(bench.targets_text(bench.target_checks(rows)))
+    return rows, bench.target_checks(rows)
+
+
+def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_transport(scripted):
+    rows, checks = scripted_checks(scripted)
+    engine = [c for c in checks if c["axis"] == "engine"]
+    assert all(transport_of(c["label"]) == transport_of(c["reference"]) for c in engine)
+    time = {c["label"]: c for c in engine if c["target"] == "p50 / faster pytorch p50, same transport"}
+    assert set(time) == {"bucketed 25M [torch]", "bucketed 25M [shm]"}  # no PyTorch row on the thread: no check
+    assert time["bucketed 25M [torch]"]["reference"] == "pytorch-best 25M [torch]"
+    assert exact(time["bucketed 25M [torch]"]["ratio"], 1.10) and time["bucketed 25M [torch]"]["verdict"] == "missed"
+    assert time["bucketed 25M [shm]"]["reference"] == "pytorch-best 25M [shm]"
+    assert exact(time["bucketed 25M [shm]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M [shm]"]["verdict"] == "met"
+    by_label = {r["label"]: r for r in rows}
+    for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
+        assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == bench.TARGET_MEMORY
+        assert c["ratio"]["median"] == by_label[c["label"]]["peak_bytes"] / by_label[c["reference"]]["peak_bytes"]
+
+
+def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):
+    _, checks = scripted_checks(scripted)
+    transport = {c["label"]: c for c in checks if c["axis"] == "transport"}
+    assert set(transport) == {"pytorch-best 25M [shm]", "bucketed 25M [shm]"}
+    hook = transport["pytorch-best 25M [shm]"]
+    assert hook["reference"] == "pytorch-best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
+    assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
+    alone = transport["bucketed 25M [shm]"]
+    assert alone["reference"] == "no ddp" and alone["limit"] == bench.TARGET_VS_NO_DDP
+    assert exact(alone["ratio"], 1.04) and alone["verdict"] == "met"  # 1.04 <= 1.15
+
+
+def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the_same_wire(scripted):
+    _, checks = scripted_checks(scripted)
+    hidden = {c["label"]: c for c in checks if c["axis"] == "overlap" and c["limit"] is not None}
+    # bucketed 25M [shm] waits 0.001 / 0.060 of naive [shm]: inline, its sums are inside backward: not checked
+    assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shm-thread]"}
+    assert hidden["bucketed 25M [torch]"]["reference"] == "naive [torch]"
+    assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080) and hidden["bucketed 25M [torch]"]["verdict"] == "met"
+    assert hidden["bucketed 25M [shm-thread]"]["reference"] == "naive [shm]"
+    assert exact(hidden["bucketed 25M [shm-thread]"]["ratio"], 0.6) and hidden["bucketed 25M [shm-thread]"]["verdict"] == "missed"
+    assert all(c["limit"] == bench.TARGET_HIDDEN for c in hidden.values())
+
+
+def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_information(scripted):
+    _, checks = scripted_checks(scripted)
+    information = [c for c in checks if c["limit"] is None]
+    assert len(information) == 1
+    thread = information[0]
+    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shm-thread]", "bucketed 25M [shm]")
+    assert exact(thread["ratio"], 1.10) and thread["verdict"] == "information"
+    text = "\n".join(bench.targets_text(checks))
+    assert "1.10x [1.10, 1.10] (information)" in text
+
+
+def test_targets_text_says_met_missed_or_inconclusive(scripted):
+    _, checks = scripted_checks(scripted)
+    text = "\n".join(bench.targets_text(checks))
     assert "1.10x [1.10, 1.10] <= 1.00: MISSED" in text and "0.05x [0.05, 0.05] <= 0.50: MET" in text
+    assert "0.90x [0.90, 0.90] <= 0.95: MET" in text and "0.60x [0.60, 0.60] <= 0.50: MISSED" in text
+    assert len(text.splitlines()) == 1 + len(checks)
+    assert bench.target_checks([{**r, "world_size": 1} for r in scripted[0].values()]) == []  # one rank: nothing
 
 
 def test_a_run_with_more_processes_than_cores_is_marked_and_never_official(scripted):
-    rows = [{**r, "world_size": os.cpu_count() + 1, "oversubscribed": True} for r in scripted.values()]
+    rows = [{**r, "world_size": os.cpu_count() + 1, "oversubscribed": True} for r in scripted[0].values()]
     bench.relate(rows)
-    assert all(c["oversubscribed"] for c in bench.target_checks(rows))
+    assert bench.target_checks(rows) and all(c["oversubscribed"] for c in bench.target_checks(rows))
     assert "(oversubscribed: information)" in "\n".join(bench.targets_text(bench.target_checks(rows)))
     assert "*ranks" in bench.row_prefix(rows[0])
+
+
+# --------------------------------------------------------------------------- what each variant sends and keeps
 
 
 def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     rows = rows_at(sweep[0], WORLD)
     params = cnn_parameters()
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    assert rows["naive"]["all_reduces"] == rows["overlap"]["all_reduces"] == len(params)  # one per parameter
-    assert rows["flat"]["all_reduces"] == 1  # 3.2 MiB in one piece
+    for t in ("torch", "shm"):
+        assert rows[f"naive [{t}]"]["all_reduces"] == rows[f"overlap [{t}]"]["all_reduces"] == len(params)  # per parameter
+        assert rows[f"flat [{t}]"]["all_reduces"] == 1  # 3.2 MiB in one piece
     # ours: everything in one bucket but the first layers' gradients, up to LAST_BUCKET_CAP_MB, in a last one
     first_bytes = np.cumsum([p.numel() * p.element_size() for p in params])
-    assert 0 < first_bytes[0] <= LAST_BUCKET_CAP_MB * 2**20 < grad_bytes
-    assert rows["bucketed 1000M"]["all_reduces"] == 2
-    assert rows["bucketed 1M"]["all_reduces"] > 1
+    assert 0 < first_bytes[0] <= LAST_BUCKET_CAP_MB * 2**20 < grad_bytes < 25 * 2**20
+    for t in SWEEP_TRANSPORTS:  # the same buckets whatever carries them; overlap: a bucket per parameter
+        assert rows[f"bucketed 25M [{t}]"]["all_reduces"] == 2 and rows[f"overlap [{t}]"]["all_reduces"] == len(params)
     for label, row in rows.items():
         assert row["grad_bytes"] == grad_bytes
-        if row["variant"] in ("bucketed", "overlap", "pytorch", "pytorch-best"):  # buckets kept between steps
+        if row["variant"] in ("bucketed", "overlap", "flat", "pytorch", "pytorch-best"):  # buffers kept between steps
             assert row["ddp_buffer_bytes"] >= grad_bytes, label
         else:
             assert row["ddp_buffer_bytes"] == 0, label
         assert row["iteration_peak_bytes"] > 0
-        assert row["peak_bytes"] == row["iteration_peak_bytes"] + row["ddp_buffer_bytes"]
+
+
+def staging_block(nbytes: int) -> int:
+    """The staging block transport.SharedMemory takes for a tensor of ``nbytes``: at least 1 MiB, 64-byte aligned."""
+    return max(2**20, -(-nbytes // 64) * 64)
+
+
+def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_see(sweep):
+    rows = rows_at(sweep[0], WORLD)
+    for label, row in rows.items():
+        assert row["peak_bytes"] == row["iteration_peak_bytes"] + row["ddp_buffer_bytes"] + row["transport_staging_bytes"]
+    # Staged: what the transport did not allocate. Naive hands it each gradient (the largest sets the block);
+    # PyTorch's DDP, through its hook, its buckets.
+    largest = max(p.numel() * p.element_size() for p in cnn_parameters())
+    assert rows["naive [shm]"]["transport_staging_bytes"] == staging_block(largest)
+    best = rows["pytorch-best 25M [shm]"]
+    if best["all_reduces"] == 1:  # one bucket: it holds every gradient
+        assert best["transport_staging_bytes"] == staging_block(best["ddp_buffer_bytes"])
+    else:
+        assert staging_block(best["ddp_buffer_bytes"] // best["all_reduces"]) <= best["transport_staging_bytes"] \
+            <= staging_block(best["ddp_buffer_bytes"])
+    # Ours allocate their buffers in the arena: nothing staged, whatever a row before them on the same transport
+    # object left (each row's block is released before its own is measured). Gloo stages nothing of ours.
+    for label, row in rows.items():
+        if label not in ("naive [shm]", "pytorch-best 25M [shm]"):
+            assert row["transport_staging_bytes"] == 0, label
 
 
 def test_report_prints_every_row_and_the_targets(sweep):
@@ -229,37 +478,71 @@ def test_report_prints_every_row_and_the_targets(sweep):
         prefix = bench.row_prefix(row)
         assert f"{prefix}  p50: {row['p50_s']:8.4f}s" in printed  # the seed-004 table
         assert sum(line.startswith(prefix) for line in printed.splitlines()) >= 2  # and the communication table
-    assert "Targets (set for CPU, 2 ranks, resnet18)" in printed
-    assert "p50 / faster pytorch p50" in printed and "peak memory / same pytorch row" in printed
+    assert "Targets (set for CPU, 2 ranks, resnet18), each on one axis." in printed
+    for target in ("p50 / faster pytorch p50, same transport", "peak memory / same pytorch row",
+                   "p50 / the same engine on torch", "p50 / no DDP", "exposed wait / naive's all-reduce time",
+                   "p50 / the same sums in the backward hook"):
+        assert target in printed
+    assert "[shm-thread]: the same on a communication thread" in printed  # the legend
 
 
-def test_every_variant_writes_a_loadable_chrome_trace_per_rank(sweep):
-    _, _, traces = sweep
+def trace_names(traces, label: str, rank: int = 0) -> list[str]:
+    return [e.get("name") for e in json.loads((traces / f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank{rank}.json")
+                                              .read_text())["traceEvents"]]
+
+
+def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_its_transport(sweep):
+    doc, _, traces = sweep
     expected = {f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank{rank}.json" for label in LABELS for rank in range(WORLD)}
     expected.add("cnn-1ranks-no-ddp-rank0.json")
     assert {p.name for p in traces.iterdir()} == expected
-    events = json.loads((traces / f"cnn-{WORLD}ranks-bucketed-1M-rank0.json").read_text())["traceEvents"]
-    names = [e.get("name") for e in events]
+    names = trace_names(traces, "bucketed 25M [shm]")
     for label in ("iteration 0", "iteration 2", "forward", "backward", "sync_gradients", "optimizer_step"):
         assert label in names
-    # One host: our buckets' sums go through shared memory, each a range on our communication thread.
-    sums = names.count(allreduce.SHARED_MEMORY_RANGE)
-    assert sums >= bench.PROFILE_ITERS * rows_at(sweep[0], WORLD)["bucketed 1M"]["all_reduces"]
+    # Each profiled iteration sums every bucket (or gradient) once, over the row's transport and no other:
+    # gloo's ranges for [torch] (PyTorch's own or ours), ours for shared memory (PyTorch's through its hook).
+    for label, row in rows_at(doc, WORLD).items():
+        names = trace_names(traces, label)
+        wire, other = ("gloo:all_reduce", SHM_ALL_REDUCE) if row["transport"] == "torch" else (SHM_ALL_REDUCE, "gloo:all_reduce")
+        assert names.count(wire) == bench.PROFILE_ITERS * row["all_reduces"] and names.count(other) == 0, label
+    assert rows_at(doc, WORLD)["no ddp"]["all_reduces"] == 0
+
+
+def test_the_timeline_shows_where_each_transport_sums(sweep):
+    """gloo sums on its own threads, shared memory in the thread that computes (inline in the backward hook),
+    shared memory with a thread on that one thread (plots.timeline_events on rank 0's last profiled iteration)."""
+    doc, _, traces = sweep
+    rows = rows_at(doc, WORLD)
+
+    def lanes(label):
+        trace = json.loads((traces / f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank0.json").read_text())
+        return plots.timeline_events(trace)["comm"]
+
+    for label in ("bucketed 25M [torch]", "pytorch-best 25M [torch]"):
+        on = lanes(label)
+        assert on and all(lane.startswith("comm thread") for lane in on), (label, on)
+        assert sum(map(len, on.values())) == rows[label]["all_reduces"]
+    for label in ("bucketed 25M [shm]", "pytorch-best 25M [shm]", "naive [shm]"):
+        on = lanes(label)
+        assert list(on) == ["sums in the compute thread"] and len(on["sums in the compute thread"]) == rows[label]["all_reduces"]
+    on = lanes("bucketed 25M [shm-thread]")
+    assert list(on) == ["comm thread 1"] and len(on["comm thread 1"]) == rows["bucketed 25M [shm-thread]"]["all_reduces"]
 
 
 # --------------------------------------------------------------------------- diff
 
 
-SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, bucketed 25M 20% faster
+SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, bucketed 25M [shm] 20% faster
+QUICKER = "bucketed 25M [shm]"
 
 
 def changed_copy(doc: dict) -> dict:
     test = copy.deepcopy(doc)
     test["env"]["torch"] = "9.9.9"
     for row in test["results"]:
-        factor = FASTER if row["label"] == "bucketed 25M" else SCALE
+        factor = FASTER if row["label"] == QUICKER else SCALE
         row["samples_s"] = [factor * s for s in row["samples_s"]]
-    test["results"] = [r for r in test["results"] if r["label"] != "flat"]
+    test["results"] = [r for r in test["results"] if r["label"] != "flat [torch]"]
     return test
 
 
@@ -271,10 +554,10 @@ def test_diff_gives_the_percent_change_of_each_row(sweep, tmp_path):
     write_results(str(test_path), test["benchmark"], test["env"], test["config"], test["results"])
     diffs, unmatched = bench.diff_rows(read_results(str(base_path)), read_results(str(test_path)))
     assert len(diffs) == len(doc["results"]) - 1
-    assert unmatched == [f"only in baseline: cnn (batch {BATCH}, 3x32x32), {WORLD} ranks, flat"]
+    assert unmatched == [f"only in baseline: cnn (batch {BATCH}, 3x32x32), {WORLD} ranks, flat [torch]"]
     base_rows = {(r["world_size"], r["label"]): r for r in doc["results"]}
     for d in diffs:
-        factor = FASTER if d["label"] == "bucketed 25M" else SCALE
+        factor = FASTER if d["label"] == QUICKER else SCALE
         base = base_rows[d["world_size"], d["label"]]
         for p in bench.DIFF_PERCENTILES:
             # PyTorch's diff.py: the change in time, negated (lower is better): 1.25x the time is -25%.
@@ -292,7 +575,7 @@ def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
     assert torch.__version__ in torch_line and "9.9.9" in torch_line and "differs" in torch_line
     backend_line = next(line for line in text.splitlines() if line.startswith("backend:"))
     assert "differs" not in backend_line
-    row = rows_at(doc, WORLD)["bucketed 25M"]
+    row = rows_at(doc, WORLD)[QUICKER]
     p75 = FASTER * bench.percentile(row["samples_s"], 75)
     assert f"{bench.row_prefix(row)}  p75: {p75:8.4f}s {row['global_batch'] / p75:7.0f}/s    +20.0%" in text
     assert "only in baseline:" in text
@@ -302,9 +585,10 @@ def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
 
 
 def test_rounds_rotate_the_order_and_split_the_iterations():
-    variants = bench.variants_for(("naive", "flat", "overlap"), [])  # no ddp, naive, flat, overlap
+    variants = bench.variants_for(("naive", "flat", "overlap"), [], ["torch"])  # no ddp, naive, flat, overlap
     order = [v.label for _, v in bench.schedule(variants, 2)]
-    assert order == ["no ddp", "naive", "flat", "overlap", "flat", "overlap", "no ddp", "naive"]
+    assert order == ["no ddp", "naive [torch]", "flat [torch]", "overlap [torch]",
+                     "flat [torch]", "overlap [torch]", "no ddp", "naive [torch]"]
     assert [bench.round_iters(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
 
 
@@ -345,12 +629,22 @@ def test_a_fresh_gpt_predicts_every_token_about_equally_and_has_no_denormal_prob
 
 
 @pytest.mark.parametrize("flags", [["--iters", "2", "--rounds", "3"], ["--batch-size", "1"], ["--bucket-sizes", "0"],
-                                   ["--gpt-width", "10", "--gpt-heads", "4"], ["--warmup", "-1"]])
+                                   ["--gpt-width", "10", "--gpt-heads", "4"], ["--warmup", "-1"],
+                                   ["--transports", "gloo"]])
 def test_bad_flags_stop_with_a_usage_error(flags, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.parse_args(flags)
     assert stop.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_shared_memory_transports_are_refused_with_gpus(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "resolve_backend", lambda backend: "nccl")  # as with GPUs, without one
+    for transports_ in (["shm"], ["torch", "shm-thread"]):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--transports", *transports_])
+        assert stop.value.code == 2 and "take CPU tensors" in capsys.readouterr().err
+    assert bench.parse_args(["--transports", "torch"]).transports == ["torch"]
 
 
 def test_every_flag_shows_its_default_in_help():
@@ -374,13 +668,15 @@ def test_quick_fills_only_the_flags_not_given():
     assert (normal.iters, normal.rounds) == (bench.NORMAL["iters"], bench.NORMAL["rounds"])
 
 
-def test_the_25m_rows_say_where_an_iteration_spends_its_time(sweep):
+def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(sweep):
     rows = rows_at(sweep[0], WORLD)
-    for label in ("pytorch 25M", "pytorch-best 25M", "bucketed 25M"):
+    profiled = [label for label, row in rows.items() if "breakdown" in row]
+    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+                        "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
+    for label in profiled:
         breakdown = rows[label]["breakdown"]
         assert set(breakdown["ranges"]) == set(bench.PHASES), label
         assert breakdown["ranges"]["backward"] > 0 and breakdown["ops"], label
-    assert "breakdown" not in rows["naive"]
 
 
 def test_diff_of_two_benchmarks_or_of_runs_with_nothing_in_common_says_what_differs(sweep, capsys, tmp_path):

@@ -130,7 +130,9 @@ def _initial_state(seed=0):
 
 def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs):
     resumed = runs["resumed"]
-    assert f"fault injected: SIGKILL with a bucket's all-reduce in flight after step {CRASH_STEP}" in resumed.process.stderr
+    # On one CPU host our DDP sums through shared memory (transport "auto"): the kill lands inside a sum.
+    assert f"fault injected: SIGKILL in the middle of a bucket's shared-memory sum after step {CRASH_STEP}" \
+        in resumed.process.stderr
     assert f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done" in resumed.process.stdout
     uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
     assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
@@ -666,7 +668,7 @@ def _same_model(a, b):
 @pytest.mark.slow
 def test_killed_in_forward_all_reduce_validation_scatter_and_checkpoint_write_still_ends_with_the_uninterrupted_model(faults):
     stderr = faults.process["chain"].stderr
-    for what in ("in the forward after step 1", "with a bucket's all-reduce in flight after step 4",
+    for what in ("in the forward after step 1", "in the middle of a bucket's shared-memory sum after step 4",
                  "in the second scatter of epoch 2's validation", "halfway through writing epoch 2's checkpoint"):
         assert f"fault injected: SIGKILL {what}" in stderr, what
     assert _same_model(_state(faults.out / "chain.pt"), faults.reference)

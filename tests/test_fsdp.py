@@ -10,6 +10,10 @@ tolerance is a few float32 ulp; a summed gradient, a wrong shard, a stale gather
 tied gradient is off by orders of magnitude more. With ``compute_dtype`` the oracle is a
 single process that runs the same layers on weights and inputs cast the same way.
 Workers train with every warning turned into an error.
+
+The same training runs on every transport ("auto": this host's shared memory; "torch"; "p2p";
+shared memory on a communication thread, whose prefetches are really in flight while the
+layers compute), each inside a ``CountingTransport`` that checks what FSDP sends through it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -24,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import run_workers
+import transport as transports
+from common import CountingTransport, run_workers
 from fsdp import FSDP
 from measure import saved_tensor_bytes
 
@@ -37,6 +43,23 @@ FLOAT32_CASES = [(opt, reshard) for opt in OPTIMIZERS for reshard in (True, Fals
 # Each dtype once, each with one reshard mode (the float32 cases cover both modes).
 LOW_CASES = [("float16", True), ("bfloat16", False)]
 EPS32 = torch.finfo(torch.float32).eps
+# "background": SharedMemory(group, background=True), whose collectives run beside the caller.
+TRANSPORTS = ("auto", "torch", "p2p", "background")
+TRANSPORT_CLASS = {"auto": "SharedMemory", "torch": "Torch", "p2p": "MessagePassing", "background": "SharedMemory"}
+# (optimizer, compute dtype, reshard_after_forward) on each transport, all with TinyLM's tied weights: "auto"
+# every case above; "background" (real asynchrony) float32 and each compute dtype in both reshard modes;
+# "torch" and "p2p" float32 and a compute dtype each, their reshard modes swapped.
+CASES = {"auto": [(opt, None, reshard) for opt, reshard in FLOAT32_CASES] + [("adamw", *case) for case in LOW_CASES],
+         "torch": [("adamw", None, True), ("adamw", "bfloat16", False)],
+         "p2p": [("adamw", None, False), ("adamw", "float16", True)],
+         "background": [("adamw", None, True), ("adamw", None, False)] + [("adamw", *case) for case in LOW_CASES]}
+# The calls of TinyLM's forward into a sharded module (head uses embed's unit: tied), and the units.
+CALLS = ("embed", "up", "down", "head")
+UNIT_OF_CALL = {"embed": "embed", "up": "up", "down": "down", "head": "embed"}
+# The calls whose backward needs their weights: a linear saves its weight for its input's gradient;
+# an embedding's backward needs only the indices.
+SAVING_CALLS = ("up", "down", "head")
+UNIT_NUMELS = {"embed": VOCAB * DIM, "up": DIM * HIDDEN + HIDDEN, "down": HIDDEN * DIM + DIM}
 
 
 class TinyLM(nn.Module):
@@ -120,10 +143,76 @@ def oracle(world, optimizer, dtype=None, steps=STEPS, cast_once=False):
 # --------------------------------------------------------------------------- the workers
 
 
-def train(ctx, model, optimizer, steps=STEPS, seen=None):
+class _Watched(transports.Work):
+    """A reduce-scatter's handle that notes whether FSDP waited for it."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self) -> bool:
+        self.waited = True
+        return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class Recording(CountingTransport):
+    """A ``CountingTransport`` that also notes, per step (``end_step``), whether the gathered full tensors
+    and the flat gradients lie in the inner transport's own buffers (zero copy), how many asynchronous
+    calls were still in flight when they returned, how many reduce-scatters were left unwaited when a
+    new one began, and, over shared memory, the arena's bytes in use at the calls and after the step."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.steps = []
+        self.reset()
+
+    def reset(self):
+        super().reset()
+        self.gathers_owned, self.reduced_owned, self.reductions = [], [], []
+        self.in_flight = self.unwaited = 0
+        self.peak = 0
+
+    def _arena_in_use(self):
+        arena = getattr(self.inner, "_arena", None)
+        if arena is None:
+            return None
+        with arena.lock:  # a communication thread may give a block back meanwhile
+            return arena.size - sum(length for _, length in arena.free)
+
+    def _note(self, work):
+        self.in_flight += work is not None and not work.is_completed()
+        self.peak = max(self.peak, self._arena_in_use() or 0)
+        return work
+
+    def all_gather(self, output, input, *, async_op=False):
+        self.gathers_owned.append(self.inner.owns(output))
+        return self._note(super().all_gather(output, input, async_op=async_op))
+
+    def reduce_scatter(self, output, input, op="sum", *, async_op=False):
+        self.reduced_owned.append((input.numel(), self.inner.owns(input)))
+        self.unwaited = max(self.unwaited, sum(not work.waited for work in self.reductions))
+        work = self._note(super().reduce_scatter(output, input, op, async_op=async_op))
+        if work is not None:
+            work = _Watched(work)
+            self.reductions.append(work)
+        return work
+
+    def end_step(self):
+        arena = getattr(self.inner, "_arena", None)
+        self.steps.append({"calls": dict(self.calls), "bytes": dict(self.bytes),
+                           "gathers_owned": list(self.gathers_owned), "reduced_owned": list(self.reduced_owned),
+                           "in_flight": self.in_flight, "unwaited": self.unwaited, "peak": self.peak,
+                           "after": self._arena_in_use(), "free": None if arena is None else list(arena.free)})
+
+
+def train(ctx, model, optimizer, steps=STEPS, seen=None, recording=None):
     cls, kwargs = OPTIMIZERS[optimizer]
     opt = cls(model.parameters(), **kwargs)
     for step in range(steps):
+        if recording is not None:
+            recording.reset()
         idx = tokens(step, ctx.world_size)[ctx.rank * MICRO:(ctx.rank + 1) * MICRO]
         loss_of(model(idx), idx).backward()
         model.finish_gradient_synchronization()
@@ -131,26 +220,34 @@ def train(ctx, model, optimizer, steps=STEPS, seen=None):
             seen.append({n: (p.grad.dtype, p.grad.shape == p.shape) for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
+        if recording is not None:
+            recording.end_step()
     return model.full_parameters()
 
 
 def _training(ctx):
+    """Every case of CASES, each FSDP given a ``Recording`` of its transport: ``out[name, *case]`` is the full
+    parameters after training; what the recording saw and what the optimizer and ``up`` saw go beside them."""
+    background = transports.SharedMemory(background=True)
     out = {}
-    for optimizer, reshard in FLOAT32_CASES:
-        # Rank-dependent initial weights: FSDP must take rank 0's.
-        seen = []
-        out[optimizer, reshard] = train(ctx, FSDP(build(ctx.rank), reshard_after_forward=reshard), optimizer, seen=seen)
-        out["grads", optimizer, reshard] = seen
-    for dtype, reshard in LOW_CASES:
-        model = FSDP(build(0), compute_dtype=getattr(torch, dtype), reshard_after_forward=reshard)
-        used = []
-        # prepend: run before FSDP's own post-forward hook, which frees the weights and casts the output back
-        model.module.up.register_forward_hook(lambda m, i, o: used.append((m.weight.dtype, i[0].dtype, o.dtype)),
-                                              prepend=True)
-        out[dtype, reshard] = train(ctx, model, "adamw")
-        out["used", dtype, reshard] = used[0]
-        out["master", dtype, reshard] = sorted({str(p.dtype) for p in model.parameters()})
-    out["inline"] = train(ctx, FSDP(build(0), comm_thread=False), "adamw")
+    try:
+        for name, cases in CASES.items():
+            inner = background if name == "background" else transports.resolve(name)
+            out[name, "class"] = type(inner).__name__
+            for optimizer, dtype, reshard in cases:
+                recording, seen, used = Recording(inner), [], []
+                # Rank-dependent initial weights: FSDP must take rank 0's.
+                model = FSDP(build(ctx.rank), compute_dtype=dtype and getattr(torch, dtype),
+                             reshard_after_forward=reshard, transport=recording)
+                # prepend: run before FSDP's own post-forward hook, which frees the weights and casts the output back
+                model.module.up.register_forward_hook(
+                    lambda m, i, o, used=used: used.append((m.weight.dtype, i[0].dtype, o.dtype)), prepend=True)
+                key = (name, optimizer, dtype, reshard)
+                out[key] = train(ctx, model, optimizer, seen=seen, recording=recording)
+                out["steps", *key], out["grads", *key], out["used", *key] = recording.steps, seen, used[0]
+                out["master", *key] = sorted({str(p.dtype) for p in model.parameters()})
+    finally:
+        background.close()
     return out
 
 
@@ -169,9 +266,24 @@ def _memory(ctx):
         out["shard_numels", reshard] = [u.shard.numel() for u in model.units]
     # An enclosing saved-tensor hook (here a measurement) still sees every activation.
     plain, model = build(0), FSDP(build(0))
+    out["default transport"] = type(model.transport).__name__
     out["saved", "plain"] = saved_tensor_bytes(lambda: plain(idx), exclude=list(plain.parameters()))
     out["saved", "fsdp"] = saved_tensor_bytes(lambda: model(idx), exclude=list(model.parameters()))
+    out["freed"] = _freed_after_a_forward_without_backward(idx)
     return out
+
+
+def _freed_after_a_forward_without_backward(idx):
+    """For each reshard mode, whether a wrapper whose forward ran with gradients, its output dropped with no
+    backward, is freed at once with its gathered tensors and transport: no reference cycle (one through
+    autograd's graph is one Python's gc cannot even see)."""
+    freed = {}
+    for reshard in (True, False):
+        model = FSDP(build(0), reshard_after_forward=reshard)
+        model(idx)
+        freed[reshard] = weakref.ref(model)
+    del model
+    return {reshard: ref() is None for reshard, ref in freed.items()}
 
 
 def _state_dicts(ctx):
@@ -231,6 +343,16 @@ def _errors(ctx):
 
     out["no_grad"] = no_grad_then_backward()
     out["compute_dtype"] = message(lambda: FSDP(build(0), compute_dtype=torch.int8))
+
+    def transports_differ():
+        model = build(ctx.rank)  # refused before rank 0's weights are broadcast: each keeps its own
+        error = message(lambda: FSDP(model, transport="torch" if ctx.rank == 0 else "auto"))
+        return error, torch.equal(model.up.weight, build(ctx.rank).up.weight)
+
+    out["transports differ"] = transports_differ()
+    out["unknown transport"] = message(lambda: FSDP(build(0), transport="carrier pigeon"))
+    idx = tokens(0, ctx.world_size)[:MICRO]
+    out["freed before backward"] = message(loss_of(FSDP(build(0), reshard_after_forward=False)(idx), idx).backward)
     return out
 
 
@@ -272,12 +394,16 @@ def test_reference_forward_is_tinylm_forward():
     torch.testing.assert_close(reference_forward(model, idx), model(idx), rtol=0, atol=0)
 
 
+def compute(dtype):
+    return dtype and getattr(torch, dtype)
+
+
 @pytest.mark.parametrize("world", (2, 3))
 @pytest.mark.parametrize("optimizer,reshard", FLOAT32_CASES)
 def test_float32_trains_like_one_process_on_the_global_batch(groups, world, optimizer, reshard):
     expected = oracle(world, optimizer)
-    for rank, result in enumerate(groups[world]):
-        assert_few_ulps(result["training"][optimizer, reshard], expected)
+    for result in groups[world]:
+        assert_few_ulps(result["training"]["auto", optimizer, None, reshard], expected)
 
 
 @pytest.mark.parametrize("world", (2, 3))
@@ -291,17 +417,19 @@ def test_the_training_moves_parameters_far_beyond_the_tolerance(world):
 def test_every_rank_holds_the_same_full_parameters(groups, world):
     first = groups[world][0]["training"]
     for result in groups[world][1:]:
-        for key in FLOAT32_CASES:
-            for name, value in first[key].items():
-                torch.testing.assert_close(result["training"][key][name], value, rtol=0, atol=0)
+        for name, cases in CASES.items():
+            for case in cases:
+                for param, value in first[name, *case].items():
+                    torch.testing.assert_close(result["training"][name, *case][param], value, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("world", (2, 3))
 def test_optimizer_sees_float32_gradients_of_its_own_shapes(groups, world):
     for result in groups[world]:
-        for optimizer, reshard in FLOAT32_CASES:
-            for step in result["training"]["grads", optimizer, reshard]:
-                assert step and all(dtype == torch.float32 and same for dtype, same in step.values()), step
+        for name, cases in CASES.items():
+            for case in cases:
+                for step in result["training"]["grads", name, *case]:
+                    assert step and all(dtype == torch.float32 and same for dtype, same in step.values()), step
 
 
 @pytest.mark.parametrize("world", (2, 3))
@@ -309,19 +437,110 @@ def test_optimizer_sees_float32_gradients_of_its_own_shapes(groups, world):
 def test_low_precision_compute_matches_one_process_that_casts_the_same_way(groups, world, dtype, reshard):
     """A few float32 ulps from the casting oracle, and far from float32 training (which a run that ignored
     compute_dtype would match instead)."""
-    cast, exact = oracle(world, "adamw", getattr(torch, dtype), cast_once=not reshard), oracle(world, "adamw")
+    cast, exact = oracle(world, "adamw", compute(dtype), cast_once=not reshard), oracle(world, "adamw")
     assert max(ulps(cast[n], exact[n]) for n in cast) > 1000
     for result in groups[world]:
-        assert_few_ulps(result["training"][dtype, reshard], cast)
-        assert result["training"]["used", dtype, reshard] == (getattr(torch, dtype),) * 3
-        assert result["training"]["master", dtype, reshard] == ["torch.float32"]
+        assert_few_ulps(result["training"]["auto", "adamw", dtype, reshard], cast)
+        assert result["training"]["used", "auto", "adamw", dtype, reshard] == (compute(dtype),) * 3
+        assert result["training"]["master", "auto", "adamw", dtype, reshard] == ["torch.float32"]
 
 
 @pytest.mark.parametrize("world", (2, 3))
-def test_inline_communication_gives_the_same_result_as_the_communication_thread(groups, world):
-    expected = oracle(world, "adamw")
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_trains_like_one_process_on_every_transport(groups, world, name):
+    """Float32 and compute dtypes, both reshard modes, the tied weights: on each transport as with one process
+    (with "background", the prefetched gathers and the reduce-scatters run while the layers compute)."""
     for result in groups[world]:
-        assert_few_ulps(result["training"]["inline"], expected)
+        training = result["training"]
+        assert training[name, "class"] == TRANSPORT_CLASS[name]
+        for optimizer, dtype, reshard in CASES[name]:
+            expected = oracle(world, optimizer, compute(dtype), cast_once=dtype is not None and not reshard)
+            assert_few_ulps(training[name, optimizer, dtype, reshard], expected)
+            assert training["used", name, optimizer, dtype, reshard] == (compute(dtype) or torch.float32,) * 3
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_the_default_transport_is_this_hosts_shared_memory(groups, world):
+    for result in groups[world]:
+        assert result["memory"]["default transport"] == "SharedMemory"
+
+
+def expected_traffic(world, dtype, reshard):
+    """What one step sends through the transport, from TinyLM's structure: (calls, bytes) of all_gather and
+    reduce_scatter. Each unit is padded to a multiple of the world size.
+
+    reshard_after_forward=True: forward gathers once per call into a sharded module (CALLS: four, head
+    gathering the tied embedding again), backward once per call whose backward needs its weights
+    (SAVING_CALLS: three; not the embedding); one reduce-scatter per gather of the forward (the tied
+    embedding's two uses each reduce their own gradient). False: each unit gathered once, in forward, and
+    reduced once. Gathers move ``compute_dtype`` elements, reduce-scatters float32 (the master dtype)."""
+    padded = {unit: math.ceil(n / world) * world for unit, n in UNIT_NUMELS.items()}
+    if reshard:
+        gathered = [UNIT_OF_CALL[c] for c in CALLS + SAVING_CALLS]
+        reduced = [UNIT_OF_CALL[c] for c in CALLS]
+    else:
+        gathered = reduced = list(padded)
+    size = (compute(dtype) or torch.float32).itemsize
+    return ({"all_gather": len(gathered), "reduce_scatter": len(reduced)},
+            {"all_gather": size * sum(padded[u] for u in gathered),
+             "reduce_scatter": 4 * sum(padded[u] for u in reduced)})
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_gathers_and_reduce_scatters_go_through_the_given_transport(groups, world, name):
+    """Every step sends exactly what the model implies (``expected_traffic``), through the transport it was
+    given; the replicated parameters' all-reduce goes through it too (FSDP's internal DDP)."""
+    for result in groups[world]:
+        for case in CASES[name]:
+            calls, nbytes = expected_traffic(world, *case[1:])
+            steps = result["training"]["steps", name, *case]
+            assert len(steps) == STEPS
+            for step in steps:
+                assert {k: step["calls"].get(k) for k in calls} == calls, (case, step["calls"])
+                assert {k: step["bytes"].get(k) for k in nbytes} == nbytes, (case, step["bytes"])
+                assert step["calls"].get("all_reduce", 0) >= 1
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_at_most_one_reduce_scatter_is_in_flight(groups, world, name):
+    """A reduce-scatter is waited for before the next one starts, so its flat gradient (full-size) is gone
+    before the next is made: one at a time, not one per unit until the end of backward."""
+    for result in groups[world]:
+        for case in CASES[name]:
+            for step in result["training"]["steps", name, *case]:
+                assert step["unwaited"] == 0, case
+
+
+@pytest.mark.parametrize("world", (2, 3))
+@pytest.mark.parametrize("name", ("auto", "background"))
+def test_shared_memory_gathers_in_place_and_gives_the_arena_back_every_step(groups, world, name):
+    """On shared memory every gathered full tensor lies in the transport's arena (the peers read it there,
+    zero copy), and so does every flat gradient the transport allocated (all but a float32 embedding
+    gradient that fills its unit, reduced as autograd made it). The arena holds more during a step than
+    after it, and every step ends with the same free list: what a step took it gave back."""
+    embed = math.ceil(UNIT_NUMELS["embed"] / world) * world
+    for result in groups[world]:
+        for case in CASES[name]:
+            steps = result["training"]["steps", name, *case]
+            as_made = case[1] is None and embed == UNIT_NUMELS["embed"]
+            for step in steps:
+                assert step["gathers_owned"] and all(step["gathers_owned"]), case
+                assert all(owned for numel, owned in step["reduced_owned"] if not (as_made and numel == embed)), case
+                assert step["peak"] > step["after"], (case, step["peak"], step["after"])
+            assert all(step["free"] == steps[0]["free"] for step in steps), case
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_background_transport_really_overlaps_and_inline_does_not(groups, world):
+    """With ``background=True`` asynchronous calls return while the collective is still running (the
+    training above stayed exact with them in flight); the default shared memory finishes each at its call."""
+    for result in groups[world]:
+        for name, in_flight in (("background", True), ("auto", False)):
+            for case in CASES[name]:
+                count = sum(step["in_flight"] for step in result["training"]["steps", name, *case])
+                assert (count > 0) == in_flight, (name, case, count)
 
 
 @pytest.mark.parametrize("world", (2, 3))
@@ -335,6 +554,7 @@ def test_shards_are_one_nth_padded_and_freed_after_forward_unless_kept(groups, w
     assert during == ["down", "embed", "up"], "reshard_after_forward=False keeps earlier layers until backward"
     assert after == [] and memory[True][1] == [], "nothing stays gathered after the step"
     assert memory["saved", "fsdp"] == memory["saved", "plain"] > 0, "activations seen through FSDP's own hooks"
+    assert memory["freed"] == {True: True, False: True}, "a forward without backward kept the wrapper alive"
 
 
 @pytest.mark.parametrize("world", (2, 3))
@@ -370,3 +590,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank(groups, world):
         assert "does not require grad" in backward
         assert "torch.no_grad()" in finish
         assert "compute_dtype" in errors["compute_dtype"]
+        error, own_weights = errors["transports differ"]
+        assert "FSDP: the ranks chose different transports" in error and own_weights
+        assert "unknown transport 'carrier pigeon'" in errors["unknown transport"]
+        assert "the wrapper was freed before backward" in errors["freed before backward"]

@@ -12,8 +12,8 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-import allreduce  # noqa: E402
 import plots  # noqa: E402
+import transport  # noqa: E402
 from results import RESULTS_SCHEMA  # noqa: E402
 
 
@@ -95,20 +95,34 @@ def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
     assert {"selfmade", "pytorch"} <= set(legend_texts(figure))
 
 
-def syncbn_rows(with_rounds=True):
+REFERENCE = plots.SYNCBN_REFERENCE
+
+
+def syncbn_rows(with_rounds=True, transport=None, ours=1.2e-3, reference=1e-3, impls=None):
+    """Time rows of syncbn_benchmark.py for a 2 x 3 grid on one transport (None: a file written before transports
+    were a column); ours / reference = ``ours / reference`` in every round."""
     rows = []
     for batch in (32, 64):
         for hidden in (128, 256, 512):
-            for impl, t in (("ours", 1.2e-3), ("BatchNorm1d + 2 all_reduce", 1e-3), ("BatchNorm1d (local)", 2e-4)):
-                row = {"impl": impl, "batch": batch, "hidden": hidden, "workers": 2, "time_s": t}
+            for impl, t in impls or (("ours", ours), (REFERENCE, reference), ("BatchNorm1d (local)", 2e-4)):
+                row = {"kind": "time", "impl": impl, "batch": batch, "hidden": hidden, "workers": 2, "time_s": t,
+                       "setting": "workers", "dtype": "float32"}
+                if transport is not None and impl != "BatchNorm1d (local)":  # the local layer sums nothing
+                    row["transport"] = transport
                 if with_rounds:
                     row["round_time_s"] = [t * f for f in (0.9, 1.0, 1.1, 1.05)]
                 rows.append(row)
     return rows
 
 
+def panel_bars(figure):
+    """(x, height) of the bars of the first panel, left to right."""
+    ax = [ax for ax in figure.axes if ax.get_title()][0]
+    return sorted((b.get_x(), b.get_height()) for b in ax.patches if isinstance(b, Rectangle))
+
+
 def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
-    figure = plots.syncbn_grid(doc(syncbn_rows()), target=1.3)
+    figure = plots.syncbn_grid(doc(syncbn_rows()), target=1.3)  # a file without transports: one bar per size
     panels = [ax for ax in figure.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["batch 32, 2 workers", "batch 64, 2 workers"]
     for ax in panels:
@@ -118,32 +132,45 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
         assert any(list(line.get_ydata()) == [1.3, 1.3] for line in ax.get_lines())
         assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512"]
     assert "(x)" in panels[0].get_ylabel() and "target 1.3x" in legend_texts(figure)
+    assert f"ours / ({REFERENCE})" in legend_texts(figure)
 
 
-def test_syncbn_grid_draws_a_bar_per_reference_when_the_file_has_both():
-    """With the workers on one host the benchmark also times the reference over shared memory: ours / each."""
-    rows = syncbn_rows() + [{**r, "impl": plots.SYNCBN_SHARED_REFERENCE, "time_s": r["time_s"] / 2,
-                             "round_time_s": [t / 2 for t in r["round_time_s"]]}
-                            for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
-    figure = plots.syncbn_grid(doc(rows), target=1.3)
-    ax = [ax for ax in figure.axes if ax.get_title()][0]
-    bars = sorted((b.get_x(), b.get_height()) for b in ax.patches if isinstance(b, Rectangle))
-    assert [h for _, h in bars] == pytest.approx([1.2, 2.4] * 3)  # per size: against torch's, then shared memory
-    assert {f"ours / ({plots.SYNCBN_REFERENCE})", f"ours / ({plots.SYNCBN_SHARED_REFERENCE})"} <= set(legend_texts(figure))
+# ours [torch] / reference [torch] = 1.2 and ours [shm] / reference [shm] = 1.8; a ratio across transports
+# would read 0.9 (ours [shm] / reference [torch]) or 2.4 (ours [torch] / reference [shm]).
+BOTH = syncbn_rows(transport="torch", ours=1.2e-3, reference=1e-3) + syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3)
 
 
-def test_syncbn_grid_draws_the_floor_against_the_shared_reference_when_the_file_has_it():
-    """The floor (syncbn_benchmark.FLOOR) is drawn as floor / (shared-memory reference), beside ours / each reference."""
-    shared = [{**r, "impl": plots.SYNCBN_SHARED_REFERENCE, "time_s": r["time_s"] / 2,
-               "round_time_s": [t / 2 for t in r["round_time_s"]]}
-              for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
-    floor = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 0.55, "round_time_s": [t * 0.55 for t in r["round_time_s"]]}
-             for r in syncbn_rows() if r["impl"] == plots.SYNCBN_REFERENCE]
-    figure = plots.syncbn_grid(doc(syncbn_rows() + shared + floor), target=1.3)
-    ax = [ax for ax in figure.axes if ax.get_title()][0]
-    bars = sorted((b.get_x(), b.get_height()) for b in ax.patches if isinstance(b, Rectangle))
-    assert [h for _, h in bars] == pytest.approx([1.2, 2.4, 1.1] * 3)  # per size: ours / each reference, floor / shared
-    assert f"floor / ({plots.SYNCBN_SHARED_REFERENCE})" in legend_texts(figure)
+def test_syncbn_ratios_pair_rows_on_one_transport():
+    for on, expected in (("torch", 1.2), ("shm", 1.8)):
+        ratios = plots.syncbn_ratios(doc(BOTH), transport=on)
+        assert len(ratios) == 6 and {r["transport"] for r in ratios} == {on}
+        assert [r["median"] for r in ratios] == pytest.approx([expected] * 6)
+    assert plots.syncbn_ratios(doc(BOTH), transport=None) == []  # no row of this file lacks a transport
+    old = plots.syncbn_ratios(doc(syncbn_rows()))  # a file without transports: its rows, transport None
+    assert [r["median"] for r in old] == pytest.approx([1.2] * 6) and {r["transport"] for r in old} == {None}
+    one = plots.syncbn_ratios(doc(syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3)))  # its only transport
+    assert [r["median"] for r in one] == pytest.approx([1.8] * 6) and {r["transport"] for r in one} == {"shm"}
+    with pytest.raises(ValueError, match="transports"):  # two: the caller must choose, never a mix
+        plots.syncbn_ratios(doc(BOTH))
+
+
+def test_syncbn_grid_draws_a_bar_per_transport_each_against_the_reference_on_it():
+    figure = plots.syncbn_grid(doc(BOTH), target=1.3)
+    assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2] * 3)  # per size: shm, then torch
+    texts = legend_texts(figure)
+    assert {f"ours [shm] / ({REFERENCE}) [shm]", f"ours [torch] / ({REFERENCE}) [torch]"} <= set(texts)
+    assert not any(t.startswith("floor") for t in texts)  # the file has no floor rows
+
+
+def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only():
+    """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shm] / reference [shm], beside ours on each transport;
+    a floor timed on torch is not drawn."""
+    floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1, "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
+              for r in BOTH if r["impl"] == REFERENCE]  # floor [t] / reference [t] = 1.1 on both transports
+    figure = plots.syncbn_grid(doc(BOTH + floors), target=1.3)
+    assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2, 1.1] * 3)  # ours [shm], ours [torch], floor [shm]
+    texts = legend_texts(figure)
+    assert f"floor [shm] / ({REFERENCE}) [shm]" in texts and f"floor [torch] / ({REFERENCE}) [torch]" not in texts
 
 
 def test_syncbn_grid_says_when_the_file_has_no_intervals():
@@ -154,7 +181,8 @@ def test_syncbn_grid_says_when_the_file_has_no_intervals():
 
 
 def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribed_worlds_shaded():
-    rows = [{"world_size": w, "numel": n, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0, "max_abs_error": 1e-7 * (w > 1)}
+    rows = [{"world_size": w, "numel": n, "axis": "algorithm", "transport": "gloo", "algorithm": a, "time_s": 1e-3 * w,
+             "memory_bytes": 0, "max_abs_error": 1e-7 * (w > 1)}
             for w in (1, 2, 4) for n in (1000, 10000) for a in ("torch", "ring", "butterfly", "halving_doubling")]
     figure = plots.allreduce_table(doc(rows, cpus=2))
     time_axes = [ax for ax in figure.axes if ax.get_title()]
@@ -162,10 +190,25 @@ def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribe
     for ax in time_axes:
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert len(data_lines(ax)) == 4
+        assert {line.get_linestyle() for line in data_lines(ax)} == {"-"}
     assert [t.get_text() for t in figure.axes[2].get_xticklabels()] == ["1", "2", "4"]  # under the shared x axis
     assert "ms" in time_axes[0].get_ylabel()
     assert any(t.startswith("oversubscribed") for t in legend_texts(figure))
     assert {"torch", "ring", "butterfly", "halving-doubling"} <= set(legend_texts(figure))
+    assert figure._suptitle.get_text() == "all-reduce algorithms, all over one backend"
+
+
+def test_allreduce_chart_draws_a_transport_apart_from_the_algorithms():
+    """Files written before transports were measured apart hold shared memory beside the algorithms."""
+    rows = [{"world_size": w, "numel": 1000, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0, "max_abs_error": 0.0}
+            for w in (1, 2) for a in ("torch", "ring", "shared_memory")]
+    document = doc(rows)
+    document["env"]["backend"] = "gloo"
+    figure = plots.allreduce_table(document)
+    lines = {line.get_label(): line for line in data_lines(figure.axes[0])}
+    assert set(lines) == {"torch", "ring", "transport: shared memory"}
+    assert lines["transport: shared memory"].get_linestyle() == "--" and lines["ring"].get_linestyle() == "-"
+    assert figure._suptitle.get_text() == "all-reduce algorithms, all over gloo; dashed: a transport, not an algorithm"
 
 
 def ddp_row(label, variant, cap, p50, world=2, **extra):
@@ -192,6 +235,23 @@ def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_
     assert sum(isinstance(c, ErrorbarContainer) for c in bars.containers) == len(ddp_rows())
     assert "exposed communication wait (ours)" in legend_texts(figure)
     assert "oversubscribed" not in legend_texts(figure)
+
+
+def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport():
+    rows = [ddp_row("no ddp", "no_ddp", None, 0.10)]
+    for on, factor in (("torch", 1.0), ("shm", 0.8)):
+        rows += [ddp_row(f"pytorch-best 25M [{on}]", "pytorch-best", 25.0, 0.14 * factor, transport=on),
+                 ddp_row(f"bucketed 1M [{on}]", "bucketed", 1.0, 0.15 * factor, transport=on),
+                 ddp_row(f"bucketed 25M [{on}]", "bucketed", 25.0, 0.14 * factor, transport=on)]
+    figure = plots.ddp_variants(doc(rows))
+    sweep, bars = figure.axes[:2]
+    series = {c.get_label(): c.lines[0] for c in sweep.containers if isinstance(c, ErrorbarContainer)}
+    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shm]", "bucketed [shm]"]
+    assert list(series["bucketed [shm]"].get_ydata()) == pytest.approx([0.12, 0.112])  # 1M, then 25M: one transport
+    assert list(series["bucketed [torch]"].get_ydata()) == pytest.approx([0.15, 0.14])
+    assert series["bucketed [shm]"].get_color() == series["bucketed [torch]"].get_color()  # the implementation's
+    assert {series["bucketed [torch]"].get_linestyle(), series["bucketed [shm]"].get_linestyle()} == {"-", "--"}
+    assert [t.get_text() for t in bars.get_yticklabels()] == [r["label"] for r in rows]
 
 
 def test_ddp_variants_mark_oversubscribed_rows():
@@ -239,8 +299,42 @@ def test_timeline_events_read_our_shared_memory_sums_on_our_communication_thread
     trace = chrome_trace()
     for e in trace["traceEvents"]:
         if e.get("name") == "gloo:all_reduce":
-            e["name"] = allreduce.SHARED_MEMORY_RANGE
+            e["name"] = transport.SHARED_MEMORY_RANGE.format("all_reduce")
     assert plots.timeline_events(trace)["comm"] == {"comm thread 1": [(40, 20)], "comm thread 2": [(60, 30)]}
+
+
+SHM_ALL_REDUCE = transport.SHARED_MEMORY_RANGE.format("all_reduce")  # "shared_memory:all_reduce"
+
+
+def test_timeline_events_put_sums_made_by_the_compute_thread_on_a_lane_of_their_own():
+    """Shared memory sums inline, in the backward hook: its ranges are on the compute thread (tid 1), beside
+    gloo's on its own thread; a compute-thread range that is no collective is not a sum."""
+    trace = chrome_trace(buckets=((40, 20),), threads=(2,))
+    trace["traceEvents"] += [{"ph": "X", "name": SHM_ALL_REDUCE, "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": 1, "pid": 1}
+                             for t, d in ((35, 5), (50, 10))]
+    t = plots.timeline_events(trace)
+    assert t["comm"] == {"comm thread 1": [(40, 20)], "sums in the compute thread": [(35, 5), (50, 10)]}
+    assert list(t["comm"]) == ["comm thread 1", "sums in the compute thread"]  # the threads', then the inline lane
+    assert [name for name, _, _ in t["phases"]] == ["forward", "backward", "sync_gradients", "optimizer_step"]
+    only_inline = chrome_trace(buckets=())
+    only_inline["traceEvents"].append({"ph": "X", "name": SHM_ALL_REDUCE, "ts": 45000.0, "dur": 5000.0, "tid": 1, "pid": 1})
+    assert plots.timeline_events(only_inline)["comm"] == {"sums in the compute thread": [(45, 5)]}
+    figure = plots.overlap_timeline({"bucketed 25M [shm]": only_inline})
+    assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["compute", "sums in the compute thread"]
+
+
+def test_trim_trace_keeps_the_shared_memory_ranges():
+    trace = chrome_trace(buckets=((40, 20),), threads=(2,))
+    sums = [{"ph": "X", "name": SHM_ALL_REDUCE, "ts": 1000.0 * t, "dur": 1000.0, "tid": tid, "pid": 1}
+            for t, tid in ((35, 1), (60, 3))]
+    trace["traceEvents"] += sums + [{"ph": "X", "name": "shared_memory_helper", "ts": 36000.0, "dur": 1.0, "tid": 1}]
+    trimmed = plots.trim_trace(trace)
+    names = [e["name"] for e in trimmed["traceEvents"]]
+    assert names.count(SHM_ALL_REDUCE) == 2 and names.count("gloo:all_reduce") == 1
+    assert "aten::add" not in names and "shared_memory_helper" not in names  # only "<collective range>:" names
+    assert plots.timeline_events(trimmed) == plots.timeline_events(trace)
+    assert plots.timeline_events(trimmed)["comm"] == {"comm thread 1": [(40, 20)], "comm thread 2": [(60, 1)],
+                                                      "sums in the compute thread": [(35, 1)]}
 
 
 def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_lane_per_variant():

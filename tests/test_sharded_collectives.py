@@ -1,5 +1,5 @@
-"""allreduce.reduce_scatter and allreduce.all_gather (and the shared-memory all-gather) against the exact result
-computed in float64.
+"""allreduce.reduce_scatter and allreduce.all_gather (the ring) against the exact result computed in float64.
+(The shared-memory transport's are tested in test_transport.py.)
 
 World sizes 1 to 5 run in ONE spawned group of 5 workers (spawning costs seconds of importing
 torch per process, a case milliseconds): 2 and 3, then 4 and 1, are disjoint subgroups running at
@@ -27,9 +27,8 @@ WORLD_SIZES = (1, 2, 3, 4, 5)
 # Shard sizes: none, one element, odd; every rank's input holds world size x shard elements.
 SHARDS = (0, 1, 7, 1001)
 DTYPES = ("float32", "float64", "float16", "bfloat16")
-# The defaults, and tiny segments so that a 1001-element shard takes 8 to 32 pipelined segments; and the
-# all-gather through this host's shared memory (allreduce.shared_memory_all_gather: no options).
-VARIANTS = {"ring": {}, "ring_segmented": {"segment_bytes": 256, "in_flight": 3}, "shared_memory": {}}
+# The defaults, and tiny segments so that a 1001-element shard takes 8 to 32 pipelined segments.
+VARIANTS = {"ring": {}, "ring_segmented": {"segment_bytes": 256, "in_flight": 3}}
 SEED = 11
 
 
@@ -40,20 +39,16 @@ def rank_input(numel: int, rank: int, dtype: str, salt: int = 0) -> torch.Tensor
 
 def cases(world_size: int):
     """(collective, variant, shard numel, dtype, op): every shard size, dtype and op with the defaults;
-    the segmented variant on the largest shard (a case costs its number of dependent message hops); the
-    shared-memory all-gather on every shard size and dtype."""
+    the segmented variant on the largest shard (a case costs its number of dependent message hops)."""
     for variant in VARIANTS:
         for m in SHARDS if variant != "ring_segmented" else SHARDS[-1:]:
             for dtype in DTYPES:
-                if variant != "shared_memory":
-                    for op in allreduce.OPS:
-                        yield "reduce_scatter", variant, m, dtype, op
+                for op in allreduce.OPS:
+                    yield "reduce_scatter", variant, m, dtype, op
                 yield "all_gather", variant, m, dtype, None
 
 
 def _call(collective, variant, output, input, op, group):
-    if variant == "shared_memory":
-        return allreduce.shared_memory_all_gather(output, input, group)
     if collective == "reduce_scatter":
         return allreduce.reduce_scatter(output, input, op, group, **VARIANTS[variant])
     return allreduce.all_gather(output, input, group, **VARIANTS[variant])
@@ -86,13 +81,8 @@ def _in_place(group) -> dict:
     allreduce.reduce_scatter(strided_out[:, 0], strided_in[:, 0], "sum", group)
     gathered_strided = torch.zeros(n * m, 2, dtype=torch.float64)
     allreduce.all_gather(gathered_strided[:, 0], strided_in[:m, 0], group)
-    shared = torch.zeros(n * m, dtype=torch.float64)
-    shared[rank * m:(rank + 1) * m] = full[:m]
-    allreduce.shared_memory_all_gather(shared, shared[rank * m:(rank + 1) * m], group)
-    shared_strided = torch.zeros(n * m, 2, dtype=torch.float64)
-    allreduce.shared_memory_all_gather(shared_strided[:, 0], strided_in[:m, 0], group)
     return {"full": full, "scattered": scattered, "gathered": gathered, "strided_out": strided_out,
-            "gathered_strided": gathered_strided, "shared": shared, "shared_strided": shared_strided}
+            "gathered_strided": gathered_strided}
 
 
 def _no_float16_overflow(group) -> torch.Tensor:
@@ -117,15 +107,12 @@ def _bad_inputs(group) -> dict:
         "not a tensor": refused(lambda: allreduce.all_gather([0.0] * 4 * n, shard, group)),
         # A shard overlapping the full tensor anywhere but its own chunk would be overwritten while read.
         "overlap": refused(lambda: allreduce.all_gather(full, shifted, group)),
-        "shared_memory numel": refused(lambda: allreduce.shared_memory_all_gather(torch.ones(4 * n + 1), shard, group)),
-        "shared_memory overlap": refused(lambda: allreduce.shared_memory_all_gather(full, shifted, group)),
     }
 
 
 def _grid_in(group) -> dict:
     """Every case of this file on one group, as seen by one member."""
     n = dist.get_world_size(group)
-    allreduce.shares_memory(group)  # maps the shared file (messages): the shared-memory cases then send none
     return {"cases": {case: _run_case(group, *case) for case in cases(n)},
             "in_place": _in_place(group), "float16_mean": _no_float16_overflow(group), "refused": _bad_inputs(group)}
 
@@ -204,7 +191,7 @@ def test_the_output_is_returned_and_the_input_untouched(grids, n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_each_rank_sends_exactly_n_minus_1_shards_point_to_point(grids, n):
     """Half the bytes of an all-reduce: (n-1)/n of the full tensor, and no collective."""
-    for case in (c for c in cases(n) if c[1] != "shared_memory"):
+    for case in cases(n):
         _, _, m, dtype, _ = case
         shard_bytes = m * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
         for ranks_out in grids[n]:
@@ -232,9 +219,6 @@ def test_in_place_and_strided_forms_give_the_same_result(grids, n):
         assert torch.equal(got["gathered"], want)
         assert torch.equal(got["gathered_strided"][:, 0], want)
         assert torch.equal(got["gathered_strided"][:, 1], torch.zeros(n * m, dtype=torch.float64))
-        assert torch.equal(got["shared"], want)
-        assert torch.equal(got["shared_strided"][:, 0], want)
-        assert torch.equal(got["shared_strided"][:, 1], torch.zeros(n * m, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -248,21 +232,9 @@ def test_bad_input_is_refused_before_any_message(grids, n):
     expected = {"reduce_scatter numel": "ValueError: input has", "all_gather numel": "ValueError: output has",
                 "dtype": "TypeError: output (torch.float64", "int mean": "TypeError: op='mean' needs a floating dtype",
                 "unknown op": "ValueError: unknown op 'max'", "not a tensor": "TypeError: expected a torch.Tensor output",
-                "overlap": "ValueError: output and input overlap",
-                "shared_memory numel": "ValueError: output has", "shared_memory overlap": "ValueError: output and input overlap"}
+                "overlap": "ValueError: output and input overlap"}
     for ranks_out in grids[n]:
         assert_refused(ranks_out["refused"], expected)
-
-
-@pytest.mark.parametrize("n", [n for n in WORLD_SIZES if n > 1])
-def test_once_set_up_the_shared_memory_all_gather_waits_without_messages_where_stores_stay_in_order(grids, n):
-    """Two waits on counters in the shared file (x86); elsewhere each wait is a 1-element exchange of messages."""
-    for case in (c for c in cases(n) if c[1] == "shared_memory" and c[2] > 0):
-        for ranks_out in grids[n]:
-            outcome = ranks_out["cases"][case]
-            assert outcome["collectives"] == 0, (case, outcome["calls"])
-            calls = outcome["calls"]
-            assert (calls == {}) if allreduce.POLLS else (calls.get("isend", 0) > 0), (case, calls)
 
 
 def test_the_tolerance_is_tight_enough_to_catch_a_missing_contribution():

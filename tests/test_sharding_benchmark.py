@@ -1,5 +1,6 @@
-"""sharding_benchmark.py: a tiny run on 2 spawned ranks (one launch), its rows, targets and byte counts
-against a count made here from the model's shapes and zero.partition."""
+"""sharding_benchmark.py: the registry's names, transports, axes and targets (no process); then a tiny run on 2
+spawned ranks (one launch), its rows, targets and byte counts against a count made here from the model's
+shapes and zero.partition, and what the shared-memory transport holds in /dev/shm."""
 
 from __future__ import annotations
 
@@ -7,16 +8,125 @@ import pytest
 import torch
 
 import allreduce
+import run_experiments
 import sharding_benchmark as bench
+import transport as transports
 import zero
 from common import run_workers
 from models import build_model
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
-        "--variants", "ddp ours", "ddp pytorch", "zero ours", "zero ours broadcast", "zero ours tensor",
-        "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16"]
+        "--variants", "ddp ours [torch]", "ddp ours [shm]", "ddp pytorch", "zero ours [torch]", "zero ours [shm]",
+        "zero ours tensor [torch]", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
 WORLD = 2
+
+
+# --------------------------------------------------------------------------- the registry, without a process
+
+
+def test_every_variant_is_an_engine_on_a_named_transport():
+    for name, v in bench.VARIANTS.items():
+        assert name == f"{v.base} [{v.transport}]" and v.transport in bench.TRANSPORTS, name
+        assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
+    pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero pytorch"]
+    assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
+    for base in ("ddp ours", "ddp pytorch", "zero ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep", "fsdp pytorch bf16"):
+        assert {f"{base} [torch]", f"{base} [shm]"} <= set(bench.VARIANTS), base
+    threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shm-thread"}
+    assert threaded == {"ddp ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shm]
+    assert not [n for n in bench.VARIANTS if "blocking" in n or "inline" in n]
+
+
+def test_targets_change_one_axis_and_carry_the_issue_limits():
+    """An engine or sharding target compares two variants on the same transport; a transport target one engine
+    on two transports; ours on shared memory is never divided by PyTorch's on gloo."""
+    limits = {}
+    for v in bench.VARIANTS.values():
+        for t in v.targets:
+            other = bench.VARIANTS[t.other]
+            assert t.axis in bench.AXES, (v.name, t)
+            if t.axis == "transport":
+                assert other.base == v.base and other.transport != v.transport, (v.name, t)
+            else:
+                assert other.transport == v.transport, (v.name, t)
+            if t.axis == "engine":
+                assert v.base.replace(" ours", " pytorch") == other.base, (v.name, t)
+            if t.axis == "sharding":
+                assert v.sharding == "zero" and other.sharding == "ddp" and v.base.split()[1] == other.base.split()[1]
+            limits[f"{v.name} / {t.other}"] = (t.axis, t.limit, t.scope)
+    for sharding, on in (("ddp", ("torch", "shm")), ("zero", ("torch",)), ("fsdp", ("torch", "shm"))):
+        for t in on:
+            assert limits[f"{sharding} ours [{t}] / {sharding} pytorch [{t}]"] == ("engine", 1.00, None)
+    for t in ("torch", "shm"):
+        assert limits[f"zero ours [{t}] / ddp ours [{t}]"] == ("sharding", 1.05, None)
+    assert limits["zero pytorch [torch] / ddp pytorch [torch]"] == ("sharding", 1.05, None)
+    assert limits["fsdp pytorch [shm] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
+    assert limits["ddp pytorch [shm] / ddp pytorch [torch]"] == ("transport", None, None)
+    assert limits["fsdp ours [shm-thread] / fsdp ours [shm]"] == ("transport", None, None)
+    assert [k for k, (axis, limit, _) in limits.items() if axis == "transport" and limit is not None] == [
+        "fsdp pytorch [shm] / fsdp pytorch [torch]"]
+
+
+def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
+    assert bench.select(["fsdp pytorch", "zero ours [shm]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shm]", "zero ours [shm]"]
+    with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
+        bench.select(["zero ours blocking"])
+    every = list(bench.VARIANTS)
+    assert bench.runnable(every, 1, torch.device("cpu")) == [n for n in every if n.endswith("[torch]")]
+    assert bench.runnable(every, 2, torch.device("cpu")) == every
+    assert bench.runnable(every, 2, torch.device("cuda")) == [n for n in every if n.endswith("[torch]")]
+
+
+def _experiment_args(name: str, quick: bool = True):
+    experiment = next(e for e in run_experiments.EXPERIMENTS if e.name == name)
+    command = experiment.quick if quick else experiment.full
+    return bench.parse_args([a.format(out="/tmp") for a in command[1:]])
+
+
+def _targets_measured(names: list[str]) -> set[str]:
+    return {f"{n} / {t.other}" for n in names for t in bench.VARIANTS[n].targets if t.other in names}
+
+
+def test_each_sharding_experiment_measures_the_targets_it_is_for():
+    """The quick sweep and resnet18: every engine target on [torch] and [shm], ZeRO / DDP, the transports;
+    sharding_gpt: fully_shard on shared memory against gloo at the GPT's default size (where its limit holds)."""
+    for name in ("sharding", "sharding_resnet18"):
+        measured = _targets_measured(_experiment_args(name).variants)
+        for t in ("torch", "shm"):
+            assert {f"ddp ours [{t}] / ddp pytorch [{t}]", f"fsdp ours [{t}] / fsdp pytorch [{t}]",
+                    f"zero ours [{t}] / ddp ours [{t}]"} <= measured, (name, t)
+        assert {"zero ours [torch] / zero pytorch [torch]", "zero pytorch [torch] / ddp pytorch [torch]",
+                "ddp pytorch [shm] / ddp pytorch [torch]", "fsdp pytorch [shm] / fsdp pytorch [torch]"} <= measured, name
+    for quick in (True, False):
+        args = _experiment_args("sharding_gpt", quick)
+        measured = _targets_measured(args.variants)
+        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "ddp ours [shm] / ddp pytorch [shm]",
+                "zero ours [shm] / ddp ours [shm]"} <= measured
+        assert bench.SCOPES["gpt default"][1]("gpt", args)
+    assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
+
+
+def test_a_scoped_limit_holds_only_in_its_scope():
+    rows = [{"model": "gpt", "world_size": 2, "variant": v, "round_p50_s": [s] * 4, "state_vs_ideal": 1.0}
+            for v, s in (("fsdp pytorch [torch]", 1.0), ("fsdp pytorch [shm]", 0.5))]
+    for args, limit, result in ((bench.parse_args([]), 0.85, "met"), (bench.parse_args(["--quick"]), None, "-")):
+        (row,) = [t for t in bench.target_rows(rows, args) if t["axis"] == "transport"]
+        assert row["limit"] == limit and row["verdict"] == result and row["ratio"]["median"] == pytest.approx(0.5)
+        assert row["scope"] == "the GPT at its default size" and row["scoped_limit"] == 0.85
+    quick = bench.target_rows(rows, bench.parse_args(["--quick"]))
+    assert "target <= 0.85 on the GPT at its default size only: for information here" in bench.report(quick)
+
+
+def test_quick_settings_yield_to_explicit_flags():
+    args = bench.parse_args(["--quick", "--iters", "3"])
+    assert args.iters == 3 and args.rounds == bench.QUICK["rounds"] and args.models == bench.QUICK["models"]
+    assert args.variants == bench.QUICK["variants"]
+    assert bench.parse_args([]).models == list(bench.MODELS)
+    assert bench.parse_args([]).variants == [n for n, v in bench.VARIANTS.items() if v.default]
+
+
+# --------------------------------------------------------------------------- a tiny run
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +139,48 @@ def model_tensors() -> list[torch.Tensor]:
     return list(build_model("gpt", bench.gpt_config(bench.parse_args(ARGS))).parameters())
 
 
-def test_every_variant_has_a_row_with_times_and_memory(rows):
-    measured = {row["variant"]: row for row in rows if "variant" in row}
+def measured_rows(rows) -> dict[str, dict]:
+    return {row["variant"]: row for row in rows if "variant" in row}
+
+
+def bucket_bytes(row: dict, exact: int, buckets: int) -> bool:
+    """A shared-memory transport hands out blocks of whole cache lines (``transport.ALIGN`` bytes): each of the
+    ``buckets`` it allocated may hold up to ALIGN - 1 bytes more than the tensor; torch's allocator, none."""
+    slack = 0 if row["transport"] == "torch" else buckets * (transports.ALIGN - 1)
+    return exact <= row["grads_bytes"] <= exact + slack
+
+
+def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
+    measured = measured_rows(rows)
     assert list(measured) == bench.parse_args(ARGS).variants
-    for row in measured.values():
+    for name, row in measured.items():
         assert 0 < row["p50_s"] <= row["p95_s"] and len(row["round_p50_s"]) == 2
         assert row["activation_bytes"] > 0 and row["peak_bytes"] >= row["params_bytes"] + row["state_bytes"]
-    assert measured["ddp pytorch"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward: not measurable"
-    assert measured["zero ours"]["exposed_comm_s"] > 0
+        assert row["transport"] == bench.VARIANTS[name].transport
+        assert row["transport_detail"] == {"torch": "torch (gloo)", "shm": "shared_memory",
+                                           "shm-thread": "shared_memory"}[row["transport"]], name
+    assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
+    assert measured["zero ours [shm]"]["exposed_comm_s"] > 0
+
+
+def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
+    """The buffers a shared-memory transport allocated lie in /dev/shm, where PeakMemory does not look: they are
+    counted as kept (DDP's buckets; ZeRO's all-gather buffers too), and the staging block of what is staged."""
+    m = measured_rows(rows)
+    params = model_tensors()
+    buffers = WORLD * -(-sum(p.numel() for p in params) // WORLD) * 4  # (n, largest share) float32, one bucket
+    for name, row in m.items():
+        if row["transport"] == "torch":
+            assert row["shared_peak_bytes"] == 0, name
+        else:
+            assert row["shared_peak_bytes"] > 0, name
+    assert m["ddp ours [shm]"]["shared_peak_bytes"] >= m["ddp ours [shm]"]["grads_bytes"]  # the buckets hold them
+    assert m["zero ours [shm]"]["shared_peak_bytes"] >= m["zero ours [shm]"]["grads_bytes"] + buffers
+    # The peak counts them as it counts the same buffers in torch's allocator on [torch].
+    for name in ("ddp ours [shm]", "zero ours [shm]"):
+        assert m[name]["peak_bytes"] >= m[name]["params_bytes"] + m[name]["state_bytes"] + m[name]["shared_peak_bytes"]
+    # PyTorch's DDP over our hook stages its buckets: at least one MiB (the smallest staging block) in /dev/shm.
+    assert m["ddp pytorch [shm]"]["shared_peak_bytes"] >= 2 ** 20
 
 
 def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
@@ -53,21 +197,23 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     pieces = [sum(1 for end, p in zip(ends, params) if end - p.numel() < edges[r + 1] and end > edges[r])
               for r in range(WORLD)]
     flat = [8 * (edges[r + 1] - edges[r]) + 4 * pieces[r] for r in range(WORLD)]
-    for row in (r for r in rows if "variant" in r and r["sharding"] != "fsdp"):
+    for name, row in measured_rows(rows).items():
+        if row["sharding"] == "fsdp":
+            continue
         # ddp.DDP's buckets hold the gradients and one float32 used-flag per parameter after them
-        flags = 4 * len(params) if " ours" in row["variant"] else 0
-        assert row["params_bytes"] == total and row["grads_bytes"] == total + flags, row["variant"]
+        flags = 4 * len(params) if " ours" in name else 0
+        assert row["params_bytes"] == total and bucket_bytes(row, total + flags, len(params)), name
         if row["sharding"] == "ddp":
             assert row["state_bytes_per_rank"] == [sum(state.values())] * WORLD
         else:
             split = sum(pieces) - len(params)  # a tensor cut between two ranks has a step count on each
-            flat_partition = row["variant"] in ("zero ours", "zero ours broadcast")
-            assert sum(row["state_bytes_per_rank"]) == sum(state.values()) + 4 * split * flat_partition, row["variant"]
+            flat_partition = name.startswith("zero ours [")
+            assert sum(row["state_bytes_per_rank"]) == sum(state.values()) + 4 * split * flat_partition, name
             assert row["ideal_bytes"] == 2 * total + sum(state.values()) // WORLD
-        if row["variant"] in ("zero ours", "zero ours broadcast"):
-            assert row["state_bytes_per_rank"] == flat
-        if row["variant"] == "zero ours tensor":
-            assert row["state_bytes_per_rank"] == whole_tensors
+        if name.startswith("zero ours ["):
+            assert row["state_bytes_per_rank"] == flat, name
+        if name.startswith("zero ours tensor"):
+            assert row["state_bytes_per_rank"] == whole_tensors, name
 
 
 def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
@@ -84,29 +230,33 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
         elif not isinstance(m, bench.FSDP_SHARD_TYPES):
             replicated += [p.numel() * 4 for p in own]
     held = sum(shards) + sum(replicated)
-    measured = {row["variant"]: row for row in rows if "variant" in row}
-    for name in ("fsdp ours", "fsdp ours bf16"):
+    measured = measured_rows(rows)
+    for name in ("fsdp ours [torch]", "fsdp ours [shm]", "fsdp ours [shm-thread]", "fsdp ours bf16 [torch]"):
         row = measured[name]
-        assert row["params_bytes"] == held and row["grads_bytes"] == held + 4 * len(replicated), name
+        assert row["params_bytes"] == held and bucket_bytes(row, held + 4 * len(replicated), len(replicated)), name
         assert row["state_bytes_per_rank"] == [2 * held + 4 * (len(shards) + len(replicated))] * WORLD, name
-    for name in ("fsdp ours", "fsdp pytorch"):
+    for name in ("fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]"):
         assert measured[name]["state_vs_ideal"] <= bench.TARGET_STATE_VS_IDEAL, name
-        assert measured[name]["model_state_bytes"] < 0.6 * measured["ddp ours"]["model_state_bytes"], name
+        assert measured[name]["model_state_bytes"] < 0.6 * measured["ddp ours [torch]"]["model_state_bytes"], name
 
 
-def test_each_target_is_a_paired_ratio_with_a_verdict(rows):
-    targets = {(row["target"]): row for row in rows if "target" in row}
-    assert {"zero ours / zero pytorch", "zero ours / ddp ours", "ddp ours / ddp pytorch", "zero ours broadcast / zero ours",
-            "zero ours state / ideal", "fsdp ours / fsdp pytorch", "fsdp ours state / ideal"} <= set(targets)
+def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
+    targets = {row["target"]: row for row in rows if "target" in row}
+    expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine", "ddp ours [shm] / ddp pytorch [shm]": "engine",
+                "zero ours [torch] / zero pytorch [torch]": "engine", "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
+                "zero ours [shm] / ddp ours [shm]": "sharding", "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
+                "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport", "fsdp ours [shm-thread] / fsdp ours [shm]": "transport",
+                "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shm] state / ideal": "memory"}
+    assert {name: targets[name]["axis"] for name in expected} == expected
+    assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
+    assert not [name for name in targets if "[shm" in name.split(" / ")[0] and "[torch]" in name.split(" / ")[-1]
+                and targets[name]["axis"] != "transport"], "an engine credited with a transport's gain"
     for name, row in targets.items():
         assert row["verdict"] in ("met", "missed", "inconclusive", "-"), name
         if row["ratio"] is not None:
             assert row["ratio"]["rounds"] == 2 and row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
-    assert targets["zero ours state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
-    assert "targets (ratios" in bench.report(rows) and "zero ours / ddp ours" in bench.report(rows)
-
-
-def test_quick_settings_yield_to_explicit_flags():
-    args = bench.parse_args(["--quick", "--iters", "3"])
-    assert args.iters == 3 and args.rounds == bench.QUICK["rounds"] and args.models == bench.QUICK["models"]
-    assert bench.parse_args([]).models == list(bench.MODELS)
+    assert targets["fsdp pytorch [shm] / fsdp pytorch [torch]"]["limit"] is None, "a toy GPT: for information"
+    assert targets["zero ours [torch] state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
+    text = bench.report(rows)
+    assert "targets by axis" in text and "zero ours [shm] / ddp ours [shm]" in text
+    assert all(f"  {axis} (" in text for axis in bench.AXES)

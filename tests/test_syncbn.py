@@ -8,7 +8,9 @@ upstream gradient would fail). Every rank's outputs and input gradients must equ
 oracle's slice within rtol=0, atol=1e-5 (the homework asks for 1e-3). Beyond the homework:
 other shapes and memory formats (3-D, 4-D, channels_last, 5-D), uneven and empty ranks,
 float16/bfloat16 inputs and autocast, large offsets, running statistics, bad input,
-gradcheck in float64 through one process and through a group of 2.
+gradcheck in float64 through one process and through a group of 2, and the transports: the
+layer is given a ``CountingTransport`` (a Transport object over "auto", this host's shared
+memory) that counts its sums, or a transport by name ("auto", "torch", "p2p").
 
 The parent builds every case's global batch and upstream gradient with a fixed seed; one
 spawned group per world size runs all the cases (spawning costs seconds, a case
@@ -20,22 +22,20 @@ the synchronized computation in this process.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import dataclasses
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import allreduce
-import syncbn
-from common import CollectiveCounter, launch_expecting_peer_failure, run_workers
+import transport as transports
+from common import (POINT_TO_POINT, CollectiveCounter, CountingTransport, launch_expecting_peer_failure,
+                    run_workers)
 from measure import PeakMemory, saved_tensor_bytes
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
 
@@ -67,13 +67,15 @@ def half_tolerance(dtype: torch.dtype) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One scenario. ``x`` is the global batch (B, C, *); for ``kind="steps"`` it is (STEPS + 1, B, C, *):
-    STEPS training batches, then one evaluated in eval mode. ``upstream`` is the gradient of the loss
-    with respect to the global output, of x's shape (zero outside the rows the loss uses)."""
+    STEPS training batches, then one evaluated in eval mode; for ``kind="deepcopy"`` (2, B, C): a step,
+    then a step of the layer and of its deep copy. ``upstream`` is the gradient of the loss with respect
+    to the global output, of the output's shape (zero outside the rows the loss uses)."""
 
     name: str
     x: torch.Tensor
     splits: tuple[int, ...]  # rows of the global batch held by each rank, in rank order
-    kind: str = "step"  # step | steps | bad_input | too_few | gradcheck
+    # step | steps | deepcopy | convert | bad_input | too_few | diverged | mismatch | gradcheck
+    kind: str = "step"
     upstream: torch.Tensor | None = None
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
@@ -84,13 +86,16 @@ class Case:
     input_grad: bool = True
     float64_oracle: bool = False  # compare with BatchNorm in float64 (the large-offset case)
     autocast: bool = False  # run the step under torch.autocast("cpu", dtype=torch.bfloat16)
-    # How the ranks sum: "auto" (through this host's shared memory, as all ranks here share it) or "torch"
-    # (torch.distributed.all_reduce, as on ranks of different hosts: shares_memory made to say no).
-    transport: str = "auto"
+    # The layer's transport: "object" (a CountingTransport over "auto", this host's shared memory, which
+    # counts the sums) or a name given to the layer ("auto", "torch": gloo's all_reduce as between hosts, "p2p").
+    transport: str = "object"
 
     @property
     def channels(self) -> int:
-        return self.x.size(2 if self.kind == "steps" else 1)
+        return self.x.size(2 if self.kind in SEQUENCES else 1)
+
+
+SEQUENCES = ("steps", "deepcopy")  # kinds whose x is a sequence of global batches
 
 
 def _even(rows: int, world: int) -> tuple[int, ...]:
@@ -133,7 +138,7 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
 def _case(name: str, x: torch.Tensor, splits: tuple[int, ...], seed: int, density: float = 1.0, **options) -> Case:
     """A case with a non-trivial weight and bias (so a missing or misplaced one changes the result)."""
     g = torch.Generator().manual_seed(seed)
-    steps = options.get("kind") == "steps"
+    steps = options.get("kind") in SEQUENCES
     channels = x.size(2 if steps else 1)
     weight, bias = torch.rand(channels, generator=g) + 0.5, torch.randn(channels, generator=g)
     return Case(name, x, splits, upstream=_upstream(x, seed, steps, density), weight=weight, bias=bias, **options)
@@ -143,8 +148,11 @@ def build_cases(world: int) -> list[Case]:
     """Every case for a world size; the same seeds on every world size give the same global batches."""
     cases = [Case("bad input", _randn(8, 16, seed=1), _even(8, world), kind="bad_input"),
              Case("one value in all", _randn(1, 16, seed=2), _one_value(world), kind="too_few")]
-    if world > 1:  # rank r has 16 - r channels (the ranks built different models); the cases after it still run
-        cases.append(Case("channels differ across ranks", _randn(8, 16, seed=22), _even(8, world), kind="diverged"))
+    if world > 1:  # the cases after these still run: every rank raised, none was left waiting
+        cases += [  # rank r has 16 - r channels (the ranks built different models)
+            Case("channels differ across ranks", _randn(8, 16, seed=22), _even(8, world), kind="diverged"),
+            # rank 0 passes "torch", rank 1 a Transport object, rank 2 "p2p", rank 3 "auto"
+            Case("transports differ across ranks", _randn(8, 16, seed=28), _even(8, world), kind="mismatch")]
     cases += [_case(f"grid {batch}x{hidden}", _randn(batch, hidden, seed=batch * hidden), _even(batch, world), hidden)
               for batch in BATCH for hidden in HIDDEN]
     steps = 2 + 3 * _randn(STEPS + 1, 16, 32, seed=11)  # STEPS training batches, then one for eval
@@ -171,17 +179,23 @@ def build_cases(world: int) -> list[Case]:
         _case("eval without running statistics", _randn(8, 16, seed=10), _even(8, world), 10, track=False, eval=True),
         _case("steps, momentum 0.1", steps, _even(16, world), 11, kind="steps"),
         _case("steps, momentum None", steps, _even(16, world), 12, kind="steps", momentum=None),
+        _case("deepcopy of a trained layer", 2 + 3 * _randn(2, 16, 32, seed=25), _even(16, world), 25,
+              kind="deepcopy"),
+        Case("convert_sync_batchnorm", _randn(8, 3, 2, 2, seed=26), _even(8, world), kind="convert",
+             upstream=_upstream(torch.zeros(8, 5), 26)),
     ]
-    # The same layer over torch.distributed.all_reduce (ranks on different hosts): a grid size, the uneven
-    # ranks with an empty one, a half-precision input, the running statistics.
-    cases += [dataclasses.replace(CASE, name=f"{CASE.name}, over torch's all_reduce", transport="torch")
-              for CASE in cases if CASE.name in ("grid 64x1024", "uneven with an empty rank", "float16 input",
-                                                 "steps, momentum 0.1")]
+    # The same layer given each transport by name (the cases above give it a Transport object).
+    cases += [dataclasses.replace(case, name=f"{case.name}, transport {spec!r}", transport=spec)
+              for spec in BY_NAME for case in list(cases) if case.name in BY_NAME_CASES]
     if world == 2:
         cases.append(Case("gradcheck", _randn(8, 3, seed=21).double(), _even(8, world), kind="gradcheck"))
     return cases
 
 
+BY_NAME = ("auto", "torch", "p2p")
+# A grid size, the uneven ranks with an empty one, a half-precision input, the running statistics, a deep copy.
+BY_NAME_CASES = ("grid 64x1024", "uneven with an empty rank", "float16 input", "steps, momentum 0.1",
+                 "deepcopy of a trained layer")
 CASES = {world: {case.name: case for case in build_cases(world)} for world in WORLD_SIZES}
 GRID = [f"grid {batch}x{hidden}" for batch in BATCH for hidden in HIDDEN]
 STEP_CASES = [name for name, case in CASES[1].items() if case.kind == "step"]
@@ -203,46 +217,85 @@ def _configure(layer: torch.nn.Module, case: Case) -> torch.nn.Module:
     return layer.train(not case.eval)
 
 
-def _ours(case: Case) -> SyncBatchNorm:
+def _spec(case: Case, counting: CountingTransport | None):
+    """What the case gives the layer as ``transport``: the worker's CountingTransport, or a name (in the
+    parent, with no process group, "auto": nothing is resolved)."""
+    if case.transport != "object":
+        return case.transport
+    return counting if counting is not None else "auto"
+
+
+def _ours(case: Case, counting: CountingTransport | None = None) -> SyncBatchNorm:
     return _configure(SyncBatchNorm(case.channels, momentum=case.momentum, affine=case.affine,
-                                    track_running_stats=case.track), case)
+                                    track_running_stats=case.track, transport=_spec(case, counting)), case)
 
 
-def _step(layer, x: torch.Tensor, dy: torch.Tensor, input_grad: bool = True, autocast: bool = False) -> dict:
-    """Forward, loss = sum(output * dy) (so the upstream gradient is dy), backward; what came out."""
+def _step(layer, x: torch.Tensor, dy: torch.Tensor, input_grad: bool = True, autocast: bool = False,
+          counting: CountingTransport | None = None) -> dict:
+    """Forward, loss = sum(output * dy) (so the upstream gradient is dy), backward; what came out, with the
+    ``torch.distributed`` calls of each pass and the collectives made through ``counting``."""
     x = x.clone().requires_grad_(input_grad)
     layer.zero_grad(set_to_none=True)
-    with CollectiveCounter() as forward, counted_sums() as forward_sums, \
+    with CollectiveCounter() as forward, _sums(counting) as forward_sums, \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = layer(x)
-    with CollectiveCounter() as backward, counted_sums() as backward_sums:
+    with CollectiveCounter() as backward, _sums(counting) as backward_sums:
         (y * dy).sum().backward()
     grads = {name: None if p.grad is None else p.grad.clone() for name, p in layer.named_parameters()}
     layout = _memory_format(x)
     return {"y": y.detach(), "grad_x": x.grad, "grad_weight": grads.get("weight"), "grad_bias": grads.get("bias"),
             "dtype": y.dtype, "y_layout_kept": y.is_contiguous(memory_format=layout),
             "grad_layout_kept": x.grad is None or x.grad.is_contiguous(memory_format=layout),
-            "forward_calls": {**forward.calls, **forward_sums}, "backward_calls": {**backward.calls, **backward_sums}}
+            "forward_calls": dict(forward.calls), "backward_calls": dict(backward.calls),
+            "forward_sums": forward_sums, "backward_sums": backward_sums}
 
 
 @contextlib.contextmanager
-def counted_sums():
-    """Counts the layer's synchronisations (``syncbn._sum_across``, whatever carries them) as "sum_across"."""
-    calls, real = collections.Counter(), syncbn._sum_across
+def _sums(counting: CountingTransport | None):
+    """The collectives made through ``counting`` meanwhile: {kind: (calls, bytes)}."""
+    sums: dict = {}
+    if counting is not None:
+        counting.reset()
+    yield sums
+    if counting is not None:
+        sums.update({kind: (calls, counting.bytes[kind]) for kind, calls in counting.calls.items()})
 
-    def counted(*args, **kwargs):
-        calls["sum_across"] += 1
-        return real(*args, **kwargs)
-    with mock.patch.object(syncbn, "_sum_across", counted):
-        yield calls
+
+def expected_sums(world: int, case: Case, phase: str, layers: tuple[int, ...] | None = None) -> dict:
+    """What the layer sums through a Transport object: per layer one all_reduce in forward, of
+    [n m, M2 + n m^2, n] (2C + 1, float64), and one in backward, of [sum(dy), sum(dy x_hat)] (2, C, in the
+    statistics' dtype: float32 for float32 and half inputs). ``layers``: each layer's channels (default: the
+    case's one)."""
+    if world == 1 or case.transport != "object":
+        return {}
+    layers = layers or (case.channels,)
+    if phase == "forward":
+        return {"all_reduce": (len(layers), 8 * sum(2 * c + 1 for c in layers))}
+    element = 8 if case.x.dtype == torch.float64 else 4
+    return {"all_reduce": (len(layers), element * sum(2 * c for c in layers))}
 
 
-def expected_calls(world: int, case: Case) -> dict:
-    """One synchronisation per pass with several ranks; through torch's all_reduce, or through shared memory,
-    which sends no message once set up where stores stay in order (``allreduce.POLLS``)."""
+def expected_calls(world: int, case: Case, phase: str, first: bool = True, layers: int = 1) -> dict:
+    """The ``torch.distributed`` calls of a pass with several ranks (see ``_assert_calls``): at a layer's first
+    forward, its transport's resolution (one all_gather_object); through "torch", one all_reduce per layer;
+    through shared memory none (the ranks meet by polling where stores stay in order: ``transports.POLLS``)."""
     if world == 1:
         return {}
-    return {"sum_across": 1, **({"all_reduce": 1} if case.transport == "torch" else {})}
+    calls = {"all_gather_object": layers} if phase == "forward" and first else {}
+    return {**calls, **({"all_reduce": layers} if case.transport == "torch" else {})}
+
+
+def _assert_calls(world: int, case: Case, got: dict, expected: dict, what: str) -> None:
+    """``got`` equals ``expected`` but for what carries the sums: through "p2p" point-to-point messages (at
+    least one) and no other collective; through shared memory where stores may be reordered, 1-element
+    all_reduces to meet."""
+    if world > 1 and case.transport == "p2p":
+        assert {k: v for k, v in got.items() if k not in POINT_TO_POINT} == expected, what
+        assert any(k in POINT_TO_POINT for k in got), f"{what}: no message"
+    elif case.transport != "torch" and not transports.POLLS:
+        assert {k: v for k, v in got.items() if k != "all_reduce"} == expected, what
+    else:
+        assert got == expected, what
 
 
 def _buffers(layer) -> dict:
@@ -252,55 +305,79 @@ def _buffers(layer) -> dict:
 # --------------------------------------------------------------------------- worker side
 
 
-def _run_step(ctx, case: Case) -> dict:
+def _run_step(ctx, case: Case, counting: CountingTransport) -> dict:
     start, stop = _bounds(case.splits, ctx.rank)
-    layer = _ours(case)
-    result = _step(layer, case.x[start:stop], case.upstream[start:stop], case.input_grad, case.autocast)
+    layer = _ours(case, counting)
+    result = _step(layer, case.x[start:stop], case.upstream[start:stop], case.input_grad, case.autocast, counting)
     return {**result, **_buffers(layer)}
 
 
-def _run_steps(ctx, case: Case) -> dict:
+def _run_steps(ctx, case: Case, counting: CountingTransport) -> dict:
     """STEPS training steps on x[:-1], the running statistics, then one step in eval mode on x[-1]."""
     start, stop = _bounds(case.splits, ctx.rank)
-    layer = _ours(case)
-    for batch, dy in zip(case.x[:-1], case.upstream[:-1]):
-        _step(layer, batch[start:stop], dy[start:stop])
+    layer = _ours(case, counting)
+    steps = [_step(layer, batch[start:stop], dy[start:stop], counting=counting)
+             for batch, dy in zip(case.x[:-1], case.upstream[:-1])]
     trained = _buffers(layer)
-    evaluated = _step(layer.eval(), case.x[-1][start:stop], case.upstream[-1][start:stop])
-    return {"trained": trained, "eval": evaluated, "after_eval": _buffers(layer)}
+    evaluated = _step(layer.eval(), case.x[-1][start:stop], case.upstream[-1][start:stop], counting=counting)
+    communication = ("forward_calls", "backward_calls", "forward_sums", "backward_sums")
+    return {"trained": trained, "eval": evaluated, "after_eval": _buffers(layer),
+            "steps": [{key: step[key] for key in communication} for step in steps]}
 
 
-def _errors(layer, inputs: list[torch.Tensor]) -> list[tuple[str, str, int]]:
-    """(exception type, message, collectives called) for each input, which must raise."""
-    out = []
-    for x in inputs:
-        with counted_sums() as sums:
-            try:
-                layer(x)
-            except Exception as error:  # the test checks the type
-                out.append((type(error).__name__, str(error), sums["sum_across"]))
-            else:
-                out.append(("no error", "", sums["sum_across"]))
+def _run_deepcopy(ctx, case: Case, counting: CountingTransport) -> dict:
+    """A training step on x[0]; then the layer's deep copy and the layer itself each take a step on x[1]."""
+    start, stop = _bounds(case.splits, ctx.rank)
+    layer = _ours(case, counting)
+    _step(layer, case.x[0][start:stop], case.upstream[0][start:stop], counting=counting)
+    copied = copy.deepcopy(layer)
+    out = {}
+    for name, which in (("copy", copied), ("original", layer)):
+        out[name] = {**_step(which, case.x[1][start:stop], case.upstream[1][start:stop], counting=counting),
+                     **_buffers(which)}
     return out
 
 
-def _bad_inputs(case: Case) -> list[tuple[torch.nn.Module, torch.Tensor]]:
+def _run_convert(ctx, case: Case, counting: CountingTransport) -> dict:
+    """A model with four kinds of BatchNorm converted with the case's transport: one training step."""
+    start, stop = _bounds(case.splits, ctx.rank)
+    model = convert_sync_batchnorm(_seeded_model(), transport=_spec(case, counting))
+    return {**_step(model, case.x[start:stop], case.upstream[start:stop], counting=counting), **_buffers(model)}
+
+
+def _errors(layer, inputs: list[torch.Tensor], counting: CountingTransport | None = None) -> list[tuple]:
+    """(exception type, message, sums through ``counting``, ``torch.distributed`` calls) for each input, which
+    must raise."""
+    out = []
+    for x in inputs:
+        with CollectiveCounter() as counter, _sums(counting) as sums:
+            try:
+                layer(x)
+            except Exception as error:  # the test checks the type
+                outcome = (type(error).__name__, str(error))
+            else:
+                outcome = ("no error", "")
+        out.append((*outcome, sums.get("all_reduce", (0, 0))[0], dict(counter.calls)))
+    return out
+
+
+def _bad_inputs(case: Case, counting: CountingTransport | None = None) -> list[tuple[torch.nn.Module, torch.Tensor]]:
     """(layer, input): 15 channels, 1-D, integer, float64 into float32 parameters, float32 into bfloat16 ones."""
-    layer, good = _ours(case), case.x[:2]
+    layer, good = _ours(case, counting), case.x[:2]
     return [(layer, good[:, :15]), (layer, good[0]), (layer, good.to(torch.int64)), (layer, good.double()),
             (copy.deepcopy(layer).to(torch.bfloat16), good)]
 
 
-def _run_bad_input(ctx, case: Case) -> list[tuple[str, str, int]]:
-    return [error for layer, x in _bad_inputs(case) for error in _errors(layer, [x])]
+def _run_bad_input(ctx, case: Case, counting: CountingTransport) -> list[tuple]:
+    return [error for layer, x in _bad_inputs(case, counting) for error in _errors(layer, [x], counting)]
 
 
-def _run_too_few(ctx, case: Case) -> list[tuple[str, str, int]]:
+def _run_too_few(ctx, case: Case, counting: CountingTransport) -> list[tuple]:
     start, stop = _bounds(case.splits, ctx.rank)
-    return _errors(_ours(case), [case.x[start:stop]])
+    return _errors(_ours(case, counting), [case.x[start:stop]], counting)
 
 
-def _run_gradcheck(ctx, case: Case) -> bool:
+def _run_gradcheck(ctx, case: Case, counting: CountingTransport) -> bool:
     """gradcheck in float64 through the group: rank 0 checks d(its outputs) / d(its x, weight, bias).
 
     The other ranks call the layer in lockstep (the same number of forward and backward calls, so
@@ -313,7 +390,7 @@ def _run_gradcheck(ctx, case: Case) -> bool:
                                                                                             dtype=x.dtype)
 
     def layer(x, weight, bias):
-        return SyncBatchNormFunction.apply(x, weight, bias, None, None, 1e-5, None, dist.group.WORLD)
+        return SyncBatchNormFunction.apply(x, weight, bias, None, None, 1e-5, None, counting)
 
     if ctx.rank == 0:
         fn = layer
@@ -326,25 +403,33 @@ def _run_gradcheck(ctx, case: Case) -> bool:
     return torch.autograd.gradcheck(fn, inputs, raise_exception=False)
 
 
-def _run_diverged(ctx, case: Case) -> list[tuple[str, str, int]]:
+def _run_diverged(ctx, case: Case, counting: CountingTransport) -> list[tuple]:
     start, stop = _bounds(case.splits, ctx.rank)
     channels = case.channels - ctx.rank
-    return _errors(SyncBatchNorm(channels), [case.x[start:stop, :channels]])
+    return _errors(SyncBatchNorm(channels, transport=counting), [case.x[start:stop, :channels]], counting)
 
 
-KINDS = {"step": _run_step, "steps": _run_steps, "bad_input": _run_bad_input, "too_few": _run_too_few,
-         "gradcheck": _run_gradcheck, "diverged": _run_diverged}
+def _run_mismatch(ctx, case: Case, counting: CountingTransport) -> dict:
+    """Rank r's layer is given ("torch", the Transport object, "p2p", "auto")[r]; its forward must raise."""
+    start, stop = _bounds(case.splits, ctx.rank)
+    layer = SyncBatchNorm(case.channels, transport=("torch", counting, "p2p", "auto")[ctx.rank])
+    errors = _errors(layer, [case.x[start:stop]], counting)
+    return {"errors": errors, "num_batches_tracked": int(layer.num_batches_tracked)}
+
+
+KINDS = {"step": _run_step, "steps": _run_steps, "deepcopy": _run_deepcopy, "convert": _run_convert,
+         "bad_input": _run_bad_input, "too_few": _run_too_few, "gradcheck": _run_gradcheck,
+         "diverged": _run_diverged, "mismatch": _run_mismatch}
 
 
 def _run_cases(ctx, cases: list[Case]) -> dict:
     """Every case, in order, on this rank. Bad input comes first: the cases after it prove no rank was left waiting.
-    The shared memory is set up first (its one exchange of messages), as a training run's first step would."""
-    allreduce.shares_memory()
-    out = {}
+    The Transport object the "object" cases share is made first (it sets up the shared memory, a collective),
+    as a training run would before its first step."""
+    counting = CountingTransport("auto")
+    out = {"transport": counting.describe()}
     for case in cases:
-        apart = mock.patch.object(allreduce, "shares_memory", lambda group=None, nbytes=0: False)
-        with apart if case.transport == "torch" else contextlib.nullcontext():
-            out[case.name] = KINDS[case.kind](ctx, case)
+        out[case.name] = KINDS[case.kind](ctx, case, counting)
     return out
 
 
@@ -369,7 +454,8 @@ def _batchnorm(case: Case, channels: int, dims: int, dtype: torch.dtype = torch.
 @functools.lru_cache(maxsize=None)
 def oracle(name: str) -> dict:
     """BatchNorm on the whole global batch, in one process (float64 for the offset case, float32 on the upcast
-    batch for half inputs); for kind "steps", after each phase."""
+    batch for half inputs); for kind "steps", after each phase; for kind "deepcopy", the second step (which
+    the copy and the layer must both take); for kind "convert", the model with its BatchNorm layers."""
     case = CASES[1][name]
     dtype = torch.float64 if case.float64_oracle else torch.float32
     x, dy = case.x.to(dtype), case.upstream.to(dtype)
@@ -379,6 +465,13 @@ def oracle(name: str) -> dict:
             _step(layer, batch, grad)
         trained = _buffers(layer)
         return {"trained": trained, "eval": _step(layer.eval(), x[-1], dy[-1]), "after_eval": _buffers(layer)}
+    if case.kind == "deepcopy":
+        layer = _batchnorm(case, case.channels, x.dim() - 1)
+        _step(layer, x[0], dy[0])
+        return {**_step(layer, x[1], dy[1]), **_buffers(layer)}
+    if case.kind == "convert":
+        model = _seeded_model()
+        return {**_step(model, x, dy), **_buffers(model)}
     if case.eval and not case.track:
         return {}  # compared rank by rank with a local BatchNorm: see the test
     layer = _batchnorm(case, case.channels, x.dim(), dtype)
@@ -610,45 +703,135 @@ def test_large_mean_offset_statistics_are_exact_and_outputs_as_accurate_as_float
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_exactly_one_collective_per_forward_and_per_backward(results, world):
-    """One sum across ranks in forward and one in backward with several ranks (none with one); on every rank,
-    including empty ones and ranks whose upstream gradient is zero: through shared memory, with no message
-    (where stores stay in order), or as one torch all_reduce."""
+    """One sum across ranks in forward and one in backward with several ranks (none with one), of the sizes
+    and dtype ``expected_sums`` gives; on every rank, including empty ones and ranks whose upstream gradient is
+    zero. What carries them: shared memory, with no message (where stores stay in order), one torch
+    all_reduce, or point-to-point messages; the first forward also resolves the transport."""
     names = [n for n in STEP_CASES if not CASES[world][n].eval and n not in ("input without gradient", "empty global batch")]
-    assert len(names) == len(GRID) + 16
+    assert len(names) == len(GRID) + 13 + 3 * len(BY_NAME)
     for name in names:
-        expected = expected_calls(world, CASES[world][name])
+        case = CASES[world][name]
         for rank, r in enumerate(results[world]):
             for phase in ("forward", "backward"):
-                calls = r[name][f"{phase}_calls"]
-                if allreduce.POLLS or CASES[world][name].transport == "torch":
-                    assert calls == expected, f"{name}, rank {rank}, {phase}"
-                else:  # each wait on the shared memory is a 1-element exchange of messages
-                    assert {k: v for k, v in calls.items() if k in expected} == expected, f"{name}, rank {rank}"
-                    assert set(calls) - set(expected) <= {"isend", "irecv"}, f"{name}, rank {rank}, {phase}"
+                what = f"{name}, rank {rank}, {phase}"
+                _assert_calls(world, case, r[name][f"{phase}_calls"], expected_calls(world, case, phase), what)
+                assert r[name][f"{phase}_sums"] == expected_sums(world, case, phase), what
 
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
-def test_on_one_host_the_sums_go_through_shared_memory_else_through_torch_all_reduce(results, world):
-    """The transport is chosen per group (allreduce.shares_memory); the results match the oracle either way."""
+def test_auto_is_this_hosts_shared_memory_and_every_transport_carries_the_sums(results, world):
+    """Every rank is on this host and the tensors on the CPU, so "auto" resolves to shared memory: its sums send
+    no message (``test_exactly_one_collective_per_forward_and_per_backward`` checks it, as it checks that
+    "torch" makes one all_reduce and "p2p" sends messages only)."""
+    assert [r["transport"] for r in results[world]] == ["counting shared_memory"] * world
     for name in STEP_CASES:
+        case = CASES[world][name]
         calls = results[world][0][name]["forward_calls"]
-        assert ("all_reduce" in calls) == (CASES[world][name].transport == "torch"), name
+        if transports.POLLS or case.transport in ("torch", "p2p"):  # else shared memory meets by all_reduce
+            assert ("all_reduce" in calls) == (case.transport == "torch"), name
+        assert any(k in POINT_TO_POINT for k in calls) == (case.transport == "p2p"), name
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("spec", BY_NAME)
+def test_every_transport_by_name_equals_batchnorm_on_the_global_batch(results, world, spec):
+    """The layer given "auto", "torch" or "p2p" (the other cases give it a Transport object): outputs, input
+    gradients and running statistics of BatchNorm on the global batch."""
+    for base in ("grid 64x1024", "uneven with an empty rank", "float16 input"):
+        _assert_step_matches(world, results[world], f"{base}, transport {spec!r}")
+    name = f"steps, momentum 0.1, transport {spec!r}"
+    expected = oracle(name)
+    for rank, r in enumerate(results[world]):
+        for buffer in ("running_mean", "running_var"):
+            _close(r[name]["trained"][buffer], expected["trained"][buffer], **STATS_TOL,
+                   what=f"{name}, rank {rank}, {buffer}")
+        start, stop = _bounds(CASES[world][name].splits, rank)
+        _close(r[name]["eval"]["y"], expected["eval"]["y"][start:stop], what=f"{name}, rank {rank}, eval output")
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_transport_is_resolved_once_at_the_first_synchronized_forward(results, world):
+    """One all_gather_object at a layer's first training forward (with several ranks), none at the later ones
+    nor in eval mode; every step makes its sums, through the transport it resolved."""
+    names = [n for n, case in CASES[world].items() if case.kind == "steps"]
+    assert len(names) == 2 + len(BY_NAME)
+    for name in names:
+        case = CASES[world][name]
+        for rank, r in enumerate(results[world]):
+            assert len(r[name]["steps"]) == STEPS
+            for step, got in enumerate(r[name]["steps"]):
+                for phase in ("forward", "backward"):
+                    what = f"{name}, rank {rank}, step {step}, {phase}"
+                    expected = expected_calls(world, case, phase, first=step == 0)
+                    assert ("all_gather_object" in expected) == (world > 1 and step == 0 and phase == "forward")
+                    _assert_calls(world, case, got[f"{phase}_calls"], expected, what)
+                    assert got[f"{phase}_sums"] == expected_sums(world, case, phase), what
+            assert r[name]["eval"]["forward_calls"] == r[name]["eval"]["forward_sums"] == {}, name
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("spec", ("object", *BY_NAME))
+def test_a_deep_copy_of_a_trained_layer_resolves_its_transport_again(results, world, spec):
+    """After a training step, the layer's deep copy and the layer each take the next step: both equal BatchNorm
+    after two steps on the global batch. The copy resolves its transport at its first forward (the layer does
+    not again); a copy of a layer given a Transport object shares it: its sums are counted there."""
+    name = "deepcopy of a trained layer" + ("" if spec == "object" else f", transport {spec!r}")
+    case, expected = CASES[world][name], oracle(name)
+    for rank, r in enumerate(results[world]):
+        start, stop = _bounds(case.splits, rank)
+        for which, first in (("copy", True), ("original", False)):
+            got, what = r[name][which], f"{name}, rank {rank}, {which}"
+            _close(got["y"], expected["y"][start:stop], what=f"{what}, output")
+            _close(got["grad_x"], expected["grad_x"][start:stop], what=f"{what}, input gradient")
+            for buffer in ("running_mean", "running_var"):
+                _close(got[buffer], expected[buffer], **STATS_TOL, what=f"{what}, {buffer}")
+            assert got["num_batches_tracked"] == expected["num_batches_tracked"] == 2, what
+            _assert_calls(world, case, got["forward_calls"], expected_calls(world, case, "forward", first), what)
+            assert got["forward_sums"] == expected_sums(world, case, "forward"), what
+            assert got["backward_sums"] == expected_sums(world, case, "backward"), what
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_convert_sync_batchnorm_gives_every_layer_the_transport(results, world):
+    """A model whose four BatchNorm layers (2-D, 1-D without affine, 3-D with momentum None, 1-D without running
+    statistics) were converted with a Transport object: each layer sums through it (four sums per pass) and
+    resolves it at its first forward; outputs, input gradients and buffers equal the model's on the global batch."""
+    name = "convert_sync_batchnorm"
+    case, expected = CASES[world][name], oracle(name)
+    assert [n for n in expected if n.endswith("running_mean")] == ["1.running_mean", "2.1.running_mean",
+                                                                   "4.running_mean"]
+    for rank, r in enumerate(results[world]):
+        start, stop = _bounds(case.splits, rank)
+        got, what = r[name], f"rank {rank}"
+        _close(got["y"], expected["y"][start:stop], what=f"{what}, output")
+        _close(got["grad_x"], expected["grad_x"][start:stop], what=f"{what}, input gradient")
+        for buffer, value in expected.items():
+            if "running" in buffer or "num_batches" in buffer:
+                _close(got[buffer], value, **STATS_TOL, what=f"{what}, {buffer}")
+        layers = len(MODEL_CHANNELS)
+        _assert_calls(world, case, got["forward_calls"], expected_calls(world, case, "forward", layers=layers), what)
+        _assert_calls(world, case, got["backward_calls"], {}, what)
+        for phase in ("forward", "backward"):
+            assert got[f"{phase}_sums"] == expected_sums(world, case, phase, MODEL_CHANNELS), f"{what}, {phase}"
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_no_backward_collective_when_nothing_needs_the_global_sums(results, world):
     """The input needs no gradient (weight and bias gradients are local), or the global batch is empty."""
     for name in ("input without gradient", "empty global batch"):
+        case = CASES[world][name]
         for r in results[world]:
-            assert r[name]["forward_calls"] == expected_calls(world, CASES[world][name]), name
-            assert r[name]["backward_calls"] == {}, name
+            _assert_calls(world, case, r[name]["forward_calls"], expected_calls(world, case, "forward"), name)
+            assert r[name]["forward_sums"] == expected_sums(world, case, "forward"), name
+            assert r[name]["backward_calls"] == r[name]["backward_sums"] == {}, name
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_bad_input_raises_before_any_communication(results, world):
     """Wrong channel count, 1-D input, integer dtype: a clear error on the rank; parameters of a dtype BatchNorm
     refuses for the input (float64 input into float32 parameters, float32 into bfloat16): BatchNorm's own error.
-    No collective called; the cases that ran after these in the same group prove no peer was left waiting."""
+    No collective called, not even the transport's resolution; the cases that ran after these in the same group
+    prove no peer was left waiting."""
     batchnorm_errors = []
     for layer, x in _bad_inputs(CASES[world]["bad input"])[3:]:
         with pytest.raises(RuntimeError) as error:
@@ -660,43 +843,69 @@ def test_bad_input_raises_before_any_communication(results, world):
         assert one_d[0] == "ValueError" and "at least 2 dimensions" in one_d[1]
         assert integer[0] == "TypeError" and "floating-point" in integer[1]
         assert [e[:2] for e in dtypes] == batchnorm_errors, f"rank {rank}"
-        assert [e[2] for e in r["bad input"]] == [0] * 5, f"rank {rank} communicated"
+        assert [e[2:] for e in r["bad input"]] == [(0, {})] * 5, f"rank {rank} communicated"
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_one_value_per_channel_over_all_ranks_raises_on_every_rank(results, world):
     """BatchNorm's error; with several ranks the count is global, so every rank (empty ones too) raises after
-    the forward all_reduce, and the group stays usable."""
+    the forward's sum, and the group stays usable."""
+    case = CASES[world]["one value in all"]
     for rank, r in enumerate(results[world]):
-        (kind, message, collectives), = r["one value in all"]
+        (kind, message, sums, calls), = r["one value in all"]
         assert kind == "ValueError" and "Expected more than 1 value per channel when training" in message
-        assert collectives == (1 if world > 1 else 0), f"rank {rank}"
+        assert sums == (1 if world > 1 else 0), f"rank {rank}"
+        _assert_calls(world, case, calls, expected_calls(world, case, "forward"), f"rank {rank}")
 
 
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
 def test_channels_that_differ_across_ranks_raise_on_every_rank_and_the_group_stays_usable(results, world):
-    """On one host the sums check that every rank brought as many bytes; the cases after this one ran."""
+    """Through shared memory the sum checks that every rank describes the same call (here: its size); every
+    rank raises, naming each rank's; the cases after this one ran."""
+    sizes = "; ".join(f"rank {r}: all_reduce of {8 * (2 * (16 - r) + 1)} bytes of torch.float64 (op 'sum')"
+                      for r in range(world))
     for rank, r in enumerate(results[world]):
-        (kind, message, sums), = r["channels differ across ranks"]
-        assert kind == "ValueError" and "different sizes" in message and "a peer diverged" in message, message
+        (kind, message, sums, calls), = r["channels differ across ranks"]
+        assert kind == "ValueError", message
+        assert message == (f"rank {rank}/{world}: the ranks called different shared-memory collectives "
+                           f"(a peer diverged): {sizes}")
         assert sums == 1, f"rank {rank}"
+        _assert_calls(world, CASES[world]["channels differ across ranks"], calls, {"all_gather_object": 1},
+                      f"rank {rank}")
 
 
-def _bad_input_on_rank_1(ctx):
-    layer = SyncBatchNorm(8)
-    dist.barrier()  # both ranks are up; from here only the process-group timeout bounds a wait
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_ranks_that_give_different_transports_raise_on_every_rank_at_the_first_forward(results, world):
+    """The resolution (one all_gather_object) shows every rank every choice: all raise the same ValueError,
+    before any sum and before the batch is counted; the cases after this one ran."""
+    table = ", ".join(f"rank {r}: {name}" for r, name in
+                      enumerate(("torch", "counting shared_memory", "p2p", "auto")[:world]))
+    for rank, r in enumerate(results[world]):
+        (kind, message, sums, calls), = r["transports differ across ranks"]["errors"]
+        assert kind == "ValueError", message
+        assert message == f"SyncBatchNorm: the ranks chose different transports ({table}): every rank must use the same"
+        assert (sums, calls) == (0, {"all_gather_object": 1}), f"rank {rank}"
+        assert r["transports differ across ranks"]["num_batches_tracked"] == 0, f"rank {rank}"
+
+
+def _silent_after_one_step(ctx):
+    layer = SyncBatchNorm(8)  # "auto": this host's shared memory
+    layer(torch.randn(4, 8))  # every rank: the transport resolved, one sum made
     if ctx.rank == 1:
         try:
             layer(torch.randn(4, 7))
         except ValueError:
-            time.sleep(120)  # alive but silent: it never joins the forward all_reduce
+            time.sleep(120)  # alive but silent: it never joins the forward's sum
         raise AssertionError("bad input did not raise on rank 1")
-    layer(torch.randn(4, 8))  # waits for rank 1 in the forward all_reduce
+    layer(torch.randn(4, 8))  # waits for rank 1 in the forward's sum
 
 
 def test_a_rank_with_bad_input_makes_its_peers_fail_within_the_process_group_timeout():
-    """Rank 1's input is bad and it raises before communicating; rank 0 must not wait forever."""
-    _, seconds = launch_expecting_peer_failure(_bad_input_on_rank_1, 2, rank=0, pg_timeout_s=5)
+    """Rank 1's input is bad and it raises before communicating; rank 0, waiting in the shared-memory sum, must
+    not wait forever: it fails naming rank 1 within the process-group timeout."""
+    message, seconds = launch_expecting_peer_failure(_silent_after_one_step, 2, rank=0, pg_timeout_s=5)
+    assert ("rank 0/2: a peer failed, diverged or stopped answering: rank(s) [1] did not reach the shared-memory "
+            "collective within the 5 s process-group timeout") in message, message
     assert seconds < 60
 
 
@@ -821,6 +1030,16 @@ def _model_with_batchnorms() -> torch.nn.Module:
         torch.nn.Flatten(), torch.nn.Linear(16, 5), torch.nn.BatchNorm1d(5, track_running_stats=False))
 
 
+MODEL_CHANNELS = (4, 4, 4, 5)  # of its BatchNorm layers
+
+
+def _seeded_model() -> torch.nn.Module:
+    """``_model_with_batchnorms`` with the same initial parameters in every process."""
+    with torch.random.fork_rng():
+        torch.manual_seed(26)
+        return _model_with_batchnorms()
+
+
 def test_convert_sync_batchnorm_replaces_every_batchnorm_and_keeps_its_state():
     torch.manual_seed(22)
     model = _model_with_batchnorms()
@@ -846,6 +1065,7 @@ def test_convert_sync_batchnorm_replaces_every_batchnorm_and_keeps_its_state():
             assert type(module) is kind, name
     assert [m.eps for m in converted.modules() if isinstance(m, SyncBatchNorm)] == [1e-5, 1e-5, 1e-3, 1e-5]
     assert converted[4].momentum is None and converted[2][1].weight is None and converted[7].running_mean is None
+    assert {m.transport for m in converted.modules() if isinstance(m, SyncBatchNorm)} == {"auto"}
     x = torch.randn(6, 3, 2, 2)
     _close(converted(x), reference(x), what="converted model output")  # no process group: equals BatchNorm
     assert type(convert_sync_batchnorm(torch.nn.BatchNorm1d(3))) is SyncBatchNorm

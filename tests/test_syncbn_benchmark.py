@@ -1,21 +1,24 @@
-"""syncbn_benchmark.py: its flags, and the ratios and verdicts it derives from timed rows (no processes spawned).
+"""syncbn_benchmark.py: its flags, the ratios, verdicts and attributions it derives from timed rows, its timing
+devices (the floor, the stamping transport), and one tiny run of the workers over both transports.
 
-The rows are synthetic with known per-round times, so every ratio and verdict is known in advance.
+The rows are synthetic with known per-round times, so every ratio, verdict and sentence is known in advance.
+The timing devices take a recording transport (no process group). Only the last test spawns workers.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import time
-from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import allreduce
-from syncbn_benchmark import (COLD, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHARED_REFERENCE, SINGLE,
-                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, CPU_TARGET, WORKERS, _Floor, _phase_medians,
-                              _stamped_collectives, bounds, parse_args, ratios, run_case, targets)
+import transport as transports
+from common import run_workers
+from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
+                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, _Floor, _phase_medians, _Stamped,
+                              attribution_lines, bounds, parse_args, ratios, run, run_case, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -31,9 +34,19 @@ def test_bad_flags_are_refused():
             parse_args(argv)
 
 
-def _row(impl: str, setting: str, hidden: int, round_p50: list[float], saved: int = 100, peak: int = 1000) -> dict:
-    return {"kind": "time", "impl": impl, "setting": setting, "dtype": "float32", "device": "cpu", "batch": 32,
-            "hidden": hidden, "round_p50_s": round_p50, "saved_bytes": saved, "peak_bytes": peak}
+def _row(impl: str, setting: str, hidden: int, round_p50: list[float], saved: int = 100, peak: int = 1000,
+         transport: str | None = None) -> dict:
+    return {"kind": "time", "impl": impl, "transport": transport, "setting": setting, "dtype": "float32",
+            "device": "cpu", "batch": 32, "hidden": hidden, "round_p50_s": round_p50, "saved_bytes": saved,
+            "peak_bytes": peak}
+
+
+def _engine(hidden: int, load: list[float], t: str, reference: float, ours: float,
+            floor: float | None = None) -> list[dict]:
+    """The rows of one size on transport ``t``: the reference, ours and the floor (times in units of ``load``)."""
+    rows = [_row(REFERENCE, WORKERS, hidden, [reference * x for x in load], transport=t),
+            _row(OURS, WORKERS, hidden, [ours * x for x in load], transport=t)]
+    return rows + ([_row(FLOOR, WORKERS, hidden, [floor * x for x in load], transport=t)] if floor is not None else [])
 
 
 def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
@@ -43,50 +56,59 @@ def test_ratios_pair_rounds_and_targets_say_met_missed_or_inconclusive():
     factors = {128: [1.1] * 20, 256: [1.5] * 20, 512: [1.2, 1.4] * 10}
     rows = []
     for hidden, factor in factors.items():
-        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(LOCAL, WORKERS, hidden, [0.5 * t for t in load]),
-                 _row(OURS, WORKERS, hidden, [f * t for f, t in zip(factor, load)], saved=100 if hidden != 512 else 101)]
+        rows += [_row(REFERENCE, WORKERS, hidden, load, transport=TORCH),
+                 _row(LOCAL, WORKERS, hidden, [0.5 * t for t in load]),
+                 _row(OURS, WORKERS, hidden, [f * t for f, t in zip(factor, load)], saved=100 if hidden != 512 else 101,
+                      transport=TORCH)]
     rows += [_row(LOCAL, SINGLE, 128, load), _row(OURS, SINGLE, 128, [1.05 * t for t in load], peak=900)]
     ratio_rows = ratios(rows)
     by = {(r["setting"], r["versus"], r["hidden"]): r for r in ratio_rows}
     assert by[WORKERS, REFERENCE, 128]["median"] == pytest.approx(1.1)
     assert [by[WORKERS, REFERENCE, h]["verdict"] for h in factors] == ["met", "missed", "inconclusive"]
+    assert (by[WORKERS, REFERENCE, 128]["transport"], by[WORKERS, REFERENCE, 128]["versus_transport"]) == (TORCH, TORCH)
     assert by[WORKERS, LOCAL, 128]["verdict"] is None and by[WORKERS, LOCAL, 128]["median"] == pytest.approx(2.2)
+    assert (by[WORKERS, LOCAL, 128]["transport"], by[WORKERS, LOCAL, 128]["versus_transport"]) == (TORCH, None)
     assert by[SINGLE, LOCAL, 128]["target"] == TARGET_SINGLE and by[SINGLE, LOCAL, 128]["verdict"] == "met"
+    assert by[SINGLE, LOCAL, 128]["transport"] is None
     found = {t["name"]: t for t in targets(ratio_rows, rows)}
-    every = found[f"{WORKERS}: every size, ours / ({REFERENCE}) <= {CPU_TARGET}"]
-    assert (every["verdict"], every["sizes_met"], every["sizes"]) == ("missed", 1, 3)
-    grid = found[f"{WORKERS}: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
+    every = found[f"{WORKERS} [{TORCH}]: every size, ours / ({REFERENCE}) <= {CPU_TARGET}"]
+    assert (every["verdict"], every["sizes_met"], every["sizes"], every["transport"]) == ("missed", 1, 3, TORCH)
+    assert every["why"].startswith("not met at 32x256 missed, 32x512 inconclusive")
+    grid = found[f"{WORKERS} [{TORCH}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
     assert grid["median"] == pytest.approx(1.3) and grid["verdict"] == "missed"  # median of 1.1, 1.5, 1.2 or 1.4
-    assert found[f"{WORKERS}: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
-    assert not any(SHARED_REFERENCE in name for name in found), "no shared-memory rows: no target against them"
+    assert found[f"{WORKERS} [{TORCH}]: saved_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "missed"
+    assert not any(f"[{SHM}]" in name for name in found), "no shared-memory rows: no target on that transport"
     assert found[f"{SINGLE}: peak_bytes of ours <= BatchNorm1d's at every size"]["verdict"] == "met"
 
 
 def test_cold_caches_time_the_synchronized_path_after_a_setup_before_every_iteration():
     """The COLD rows: ``setup`` (the eviction) runs before each warm-up and timed iteration, outside the timed region;
-    the rows carry the COLD setting; their ratio is reported without a target and no memory target covers them."""
+    the rows carry the COLD setting and no transport; their ratio is reported without a target and no memory
+    target covers them."""
     calls = []
     args = parse_args(["--iters", "6", "--rounds", "3", "--warmup", "2"])
-    rows = run_case(0, 1, torch.device("cpu"), [LOCAL, SYNC_PATH], 8, 4, "float32", args, setting=COLD,
+    rows = run_case(0, 1, torch.device("cpu"), [(LOCAL, None), (SYNC_PATH, None)], 8, 4, "float32", args, setting=COLD,
                     setup=lambda: calls.append(time.perf_counter()))
     # Per implementation: round 0 has 2 warm-up + 2 timed iterations, rounds 1 and 2 have 2 warm-up + 2 timed.
     assert len(calls) == 2 * (3 * (2 + 2))
-    assert [(r["impl"], r["setting"], r["iters"], r["rounds"]) for r in rows] == [(LOCAL, COLD, 6, 3), (SYNC_PATH, COLD, 6, 3)]
+    assert [(r["impl"], r["transport"], r["setting"], r["iters"], r["rounds"]) for r in rows] == \
+        [(LOCAL, None, COLD, 6, 3), (SYNC_PATH, None, COLD, 6, 3)]
     ratio_rows = ratios(rows)
     assert [(r["impl"], r["versus"], r["setting"], r["target"]) for r in ratio_rows] == [(SYNC_PATH, LOCAL, COLD, None)]
     assert not [t for t in targets(ratio_rows, rows) if t["setting"] == COLD]
 
 
-def test_the_report_plot_reads_the_float32_worker_ratios_of_this_layout():
-    """plots.syncbn_grid draws from these rows: it must pick the float32 2-worker times (not the one-process,
-    half-precision or ratio rows) and pair their rounds as the benchmark does."""
+def test_the_report_plot_reads_the_float32_worker_ratios_of_a_file_with_one_transport():
+    """plots.syncbn_grid draws from these rows: with one transport (GPUs, or workers on several hosts) it must pick
+    the float32 2-worker times (not the one-process, half-precision or ratio rows) and pair their rounds as the
+    benchmark does. (A file with both transports has two rows of ours per size: plots must choose by transport.)"""
     import plots
 
     load = [1.0, 2.0, 1.5, 1.2]
     rows = []
     for dtype, factor in (("float32", 1.1), ("bfloat16", 3.0)):
-        for impl, scale in ((REFERENCE, 1.0), (LOCAL, 0.5), (OURS, factor)):
-            rows.append({**_row(impl, WORKERS, 128, [scale * t for t in load]), "dtype": dtype})
+        for impl, scale, t in ((REFERENCE, 1.0, TORCH), (LOCAL, 0.5, None), (OURS, factor, TORCH)):
+            rows.append({**_row(impl, WORKERS, 128, [scale * x for x in load], transport=t), "dtype": dtype})
     rows += [_row(LOCAL, SINGLE, 128, load), _row(OURS, SINGLE, 128, [5 * t for t in load])]
     ratio_rows = ratios(rows)
     drawn = plots.syncbn_ratios({"results": rows + ratio_rows + targets(ratio_rows, rows)})
@@ -112,62 +134,158 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
     assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
 
 
-def test_both_references_carry_the_same_targets():
-    """Against torch's all_reduce (the issue's definition) and against the shared memory ours uses on one host."""
-    load = [1.0] * 8
+def test_each_transport_has_its_engine_targets_against_the_reference_on_that_transport():
+    """torch: ours 1.1x its reference (met); shm: 1.5x its own (missed), though 0.6x torch's reference, which no
+    target may credit it with. The transport axis, ours [shm] / ours [torch], is a ratio without a target."""
+    load = [1.0, 1.2] * 4
     rows = []
     for hidden in (128, 256):
-        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(SHARED_REFERENCE, WORKERS, hidden, [0.4 * t for t in load]),
-                 _row(LOCAL, WORKERS, hidden, [0.2 * t for t in load]), _row(OURS, WORKERS, hidden, [0.6 * t for t in load])]
-    found = {t["name"]: t for t in targets(ratios(rows), rows)}
-    for versus, median, verdict in ((REFERENCE, 0.6, "met"), (SHARED_REFERENCE, 1.5, "missed")):
-        grid = found[f"{WORKERS}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"]
-        assert grid["median"] == pytest.approx(median) and grid["verdict"] == verdict
-        assert found[f"{WORKERS}: every size, ours / ({versus}) <= {CPU_TARGET}"]["verdict"] == verdict
+        rows += _engine(hidden, load, TORCH, 1.0, 1.1) + _engine(hidden, load, SHM, 0.4, 0.6)
+        rows.append(_row(LOCAL, WORKERS, hidden, [0.2 * x for x in load]))
+    ratio_rows = ratios(rows)
+    assert all(r["transport"] == r["versus_transport"] for r in ratio_rows if r["target"] is not None)
+    assert all(r["axis"] == "engine" for r in ratio_rows if r["target"] is not None)
+    across = [r for r in ratio_rows if r["axis"] == "transport"]
+    assert [(r["impl"], r["transport"], r["versus"], r["versus_transport"], r["target"]) for r in across] == \
+        [(OURS, SHM, OURS, TORCH, None)] * 2
+    assert across[0]["median"] == pytest.approx(0.6 / 1.1)
+    found = {t["name"]: t for t in targets(ratio_rows, rows)}
+    for t, median, verdict in ((TORCH, 1.1, "met"), (SHM, 1.5, "missed")):
+        grid = found[f"{WORKERS} [{t}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
+        assert grid["median"] == pytest.approx(median) and grid["verdict"] == verdict and grid["transport"] == t
+        assert found[f"{WORKERS} [{t}]: every size, ours / ({REFERENCE}) <= {CPU_TARGET}"]["verdict"] == verdict
+    assert {b["kind"] for b in bounds(ratio_rows)} == {"comparison"}  # no floor: no bound
+    comparison = bounds(ratio_rows)[0]
+    assert (comparison["transport"], comparison["versus_transport"]) == (SHM, TORCH)
+    assert comparison["median"] == pytest.approx(0.6 / 1.1) and "verdict" not in comparison
 
 
-def test_the_floor_is_a_bound_without_a_target():
-    """ours 1.5x the floor and the floor 1.1x the shared-memory reference in every round: two bounds, medians over
-    the grid, no verdict; the targets are the same as without the floor."""
+def test_the_floor_is_a_bound_on_each_transport_without_a_target():
+    """On each transport ours 1.5x the floor and the floor 1.1x the reference in every round: two bounds per
+    transport, medians over the grid, no verdict; the targets' verdicts are those without the floor."""
     load = [1.0, 2.0] * 4
     rows = []
     for hidden in (128, 256):
-        rows += [_row(REFERENCE, WORKERS, hidden, load), _row(SHARED_REFERENCE, WORKERS, hidden, [0.4 * t for t in load]),
-                 _row(FLOOR, WORKERS, hidden, [0.44 * t for t in load]), _row(OURS, WORKERS, hidden, [0.66 * t for t in load]),
-                 _row(LOCAL, WORKERS, hidden, [0.2 * t for t in load])]
+        rows += _engine(hidden, load, TORCH, 1.0, 1.65, 1.1) + _engine(hidden, load, SHM, 0.4, 0.66, 0.44)
+        rows.append(_row(LOCAL, WORKERS, hidden, [0.2 * x for x in load]))
     ratio_rows = ratios(rows)
-    found = {(b["impl"], b["versus"]): b for b in bounds(ratio_rows)}
-    assert found[OURS, FLOOR]["median"] == pytest.approx(1.5) and found[FLOOR, SHARED_REFERENCE]["median"] == pytest.approx(1.1)
-    assert all(b["kind"] == "bound" and "verdict" not in b and b["sizes"] == 2 for b in found.values())
+    found = {(b["impl"], b["versus"], b["transport"]): b for b in bounds(ratio_rows) if b["kind"] == "bound"}
+    assert set(found) == {(OURS, FLOOR, t) for t in (TORCH, SHM)} | {(FLOOR, REFERENCE, t) for t in (TORCH, SHM)}
+    for t in (TORCH, SHM):
+        assert found[OURS, FLOOR, t]["median"] == pytest.approx(1.5)
+        assert found[FLOOR, REFERENCE, t]["median"] == pytest.approx(1.1)
+    assert all("verdict" not in b and b["sizes"] == 2 for b in found.values())
     without = [r for r in rows if r["impl"] != FLOOR]
-    assert targets(ratio_rows, rows) == targets(ratios(without), without)
-    assert not bounds(ratios(without))
+
+    def verdicts(ratio_rows, rows):
+        return [(t["name"], t["verdict"]) for t in targets(ratio_rows, rows)]
+    assert verdicts(ratio_rows, rows) == verdicts(ratios(without), without)
+    assert not [b for b in bounds(ratios(without)) if b["kind"] == "bound"]
 
 
-def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_layer():
+def test_a_missed_engine_target_says_per_size_what_is_left_and_why():
+    """On shared memory, per round (x the load): hidden 128: reference 100 us, floor 140, ours 150 (1.5x, missed;
+    the floor alone is above 1.3x); 256: reference 100, floor 110, ours 150 (missed; ours beyond the floor must
+    shrink); 512: reference 100, floor 105, ours 110 (met: nothing to say). Phases at 128 split the excess into
+    compute and waiting."""
+    load = [0.9, 1.0, 1.1] * 3
+    us = 1e-6
+    rows = [row for hidden, (ours, floor) in {128: (150, 140), 256: (150, 110), 512: (110, 105)}.items()
+            for row in _engine(hidden, load, SHM, 100 * us, ours * us, floor * us)]
+    cut = {OURS: (30, 20, 40, 20, 10), REFERENCE: (20, 25, 10, 25, 5)}  # us per phase: compute +45, waiting -10
+    rows += [{"kind": "phases", "impl": impl, "transport": SHM, "setting": WORKERS, "dtype": "float32", "batch": 32,
+              "hidden": 128, "phases_s": {p: s * us for p, s in zip(PHASES, phases)}} for impl, phases in cut.items()]
+    engine = {r["hidden"]: r for r in ratios(rows) if r["versus"] == REFERENCE and r["impl"] == OURS}
+    assert [engine[h]["verdict"] for h in (128, 256, 512)] == ["missed", "missed", "met"]
+    for hidden, (excess, floor, own, left, left_grid) in {128: (50, 40, 10, 20, 35), 256: (50, 10, 40, 20, 35),
+                                                          512: (10, 5, 5, -20, -5)}.items():
+        got = [1e6 * engine[hidden][k] for k in ("excess_s", "floor_excess_s", "own_excess_s", "left_s", "left_grid_s")]
+        assert got == pytest.approx([excess, floor, own, left, left_grid]), hidden
+    assert engine[128]["floor_ratio"] == pytest.approx(1.4)
+    assert 1e6 * engine[128]["compute_excess_s"] == pytest.approx(45)
+    assert 1e6 * engine[128]["wait_excess_s"] == pytest.approx(-10)
+    assert "compute_excess_s" not in engine[256]  # no phases at that size
+    assert "why" not in engine[512]
+    why = engine[128]["why"]
+    assert why.startswith("32x128 [shm]: ours 1.50x [1.50, 1.50] the reference, missed; it must lose 20 us of its 50 us")
+    assert "+40 us (80 %) is that frame" in why and "+10 us (20 %) ours beyond the floor" in why
+    assert "The floor alone is above 1.3x" in why
+    assert "ours computes 45 us more than the reference per iteration and waits 10 us less in the sums" in why
+    assert "The floor is within it: ours beyond the floor (40 us) must shrink by 20 us." in engine[256]["why"]
+    lines = "\n".join(attribution_lines(ratios(rows)))
+    assert engine[128]["why"] in lines and engine[256]["why"] in lines and "32x512 [shm]: ours" not in lines
+    found = {t["name"]: t for t in targets(ratios(rows), rows)}
+    grid = found[f"{WORKERS} [{SHM}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
+    assert grid["verdict"] == "missed"
+    assert grid["why"] == ("2 of 3 sizes above 1.15x: 32x128 1.50x (35 us to cut), 32x256 1.50x (35 us to cut). "
+                           "The floor's median over the grid is 1.10x the reference: ours beyond the floor is what "
+                           "must shrink.")
+
+
+def test_a_grid_median_whose_interval_straddles_its_target_says_so_when_no_size_is_above_it():
+    """Two sizes whose rounds alternate 1.0x and 1.3x: each size's median is 1.15x (not above), the grid's interval
+    reaches above 1.15x: inconclusive, and the sentence says that no size is above it."""
+    load = [1.0] * 8
+    rows = [row for hidden in (128, 256) for row in _engine(hidden, load, SHM, 1.0, 1.0, 1.05)]
+    for row in rows:
+        if row["impl"] == OURS:
+            row["round_p50_s"] = [1.0, 1.3] * 4
+    found = {t["name"]: t for t in targets(ratios(rows), rows)}
+    grid = found[f"{WORKERS} [{SHM}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
+    assert grid["verdict"] == "inconclusive"
+    assert grid["why"].startswith("no size's median is above 1.15x, but the interval over the grid reaches above it.")
+
+
+class _Recording(transports.Transport):
+    """A transport of two ranks without a process group: records each all_reduce, and with ``pending`` returns
+    work that is done only once waited on (as gloo's asynchronous calls)."""
+
+    name = "recording"
+
+    def __init__(self, pending: bool = False):
+        self.group, self.rank, self.world_size, self.ranks = None, 0, 2, [0, 1]
+        self._comm, self._closed = None, False
+        self.pending, self.calls, self.waits = pending, [], []
+
+    def all_reduce(self, tensor, op="sum", *, async_op=False):
+        self.calls.append((tuple(tensor.shape), tensor.dtype, op, async_op, time.perf_counter()))
+        if not async_op:
+            return None
+        if not self.pending:
+            return transports.Work()
+
+        recording = self
+
+        class Pending(transports.Work):
+            def wait(self):
+                recording.waits.append(time.perf_counter())
+                return True
+
+            def is_completed(self):
+                return False
+        return Pending()
+
+
+def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_layer_through_its_transport():
     """_Floor: BatchNorm1d's output, gradients and running statistics (its own kernels, the local batch), with one
-    sum of 2C + 1 float64 values in forward and one of 2C in backward, in that order."""
-    import plots
-
-    assert plots.SYNCBN_FLOOR == FLOOR  # the report draws the floor by this name
-    sums = []
+    sum of 2C + 1 float64 values in forward and one of 2C in backward, in that order, through the transport given."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
     dy = torch.randn(8, 4, generator=generator, dtype=torch.float64)
-    floor, batch_norm = _Floor(4).double(), torch.nn.BatchNorm1d(4).double()
+    recording = _Recording()
+    floor, batch_norm = _Floor(4, recording).double(), torch.nn.BatchNorm1d(4).double()
     with torch.no_grad():
         for layer in (floor, batch_norm):
             layer.weight.copy_(torch.arange(1.0, 5.0))
             layer.bias.fill_(0.5)
     outputs, grads = [], []
-    with mock.patch.object(allreduce, "shared_memory_allreduce", lambda t, op, *a: sums.append((t.shape, t.dtype, op))):
-        for layer in (floor, batch_norm):
-            xi = x.clone().requires_grad_()
-            y = layer(xi)
-            y.backward(dy)
-            outputs.append(y.detach())
-            grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
-    assert sums == [((9,), torch.float64, "sum"), ((8,), torch.float64, "sum")]
+    for layer in (floor, batch_norm):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        outputs.append(y.detach())
+        grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
+    assert [c[:4] for c in recording.calls] == [((9,), torch.float64, "sum", False), ((8,), torch.float64, "sum", False)]
     torch.testing.assert_close(outputs[0], outputs[1])
     for mine, theirs in zip(*grads):
         torch.testing.assert_close(mine, theirs)
@@ -175,40 +293,48 @@ def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_l
     torch.testing.assert_close(floor.running_var, batch_norm.running_var)
 
 
-def test_stamped_collectives_time_where_the_caller_waits_and_put_the_real_one_back():
-    """A blocking all_reduce is stamped around the call; an asynchronous one around its wait(), so the
-    work done between the call and the wait counts as the caller's compute."""
-    calls, waits = [], []
-
-    class Work:
-        def wait(self):
-            waits.append(time.perf_counter())
-            return True
-
-    def fake(tensor, async_op=False, **kwargs):
-        calls.append(time.perf_counter())
-        return Work() if async_op else None
-
-    with mock.patch.object(dist, "all_reduce", fake):
-        real = dist.all_reduce
-        stamps = []
-        with _stamped_collectives(stamps, torch.device("cpu")):
-            dist.all_reduce(torch.ones(3))
-            work = dist.all_reduce(torch.ones(3), async_op=True)
-            assert len(stamps) == 2  # nothing stamped until the wait
-            assert work.wait() is True
-        assert dist.all_reduce is real
-    assert len(calls) == 2 and len(waits) == 1 and len(stamps) == 4 and stamps == sorted(stamps)
-    assert stamps[0] <= calls[0] <= stamps[1] <= calls[1] <= stamps[2] <= waits[0] <= stamps[3]
+def test_the_stamping_transport_times_where_the_caller_waits_and_delegates_the_rest():
+    """A blocking all_reduce is stamped around the call, and so is an asynchronous one that returns done (shared
+    memory sums in the caller's thread); one still running is stamped around its wait(), so the work done between
+    the call and the wait counts as the caller's compute. What is not timed goes to the inner transport."""
+    for pending in (False, True):
+        inner, stamps = _Recording(pending), []
+        stamped = _Stamped(inner, stamps, torch.device("cpu"))
+        assert (stamped.ranks, stamped.world_size, stamped.describe()) == ([0, 1], 2, "stamped recording")
+        assert stamped.supports(torch.device("cpu")) and not stamped.owns(torch.ones(1))
+        assert stamped.all_reduce(torch.ones(3)) is None
+        work = stamped.all_reduce(torch.ones(3), async_op=True)
+        assert len(stamps) == (2 if pending else 4)  # a call still running: nothing stamped until the wait
+        assert work.wait() is True
+        assert len(stamps) == 4 and stamps == sorted(stamps)
+        (_, _, _, _, first), (_, _, _, _, second) = inner.calls
+        assert stamps[0] <= first <= stamps[1] <= second
+        if pending:
+            assert len(inner.waits) == 1 and stamps[2] <= inner.waits[0] <= stamps[3]
+        else:
+            assert stamps[2] <= second <= stamps[3]
 
 
-def test_stamped_collectives_also_time_the_shared_memory_all_reduce():
-    """Ours and the shared reference sum through allreduce.shared_memory_allreduce on one host: stamped around the call."""
-    calls = []
-    with mock.patch.object(allreduce, "shared_memory_allreduce", lambda *a, **k: calls.append(time.perf_counter())):
-        real = allreduce.shared_memory_allreduce
-        stamps = []
-        with _stamped_collectives(stamps, torch.device("cpu")):
-            allreduce.shared_memory_allreduce(torch.ones(3), "sum")
-        assert allreduce.shared_memory_allreduce is real
-    assert len(calls) == 1 and len(stamps) == 2 and stamps[0] <= calls[0] <= stamps[1]
+def _tiny_run(ctx, argv):
+    rows = run(ctx, parse_args(argv), profile_iters=2, phase_iters=4)
+    return rows, os.getpid()
+
+
+def test_the_workers_time_every_engine_on_both_transports_and_leave_nothing_in_dev_shm():
+    """Two gloo workers on one host, one tiny size: ours, the reference, the floor and ours at HEAD (whichever form
+    its syncbn.py has) on torch's transport and on shared memory, BatchNorm1d without one; every row says its
+    transport; the phases are cut on both; no file of the run stays in /dev/shm."""
+    argv = ["--iters", "4", "--rounds", "2", "--warmup", "1", "--batch", "8", "--hidden", "4", "--dtypes", "float32",
+            "--baseline", "HEAD"]
+    (rows, pid), _ = run_workers(_tiny_run, 2, argv)
+    times = {(r["impl"], r["transport"]): r for r in rows if r["kind"] == "time"}
+    engines = {(impl, t) for t in (TORCH, SHM) for impl in (OURS, REFERENCE, FLOOR, f"{OURS}@HEAD")}
+    assert set(times) == engines | {(LOCAL, None)}
+    assert {times[OURS, t]["transport_detail"] for t in (TORCH, SHM)} == {"torch (gloo)", "shared_memory"}
+    assert all("transport" in r for r in rows)
+    cut = {(r["impl"], r["transport"]): r for r in rows if r["kind"] == "phases"}
+    assert set(cut) == {(impl, t) for t in (TORCH, SHM) for impl in (OURS, REFERENCE, FLOOR)}
+    assert all(r["phases_s"][p] > 0 for r in cut.values() for p in PHASES)
+    names = {t["name"] for t in targets(ratios(rows), rows)}
+    assert {f"{WORKERS} [{t}]: every size, ours / ({REFERENCE}) <= {CPU_TARGET}" for t in (TORCH, SHM)} <= names
+    assert not glob.glob(f"/dev/shm/dp-kit-{pid}-*")

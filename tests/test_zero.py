@@ -1,27 +1,30 @@
-"""zero.ShardedOptimizer against the unsharded optimizer, bit for bit.
+"""zero.ShardedOptimizer against the unsharded optimizer, bit for bit, on every transport.
 
 ONE spawned group of 3 workers (spawning costs seconds of importing torch per process): the
 whole world runs every case with 3 ranks, then ranks 1 and 2 run them again as a 2-rank
 subgroup while rank 0 runs them alone (a 1-rank subgroup). Gradients are a fixed function of
 the step and the parameter's name, the same on every rank (what data-parallel averaging hands
 the optimizer), so the oracle is the plain optimizer run in the parent on the same model for
-the same steps.
+the same steps. The bucketed grid runs every optimizer, partition and overlap on each transport
+(split between the world sizes, see ``grid_cases``): "auto" (shared memory), "torch", "p2p",
+and shared memory on a communication thread, whose all-gathers really run beside the caller.
 """
 
 from __future__ import annotations
 
+import functools
 import io
-import threading
-from unittest import mock
+import time
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import allreduce
+import transport as transports
 import zero
-from common import CollectiveCounter, assert_refused, refused, run_workers
+from common import CollectiveCounter, CountingTransport, assert_refused, refused, run_workers
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
@@ -30,9 +33,30 @@ OPTIMIZERS = {
 }
 STEPS = 4  # the late param group joins after step LATE
 LATE = 2
-TINY_BUCKETS_MB = 100 / 2 ** 20  # 100 bytes: most parameters in a bucket of their own, each cut among the ranks
+GRID_STEPS = LATE + 1  # the bucketed grid's steps: before and after the late group joins
 LAYERS = ("embed", "hidden", "out", "frozen")
 GROUPS = ((3, None), (2, [1, 2]), (1, [0]))  # (world size, members of the subgroup or None for the world)
+# "background": SharedMemory(group, background=True), whose all-gathers really run beside the caller.
+TRANSPORTS = ("auto", "torch", "p2p", "background")
+KIND_CLASS = {"auto": "SharedMemory", "torch": "Torch", "p2p": "MessagePassing", "background": "SharedMemory"}
+SLOW_S = 0.1  # when the all-gathers of the Slow transport arrive, after their call
+
+
+def grid_cases(n: int) -> list[tuple[str, str, str, bool]]:
+    """(transport, optimizer, partition, overlap) of the bucketed grid at world size n: every transport,
+    partition and overlap, with AdamW in the whole world of 3 ranks and alone, SGD and Adam in the 2-rank
+    subgroup (which runs beside the lone rank): each combination once among the groups that share, so the
+    spawned group's time stays what it was."""
+    names = ["sgd", "adam"] if n == 2 else ["adamw"]
+    return [(kind, name, partition, overlap) for kind in TRANSPORTS for name in names
+            for partition in zero.PARTITIONS for overlap in (False, True)]
+
+
+def grid_params(*fields: str, overlap: bool | None = None) -> list[tuple]:
+    """("n", then ``fields`` of grid_cases) for pytest's parametrize: the combinations the grid ran."""
+    index = {"kind": 0, "name": 1, "partition": 2, "overlap": 3}
+    return sorted({(n, *(case[index[f]] for f in fields)) for n in (1, 2, 3) for case in grid_cases(n)
+                   if overlap in (None, case[3])})
 
 
 class Toy(nn.Module):
@@ -98,15 +122,16 @@ def state_of(model: Toy) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- workers
 
 
-def _sharded(model: Toy, name: str, group, partition: str) -> zero.ShardedOptimizer:
+def _sharded(model: Toy, name: str, group, partition: str, transport="auto") -> zero.ShardedOptimizer:
     cls, options = OPTIMIZERS[name]
-    return zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition, **options)
+    return zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition,
+                                 transport=transport, **options)
 
 
-def _case(name: str, partition: str, group) -> dict:
+def _case(name: str, partition: str, group, transport="auto") -> dict:
     """STEPS steps; a consolidated checkpoint and a resume from it; a resume from the plain optimizer's checkpoint."""
     model = make_model()
-    optimizer = _sharded(model, name, group, partition)
+    optimizer = _sharded(model, name, group, partition, transport)
     with CollectiveCounter() as counter:
         train(model, optimizer, 0, STEPS)
     local_state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
@@ -116,7 +141,7 @@ def _case(name: str, partition: str, group) -> dict:
 
     resumed = make_model()
     resumed.load_state_dict(params_at_checkpoint)
-    resumed_optimizer = _sharded(resumed, name, group, partition)
+    resumed_optimizer = _sharded(resumed, name, group, partition, transport)
     resumed_optimizer.add_param_group({"params": [resumed.late], "lr": 0.02})
     resumed_optimizer.load_state_dict(checkpoint(saved))  # a copy: loaded state is trained on in place
     train(resumed, resumed_optimizer, STEPS, STEPS + 2)
@@ -128,66 +153,124 @@ def _case(name: str, partition: str, group) -> dict:
     train(plain_model, plain, 0, STEPS)
     from_plain = make_model()
     from_plain.load_state_dict(plain_model.state_dict())
-    from_plain_optimizer = _sharded(from_plain, name, group, partition)
+    from_plain_optimizer = _sharded(from_plain, name, group, partition, transport)
     from_plain_optimizer.add_param_group({"params": [from_plain.late], "lr": 0.02})
     from_plain_optimizer.load_state_dict(checkpoint(plain.state_dict()))
     train(from_plain, from_plain_optimizer, STEPS, STEPS + 2)
     return {"params": state_of(model), "state_dict": saved, "resumed": state_of(resumed),
             "from_plain": state_of(from_plain), "local_state_elements": local_state, "owned_elements": owned,
-            "calls": dict(counter.calls), "collectives": counter.collectives}
+            "calls": dict(counter.calls), "collectives": counter.collectives,
+            "transport": type(optimizer.transport).__name__}
 
 
 def _apart(group) -> dict:
-    """AdamW as if the ranks were on different hosts: the updates travel by our ring all-gather."""
-    with mock.patch.object(allreduce, "shares_memory", lambda group=None, nbytes=0: False):
-        probe = _sharded(make_model(), "adamw", group, "flat")
-        outcome = _case("adamw", "flat", group)
-    return {**outcome, "gather": probe._all_gather.__name__}
+    """AdamW as if the ranks were on different hosts: the updates travel by our ring all-gather ("p2p")."""
+    return _case("adamw", "flat", group, transport="p2p")
 
 
-def _comm_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name.startswith("zero-comm")}
+def _transports(group) -> dict[str, transports.Transport]:
+    """The transports of the bucketed grid, made once per group (a shared-memory one maps files: a collective)."""
+    return {"auto": transports.resolve("auto", group), "torch": transports.resolve("torch", group),
+            "p2p": transports.resolve("p2p", group), "background": transports.SharedMemory(group, background=True)}
 
 
-def _bucketed_case(name: str, group, overlap: bool) -> dict:
-    """Tiny buckets. Per step: the parameters read right after step() (without overlap), or what
-    each layer saw when its forward ran (with overlap: the forward after the step waits per layer).
-    Then the parameters read through ``model.state_dict()``, and what close() leaves behind."""
+class _Logged(transports.Work):
+    """``work``, calling ``done()`` once waited for."""
+
+    def __init__(self, work: transports.Work, done: Callable[[], None]):
+        self.work, self.done = work, done
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.done()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class Recording(CountingTransport):
+    """Counts, and logs ("launch" | "wait", output buffer's address) as each all-gather starts and is waited for."""
+
+    def __init__(self, inner: transports.Transport):
+        super().__init__(inner)
+        self.events: list[tuple[str, int]] = []
+
+    def all_gather(self, output, input, *, async_op=False):
+        self.events.append(("launch", output.data_ptr()))
+        work = super().all_gather(output, input, async_op=async_op)
+        if not async_op:
+            self.events.append(("wait", output.data_ptr()))
+            return work
+        return _Logged(work, lambda: self.events.append(("wait", output.data_ptr())))
+
+
+def _bucketed_case(name: str, partition: str, overlap: bool, group, inner: transports.Transport) -> dict:
+    """GRID_STEPS steps through ``inner`` (counted), in the default buckets: one per param group and dtype (the
+    first group's; the second's float32 and its float64 parameters; the late group's), each cut among the
+    ranks. Per step: the parameters read right after step() (without overlap), what each layer saw when its
+    forward ran (with overlap: the forward after the step waits per layer; none after the first step, so the
+    second step() must wait for the first's all-gathers itself), the all-gathers made and the buckets. Then
+    the parameters read through ``model.state_dict()``, where each bucket's buffer lies, and what close()
+    leaves behind."""
     model = make_model()
     cls, options = OPTIMIZERS[name]
-    threads = _comm_threads()
-    optimizer = zero.ShardedOptimizer(param_groups(model), cls, process_group=group, bucket_cap_mb=TINY_BUCKETS_MB,
-                                      **options)
+    counting = Recording(inner)
+    optimizer = zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition,
+                                      transport=counting, **options)
+    seen: list[dict] = []
+    in_flight_at_embed = []  # buckets still in flight when the first layer had what it needs
     if overlap:
         optimizer.overlap_with_forward(model)
-    seen: list[dict] = []
-    for layer in LAYERS:  # registered after the optimizer's hooks: they run after its wait
-        getattr(model, layer).register_forward_pre_hook(
-            lambda m, args, layer=layer: seen[-1].update({f"{layer}.{n}": p.detach().clone()
-                                                          for n, p in m.named_parameters(recurse=False)}))
-    after_step, in_flight = [], 0
-    for step in range(STEPS):
+        for layer in LAYERS:  # registered after the optimizer's hooks: they run after its wait
+            getattr(model, layer).register_forward_pre_hook(
+                lambda m, args, layer=layer: seen[-1].update({f"{layer}.{n}": p.detach().clone()
+                                                              for n, p in m.named_parameters(recurse=False)}))
+        model.embed.register_forward_pre_hook(
+            lambda *_: in_flight_at_embed.append(sum(b.work is not None for b in optimizer.buckets)))
+    after_step, in_flight, gathers, gathered_bytes, buckets = [], 0, [], [], []
+    for step in range(GRID_STEPS):
         optimizer.zero_grad(set_to_none=step % 2 == 0)
         set_gradients(model, step)
+        counting.reset()
         optimizer.step()
-        in_flight += sum(bucket.future is not None for bucket in optimizer.buckets)
+        in_flight += sum(bucket.work is not None for bucket in optimizer.buckets)
+        gathers.append(dict(counting.calls))
+        gathered_bytes.append(counting.bytes["all_gather"])
+        buckets.append(len(optimizer.buckets))
         if not overlap:
             after_step.append(state_of(model))
+        else:  # no forward after step 0: step 1 must wait for step 0's all-gathers itself
+            seen.append({})
+            with torch.no_grad():
+                if step == 1:  # layer by layer, as the root's forward calls them, without the root's own wait
+                    model.out(model.frozen(model.hidden(model.embed(torch.arange(5)))))  # (the root holds
+                elif step > 1:  # parameters of the later buckets: its pre-hook waits for all of them)
+                    model(torch.arange(5))
         if step + 1 == LATE:
             optimizer.add_param_group({"params": [model.late], "lr": 0.02})
-        seen.append({})
-        with torch.no_grad():
-            model(torch.arange(5))
     final = {name: t.clone() for name, t in model.state_dict().items()}
     share_s = optimizer.last_share_s
-    buckets = len(optimizer.buckets)
+    buffers = [(bucket.buffer is not None, bucket.buffer is not None and optimizer.transport.owns(bucket.buffer))
+               for bucket in optimizer.buckets]  # (allocated, by the transport in its shared memory)
     optimizer.close()
     return {"after_step": after_step, "seen": seen, "final": final, "buckets": buckets, "share_s": share_s,
-            "in_flight": in_flight,
-            "threads_left": len(_comm_threads() - threads),  # this optimizer's; others may end meanwhile
+            "in_flight": in_flight, "gathers": gathers, "gathered_bytes": gathered_bytes, "buffers": buffers,
+            "events": counting.events, "in_flight_at_embed": in_flight_at_embed,
+            "in_flight_after_close": sum(bucket.work is not None for bucket in optimizer.buckets),
             "hooks_left": sum(
                 len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._state_dict_pre_hooks)
-                + len(m._load_state_dict_pre_hooks) for m in model.modules()) - len(LAYERS)}
+                + len(m._load_state_dict_pre_hooks) for m in model.modules()) - (len(LAYERS) + 1 if overlap else 0)}
+
+
+def _bucketed_grid(group, made: dict[str, transports.Transport]) -> dict:
+    """Every optimizer, partition and overlap on every transport; whether shared memory ever staged a copy."""
+    out = {(kind, name, partition, overlap): _bucketed_case(name, partition, overlap, group, made[kind])
+           for kind, name, partition, overlap in grid_cases(dist.get_world_size(group))}
+    kinds = {kind: type(t).__name__ for kind, t in made.items()}
+    staged = {kind: getattr(t, "_staging", None) is not None for kind, t in made.items()}
+    made["background"].close()
+    return {"cases": out, "kinds": kinds, "staged": staged}
 
 
 def lone_bucket_params(model: Toy) -> list[nn.Parameter]:
@@ -196,7 +279,7 @@ def lone_bucket_params(model: Toy) -> list[nn.Parameter]:
 
 
 def _lone_bucket_case(group) -> dict:
-    """AdamW over one bucket with overlap_with_forward: step() shares it inline (see ShardedOptimizer._launch)."""
+    """AdamW over one bucket with overlap_with_forward, on the default (inline) transport: step() shares it."""
     model = make_model()
     optimizer = zero.ShardedOptimizer(lone_bucket_params(model), torch.optim.AdamW, process_group=group, lr=0.01)
     optimizer.overlap_with_forward(model)
@@ -205,10 +288,77 @@ def _lone_bucket_case(group) -> dict:
         optimizer.zero_grad()
         set_gradients(model, step)
         optimizer.step()
-        in_flight += sum(bucket.future is not None for bucket in optimizer.buckets)
+        in_flight += sum(bucket.work is not None for bucket in optimizer.buckets)
     buckets, share_s = len(optimizer.buckets), optimizer.last_share_s
     optimizer.close()
     return {"params": state_of(model), "buckets": buckets, "in_flight": in_flight, "share_s": share_s}
+
+
+class _Arrives(transports.Work):
+    """Done at time ``at`` (``time.perf_counter``); ``wait()`` sleeps until then, adding the time to ``waited[0]``."""
+
+    def __init__(self, at: float, waited: list[float]):
+        self.at, self.waited = at, waited
+
+    def wait(self) -> bool:
+        start = time.perf_counter()
+        if start < self.at:
+            time.sleep(self.at - start)
+            self.waited[0] += time.perf_counter() - start
+        return True
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.at
+
+
+class Slow(transports.Transport):
+    """A stand-in for timing ``last_share_s``: every all-gather moves nothing and takes SLOW_S, in the call
+    (``inline``) or arriving SLOW_S after it (asynchronous). The parameters it leaves are stale: not compared."""
+
+    name = "late"
+
+    def __init__(self, group, inline: bool):
+        super().__init__(group)
+        self.inline, self.waited = inline, [0.0]  # seconds the callers spent in wait()
+
+    def all_gather(self, output, input, *, async_op=False):
+        if self.inline:
+            time.sleep(SLOW_S)
+            return transports.Work() if async_op else None
+        work = _Arrives(time.perf_counter() + SLOW_S, self.waited)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+def _share_time(group) -> dict:
+    """``last_share_s`` with overlap_with_forward, on one bucket: an inline all-gather, all of it inside step();
+    an asynchronous one that the next forward waits for at once, then one it reaches after 1.5 SLOW_S of
+    other work (standing for computation the all-gather overlaps)."""
+    model = make_model()
+    inline = zero.ShardedOptimizer(lone_bucket_params(model), torch.optim.SGD, group, lr=0.1,
+                                   transport=Slow(group, inline=True))
+    inline.overlap_with_forward(model)
+    set_gradients(model, 0)
+    inline.step()
+    out = {"inline in flight": sum(b.work is not None for b in inline.buckets), "inline": inline.last_share_s}
+    inline.close()
+
+    slow = Slow(group, inline=False)
+    later = zero.ShardedOptimizer(lone_bucket_params(model), torch.optim.SGD, group, lr=0.1, transport=slow)
+    later.overlap_with_forward(model)
+    for case, busy_s in (("waited at once", 0.0), ("overlapped", 1.5 * SLOW_S)):
+        set_gradients(model, 1)
+        later.step()
+        out[f"{case} in flight"] = sum(b.work is not None for b in later.buckets)
+        time.sleep(busy_s)
+        slow.waited[0] = 0.0
+        with torch.no_grad():
+            model(torch.arange(5))
+        out[case], out[f"{case} wait"] = later.last_share_s, slow.waited[0]
+    later.close()
+    return out
 
 
 def _bad_inputs(group) -> dict:
@@ -233,18 +383,33 @@ def _bad_inputs(group) -> dict:
     }
 
 
+def _transport_refusals(group) -> dict:
+    """Transports the ranks disagree on (group rank 0 against the others), and an unknown name: every rank
+    raises at construction (after one exchange of the choices, which is how every rank learns of them)."""
+    w = make_model().hidden.weight
+    first = dist.get_rank(group) == 0
+    torch_transport = transports.resolve("torch", group)
+    choices = {"unknown": "pigeon"}
+    if dist.get_world_size(group) > 1:
+        choices.update({"different names": "torch" if first else "p2p",
+                        "an object and a name": torch_transport if first else "torch"})
+    return {case: refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, transport=choice, lr=1))
+            for case, choice in choices.items()}
+
+
 def _grid(ctx) -> dict:
     out = {}
     for n, members in GROUPS:
         group = dist.new_group(members) if members is not None else None  # every rank creates every group
         if members is None or ctx.rank in members:
+            made = _transports(group)  # held: every case below on "auto" uses the same shared memory
             out[n] = {"rank": dist.get_rank(group),
                       "cases": {(name, partition): _case(name, partition, group)
                                 for name in OPTIMIZERS for partition in zero.PARTITIONS},
                       "apart": _apart(group), "lone bucket": _lone_bucket_case(group),
-                      "bucketed": {(name, overlap): _bucketed_case(name, group, overlap)
-                                   for name in ("sgd", "adamw") for overlap in (False, True)},
-                      "refused": _bad_inputs(group)}
+                      "share time": _share_time(group) if n == 2 else None,  # meanwhile rank 0 is alone
+                      "bucketed": _bucketed_grid(group, made),
+                      "refused": _bad_inputs(group), "transport refused": _transport_refusals(group)}
     return out
 
 
@@ -273,6 +438,16 @@ def assert_same_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
 
 
+def assert_same_state(got: dict, want: dict) -> None:
+    """Two optimizer state dicts: the same groups and the same state, bit for bit."""
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        assert got["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
 # --------------------------------------------------------------------------- the specification
 
 
@@ -294,15 +469,8 @@ def test_every_rank_holds_the_unsharded_optimizers_parameters_bit_for_bit(ranks,
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_the_consolidated_state_dict_is_the_unsharded_optimizers(ranks, n, name, partition):
     _, optimizer = oracle(name, STEPS)
-    want = optimizer.state_dict()
     for outcome in ranks[n]:
-        got = outcome["cases"][name, partition]["state_dict"]
-        assert got["param_groups"] == want["param_groups"]
-        assert got["state"].keys() == want["state"].keys()
-        for index, state in want["state"].items():
-            assert got["state"][index].keys() == state.keys()
-            for key, value in state.items():
-                assert torch.equal(got["state"][index][key], value), (index, key)
+        assert_same_state(outcome["cases"][name, partition]["state_dict"], optimizer.state_dict())
 
 
 @pytest.mark.parametrize("partition", zero.PARTITIONS)
@@ -341,30 +509,43 @@ def test_the_flat_partition_gives_every_rank_the_same_number_of_elements_to_one_
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_on_one_host_the_update_is_shared_through_its_memory_without_messages_where_stores_stay_in_order(ranks, n):
+    """Where a core's stores stay in order the ranks meet by polling shared counters: not one call into
+    torch.distributed; elsewhere each meeting is a one-element all-reduce."""
     for outcome in ranks[n]:
         for name, case in outcome["cases"].items():
-            assert case["collectives"] == 0, (name, case["calls"])
-            assert (case["calls"] == {}) if allreduce.POLLS else (case["calls"].get("isend", 0) > 0), name
+            assert case["transport"] == "SharedMemory", name
+            if transports.POLLS:
+                assert case["calls"] == {}, (name, case["calls"])
+            else:
+                assert case["calls"].keys() == {"all_reduce"}, (name, case["calls"])
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_on_different_hosts_the_update_is_shared_by_the_ring_with_point_to_point_messages_only(ranks, n):
-    want, _ = oracle("adamw", STEPS)
+    """transport="p2p", the ring all-gather of allreduce.py; checkpoint and resume as the unsharded optimizer's."""
+    model, optimizer = oracle("adamw", STEPS)
+    params, saved = state_of(model), checkpoint(optimizer.state_dict())
+    train(model, optimizer, STEPS, STEPS + 2)
+    want = state_of(model)
     for outcome in ranks[n]:
         case = outcome["apart"]
-        assert case["gather"] == "all_gather"
+        assert case["transport"] == "MessagePassing"
         assert case["collectives"] == 0, case["calls"]
         assert case["calls"].keys() <= {"isend", "irecv", "batch_isend_irecv"} and case["calls"]
-        assert_same_bits(case["params"], state_of(want))
+        assert_same_bits(case["params"], params)
+        assert_same_state(case["state_dict"], saved)
+        assert_same_bits(case["resumed"], want)
+        assert_same_bits(case["from_plain"], want)
 
 
 def test_a_single_rank_owns_every_piece_and_shares_nothing(ranks):
-    """Not even through the communication thread: step() leaves nothing in flight, with overlap too."""
+    """Not even through the transport: step() launches no all-gather and leaves nothing in flight, with overlap too."""
     (outcome,) = ranks[1]
     for name, case in outcome["cases"].items():
         assert case["collectives"] == 0 and not case["calls"], (name, case["calls"])
-    for key, case in outcome["bucketed"].items():
-        assert case["in_flight"] == 0, key
+    for key, case in outcome["bucketed"]["cases"].items():
+        assert case["in_flight"] == 0 and all(calls == {} for calls in case["gathers"]), key
+        assert case["share_s"] == 0.0 and not any(allocated for allocated, _ in case["buffers"]), key
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -391,52 +572,135 @@ def test_the_partition_gives_the_largest_tensors_first_to_the_least_loaded_rank(
     assert zero.partition([5, 0], [0, 0]) == [0, 1], "ties go to the lowest rank"
 
 
-# --------------------------------------------------------------------------- buckets and overlap
+# --------------------------------------------------------------------------- buckets, transports and overlap
 
 
+@functools.lru_cache(maxsize=None)
 def oracle_trajectory(name: str) -> list[dict[str, torch.Tensor]]:
-    """The plain optimizer's parameters after each of STEPS steps."""
+    """The plain optimizer's parameters after each of GRID_STEPS steps (computed once per optimizer: read only)."""
     model = make_model()
     cls, options = OPTIMIZERS[name]
     optimizer = cls(param_groups(model), **options)
     states = []
-    for step in range(STEPS):
+    for step in range(GRID_STEPS):
         train(model, optimizer, step, step + 1)
         states.append(state_of(model))
     return states
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_with_small_buckets_a_read_right_after_step_sees_the_updated_parameters(ranks, n, name):
-    """By default step() returns once every bucket's all-gather is in: nothing is left in flight."""
-    want = oracle_trajectory(name)
+def bucketed(ranks, n: int, kind: str, name: str, overlap: bool) -> list[dict]:
+    """The bucketed grid's cases on ``kind`` with this optimizer and overlap (each partition it ran), every rank."""
     for outcome in ranks[n]:
-        case = outcome["bucketed"][name, False]
-        assert case["buckets"] >= 6, "most parameters in a bucket of their own"
-        for step in range(STEPS):
+        assert set(outcome["bucketed"]["cases"]) == set(grid_cases(n)), "the grid ran every case it names"
+    cases = [outcome["bucketed"]["cases"][kind, name, partition, overlap] for outcome in ranks[n]
+             for partition in zero.PARTITIONS if (kind, name, partition, overlap) in outcome["bucketed"]["cases"]]
+    assert cases, (n, kind, name, overlap)
+    return cases
+
+
+def on(ranks, n: int, kind: str):
+    """(name, partition, overlap, case) of every case of the bucketed grid on transport ``kind``, every rank."""
+    for outcome in ranks[n]:
+        for (case_kind, name, partition, overlap), case in outcome["bucketed"]["cases"].items():
+            if case_kind == kind:
+                yield name, partition, overlap, case
+
+
+@pytest.mark.parametrize("n, kind, name", grid_params("kind", "name", overlap=False))
+def test_with_buckets_a_read_right_after_step_sees_the_updated_parameters(ranks, n, kind, name):
+    """By default step() returns once every bucket's all-gather is in: nothing is left in flight, whatever the
+    transport; the late group, added after LATE steps, trains bit for bit too."""
+    want = oracle_trajectory(name)
+    assert not torch.equal(want[-1]["late"], want[LATE - 1]["late"]), "the late group trains"
+    for case in bucketed(ranks, n, kind, name, False):
+        assert case["buckets"] == [3] * LATE + [4] * (GRID_STEPS - LATE), "one per param group and dtype"
+        assert case["in_flight"] == 0
+        for step in range(GRID_STEPS):
             assert_same_bits(case["after_step"][step], want[step])
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forward_reaches_it(ranks, n, name):
-    """overlap_with_forward: step() returns before the all-gathers end, each layer's forward waits for
-    its bucket; what every layer saw, at every step, is the unsharded optimizer's, bit for bit."""
+@pytest.mark.parametrize("n, kind, name", grid_params("kind", "name", overlap=True))
+def test_with_overlap_each_layer_sees_its_updated_parameters_when_the_next_forward_reaches_it(ranks, n, kind, name):
+    """overlap_with_forward: step() may return before the all-gathers end, each layer's forward waits for
+    the buckets holding its parameters (the first forward calls the layers one by one: the root module owns
+    parameters of the last buckets, so its own hook waits for all of them); what every layer saw, at every
+    step, is the unsharded optimizer's, bit for bit."""
     want = oracle_trajectory(name)
-    for outcome in ranks[n]:
-        case = outcome["bucketed"][name, True]
-        for step in range(STEPS):
+    tied = {"out.weight": "embed.weight"}  # named_parameters() lists a tied parameter once
+    for case in bucketed(ranks, n, kind, name, True):
+        assert case["seen"][0] == {}, "no forward after the first step"
+        for step in range(1, GRID_STEPS):
             seen = case["seen"][step]
             assert {key.split(".")[0] for key in seen} == set(LAYERS)
-            tied = {"out.weight": "embed.weight"}  # named_parameters() lists a tied parameter once
             assert_same_bits(seen, {key: want[step][tied.get(key, key)] for key in seen})
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_asynchronous_transport_leaves_the_all_gathers_in_flight_after_step_and_an_inline_one_does_not(ranks, n):
+    """With overlap_with_forward, shared memory on a communication thread returns from step() with all-gathers
+    still running, some still when the forward's first layer runs (what the overlap test above then checks is
+    real); the inline ones have finished them."""
+    for outcome in ranks[n]:
+        assert outcome["bucketed"]["kinds"] == KIND_CLASS
+        cases = outcome["bucketed"]["cases"]
+        assert any(case["in_flight_at_embed"][0] > 0 for (kind, _, _, overlap), case in cases.items()
+                   if kind == "background" and overlap), "the forward's first layer ran beside later buckets"
+        for (kind, name, partition, overlap), case in cases.items():
+            if kind == "background" and overlap:
+                assert case["in_flight"] > 0, (name, partition)
+            elif kind in ("auto", "p2p") or not overlap:
+                assert case["in_flight"] == 0, (kind, name, partition, overlap)
+            assert case["in_flight_after_close"] == 0
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_all_gather_is_waited_for_before_the_next_into_its_buffer_starts(ranks, n, kind):
+    """Per bucket buffer: launch, wait, launch, wait... and nothing left unwaited. With overlap, the second
+    step follows the first without a forward: step() itself waits for the previous step's all-gathers."""
+    for name, partition, overlap, case in on(ranks, n, kind):
+        by_buffer: dict[int, list[str]] = {}
+        for event, buffer in case["events"]:
+            by_buffer.setdefault(buffer, []).append(event)
+        assert len(by_buffer) == case["buckets"][-1], (name, partition, overlap)
+        for events in by_buffer.values():
+            assert events == ["launch", "wait"] * (len(events) // 2), (name, partition, overlap, events)
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 3])
+def test_each_step_makes_one_all_gather_per_bucket_through_the_transport_and_nothing_else(ranks, n, kind):
+    """Counted where the engine hands them to its transport: one all-gather per bucket per step (one more
+    bucket once the late group joins), gathering at least every parameter's bytes."""
+    model = make_model()
+    early = sum(p.numel() * p.element_size() for group in param_groups(model) for p in group["params"])
+    late = model.late.numel() * model.late.element_size()
+    for name, partition, overlap, case in on(ranks, n, kind):
+        buckets = case["buckets"]
+        assert buckets[LATE] == buckets[0] + 1 and len(set(buckets[:LATE])) == len(set(buckets[LATE:])) == 1
+        for step in range(GRID_STEPS):
+            assert case["gathers"][step] == {"all_gather": buckets[step]}, (name, partition, overlap, step)
+            assert case["gathered_bytes"][step] >= early + (late if step >= LATE else 0)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_on_shared_memory_every_buckets_buffer_is_the_transports_and_nothing_is_staged(ranks, n):
+    """Zero copy: each bucket's all-gather buffer (those add_param_group made too) lies in the transport's
+    shared memory, where the peers read it; no call ever copied a tensor into the staging block. On the
+    other transports the buffers are plain tensors."""
+    for outcome in ranks[n]:
+        grid = outcome["bucketed"]
+        assert grid["staged"] == {"auto": False, "torch": False, "p2p": False, "background": False}
+        for (kind, name, partition, overlap), case in grid["cases"].items():
+            assert all(allocated for allocated, _ in case["buffers"]), (kind, name, partition, overlap)
+            owned = [owned for _, owned in case["buffers"]]
+            assert all(owned) if KIND_CLASS[kind] == "SharedMemory" else not any(owned), (kind, name, partition)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_a_lone_bucket_is_shared_inside_step_even_with_overlap_and_bit_for_bit(ranks, n):
-    """Nothing to overlap it with: no all-gather is left in flight after step(), and the time it took counts as
-    exposed; the parameters are the unsharded AdamW's."""
+def test_a_lone_bucket_on_an_inline_transport_is_shared_inside_step_even_with_overlap_and_bit_for_bit(ranks, n):
+    """Nothing is left in flight after step(), and the time it took counts as exposed; the parameters are
+    the unsharded AdamW's."""
     model = make_model()
     plain = torch.optim.AdamW(lone_bucket_params(model), lr=0.01)
     for step in range(STEPS):
@@ -450,19 +714,46 @@ def test_a_lone_bucket_is_shared_inside_step_even_with_overlap_and_bit_for_bit(r
         assert_same_bits(case["params"], state_of(model))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("name", ["sgd", "adamw"])
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_bucketed_training_ends_with_the_unsharded_parameters_and_close_leaves_nothing_running(ranks, n, name,
-                                                                                               overlap):
-    """module.state_dict() waits too; close() joins the communication thread and removes every hook."""
+@pytest.mark.parametrize("n", [2])
+def test_last_share_s_is_the_share_nothing_overlapped(ranks, n):
+    """All of an inline all-gather, inside step(); of an asynchronous one, what the next forward waited for it
+    (all of that wait when the forward came at once; none when other work filled the all-gather's time, and
+    the previous step's wait is not carried over)."""
+    for outcome in ranks[n]:
+        case = outcome["share time"]
+        assert case["inline in flight"] == 0 and case["inline"] >= SLOW_S, case
+        assert case["waited at once in flight"] == 1 and case["waited at once wait"] > 0.0, case
+        assert case["waited at once"] >= case["waited at once wait"], case
+        assert case["overlapped in flight"] == 1 and case["overlapped wait"] == 0.0, case
+        assert case["overlapped"] < SLOW_S / 2, case
+
+
+@pytest.mark.parametrize("n, kind, name, overlap", grid_params("kind", "name", "overlap"))
+def test_bucketed_training_ends_with_the_unsharded_parameters_and_close_leaves_nothing_behind(ranks, n, kind, name,
+                                                                                              overlap):
+    """module.state_dict() waits too; close() leaves nothing in flight and removes every hook."""
     model = make_model()
     cls, options = OPTIMIZERS[name]
     optimizer = cls(param_groups(model), **options)
-    train(model, optimizer, 0, STEPS)
+    train(model, optimizer, 0, GRID_STEPS)
     want = {key: t.clone() for key, t in model.state_dict().items()}
-    for outcome in ranks[n]:
-        case = outcome["bucketed"][name, overlap]
+    for case in bucketed(ranks, n, kind, name, overlap):
         assert_same_bits(case["final"], want)
-        assert case["threads_left"] == 0 and case["hooks_left"] == 0
+        assert case["hooks_left"] == 0 and case["in_flight_after_close"] == 0
         assert case["share_s"] >= 0.0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_ranks_that_choose_different_transports_are_refused_on_every_rank(ranks, n):
+    """At construction, by the one exchange of the choices (no all-gather of parameters starts)."""
+    expected = {"unknown": "ValueError: ShardedOptimizer: unknown transport 'pigeon'"}
+    if n > 1:
+        expected.update({"different names": "ValueError: ShardedOptimizer: the ranks chose different transports",
+                         "an object and a name": "ValueError: ShardedOptimizer: the ranks chose different transports"})
+    for outcome in ranks[n]:
+        refusals = outcome["transport refused"]
+        assert refusals.keys() == expected.keys()
+        for case, start in expected.items():
+            error = refusals[case]["error"]
+            assert error is not None and error.startswith(start), (case, error)
+            assert set(refusals[case]["calls"]) <= {"all_gather_object"}, (case, refusals[case]["calls"])
