@@ -2,51 +2,26 @@
 recursive doubling, a pipelined tree, and ``allreduce(algorithm="auto")``, which picks one of them.
 
     python allreduce.py                  # the homework comparison (spawns 1 to 32 workers itself)
-    python allreduce.py --quick          # a small subset, a few minutes on two cores
+    python allreduce.py --quick          # a small subset
     python allreduce.py --world-sizes 1 2 4 --sizes 1000 100000 --repeats 20 --json results/allreduce.json
 
-Every algorithm has the contract of ``torch.distributed.all_reduce``, restricted to
-what the homework asks::
+Every algorithm has the contract of ``torch.distributed.all_reduce`` the homework asks for,
+``f(tensor, op="mean", group=None) -> tensor``: it reduces ``tensor`` in place over the ranks of ``group``
+("sum", or "mean": each rank divides its contribution first, so a mean overflows only where the mean
+itself would) with ``isend``/``irecv``/``batch_isend_irecv`` only. Any world size, any number of elements
+(fewer than ranks, or none), any floating dtype, contiguous or not; bad input is refused before the first
+message. What carries the messages is a transport, not an algorithm (``transport.py``).
 
-    f(tensor, op="mean", group=None) -> tensor
-
-It reduces ``tensor`` in place over all ranks of ``group`` (``"sum"``, or ``"mean"``: every
-rank divides its contribution by the group size, then the quotients are summed, so a mean
-overflows only where the mean itself would), and returns the same tensor. Only
-``isend``/``irecv``/``batch_isend_irecv`` are used, never a collective. Any world size, any
-number of elements (fewer than ranks, not divisible, or none), any floating dtype (integers
-too with ``op="sum"``), contiguous or not: a non-contiguous tensor is reduced in a
-contiguous copy that is copied back, which costs ``numel`` extra elements. Bad input is
-refused before the first message. What carries the messages (gloo's sockets, or this host's
-shared memory) is a transport, not an algorithm: see ``transport.py``.
-
-* ``ring_allreduce``: reduce-scatter then all-gather around the ring; each rank sends
-  2(n-1)/n of the tensor in 2(n-1) dependent steps, pipelined with the additions.
-* ``butterfly_allreduce``: the homework's algorithm: rank i owns chunk i, every rank sends
-  chunk i straight to rank i, which reduces what it receives and sends the result to all.
-* ``halving_doubling_allreduce``: Rabenseifner's recursive halving reduce-scatter then
-  recursive doubling all-gather; a world size that is not a power of two folds its extra
-  ranks into partners first.
+* ``ring_allreduce``: reduce-scatter then all-gather; 2(n-1) steps, 2(n-1)/n of the tensor per rank.
+* ``butterfly_allreduce``: the homework's: rank i reduces chunk i and sends it to all.
+* ``halving_doubling_allreduce``: Rabenseifner's; extra ranks of a non-power of two fold into partners.
 * ``recursive_doubling_allreduce``: log2(n) exchanges of the whole tensor (latency-optimal).
 * ``tree_allreduce``: pipelined binary-tree reduce then broadcast.
-* ``allreduce``: any of them by name, or ``"auto"``: the fastest algorithm for the size in bytes
-  and the world size, from ``CROSSOVER``, measured by ``collectives_benchmark.py --tune``.
-* ``torch_allreduce``: the reference, ``torch.distributed.all_reduce`` with the same contract.
+* ``allreduce``: one by name, or "auto": the fastest for the size and world size from ``CROSSOVER``.
+* ``reduce_scatter`` and ``all_gather``: the ring's two halves as collectives, for sharded training.
 
-Running the file spawns its own workers (one launch per world size, one intra-op thread
-each) and prints the homework's two tables, every algorithm over the same wire (gloo): every
-algorithm for 1 to 32 workers, and ours against ``torch.distributed.all_reduce`` for 1 to 16
-processes and 1,000 to 100,000 elements, with auto's p50 / torch's p50 (median over
-interleaved rounds, 95 % interval) and its target (<= 1.10x with 2 and 4 processes).
-Columns: time (maximum over ranks, median of the repeats after warm-up), memory (the extra
-bytes the call allocates, measured in a separate untimed call with the scratch buffers of
-earlier calls released first) and the accuracy of averaging (maximum absolute difference
-from the exact mean computed in float64, every rank holding different random data).
-
-The last section holds the two halves of the ring as collectives of their own, for sharded
-training: ``reduce_scatter(output, input, op, group)`` and ``all_gather(output, input, group)``
-(the contracts of ``torch.distributed.reduce_scatter_tensor`` and ``all_gather_into_tensor``),
-each rank sending (n-1)/n of the full tensor; ``collectives_benchmark.py --collective`` times them.
+Running the file prints the homework's tables over one wire (gloo): time (slowest rank, median of the
+repeats), the bytes a call allocates, and the error against the exact float64 mean.
 """
 
 from __future__ import annotations
@@ -72,12 +47,9 @@ from results import environment, format_environment, markdown_table, write_resul
 OPS = ("mean", "sum")
 
 # Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
-# all-reduce (on 2 cores each dependent hop waits for a scheduler wake-up), so segments must be
-# large: 1-2 MiB segments left 4 processes at 10 MB at 1.2-1.3x torch's time. Same-run A/B (the
-# configurations taking turns call by call, 40-50 calls, receives posted early, scratch kept):
-# 4 MiB with 4 in flight beat 8 MiB with 2 in 5 of 5 pairs at 10 MB (ring/torch 1.00-1.11 against
-# 1.05-1.15 with 2 and 4 processes) and gave 0.80-0.88 at 100 MB. Re-tune on other machines with
-# ``collectives_benchmark.py --segment-bytes ... --in-flight ...``.
+# all-reduce (on few cores each dependent hop waits for a scheduler wake-up), so segments must be
+# large, with several in flight. Tune them on a machine with
+# ``collectives_benchmark.py --segment-bytes ... --in-flight ...`` (configurations interleaved call by call).
 SEGMENT_BYTES = 4 << 20
 IN_FLIGHT = 4
 # The tree streams its two phases only when a tensor spans several segments, so its segments are
@@ -204,8 +176,6 @@ class _Exchange:
       in-place receive gets data that causally follows every earlier send from that region
       (the ring's all-gather carries sums that include what this rank sent), and a reduced
       piece lands in a scratch slot that is reused only after the tick using it finished.
-      Measured on 2 cores with 4 processes, 10 MB: the ring went from 1.2x to about 1.05x
-      the time of ``torch.distributed.all_reduce``.
     * NCCL and others (``_run_lockstep``): each tick is one ``batch_isend_irecv``, and the
       peers of a tick post the matching tick in the same position of their own lists. NCCL
       needs that lock-step: a receive queued alone on the stream would block the sends queued
@@ -308,10 +278,8 @@ def _scratch(like: torch.Tensor, rows: int, columns: int, purpose: str = "exchan
     (buffers used at the same time need different purposes), grown as needed.
 
     Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
-    is paid for again in page faults on first touch (about 0.6 ms for 10 MB here, 5 % of a 10 MB
-    all-reduce; a same-run A/B over 40 calls: ring/torch 1.01-1.15 with the buffer kept, 1.07-1.28
-    without). It holds ``in_flight`` segments of the largest call so far, O(numel / n) as before;
-    ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
+    is paid for again in page faults on first touch, a visible share of a large all-reduce. It
+    holds ``in_flight`` segments of the largest call so far, O(numel / n); ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
     """
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     key, needed = (like.dtype, like.device, purpose), rows * columns  # one buffer per use that may coexist
@@ -495,11 +463,8 @@ def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> t
 def pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> None:
     """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
 
-    gloo: the send is posted before the receive: in a same-run A/B on 2 cores with 4 processes
-    (interleaved rounds, at the commit that had both orders) that took well under the time of
-    posting the receive first, while one ``batch_isend_irecv`` of two ``P2POp`` objects with a
-    fresh buffer per step made no measurable difference against two plain calls into a kept
-    buffer: the time is in the waits, not in Python. NCCL runs a pair's operations in order on
+    gloo: the send is posted before the receive, which measured faster than the other order with
+    processes sharing cores (the time is in the waits, not in Python). NCCL runs a pair's operations in order on
     one stream, so two ranks each sending first would wait for each other: there the pair is
     one ``batch_isend_irecv``.
     """

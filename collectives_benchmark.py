@@ -1,7 +1,7 @@
 """All-reduce, reduce-scatter and all-gather in the conventions of nccl-tests, on two axes, every row labelled.
 
     python collectives_benchmark.py --procs 2 4 --json results/collectives.json --plot-dir results/plots
-    python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes, a few minutes
+    python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes
     python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
     python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
     python collectives_benchmark.py --tune                                      # re-derive allreduce.CROSSOVER
@@ -10,23 +10,18 @@
 
 * Algorithms (all-reduce): every point-to-point algorithm of ``allreduce.py`` and ``auto`` against
   ``torch.distributed.all_reduce``, all over gloo: algorithm against algorithm on the same wire.
-* Transports (``transport.py``; all-reduce, reduce-scatter, all-gather): ``Torch`` (gloo's
-  collectives, loopback TCP) against ``SharedMemory`` with buffers from its ``allocate()`` ("zero
-  copy") and with plain tensors ("staged": copied into the shared arena and back), and
-  ``MessagePassing`` ("p2p": ``allreduce.py``'s auto for the all-reduce, its ring for the others).
-  Shared memory's algorithm is "direct": rank r sums chunk r, reading every rank's buffer where it lies.
+* Transports (``transport.py``; all three collectives): ``Torch`` (gloo, loopback TCP) against
+  ``SharedMemory`` with buffers from its ``allocate()`` ("zero copy") and with plain tensors ("staged":
+  copied into the shared arena and back), and ``MessagePassing`` ("p2p": auto for the all-reduce, the
+  ring for the others). Shared memory's algorithm is "direct": rank r sums chunk r where it lies.
 
-Every row has ``axis`` ("algorithm" or "transport"), ``transport``, ``algorithm`` and ``label``.
-Without torchrun the script spawns each process count of ``--procs`` itself (gloo on CPU, nccl on
-GPU: ``--backend``). Per size (float32, 1 MB = 2^20 bytes) and axis: one untimed call on a pattern
-whose sum is exact in float32 (any error is a bug), then timed calls taking turns call by call,
-each as slow as its slowest rank, paired round by round with torch's call on the same axis: the
-ratio is the median over rounds with its 95 % bootstrap interval. busbw = algbw x 2(n-1)/n for
-the all-reduce, x (n-1)/n for the others (nccl-tests). Targets (met / missed / inconclusive by the
-interval): auto <= 1.10x torch at every size and <= 1.00x at 10 and 100 MB, the ring <= 1.10x at
-10 and 100 MB; shared memory zero copy <= 0.45x torch at 10 MB and <= 0.30x at 100 MB with 2
-processes; p2p reduce-scatter <= 0.70x, all-gather <= 1.10x at 10 and 100 MB. The algorithms get
-a latency-bandwidth model T = steps x alpha + bytes x beta (``model_terms``).
+Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB =
+2^20 bytes) and axis: one untimed call on a pattern whose sum is exact in float32 (any error is a bug),
+then timed calls taking turns call by call, each as slow as its slowest rank, paired round by round
+with torch's call: the ratio is the median over rounds with its 95 % bootstrap interval, judged
+against ``TARGETS`` and stored with the rows. busbw = algbw x 2(n-1)/n for the all-reduce, x (n-1)/n
+for the others (nccl-tests). The algorithms get a latency-bandwidth model T = steps x alpha + bytes x
+beta (``model_terms``).
 """
 
 from __future__ import annotations
@@ -553,6 +548,13 @@ def target_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def stored_targets(rows: list[dict]) -> list[dict]:
+    """``target_checks`` as the results file keeps them: each check without its row, with its printed line."""
+    swept = allreduce_rows(rows)
+    return [{**{k: v for k, v in check.items() if k != "row"}, "text": text}
+            for check, text in zip(target_checks(swept), target_lines(swept))]
+
+
 def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
     """One table per axis, the correctness line, the targets, the model and the one-step rows."""
     rows = allreduce_rows(rows)
@@ -768,7 +770,7 @@ def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict
               f" --procs {' '.join(map(str, args.procs))}):\n" + format_table(crossover_table(rows)), flush=True)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
-        write_results(args.json, "collectives_benchmark", env, config, rows + (p2p or []))
+        write_results(args.json, "collectives_benchmark", env, config, rows + (p2p or []), targets=stored_targets(rows))
     if args.plot_dir:
         print("charts: " + ", ".join(plot(rows + (p2p or []), args.plot_dir)), flush=True)
 

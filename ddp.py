@@ -2,24 +2,19 @@
 
 Not a script; import it inside an initialised process group (``dist_utils.distributed``)::
 
-    from ddp import DDP
     model = DDP(net, bucket_cap_mb=25.0)           # broadcasts rank 0's weights and buffers
-    for micro_batches in loader:                    # one optimizer step per item
-        for x, y in micro_batches[:-1]:
-            with model.no_sync():                   # accumulation: no communication at all
-                (loss_fn(model(x), y) / len(micro_batches)).backward()
-        x, y = micro_batches[-1]
-        (loss_fn(model(x), y) / len(micro_batches)).backward()   # buckets all-reduced during backward
-        model.finish_gradient_synchronization()     # wait; every param.grad = average over ranks
-        optimizer.step()
-        optimizer.zero_grad()
+    with model.no_sync():                           # accumulation micro-batches: no communication
+        loss_fn(model(x0), y0).backward()
+    loss_fn(model(x1), y1).backward()               # buckets summed as they fill during backward
+    model.finish_gradient_synchronization()         # wait; every param.grad = average over ranks
+    optimizer.step(); optimizer.zero_grad()
 
 The variants the benchmark compares, all with that interface (``make_ddp`` selects by name):
 
 =========  ==============================================================================
-bucketed   ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each all-reduced
-           asynchronously as soon as it is complete, overlapping the rest of backward.
-overlap    ``DDP(module, bucket_cap_mb=0)``: the same, one bucket (all-reduce) per parameter.
+bucketed   ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each summed as soon
+           as it is complete, while the rest of backward goes on.
+overlap    ``DDP(module, bucket_cap_mb=0)``: the same, one bucket per parameter.
 flat       ``FlatDDP``: after backward, all gradients copied into one flat tensor, one all-reduce.
 naive      ``NaiveDDP``: after backward, one blocking all-reduce per parameter.
 pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
@@ -27,7 +22,7 @@ pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
 
 Each sums through the transport its ``transport=`` names (``transport.resolve``; "auto", the
 default: this host's shared memory when every rank is on it and the gradients are on the CPU,
-else torch.distributed's collectives).
+else torch.distributed's collectives), in buffers the transport allocates.
 """
 
 from __future__ import annotations
@@ -55,12 +50,10 @@ BROADCAST_CHUNK_BYTES = 250 * MIB
 # starts early; this cap is for the other end. Measured on resnet18 by ``ddp_benchmark.py`` (the
 # ``bucketed`` rows against PyTorch's and against ``last_bucket_cap_mb=0``).
 LAST_BUCKET_CAP_MB = 2.0
-# ... and at most this share of the model's gradient bytes. The small GPT of sharding_benchmark.py
-# --quick (2.5 MiB; its first parameters are the 1 MiB token embedding, a lookup with almost no
-# backward compute) ran slower with a 2 MiB tail than with none, the CIFAR CNN (3.2 MiB; its tail
-# the two convolutions at full resolution, 0.04 MiB) faster; resnet18 at 25 MiB (a 1.5 MiB tail,
-# 1/30 of it) keeps its layout. (A one-off A/B, not committed: 2 processes, 48 iterations in 16
-# rounds, that benchmark's "ddp ours" row rebuilt with last_bucket_cap_mb 0, 0.5 and 2 MiB.)
+# ... and at most this share of the model's gradient bytes: a small model whose first parameters need
+# almost no backward compute (the GPT's token embedding) has nothing to hide a separate tail behind, while
+# a CNN's full-resolution convolutions do. Compare with ``sharding_benchmark.py`` rows rebuilt with other
+# ``last_bucket_cap_mb`` values.
 TAIL_SHARE = 4
 VARIANTS = ("bucketed", "overlap", "flat", "naive", "pytorch")
 
@@ -435,7 +428,7 @@ def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], posit
 
 def _adopt_grad(param: nn.Parameter, view: torch.Tensor, world_size: torch.Tensor) -> None:
     """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it
-    dispatches 3x faster than a Python number) into ``view`` (its slice of its bucket), and
+    dispatches faster than a Python number, which would be wrapped anew at every call) into ``view`` (its slice of its bucket), and
     make ``view`` its ``.grad``.
 
     One pass over the gradient either way: an in-place division when autograd already
@@ -589,7 +582,7 @@ class DDP(_DataParallel):
         """Backward finished accumulating ``param.grad`` (hook); may launch buckets.
 
         Runs once per parameter per backward, so it stays lean: no ``torch.no_grad()``
-        (10 us a call), since backward runs hooks with gradients off unless create_graph.
+        (a context manager's cost at every call), since backward runs hooks with gradients off unless create_graph.
         """
         if not self.require_backward_grad_sync:
             return  # accumulation micro-batch: the gradient stays in param.grad

@@ -37,8 +37,8 @@ from torch.autograd.profiler import record_function
 import transport as transports
 from ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
 from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
-from measure import (PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
-                     percentile, time_iterations, verdict)
+from measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown, oversubscribed,
+                     paired_ratio, percentile, time_iterations, verdict)
 from models import MODELS, NUM_CLASSES, GPTConfig, build_model
 from results import (check_comparable, config_differences, environment, format_environment, read_results,
                      write_durably, write_results)
@@ -63,7 +63,6 @@ MEMORY_ITERS = 3
 # Defaults of the measurement flags, and of --quick (explicit flags win over both).
 NORMAL = {"batch_size": 32, "iters": 48, "rounds": 8, "warmup": 2}
 QUICK = {"batch_size": 16, "iters": 8, "rounds": 4, "warmup": 1}
-PHASES = ("forward", "backward", "sync_gradients", "optimizer_step")  # Replica.step's record_function ranges
 TARGET_VS_PYTORCH = 1.00  # engine: bucketed 25M p50 / the faster PyTorch 25M p50 on the same transport
 TARGET_MEMORY = 1.00  # bucketed 25M peak memory / the same PyTorch row's
 TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and bucketed on asynchronous transports

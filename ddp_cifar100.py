@@ -1,95 +1,28 @@
 """Homework Tasks 2 and 3: data-parallel CIFAR-100 training with our DDP and SyncBatchNorm, or PyTorch's.
 
-Seed 000's training-loop comparison (16 epochs, 4 micro-batches per optimizer step):
-
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl selfmade
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
-
-A short two-process run that needs no download and no GPU (synthetic data, about 30 s on two
-cores; validation accuracy goes from 1 % to about 38 %):
-
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 --num-epochs 2
-
-Sharded data parallelism (``--sharding zero``: optimizer state 1/n per rank; ``fsdp``: parameters,
-gradients and optimizer state 1/n per rank), ours or PyTorch's:
-
-    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --num-epochs 2 --sharding fsdp
-
-Surviving killed workers: checkpoints every epoch, resumed on restart, same final model as an uninterrupted run:
-
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl selfmade  # seed 000's run
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
+    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
-        ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json
+        ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json    # survives killed workers (pytorch#135712)
 
-(the variable works around pytorch/pytorch#135712: restarted workers failing to reconnect).
+Both implementations run the same loop (``Trainer``) from the same start: the model is built after
+``torch.manual_seed(seed)`` on every rank, ``DistributedSampler`` orders the data, and dropout draws from
+a generator reseeded from (seed, epoch, rank), so a resumed run draws the same. With the same seed, world
+size and thread count two CPU runs give bit-identical parameters (deterministic algorithms on; gloo adds
+the ranks in a fixed order). Where each choice is made and why:
 
-How it works, and the choices made:
+* the data (``choose_dataset``: CIFAR-100 from disk or download; ``--dataset auto`` falls back to the
+  synthetic set loudly and the metrics record which was used);
+* the engines (``wrap_model``: ``ddp.DDP`` or PyTorch's DDP, ``--sharding zero|fsdp``, all through one
+  ``--transport``) and the BatchNorm flavour (``resolve_sync_bn``; PyTorch's needs CUDA tensors);
+* gradient accumulation (``micro_batch_plan``: ``no_sync`` on micro-batches, for both DDPs);
+* validation (``validation_sums``: rank 0 scatters the set, one float64 sum, exact for any world size);
+* checkpoints (``choose_checkpoint``, ``Trainer._save_checkpoint``: durable, resumed on restart, never deleted when
+  unreadable) and the measurements (``summarize``).
 
-* Data (``--dataset``): ``cifar100`` reads ``<data-dir>/cifar-100-python`` with torchvision's own
-  CIFAR100 code (pickles, HWC to CHW, ``ToTensor``, ``Normalize`` with CIFAR-100's mean and std),
-  downloading it (md5 checked) when it is missing; it never falls back. ``auto`` (the default)
-  does the same but, when the files are neither on disk nor downloadable, trains on
-  ``SyntheticCIFAR100`` and says so loudly; the metrics record the data set actually used.
-  ``synthetic`` never touches the network.
-* Same start, same data: the model is built after ``torch.manual_seed(seed)`` (identical on
-  every rank and for both implementations; both DDPs also broadcast rank 0's weights).
-  ``DistributedSampler(seed, drop_last=True)`` with ``set_epoch`` orders the data; dropout
-  draws from a generator reseeded at every epoch start from (seed, epoch, rank).
-* ``--distributed-impl``: ``selfmade`` wraps the model in ``ddp.DDP``; ``pytorch`` in
-  ``torch.nn.parallel.DistributedDataParallel``. The loop is the same code for both, and both
-  skip gradient communication on accumulation micro-batches with ``no_sync`` (the fair baseline).
-* ``--sharding`` (see ``wrap_model`` and ``build_optimizer``): ``zero`` keeps the DDP above and
-  shards SGD's state (``zero.ShardedOptimizer``; PyTorch's ``ZeroRedundancyOptimizer``);
-  ``fsdp`` replaces DDP by ``fsdp.FSDP`` (PyTorch's ``fully_shard``) over every convolution and
-  linear layer, BatchNorm replicated. Both shard types reduce-scatter gradients on every
-  micro-batch (only the replicated ones wait for the window's last). With float32 and no
-  SyncBatchNorm all three follow the DDP trajectory up to round-off.
-* ``--sync-bn``: ``auto`` pairs each implementation with its own SyncBatchNorm: ``syncbn.py``'s
-  for selfmade, ``torch.nn.SyncBatchNorm`` for pytorch. PyTorch's cannot run on CPU tensors, so
-  on CPU ``auto`` uses ours for both and records a notice; an explicit ``--sync-bn pytorch`` on
-  CPU stops with an error. ``none`` keeps per-rank BatchNorm.
-* Gradient accumulation: the optimizer steps after every ``--grad-accum-steps`` micro-batches.
-  Each micro-batch's summed loss is divided by the number of samples in its accumulation
-  window, so the step's gradient is that of the mean loss over the window's global batch
-  (for full windows: mean loss / grad-accum-steps). Leftover micro-batches at an epoch's end
-  form a shorter last window that steps with its own sample count: nothing is dropped and
-  nothing is carried into the next epoch. Each rank sees the same number of samples
-  (the sampler drops the < world-size remainder), so every rank's windows match.
-* Validation (Task 3): only rank 0 loads the validation set. It cuts it into rounds of
-  world x ``--val-batch-size`` images, pads the last round with label -1, and hands each rank
-  its piece with one ``torch.distributed.scatter`` per round. Each rank adds up the loss and
-  the correct predictions of its valid samples; one ``all_reduce`` of float64
-  [loss sum, correct, count] gives accuracy exactly equal to a single-process evaluation,
-  whatever the world size and set size. Before validating, every rank takes rank 0's
-  parameters and buffers, so all ranks evaluate rank 0's model even with per-rank BatchNorm.
-* Logging: rank 0 only: a progress bar per epoch and one summary line per epoch. The train
-  loss is the global mean over the epoch (reduced sums and counts), not rank 0's.
-* Checkpoints (``--checkpoint-dir``): after every complete epoch rank 0 writes model,
-  optimizer, epoch, step and the metrics so far durably (a temporary file, fsync, rename,
-  fsync of the directory) and deletes the oldest checkpoint it wrote beyond the newest two;
-  a failed save stops every rank with the path and the cause. At start every rank loads the
-  newest checkpoint that rank 0 can read (the directory must be visible to every rank), and
-  refuses one written by a run with other settings. Unreadable checkpoints are never deleted
-  (they are renamed ``*.unreadable``); if there are checkpoints and none can be read, the job
-  stops unless ``--restart-from-scratch``. The ranks wait for rank 0's checkpoint I/O in a
-  gloo group with ``--checkpoint-timeout``, so slow storage is not a peer failure. Sharded runs save the
-  full model and a consolidated optimizer state where the implementation offers one (ZeRO,
-  PyTorch's FSDP), else a list of every rank's (our FSDP: resume with the same world size). No RNG state needs saving:
-  every random draw is a pure function of (seed, epoch, rank) (see above). An epoch cut
-  short by ``--max-steps`` is not checkpointed, so resuming always redoes whole epochs.
-* Determinism: on CPU ``torch.use_deterministic_algorithms(True)``, and with the same seed,
-  world size and thread count two runs give bit-identical parameters. Gloo's all_reduce adds
-  the ranks' tensors in an order fixed by world size and tensor size, and every rank gets
-  the same result (with two ranks it is one commutative addition). On CUDA, cuDNN and
-  atomics make runs differ at round-off level.
-* Measurement: time = the training loops' wall time per rank (validation and checkpoints
-  excluded), maximum over ranks; time per optimizer step = median over steps of the slowest
-  rank, excluding the first four steps. Peak memory = the most tensor bytes allocated above
-  the level before the model is wrapped (and a checkpoint loaded), through the fourth
-  optimizer step: DDP buffers, gradients, momentum, activations; via ``measure.PeakMemory``
-  (the profiler on CPU: too slow for a whole run); on CUDA also ``torch.cuda.max_memory_allocated``
-  over the whole run.
-
-Faults (killed workers mid-step, slow or read-only storage) are injected from outside, by
+Faults (killed workers mid-step, slow or read-only storage) are injected from outside by
 ``tests/faulty_ddp_cifar100.py``, which runs this script with patched functions.
 """
 
@@ -159,7 +92,7 @@ class SyntheticCIFAR100(Dataset):
     """A learnable stand-in for CIFAR-100: 3x32x32 images in 100 classes, made on the fly, no files.
 
     Each class has a fixed smooth random pattern (its prototype). Image i is its class's
-    prototype shifted by up to 4 pixels each way, plus noise 6x stronger than the pattern,
+    prototype shifted by up to 4 pixels each way, plus noise six times stronger than the pattern,
     clamped to [0, 1] like real pixels, then normalised with CIFAR-100's constants. The noise
     images come from a fixed bank of 1,024, so a sample costs a few tensor operations.
     Everything is a function of (seed, split, index): identical on every rank and in every
@@ -426,7 +359,10 @@ def micro_batch_plan(samples: int, batch_size: int, accum: int) -> list[tuple[bo
 
     ``samples`` per rank make ceil(samples / batch_size) micro-batches (the last may be short).
     A window is ``accum`` consecutive micro-batches; the epoch's last window may hold fewer
-    (the leftover), and steps with its own sample count.
+    (the leftover), and steps with its own sample count: nothing is dropped or carried into the
+    next epoch. Each micro-batch's summed loss is divided by its window's sample count, so a step's
+    gradient is that of the mean loss over the window's global batch (the sampler gives every rank
+    the same number of samples, so the ranks' windows match).
     """
     count = math.ceil(samples / batch_size)
     plan = []
@@ -701,7 +637,13 @@ class Trainer:
                f"(+{row['val_time_s']:.2f} s val) | peak mem {self.memory.bytes / 2**20:6.1f} MiB")
 
     def _save_checkpoint(self) -> None:
-        """Rank 0 writes the checkpoint durably and prunes; every rank waits for it and fails if it failed."""
+        """Rank 0 writes the checkpoint durably and prunes; every rank waits for it and fails if it failed.
+
+        Durably: a temporary file, fsync, rename, fsync of the directory; the oldest checkpoint this run
+        wrote beyond the newest two is deleted. The ranks wait in a gloo group with ``--checkpoint-timeout``,
+        so slow storage is not a peer failure. Sharded runs save the full model and a consolidated optimizer
+        state where the engine offers one (ZeRO, PyTorch's FSDP), else every rank's (our FSDP: resume with
+        the same world size). No RNG state: every draw is a function of (seed, epoch, rank)."""
         model_state = full_model_state(self.model, self.module, self.args)  # every rank: collectives when sharded
         optimizer_state = full_optimizer_state(self.model, self.optimizer, self.args)
         failure = None
@@ -784,7 +726,12 @@ def _number(value: float) -> float | None:
 
 
 def summarize(trainer: Trainer, ctx) -> tuple[dict, list[dict]]:
-    """Every rank's time and memory (collective), the final row and per-rank rows (None: not measured)."""
+    """Every rank's time and memory (collective), the final row and per-rank rows (None: not measured).
+
+    Time: the training loop's wall time per rank (validation and checkpoints excluded), maximum over
+    ranks; time per optimizer step: median over steps of the slowest rank, the first four left out. Peak
+    memory: the most tensor bytes allocated above the level before the model is wrapped, through the
+    fourth optimizer step (``measure.PeakMemory``; on CUDA also ``torch.cuda.max_memory_allocated``)."""
     cuda_peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else math.nan
     local_median = statistics.median(trainer.step_times) if trainer.step_times else math.nan
     per_rank = gather_rows([trainer.train_time, local_median, trainer.memory.bytes, cuda_peak])

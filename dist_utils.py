@@ -6,7 +6,7 @@
 * ``launch(fn, n)`` runs ``fn(ctx)`` on n spawned workers that meet through a file (no port),
   with a timeout on the whole group and the root cause's traceback when a worker fails.
 * Both use a short process-group timeout (``DEFAULT_TIMEOUT_S``), so a dead or stuck peer
-  ends the job with ``PeerFailedError`` instead of hanging for gloo's default 30 minutes.
+  ends the job with ``PeerFailedError`` instead of hanging for gloo's default half hour.
 * Rank-0 output: ``print0`` and ``progress`` (a tqdm bar on rank 0 only).
 
 Measurement lives in ``measure.py``, the results layout and the environment header in

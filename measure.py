@@ -207,7 +207,7 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
         else:
             # The autograd profiler torch.profiler.profile wraps: the wrapper's start imports
-            # torch._inductor, about 2 s of CPU in a process that has not imported torch._dynamo
+            # torch._inductor, seconds of CPU in a process that has not imported torch._dynamo
             # yet (building a torch.optim optimizer imports that too).
             self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
             with _quiet_stderr():
@@ -242,7 +242,7 @@ def _profiled(device: torch.device):
     """The autograd profiler (every thread's host operators; on CUDA, every stream's kernels) around
     the block, queued GPU work waited for before it stops, kineto's status lines silenced. Yields the
     profiler, stopped once the block is over. It is what ``torch.profiler.profile`` wraps: the
-    wrapper's start imports torch._inductor (about 2 s of CPU per process)."""
+    wrapper's start imports torch._inductor (seconds of CPU per process)."""
     # profile_all_threads: Python threads too (a communication thread's ranges), not only the one that starts it.
     profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None,
                                                experimental_config=_ExperimentalConfig(profile_all_threads=True))
@@ -298,6 +298,10 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: Sequence[torch.Tensor] = 
 
 # --------------------------------------------------------------------------- uncertainty
 
+# The record_function ranges of one training iteration, as the DDP benchmark's step names them and the
+# report's timeline and breakdown draw them.
+PHASES = ("forward", "backward", "sync_gradients", "optimizer_step")
+
 BOOTSTRAP_RESAMPLES = 10_000
 CI_METHOD = "median of per-round ratios; 95 % percentile bootstrap over rounds"
 
@@ -345,7 +349,7 @@ def verdict(ratio: dict, target: float) -> str:
 
 
 def format_ratio(ratio: dict) -> str:
-    """``1.03x [0.98, 1.08]``: two decimals, because rounds differ by more than that. A single
+    """``<median>x [<low>, <high>]``: two decimals, because rounds differ by more than that. A single
     measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it."""
     if ratio["rounds"] == 1:
         return f"{ratio['median']:.4f}x (one measurement)"

@@ -27,8 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from ddp_benchmark import PHASES
-from measure import bootstrap_ci, paired_ratio
+from measure import PHASES, bootstrap_ci, paired_ratio
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {

@@ -1,6 +1,6 @@
 """Regenerate every result file the report reads, then re-execute the report.
 
-    python run_experiments.py --quick --report    # every experiment, small settings: under 10 minutes on 2 CPU cores
+    python run_experiments.py --quick --report    # every experiment, small settings (README gives the time per CPU)
     python run_experiments.py --report            # the full settings (seed 000's 16 epochs, 1 GB messages, ...): for GPU machines
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
@@ -58,7 +58,8 @@ _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
 # memory) and the transport under one engine (fully_shard on shared memory / on gloo: its target is for this size).
-SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]")
+SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
+                         "fsdp ours [torch]", "fsdp ours [shm]")
 
 EXPERIMENTS = (
     Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
@@ -125,7 +126,7 @@ EXPERIMENTS = (
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),
     Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, ours and "
-               "PyTorch's DDP on shared memory; fully_shard on shared memory against fully_shard on gloo",
+               "PyTorch's DDP on shared memory; FSDP, ours and fully_shard, each on shared memory and on gloo",
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
                 "--iters", "30", "--rounds", "15", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
@@ -262,7 +263,8 @@ def main(args: argparse.Namespace) -> int:
 
 def producers() -> dict[str, str]:
     """For each result file, the command that writes it (named when --summary finds it missing)."""
-    return {e.name: f"python run_experiments.py --quick --only {e.name}" for e in EXPERIMENTS}  # results/<name>.json
+    commands = {e.name: f"python run_experiments.py --quick --only {e.name}" for e in EXPERIMENTS}  # results/<name>.json
+    return commands | {"manifest": "python run_experiments.py --quick"}
 
 
 def write_summary(out: Path) -> int:

@@ -8,23 +8,20 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
     python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero ours in step [shm]"
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
-A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (a name
-without the brackets in --variants means every transport it is registered on). Transports:
-[torch] is torch.distributed's collectives (gloo here, PyTorch's engines as they come); [shm] is
-``transport.SharedMemory``, for PyTorch's DDP through ``transport.ddp_comm_hook`` and for
-``fully_shard`` through ``transport.use_with_fully_shard``; [shm-thread] is the same on a
-communication thread. ``ZeroRedundancyOptimizer`` broadcasts through torch.distributed itself and
-takes no transport: "zero pytorch" runs on [torch] only. Each target divides the times of two
-variants that differ on one axis only (engine, sharding, transport or an option: see ``AXES``), so
-no ratio credits an engine with a transport's gain. With one process there is no communication:
-only [torch] runs.
+A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (without the
+brackets in --variants: every transport it is registered on). [torch] is torch.distributed's collectives
+(PyTorch's engines as they come); [shm] is ``transport.SharedMemory``, for PyTorch's DDP through
+``transport.ddp_comm_hook`` and for ``fully_shard`` through ``transport.use_with_fully_shard``;
+[shm-thread] the same on a communication thread. ``ZeroRedundancyOptimizer`` takes no transport: "zero
+pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one axis
+only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
+transport's gain. With one process there is no communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
-``zero_grad(set_to_none=True)``, on random inputs made once per rank. Every variant is built once
-per model (same seed), warmed up, then timed in ``--rounds`` rounds that interleave the variants
-(``measure.time_interleaved``); ratios are medians of per-round p50 ratios with 95 % bootstrap
-intervals (``measure.paired_ratio``), read met / missed / inconclusive against their targets.
-Memory is counted per rank from the tensors it holds (the report explains the columns).
+``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then
+timed in rounds that interleave the variants; ratios are medians of per-round p50 ratios with 95 %
+bootstrap intervals, judged met / missed / inconclusive against their targets. Memory is counted per
+rank from the tensors it holds.
 """
 
 from __future__ import annotations

@@ -118,72 +118,33 @@ def _verdicts(checks: list[dict]) -> str:
     return ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
+def _stored_targets(doc: dict, name: str) -> list[dict]:
+    """The target checks a benchmark stored with its rows; MissingResults when the file predates them."""
+    if not doc.get("targets"):
+        raise MissingResults(f"results/{name}.json holds no target checks: it was written before its benchmark "
+                             f"stored its verdicts; run `python run_experiments.py --quick --only {name}` again")
+    return doc["targets"]
+
+
+COLLECTIVE_NAMES = {"allreduce": "All-reduce", "reduce_scatter": "Reduce-scatter", "all_gather": "All-gather"}
+AXIS_NAMES = {"algorithm": "algorithms over gloo, p50 / `torch.distributed`'s",
+              "transport": "transports, p50 / torch's collective over gloo"}
+
+
 def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -> list[str]:
-    """Per process count that is not oversubscribed: the all-reduce algorithms against torch.distributed.all_reduce
-    over the same wire (gloo), then the transports against torch's collectives, for all three collectives."""
-    import collectives_benchmark as bench  # the benchmark's own labels and targets, recomputed from its rows
-
+    """Per collective and axis, the targets `collectives_benchmark.py` checked and stored, at process counts that
+    are not oversubscribed: the all-reduce algorithms against `torch.distributed.all_reduce` over the same wire
+    (gloo), then the transports against torch's collective."""
     lines = []
-    rows = [r for r in bench.allreduce_rows(allreduce["results"]) if not r["oversubscribed"]]
-    checks = [c for c in bench.target_checks(rows) if not c["oversubscribed"]]
-    for world in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
-        auto = [c for c in checks if (c["world_size"], c["axis"], c["label"]) == (world, "algorithm", "auto")]
-        every = [c for c in auto if c["limit"] > 1.0]
-        large = [c for c in auto if c["limit"] <= 1.0]
-        if every:
-            ratios = sorted(c["ratio"]["median"] for c in every)
-            sizes = sorted(c["bytes"] for c in every)
-            calls = sorted({c["ratio"]["rounds"] for c in every})  # collectives_benchmark.calls: more for small sizes
-            calls_text = str(calls[0]) if len(calls) == 1 else f"{calls[0]} to {calls[-1]}"
-            lines.append(
-                f"- **All-reduce, algorithms** (`collectives_benchmark.py`, {world} processes, every algorithm over gloo, "
-                f"{calls_text} interleaved calls per algorithm and size): `allreduce(algorithm=\"auto\")` takes "
-                f"{ratios[0]:.2f}x to {ratios[-1]:.2f}x the time of `torch.distributed.all_reduce` from "
-                f"{bench.format_size(sizes[0])} to {bench.format_size(sizes[-1])}; target <= {every[0]['limit']:.2f}x at "
-                f"every size: {_verdicts(every)}; <= {large[0]['limit']:.2f}x at "
-                + " and ".join(bench.format_size(c["bytes"]) for c in large) + ": "
-                + "; ".join(f"{format_ratio(c['ratio'])} **{c['verdict']}**" for c in large) + ".")
-        else:
-            lines.append(f"- **All-reduce, algorithms** ({world} processes): the results hold no all-reduce of `auto` "
-                         "over gloo alone (an `auto` that ran shared memory is a transport): no algorithm headline.")
-        parts = _transport_parts(rows, checks, world, "allreduce")
-        if parts:
-            lines.append(f"- **All-reduce, transports** (`collectives_benchmark.py`, {world} processes, p50 / torch's "
-                         f"over gloo): " + "; ".join(parts) + ".")
-    for doc in (reduce_scatter, all_gather):
-        rows = [r for r in bench.allreduce_rows(doc["results"]) if not r["oversubscribed"]]
-        checks = [c for c in bench.target_checks(rows) if not c["oversubscribed"]]
-        for world in sorted({r["world_size"] for r in rows if r["world_size"] > 1}):
-            collective = rows[0].get("collective", "allreduce")
-            parts = _transport_parts(rows, checks, world, collective)
-            if parts:
-                lines.append(f"- **{bench.NAMES[collective].capitalize()}, transports** (`collectives_benchmark.py "
-                             f"--collective {collective}`, {world} processes, p50 / torch's over gloo): "
-                             + "; ".join(parts) + ".")
+    for name, doc in (("collectives", allreduce), ("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
+        checks = [c for c in _stored_targets(doc, name) if not c["oversubscribed"]]
+        for collective, axis in dict.fromkeys((c["collective"], c["axis"]) for c in checks):
+            mine = [c for c in checks if (c["collective"], c["axis"]) == (collective, axis)]
+            worlds = sorted({c["world_size"] for c in mine})
+            lines.append(f"- **{COLLECTIVE_NAMES[collective]}, {AXIS_NAMES[axis]}** (`collectives_benchmark.py`, "
+                         f"{' and '.join(map(str, worlds))} processes; {_verdicts(mine)}):")
+            lines += [f"  - {c['text'].removeprefix('target ')}" for c in mine]
     return lines
-
-
-def _transport_parts(rows: list[dict], checks: list[dict], world: int, collective: str) -> list[str]:
-    """Each transport's ratio to torch's at 10 and 100 MiB, with its target where it has one."""
-    import collectives_benchmark as bench
-
-    parts = []
-    mine = [r for r in rows if (r["world_size"], r["axis"]) == (world, "transport") and r["label"] != "torch"
-            and r.get("vs_torch") is not None and r.get("collective", "allreduce") == collective]
-    for label in dict.fromkeys(r["label"] for r in mine):
-        at = []
-        for size in bench.LARGE:
-            row = next((r for r in mine if r["label"] == label and abs(r["bytes"] - size) < 64), None)
-            if row is None:
-                continue
-            check = next((c for c in checks if (c["label"], c["world_size"], c["bytes"]) == (label, world, size)), None)
-            target = f" (target <= {check['limit']:.2f}x: **{check['verdict']}**)" if check else ""
-            at.append(f"{format_ratio(bench.ratio_of(row))} at {bench.format_size(size)}{target}")
-        if at:  # p2p with the algorithm it runs: auto for the all-reduce, the ring for the others
-            algorithm = next(r["algorithm"] for r in mine if r["label"] == label)
-            name = f"{label} ({algorithm})" if label == "p2p" else label
-            parts.append(f"{name} " + ", ".join(at))
-    return parts
 
 
 def _sharding_models(config: dict) -> str:
@@ -249,6 +210,16 @@ def oversubscribed_lines(*docs: dict) -> list[str]:
             "the report shows them, labelled, and no headline rests on them."]
 
 
+def run_time_lines(manifest: dict) -> list[str]:
+    """How long the run that wrote these results took, and on which CPU (machines differ: say which)."""
+    seconds = sum(r["seconds"] for r in manifest["results"])
+    settings = "--quick" if manifest["config"]["quick"] else "(full settings)"
+    env = manifest["env"]
+    return [f"`python run_experiments.py {settings}` took {seconds / 60:.0f} min for these results on "
+            f"{env['device_model']} ({env['cpus']} cores), {len(manifest['results'])} experiments "
+            "(`results/manifest.json` has each one's time)."]
+
+
 # --------------------------------------------------------------------------- the block
 
 
@@ -276,7 +247,7 @@ def render(results_dir: Path, producers: dict[str, str]) -> str:
     env = docs["ddp_benchmark"]["env"]
     lines += ["", f"Measured on {env['device_model']} ({env['cpus']} cores), torch {env['torch']}, gloo; "
                   f"commit {env['git_commit']}. Ratios: median over rounds [95 % bootstrap interval]; the report has "
-                  "every table.", "", END]
+                  "every table.", *run_time_lines(_load(results_dir, "manifest", producers)), "", END]
     return "\n".join(lines)
 
 

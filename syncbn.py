@@ -3,48 +3,25 @@
     from syncbn import SyncBatchNorm, convert_sync_batchnorm
     model = convert_sync_batchnorm(model)      # every BatchNorm1d/2d/3d becomes a SyncBatchNorm
 
-``SyncBatchNorm`` is a drop-in for ``torch.nn.BatchNorm1d/2d/3d`` (inputs (N, C), (N, C, L),
-(N, C, H, W), (N, C, D, H, W), contiguous or channels_last) whose training-mode statistics
-are those of the global batch: the concatenation of every rank's local batch. It runs on
-CPU with gloo (``torch.nn.SyncBatchNorm`` refuses CPU tensors) and on CUDA with NCCL.
-``python syncbn_benchmark.py`` measures it; ``tests/test_syncbn.py`` proves it against
-BatchNorm on the whole global batch.
+``SyncBatchNorm`` is a drop-in for ``torch.nn.BatchNorm1d/2d/3d`` (inputs (N, C, *), contiguous or
+channels_last) whose training-mode statistics are those of the global batch, the concatenation of
+every rank's batch. It runs on CPU with gloo (``torch.nn.SyncBatchNorm`` refuses CPU tensors) and on
+CUDA with NCCL. ``tests/test_syncbn.py`` proves it against BatchNorm on the whole global batch;
+``python syncbn_benchmark.py`` times it against BatchNorm plus the same two sums on the same transport.
 
-The mathematics (per channel; rank r holds n_r values, N = sum n_r)
--------------------------------------------------------------------
-Forward. Each rank's moments (n_r, m_r, M2_r = sum (x - m_r)^2) come from BatchNorm's fused
-statistics kernel. They combine as Chan's parallel variance,
-    m = sum n_r m_r / N,    M2 = sum M2_r + sum n_r m_r^2 - N m^2,
-so one ``all_reduce(SUM)`` of [n_r m_r, M2_r + n_r m_r^2, n_r] (C, C, 1 -> 2C + 1) in
-float64 carries everything: sums and counts, never means, so ranks may hold different
-numbers of samples, even none. M2_r is exact at any offset (no E[x^2] - E[x]^2 in the
-input's precision); only the between-rank term is a difference, and in float64 it stays
-exact to float32's resolution for |m| / std up to ~1e4. The one input-precision rounding
-left is that of each m_r, which moves the variance by at most 2 |m_r - m| u |m_r| (u the
-unit roundoff). Then
-    y = (x - m) / sqrt(M2 / N + eps) * weight + bias            (BatchNorm's inference kernel).
-Backward. With x_hat = (x - m) * invstd, the global means a = sum(dy) / N and
-b = sum(dy * x_hat) / N (one ``all_reduce`` of their sums, C, C -> 2C):
-    dx = weight * invstd * (dy - a - x_hat * b),    dweight = sum(dy * x_hat),    dbias = sum(dy),
-where dweight and dbias are the local sums, as in PyTorch: DDP averages them across ranks.
-With ``torch.distributed.all_reduce`` the backward's is asynchronous: the per-channel terms that
-need nothing global (invstd, weight * invstd) are formed while the sums travel; dx then takes two
-passes over the data (``_input_grad``).
+The two sums. Forward: each rank's moments (n_r, m_r, M2_r) combine as Chan's parallel variance
+(``_global_moments``), so one float64 sum of [n_r m_r, M2_r + n_r m_r^2, n_r] carries everything:
+sums and counts, never means, so ranks may hold different numbers of samples, even none, and M2_r
+stays exact at any offset (no E[x^2] - E[x]^2 in the input's precision). Backward: one sum of
+[sum(dy), sum(dy * x_hat)] gives dx (``_input_grad``); dweight and dbias stay local sums, as in
+PyTorch, for DDP to average.
 
-Communication: the two sums go through the layer's ``transport`` (``transport.resolve``, made
-at the first synchronized forward: "auto" is this host's shared memory when every rank of the
-group is on it and the input is on the CPU, else ``torch.distributed.all_reduce``).
-``syncbn_benchmark.py`` times the layer against BatchNorm plus the same two sums on the same
-transport.
-
-The synchronisation (packing, float64 combination, the collectives, the global terms of
-dx) is written here; the per-element work runs in PyTorch's fused BatchNorm kernels,
-chosen by device: ``torch.batch_norm_update_stats``, ``torch.batch_norm`` (inference form)
-and ``aten.native_batch_norm_backward`` (``train=False``) on CPU, ``torch.batch_norm_stats``,
-``batch_norm_elemt``, ``batch_norm_backward_reduce`` and ``batch_norm_backward_elemt``
-on CUDA. float16/bfloat16 inputs compute their statistics in float32 with float32
-parameters and return the input's dtype, as BatchNorm does (and under ``torch.autocast``).
-With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
+The sums go through the layer's ``transport`` (``transport.resolve``, made at the first synchronized
+forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
+on the CPU, else ``torch.distributed``). The synchronisation is written here; the per-element work
+runs in PyTorch's fused BatchNorm kernels, chosen by device (``_local_moments``, ``_normalize``,
+``_backward_sums``). float16/bfloat16 inputs compute statistics in float32, as BatchNorm does. With
+nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
 """
 
 from __future__ import annotations
@@ -199,9 +176,13 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
                     transport) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one sum across ranks.
 
-    Chan's combination (module docstring): this rank sends [n_r m_r, M2_r + n_r m_r^2, n_r]
-    (C, C, 1 -> 2C + 1) in float64; the sums give m = sum n_r m_r / N and
-    M2 / N = (sum M2_r + sum n_r m_r^2) / N - m^2. An empty rank sends zeros and still joins.
+    Chan's parallel variance, rank r holding n_r values with mean m_r and M2_r = sum (x - m_r)^2:
+        m = sum n_r m_r / N,    M2 = sum M2_r + sum n_r m_r^2 - N m^2.
+    This rank sends [n_r m_r, M2_r + n_r m_r^2, n_r] (C, C, 1 -> 2C + 1) in float64. Only the
+    between-rank term is a difference; in float64 it stays exact to float32's resolution for
+    |m| / std up to about 1e4. The one input-precision rounding left is each m_r's, which moves the
+    variance by at most 2 |m_r - m| u |m_r| (u the unit roundoff). An empty rank sends zeros and
+    still joins.
     """
     channels = x.size(1)
     if count:

@@ -6,27 +6,22 @@
     python syncbn_benchmark.py --baseline main    # also times syncbn.py as of a git revision: the A/B of a change
     torchrun --standalone --nproc_per_node 2 syncbn_benchmark.py --json results/syncbn.json
 
-Two axes, never mixed. Every synchronized implementation sums through a transport object made once
-per run (``transport.Torch``: torch.distributed, gloo or NCCL, rows ``[torch]``; ``transport.SharedMemory``
-when the workers share a CPU host, rows ``[shm]``). The engine: ours [t] against ``BatchNorm1d + 2 all_reduce``
-[t], BatchNorm1d plus the two sums of 2C + 1 values any synchronized BatchNorm makes, on the same transport
-t; the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per transport.
-The transport: ours [shm] / ours [torch], for information. The floor [t] (``_FloorFunction``: BatchNorm's
-kernels in a Python autograd.Function making the same two sums through t) bounds what a layer of this design
-costs; where an engine target is missed, the report splits ours' time beyond the reference at that size
-into the floor's part and ours' own. ``BatchNorm1d (local)`` has no communication; on CUDA
-``torch.nn.SyncBatchNorm`` [torch] (NCCL) is timed too. float16/bfloat16 rows are for information, on the
-transport "auto" picks (shared memory on one CPU host).
+Two axes, never mixed. Every synchronized implementation sums through a transport made once per run
+(``transport.Torch``, rows ``[torch]``; ``transport.SharedMemory`` when the workers share a CPU host,
+rows ``[shm]``). The engine: ours [t] against ``BatchNorm1d + 2 all_reduce`` [t], BatchNorm1d plus the
+two sums of 2C + 1 values any synchronized BatchNorm makes, on the same transport t; the float32 targets
+(``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per transport. The transport: ours
+[shm] / ours [torch], for information. The floor [t] (``_FloorFunction``: BatchNorm's kernels in a
+Python autograd.Function making the same two sums) bounds what a layer of this design costs.
+``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm`` [torch] is timed too.
 
 The homework's setup: a global batch of B samples split evenly over the workers, H channels, standard
 normal inputs, loss = sum of the outputs over the first B/2 samples of the global batch. One iteration
-= forward + backward after a barrier, as long as its slowest rank. Implementations take turns in
-interleaved rounds; a ratio is the median of per-round ratios with a 95 % bootstrap interval
-(``measure.paired_ratio``): a target is met when the whole interval is at or below it, missed when it
-is all above, else inconclusive. With one process (no process group) the layer is ``F.batch_norm``,
-timed against BatchNorm1d beside ``SyncBatchNormFunction`` without its collectives, also with cold
-caches (``COLD``). Peak memory, bytes saved for backward, a per-operator profile and, with the workers,
-one iteration cut at its two sums (``phases``) come from separate passes.
+= forward + backward after a barrier, as long as its slowest rank, implementations interleaved in
+rounds; a ratio is the median of per-round ratios with a 95 % bootstrap interval, judged met / missed /
+inconclusive. With one process the layer is ``F.batch_norm``, timed also with cold caches (``COLD``).
+Peak memory, bytes saved for backward, a per-operator profile and one iteration cut at its two sums
+(``phases``) come from separate passes.
 """
 
 from __future__ import annotations
@@ -581,7 +576,7 @@ def _share(part: float, whole: float) -> str:
 
 
 def _more(seconds: float) -> str:
-    """``12 us more`` or ``12 us less``."""
+    """``<n> us more`` or ``<n> us less``."""
     return f"{_us(abs(seconds))} {'more' if seconds >= 0 else 'less'}"
 
 

@@ -9,24 +9,20 @@ Every rank still holds the whole model and the whole averaged gradient, but each
 element is owned by exactly one rank, and only its owner keeps its optimizer state (for AdamW
 two float32 tensors per parameter, the largest part of the model states) and updates it. Then
 every rank's updated share goes to every other rank in one all-gather per *bucket* (at most
-``bucket_cap_mb`` of one param group and dtype), through the ``transport``: the buffers are the
-transport's, so on one host the shares are read where they lie in shared memory.
+``bucket_cap_mb`` of one param group and dtype) through the ``transport``, into buffers the
+transport allocated: on one host the shares are read where they lie in shared memory.
 
-``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; by default it
-returns once every parameter is up to date. After ``overlap_with_forward(module)`` it returns
-without waiting and each layer of the next forward waits for the bucket holding its parameters.
-Whether the all-gathers really overlap is the transport's matter: an asynchronous one (PyTorch's,
-``SharedMemory(group, background=True)``) runs them beside the next bucket's update and the next
-forward; the default on one CPU host runs each in the caller's thread at its call (there the
-all-gathers are copies made by the cores that compute).
+``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; it returns once
+every parameter is up to date, or, after ``overlap_with_forward(module)``, at once, each layer of
+the next forward waiting for its bucket. Whether the all-gathers overlap is the transport's matter:
+an asynchronous one runs them beside the next update; the default on one CPU host runs each in the
+caller's thread (there they are copies made by the cores that compute).
 
-The partition, computed from the shapes alone, the same on every rank: ``"flat"`` (default) cuts
-each bucket's parameters, back to back, into n near-equal ranges, splitting a parameter at a
-boundary: exact for element-wise updates (SGD, Adam, AdamW: bit for bit the unsharded
-optimizer), not for one that looks at a whole tensor (LAMB, Adafactor, a norm); ``"tensor"``
-gives whole parameters, largest first, to the least loaded rank: exact for any per-tensor update,
-uneven when one tensor dominates. An update that couples tensors (a global norm inside the
-optimizer, LBFGS) sees one bucket's share only. ``tests/test_zero.py`` checks it bit for bit.
+The partition, from the shapes alone, the same on every rank: ``"flat"`` (default) cuts each
+bucket's parameters, back to back, into n near-equal ranges: exact for element-wise updates (SGD,
+Adam, AdamW: bit for bit the unsharded optimizer), not for one that looks at a whole tensor (LAMB, a
+norm); ``"tensor"`` gives whole parameters, largest first, to the least loaded rank: exact for any
+per-tensor update, uneven when one tensor dominates. ``tests/test_zero.py`` checks both.
 """
 
 from __future__ import annotations

@@ -12,16 +12,9 @@ import pytest
 import run_experiments
 import summary
 from common import REPO
-from results import read_results
 
 
 def test_the_readme_block_is_exactly_what_the_committed_results_render():
-    # Results written before ddp_benchmark.py stored its target checks cannot render the DDP section (summary
-    # raises MissingResults for them): until they are re-run, there is nothing to compare the README with.
-    if not read_results(str(REPO / "results" / "ddp_headline.json")).get("targets"):
-        pytest.skip("results/ddp_headline.json has no stored 'targets' (written before the transport axis): run "
-                    "`python run_experiments.py --quick --only ddp_benchmark ddp_headline` and "
-                    "`python run_experiments.py --summary`, and this test compares again")
     rendered = summary.render(REPO / "results", run_experiments.producers())
     assert summary.readme_block((REPO / "README.md").read_text()) == rendered, (
         "README.md's headline block differs from the committed results: run `python run_experiments.py --summary`")
@@ -177,3 +170,37 @@ def test_training_line_says_whether_both_runs_used_the_same_transport():
     assert "transport not recorded" in unknown and "same transport" not in unknown
     one_unknown = summary.training_lines(training_doc("torch", 0.25, 0.2), training_doc(None, 0.25, 0.2))[0]
     assert "transport not recorded" in one_unknown and "same transport" not in one_unknown
+
+
+# --------------------------------------------------------------------------- the collectives lines, synthetic
+
+
+def collective_check(collective, axis, label, world, verdict, oversubscribed=False):
+    text = f"target {label} <= 1.10x torch, {world} processes, 10MiB: 0.90x [0.80, 1.00] {verdict}"
+    return {"collective": collective, "axis": axis, "label": label, "world_size": world, "verdict": verdict,
+            "oversubscribed": oversubscribed, "text": text}
+
+
+def test_collectives_lines_state_each_stored_check_by_collective_and_axis_and_leave_out_oversubscribed_runs():
+    allreduce = {"targets": [collective_check("allreduce", "algorithm", "ring", 2, "met"),
+                             collective_check("allreduce", "algorithm", "auto", 2, "missed"),
+                             collective_check("allreduce", "algorithm", "auto", 4, "met", oversubscribed=True),
+                             collective_check("allreduce", "transport", "shared_memory (zero copy)", 2, "met")]}
+    scatter = {"targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]}
+    gather = {"targets": [collective_check("all_gather", "transport", "p2p", 2, "inconclusive")]}
+    lines = summary.collectives_lines(allreduce, scatter, gather)
+    algorithms = lines.index(next(l for l in lines if l.startswith("- **All-reduce, algorithms")))
+    assert "2 processes; 1 met, 1 missed" in lines[algorithms]
+    assert lines[algorithms + 1:algorithms + 3] == [
+        "  - ring <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] met",
+        "  - auto <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] missed"]
+    assert not any("4 processes" in l for l in lines), "an oversubscribed run carries no headline"
+    assert any(l.startswith("- **All-reduce, transports") and "1 met" in l for l in lines)
+    assert any(l.startswith("- **Reduce-scatter, transports") and "1 met" in l for l in lines)
+    assert any(l.startswith("- **All-gather, transports") and "1 inconclusive" in l for l in lines)
+
+
+def test_collectives_results_without_stored_checks_name_the_command():
+    with pytest.raises(summary.MissingResults, match="run_experiments.py --quick --only reduce_scatter"):
+        summary.collectives_lines({"targets": [collective_check("allreduce", "algorithm", "ring", 2, "met")]},
+                                  {"results": []}, {"targets": []})
