@@ -37,14 +37,18 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from dist_utils import add_common_args, launch, progress, resolve_backend
-from measure import PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved, verdict
-from results import environment, format_environment, markdown_table, write_results
+from dpkit.bench.collectives import bus_factor
+from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved,
+                                 verdict)
+from dpkit.bench.results import environment, format_environment, markdown_table, read_results, write_results
+from dpkit.comm import transport
+from dpkit.comm.checks import OPS, bounds, check_input, check_sharded, group_rank
+from dpkit.comm.process_groups import add_common_args, launch, progress, resolve_backend
 
-OPS = ("mean", "sum")
 
 # Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
 # all-reduce (on few cores each dependent hop waits for a scheduler wake-up), so segments must be
@@ -60,34 +64,6 @@ TREE_SEGMENT_BYTES = 1 << 20
 # --------------------------------------------------------------------------- the common frame
 
 
-def check_input(tensor: torch.Tensor, op: str) -> None:
-    """Refuse bad input before any message is sent, so no peer is left waiting for half a protocol."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
-    if tensor.dtype == torch.bool or tensor.is_complex():
-        raise TypeError(f"cannot all-reduce a {tensor.dtype} tensor: use a floating (or, with op='sum', integer) dtype")
-    if op == "mean" and not tensor.is_floating_point():
-        raise TypeError(f"op='mean' needs a floating dtype, got {tensor.dtype}: the mean of integers is not an integer")
-
-
-def _group_rank(group) -> tuple[int, int]:
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the group it was asked to all-reduce over")
-    return rank, dist.get_world_size(group)
-
-
-def bounds(numel: int, parts: int) -> list[int]:
-    """Offsets of ``parts`` near-equal contiguous pieces of ``numel`` elements (sizes differ by at most one).
-
-    Piece i is ``[b[i], b[i+1])``; the first ``numel % parts`` pieces are the longer ones.
-    """
-    quotient, remainder = divmod(numel, parts)
-    return [i * quotient + min(i, remainder) for i in range(parts + 1)]
-
-
 def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., None], check: bool = False,
                **options) -> torch.Tensor:
     """Validate, handle the trivial cases, run ``algorithm(flat, rank, n, group)`` (a sum) on a contiguous 1-D view.
@@ -96,7 +72,7 @@ def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., No
     n float16 values near 65504 / n cannot overflow, where summing first would reach inf.
     """
     check_input(tensor, op)
-    rank, n = _group_rank(group)
+    rank, n = group_rank(group)
     if check and n > 1:
         _check_same_input(tensor, op, algorithm, group, rank, n)
     if tensor.numel() == 0 or n == 1:
@@ -576,21 +552,41 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # --------------------------------------------------------------------------- automatic choice
 
 
-# The fastest point-to-point algorithm by message size for each measured world size (auto's choice):
-# ((largest message in bytes, algorithm), ...), the last bound None. Derived on this machine (2 cores, nothing else running, gloo,
-# float32) by
-#     python collectives_benchmark.py --tune --procs 2 --iters 60     # the row for 2 processes
-#     python collectives_benchmark.py --tune                            # the rows for 3, 4 and 8 (20 calls)
-# which print a table in this form to paste here. With 2 processes the algorithms differ little above
-# 8 MiB: ring, halving-doubling, recursive doubling and tree measured within 3 % of each other (p50)
-# at 16 MiB and within 7 % at 64 MiB. 3, 4 and 8 processes on 2 cores are oversubscribed: those rows
-# order the algorithms under contention, not as they would on a cluster.
-CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
-    2: ((8388608, 'recursive_doubling'), (None, 'halving_doubling'),),
-    3: ((131072, 'tree'), (2097152, 'recursive_doubling'), (None, 'ring'),),
-    4: ((8388608, 'tree'), (None, 'ring'),),
-    8: ((8388608, 'tree'), (None, 'halving_doubling'),),
+# auto's table, per world size: ((largest message in bytes, algorithm), ...), the last bound None. Measured,
+# so it lives in a results file: ``python collectives_benchmark.py --tune`` writes results/crossover.json on the
+# machine it times (runs with more processes than cores order the algorithms under contention, not as they
+# would on a cluster). A world size the file lacks, or a missing file, takes the row of DEFAULT_CROSSOVER,
+# which an earlier --tune run on a 2-core machine gave.
+CROSSOVER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "crossover.json")
+DEFAULT_CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
+    2: ((8388608, "recursive_doubling"), (None, "halving_doubling")),
+    3: ((131072, "tree"), (2097152, "recursive_doubling"), (None, "ring")),
+    4: ((8388608, "tree"), (None, "ring")),
+    8: ((8388608, "tree"), (None, "halving_doubling")),
 }
+
+
+def crossover_rows(table: dict[int, tuple]) -> list[dict]:
+    """A crossover table as the rows of its results file: one per (world size, bound, algorithm), in order."""
+    return [{"world_size": n, "up_to_bytes": bound, "algorithm": name} for n, entries in table.items()
+            for bound, name in entries]
+
+
+def load_crossover(path: str = CROSSOVER_FILE) -> dict[int, tuple]:
+    """``DEFAULT_CROSSOVER`` with every world size of the results file ``path`` taken from the file (no file:
+    the defaults). ValueError, naming the file, for an unknown algorithm or a row without an open end."""
+    table = dict(DEFAULT_CROSSOVER)
+    if not os.path.exists(path):
+        return table
+    rows = read_results(path)["results"]
+    for n in sorted({row["world_size"] for row in rows}):
+        entries = tuple((row["up_to_bytes"], row["algorithm"]) for row in rows if row["world_size"] == n)
+        unknown = sorted({name for _, name in entries} - set(SUMS))
+        if unknown or entries[-1][0] is not None:
+            raise ValueError(f"{path}: the row of {n} processes " + (f"names unknown algorithms {unknown}" if unknown
+                             else "has no open-ended last entry") + ": run `python collectives_benchmark.py --tune` again")
+        table[n] = entries
+    return table
 
 
 def _nearest_world_size(world_size: int, table: dict, warn: bool = True) -> int:
@@ -642,7 +638,7 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
     if algorithm != "auto" and algorithm not in SUMS:
         raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(('auto', *SUMS))}")
     check_input(tensor, op)
-    rank, n = _group_rank(group)
+    rank, n = group_rank(group)
     if algorithm == "auto":
         algorithm = auto_algorithm(tensor, group)
     return _allreduce(tensor, op, group, SUMS[algorithm], check=check)
@@ -651,7 +647,7 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
 def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
     """What ``allreduce(algorithm="auto")`` runs for ``tensor``: ``choose_algorithm`` for its size in bytes and
     the group's size. (Shared memory is not an algorithm but a transport: ``transport.SharedMemory``.)"""
-    rank, n = _group_rank(group)
+    rank, n = group_rank(group)
     nbytes = tensor.numel() * tensor.element_size()
     if n == 1 or nbytes == 0:
         return "recursive_doubling"  # nothing is exchanged
@@ -682,6 +678,7 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 SUMS: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
                                           "recursive_doubling": _recursive_doubling, "tree": _tree}
+CROSSOVER = load_crossover()  # what auto uses
 
 
 # --------------------------------------------------------------------------- sharded collectives
@@ -714,43 +711,6 @@ def _contribute(out: torch.Tensor, own: torch.Tensor, scale: int | None) -> None
         out.copy_(own)
     else:
         torch.div(own, scale, out=out)
-
-
-def check_sharded(output, input, op: str, group, gathering: bool) -> tuple[int, int]:
-    """Refuse what would fail halfway (or hang a peer) before the first message; returns (rank, world size)."""
-    check_input(input, op)
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor output, got {type(output).__name__}")
-    if output.dtype != input.dtype or output.device != input.device:
-        raise TypeError(f"output ({output.dtype}, {output.device}) and input ({input.dtype}, {input.device}) "
-                        "must have the same dtype and device")
-    rank, n = _group_rank(group)
-    shard, full = (input, output) if gathering else (output, input)
-    if full.numel() != n * shard.numel():
-        name = "output" if gathering else "input"
-        raise ValueError(f"{name} has {full.numel()} elements, expected world size x shard = {n} x {shard.numel()}: "
-                         "pad the full tensor to a multiple of the world size")
-    if _overlaps(output, input) and not _is_own_chunk(shard, full, rank):
-        raise ValueError("output and input overlap: only the in-place form is allowed, the shard being chunk "
-                         "`rank` of the full tensor (both contiguous)")
-    return rank, n
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [start, end) a tensor may touch in its storage."""
-    start = t.data_ptr()
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1 if t.numel() else 0
-    return start, start + extent * t.element_size()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _is_own_chunk(shard: torch.Tensor, full: torch.Tensor, rank: int) -> bool:
-    return (shard.is_contiguous() and full.is_contiguous()
-            and shard.data_ptr() == full.data_ptr() + rank * shard.numel() * shard.element_size())
 
 
 def _sharded(output: torch.Tensor, input: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
@@ -867,6 +827,111 @@ def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> t
 # name -> f(output, input, op, group) and f(output, input, group)
 REDUCE_SCATTERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_reduce_scatter, "ring": reduce_scatter}
 ALL_GATHERS: dict[str, Callable[..., torch.Tensor]] = {"torch": torch_all_gather, "ring": all_gather}
+
+
+# --------------------------------------------------------------------------- as a transport
+
+
+class MessagePassing(transport.Transport):
+    """These algorithms as a transport any engine takes: ``algorithm`` for the all-reduce ("auto": by size and
+    world size from ``CROSSOVER``), the ring for reduce-scatter and all-gather. Also made by name once this
+    module is imported: ``transport.resolve("p2p")`` or ``"p2p:<algorithm>"``."""
+
+    name = "p2p"
+
+    def __init__(self, group=None, algorithm: str = "auto", *, background: bool = False):
+        if algorithm != "auto" and algorithm not in SUMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}: choose one of auto, {', '.join(SUMS)}")
+        super().__init__(group, background=background)
+        self.algorithm = algorithm
+
+    def _group(self):
+        return self._comm.group if self._comm is not None else self.group
+
+    def _all_reduce(self, flat, op):
+        allreduce(flat, op, self._group(), self.algorithm)
+
+    def _reduce_scatter(self, out, flat, op):
+        reduce_scatter(out, flat, op, self._group())
+
+    def _all_gather(self, out, flat):
+        all_gather(out, flat, self._group())
+
+    def describe(self) -> str:
+        return f"p2p ({self.algorithm})"
+
+
+transport.register("p2p", lambda group, algorithm: MessagePassing(group, algorithm or "auto"), options=tuple(SUMS))
+
+
+# --------------------------------------------------------------------------- the latency-bandwidth model
+
+
+def model_terms(algorithm: str, n: int, nbytes: int) -> tuple[float, float]:
+    """(dependent steps, bytes one rank moves on the critical path) of one all-reduce of ``nbytes`` on n ranks.
+
+    The model is T = steps x alpha + bytes x beta: alpha the cost of one dependent message
+    (software and wake-up latency), beta the seconds per byte (copying, adding, the transport).
+    p is the largest power of two <= n; a world that is not one folds in with two extra steps
+    of the whole tensor. Pipelined algorithms add one step per extra segment.
+    """
+    p = 1 << (n.bit_length() - 1)
+    fold = 0 if n == p else 2
+    log_p = p.bit_length() - 1
+    if algorithm in ("ring", "torch"):  # gloo's all_reduce is a ring too
+        segments = max(1, math.ceil(nbytes / n / SEGMENT_BYTES)) if algorithm == "ring" else 1
+        return 2 * (n - 1) + segments - 1, bus_factor(n) * nbytes
+    if algorithm == "butterfly":  # n - 1 messages out and n - 1 back per phase, all posted at once
+        return 2 * (n - 1), bus_factor(n) * nbytes
+    if algorithm == "halving_doubling":
+        return 2 * log_p + fold, (bus_factor(p) + fold) * nbytes
+    if algorithm == "recursive_doubling":
+        return log_p + fold, (log_p + fold) * nbytes
+    if algorithm == "tree":  # up and down a heap of height h in k segments; an inner rank takes two per step
+        height, k = n.bit_length() - 1, max(1, math.ceil(nbytes / TREE_SEGMENT_BYTES))
+        return 2 * (height + k - 1), 2 * (height + k - 1) / k * min(2, n - 1) * nbytes
+    raise ValueError(f"no model for {algorithm!r}")
+
+
+def fit_model(rows: list[dict]) -> list[dict]:
+    """Least-squares alpha and beta (both >= 0) per (backend, world size, algorithm) from the measured p50s."""
+    fits = []
+    rows = [r for r in rows if r.get("axis", "algorithm") == "algorithm"]  # the model is of algorithms on one wire
+    groups = sorted({(r["backend"], r["world_size"], r["algorithm"]) for r in rows
+                     if r["algorithm"] in ("torch", *CUSTOM)})  # auto is a mix of them: no model of its own
+    for backend, n, name in groups:
+        points = [r for r in rows if (r["backend"], r["world_size"], r["algorithm"]) == (backend, n, name)]
+        if n < 2 or len(points) < 2:
+            continue
+        terms = np.array([model_terms(name, n, r["bytes"]) for r in points])
+        times = np.array([r["p50_s"] for r in points])
+        # Relative least squares (each row divided by its time): small sizes weigh as much as large ones.
+        alpha, beta = _nonnegative_lstsq(terms / times[:, None], np.ones(len(times)))
+        predicted = terms @ np.array([alpha, beta])
+        fit = {"backend": backend, "world_size": n, "algorithm": name, "alpha_s": alpha, "beta_s_per_byte": beta,
+               "gbps": 1e-9 / beta if beta > 0 else None, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
+        sizes = np.geomspace(min(r["bytes"] for r in points), max(r["bytes"] for r in points), 50)
+        fits.append(fit | {"curve": [(float(s), predict(fit, s)) for s in sizes]})  # what a chart of the model draws
+    return fits
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """min |a x - b| over x >= 0 for two unknowns: the free solution, or the better one-term fit."""
+    x = np.linalg.lstsq(a, b, rcond=None)[0]
+    if np.all(x >= 0):
+        return float(x[0]), float(x[1])
+    candidates = []
+    for column in (0, 1):
+        value = max(0.0, float(a[:, column] @ b / (a[:, column] @ a[:, column])))
+        solution = [0.0, 0.0]
+        solution[column] = value
+        candidates.append((float(np.sum((a @ np.array(solution) - b) ** 2)), solution))
+    return tuple(min(candidates)[1])
+
+
+def predict(fit: dict, nbytes: int) -> float:
+    steps, moved = model_terms(fit["algorithm"], fit["world_size"], nbytes)
+    return steps * fit["alpha_s"] + moved * fit["beta_s_per_byte"]
 
 
 # --------------------------------------------------------------------------- the homework comparison

@@ -4,7 +4,7 @@
     python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes
     python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
     python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
-    python collectives_benchmark.py --tune                                      # re-derive allreduce.CROSSOVER
+    python collectives_benchmark.py --tune                                      # results/crossover.json (auto's)
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
     torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
 
@@ -30,31 +30,28 @@ import argparse
 import functools
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
 import allreduce
-import transport
-from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
-from measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
-from results import environment, format_environment, markdown_table, read_results, write_results
+from dpkit.bench.collectives import (AXIS_TITLES, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size, labelled,
+                                     parse_size, ratio_of)
+from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
+from dpkit.bench.results import environment, format_environment, markdown_table, read_results, write_results
+from dpkit.comm import transport
+from dpkit.comm.process_groups import add_common_args, distributed, launch, print0, progress, resolve_backend
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=10, warmup=2)
 SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed calls (``calls``)
 TUNE_SIZES = ["4000", "16KB", "64KB", "256KB", "1MB", "4MB", "16MB", "64MB"]
 TUNE_PROCS = [2, 3, 4, 8]
-UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 PERIOD = 1024  # the correctness pattern repeats every PERIOD elements
 LARGE = (10 << 20, 100 << 20)
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
 AXES = {"algorithms": ("algorithm",), "transports": ("transport",), "both": ("algorithm", "transport")}
-# --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
-TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)", "p2p": "p2p"}
 ZERO_COPY = TRANSPORTS["zero_copy"]
 # (axis, label, sizes it applies to or None for every size, process counts or None for any, largest p50 /
 # torch's p50 on that axis). Algorithms: the ring within 10 % of torch at 10 and 100 MB (the first
@@ -67,22 +64,6 @@ TARGETS = [("algorithm", "ring", LARGE, None, TARGET), ("algorithm", "auto", Non
 # Reduce-scatter and all-gather: p2p (the ring) at 10 and 100 MB. gloo emulates reduce-scatter with a full
 # all-reduce (twice the bytes of a ring reduce-scatter), so ours should be well under torch's time there.
 COLLECTIVE_TARGETS = {"reduce_scatter": 0.70, "all_gather": 1.10}
-
-
-def parse_size(text: str) -> int:
-    """'10MB' or '10MiB' -> 10 * 2**20 bytes (binary units, as nccl-tests); a bare number is bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?(B?)\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 10MiB, 1GiB; KB = KiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2) + "B" if match.group(2) else ""])
-
-
-def format_size(nbytes: int) -> str:
-    """65536 -> '64KiB': binary units, written as such."""
-    for unit in ("GB", "MB", "KB"):
-        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
-            return f"{nbytes // UNITS[unit]}{unit[0]}iB"
-    return f"{nbytes}B"
 
 
 # --------------------------------------------------------------------------- correctness pattern
@@ -117,12 +98,6 @@ def pattern_error(x: torch.Tensor, world_size: int) -> float:
 
 
 # --------------------------------------------------------------------------- the harness: check, time, one row each
-
-
-def bus_factor(world_size: int, collective: str = "allreduce") -> float:
-    """busbw / algbw: the share of the tensor each rank must send and receive (nccl-tests): 2(n-1)/n for an
-    all-reduce, (n-1)/n for a reduce-scatter or an all-gather."""
-    return (2 if collective == "allreduce" else 1) * (world_size - 1) / world_size
 
 
 def calls(nbytes: int, iters: int) -> int:
@@ -232,7 +207,7 @@ def make_transports(ctx, names: list[str], collective: str) -> dict[str, transpo
         if name == "torch":
             made[name] = transport.Torch()
         elif name == "p2p":  # the all-reduce runs auto's choice; reduce-scatter and all-gather are the ring
-            made[name] = transport.MessagePassing(None, "auto" if collective == "allreduce" else "ring")
+            made[name] = allreduce.MessagePassing(None, "auto" if collective == "allreduce" else "ring")
         elif shared is not None:
             made[name] = shared
     return made
@@ -240,7 +215,7 @@ def make_transports(ctx, names: list[str], collective: str) -> dict[str, transpo
 
 def _algorithm_of(made: transport.Transport) -> str:
     """What runs inside a transport: torch's own collective, shared memory's direct sums, the p2p algorithm."""
-    if isinstance(made, transport.MessagePassing):
+    if isinstance(made, allreduce.MessagePassing):
         return made.algorithm
     return "direct" if isinstance(made, transport.SharedMemory) else "torch"
 
@@ -327,72 +302,6 @@ def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, w
 # --------------------------------------------------------------------------- the latency-bandwidth model
 
 
-def model_terms(algorithm: str, n: int, nbytes: int) -> tuple[float, float]:
-    """(dependent steps, bytes one rank moves on the critical path) of one all-reduce of ``nbytes`` on n ranks.
-
-    The model is T = steps x alpha + bytes x beta: alpha the cost of one dependent message
-    (software and wake-up latency), beta the seconds per byte (copying, adding, the transport).
-    p is the largest power of two <= n; a world that is not one folds in with two extra steps
-    of the whole tensor. Pipelined algorithms add one step per extra segment.
-    """
-    p = 1 << (n.bit_length() - 1)
-    fold = 0 if n == p else 2
-    log_p = p.bit_length() - 1
-    if algorithm in ("ring", "torch"):  # gloo's all_reduce is a ring too
-        segments = max(1, math.ceil(nbytes / n / allreduce.SEGMENT_BYTES)) if algorithm == "ring" else 1
-        return 2 * (n - 1) + segments - 1, bus_factor(n) * nbytes
-    if algorithm == "butterfly":  # n - 1 messages out and n - 1 back per phase, all posted at once
-        return 2 * (n - 1), bus_factor(n) * nbytes
-    if algorithm == "halving_doubling":
-        return 2 * log_p + fold, (bus_factor(p) + fold) * nbytes
-    if algorithm == "recursive_doubling":
-        return log_p + fold, (log_p + fold) * nbytes
-    if algorithm == "tree":  # up and down a heap of height h in k segments; an inner rank takes two per step
-        height, k = n.bit_length() - 1, max(1, math.ceil(nbytes / allreduce.TREE_SEGMENT_BYTES))
-        return 2 * (height + k - 1), 2 * (height + k - 1) / k * min(2, n - 1) * nbytes
-    raise ValueError(f"no model for {algorithm!r}")
-
-
-def fit_model(rows: list[dict]) -> list[dict]:
-    """Least-squares alpha and beta (both >= 0) per (backend, world size, algorithm) from the measured p50s."""
-    fits = []
-    rows = [r for r in rows if r.get("axis", "algorithm") == "algorithm"]  # the model is of algorithms on one wire
-    groups = sorted({(r["backend"], r["world_size"], r["algorithm"]) for r in rows
-                     if r["algorithm"] in ("torch", *allreduce.CUSTOM)})  # auto is a mix of them: no model of its own
-    for backend, n, name in groups:
-        points = [r for r in rows if (r["backend"], r["world_size"], r["algorithm"]) == (backend, n, name)]
-        if n < 2 or len(points) < 2:
-            continue
-        terms = np.array([model_terms(name, n, r["bytes"]) for r in points])
-        times = np.array([r["p50_s"] for r in points])
-        # Relative least squares (each row divided by its time): small sizes weigh as much as large ones.
-        alpha, beta = _nonnegative_lstsq(terms / times[:, None], np.ones(len(times)))
-        predicted = terms @ np.array([alpha, beta])
-        fits.append({"backend": backend, "world_size": n, "algorithm": name, "alpha_s": alpha, "beta_s_per_byte": beta,
-                     "gbps": 1e-9 / beta if beta > 0 else None,
-                     "max_rel_error": float(np.max(np.abs(predicted - times) / times))})
-    return fits
-
-
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """min |a x - b| over x >= 0 for two unknowns: the free solution, or the better one-term fit."""
-    x = np.linalg.lstsq(a, b, rcond=None)[0]
-    if np.all(x >= 0):
-        return float(x[0]), float(x[1])
-    candidates = []
-    for column in (0, 1):
-        value = max(0.0, float(a[:, column] @ b / (a[:, column] @ a[:, column])))
-        solution = [0.0, 0.0]
-        solution[column] = value
-        candidates.append((float(np.sum((a @ np.array(solution) - b) ** 2)), solution))
-    return tuple(min(candidates)[1])
-
-
-def predict(fit: dict, nbytes: int) -> float:
-    steps, moved = model_terms(fit["algorithm"], fit["world_size"], nbytes)
-    return steps * fit["alpha_s"] + moved * fit["beta_s_per_byte"]
-
-
 def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[dict]:
     """Two processes: one step of our engine (an exchange of n bytes each way with isend/irecv, as recursive
     doubling makes it) against one step of gloo's all_reduce (its ring on 2 ranks makes 2 steps of n/2 bytes)."""
@@ -446,10 +355,9 @@ def crossover_table(rows: list[dict]) -> dict[int, tuple]:
 
 
 def format_table(table: dict[int, tuple]) -> str:
-    lines = ["CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {"]
-    for n, entries in table.items():
-        lines.append(f"    {n}: ({', '.join(f'({bound}, {name!r})' for bound, name in entries)},),")
-    return "\n".join(lines + ["}"])
+    """One line per world size: which algorithm auto runs up to which size."""
+    return "\n".join(f"{n} processes: " + ", ".join(f"{name} up to {format_size(bound)}" if bound else f"{name} above"
+                                                   for bound, name in entries) for n, entries in table.items())
 
 
 # --------------------------------------------------------------------------- report
@@ -467,44 +375,6 @@ COLUMNS = {
 }
 MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), ("alpha_us", "alpha us/step", ".1f"),
                  ("gbps", "1/beta GB/s", ".3f"), ("max_rel_error", "worst |pred - meas| / meas", ".2f")]
-NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
-AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transports"}
-
-
-def labelled(row: dict) -> dict:
-    """The row with ``axis``, ``transport``, ``algorithm`` and ``label``. A row of a file written before
-    algorithms and transports were measured apart gets them from what it ran: shared memory (which then
-    always copied in and out: staged), and an ``auto`` that ran it, are transports; the other all-reduce rows
-    are algorithms over the backend; the other reduce-scatter and all-gather rows are transports (torch's,
-    and the ring, which p2p runs)."""
-    if "axis" in row:
-        return row
-    name, backend = row["algorithm"], row.get("backend", "gloo")
-    if name == "shared_memory":
-        fields = ("transport", "shared_memory", "direct", TRANSPORTS["staged"])
-    elif name == "auto" and row.get("choice") == "shared_memory":
-        fields = ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)")
-    elif row.get("collective", "allreduce") == "allreduce":
-        fields = ("algorithm", backend, name, name)
-    elif name == "ring":
-        fields = ("transport", "p2p (ring)", "ring", TRANSPORTS["p2p"])
-    else:
-        fields = ("transport", f"torch ({backend})", "torch", TRANSPORTS["torch"])
-    return {**row, **dict(zip(("axis", "transport", "algorithm", "label"), fields))}
-
-
-def allreduce_rows(rows: list[dict]) -> list[dict]:
-    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of ``point_to_point``)."""
-    return [labelled(row) for row in rows if "algorithm" in row]
-
-
-def ratio_of(row: dict) -> dict:
-    """The row's ratio to torch in the form of ``measure.paired_ratio``; a row of an older file without
-    an interval counts as one measurement (its interval is the point)."""
-    low, high = row.get("vs_torch_ci_low"), row.get("vs_torch_ci_high")
-    if low is None or high is None:
-        return {"median": row["vs_torch"], "ci_low": row["vs_torch"], "ci_high": row["vs_torch"], "rounds": 1}
-    return {"median": row["vs_torch"], "ci_low": low, "ci_high": high, "rounds": row.get("rounds") or 2}
 
 
 def _ratio_text(row: dict) -> str:
@@ -572,7 +442,7 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
     wrong = [row for row in rows if not row["correct"]]
     lines.append(f"correctness: {'all exact' if not wrong else f'{len(wrong)} WRONG results: ' + str(wrong)}")
     lines += target_lines(rows)
-    fits = fit_model(rows)
+    fits = allreduce.fit_model(rows)
     if fits:
         lines += ["", "latency-bandwidth model T = steps x alpha + bytes x beta, fitted per algorithm (model_terms):",
                   markdown_table([{**f, "alpha_us": f["alpha_s"] * 1e6} for f in fits], MODEL_COLUMNS)]
@@ -580,113 +450,6 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
         lines.append(f"one step, {row['engine']:>4}: {format_size(row['bytes']):>6}: {row['step_s'] * 1e6:10.1f} us, "
                      f"{row['step_gbps']:.3f} GB/s")
     return "\n".join(lines)
-
-
-def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str = "p50_s", scale: float = 1e3,
-                  bound: float | None = None, axis: str = "algorithm") -> None:
-    """``key`` x ``scale`` against size on log axes for the rows of one axis ("algorithm" or "transport"):
-    one line per label in its report colour, with a 95 % bootstrap interval over its per-call rounds where
-    the row has them; ``auto``'s measured calls as black crosses, a ring around the algorithm ``auto``
-    chose at each size, and ``bound`` as a dashed line."""
-    import plots  # imported here: the benchmark itself needs no matplotlib
-
-    rows = [r for r in map(labelled, rows) if (r["backend"], r["world_size"]) == (backend, world_size)]
-    mine = [r for r in rows if r["axis"] == axis]
-    if axis == "transport" and mine and not any(r["label"] == "torch" for r in mine):
-        # A file written before the axes: the reference is the algorithm axis's call of torch's collective.
-        mine = [r for r in rows if (r["axis"], r["label"]) == ("algorithm", "torch")] + mine
-    for label in dict.fromkeys(r["label"] for r in mine):
-        points = sorted((r for r in mine if r["label"] == label), key=lambda r: r["bytes"])
-        xs, ys = [r["bytes"] for r in points], [r[key] * scale for r in points]
-        if label == "auto":
-            ax.plot(xs, ys, "kx", markersize=9, label="auto (measured)")
-            continue
-        spans = [plots.interval(r, key) for r in points]  # None where the row has no per-round values
-        errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y) for y, span in zip(ys, spans)]
-        ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(label),
-                    label=label.replace("_", " "))
-    chosen = [(a["bytes"], r[key] * scale) for a in mine if a["label"] == "auto" and a.get("choice")
-              for r in mine if r["label"] == a["choice"] and r["bytes"] == a["bytes"]]
-    if chosen:
-        ax.plot(*zip(*chosen), "o", markersize=13, markerfacecolor="none", markeredgecolor="k", label="auto's choice")
-    if bound:
-        ax.axhline(bound, color="#555555", linestyle="--", linewidth=1, label="loopback: one large message")
-    sizes = sorted({r["bytes"] for r in mine})
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    plots.log_axis(ax.xaxis, sizes, lambda v, _: plots.format_bytes(v))
-    plots.log_axis(ax.yaxis)
-    ax.tick_params(axis="x", labelrotation=45)
-    suffix = " (oversubscribed)" if any(r.get("oversubscribed") for r in mine) else ""
-    ax.set_title(f"{AXIS_TITLES[axis].format(backend=backend)}, {world_size} processes{suffix}")
-    ax.set_xlabel("message size")
-    ax.grid(True, which="major", alpha=0.3)
-    if not mine:
-        plots._missing(ax, f"{axis} rows for {world_size} processes on {backend}")
-
-
-def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
-    """Measured p50 (points) and the fitted model's prediction (lines), one colour per algorithm."""
-    import plots  # imported here: the benchmark itself needs no matplotlib
-
-    rows = [r for r in map(labelled, rows) if r["axis"] == "algorithm"]
-    sizes = sorted({r["bytes"] for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)})
-    grid = np.geomspace(sizes[0], sizes[-1], 50)
-    for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
-        colour = plots.colour(fit["algorithm"])
-        ax.plot(grid, [predict(fit, s) * 1e3 for s in grid], color=colour, label=f"{fit['algorithm']} (model)")
-        measured = sorted((r["bytes"], r["p50_s"] * 1e3) for r in rows
-                          if (r["backend"], r["world_size"], r["algorithm"]) == (backend, world_size, fit["algorithm"]))
-        ax.plot(*zip(*measured), "o", color=colour)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_title(f"{backend}, {world_size} processes: model (lines) vs p50 (points)")
-    ax.set_xlabel("message size (bytes)")
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def plot(rows: list[dict], directory: str) -> list[str]:
-    """Three charts, one column of panels per backend and process count: p50 time and bus bandwidth per size
-    (a row of panels per axis: the algorithms over one wire, the transports), and the fitted model of the
-    algorithms against their measurements. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(directory, exist_ok=True)
-    # The bus bandwidth's ceiling here: the fastest single large point-to-point message measured on this
-    # machine's loopback (our engine's or gloo's; rows with "engine", written with the 2-process sweep).
-    bound = max((r["step_gbps"] for r in rows if r.get("engine") and r["bytes"] >= 2**20), default=None)
-    rows = allreduce_rows(rows)
-    panels = sorted({(row["backend"], row["world_size"]) for row in rows})
-    present = [axis for axis in ("algorithm", "transport") if any(row["axis"] == axis for row in rows)]
-    fits = fit_model(rows)
-    paths = []
-    collective = rows[0].get("collective", "allreduce") if rows else "allreduce"
-    charts = [("time", "p50 time (ms)"), ("busbw", "bus bandwidth (GB/s)")]
-    charts += [("model", "time (ms)")] if fits and collective == "allreduce" else []  # the model is all-reduce's
-    for chart, label in charts:
-        shown = ["algorithm"] if chart == "model" else present
-        figure, axes = plt.subplots(len(shown), len(panels), figsize=(4.6 * len(panels) + 2.5, 4.2 * len(shown)),
-                                    squeeze=False, layout="constrained")
-        for row_axes, axis in zip(axes, shown):
-            for ax, (backend, world) in zip(row_axes, panels):
-                if chart == "time":
-                    draw_per_size(ax, rows, backend, world, axis=axis)
-                elif chart == "busbw":
-                    draw_per_size(ax, rows, backend, world, key="busbw_gbps", scale=1.0, bound=bound, axis=axis)
-                else:
-                    draw_model(ax, rows, fits, backend, world)
-            row_axes[0].set_ylabel(label)
-        handles = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
-        figure.legend(handles.values(), handles.keys(), loc="outside right upper", fontsize="small", frameon=False)
-        figure.suptitle(f"{NAMES[collective]}: {label} against size")
-        path = os.path.join(directory, f"{collective}_{chart}.png")
-        figure.savefig(path, dpi=110)
-        plt.close(figure)
-        paths.append(path)
-    return paths
 
 
 # --------------------------------------------------------------------------- entry points
@@ -726,7 +489,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="algorithm axis, ring and halving-doubling: messages posted ahead of the one being added "
                              "(default: %(default)s)")
     parser.add_argument("--tune", action="store_true",
-                        help="time the point-to-point algorithms on a finer sweep and print allreduce.CROSSOVER")
+                        help="time the point-to-point algorithms on a finer sweep and write auto's crossover table to "
+                             "--crossover-json")
+    parser.add_argument("--crossover-json", metavar="PATH", default=allreduce.CROSSOVER_FILE,
+                        help="with --tune: where the crossover table goes (default: results/crossover.json, which "
+                             "allreduce.py reads)")
     parser.add_argument("--quick", action="store_true", help=f"small and fast: {QUICK} (explicit flags win)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="save the time, bus-bandwidth and model charts here as PNG (default: none)")
@@ -766,13 +533,20 @@ def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict
     """Rank 0 (or the spawning parent): the tables, the targets, the model, the JSON file, the charts."""
     print(report(rows, p2p), flush=True)
     if args.tune:
-        print("\n# paste into allreduce.py (measured by: python collectives_benchmark.py --tune"
-              f" --procs {' '.join(map(str, args.procs))}):\n" + format_table(crossover_table(rows)), flush=True)
+        table = crossover_table(rows)
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
+        write_results(args.crossover_json, "collectives_benchmark --tune", env, config, allreduce.crossover_rows(table))
+        print(f"\nauto's crossover table, written to {args.crossover_json} (allreduce.py reads it at import; a world "
+              "size it lacks keeps allreduce.DEFAULT_CROSSOVER's row):\n" + format_table(table), flush=True)
     if args.json:
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
         write_results(args.json, "collectives_benchmark", env, config, rows + (p2p or []), targets=stored_targets(rows))
     if args.plot_dir:
-        print("charts: " + ", ".join(plot(rows + (p2p or []), args.plot_dir)), flush=True)
+        from dpkit.report.collective_plots import plot  # imported here: the benchmark itself needs no matplotlib
+
+        everything = rows + (p2p or [])
+        print("charts: " + ", ".join(plot(everything, args.plot_dir, allreduce.fit_model(allreduce_rows(everything)))),
+              flush=True)
 
 
 def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective: str = "allreduce",

@@ -48,20 +48,21 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import fully_shard
 # At the top, before the process group exists (half a second per process): imported after it, one of its
-# functions would keep the default group as a default argument after teardown (see dist_utils._teardown).
+# functions would keep the default group as a default argument after teardown (see process_groups.teardown).
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
-from fsdp import FSDP
-from dist_utils import add_common_args, distributed, print0, progress
-from measure import PeakMemory, gather_rows, synchronize
-from models import NUM_CLASSES, build_model
-from results import environment, format_environment, markdown_table, write_durably, write_results
+import allreduce  # noqa: F401 (registers the message-passing transports, "p2p" and "p2p:<algorithm>")
+from dpkit.bench.measure import PeakMemory, gather_rows
+from dpkit.bench.results import environment, format_environment, markdown_table, write_durably, write_results
+from dpkit.comm import transport as transports
+from dpkit.comm.process_groups import add_common_args, distributed, print0, progress, synchronize
+from dpkit.engines.ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
+from dpkit.engines.fsdp import FSDP
+from dpkit.engines.zero import ShardedOptimizer
+from dpkit.models import NUM_CLASSES, build_model
 from syncbn import convert_sync_batchnorm
-import transport as transports
-from zero import ShardedOptimizer
 
 # Per-channel mean and standard deviation of the CIFAR-100 training images (pixels in [0, 1]).
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
@@ -854,7 +855,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bf16: forward passes (training and validation) under torch.autocast with bfloat16; parameters, "
                         "gradients and the optimizer stay float32 (default: %(default)s)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DDPs (default: %(default)s)")
-    p.add_argument("--transport", choices=transports.NAMES, default="auto",
+    p.add_argument("--transport", choices=transports.names(), default="auto",
                    help="how every engine's tensors travel, for both implementations (PyTorch's DDP through its comm "
                         "hook, fully_shard through its custom collectives; its ZeroRedundancyOptimizer always uses "
                         "torch.distributed): torch (gloo, NCCL), shared_memory (ranks on one host, CPU), p2p "

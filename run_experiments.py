@@ -26,8 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import summary
-from results import environment, format_environment, markdown_table, read_results, write_durably, write_results
+from dpkit.bench.results import (environment, format_environment, markdown_table, read_results, write_durably,
+                                 write_results)
+from dpkit.report import summary
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")

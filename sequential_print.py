@@ -31,8 +31,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dist_utils import add_common_args, distributed
-from results import environment, format_environment, write_results
+from dpkit.bench.results import environment, format_environment, write_results
+from dpkit.comm.process_groups import add_common_args, distributed
 
 
 def print_order(size: int, order: str = "up") -> list[int]:

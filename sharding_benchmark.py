@@ -38,18 +38,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 # At the top, before the process group exists: imported after it, one of its functions would keep the
-# default group as a default argument after teardown (see dist_utils._teardown).
+# default group as a default argument after teardown (see process_groups.teardown).
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-import transport as transports
-import zero
-from ddp import DDP, sync_gradients
-from fsdp import FSDP
-from dist_utils import add_common_args, distributed, launch, print0, progress, resolve_backend
-from measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile, saved_tensor_bytes,
-                     time_interleaved, verdict)
-from models import NUM_CLASSES, GPTConfig, build_model
-from results import environment, format_environment, markdown_table, write_results
+from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile,
+                                 saved_tensor_bytes, time_interleaved, verdict)
+from dpkit.bench.results import environment, format_environment, markdown_table, write_results
+from dpkit.comm import transport as transports
+from dpkit.comm.process_groups import add_common_args, distributed, launch, print0, progress, resolve_backend
+from dpkit.engines import zero
+from dpkit.engines.ddp import DDP, sync_gradients
+from dpkit.engines.fsdp import FSDP
+from dpkit.models import NUM_CLASSES, GPTConfig, build_model
 
 BENCHMARK = "sharding_benchmark"
 MODELS = ("resnet18", "gpt")

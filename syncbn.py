@@ -37,7 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import transport as transports
+from dpkit.comm import transport as transports
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 
@@ -280,7 +280,7 @@ class SyncBatchNorm(_BatchNorm):
     Args are BatchNorm's (``num_features``, ``eps=1e-5``, ``momentum=0.1``, ``affine=True``,
     ``track_running_stats=True``, ``device``, ``dtype``, keyword ``bias=True``) plus
     ``process_group`` (default ``None``: the whole world) and keyword ``transport`` (default
-    ``"auto"``; a name of ``transport.NAMES`` or a ``Transport`` over the group's ranks): what
+    ``"auto"``; a name of ``transport.names()`` or a ``Transport`` over the group's ranks): what
     carries the sums, resolved by ``transport.resolve`` (a collective) at the first
     synchronized forward and kept; every rank must pass the same, or all of them raise
     ValueError there. A deep copy shares the process group and a ``Transport`` object, and

@@ -41,11 +41,12 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-import transport as transports
-from dist_utils import add_common_args, distributed, launch, progress, resolve_backend
-from measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio, percentile,
-                     saved_tensor_bytes, synchronize, time_iterations, verdict)
-from results import environment, format_environment, markdown_table, write_results
+from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
+                                 percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
+from dpkit.bench.results import environment, format_environment, markdown_table, write_results
+from dpkit.comm import transport as transports
+from dpkit.comm import process_groups
+from dpkit.comm.process_groups import add_common_args, distributed, launch, progress, resolve_backend
 import syncbn
 from syncbn import SyncBatchNorm
 
@@ -103,7 +104,7 @@ def make_transports(device: torch.device) -> dict[str, transports.Transport]:
     return made
 
 
-class _Stamped(transports.Wrapped):
+class Stamped(transports.Wrapped):
     """``inner`` with the clock appended to ``stamps`` before and after the caller is blocked on each all_reduce:
     around the call when it returns done (a blocking call; shared memory sums in the caller's thread), else around
     the ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
@@ -129,9 +130,9 @@ class _Stamped(transports.Wrapped):
 
 
 class _StampedWork(transports.Work):
-    """A collective's work whose ``wait`` is stamped (see ``_Stamped``)."""
+    """A collective's work whose ``wait`` is stamped (see ``Stamped``)."""
 
-    def __init__(self, work: transports.Work, stamped: _Stamped):
+    def __init__(self, work: transports.Work, stamped: Stamped):
         self.work, self.stamped = work, stamped
 
     def wait(self) -> bool:
@@ -156,8 +157,19 @@ def _load_baseline(revision: str):
         f.write(source)
     spec = importlib.util.spec_from_file_location("syncbn_baseline", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # A revision from before the package imported its modules from the root: give it them under those names.
+    missing = {old: new for old, new in BEFORE_THE_PACKAGE.items() if old not in sys.modules}
+    sys.modules.update(missing)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for old in missing:
+            sys.modules.pop(old, None)
     return module
+
+
+# The root modules syncbn.py imported before they moved into dpkit, and where they are now.
+BEFORE_THE_PACKAGE = {"transport": transports, "dist_utils": process_groups}
 
 
 def _sum_through(tensor: torch.Tensor, transport: transports.Transport, async_op: bool = False):
@@ -232,7 +244,7 @@ class _FloorFunction(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-class _Floor(torch.nn.BatchNorm1d):
+class Floor(torch.nn.BatchNorm1d):
     """BatchNorm1d's parameters and buffers through ``_FloorFunction``, summing through ``transport``."""
 
     def __init__(self, hidden: int, transport: transports.Transport):
@@ -249,7 +261,7 @@ def _make_layer(impl: str, hidden: int, device: torch.device, transport: transpo
                 baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
     if impl == FLOOR:
-        layer = _Floor(hidden, transport)
+        layer = Floor(hidden, transport)
     elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
@@ -376,7 +388,7 @@ def breakdown(rank: int, world: int, device: torch.device, impls: list[Contender
     return rows
 
 
-def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
+def phase_medians(stamps: list[float], iters: int) -> np.ndarray:
     """The median duration of each of ``PHASES`` over the last ``iters`` iterations (earlier ones: warm-up),
     then the median of the iterations' whole durations (not the sum of the phases' medians: the phases
     of one iteration are not independent, and the sum of their medians understates it).
@@ -389,7 +401,7 @@ def _phase_medians(stamps: list[float], iters: int) -> np.ndarray:
 def phases(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
            iters: int, made: dict[str, transports.Transport]) -> list[dict]:
     """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, and of the whole
-    iteration, each the maximum over ranks), its transport wrapped in ``_Stamped``.
+    iteration, each the maximum over ranks), its transport wrapped in ``Stamped``.
 
     The profiler charges a collective's wait to whatever called it (SyncBatchNormFunction's
     "self" time); this shows the compute between the collectives apart from the waiting.
@@ -398,7 +410,7 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
     rows = []
     for impl, t in impls:
         stamps: list[float] = []
-        stamped = _Stamped(made[t], stamps, device)
+        stamped = Stamped(made[t], stamps, device)
         step = _make_step(impl, _make_layer(impl, hidden, device, stamped), x, loss_rows, stamped)
 
         def stamped_step():
@@ -407,7 +419,7 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
             synchronize(device)
             stamps.append(time.perf_counter())
         time_iterations(stamped_step, iters, warmup=2, device=device)
-        *slowest, iteration = map(float, gather_rows(list(_phase_medians(stamps, iters))).max(dim=0).values)
+        *slowest, iteration = map(float, gather_rows(list(phase_medians(stamps, iters))).max(dim=0).values)
         rows.append({"kind": "phases", "impl": impl, "transport": t, "setting": WORKERS, "dtype": "float32",
                      "device": device.type, "batch": batch, "hidden": hidden, "workers": world, "iters": iters,
                      "phases_s": dict(zip(PHASES, slowest)), "iteration_s": iteration})

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import transport as transports
-from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
+import allreduce  # noqa: F401 (registers the "p2p" transports the engine tests choose by name)
+from dpkit.comm import transport as transports
+from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ PG_TIMEOUT_S = 30.0
 
 
 def run_workers(fn, world_size: int, *args, timeout_s: float = WORKERS_TIMEOUT_S, pg_timeout_s: float = PG_TIMEOUT_S):
-    """``dist_utils.launch`` with the suite's timeouts: one spawned group, every rank's result."""
+    """``process_groups.launch`` with the suite's timeouts: one spawned group, every rank's result."""
     return launch(fn, world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
 
 
@@ -89,7 +90,7 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, 
     if check and result.returncode != 0:
         raise AssertionError(f"exit code {result.returncode}: {' '.join(command)}\n"
                              f"--- stdout\n{stdout[-5000:]}\n--- stderr\n{stderr[-5000:]}")
-    # A group that outlives its teardown can abort a worker at exit, now and then (see dist_utils._teardown).
+    # A group that outlives its teardown can abort a worker at exit, now and then (see process_groups.teardown).
     if check and GROUP_OUTLIVED_TEARDOWN in stderr:
         raise AssertionError(f"a process group outlived its teardown: {' '.join(command)}\n--- stderr\n{stderr[-5000:]}")
     return result

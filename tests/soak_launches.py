@@ -2,7 +2,7 @@
 
     nice -n 5 python tests/soak_launches.py --launches 100
 
-Each launch (``dist_utils.launch``) starts 2 spawned workers that join a gloo group, do one
+Each launch (``process_groups.launch``) starts 2 spawned workers that join a gloo group, do one
 all_reduce and exit. After each launch the script checks that the result is right, that no
 worker process is left (alive or unreaped), and that the launch's temporary directory is gone:
 every temporary file of the parent and the workers goes to a fresh directory (``TMPDIR``),
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dist_utils import launch  # noqa: E402
+from dpkit.comm.process_groups import launch  # noqa: E402
 
 
 def one_all_reduce(ctx) -> tuple[float, int]:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import allreduce
 from common import CollectiveCounter, run_in_subgroups
-from dist_utils import WorkerError, launch
-from measure import PeakMemory
+from dpkit.bench.measure import PeakMemory
+from dpkit.comm.process_groups import WorkerError, launch
 
 # Rounds of groups over a world of 8; None is the default group (all 8).
 ROUNDS = ([[1, 5, 6], [0, 2, 3, 4, 7]], [[0, 3, 5, 6], [2, 7], [4]], [None])
@@ -500,3 +500,30 @@ def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_
     assert "target auto <= 1.10x torch, 2 processes, 1000 elements: 0.90x [0.80, 1.00] met" in text
     assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text
     assert "8 processes, 1000 elements" not in text  # the target is stated for 2 and 4 processes
+
+
+# --------------------------------------------------------------------------- auto's table, a results file
+
+
+def test_auto_reads_its_crossover_from_the_results_file_and_keeps_the_defaults_for_world_sizes_it_lacks(tmp_path):
+    from dpkit.bench.results import environment, write_results
+
+    path = str(tmp_path / "crossover.json")
+    assert allreduce.load_crossover(path) == allreduce.DEFAULT_CROSSOVER, "no file: the defaults"
+    measured = {2: ((1 << 20, "tree"), (None, "ring")), 16: ((None, "butterfly"),)}
+    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, allreduce.crossover_rows(measured))
+    table = allreduce.load_crossover(path)
+    assert table[2] == measured[2] and table[16] == measured[16], "the file's rows win"
+    assert table[4] == allreduce.DEFAULT_CROSSOVER[4], "a world size the file lacks keeps its default"
+    assert allreduce.choose_algorithm(1 << 20, 2, table) == "tree" and allreduce.choose_algorithm(2 << 20, 2, table) == "ring"
+
+
+@pytest.mark.parametrize("entries, message", [(((None, "fastest"),), "unknown algorithms"),
+                                               (((1 << 20, "ring"),), "no open-ended last entry")])
+def test_a_crossover_file_that_auto_cannot_use_is_named_with_what_is_wrong(tmp_path, entries, message):
+    from dpkit.bench.results import environment, write_results
+
+    path = str(tmp_path / "crossover.json")
+    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, allreduce.crossover_rows({2: entries}))
+    with pytest.raises(ValueError, match=f"crossover.json: the row of 2 processes .*{message}.*--tune"):
+        allreduce.load_crossover(path)

@@ -11,6 +11,7 @@ import torch
 import allreduce
 import collectives_benchmark as bench
 from common import run_workers
+from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
@@ -269,25 +270,25 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
     rows = []
     for name in ("torch", "ring", "butterfly", "halving_doubling", "recursive_doubling", "tree"):
         for nbytes in sizes:
-            steps, moved = bench.model_terms(name, world, nbytes)
+            steps, moved = allreduce.model_terms(name, world, nbytes)
             rows.append(_row(name, steps * alpha + moved * beta, nbytes=nbytes, world=world))
     rows.append(_row("auto", 1.0, world=world))  # not a model of its own: ignored
     rows += [_transport_row("torch", 1.0, nbytes=s, world=world) for s in sizes]  # another axis: ignored
-    fits = bench.fit_model(rows)
+    fits = allreduce.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
         assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
         assert fit["max_rel_error"] < 1e-6
-        assert bench.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(bench.model_terms(fit["algorithm"], world, 1 << 22),
+        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(allreduce.model_terms(fit["algorithm"], world, 1 << 22),
                                                                             (alpha, beta))))
 
 
 def test_the_steps_are_those_of_each_algorithm():
-    assert bench.model_terms("recursive_doubling", 8, 4000) == (3, 3 * 4000)
-    assert bench.model_terms("recursive_doubling", 6, 4000) == (2 + 2, 4 * 4000)  # p = 4, folded in and out
-    assert bench.model_terms("ring", 4, 4000) == (6, 1.5 * 4000)
-    assert bench.model_terms("halving_doubling", 4, 4000) == (4, 1.5 * 4000)
-    assert bench.model_terms("tree", 2, 4000)[0] == 2 and bench.model_terms("tree", 7, 4000)[0] == 4
+    assert allreduce.model_terms("recursive_doubling", 8, 4000) == (3, 3 * 4000)
+    assert allreduce.model_terms("recursive_doubling", 6, 4000) == (2 + 2, 4 * 4000)  # p = 4, folded in and out
+    assert allreduce.model_terms("ring", 4, 4000) == (6, 1.5 * 4000)
+    assert allreduce.model_terms("halving_doubling", 4, 4000) == (4, 1.5 * 4000)
+    assert allreduce.model_terms("tree", 2, 4000)[0] == 2 and allreduce.model_terms("tree", 7, 4000)[0] == 4
 
 
 def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bounds_at_the_geometric_mean():
@@ -299,9 +300,7 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
     rows.append(_row("ring", 0.001, nbytes=4096, world=4, axis="transport", label="p2p"))  # another axis: never chosen
     table = bench.crossover_table(rows)
     assert table == {4: ((int(math.sqrt(sizes[1] * sizes[2])), "recursive_doubling"), (None, "ring"))}
-    namespace = {}
-    exec(bench.format_table(table), namespace)  # the printed table is the Python literal to paste
-    assert namespace["CROSSOVER"] == table
+    assert bench.format_table(table) == "4 processes: recursive_doubling up to 32KiB, ring above"
     assert [allreduce.choose_algorithm(s, 4, table) for s in sizes] == ["recursive_doubling"] * 2 + ["ring"] * 5
 
 
@@ -319,13 +318,13 @@ def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     import matplotlib.pyplot as plt
 
     figure, (algorithms, transports) = plt.subplots(1, 2)
-    bench.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
+    collective_plots.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
     lines = {line.get_label(): line for line in algorithms.get_lines()}
     assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
     assert list(lines["auto's choice"].get_xdata()) == [4000, 1 << 20]
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
     assert algorithms.get_title() == "algorithms over gloo, 2 processes"
-    bench.draw_per_size(transports, _chart_rows(), "gloo", 2, axis="transport")
+    collective_plots.draw_per_size(transports, _chart_rows(), "gloo", 2, axis="transport")
     assert transports.get_legend_handles_labels()[1] == [label.replace("_", " ") for label in LABELS]
     assert transports.get_title() == "transports, 2 processes"
     plt.close(figure)
@@ -370,8 +369,8 @@ def test_the_transport_panel_of_an_older_file_takes_torchs_call_from_the_algorit
     old = [{k: v for k, v in _row(a, 1e-3, nbytes=s).items() if k not in ("axis", "transport", "label", "collective")}
            for a in ("torch", "ring", "shared_memory") for s in (4000, 1 << 20)]
     figure, (algorithms, transports) = plt.subplots(1, 2)
-    bench.draw_per_size(algorithms, old, "gloo", 2)
-    bench.draw_per_size(transports, old, "gloo", 2, axis="transport")
+    collective_plots.draw_per_size(algorithms, old, "gloo", 2)
+    collective_plots.draw_per_size(transports, old, "gloo", 2, axis="transport")
     assert algorithms.get_legend_handles_labels()[1] == ["torch", "ring"]
     assert transports.get_legend_handles_labels()[1] == ["torch", "shared memory (staged)"]
     plt.close(figure)

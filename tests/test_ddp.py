@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import transport as transports
 from common import POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
-from ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets, guard_optimizer_step, make_ddp,
-                 sync_gradients)
+from dpkit.comm import transport as transports
+from dpkit.engines.ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets,
+                               guard_optimizer_step, make_ddp, sync_gradients)
 
 D_IN, D_OUT = 5, 3
 MICRO = 4  # samples per rank in a micro-batch

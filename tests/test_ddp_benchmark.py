@@ -1,7 +1,7 @@
 """ddp_benchmark.py: a tiny run of every variant on every transport writes sane results in the shared layout.
 
 One spawned group does the measuring: the sweep at world size 2 (2 workers through
-dist_utils.launch; its single-process no-ddp row runs in this process) on the homework CNN,
+process_groups.launch; its single-process no-ddp row runs in this process) on the homework CNN,
 batch 2 per rank, 2 timed iterations in one round after 1 warm-up, at PyTorch's default bucket
 cap (25 MiB), on gloo, shared memory and shared memory with a communication thread, writing
 JSON and Chrome traces. Every test of it reads that run, or the diff of its file against a copy
@@ -25,15 +25,15 @@ import numpy as np
 import pytest
 import torch
 
-import ddp
-import ddp_benchmark as bench
-import measure
-import plots
-import transport as transports
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
-from ddp import LAST_BUCKET_CAP_MB
-from models import Net
-from results import read_results, write_results
+import ddp_benchmark as bench
+from dpkit.bench import measure
+from dpkit.bench.results import read_results, write_results
+from dpkit.comm import transport as transports
+from dpkit.engines import ddp
+from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
+from dpkit.models import Net
+from dpkit.report import ddp_tables, plots
 
 # One round: rounds are pooled and paired in the scripted run below; here every row is built once.
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
@@ -552,14 +552,14 @@ def test_diff_gives_the_percent_change_of_each_row(sweep, tmp_path):
     write_results(str(base_path), doc["benchmark"], doc["env"], doc["config"], doc["results"])
     test = changed_copy(doc)
     write_results(str(test_path), test["benchmark"], test["env"], test["config"], test["results"])
-    diffs, unmatched = bench.diff_rows(read_results(str(base_path)), read_results(str(test_path)))
+    diffs, unmatched = ddp_tables.diff_rows(read_results(str(base_path)), read_results(str(test_path)))
     assert len(diffs) == len(doc["results"]) - 1
     assert unmatched == [f"only in baseline: cnn (batch {BATCH}, 3x32x32), {WORLD} ranks, flat [torch]"]
     base_rows = {(r["world_size"], r["label"]): r for r in doc["results"]}
     for d in diffs:
         factor = FASTER if d["label"] == QUICKER else SCALE
         base = base_rows[d["world_size"], d["label"]]
-        for p in bench.DIFF_PERCENTILES:
+        for p in ddp_tables.DIFF_PERCENTILES:
             # PyTorch's diff.py: the change in time, negated (lower is better): 1.25x the time is -25%.
             assert d[f"p{p}_diff_pct"] == pytest.approx(-100 * (factor - 1))
             expected_time = factor * bench.percentile(base["samples_s"], p)

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import ddp_cifar100 as trainer
-import dist_utils
 from common import run_torchrun, run_workers
-from models import Net
-from results import read_results
+import ddp_cifar100 as trainer
+from dpkit.bench.results import read_results
+from dpkit.comm import process_groups
+from dpkit.models import Net
 
 SCRIPT = "ddp_cifar100.py"
 IMPLS = ("selfmade", "pytorch")
@@ -92,12 +92,16 @@ def tiny_cifar(tmp_path_factory):
 # --------------------------------------------------------------------------- torchrun jobs
 
 
+def _paths(out, name):
+    return {"ckpt": out / f"{name}-ckpt", "model": out / f"{name}.pt", "json": out / f"{name}.json"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_cifar):
-    """Three torchrun jobs, two at a time (each starts with seconds of importing torch per process)."""
+    """Two torchrun jobs at once (each starts with seconds of importing torch per process): the synthetic run
+    with checkpoints, and the real CIFAR-100 loading path on tiny files."""
     out = tmp_path_factory.mktemp("runs")
-    paths = {name: {"ckpt": out / f"{name}-ckpt", "model": out / f"{name}.pt", "json": out / f"{name}.json"}
-             for name in ("selfmade", "resumed", "cifar")}
+    paths = {name: _paths(out, name) for name in ("selfmade", "cifar")}
 
     def outputs(name):
         return ("--save-model", str(paths[name]["model"]), "--metrics-json", str(paths[name]["json"]))
@@ -106,9 +110,6 @@ def runs(tmp_path_factory, tiny_cifar):
         # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
         "selfmade": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["selfmade"]["ckpt"]),
                                *outputs("selfmade")), torchrun_args=("--tee", "3")),
-        "resumed": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["resumed"]["ckpt"]),
-                              *outputs("resumed")), torchrun_args=("--max-restarts", "1"),
-                        env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"}, script=FAULTY_SCRIPT),
         "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
                             "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs", "1",
                             *outputs("cifar"))),
@@ -128,22 +129,33 @@ def _initial_state(seed=0):
     return Net().state_dict()
 
 
-def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs):
-    resumed = runs["resumed"]
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """The synthetic run again, a worker killed at step CRASH_STEP and restarted by torchrun."""
+    paths = _paths(tmp_path_factory.mktemp("resumed"), "resumed")
+    process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
+                           str(paths["ckpt"]), "--save-model", str(paths["model"]), "--metrics-json", str(paths["json"]),
+                           torchrun_args=("--max-restarts", "1"), env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"})
+    return SimpleNamespace(process=process, **paths)
+
+
+@pytest.mark.slow
+def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(runs, resumed):
     # On one CPU host our DDP sums through shared memory (transport "auto"): the kill lands inside a sum.
     assert f"fault injected: SIGKILL in the middle of a bucket's shared-memory sum after step {CRASH_STEP}" \
         in resumed.process.stderr
     assert f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done" in resumed.process.stdout
     uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
     assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
-    epochs = [[row for row in read_results(runs[name].json)["results"] if row["kind"] == "epoch"] for name in ("selfmade", "resumed")]
+    epochs = [[row for row in read_results(run.json)["results"] if row["kind"] == "epoch"] for run in (runs["selfmade"], resumed)]
     keys = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_count")
     assert [[row[k] for k in keys] for row in epochs[0]] == [[row[k] for k in keys] for row in epochs[1]]
 
 
-def test_two_runs_with_the_same_seed_are_bit_identical(runs):
+@pytest.mark.slow
+def test_two_runs_with_the_same_seed_are_bit_identical(runs, resumed):
     """Epochs 1 and 2 of the crashed job ran in fresh processes before the crash, like the uninterrupted job's."""
-    first, second = (_state(runs[name].ckpt / "epoch-0002.pt") for name in ("selfmade", "resumed"))
+    first, second = (_state(run.ckpt / "epoch-0002.pt") for run in (runs["selfmade"], resumed))
     assert first["step"] == second["step"] == 2 * STEPS_PER_EPOCH
     assert all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
     momentum = [(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(first["optimizer"]["state"].values(),
@@ -337,7 +349,7 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     net.load_state_dict(net_state)
     results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
                              for dtype in VAL_DTYPES for per_rank in VAL_PIECES}
-    results["teardown"] = dist_utils._teardown()  # last: the group ends here, after every wrapper was built
+    results["teardown"] = process_groups.teardown()  # last: the group ends here, after every wrapper was built
     return results
 
 

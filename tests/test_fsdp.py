@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import transport as transports
 from common import CountingTransport, run_workers
-from fsdp import FSDP
-from measure import saved_tensor_bytes
+from dpkit.bench.measure import saved_tensor_bytes
+from dpkit.comm import transport as transports
+from dpkit.engines.fsdp import FSDP
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 8, 9, 5
 MICRO = 4  # sequences per rank

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import measure
-from measure import PeakMemory, bootstrap_ci, paired_ratio, percentile, saved_tensor_bytes, verdict
+from dpkit.bench import measure
+from dpkit.bench.measure import PeakMemory, bootstrap_ci, paired_ratio, percentile, saved_tensor_bytes, verdict
 
 
 def test_percentile_interpolates_like_numpy():
@@ -98,7 +98,7 @@ def test_silencing_the_profiler_drops_only_its_status_lines_from_stderr(capfd):
     kineto = "USDT:2026-11-23 16:08:23 28571:28571 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
     allocator = "[W1123 16:08:23.372208583 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started\n"
     gloo = "[E1123 16:08:23.1 ProcessGroupGloo.cpp:143] Gloo connectFullMesh failed: Connection reset by peer\n"
-    with measure._quiet_stderr():
+    with measure.quiet_stderr():
         for line in (kineto, gloo, allocator):
             os.write(2, line.encode())
     assert capfd.readouterr().err == gloo

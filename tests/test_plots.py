@@ -12,9 +12,9 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-import plots  # noqa: E402
-import transport  # noqa: E402
-from results import RESULTS_SCHEMA  # noqa: E402
+from dpkit.bench.results import RESULTS_SCHEMA  # noqa: E402
+from dpkit.comm import transport  # noqa: E402
+from dpkit.report import plots  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

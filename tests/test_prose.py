@@ -11,7 +11,7 @@ import pytest
 
 from common import REPO
 
-MODULES = sorted(p for p in REPO.glob("*.py"))
+MODULES = sorted([*REPO.glob("*.py"), *(REPO / "dpkit").rglob("*.py")])
 SCREEN = 26  # lines of a module docstring, its quotes included: about one screen
 
 RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?x(?!\w)")  # 0.89x, 3x
@@ -49,7 +49,7 @@ def test_the_detector_finds_measurements_and_leaves_targets_and_names_alone():
     assert measured_numbers("resnet18, float32, bfloat16, 2x2 conv, f(x), 25M buckets, 1e4, seed 000") == []
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
 def test_a_module_docstring_fits_on_one_screen(path):
     doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
     assert doc, f"{path.name} opens with no docstring: say what it is and the command that runs it"
@@ -58,7 +58,7 @@ def test_a_module_docstring_fits_on_one_screen(path):
         f"(at most {SCREEN} lines) and move the reasoning to the code it explains")
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
 def test_no_docstring_or_comment_quotes_a_measured_number(path):
     stale = [f"{path.name}:{line}: {numbers}: {text.strip()}" for line, text in prose(path)
              if (numbers := measured_numbers(text))]

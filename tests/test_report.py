@@ -8,9 +8,9 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-import run_experiments
 from common import REPO
-from results import read_results
+from dpkit.bench.results import read_results
+import run_experiments
 
 RESULTS = REPO / "results"
 

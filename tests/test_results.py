@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-import results
-import run_experiments
 from ddp_cifar100 import save_atomically
-from results import markdown_table, read_results, write_durably, write_results
+from dpkit.bench import results
+from dpkit.bench.results import markdown_table, read_results, write_durably, write_results
+import run_experiments
 
 FSYNC = os.fsync  # the real one, for tests that patch it
 

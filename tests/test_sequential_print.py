@@ -1,7 +1,5 @@
 """Task 1: ranks print in order through the real torchrun, using point-to-point messages only."""
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,21 +23,16 @@ def test_transcript_of_three_processes_two_iterations_updown():
     ]
 
 
-CASES = [(nproc, order) for nproc in (1, 2, 3, 5) for order in ("up", "updown")]
-
-
-@pytest.fixture(scope="module")
-def torchrun_runs():
-    """All torchrun jobs of this file, two at a time: each starts with seconds of importing torch
-    in one process, so a pair keeps both cores busy."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {(nproc, order): pool.submit(run_torchrun, "sequential_print.py", nproc, "--num-iter", "3", "--order", order)
-                for nproc, order in CASES}
+# Every torchrun job costs seconds of importing torch per process: two of them run by default, the rest of the
+# grid (1 to 5 processes, both orders) with `python -m pytest -m slow`.
+DEFAULT = {(2, "up"), (3, "updown")}
+CASES = [pytest.param(nproc, order, marks=() if (nproc, order) in DEFAULT else pytest.mark.slow)
+         for nproc in (1, 2, 3, 5) for order in ("up", "updown")]
 
 
 @pytest.mark.parametrize("nproc, order", CASES)
-def test_torchrun_output_is_exactly_the_specified_lines(torchrun_runs, nproc, order):
-    result = torchrun_runs[nproc, order].result()
+def test_torchrun_output_is_exactly_the_specified_lines(nproc, order):
+    result = run_torchrun("sequential_print.py", nproc, "--num-iter", "3", "--order", order)
     assert result.stdout.splitlines() == expected_output(nproc, order, num_iter=3)
     assert transcript(nproc, num_iter=3, order=order) == expected_output(nproc, order, num_iter=3), "what --json records"
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import allreduce
+from common import run_workers
+from dpkit.comm import transport as transports
+from dpkit.engines import zero
+from dpkit.models import build_model
 import run_experiments
 import sharding_benchmark as bench
-import transport as transports
-import zero
-from common import run_workers
-from models import build_model
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",

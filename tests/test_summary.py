@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-import run_experiments
-import summary
 from common import REPO
+from dpkit.report import summary
+import run_experiments
 
 
 def test_the_readme_block_is_exactly_what_the_committed_results_render():

@@ -33,10 +33,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import transport as transports
 from common import (POINT_TO_POINT, CollectiveCounter, CountingTransport, launch_expecting_peer_failure,
                     run_workers)
-from measure import PeakMemory, saved_tensor_bytes
+from dpkit.bench.measure import PeakMemory, saved_tensor_bytes
+from dpkit.comm import transport as transports
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
 
 WORLD_SIZES = (1, 2, 4)

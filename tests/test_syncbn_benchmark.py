@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-import transport as transports
 from common import run_workers
+from dpkit.comm import transport as transports
 from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
-                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, _Floor, _phase_medians, _Stamped,
+                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
                               attribution_lines, bounds, parse_args, ratios, run, run_case, targets)
 
 
@@ -102,7 +102,7 @@ def test_the_report_plot_reads_the_float32_worker_ratios_of_a_file_with_one_tran
     """plots.syncbn_grid draws from these rows: with one transport (GPUs, or workers on several hosts) it must pick
     the float32 2-worker times (not the one-process, half-precision or ratio rows) and pair their rounds as the
     benchmark does. (A file with both transports has two rows of ours per size: plots must choose by transport.)"""
-    import plots
+    from dpkit.report import plots
 
     load = [1.0, 2.0, 1.5, 1.2]
     rows = []
@@ -131,7 +131,7 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
         clock += 7.0  # the barrier between iterations belongs to no phase
     assert len(PHASES) == 5
     # then the median iteration: 15, 30 and 15 ms long
-    assert _phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
+    assert phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
 
 
 def test_each_transport_has_its_engine_targets_against_the_reference_on_that_transport():
@@ -267,13 +267,13 @@ class _Recording(transports.Transport):
 
 
 def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_layer_through_its_transport():
-    """_Floor: BatchNorm1d's output, gradients and running statistics (its own kernels, the local batch), with one
+    """Floor: BatchNorm1d's output, gradients and running statistics (its own kernels, the local batch), with one
     sum of 2C + 1 float64 values in forward and one of 2C in backward, in that order, through the transport given."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
     dy = torch.randn(8, 4, generator=generator, dtype=torch.float64)
     recording = _Recording()
-    floor, batch_norm = _Floor(4, recording).double(), torch.nn.BatchNorm1d(4).double()
+    floor, batch_norm = Floor(4, recording).double(), torch.nn.BatchNorm1d(4).double()
     with torch.no_grad():
         for layer in (floor, batch_norm):
             layer.weight.copy_(torch.arange(1.0, 5.0))
@@ -299,7 +299,7 @@ def test_the_stamping_transport_times_where_the_caller_waits_and_delegates_the_r
     the call and the wait counts as the caller's compute. What is not timed goes to the inner transport."""
     for pending in (False, True):
         inner, stamps = _Recording(pending), []
-        stamped = _Stamped(inner, stamps, torch.device("cpu"))
+        stamped = Stamped(inner, stamps, torch.device("cpu"))
         assert (stamped.ranks, stamped.world_size, stamped.describe()) == ([0, 1], 2, "stamped recording")
         assert stamped.supports(torch.device("cpu")) and not stamped.owns(torch.ones(1))
         assert stamped.all_reduce(torch.ones(3)) is None

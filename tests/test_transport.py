@@ -35,10 +35,10 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 import allreduce
-import dist_utils
-import transport
 from common import CollectiveCounter, launch_expecting_peer_failure, refused, run_in_subgroups
-from dist_utils import PeerFailedError
+from dpkit.comm import process_groups
+from dpkit.comm import transport
+from dpkit.comm.process_groups import PeerFailedError
 
 WORLD = 3
 ROUNDS = ([None], [[1, 2]])  # the whole world, then global ranks 1 and 2 as group ranks 0 and 1
@@ -311,9 +311,9 @@ def _overflow(group, ts: dict[str, transport.Transport]) -> dict:
 def make_transports(group) -> dict[str, transport.Transport]:
     """Every transport of the grid over ``group`` (collective: every member makes them in this order)."""
     return {"torch": transport.Torch(group), "shared_memory": transport.SharedMemory(group),
-            "p2p": transport.MessagePassing(group),
+            "p2p": allreduce.MessagePassing(group),
             "shared_memory+thread": transport.SharedMemory(group, background=True),
-            "p2p+thread": transport.MessagePassing(group, background=True)}
+            "p2p+thread": allreduce.MessagePassing(group, background=True)}
 
 
 def run_grid(group, grid, ts: dict[str, transport.Transport] | None = None) -> dict:
@@ -364,7 +364,7 @@ def _zero_copy(group) -> dict:
                     "a plain tensor": t.owns(torch.ones(4)),
                     "another transport's": t.owns(other.allocate(4, dtype=torch.float32)),
                     "by torch": transport.Torch(group).owns(a),
-                    "by message passing": transport.MessagePassing(group).owns(a)}}
+                    "by message passing": allreduce.MessagePassing(group).owns(a)}}
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     x = t.allocate((1003,), dtype=torch.float64).copy_(rank_input(1003, rank, "float64"))
     rs_in = t.allocate((n * 1003,), dtype=torch.float32).copy_(rank_input(n * 1003, rank, "float32"))
@@ -408,7 +408,7 @@ def _refusals(group) -> dict:
     out = {}
     foreign = transport.SharedMemory(group)
     for name, t in (("torch", transport.Torch(group)), ("shared_memory", transport.SharedMemory(group)),
-                    ("p2p", transport.MessagePassing(group))):
+                    ("p2p", allreduce.MessagePassing(group))):
         buffer = foreign.allocate((4,), dtype=torch.float32)
         full = torch.zeros(n * 4)
         calls = {
@@ -434,7 +434,7 @@ def _refusals(group) -> dict:
             out[name, "closed"] = None
         except RuntimeError as error:
             out[name, "closed"] = describe(error)
-    out["bad algorithm"] = refused(lambda: transport.MessagePassing(group, algorithm="fastest"))
+    out["bad algorithm"] = refused(lambda: allreduce.MessagePassing(group, algorithm="fastest"))
     foreign.close()
     return out
 
@@ -1022,7 +1022,7 @@ def test_resolve_picks_shared_memory_on_one_cpu_host_and_makes_each_transport_on
 
 RESOLVE_REFUSALS = {
     "unknown name": "ValueError: this engine: unknown transport 'fastest' (on group rank 0): choose one of "
-                    + ", ".join(transport.NAMES) + ", or pass a Transport",
+                    + ", ".join(transport.names()) + ", or pass a Transport",
     "unknown name on rank 1": "ValueError: this engine: unknown transport 'fastest' (on group rank 1)",
     "different names": "ValueError: this engine: the ranks chose different transports (rank {0}: torch, "
                        "rank {1}: shared_memory",
@@ -1174,13 +1174,13 @@ def test_fully_shard_over_shared_memory_trains_like_plain_fully_shard_in_buffers
 
 
 def launch_to_the_end(fn, world_size: int, *args, pg_timeout_s: float, timeout_s: float = 120.0):
-    """Run ``fn(ctx, *args)`` on spawned ranks as ``dist_utils.launch`` does, but let every rank run to its
+    """Run ``fn(ctx, *args)`` on spawned ranks as ``process_groups.launch`` does, but let every rank run to its
     end when one dies (``launch`` stops the others soon after a death, to report it as the root
     cause; here the survivors are the subject). Returns each rank's exit code, each rank's result
     (None without one), and the workers' pids."""
     spawn = multiprocessing.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="dpkit-transport-")
-    processes = [spawn.Process(target=dist_utils._worker_main, args=(fn, rank, world_size, os.path.join(tmp, "store"),
+    processes = [spawn.Process(target=process_groups.worker_main, args=(fn, rank, world_size, os.path.join(tmp, "store"),
                                                                      "gloo", pg_timeout_s, 1, args, tmp))
                  for rank in range(world_size)]
     try:
@@ -1210,7 +1210,7 @@ def _killed_between_the_synchronisations(ctx, victim: int):
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    with mock.patch.object(transport, "_sum_chunk", die if ctx.rank == victim else transport._sum_chunk):
+    with mock.patch.object(transport, "sum_chunk", die if ctx.rank == victim else transport.sum_chunk):
         start = time.monotonic()
         try:
             t.all_reduce(x)
@@ -1243,7 +1243,7 @@ def _stops_answering(ctx, pid_file: str):
             f.write(str(os.getpid()))
     t = transport.SharedMemory()
     silent = lambda *args, **kwargs: time.sleep(600)  # noqa: E731
-    with mock.patch.object(transport, "_sum_chunk", silent if ctx.rank == 1 else transport._sum_chunk):
+    with mock.patch.object(transport, "sum_chunk", silent if ctx.rank == 1 else transport.sum_chunk):
         t.all_reduce(torch.ones(1000))
 
 

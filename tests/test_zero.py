@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import transport as transports
-import zero
 from common import CollectiveCounter, CountingTransport, assert_refused, refused, run_workers
+from dpkit.comm import transport as transports
+from dpkit.engines import zero
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),

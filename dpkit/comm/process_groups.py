@@ -20,6 +20,7 @@ import datetime
 import gc
 import multiprocessing
 import multiprocessing.connection
+from multiprocessing import reduction
 import os
 import shutil
 import sys
@@ -44,9 +45,9 @@ import torch.distributed.nn  # noqa: F401
 # Short enough that a dead or stuck peer fails every rank within about a minute;
 # long enough for a slow collective on a loaded 2-core machine.
 DEFAULT_TIMEOUT_S = 60.0
-# What _teardown prints (and the tests look for) when a destroyed group is still referenced.
+# What teardown prints (and the tests look for) when a destroyed group is still referenced.
 GROUP_OUTLIVED_TEARDOWN = "still referenced after destroy_process_group"
-# The modules imported when this process joined its group: _teardown looks for holders only among the others
+# The modules imported when this process joined its group: teardown looks for holders only among the others
 # (one imported before holds None in its defaults), and reads no attribute of the rest.
 _MODULES_AT_INIT: set[str] = set()
 
@@ -104,7 +105,17 @@ def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: 
     return DistContext(rank, local_rank, world_size, backend, device, timeout_s)
 
 
-def _teardown() -> str | None:
+# What must let go of the process groups before they are destroyed (``before_teardown``).
+_BEFORE_TEARDOWN: list[Callable[[], None]] = []
+
+
+def before_teardown(callback: Callable[[], None]) -> None:
+    """Have ``teardown`` call ``callback()`` before it destroys the group: for objects of a layer above this
+    one that hold a group (the transports close, letting theirs go), so nothing keeps it past its end."""
+    _BEFORE_TEARDOWN.append(callback)
+
+
+def teardown() -> str | None:
     """Destroy the process group. Returns (and prints) a warning when something still references it.
 
     A group that outlives destroy_process_group keeps gloo's threads running into interpreter shutdown,
@@ -115,6 +126,8 @@ def _teardown() -> str | None:
     """
     if not dist.is_initialized():
         return None
+    for callback in _BEFORE_TEARDOWN:
+        callback()
     _clear_dtensor_caches()
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
@@ -125,7 +138,7 @@ def _teardown() -> str | None:
     # traceback may be what holds the group.
     if world() is None or sys.exc_info()[0] is not None:
         return None
-    holders = (", ".join(_default_argument_holders(world(), set(sys.modules) - _MODULES_AT_INIT))
+    holders = (", ".join(default_argument_holders(world(), set(sys.modules) - _MODULES_AT_INIT))
                or "none; a cache or a global holds it")
     warning = (f"warning: the default process group is {GROUP_OUTLIVED_TEARDOWN}, so its threads live on into "
                "interpreter shutdown, where the process can abort. Functions imported after the group was made "
@@ -139,7 +152,7 @@ def _clear_dtensor_caches() -> None:
 
     In torch 2.14 five of them keep device meshes, and a mesh keeps its process groups: redistribution
     planners and transforms, sharding decisions (Python and C++), mesh topologies. Best effort: where a
-    version names them otherwise, ``_teardown`` reports the group still referenced.
+    version names them otherwise, ``teardown`` reports the group still referenced.
     """
     if "torch.distributed.tensor._redistribute" not in sys.modules:
         return  # DTensor never ran
@@ -155,7 +168,7 @@ def _clear_dtensor_caches() -> None:
         clear()
 
 
-def _default_argument_holders(group, module_names) -> list[str]:
+def default_argument_holders(group, module_names) -> list[str]:
     """The functions and methods of these modules with ``group`` among their default arguments."""
     def holds(fn) -> bool:
         if not isinstance(fn, types.FunctionType):
@@ -215,7 +228,7 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
                 raise
             raise explained from error
         finally:
-            _teardown()
+            teardown()
     finally:
         if store is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -241,7 +254,18 @@ class WorkerError(RuntimeError):
         self.pids = list(pids)
 
 
-def _worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads, args, out_dir):
+def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads, args, out_dir, environ=None,
+                streams=None):
+    """One rank started by ``launch``: takes the launcher's environment and, from a forkserver, its stdout and
+    stderr (``streams``), joins the group through the file store, runs ``fn(ctx, *args)`` and leaves
+    ``result-<rank>.pt``, or ``error-<rank>.txt`` (time stamp and traceback) and exit status 1, in ``out_dir``."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    for target, inherited in zip((1, 2), streams or ()):
+        fd = inherited.detach()
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     ctx = None
@@ -262,7 +286,7 @@ def _worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, thread
             f.write(f"{time.time()!r}\n{traceback.format_exc()}")
         sys.exit(1)
     finally:
-        _teardown()
+        teardown()
 
 
 def _stop(processes) -> None:
@@ -304,12 +328,37 @@ def _root_cause(out_dir: str, processes) -> tuple[int, str]:
     return rank, f"exit code {code}, no traceback (killed, os._exit, or a crash outside Python)\n"
 
 
+class _Streams:
+    """The launcher's stdout and stderr, handed to a worker as it starts: a forkserver child begins with the
+    server's descriptors, not the launcher's, and a worker's output (a test capturing it, a log) belongs to the
+    launcher. Pickled only while ``Process.start`` pickles its arguments, which is when descriptors can be sent."""
+
+    def __reduce__(self):
+        return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+
+# What a forkserver imports once, so that every worker it forks starts with them loaded.
+PRELOAD = ("torch", "torch.distributed", "numpy", "dpkit.comm.transport", "dpkit.engines.fsdp", "dpkit.engines.zero")
+
+
+def _start_context():
+    """How ``launch`` starts its workers: from a forkserver that imported torch once (``PRELOAD``), where the
+    platform has one; else spawned, each importing torch itself (seconds of CPU per worker). Both run ``fn``
+    in a process that shares no threads or state with the launcher."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
 def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
            pg_timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes and return each rank's result.
 
-    Workers start with the ``spawn`` method and meet through a FileStore in a new
-    temporary directory (no port, so concurrent runs never collide). Each uses
+    Workers start from a forkserver with torch imported once (``_start_context``; ``spawn`` where there is
+    none) and meet through a FileStore in a new temporary directory (no port, so concurrent runs never
+    collide). Each uses
     ``threads`` intra-op threads. ``fn`` must be importable (defined at module level)
     and its result picklable by ``torch.save``.
 
@@ -320,13 +369,14 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    mp = multiprocessing.get_context("spawn")
+    mp = _start_context()
     tmp = tempfile.mkdtemp(prefix="dpkit-launch-")
     processes = []
     try:
         for rank in range(world_size):
-            p = mp.Process(target=_worker_main, name=f"rank{rank}",
-                           args=(fn, rank, world_size, os.path.join(tmp, "store"), backend, pg_timeout_s, threads, args, tmp))
+            p = mp.Process(target=worker_main, name=f"rank{rank}",
+                           args=(fn, rank, world_size, os.path.join(tmp, "store"), backend, pg_timeout_s, threads, args, tmp,
+                                 dict(os.environ), _Streams() if mp.get_start_method() == "forkserver" else None))
             p.start()
             processes.append(p)
         deadline = time.monotonic() + timeout_s
@@ -373,3 +423,9 @@ def progress(iterable: Iterable, **tqdm_kwargs) -> Iterable:
     from tqdm import tqdm
 
     return tqdm(iterable, dynamic_ncols=True, leave=False, **tqdm_kwargs)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a host clock measures it; nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

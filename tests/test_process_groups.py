@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import dist_utils
-import measure
 from common import CollectiveCounter, run_workers
-from dist_utils import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
+from dpkit.bench import measure
+from dpkit.comm import process_groups
+from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 
 def _probe(ctx, payload):
@@ -136,7 +136,7 @@ def test_a_silent_peer_fails_the_waiting_rank_within_the_process_group_timeout()
 
 def test_distributed_without_torchrun_is_a_world_of_one(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    with dist_utils.distributed("gloo", timeout_s=10) as ctx:
+    with process_groups.distributed("gloo", timeout_s=10) as ctx:
         assert (ctx.rank, ctx.world_size, ctx.device.type) == (0, 1, "cpu")
         assert dist.is_initialized() and dist.get_world_size() == 1
     assert not dist.is_initialized(), "torn down on exit"
@@ -147,11 +147,11 @@ def test_a_group_still_referenced_after_teardown_is_reported(monkeypatch, capsys
     where a process whose work succeeded can abort: the teardown says so on stderr."""
     monkeypatch.delenv("RANK", raising=False)
     held = []
-    with dist_utils.distributed("gloo", timeout_s=10):
+    with process_groups.distributed("gloo", timeout_s=10):
         held.append(dist.group.WORLD)  # as a default argument evaluated after the group was made would
     assert GROUP_OUTLIVED_TEARDOWN in capsys.readouterr().err
     held.clear()
-    with dist_utils.distributed("gloo", timeout_s=10):
+    with process_groups.distributed("gloo", timeout_s=10):
         pass
     assert GROUP_OUTLIVED_TEARDOWN not in capsys.readouterr().err
 
@@ -171,15 +171,15 @@ def test_the_report_names_each_function_that_holds_the_group_as_a_default_argume
     module = types.ModuleType("late")
     module.broadcast, module.Scaler, module.other = broadcast, Scaler, lambda group=None: group
     monkeypatch.setitem(sys.modules, "late", module)
-    assert dist_utils._default_argument_holders(group, ["late"]) == ["late.broadcast", "late.Scaler.__init__"]
+    assert process_groups.default_argument_holders(group, ["late"]) == ["late.broadcast", "late.Scaler.__init__"]
 
 
 def test_a_set_up_that_fails_leaves_no_store_directory(monkeypatch, tmp_path):
     """Without torchrun, ``distributed`` makes a FileStore in a temporary directory: removed even
     when joining the process group raises (on today's main it was left behind)."""
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(dist_utils.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(process_groups.tempfile, "tempdir", str(tmp_path))
     with pytest.raises(ValueError, match="unknown backend 'bogus'"):
-        with dist_utils.distributed("bogus"):
+        with process_groups.distributed("bogus"):
             pass
     assert os.listdir(tmp_path) == [] and not dist.is_initialized()

@@ -1,6 +1,6 @@
 """A communication thread: collectives run in the background, in order, in a process group of their own.
 
-A transport made with ``background=True`` (``transport.SharedMemory``, ``transport.MessagePassing``)
+A transport made with ``background=True`` (``transport.SharedMemory``, ``allreduce.MessagePassing``)
 runs every call on one ``CommThread``, so that ``async_op=True`` returns at once and the caller
 computes while the thread sends, receives and adds::
 

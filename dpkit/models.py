@@ -1,6 +1,6 @@
 """The models every script trains or measures: the homework CNN, torchvision's resnets, a small GPT.
 
-    from models import build_model
+    from dpkit.models import build_model
     model = build_model("resnet18")          # cnn, resnet18, resnet50 or gpt (GPTConfig sets its size)
 
 All image models take 3x32x32 CIFAR-100 images (the resnets any size) and return 100 logits.

@@ -1,6 +1,6 @@
 """Hand-written data parallelism: every rank ends a step with the same, averaged gradients.
 
-Not a script; import it inside an initialised process group (``dist_utils.distributed``)::
+Not a script; import it inside an initialised process group (``process_groups.distributed``)::
 
     model = DDP(net, bucket_cap_mb=25.0)           # broadcasts rank 0's weights and buffers
     with model.no_sync():                           # accumulation micro-batches: no communication
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-import transport as transports
-from measure import synchronize
+from dpkit.comm.process_groups import synchronize
+from dpkit.comm import transport as transports
 
 MIB = 2**20
 # Largest single broadcast of module state at construction, PyTorch DDP's value (250 MiB):
@@ -181,7 +181,7 @@ class _DataParallel(nn.Module):
     def __init__(self, module: nn.Module, process_group=None, transport="auto"):
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist_utils.distributed)")
+            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (process_groups.distributed)")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)

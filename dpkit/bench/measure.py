@@ -28,11 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so a host clock measures it; nothing to wait for on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from dpkit.comm.process_groups import synchronize
 
 
 def gather_rows(values: Sequence[float], group=None) -> torch.Tensor:
@@ -144,7 +140,7 @@ _PROFILER_NOISE = re.compile(r"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w
 
 
 @contextmanager
-def _quiet_stderr():
+def quiet_stderr():
     """Drop the profiler's status lines from fd 2 while it starts and stops, and only those.
 
     fd 2 is process-wide: another thread (gloo's) may report an error in this window. So fd 2
@@ -210,7 +206,7 @@ class PeakMemory:
             # torch._inductor, seconds of CPU in a process that has not imported torch._dynamo
             # yet (building a torch.optim optimizer imports that too).
             self._profiler = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
-            with _quiet_stderr():
+            with quiet_stderr():
                 # The first free of a block allocated before profiling makes torch warn, once per
                 # process ("Memory block of unknown size..."): a free we do not count anyway
                 # (it is below the level at entry). Trigger that warning here, silenced.
@@ -224,7 +220,7 @@ class PeakMemory:
             synchronize(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
             return
-        with _quiet_stderr():
+        with quiet_stderr():
             self._profiler.__exit__(*exc)
         if exc[0] is not None:
             return
@@ -246,13 +242,13 @@ def _profiled(device: torch.device):
     # profile_all_threads: Python threads too (a communication thread's ranges), not only the one that starts it.
     profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None,
                                                experimental_config=_ExperimentalConfig(profile_all_threads=True))
-    with _quiet_stderr():
+    with quiet_stderr():
         profiler.__enter__()
     try:
         yield profiler
         synchronize(device)
     finally:
-        with _quiet_stderr():
+        with quiet_stderr():
             profiler.__exit__(None, None, None)
 
 
@@ -267,7 +263,7 @@ def chrome_trace(path: str, device: torch.device | str = "cpu"):
     with _profiled(torch.device(device)) as profiler:
         yield
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with _quiet_stderr():
+    with quiet_stderr():
         profiler.export_chrome_trace(path)
 
 

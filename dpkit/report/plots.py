@@ -1,6 +1,7 @@
 """How this project draws its figures: one style, and one function per figure of the report.
 
-    import plots, results
+    from dpkit.report import plots
+    from dpkit.bench import results
     figure = plots.ddp_variants(results.read_results("results/ddp_benchmark.json"))
     figure.savefig("ddp.png")
 
@@ -27,7 +28,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from measure import PHASES, bootstrap_ci, paired_ratio
+from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {
@@ -131,7 +132,7 @@ def _legend_outside(figure: Figure, handles=None, labels=None, title: str | None
         figure.legend(handles, labels, loc="outside right upper", title=title, fontsize="small", frameon=False)
 
 
-def _missing(ax, what: str) -> None:
+def missing(ax, what: str) -> None:
     """Say on the figure what the results file lacks, instead of failing or drawing nothing silently."""
     ax.text(0.5, 0.5, f"not in this results file:\n{what}", transform=ax.transAxes, ha="center", va="center",
             fontsize="small", color="#AA0000", wrap=True)
@@ -219,7 +220,7 @@ def training_curves(runs: dict[str, dict]) -> Figure:
     acc_ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title="validation accuracy")
     time_ax.set(xlabel="epoch", ylabel="time per optimizer step (s)", title="time per step (epoch mean)")
     if not time_ax.lines:
-        _missing(time_ax, "epoch_time_s / steps")
+        missing(time_ax, "epoch_time_s / steps")
     time_ax.set_ylim(bottom=0)
     for ax in axes[0]:
         ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
@@ -313,7 +314,7 @@ def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
             ax.text(0.02, 0.97, "no interval: not in this results file", transform=ax.transAxes, fontsize="x-small",
                     va="top", color="#AA0000")
     if not batches:
-        _missing(axes[0][0], "rows of impl 'ours' and 'BatchNorm1d + 2 all_reduce'")
+        missing(axes[0][0], "rows of impl 'ours' and 'BatchNorm1d + 2 all_reduce'")
     axes[0][0].set_ylabel("time ratio (x)")
     _legend_outside(figure)
     return figure
@@ -448,7 +449,7 @@ def time_breakdown(doc: dict) -> Figure:
         ax.set_yticks(y, [r["label"] for r in mine], fontsize="small")
         ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)", title=f"{model}: where one iteration's time goes")
         if not mine:
-            _missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
+            missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
     _legend_outside(figure)
     return figure
 
@@ -644,7 +645,7 @@ def sharding_memory(doc: dict) -> Figure:
                                          for _, r in bars], fontsize="small", rotation=90)
         ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
         if not bars:
-            _missing(ax, "sharding_benchmark.py rows of our variants")
+            missing(ax, "sharding_benchmark.py rows of our variants")
     if any(oversubscribed(r, env) for r in rows):
         axes[0][0].add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor="white", hatch=OVERSUBSCRIBED["hatch"],
                                        edgecolor=OVERSUBSCRIBED["edgecolor"]))

@@ -1,6 +1,6 @@
 """Transports: how the ranks of a process group move and sum tensors, as one object every engine takes.
 
-    from transport import SharedMemory, resolve
+    from dpkit.comm.transport import SharedMemory, resolve
     t = resolve("auto", group, device)       # shared memory on one CPU host, else PyTorch's collectives
     flat = t.allocate((n,), dtype=torch.float32)   # a buffer the transport serves without a copy
     t.all_reduce(flat, op="sum")                   # or async_op=True for a handle to wait on
@@ -15,7 +15,8 @@ blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers.
 * ``SharedMemory``: ranks of one host meet in /dev/shm (CPU tensors). Every rank owns an arena
   that every other rank maps; a tensor ``allocate`` returned lives there, so a sum reads each
   rank's buffer where it lies, with no copy in or out. Any other tensor is staged through the arena.
-* ``MessagePassing``: the point-to-point algorithms of ``allreduce.py`` (the homework's).
+* others by name through ``register``: ``allreduce.py`` registers "p2p", the homework's point-to-point
+  algorithms, when it is imported.
 
 ``resolve`` is the one place a transport is chosen ("auto", a name or an object); it is a
 collective, so ranks that ask for different transports all raise, before any data moves.
@@ -37,10 +38,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import allreduce
-from allreduce import bounds, check_input, check_sharded
-from comm_thread import CommThread, group_timeout
-from dist_utils import DEFAULT_TIMEOUT_S, PeerFailedError
+from dpkit.comm.checks import bounds, check_input, check_sharded
+from dpkit.comm.comm_thread import CommThread, group_timeout
+from dpkit.comm import process_groups
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 
 OPS = ("sum", "mean")
 # Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
@@ -99,6 +100,18 @@ _DONE = Work()
 # --------------------------------------------------------------------------- the interface
 
 
+# Every transport not yet closed: teardown closes them, so none keeps a destroyed group alive.
+_OPEN: "weakref.WeakSet[Transport]" = weakref.WeakSet()
+
+
+def _close_every_transport() -> None:
+    for transport in list(_OPEN):
+        transport.close()
+
+
+process_groups.before_teardown(_close_every_transport)
+
+
 class Transport:
     """The collectives an engine takes its communication through, over the ranks of ``group``.
 
@@ -117,7 +130,7 @@ class Transport:
 
     def __init__(self, group=None, *, background: bool = False):
         if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist_utils.distributed)")
+            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (process_groups.distributed)")
         self.group = group
         self.rank = dist.get_rank(group)
         if self.rank < 0:
@@ -126,6 +139,7 @@ class Transport:
         self.ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         self._comm = CommThread(group, torch.device("cpu"), name=f"{self.name}-comm") if background else None
         self._closed = False
+        _OPEN.add(self)
         self._broken: str | None = None  # why a peer failure made this transport unusable
 
     # ---- the collectives (contracts of torch.distributed's; every rank calls them alike)
@@ -181,10 +195,12 @@ class Transport:
         return self.name
 
     def close(self) -> None:
-        """Stop the communication thread, if any; the transport refuses calls afterwards."""
+        """Stop the communication thread, if any, and let go of the group; the transport refuses calls afterwards.
+        ``process_groups.teardown`` closes every transport still open before it destroys the groups."""
         self._closed = True
         if self._comm is not None:
             self._comm.close()
+        self.group = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.describe()}, ranks={self.ranks})"
@@ -347,6 +363,7 @@ class Wrapped(Transport):
     def __init__(self, inner: Transport):  # no set-up of its own: the inner transport's group and state
         self.inner = inner
         self.group, self.rank, self.world_size, self.ranks = inner.group, inner.rank, inner.world_size, inner.ranks
+        _OPEN.add(self)
         self._comm, self._closed, self._broken = None, False, None
 
     def all_reduce(self, tensor, op="sum", *, async_op=False):
@@ -372,37 +389,7 @@ class Wrapped(Transport):
 
     def close(self) -> None:
         self.inner.close()
-
-
-# --------------------------------------------------------------------------- message passing
-
-
-class MessagePassing(Transport):
-    """The point-to-point algorithms of ``allreduce.py``: ``algorithm`` for the all-reduce (``"auto"``: by
-    size and world size from ``allreduce.CROSSOVER``), the ring for reduce-scatter and all-gather."""
-
-    name = "p2p"
-
-    def __init__(self, group=None, algorithm: str = "auto", *, background: bool = False):
-        if algorithm != "auto" and algorithm not in allreduce.SUMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}: choose one of auto, {', '.join(allreduce.SUMS)}")
-        super().__init__(group, background=background)
-        self.algorithm = algorithm
-
-    def _group(self):
-        return self._comm.group if self._comm is not None else self.group
-
-    def _all_reduce(self, flat, op):
-        allreduce.allreduce(flat, op, self._group(), self.algorithm)
-
-    def _reduce_scatter(self, out, flat, op):
-        allreduce.reduce_scatter(out, flat, op, self._group())
-
-    def _all_gather(self, out, flat):
-        allreduce.all_gather(out, flat, self._group())
-
-    def describe(self) -> str:
-        return f"p2p ({self.algorithm})"
+        self.group = None
 
 
 # --------------------------------------------------------------------------- shared memory (one host)
@@ -795,7 +782,7 @@ class SharedMemory(Transport):
             if self._fall_back_for_call(table, lambda: _torch_all_reduce(flat, op, self._collective_group())):
                 return
             mine, chunks = self._chunks(tuple(table[:, _OFFSET].tolist()), nbytes, flat.dtype, flat.numel())
-            _sum_chunk(chunks, flat.element_size(), scale=1.0 / n if op == "mean" else None)
+            sum_chunk(chunks, flat.element_size(), scale=1.0 / n if op == "mean" else None)
             self._meet()  # every chunk is in every rank's buffer
             if staged:  # the result comes back
                 flat.copy_(mine)
@@ -909,7 +896,7 @@ def _forget_arenas(bases: list[int], close: Callable[[int], None], fd: int) -> N
     close(fd)
 
 
-def _sum_chunk(chunks: list[torch.Tensor], element_size: int, scale: float | None = None) -> None:
+def sum_chunk(chunks: list[torch.Tensor], element_size: int, scale: float | None = None) -> None:
     """``chunks[0]`` (this rank's chunk of its own data) becomes the sum of every rank's chunk (its own first,
     then the others in rank order), each contribution times ``scale`` when given (the mean: 1/n; exact for a
     power of two, so at 2 ranks the same bits as dividing first); then the sum is copied into every other
@@ -940,7 +927,26 @@ def _profiled(kind: str):
 
 # --------------------------------------------------------------------------- the choice, in one place
 
-NAMES = ("auto", "torch", "shared_memory", "p2p", *(f"p2p:{name}" for name in allreduce.SUMS))
+BUILT_IN = ("auto", "torch", "shared_memory")
+# name -> (factory(group, option), options): transports made by "name" or "name:option" besides the built-in ones.
+_REGISTERED: dict[str, tuple[Callable, tuple[str, ...]]] = {}
+
+
+def register(name: str, factory: Callable[..., "Transport"], options: Sequence[str] = ()) -> None:
+    """Let ``resolve`` make ``factory(group, option)`` for ``name`` (option "") and ``name:option``.
+
+    How a transport defined above this package plugs in without the package importing it: ``allreduce.py``
+    registers its message-passing algorithms as "p2p" and "p2p:<algorithm>" when imported.
+    """
+    if name in BUILT_IN or ":" in name:
+        raise ValueError(f"cannot register {name!r}: a built-in name, or one with a ':'")
+    _REGISTERED[name] = (factory, tuple(options))
+
+
+def names() -> tuple[str, ...]:
+    """Every name ``resolve`` takes now: the built-in ones, then the registered ones with their options."""
+    return (*BUILT_IN, *(n for name, (_, options) in _REGISTERED.items()
+                         for n in (name, *(f"{name}:{option}" for option in options))))
 # (id of the group, spec, device type) -> the transport made for it, while some engine holds it. Weak: a
 # transport holds its group, and a cache that kept either would keep the group past destroy_process_group.
 _CHOSEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -950,7 +956,7 @@ def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine"
     """The transport ``spec`` names for ``group`` and tensors on ``device`` (a collective: every rank calls it).
 
     ``spec``: ``"auto"`` (shared memory when the tensors are on the CPU and every rank of the group
-    is on this host, else ``Torch``), a name of ``NAMES``, or a ``Transport`` over the same ranks.
+    is on this host, else ``Torch``), a name of ``names()``, or a ``Transport`` over the same ranks.
     Every rank learns every rank's choice and device type first, so all of them raise ValueError,
     with the same message, for an unknown name, ranks asking for different transports or putting
     their tensors on different device types, ``"shared_memory"`` for GPU tensors or a group that
@@ -988,17 +994,18 @@ def _group_of(chosen: Transport):
 
 
 def _check_choices(everyone: list, ranks: list[int], engine: str) -> None:
-    names, devices, over = zip(*everyone)
-    for r, name in enumerate(names):
-        if over[r] is None and name not in NAMES:
+    chosen, devices, over = zip(*everyone)
+    for r, name in enumerate(chosen):
+        if over[r] is None and name not in names():
             raise ValueError(f"{engine}: unknown transport {name!r} (on group rank {r}): choose one of "
-                             f"{', '.join(NAMES)}, or pass a Transport")
+                             f"{', '.join(names())}, or pass a Transport"
+                             + ("" if "p2p" in _REGISTERED else " (`import allreduce` registers 'p2p')"))
     for r, theirs in enumerate(over):  # a transport object over other ranks than the engine's group
         if theirs is not None and list(theirs) != list(ranks):
             raise ValueError(f"{engine}: the transport is over ranks {list(theirs)} (on group rank {r}), the engine's "
                              f"group over {list(ranks)}: make the transport over the engine's process group")
-    if len(set(names)) > 1 or len(set(map(str, over))) > 1:
-        table = ", ".join(f"rank {ranks[r]}: {name}" for r, name in enumerate(names))
+    if len(set(chosen)) > 1 or len(set(map(str, over))) > 1:
+        table = ", ".join(f"rank {ranks[r]}: {name}" for r, name in enumerate(chosen))
         raise ValueError(f"{engine}: the ranks chose different transports ({table}): every rank must use the same")
     if len(set(devices)) > 1:
         table = ", ".join(f"rank {ranks[r]}: {kind}" for r, kind in enumerate(devices))
@@ -1020,7 +1027,8 @@ def _make(name: str, group, device: torch.device, engine: str) -> Transport:
             raise ValueError(f"{engine}: transport 'shared_memory' takes CPU tensors, not {device.type} ones: use "
                              "'torch' (NCCL) or 'auto'")
         return SharedMemory(group)
-    return MessagePassing(group, name.partition(":")[2] or "auto")
+    registered, _, option = name.partition(":")
+    return _REGISTERED[registered][0](group, option)
 
 
 # --------------------------------------------------------------------------- PyTorch's engines over a transport

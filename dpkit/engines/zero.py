@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import transport as transports
-from allreduce import bounds
-from ddp import coalesce
+from dpkit.comm import transport as transports
+from dpkit.comm.checks import bounds
+from dpkit.engines.ddp import coalesce
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Fully sharded data parallelism (ZeRO stage 3): each rank keeps 1/n of the parameters of the big layers.
 
-Not a script; import it inside an initialised process group (``dist_utils.distributed``)::
+Not a script; import it inside an initialised process group (``process_groups.distributed``)::
 
-    from fsdp import FSDP
+    from dpkit.engines.fsdp import FSDP
     model = FSDP(net, compute_dtype=torch.bfloat16)   # rank 0's weights, sharded 1/n per rank
     optimizer = torch.optim.AdamW(model.parameters())  # local shards and replicated parameters
     for x, y in loader:
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import transport as transports
-from ddp import DDP, broadcast_module_state, check_same_model
+from dpkit.comm import transport as transports
+from dpkit.engines.ddp import DDP, broadcast_module_state, check_same_model
 
 DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
 COMPUTE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -223,7 +223,7 @@ class FSDP(nn.Module):
                  process_group=None, *, transport="auto"):
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError("FSDP needs an initialised process group (dist_utils.distributed)")
+            raise RuntimeError("FSDP needs an initialised process group (process_groups.distributed)")
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of None, torch.float16, torch.bfloat16; got {compute_dtype}")
         shard_types = tuple(shard_types)

@@ -1,0 +1,18 @@
+"""dpkit: data-parallel training in PyTorch, written out to be read and measured.
+
+The layers, each importing only the ones before it:
+
+    dpkit.comm      process groups, the checks every collective makes, and transports: how ranks move and
+                    sum tensors (torch.distributed; shared memory on one host; others registered by name)
+    dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stage 1, FSDP
+    dpkit.models    the workloads the trainer and the benchmarks run
+    dpkit.bench     measurement (timing, intervals, verdicts, memory, profiles) and the results layout
+    dpkit.report    drawing the report and README's headline block from results/
+
+What a user runs lives beside the package: the homework scripts (``sequential_print.py``, ``syncbn.py``,
+``ddp_cifar100.py``, ``allreduce.py``), the benchmarks and ``run_experiments.py``.
+
+    from dpkit.comm import transport
+    from dpkit.engines.ddp import DDP
+    model = DDP(net, transport=transport.SharedMemory(group))
+"""

@@ -1,0 +1,83 @@
+"""What a row of a collectives results file means: message sizes, bus bandwidth, the axis and label of each
+row, and its ratio to torch's collective.
+
+    from dpkit.bench.collectives import allreduce_rows, ratio_of
+    rows = allreduce_rows(read_results("results/collectives.json")["results"])
+    ratio_of(rows[0])                       # p50 / torch's p50 on the row's axis, with its interval
+
+``collectives_benchmark.py`` writes the rows and the report reads them, both through these functions (the
+latency-bandwidth model of the algorithms is ``allreduce.fit_model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+# --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
+TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)", "p2p": "p2p"}
+
+
+def parse_size(text: str) -> int:
+    """'10MB' or '10MiB' -> 10 * 2**20 bytes (binary units, as nccl-tests); a bare number is bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)I?(B?)\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 64KiB, 10MiB, 1GiB; KB = KiB)")
+    return int(float(match.group(1)) * UNITS[match.group(2) + "B" if match.group(2) else ""])
+
+
+def format_size(nbytes: int) -> str:
+    """65536 -> '64KiB': binary units, written as such."""
+    for unit in ("GB", "MB", "KB"):
+        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
+            return f"{nbytes // UNITS[unit]}{unit[0]}iB"
+    return f"{nbytes}B"
+
+
+def bus_factor(world_size: int, collective: str = "allreduce") -> float:
+    """busbw / algbw: the share of the tensor each rank must send and receive (nccl-tests): 2(n-1)/n for an
+    all-reduce, (n-1)/n for a reduce-scatter or an all-gather."""
+    return (2 if collective == "allreduce" else 1) * (world_size - 1) / world_size
+
+
+NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
+AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transports"}
+
+
+def labelled(row: dict) -> dict:
+    """The row with ``axis``, ``transport``, ``algorithm`` and ``label``. A row of a file written before
+    algorithms and transports were measured apart gets them from what it ran: shared memory (which then
+    always copied in and out: staged), and an ``auto`` that ran it, are transports; the other all-reduce rows
+    are algorithms over the backend; the other reduce-scatter and all-gather rows are transports (torch's,
+    and the ring, which p2p runs)."""
+    if "axis" in row:
+        return row
+    name, backend = row["algorithm"], row.get("backend", "gloo")
+    if name == "shared_memory":
+        fields = ("transport", "shared_memory", "direct", TRANSPORTS["staged"])
+    elif name == "auto" and row.get("choice") == "shared_memory":
+        fields = ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)")
+    elif row.get("collective", "allreduce") == "allreduce":
+        fields = ("algorithm", backend, name, name)
+    elif name == "ring":
+        fields = ("transport", "p2p (ring)", "ring", TRANSPORTS["p2p"])
+    else:
+        fields = ("transport", f"torch ({backend})", "torch", TRANSPORTS["torch"])
+    return {**row, **dict(zip(("axis", "transport", "algorithm", "label"), fields))}
+
+
+def allreduce_rows(rows: list[dict]) -> list[dict]:
+    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of ``point_to_point``)."""
+    return [labelled(row) for row in rows if "algorithm" in row]
+
+
+def ratio_of(row: dict) -> dict:
+    """The row's ratio to torch in the form of ``measure.paired_ratio``; a row of an older file without
+    an interval counts as one measurement (its interval is the point)."""
+    low, high = row.get("vs_torch_ci_low"), row.get("vs_torch_ci_high")
+    if low is None or high is None:
+        return {"median": row["vs_torch"], "ci_low": row["vs_torch"], "ci_high": row["vs_torch"], "rounds": 1}
+    return {"median": row["vs_torch"], "ci_low": low, "ci_high": high, "rounds": row.get("rounds") or 2}

@@ -1,0 +1,91 @@
+"""The package's layers: what the scripts import lives in ``dpkit``, whose subpackages import only the layers
+below them (comm, then the engines and the models, then measurement, then the report), never a script at the
+root; and no module, test or script reaches another module's private names."""
+
+import ast
+
+import pytest
+
+from common import REPO
+
+LAYERS = {"dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.report": 4}
+PACKAGE = sorted((REPO / "dpkit").rglob("*.py"))
+EVERY_MODULE = sorted([*REPO.glob("*.py"), *(REPO / "tests").glob("*.py"), *PACKAGE])
+
+
+def module_name(path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def layer(name: str) -> int | None:
+    return next((rank for prefix, rank in LAYERS.items() if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def imported(path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, functions' own imports included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found += [(node.lineno, node.module)]
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names
+                      if layer(f"{node.module}.{alias.name}") is not None]
+    return found
+
+
+def test_the_layer_table_covers_every_module_of_the_package():
+    assert all(layer(module_name(p)) is not None for p in PACKAGE if p.name != "__init__.py" or p.parent.name != "dpkit")
+
+
+@pytest.mark.parametrize("path", PACKAGE, ids=module_name)
+def test_a_package_module_imports_only_its_own_layer_and_the_ones_below(path):
+    mine = layer(module_name(path))
+    wrong = []
+    for line, name in imported(path):
+        theirs = layer(name)
+        top = name.split(".")[0]
+        if theirs is not None and mine is not None and theirs > mine:
+            wrong.append(f"line {line}: {name} (layer {theirs}) from layer {mine}")
+        elif theirs is None and (REPO / f"{top}.py").exists():
+            wrong.append(f"line {line}: {name}, a script at the root: the package must not depend on one")
+    assert not wrong, f"{module_name(path)} imports up the layers:\n" + "\n".join(wrong)
+
+
+def private_uses(path) -> list[str]:
+    """``module._name`` and ``from module import _name`` for modules of this repository imported here."""
+    tree = ast.parse(path.read_text())
+    ours = {p.stem for p in REPO.glob("*.py")} | {"dpkit"}
+    aliases, uses = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ours:
+                    aliases[alias.asname or alias.name.split(".")[0]] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in ours:
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    uses.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+                elif layer(f"{node.module}.{alias.name}") is not None or node.module == "dpkit":
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            uses.append(f"line {node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return uses
+
+
+@pytest.mark.parametrize("path", EVERY_MODULE, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_reaches_another_modules_private_names(path):
+    uses = private_uses(path)
+    assert not uses, (f"{path.relative_to(REPO)} uses private names of other modules: make what it needs public "
+                      "(a name without the underscore, with a docstring) or keep it inside its module:\n" + "\n".join(uses))
+
+
+def test_pyproject_installs_every_subpackage_and_the_homework_modules_the_package_does_not_hold():
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {module_name(p.parent) for p in (REPO / "dpkit").rglob("__init__.py")}
+    assert set(setup["packages"]) == on_disk, "pyproject.toml's packages must be every directory of dpkit/"
+    assert set(setup["py-modules"]) == {"syncbn", "allreduce"}, "the homework modules another project imports"
