@@ -42,12 +42,13 @@ import torch
 import torch.distributed as dist
 
 from dpkit.bench.collectives import bus_factor
+from dpkit.bench import harness
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved,
                                  verdict)
-from dpkit.bench.results import environment, format_environment, markdown_table, read_results, write_results
+from dpkit.bench.results import markdown_table, read_results
 from dpkit.comm import transport
 from dpkit.comm.checks import OPS, bounds, check_input, check_sharded, group_rank
-from dpkit.comm.process_groups import add_common_args, launch, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, resolve_backend
 
 
 # Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
@@ -1090,24 +1091,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def worker(ctx, args: argparse.Namespace) -> list[dict]:
+    """One rank of the homework comparison: every size, every algorithm (``compare_worker``)."""
+    return compare_worker(ctx, args.sizes, args.algorithms, args.repeats, args.warmup, args.seed, args.dtype)
+
+
+BENCHMARK = harness.Benchmark(
+    "allreduce", worker, world_sizes=lambda args: args.world_sizes, report=report,
+    describe=lambda args: f"world sizes {args.world_sizes}, sizes {args.sizes} elements of {args.dtype}",
+    # A generous whole-group limit: 32 oversubscribed workers spend most of a minute starting.
+    timeout_s=lambda args, world_size: 600 + 60 * world_size)
+
+
 def main(args: argparse.Namespace) -> list[dict]:
-    backend = resolve_backend(args.backend)
-    if backend == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
+    if resolve_backend(args.backend) == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
         raise SystemExit(f"nccl runs one process per GPU: world sizes above {torch.cuda.device_count()} need --backend gloo")
-    device = "cuda" if backend == "nccl" else "cpu"
-    env = environment(backend, device, max(args.world_sizes), threads=1, world_sizes=args.world_sizes)
-    print(format_environment(env) + f"\n* world sizes {args.world_sizes}, sizes {args.sizes} elements of {args.dtype}",
-          flush=True)
-    rows = []
-    for world_size in progress(args.world_sizes, desc="world sizes"):
-        # A generous whole-group limit: 32 oversubscribed workers spend most of a minute importing torch.
-        results = launch(compare_worker, world_size, args.sizes, args.algorithms, args.repeats, args.warmup, args.seed,
-                         args.dtype, backend=backend, timeout_s=600 + 60 * world_size, pg_timeout_s=args.timeout)
-        rows += results[0]
-    print(report(rows), flush=True)
-    if args.json:
-        write_results(args.json, "allreduce", env, {k: v for k, v in vars(args).items() if k != "json"}, rows)
-    return rows
+    return harness.run(BENCHMARK, args)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,11 @@ import torch
 import allreduce
 from dpkit.bench.collectives import (AXIS_TITLES, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size, labelled,
                                      parse_size, ratio_of)
+from dpkit.bench import harness
 from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
-from dpkit.bench.results import environment, format_environment, markdown_table, read_results, write_results
+from dpkit.bench.results import markdown_table, read_results, write_results
 from dpkit.comm import transport
-from dpkit.comm.process_groups import add_common_args, distributed, launch, print0, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, print0, progress
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=10, warmup=2)
@@ -529,66 +530,42 @@ def pipeline(args: argparse.Namespace) -> dict:
     return {"segment_bytes": args.segment_bytes, "in_flight": args.in_flight}
 
 
-def finish(rows: list[dict], env: dict, args: argparse.Namespace, p2p: list[dict] | None = None) -> None:
-    """Rank 0 (or the spawning parent): the tables, the targets, the model, the JSON file, the charts."""
-    print(report(rows, p2p), flush=True)
+def worker(ctx, args: argparse.Namespace) -> list[dict]:
+    """One rank: the sweep's rows, then (2 processes, the algorithm axis, not --tune) one step of our engine
+    against one of gloo's (rows with "engine")."""
+    rows = benchmark_worker(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args), args.collective,
+                            args.transports)
+    steps = ctx.world_size == 2 and args.collective == "allreduce" and args.algorithms and not args.tune
+    return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
+
+
+def extra(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
+    """With --tune, auto's crossover table (results/crossover.json, which allreduce.py reads); with --plot-dir,
+    the charts."""
     if args.tune:
-        table = crossover_table(rows)
+        table = crossover_table(allreduce_rows(rows))
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
         write_results(args.crossover_json, "collectives_benchmark --tune", env, config, allreduce.crossover_rows(table))
         print(f"\nauto's crossover table, written to {args.crossover_json} (allreduce.py reads it at import; a world "
               "size it lacks keeps allreduce.DEFAULT_CROSSOVER's row):\n" + format_table(table), flush=True)
-    if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
-        write_results(args.json, "collectives_benchmark", env, config, rows + (p2p or []), targets=stored_targets(rows))
     if args.plot_dir:
         from dpkit.report.collective_plots import plot  # imported here: the benchmark itself needs no matplotlib
 
-        everything = rows + (p2p or [])
-        print("charts: " + ", ".join(plot(everything, args.plot_dir, allreduce.fit_model(allreduce_rows(everything)))),
-              flush=True)
+        charts = plot(rows, args.plot_dir, allreduce.fit_model(allreduce_rows(rows)))
+        print("charts: " + ", ".join(charts), flush=True)
 
 
-def _with_point_to_point(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective: str = "allreduce",
-                         transports: list[str] = ()) -> tuple[list[dict], list[dict]]:
-    """The sweep, then (2 processes, the algorithm axis) one step of our engine against one of gloo's."""
-    rows = benchmark_worker(ctx, sizes, algorithms, iters, warmup, pipeline_options, collective, transports)
-    steps = ctx.world_size == 2 and collective == "allreduce" and algorithms
-    return rows, point_to_point(ctx, iters, warmup) if steps else []
-
-
-def run_spawned(args: argparse.Namespace) -> None:
-    """Without torchrun: spawn each process count in turn."""
-    backend = resolve_backend(args.backend)
-    device = "cuda" if backend == "nccl" else "cpu"
-    env = environment(backend, device, max(args.procs), threads=1, procs=args.procs)
-    print(format_environment(env) + f"\n* {args.collective}, axis {args.axis}, process counts {args.procs}", flush=True)
-    rows, p2p = [], []
-    for n in args.procs:
-        result = launch(_with_point_to_point, n, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
-                        args.collective, args.transports, backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
-        rows += result[0]
-        p2p += [] if args.tune else result[1]
-    finish(rows, env, args, p2p)
-
-
-def run_under_torchrun(args: argparse.Namespace) -> None:
-    with distributed(args.backend, args.timeout) as ctx:
-        env = environment(ctx.backend, ctx.device, ctx.world_size)
-        print0(format_environment(env))
-        rows, p2p = _with_point_to_point(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args),
-                                         args.collective, args.transports)
-        if ctx.is_master:
-            finish(rows, env, args, p2p)
+BENCHMARK = harness.Benchmark(
+    "collectives_benchmark", worker, world_sizes=lambda args: args.procs,
+    report=lambda rows: report(rows, [r for r in rows if "engine" in r]), targets=stored_targets, extra=extra,
+    describe=lambda args: f"{args.collective}, axis {args.axis}, process counts {args.procs}",
+    config_leaves_out=("json", "plot_dir", "from_json"))
 
 
 if __name__ == "__main__":
     arguments = parse_args()
-    if arguments.from_json:
+    if arguments.from_json:  # measure nothing: the file's rows, printed (and charted) again
         document = read_results(arguments.from_json)
-        results = document["results"]
-        finish(allreduce_rows(results), document["env"], arguments, [r for r in results if "engine" in r])
-    elif "RANK" in os.environ:
-        run_under_torchrun(arguments)
+        harness.finish(BENCHMARK, document["results"], document["env"], arguments)
     else:
-        run_spawned(arguments)
+        harness.run(BENCHMARK, arguments)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -43,15 +42,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile,
                                  saved_tensor_bytes, time_interleaved, verdict)
-from dpkit.bench.results import environment, format_environment, markdown_table, write_results
+from dpkit.bench import harness
+from dpkit.bench.results import markdown_table
 from dpkit.comm import transport as transports
-from dpkit.comm.process_groups import add_common_args, distributed, launch, print0, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, progress
 from dpkit.engines import zero
 from dpkit.engines.ddp import DDP, sync_gradients
 from dpkit.engines.fsdp import FSDP
 from dpkit.models import NUM_CLASSES, GPTConfig, build_model
 
-BENCHMARK = "sharding_benchmark"
 MODELS = ("resnet18", "gpt")
 LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
 DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
@@ -663,30 +662,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def finish(rows: list[dict], env: dict, args) -> None:
-    print(report(rows), flush=True)
-    if args.json:
-        write_results(args.json, BENCHMARK, env, {k: v for k, v in vars(args).items() if k != "json"}, rows)
+BENCHMARK = harness.Benchmark("sharding_benchmark", worker, world_sizes=lambda args: args.procs, report=report,
+                              describe=lambda args: f"models {args.models}, variants {args.variants}")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    if "RANK" in os.environ:
-        with distributed(args.backend, args.timeout) as ctx:
-            env = environment(ctx.backend, ctx.device, ctx.world_size)
-            print0(format_environment(env))
-            rows = worker(ctx, args)
-            if ctx.is_master:
-                finish(rows, env, args)
-        return rows
-    backend = resolve_backend(args.backend)
-    device = "cuda" if backend == "nccl" else "cpu"
-    env = environment(backend, device, max(args.procs), threads=1, procs=args.procs)
-    print(format_environment(env) + f"\n* models {args.models}, variants {args.variants}", flush=True)
-    rows = []
-    for n in args.procs:
-        rows += launch(worker, n, args, backend=backend, timeout_s=3600, pg_timeout_s=args.timeout)[0]
-    finish(rows, env, args)
-    return rows
+    return harness.run(BENCHMARK, args)
 
 
 if __name__ == "__main__":

@@ -903,9 +903,9 @@ def _silent_after_one_step(ctx):
 def test_a_rank_with_bad_input_makes_its_peers_fail_within_the_process_group_timeout():
     """Rank 1's input is bad and it raises before communicating; rank 0, waiting in the shared-memory sum, must
     not wait forever: it fails naming rank 1 within the process-group timeout."""
-    message, seconds = launch_expecting_peer_failure(_silent_after_one_step, 2, rank=0, pg_timeout_s=5)
+    message, seconds = launch_expecting_peer_failure(_silent_after_one_step, 2, rank=0, pg_timeout_s=2)
     assert ("rank 0/2: a peer failed, diverged or stopped answering: rank(s) [1] did not reach the shared-memory "
-            "collective within the 5 s process-group timeout") in message, message
+            "collective within the 2 s process-group timeout") in message, message
     assert seconds < 60
 
 
