@@ -3,14 +3,15 @@
 * ``distributed()`` joins the process group torchrun describes (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``; several nodes through torchrun's rendezvous), or a world of one without
   torchrun, and tears it down on exit.
-* ``launch(fn, n)`` runs ``fn(ctx)`` on n spawned workers that meet through a file (no port),
-  with a timeout on the whole group and the root cause's traceback when a worker fails.
+* ``launch(fn, n)`` runs ``fn(ctx)`` on n fresh workers (forked from a server that imported torch
+  once) that meet through a file (no port), with a timeout on the whole group and the root cause's
+  traceback when a worker fails.
 * Both use a short process-group timeout (``DEFAULT_TIMEOUT_S``), so a dead or stuck peer
   ends the job with ``PeerFailedError`` instead of hanging for gloo's default half hour.
 * Rank-0 output: ``print0`` and ``progress`` (a tqdm bar on rank 0 only).
 
-Measurement lives in ``measure.py``, the results layout and the environment header in
-``results.py``.
+* ``teardown()`` destroys the group after closing what holds it (``before_teardown``) and says
+  when something still does. ``synchronize(device)`` waits for queued GPU work.
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ class _Streams:
 
 
 # What a forkserver imports once, so that every worker it forks starts with them loaded.
-PRELOAD = ("torch", "torch.distributed", "numpy", "dpkit.comm.transport", "dpkit.engines.fsdp", "dpkit.engines.zero")
+PRELOAD = ("torch", "torch.distributed", "numpy", "dpkit.comm.transport")
 
 
 def _start_context():
