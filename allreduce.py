@@ -41,8 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dpkit.bench.collectives import bus_factor
 from dpkit.bench import harness
+from dpkit.bench.collectives import bus_factor
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved,
                                  verdict)
 from dpkit.bench.results import markdown_table, read_results
@@ -256,7 +256,8 @@ def _scratch(like: torch.Tensor, rows: int, columns: int, purpose: str = "exchan
 
     Kept from call to call, as gloo and NCCL keep their own buffers: a fresh buffer of a few MB
     is paid for again in page faults on first touch, a visible share of a large all-reduce. It
-    holds ``in_flight`` segments of the largest call so far, O(numel / n); ``release_scratch()`` frees it. Per thread, so concurrent calls from two threads never share it.
+    holds ``in_flight`` segments of the largest call so far, O(numel / n); ``release_scratch()`` frees it.
+    Per thread, so concurrent calls from two threads never share it.
     """
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     key, needed = (like.dtype, like.device, purpose), rows * columns  # one buffer per use that may coexist
@@ -441,9 +442,9 @@ def pair_exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group) -> N
     """Send ``send`` to ``peer`` and receive ``recv`` from it at the same time; wait for both.
 
     gloo: the send is posted before the receive, which measured faster than the other order with
-    processes sharing cores (the time is in the waits, not in Python). NCCL runs a pair's operations in order on
-    one stream, so two ranks each sending first would wait for each other: there the pair is
-    one ``batch_isend_irecv``.
+    processes sharing cores (the time is in the waits, not in Python). NCCL runs a pair's operations
+    in order on one stream, so two ranks each sending first would wait for each other: there the
+    pair is one ``batch_isend_irecv``.
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
         works = [dist.isend(send, group=group, group_dst=peer), dist.irecv(recv, group=group, group_src=peer)]

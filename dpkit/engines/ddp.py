@@ -427,9 +427,9 @@ def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], posit
 
 
 def _adopt_grad(param: nn.Parameter, view: torch.Tensor, world_size: torch.Tensor) -> None:
-    """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it
-    dispatches faster than a Python number, which would be wrapped anew at every call) into ``view`` (its slice of its bucket), and
-    make ``view`` its ``.grad``.
+    """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it dispatches
+    faster than a Python number, which would be wrapped anew at every call) into ``view`` (its slice of
+    its bucket), and make ``view`` its ``.grad``.
 
     One pass over the gradient either way: an in-place division when autograd already
     accumulated into the view (``zero_grad(set_to_none=False)``, or no zero_grad), a
