@@ -408,22 +408,24 @@ def target_checks(rows: list[dict]) -> list[dict]:
     return checks
 
 
+def target_line(check: dict) -> str:
+    """One check of ``target_checks`` as a printed line."""
+    name = check["label"] if check["axis"] == "algorithm" else f"{NAMES[check['collective']]} through {check['label']}"
+    label = (f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]"
+             if check["oversubscribed"] else "")
+    return (f"target {name} <= {check['limit']:.2f}x torch, {check['world_size']} processes, "
+            f"{format_size(check['bytes'])}: {_ratio_text(check['row'])} {check['verdict']}{label}")
+
+
 def target_lines(rows: list[dict]) -> list[str]:
     """``target_checks`` as one printed line each."""
-    lines = []
-    for c in target_checks(rows):
-        name = c["label"] if c["axis"] == "algorithm" else f"{NAMES[c['collective']]} through {c['label']}"
-        label = f" [oversubscribed: {c['world_size']} processes on {os.cpu_count()} cores]" if c["oversubscribed"] else ""
-        lines.append(f"target {name} <= {c['limit']:.2f}x torch, {c['world_size']} processes, {format_size(c['bytes'])}: "
-                     f"{_ratio_text(c['row'])} {c['verdict']}{label}")
-    return lines
+    return [target_line(check) for check in target_checks(rows)]
 
 
 def stored_targets(rows: list[dict]) -> list[dict]:
     """``target_checks`` as the results file keeps them: each check without its row, with its printed line."""
-    swept = allreduce_rows(rows)
-    return [{**{k: v for k, v in check.items() if k != "row"}, "text": text}
-            for check, text in zip(target_checks(swept), target_lines(swept))]
+    return [{**{k: v for k, v in check.items() if k != "row"}, "text": target_line(check)}
+            for check in target_checks(allreduce_rows(rows))]
 
 
 def report(rows: list[dict], p2p: list[dict] | None = None) -> str:

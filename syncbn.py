@@ -44,11 +44,6 @@ __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 _TOO_FEW_VALUES = "Expected more than 1 value per channel when training"
 
 
-def _reduce_dims(x: torch.Tensor) -> list[int]:
-    """Every dimension but the channel one (1): statistics are per channel."""
-    return [0, *range(2, x.dim())]
-
-
 def _per_channel(vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A (C,) vector as (C, 1, ..., 1), so that it broadcasts against x of shape (N, C, *)."""
     return vector if x.dim() == 2 else vector.view(-1, *(1,) * (x.dim() - 2))

@@ -743,6 +743,11 @@ def failures(per_rank: list[dict], keep=lambda case: True) -> list[str]:
     return found
 
 
+def placement_failures(grids, n: int, name: str, kind: str, placement: str) -> list[str]:
+    """``failures`` of the world of ``n`` for one transport, one collective and one placement of the tensors."""
+    return failures([out["cases"] for out in grids[n]], lambda c: c[:2] == (name, kind) and c[6] == placement)
+
+
 def shown(found: list[str]) -> str:
     return f"{len(found)} failing, e.g.:\n" + "\n".join(found[:8])
 
@@ -785,7 +790,7 @@ def test_every_collective_is_exact_for_every_dtype_op_size_and_placement(grids, 
     exactly, gathers bit for bit; 0, 1 and 1003 elements per rank and a few MiB; buffers from
     ``allocate`` (zero copy), plain (staged) or allocated on some ranks only; blocking and
     asynchronous. Inputs come back unmodified."""
-    found = failures([out["cases"] for out in grids[n]], lambda c: c[:2] == (name, kind) and c[6] == "contiguous")
+    found = placement_failures(grids, n, name, kind, "contiguous")
     assert not found, shown(found)
 
 
@@ -795,7 +800,7 @@ def test_every_collective_is_exact_for_every_dtype_op_size_and_placement(grids, 
 def test_a_strided_view_is_reduced_through_the_view_and_its_neighbours_are_untouched(grids, n, name, kind):
     """Column 0 of a (len, 2) buffer (allocated or plain) as input and output: the result is exact and
     column 1 keeps its values."""
-    found = failures([out["cases"] for out in grids[n]], lambda c: c[:2] == (name, kind) and c[6] == "strided")
+    found = placement_failures(grids, n, name, kind, "strided")
     assert not found, shown(found)
 
 
@@ -805,7 +810,7 @@ def test_a_strided_view_is_reduced_through_the_view_and_its_neighbours_are_untou
 def test_the_in_place_forms_are_exact(grids, n, name, kind):
     """reduce_scatter whose output is chunk ``rank`` of its input (the other chunks stay as they were);
     all_gather whose input is chunk ``rank`` of its output."""
-    found = failures([out["cases"] for out in grids[n]], lambda c: c[:2] == (name, kind) and c[6] == "in_place")
+    found = placement_failures(grids, n, name, kind, "in_place")
     assert not found, shown(found)
 
 

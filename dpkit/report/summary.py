@@ -33,20 +33,21 @@ def _load(results_dir: Path, name: str, producers: dict[str, str]) -> dict:
     return read_results(str(path))
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:.0f} %"
-
-
 # --------------------------------------------------------------------------- sections
+
+
+def _stored_targets(doc: dict, what: str, experiments: str) -> list[dict]:
+    """The target checks a benchmark stored with its rows; MissingResults, naming the experiments that write
+    them, when the file predates them."""
+    if not doc.get("targets"):
+        raise MissingResults(f"{what} hold no target checks: written before the benchmark stored its verdicts; run "
+                             f"`python run_experiments.py --quick --only {experiments}` again")
+    return doc["targets"]
 
 
 def _ddp_targets(doc: dict) -> list[dict]:
     """The target checks ddp_benchmark.py stored with its rows, for resnet18 at 2 ranks (not oversubscribed)."""
-    if "targets" not in doc or not doc["targets"]:
-        raise MissingResults("the DDP results hold no target checks: they were written before ddp_benchmark.py "
-                             "stored its verdicts; run `python run_experiments.py --quick --only ddp_benchmark "
-                             "ddp_headline` again")
-    return [c for c in doc["targets"]
+    return [c for c in _stored_targets(doc, "the DDP results", "ddp_benchmark ddp_headline")
             if c["model"] == "resnet18" and c["world_size"] == 2 and not c["oversubscribed"]]
 
 
@@ -118,14 +119,6 @@ def _verdicts(checks: list[dict]) -> str:
     return ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
-def _stored_targets(doc: dict, name: str) -> list[dict]:
-    """The target checks a benchmark stored with its rows; MissingResults when the file predates them."""
-    if not doc.get("targets"):
-        raise MissingResults(f"results/{name}.json holds no target checks: it was written before its benchmark "
-                             f"stored its verdicts; run `python run_experiments.py --quick --only {name}` again")
-    return doc["targets"]
-
-
 COLLECTIVE_NAMES = {"allreduce": "All-reduce", "reduce_scatter": "Reduce-scatter", "all_gather": "All-gather"}
 AXIS_NAMES = {"algorithm": "algorithms over gloo, p50 / `torch.distributed`'s",
               "transport": "transports, p50 / torch's collective over gloo"}
@@ -137,7 +130,7 @@ def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict) -
     (gloo), then the transports against torch's collective."""
     lines = []
     for name, doc in (("collectives", allreduce), ("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
-        checks = [c for c in _stored_targets(doc, name) if not c["oversubscribed"]]
+        checks = [c for c in _stored_targets(doc, f"results/{name}.json", name) if not c["oversubscribed"]]
         for collective, axis in dict.fromkeys((c["collective"], c["axis"]) for c in checks):
             mine = [c for c in checks if (c["collective"], c["axis"]) == (collective, axis)]
             worlds = sorted({c["world_size"] for c in mine})
