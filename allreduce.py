@@ -17,7 +17,7 @@ message. What carries the messages is a transport, not an algorithm (``transport
 * ``halving_doubling_allreduce``: Rabenseifner's; extra ranks of a non-power of two fold into partners.
 * ``recursive_doubling_allreduce``: log2(n) exchanges of the whole tensor (latency-optimal).
 * ``tree_allreduce``: pipelined binary-tree reduce then broadcast.
-* ``allreduce``: one by name, or "auto": the fastest for the size and world size from ``CROSSOVER``.
+* ``allreduce``: one by name, or "auto": the algorithm ``CROSSOVER`` names for the size and world size.
 * ``reduce_scatter`` and ``all_gather``: the ring's two halves as collectives, for sharded training.
 
 Running the file prints the homework's tables over one wire (gloo): time (slowest rank, median of the
@@ -48,7 +48,7 @@ from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubs
 from dpkit.bench.results import markdown_table, read_results
 from dpkit.comm import transport
 from dpkit.comm.checks import OPS, bounds, check_input, check_sharded, group_rank
-from dpkit.comm.process_groups import add_common_args, resolve_backend
+from dpkit.comm.process_groups import add_common_args, parse_checked, resolve_backend
 
 
 # Pipelining on gloo/CPU. A gloo point-to-point message costs far more than a step of gloo's own
@@ -74,12 +74,13 @@ def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., No
     """
     check_input(tensor, op)
     rank, n = group_rank(group)
+    on_host = staged(tensor, group)
     if check and n > 1:
-        _check_same_input(tensor, op, algorithm, group, rank, n)
+        _check_same_input(tensor, op, algorithm, group, rank, n, torch.device("cpu") if on_host else tensor.device)
     if tensor.numel() == 0 or n == 1:
         return tensor  # nothing to exchange; the mean of one rank is its own value
     # A non-contiguous tensor has no flat view: reduce a contiguous copy (numel extra elements), copy it back.
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    work = _flat_work(tensor, on_host)
     with torch.no_grad():
         if op == "mean":
             work.div_(n)
@@ -93,19 +94,37 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.ui
            torch.int64)
 
 
-def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int, n: int) -> None:
+def staged(tensor: torch.Tensor, group=None) -> bool:
+    """Whether ``tensor``'s messages go through a host copy: gloo's point-to-point calls take host memory
+    only (its collectives copy CUDA tensors themselves; its send and recv do not), NCCL's device memory."""
+    return tensor.device.type != "cpu" and dist.get_backend(group) != "nccl"
+
+
+def _flat_work(tensor: torch.Tensor, to_host: bool) -> torch.Tensor:
+    """A contiguous tensor the algorithm can view flat: ``tensor`` itself when it is one, else a copy (on the
+    host when ``to_host``); the caller copies a copy back."""
+    if to_host:
+        return tensor.detach().to("cpu", memory_format=torch.contiguous_format)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _check_same_input(tensor: torch.Tensor, op: str, algorithm, group, rank: int, n: int,
+                      wire: torch.device) -> None:
     """One small exchange before the data: every rank learns every rank's (numel, dtype, op, algorithm).
 
     Without it, mismatched sizes make gloo abort the receiving process with no Python traceback,
     and mismatched algorithms deadlock. Each rank writes its row of an (n, 4) int64 table of zeros;
     a recursive-doubling sum (exact in int64) gives every rank the whole table, so all ranks raise
-    the same error, naming both sides, and none is left waiting.
+    the same error, naming both sides, and none is left waiting. ``wire``: where the backend's messages
+    live (CUDA with NCCL).
     """
     name = getattr(algorithm, "__name__", str(algorithm))
-    table = torch.zeros(n, 4, dtype=torch.int64)
-    table[rank] = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1,
-                                OPS.index(op), zlib.crc32(name.encode())])
+    row = [tensor.numel(), _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else -1, OPS.index(op),
+           zlib.crc32(name.encode())]
+    table = torch.zeros(n, 4, dtype=torch.int64, device=wire)
+    table[rank] = torch.tensor(row, device=wire)
     _recursive_doubling(table.view(-1), rank, n, group)
+    table = table.cpu()
     differs = [r for r in range(n) if not torch.equal(table[r], table[0])]
     if differs:
         def describe(r):
@@ -568,19 +587,22 @@ DEFAULT_CROSSOVER: dict[int, tuple[tuple[int | None, str], ...]] = {
 }
 
 
-def crossover_rows(table: dict[int, tuple]) -> list[dict]:
-    """A crossover table as the rows of its results file: one per (world size, bound, algorithm), in order."""
-    return [{"world_size": n, "up_to_bytes": bound, "algorithm": name} for n, entries in table.items()
-            for bound, name in entries]
+def crossover_rows(table: dict[int, tuple], device: str = "cpu") -> list[dict]:
+    """A crossover table as the rows of its results file: one per (world size, bound, algorithm), in order,
+    each naming the device type it was measured on."""
+    return [{"world_size": n, "up_to_bytes": bound, "algorithm": name, "device": device}
+            for n, entries in table.items() for bound, name in entries]
 
 
-def load_crossover(path: str = CROSSOVER_FILE) -> dict[int, tuple]:
-    """``DEFAULT_CROSSOVER`` with every world size of the results file ``path`` taken from the file (no file:
-    the defaults). ValueError, naming the file, for an unknown algorithm or a row without an open end."""
-    table = dict(DEFAULT_CROSSOVER)
+def load_crossover(path: str = CROSSOVER_FILE, device: str = "cpu") -> dict[int, tuple]:
+    """The table for tensors on ``device`` (a device type): on the CPU, ``DEFAULT_CROSSOVER`` with every world
+    size of the results file ``path`` taken from the file (no file: the defaults); on a GPU only what the file
+    measured there (often nothing: auto then takes PyTorch's collective). ValueError, naming the file, for an
+    unknown algorithm or a row without an open end."""
+    table = dict(DEFAULT_CROSSOVER) if device == "cpu" else {}
     if not os.path.exists(path):
         return table
-    rows = read_results(path)["results"]
+    rows = [row for row in read_results(path)["results"] if row.get("device", "cpu") == device]
     for n in sorted({row["world_size"] for row in rows}):
         entries = tuple((row["up_to_bytes"], row["algorithm"]) for row in rows if row["world_size"] == n)
         unknown = sorted({name for _, name in entries} - set(SUMS))
@@ -643,17 +665,42 @@ def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str
     rank, n = group_rank(group)
     if algorithm == "auto":
         algorithm = auto_algorithm(tensor, group)
+        if algorithm == "torch":
+            return torch_allreduce(tensor, op, group)
     return _allreduce(tensor, op, group, SUMS[algorithm], check=check)
 
 
 def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
     """What ``allreduce(algorithm="auto")`` runs for ``tensor``: ``choose_algorithm`` for its size in bytes and
-    the group's size. (Shared memory is not an algorithm but a transport: ``transport.SharedMemory``.)"""
+    the group's size, from the table measured on its device type. A GPU without one takes "torch"
+    (``torch.distributed.all_reduce``: NCCL's tuned collectives), and group rank 0 says so once.
+    (Shared memory is not an algorithm but a transport: ``transport.SharedMemory``.)"""
     rank, n = group_rank(group)
     nbytes = tensor.numel() * tensor.element_size()
     if n == 1 or nbytes == 0:
         return "recursive_doubling"  # nothing is exchanged
-    return choose_algorithm(nbytes, n, warn=rank == 0)
+    table = crossover_for(tensor.device.type)
+    if not table:
+        if rank == 0 and (0, tensor.device.type) not in _WARNED:
+            _WARNED.add((0, tensor.device.type))
+            warnings.warn(f"allreduce(algorithm='auto'): no crossover measured on {tensor.device.type}, so "
+                          f"torch.distributed.all_reduce ({dist.get_backend(group)}) sums {tensor.device.type} "
+                          f"tensors (measure one with: python collectives_benchmark.py --tune --device "
+                          f"{tensor.device.type})", stacklevel=3)
+        return "torch"
+    return choose_algorithm(nbytes, n, table, warn=rank == 0)
+
+
+_CROSSOVERS: dict[str, dict] = {}  # device type -> its table, read once
+
+
+def crossover_for(device: str) -> dict[int, tuple]:
+    """auto's table for tensors on ``device`` (a device type): ``CROSSOVER`` on the CPU, else read once."""
+    if device == "cpu":
+        return CROSSOVER
+    if device not in _CROSSOVERS:
+        _CROSSOVERS[device] = load_crossover(CROSSOVER_FILE, device)
+    return _CROSSOVERS[device]
 
 
 # --------------------------------------------------------------------------- reference
@@ -715,11 +762,14 @@ def _contribute(out: torch.Tensor, own: torch.Tensor, scale: int | None) -> None
         torch.div(own, scale, out=out)
 
 
-def _sharded(output: torch.Tensor, input: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
-    """Run ``run(flat_output, flat_input)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
-    work = output if output.is_contiguous() else output.contiguous()
+def _sharded(output: torch.Tensor, input: torch.Tensor, run: Callable[[torch.Tensor, torch.Tensor], None],
+             group=None) -> torch.Tensor:
+    """Run ``run(flat_output, flat_input)`` on contiguous 1-D views; a non-contiguous output is filled in a copy
+    (so is a CUDA one over gloo: ``staged``)."""
+    on_host = staged(output, group)
+    work = _flat_work(output, on_host)
     with torch.no_grad():
-        run(work.view(-1), input.contiguous().view(-1))  # a non-contiguous input is read through a copy
+        run(work.view(-1), _flat_work(input, on_host).view(-1))  # a non-contiguous input is read through a copy
         if work is not output:
             output.copy_(work)
     return output
@@ -776,7 +826,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", 
         ticks = _reduce_scatter_ticks(out, chunks, rank, n, op, segment_bytes)
         _ContributingExchange(ticks, group, in_flight).run()
 
-    return _sharded(output, input, run)
+    return _sharded(output, input, run, group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment_bytes: int = SEGMENT_BYTES,
@@ -806,7 +856,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
                                    needs=len(ticks) - per_chunk))
         _Exchange(ticks, group, in_flight).run()
 
-    return _sharded(output, input, run)
+    return _sharded(output, input, run, group)
 
 
 def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
@@ -1031,15 +1081,28 @@ SHORT = {"ring": "ring", "butterfly": "bfly", "halving_doubling": "HD", "recursi
          "auto": "auto", "torch": "torch"}
 
 
-def target_lines(rows: list[dict]) -> list[str]:
-    """auto <= AUTO_TARGET x torch at every size, 2 and 4 processes: met / missed / inconclusive with the interval."""
-    lines = []
+def targets(rows: list[dict]) -> list[dict]:
+    """auto <= AUTO_TARGET x torch at every size, 2 and 4 processes: one stored check per (world size, size),
+    its interval and verdict (met / missed / inconclusive), oversubscribed runs marked."""
+    checks = []
     for row in rows:
         if row["algorithm"] == "auto" and row["world_size"] in TARGET_WORLD_SIZES and row.get("vs_torch") is not None:
             ratio = _ratio_of(row)
-            label = f" [oversubscribed: {row['world_size']} processes on {os.cpu_count()} cores]" if row["oversubscribed"] else ""
-            lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {row['world_size']} processes, {row['numel']} elements: "
-                         f"{format_ratio(ratio)} {verdict(ratio, AUTO_TARGET)}{label}")
+            checks.append({"target": "auto / torch", "world_size": row["world_size"], "numel": row["numel"],
+                           "limit": AUTO_TARGET, "ratio": ratio["median"], "ci_low": ratio["ci_low"],
+                           "ci_high": ratio["ci_high"], "rounds": ratio["rounds"], "verdict": verdict(ratio, AUTO_TARGET),
+                           "oversubscribed": bool(row["oversubscribed"])})
+    return checks
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """``targets`` as the report prints them."""
+    lines = []
+    for check in targets(rows):
+        label = f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]" if check["oversubscribed"] else ""
+        lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {check['world_size']} processes, {check['numel']} elements: "
+                     f"{format_ratio({'median': check['ratio'], **{k: check[k] for k in ('ci_low', 'ci_high', 'rounds')}})} "
+                     f"{check['verdict']}{label}")
     return lines
 
 
@@ -1083,7 +1146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"a small fast subset for regenerating the report: {QUICK} (explicit flags win)")
     add_common_args(parser)
     parser.set_defaults(backend="gloo")  # the homework compares CPU speed; nccl allows one process per GPU only
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     if args.quick:  # the quick subset replaces the defaults; flags given explicitly still win
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
@@ -1098,14 +1161,14 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
 
 
 BENCHMARK = harness.Benchmark(
-    "allreduce", worker, world_sizes=lambda args: args.world_sizes, report=report,
+    "allreduce", worker, world_sizes=lambda args: args.world_sizes, report=report, targets=targets,
     describe=lambda args: f"world sizes {args.world_sizes}, sizes {args.sizes} elements of {args.dtype}",
     # A generous whole-group limit: 32 oversubscribed workers spend most of a minute starting.
     timeout_s=lambda args, world_size: 600 + 60 * world_size)
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    if resolve_backend(args.backend) == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
+    if resolve_backend(args.backend, args.device) == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
         raise SystemExit(f"nccl runs one process per GPU: world sizes above {torch.cuda.device_count()} need --backend gloo")
     return harness.run(BENCHMARK, args)
 

@@ -42,7 +42,7 @@ from dpkit.bench import harness
 from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import markdown_table, read_results, write_results
 from dpkit.comm import transport
-from dpkit.comm.process_groups import add_common_args, print0, progress
+from dpkit.comm.process_groups import add_common_args, parse_checked, print0, progress
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=10, warmup=2)
@@ -503,7 +503,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--from-json", metavar="PATH", default=None,
                         help="measure nothing: print (and plot) the results in this file (default: none)")
     add_common_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     sharded = args.collective != "allreduce"
     if sharded and (args.axis not in (None, "transports") or args.algorithms is not None):
         parser.error(f"--collective {args.collective} compares transports only (--transports), not algorithms")
@@ -541,13 +541,20 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
     return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
 
 
+def _stored_rows(path: str) -> list[dict]:
+    """The rows of a results file, none when it does not exist yet: another device's crossover rows are kept."""
+    return read_results(path)["results"] if os.path.exists(path) else []
+
+
 def extra(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
     """With --tune, auto's crossover table (results/crossover.json, which allreduce.py reads); with --plot-dir,
     the charts."""
     if args.tune:
         table = crossover_table(allreduce_rows(rows))
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
-        write_results(args.crossover_json, "collectives_benchmark --tune", env, config, allreduce.crossover_rows(table))
+        measured = allreduce.crossover_rows(table, env["device"])
+        others = [row for row in _stored_rows(args.crossover_json) if row.get("device", "cpu") != env["device"]]
+        write_results(args.crossover_json, "collectives_benchmark --tune", env, config, others + measured)
         print(f"\nauto's crossover table, written to {args.crossover_json} (allreduce.py reads it at import; a world "
               "size it lacks keeps allreduce.DEFAULT_CROSSOVER's row):\n" + format_table(table), flush=True)
     if args.plot_dir:

@@ -34,16 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from dpkit.bench import harness
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
-from dpkit.bench.results import environment, format_environment, read_results, write_durably, write_results
+from dpkit.bench.results import format_environment, read_results, write_durably
 from dpkit.comm import transport as transports
-from dpkit.comm.process_groups import add_common_args, distributed, launch, print0, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
 
-BENCHMARK = "ddp_benchmark"
 NO_DDP = "no_ddp"
 DDP_KINDS = ("pytorch", "pytorch-best", "naive", "flat", "overlap", "bucketed")  # also the order of the rows
 PYTORCH_KINDS = ("pytorch", "pytorch-best")
@@ -404,7 +404,6 @@ def make_row(ctx, args, facts: dict, variant: Variant, rounds: list[RoundResult]
 
 def run(ctx, args, models: list[str], kinds) -> list[dict]:
     """Every model and variant on this process group; every rank returns the same rows."""
-    torch.set_num_threads(args.threads)
     names = default_transports(args, ctx.device)
     variants = variants_for(kinds, args.bucket_sizes, names)
     # In TRANSPORTS order: each is made collectively, so every rank must make them in one order (not a set's).
@@ -659,14 +658,6 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines + [""] + targets_text(target_checks(rows)))
 
 
-def finish(rows: list[dict], env: dict, config: dict, args: argparse.Namespace) -> None:
-    relate(rows)
-    print(report(rows), flush=True)
-    if args.json:
-        write_results(args.json, BENCHMARK, env, config, rows, targets=target_checks(rows))
-        print(f"\nwrote {args.json}", flush=True)
-
-
 # --------------------------------------------------------------------------- diff (seed 004's diff.py)
 
 
@@ -686,74 +677,57 @@ def default_models(args: argparse.Namespace, device: torch.device) -> list[str]:
     return list(MODELS if device.type == "cuda" else CPU_MODELS)
 
 
-def benchmark_environment(backend: str, device: torch.device, world_size, args, models: list[str]) -> dict:
-    extra = {"threads": args.threads}
-    if any(m.startswith("resnet") for m in models):
+def sweep_sizes(args: argparse.Namespace) -> list[int]:
+    """A sweep's world sizes, 1 included (its single-process no-ddp row is always measured); [1] for run, whose
+    world without torchrun is this process."""
+    return sorted({1, *args.world_sizes}) if args.command == "sweep" else [1]
+
+
+def worker(ctx, args: argparse.Namespace) -> list[dict]:
+    """One rank of a world: every model and variant, or, at world size 1 of a sweep whose --world-sizes leave
+    1 out, the no-ddp row alone (the reference of every DDP overhead)."""
+    alone = ctx.world_size == 1 and args.command == "sweep" and 1 not in args.world_sizes
+    return run(ctx, args, default_models(args, ctx.device), () if alone else args.variants)
+
+
+def stored_environment(env: dict, args: argparse.Namespace) -> dict:
+    """The environment as this benchmark stores it: a sweep's world_size lists its world sizes (so no
+    ``procs``), and torchvision's version is kept when a resnet runs."""
+    env = {k: v for k, v in env.items() if k != "procs"}
+    if args.command == "sweep":
+        env["world_size"] = sweep_sizes(args)
+    if any(m.startswith("resnet") for m in default_models(args, torch.device(env["device"]))):
         import torchvision
 
-        extra["torchvision"] = torchvision.__version__
-    return environment(backend, device, world_size, **extra)
+        env["torchvision"] = torchvision.__version__
+    return env
 
 
-def benchmark_config(args: argparse.Namespace, models: list[str], world_sizes=None) -> dict:
-    config = {k: v for k, v in vars(args).items() if k not in ("command", "world_sizes")}
-    device = torch.device("cuda" if resolve_backend(args.backend) == "nccl" else "cpu")
-    config.update(models=models, transports=default_transports(args, device), lr=LR, momentum=MOMENTUM,
-                  variants=[v.label for v in variants_for(args.variants, args.bucket_sizes,
-                                                          default_transports(args, device))])
-    if world_sizes is not None:
-        config["world_sizes"] = world_sizes
-    return config
+def settings(args: argparse.Namespace) -> dict:
+    """What the results' config stores after the arguments: the models, transports and row labels the flags
+    resolve to on this device, the optimizer's constants, and a sweep's world sizes."""
+    device = torch.device(placement(args.backend, args.device)[1])
+    names = default_transports(args, device)
+    out = {"models": default_models(args, device), "transports": names, "lr": LR, "momentum": MOMENTUM,
+           "variants": [v.label for v in variants_for(args.variants, args.bucket_sizes, names)]}
+    if args.command == "sweep":
+        out["world_sizes"] = sweep_sizes(args)
+    return out
 
 
-def run_command(args: argparse.Namespace) -> None:
-    """``torchrun ... ddp_benchmark.py [run] [flags]``: this process is one rank (a world of one without torchrun)."""
-    with distributed(args.backend, args.timeout) as ctx:
-        torch.set_num_threads(args.threads)
-        models = default_models(args, ctx.device)
-        env = benchmark_environment(ctx.backend, ctx.device, ctx.world_size, args, models)
-        config = benchmark_config(args, models)
-        print0(header(env, config))
-        rows = run(ctx, args, models, args.variants)
-    if ctx.is_master:
-        finish(rows, env, config, args)
+def complete(rows: list[dict], env: dict, args: argparse.Namespace) -> list[dict]:
+    """Every row with its overhead and its ratios to no DDP and to PyTorch's DDP (``relate``)."""
+    relate(rows)
+    return rows
 
 
-def _sweep_worker(ctx, args: argparse.Namespace, models: list[str]) -> list[dict] | None:
-    rows = run(ctx, args, models, args.variants)
-    return rows if ctx.is_master else None
-
-
-def run_in_this_process(args: argparse.Namespace, models: list[str], kinds) -> list[dict]:
-    """World size 1 without spawning: this process joins a world of one, then gets its thread count back."""
-    threads = torch.get_num_threads()
-    try:
-        with distributed(args.backend, args.timeout) as ctx:
-            return run(ctx, args, models, kinds)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def sweep(args: argparse.Namespace) -> None:
-    """Seed 004's rows: world size 1 here (or only its no-ddp row), each other world size through launch."""
+def check_sweep(args: argparse.Namespace) -> None:
+    """Refuse a sweep under torchrun, or one that needs more GPUs than are visible, before anything starts."""
     if "RANK" in os.environ:
         sys.exit("error: run the sweep with plain python, not torchrun: it starts every world size's processes itself")
-    backend = resolve_backend(args.backend)
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
-    world_sizes = sorted({1, *args.world_sizes})  # the single-process no-ddp row is always measured
-    if backend == "nccl" and world_sizes[-1] > torch.cuda.device_count():
-        sys.exit(f"error: world size {world_sizes[-1]} needs {world_sizes[-1]} GPUs with nccl; "
-                 f"{torch.cuda.device_count()} visible")
-    models = default_models(args, device)
-    env = benchmark_environment(backend, device, world_sizes, args, models)
-    config = benchmark_config(args, models, world_sizes)
-    print(header(env, config), flush=True)
-    rows = run_in_this_process(args, models, args.variants if 1 in args.world_sizes else ())
-    for world in world_sizes:
-        if world > 1:
-            rows += launch(_sweep_worker, world, args, models, backend=backend, timeout_s=args.max_time,
-                           pg_timeout_s=args.timeout, threads=args.threads)[0]
-    finish(rows, env, config, args)
+    largest = sweep_sizes(args)[-1]
+    if resolve_backend(args.backend, args.device) == "nccl" and largest > torch.cuda.device_count():
+        sys.exit(f"error: world size {largest} needs {largest} GPUs with nccl; {torch.cuda.device_count()} visible")
 
 
 def _positive(kind):
@@ -822,8 +796,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--warmup must be at least 0")
     if args.rounds > args.iters:
         parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
-    if args.transports and set(args.transports) - {"torch"} and resolve_backend(args.backend) == "nccl":
-        parser.error("--transports shm and shm-thread take CPU tensors: with GPUs (nccl) use --transports torch")
+    try:
+        device = placement(args.backend, args.device)[1]
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    if args.transports and set(args.transports) - {"torch"} and device == "cuda":
+        parser.error("--transports shm and shm-thread take CPU tensors: on CUDA use --transports torch")
     if args.gpt_width % args.gpt_heads:
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:
@@ -879,10 +857,20 @@ def main(argv=None) -> None:
             print(format_diff(read_results(args.base), read_results(args.test)))
         except ValueError as error:
             sys.exit(f"error: {error}")
-    elif args.command == "sweep":
-        sweep(args)
     else:
-        run_command(args)
+        if args.command == "sweep":
+            check_sweep(args)
+        harness.run(BENCHMARK, args)
+
+
+# Under torchrun (run): this process is one rank. Without it: run measures a world of one in this process; a sweep
+# measures world size 1 here too and spawns each other world size through process_groups.launch.
+BENCHMARK = harness.Benchmark(
+    "ddp_benchmark", worker, world_sizes=sweep_sizes, report=report, targets=target_checks,
+    timeout_s=lambda args, world_size: args.max_time, config_leaves_out=("command", "world_sizes"),
+    threads=lambda args: args.threads, world_of_one_here=True, complete=complete,
+    header=lambda env, args: header(env, harness.config(BENCHMARK, args)), environment=stored_environment,
+    config_adds=settings)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Homework Tasks 2 and 3: data-parallel CIFAR-100 training with our DDP and SyncBatchNorm, or PyTorch's.
 
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 --num-epochs 2
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl selfmade  # seed 000's run
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl selfmade  # the homework solution's run
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
@@ -57,7 +57,7 @@ import allreduce  # noqa: F401 (registers the message-passing transports, "p2p" 
 from dpkit.bench.measure import PeakMemory, gather_rows
 from dpkit.bench.results import environment, format_environment, markdown_table, write_durably, write_results
 from dpkit.comm import transport as transports
-from dpkit.comm.process_groups import add_common_args, distributed, print0, progress, synchronize
+from dpkit.comm.process_groups import add_common_args, distributed, parse_checked, print0, progress, synchronize
 from dpkit.engines.ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
 from dpkit.engines.fsdp import FSDP
 from dpkit.engines.zero import ShardedOptimizer
@@ -803,7 +803,7 @@ def main(ctx, args: argparse.Namespace) -> None:
 
 
 def report(final: dict, ranks: list[dict], dataset: str) -> None:
-    """Rank 0's closing lines: the final metrics and seed 000's per-rank table."""
+    """Rank 0's closing lines: the final metrics and the per-rank table the homework solution printed."""
     step = "-" if final["step_time_median_s"] is None else f"{final['step_time_median_s']:.4f} s"
     print(f"final: val loss {final['val_loss']:.4f} | val acc {final['val_acc']:.4f} ({final['val_count']} images, "
           f"{dataset}) | {final['steps']} steps | train time {final['train_time_max_s']:.2f} s (max over ranks) | "
@@ -817,7 +817,7 @@ def report(final: dict, ranks: list[dict], dataset: str) -> None:
 
 @record  # under torchrun, a failing rank's traceback is recorded and printed as the root cause
 def run(args: argparse.Namespace) -> None:
-    with distributed(args.backend, args.timeout) as ctx:
+    with distributed(args.backend, args.timeout, args.device) as ctx:
         main(ctx, args)
 
 
@@ -876,7 +876,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds the ranks wait for rank 0 to save or find a checkpoint (slow shared storage); "
                         "--timeout does not apply to that wait (default: %(default)s)")
     add_common_args(p, json_help="same as --metrics-json")
-    args = p.parse_args(argv)
+    args = parse_checked(p, argv)
     for name in ("num_epochs", "grad_accum_steps", "batch_size", "val_batch_size", "train_size", "val_size", "max_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dpkit.bench.results import environment, format_environment, write_results
-from dpkit.comm.process_groups import add_common_args, distributed
+from dpkit.comm.process_groups import add_common_args, distributed, parse_checked
 
 
 def print_order(size: int, order: str = "up") -> list[int]:
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--order", choices=("up", "updown"), default="up",
                         help="up: ranks 0..N-1; updown: 0..N-1 then N-1..0 in each iteration (default: %(default)s)")
     add_common_args(parser, json_help="rank 0 writes the printed lines here in the shared JSON layout")
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     if args.num_iter < 1:
         parser.error("--num-iter must be at least 1")
     return args
@@ -106,5 +106,5 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
-    with distributed(args.backend, args.timeout) as ctx:
+    with distributed(args.backend, args.timeout, args.device) as ctx:
         main(ctx, args)

@@ -6,6 +6,7 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
     python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp pytorch"   # fully_shard on [torch] and [shm]
     python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"      # [torch], [shm], [shm-thread]
     python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero ours in step [shm]"
+    python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero2 ours [shm]"   # ZeRO stages 1 and 2
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (without the
@@ -21,7 +22,7 @@ An iteration: forward, cross-entropy, backward, gradient synchronisation, ``Adam
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then
 timed in rounds that interleave the variants; ratios are medians of per-round p50 ratios with 95 %
 bootstrap intervals, judged met / missed / inconclusive against their targets. Memory is counted per
-rank from the tensors it holds.
+rank from the tensors it holds (the gradients of every rank are reported: ZeRO stage 2 keeps 1/n of them).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile,
-                                 saved_tensor_bytes, time_interleaved, verdict)
+                                 round_p50s, saved_tensor_bytes, time_interleaved, verdict)
 from dpkit.bench import harness
 from dpkit.bench.results import markdown_table
 from dpkit.comm import transport as transports
-from dpkit.comm.process_groups import add_common_args, progress
+from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.engines import zero
 from dpkit.engines.ddp import DDP, sync_gradients
 from dpkit.engines.fsdp import FSDP
@@ -60,8 +61,8 @@ DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
              variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]", "zero ours [torch]",
-                       "zero ours [shm]", "zero pytorch [torch]", "fsdp ours [torch]", "fsdp ours [shm]",
-                       "fsdp pytorch [torch]", "fsdp pytorch [shm]"])
+                       "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]", "zero pytorch [torch]",
+                       "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
@@ -70,7 +71,7 @@ TARGET_STATE_VS_IDEAL = 1.10  # per-rank model-state bytes / ideal
 
 # What a target's two variants differ in (one thing only); every target row names its axis.
 AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
-        "sharding": "ZeRO / DDP: the same engine on the same transport",
+        "sharding": "ZeRO (stage 1 or 2) / DDP: the same engine on the same transport",
         "transport": "one engine: shared memory / torch.distributed (gloo), or on a communication thread / inline",
         "option": "one engine on one transport: an option / its default",
         "memory": "model-state bytes per rank / the ideal"}
@@ -98,11 +99,17 @@ class Setup:
     kept: Callable[[], list[torch.Tensor]] = list  # buffers kept between iterations besides parameters and state
     state: Callable[[], list[torch.Tensor]] | None = None  # optimizer-state tensors (default: optimizer.state)
     settle: Callable[[], None] = lambda: None  # waits for communication an iteration leaves in flight
+    grads: Callable[[], list[torch.Tensor]] | None = None  # what holds the gradients after backward (default: .grad)
 
     def state_tensors(self) -> list[torch.Tensor]:
         if self.state is not None:
             return self.state()
         return [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        if self.grads is not None:
+            return self.grads()
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,17 @@ def zero_ours_tensor(module: nn.Module, transport: transports.Transport) -> Setu
     return _zero_ours(module, transport, partition="tensor")
 
 
+@variant("zero2 ours", "zero2", targets=(Target("zero ours", "option"), Target("ddp ours", "sharding")))
+def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
+    """ZeRO stage 2: no DDP; the optimizer's hooks reduce-scatter each bucket's gradients to their owners during
+    backward (each rank keeps 1/n of them), its step all-gathers the parameters, overlapping the next forward."""
+    optimizer = zero.ShardedOptimizer(module.parameters(), torch.optim.AdamW, lr=LR, transport=transport, stage=2)
+    optimizer.overlap_with_forward(module)
+    return Setup(module, optimizer, exposed_s=lambda: optimizer.last_reduce_wait_s + optimizer.last_share_s,
+                 kept=lambda: [b.rows for b in optimizer.buckets] + optimizer.gradient_shares(),  # (n, width), (width,)
+                 settle=optimizer.wait_for_parameters, grads=optimizer.gradient_shares)
+
+
 @variant("zero pytorch", "zero", on=("torch",), targets=(Target("ddp pytorch", "sharding", TARGET_ZERO_VS_DDP),),
          default=("torch",))
 def zero_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
@@ -329,6 +347,8 @@ def ideal_bytes(sharding: str, full: dict, n: int) -> int:
         return p + g + s
     if sharding == "zero":  # stage 1: the optimizer state sharded
         return p + g + s // n
+    if sharding == "zero2":  # stage 2: the gradients too
+        return p + (g + s) // n
     if sharding == "fsdp":  # stage 3: everything sharded, one unit gathered at a time
         return (p + g + s) // n + full["largest_unit"]
     raise ValueError(f"no ideal for sharding {sharding!r}")
@@ -463,7 +483,7 @@ class Run:
         activations = saved_tensor_bytes(lambda: box.append(self.forward()), exclude=[_local(p) for p in params])
         box[0].backward()
         sync_gradients(model)
-        grads = storage_bytes(p.grad for p in params)
+        grads = storage_bytes(self.setup.grad_tensors())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         counts = {"params_bytes": storage_bytes(params), "grads_bytes": grads,
@@ -514,23 +534,16 @@ def _row(ctx, args, name: str, v: str, run: Run, samples: list[float], full: dic
     row = {"model": name, "world_size": ctx.world_size, "variant": v, "sharding": VARIANTS[v].sharding,
            "transport": VARIANTS[v].transport, "transport_detail": run.transport.describe(),
            "p50_s": percentile(samples, 50), "p95_s": percentile(samples, 95),
-           "round_p50_s": _round_p50s(samples, args.iters, args.rounds),
+           "round_p50_s": round_p50s(samples, args.iters, args.rounds),
            "exposed_comm_s": None if any(e != e for e in exposed) else percentile(exposed, 50),
            **{key: int(value) for key, value in zip(counts, worst)},
            "state_bytes_per_rank": [int(b) for b in per_rank[:, list(counts).index("state_bytes")]],
+           "grads_bytes_per_rank": [int(b) for b in per_rank[:, list(counts).index("grads_bytes")]],
            "ideal_bytes": ideal_bytes(VARIANTS[v].sharding, full, ctx.world_size),
            "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
     row["model_state_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["state_bytes"]
     row["state_vs_ideal"] = row["model_state_bytes"] / row["ideal_bytes"]
     return row
-
-
-def _round_p50s(samples: list[float], iters: int, rounds: int) -> list[float]:
-    """The p50 of each round's iterations (``time_interleaved`` times a variant's rounds in order)."""
-    rounds = max(1, min(rounds, iters))
-    sizes = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
-    starts = [sum(sizes[:r]) for r in range(rounds)]
-    return [percentile(samples[s:s + k], 50) for s, k in zip(starts, sizes)]
 
 
 def target_rows(rows: list[dict], args) -> list[dict]:
@@ -571,13 +584,15 @@ def worker(ctx, args) -> list[dict]:
 MIB = 2 ** 20
 COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
            ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
-           ("grads_mib", "grads MiB", ".1f"), ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
+           ("grads_mib", "grads MiB", ".1f"), ("grads_per_rank_mib", "grads MiB per rank", "s"),
+           ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
            ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("ideal_mib", "ideal MiB", ".1f"),
            ("state_vs_ideal", "states / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
 storages: a tied weight or a bucket holding every gradient counts once): parameters; gradients (after
-synchronisation); optimizer state; activations (what autograd saves in forward, parameters excluded: the
+synchronisation; "per rank": each rank's, in rank order; ZeRO stage 2 keeps only its share's, with a
+used-flag per piece); optimizer state; activations (what autograd saves in forward, parameters excluded: the
 gathered weights count for fully_shard, whose saved tensors they are, and for ours with keep, not for ours
 resharding, which gathers them again in backward). Peak = what is kept between iterations (parameters,
 optimizer state, the variant's own buffers: DDP's buckets, ours and PyTorch's, ZeRO's all-gather buffers, the
@@ -586,7 +601,8 @@ allocator and in /dev/shm together (each block the shared-memory transport takes
 profiler's timeline when it is taken and freed). "/dev/shm MiB": the most bytes a variant held in shared
 memory (its buffers, the staging block, blocks taken during the iteration), which a memory profiler does not
 see. Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them
-for DDP, 1/n of the optimizer state for ZeRO, 1/n of everything plus the largest gathered unit for FSDP."""
+for DDP, 1/n of the optimizer state for ZeRO (stage 2: and of the gradients), 1/n of everything plus the
+largest gathered unit for FSDP."""
 
 
 def report(rows: list[dict]) -> str:
@@ -597,6 +613,8 @@ def report(rows: list[dict]) -> str:
         for key in ("params", "grads", "state", "activation", "peak", "shared_peak", "ideal"):
             line[f"{key}_mib"] = row[f"{key}_bytes"] / MIB
         line["world_size"] = f"{row['world_size']}{' (oversubscribed)' if row['oversubscribed'] else ''}"
+        if row.get("grads_bytes_per_rank") is not None:  # (absent from files written before it was recorded)
+            line["grads_per_rank_mib"] = " / ".join(f"{b / MIB:.2f}" for b in row["grads_bytes_per_rank"])
         shown.append(line)
     fallbacks = sorted({f"{r['variant']}: {r['transport_detail']}" for r in rows
                         if "transport_detail" in r and "through torch" in r["transport_detail"]})
@@ -649,7 +667,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="small and fast settings (explicit flags win)")
     add_common_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     for key, value in ({**DEFAULTS, "variants": defaults} if not args.quick else QUICK).items():
         if getattr(args, key) is None:  # explicit flags win over --quick
             setattr(args, key, value)

@@ -41,12 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from dpkit.bench import harness
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
                                  percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
-from dpkit.bench.results import environment, format_environment, markdown_table, write_results
+from dpkit.bench.results import format_environment, markdown_table
 from dpkit.comm import transport as transports
 from dpkit.comm import process_groups
-from dpkit.comm.process_groups import add_common_args, distributed, launch, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 import syncbn
 from syncbn import SyncBatchNorm
 
@@ -428,7 +429,6 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
 
 def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_ITERS) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
-    torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
     made = make_transports(ctx.device)
     try:
@@ -467,7 +467,6 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     synchronized computation without its collectives (what the layer costs beyond BatchNorm's kernels); on
     the CPU, at the smallest and the largest size, the latter two again with cold caches (COLD)."""
     assert not dist.is_initialized()
-    torch.set_num_threads(args.threads)
     baseline = _load_baseline(args.baseline) if args.baseline else None
     impls = [(OURS, None), (LOCAL, None), (SYNC_PATH, None)]
     impls += [(f"{SYNC_PATH}@{args.baseline}", None)] if args.baseline else []
@@ -771,47 +770,74 @@ def attribution_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], env: dict, config: dict) -> None:
-    print(format_environment(env))
+def header(env: dict, args) -> str:
+    """The environment and how the times were taken, printed before measuring."""
     oversub = oversubscribed(env["world_size"], env["device"])
-    print(f"* {config['iters']} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
-          f"and warm caches) in {config['rounds']} interleaved rounds; "
-          "times are medians of the per-iteration maximum over ranks; [torch]: torch.distributed's all_reduce, "
-          "[shm]: this host's shared memory" + ("; OVERSUBSCRIBED (more processes than cores): timings say little"
-                                                 if oversub else ""))
+    return (f"{format_environment(env)}\n"
+            f"* {args.iters} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
+            f"and warm caches) in {args.rounds} interleaved rounds; "
+            "times are medians of the per-iteration maximum over ranks; [torch]: torch.distributed's all_reduce, "
+            "[shm]: this host's shared memory" + ("; OVERSUBSCRIBED (more processes than cores): timings say little"
+                                                   if oversub else ""))
+
+
+def report(rows: list[dict]) -> str:
+    """Times and peak memory per setting and dtype, the ratios, where the time goes, the bounds, the targets."""
+    lines = []
     for setting in (WORKERS, SINGLE, COLD):
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
-                print(f"\n{setting}, {dtype}: median time per iteration and peak memory\n"
-                      f"{_time_table(rows, setting, dtype)}")
+                lines.append(f"\n{setting}, {dtype}: median time per iteration and peak memory\n"
+                             f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
     pairs = dict.fromkeys((r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"]) for r in ratio_rows)
     for axis, mine, t_mine, versus, t_versus in pairs:
         table = [r for r in ratio_rows if (r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"])
                  == (axis, mine, t_mine, versus, t_versus)]
-        print(f"\n{axis}: {label(mine, t_mine)} / {label(versus, t_versus)}\n{markdown_table(table, RATIO_COLUMNS)}")
-    print("\nWhere the time goes (profiled, self CPU time per iteration):")
-    print("\n".join(_breakdown_text(rows)))
+        lines.append(f"\n{axis}: {label(mine, t_mine)} / {label(versus, t_versus)}\n"
+                     f"{markdown_table(table, RATIO_COLUMNS)}")
+    lines += ["\nWhere the time goes (profiled, self CPU time per iteration):", "\n".join(_breakdown_text(rows))]
     if any(r["kind"] == "phases" for r in rows):
-        print(f"\n{WORKERS}: one iteration cut at its two sums (median per phase, slowest rank)\n{_phases_table(rows)}")
-    print("\n".join(attribution_lines(rows)))
+        lines.append(f"\n{WORKERS}: one iteration cut at its two sums (median per phase, slowest rank)\n"
+                     f"{_phases_table(rows)}")
+    lines.append("\n".join(attribution_lines(rows)))
     if any(r["kind"] in ("bound", "comparison") for r in rows):
-        print("\nBounds and the transport axis (no target):")
-        for b in (r for r in rows if r["kind"] in ("bound", "comparison")):
-            print(f"  {b['name']}: {format_ratio(b)}")
-    print("\nTargets:")
+        lines.append("\nBounds and the transport axis (no target):")
+        lines += [f"  {b['name']}: {format_ratio(b)}" for b in rows if b["kind"] in ("bound", "comparison")]
+    lines.append("\nTargets:")
     for t in (r for r in rows if r["kind"] == "target"):
         detail = f" ({format_ratio(t)})" if "median" in t else f" ({t['sizes_met']} of {t['sizes']} sizes)"
-        print(f"  {t['name']}: {t['verdict'].upper()}{detail}" + (f": {t['why']}" if "why" in t else ""))
+        lines.append(f"  {t['name']}: {t['verdict'].upper()}{detail}" + (f": {t['why']}" if "why" in t else ""))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- entry points
 
 
-def _worker(ctx, args):
-    rows = run(ctx, args)
-    return rows if ctx.is_master else None
+def worker(ctx, args) -> list[dict]:
+    """One of the workers: the whole grid on every transport (``run``); no rows with --settings single."""
+    for batch in args.batch:
+        if batch % ctx.world_size:
+            raise ValueError(f"--batch {batch} is not divisible by the {ctx.world_size} workers")
+    return run(ctx, args) if WORKERS in args.settings else []
+
+
+def measured_here(args, device: torch.device) -> list[dict]:
+    """With --settings single: one process with no process group (``run_single_process``)."""
+    return run_single_process(device, args) if "single" in args.settings else []
+
+
+def complete(rows: list[dict], env: dict, args) -> list[dict]:
+    """The measured rows, then the ratios, the targets and the bounds derived from them."""
+    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown", "phases")]
+    ratio_rows = ratios(time_rows)
+    return time_rows + ratio_rows + targets(ratio_rows, time_rows) + bounds(ratio_rows)
+
+
+def time_budget(args, world_size: int) -> float:
+    """A generous bound on the workers' whole run: the process-group timeout catches a stuck peer much sooner."""
+    return 600 + 0.1 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -842,7 +868,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_checked(parser, argv)
     for key, value in (QUICK if args.quick else NORMAL).items():  # defaults only where no flag was given
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -853,44 +879,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(args) -> None:
-    if "RANK" in os.environ:  # under torchrun: this process is one rank
-        with distributed(args.backend, args.timeout) as ctx:
-            for batch in args.batch:
-                if batch % ctx.world_size:
-                    raise ValueError(f"--batch {batch} is not divisible by the {ctx.world_size} workers")
-            rows = run(ctx, args) if WORKERS in args.settings else []
-            env = environment(ctx.backend, ctx.device, ctx.world_size, threads=args.threads)
-        if ctx.is_master:
-            if "single" in args.settings:
-                rows += run_single_process(ctx.device, args)
-            finish(rows, env, args)
-        return
-    backend = resolve_backend(args.backend)
-    for batch in args.batch:
-        if batch % args.workers:
-            sys.exit(f"error: --batch {batch} is not divisible by --workers {args.workers}")
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
-    # Generous bound on the whole run: the process-group timeout catches a stuck peer much sooner.
-    budget = 600 + 0.1 * args.iters * len(args.batch) * len(args.hidden) * len(args.dtypes)
-    rows = []
-    if WORKERS in args.settings:
-        rows += launch(_worker, args.workers, args, backend=backend, timeout_s=budget, pg_timeout_s=args.timeout,
-                       threads=args.threads)[0]
-    if "single" in args.settings:
-        rows += run_single_process(device, args)
-    finish(rows, environment(backend, device, args.workers, threads=args.threads), args)
+def main(args) -> list[dict]:
+    """Measure, print and write (``BENCHMARK``); without torchrun, a --batch that does not split over the
+    --workers to spawn is refused first."""
+    if "RANK" not in os.environ:
+        for batch in args.batch:
+            if batch % args.workers:
+                sys.exit(f"error: --batch {batch} is not divisible by --workers {args.workers}")
+    return harness.run(BENCHMARK, args)
 
 
-def finish(rows: list[dict], env: dict, args) -> None:
-    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown", "phases")]
-    ratio_rows = ratios(time_rows)
-    rows = time_rows + ratio_rows + targets(ratio_rows, time_rows) + bounds(ratio_rows)
-    config = vars(args)
-    report(rows, env, config)
-    if args.json:
-        write_results(args.json, "syncbn_benchmark", env, config, rows)
-        print(f"\nwrote {args.json}")
+# Under torchrun this process is one of the workers; without it, --workers processes are spawned. The rows of one
+# process without a process group are measured afterwards in this process (rank 0's under torchrun). The results
+# file names its one process count in world_size alone, as it always has (no procs).
+BENCHMARK = harness.Benchmark(
+    "syncbn_benchmark", worker, world_sizes=lambda args: [args.workers] if WORKERS in args.settings else [],
+    report=report, timeout_s=time_budget, config_leaves_out=(), threads=lambda args: args.threads,
+    local=measured_here, complete=complete, header=header,
+    environment=lambda env, args: {k: v for k, v in env.items() if k != "procs"})
 
 
 if __name__ == "__main__":

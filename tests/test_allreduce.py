@@ -500,6 +500,9 @@ def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_
     assert "target auto <= 1.10x torch, 2 processes, 1000 elements: 0.90x [0.80, 1.00] met" in text
     assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text
     assert "8 processes, 1000 elements" not in text  # the target is stated for 2 and 4 processes
+    stored = allreduce.targets(rows)  # what the results file keeps beside the rows
+    assert [(t["world_size"], t["verdict"], t["oversubscribed"]) for t in stored] == [(2, "met", False), (4, "missed", True)]
+    assert allreduce.BENCHMARK.targets is allreduce.targets
 
 
 # --------------------------------------------------------------------------- auto's table, a results file
@@ -527,3 +530,15 @@ def test_a_crossover_file_that_auto_cannot_use_is_named_with_what_is_wrong(tmp_p
     write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, allreduce.crossover_rows({2: entries}))
     with pytest.raises(ValueError, match=f"crossover.json: the row of 2 processes .*{message}.*--tune"):
         allreduce.load_crossover(path)
+
+
+def test_auto_on_a_gpu_takes_torch_unless_a_table_was_measured_on_that_device(tmp_path):
+    from dpkit.bench.results import environment, write_results
+
+    path = str(tmp_path / "crossover.json")
+    assert allreduce.load_crossover(path, "cuda") == {}, "nothing measured on cuda: no table (auto takes torch)"
+    on_cpu, on_gpu = {2: ((None, "tree"),)}, {2: ((1 << 20, "ring"), (None, "butterfly"))}
+    rows = allreduce.crossover_rows(on_cpu) + allreduce.crossover_rows(on_gpu, "cuda")
+    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, rows)
+    assert allreduce.load_crossover(path, "cuda") == on_gpu
+    assert allreduce.load_crossover(path)[2] == on_cpu[2], "each device reads its own rows"

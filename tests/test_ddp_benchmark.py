@@ -27,7 +27,7 @@ import torch
 
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
-from dpkit.bench import measure
+from dpkit.bench import harness, measure
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import transport as transports
 from dpkit.engines import ddp
@@ -94,7 +94,7 @@ def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on
     args = bench.parse_args([])
     assert bench.default_transports(args, torch.device("cpu")) == ["torch", "shm"]
     assert bench.default_transports(args, torch.device("cuda")) == ["torch"]
-    assert bench.benchmark_config(args, ["cnn"])["variants"] == DEFAULT_LABELS
+    assert harness.config(bench.BENCHMARK, args)["variants"] == DEFAULT_LABELS
     assert [v.label for v in bench.variants_for(bench.DDP_KINDS, args.bucket_sizes)] == DEFAULT_LABELS
     on_gpus = bench.variants_for(bench.DDP_KINDS, [25.0], ["torch"])
     assert {v.transport for v in on_gpus} == {None, "torch"}
@@ -276,11 +276,11 @@ def scripted():
                                  "--transports", *bench.TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
                                  "--iters", str(SCRIPTED_ITERS), "--rounds", str(len(DRIFT)), "--warmup", "1",
                                  "--no-breakdown"])
-        rows = bench.run_in_this_process(args, ["cnn"], args.variants)
+        with redirect_stdout(io.StringIO()):
+            rows = harness.run(bench.BENCHMARK, args)  # without torchrun: a world of one in this process
     finally:
         patch.undo()
     assert real_time is measure.time
-    bench.relate(rows)
     return {r["label"]: r for r in rows}, clock.built
 
 
@@ -639,7 +639,7 @@ def test_bad_flags_stop_with_a_usage_error(flags, capsys):
 
 
 def test_shared_memory_transports_are_refused_with_gpus(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "resolve_backend", lambda backend: "nccl")  # as with GPUs, without one
+    monkeypatch.setattr(bench, "placement", lambda backend, device: ("nccl", "cuda"))  # as with GPUs, without one
     for transports_ in (["shm"], ["torch", "shm-thread"]):
         with pytest.raises(SystemExit) as stop:
             bench.parse_args(["--transports", *transports_])

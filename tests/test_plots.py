@@ -407,3 +407,22 @@ def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_i
     ideals = sorted({line.get_ydata()[0] for line in ax.lines})
     assert ideals == [10, 12, 16]
     assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero") == "zero ours"
+
+
+def test_a_run_with_more_processes_than_cores_is_oversubscribed_whatever_its_flag_says():
+    env = {"cpus": 2, "device": "cpu"}
+    assert plots.oversubscribed({"world_size": 4, "oversubscribed": False}, env)  # a stale or missing flag
+    assert not plots.oversubscribed({"world_size": 2, "oversubscribed": False}, env)
+    assert plots.oversubscribed({"world_size": 4, "target": "zero ours / ddp ours"}, env)  # a target check, no flag
+    assert not plots.oversubscribed({"world_size": 4, "oversubscribed": False}, {"cpus": 2, "device": "cuda"})
+
+
+def test_below_five_rounds_the_interval_is_the_range_of_the_rounds_and_is_named_so():
+    assert plots.interval({"p50_s": 1.0, "round_p50_s": [1.2, 0.9]}, "p50_s") == (0.9, 1.2)
+    assert plots.interval({"p50_s": 1.0, "round_p50_s": [1.0, 0.8, 1.3, 1.1]}, "p50_s") == (0.8, 1.3)
+    rounds = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 5.0]  # one outlier: a bootstrap interval of the median leaves it out
+    low, high = plots.interval({"p50_s": 1.0, "round_p50_s": rounds}, "p50_s")
+    assert 0.98 <= low <= 1.0 <= high < 5.0
+    assert plots.interval({"p50_s": 1.0, "round_p50_s": [1.0]}, "p50_s") is None
+    assert plots.interval_name(2) == "range of 2 rounds" and plots.interval_name(4) == "range of 4 rounds"
+    assert plots.interval_name(plots.MIN_BOOTSTRAP_ROUNDS) == "95 % interval" == plots.interval_name(None)

@@ -179,7 +179,41 @@ def test_a_set_up_that_fails_leaves_no_store_directory(monkeypatch, tmp_path):
     when joining the process group raises (on today's main it was left behind)."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(process_groups.tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+    with pytest.raises(ValueError, match="--backend bogus: unknown backend"):
         with process_groups.distributed("bogus"):
             pass
     assert os.listdir(tmp_path) == [] and not dist.is_initialized()
+
+
+# --------------------------------------------------------------------------- --backend and --device
+
+
+@pytest.mark.parametrize("gpu, backend, device, want", [
+    (False, "auto", "auto", ("gloo", "cpu")),
+    (False, "gloo", "cpu", ("gloo", "cpu")),
+    (True, "auto", "auto", ("nccl", "cuda")),
+    (True, "auto", "cpu", ("gloo", "cpu")),  # CPU tensors on a GPU machine: gloo
+    (True, "gloo", "auto", ("gloo", "cpu")),
+    (True, "gloo", "cuda", ("gloo", "cuda")),  # ranks share the GPUs over gloo
+    (True, "nccl", "auto", ("nccl", "cuda")),
+])
+def test_the_backend_and_device_follow_the_flags_and_the_machine(monkeypatch, gpu, backend, device, want):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    assert process_groups.placement(backend, device) == want
+
+
+@pytest.mark.parametrize("gpu, flags, message", [
+    (False, ("--device", "cuda"), "--device cuda: no CUDA device is visible"),
+    (False, ("--backend", "nccl"), "--backend nccl needs CUDA"),
+    (True, ("--backend", "nccl", "--device", "cpu"), "--device cpu with --backend nccl"),
+])
+@pytest.mark.parametrize("script", ("sequential_print", "ddp_cifar100"))
+def test_a_device_the_machine_cannot_serve_is_a_usage_error_naming_the_flag(monkeypatch, capsys, gpu, flags, message,
+                                                                            script):
+    module = __import__(script)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(list(flags))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage:" in err, err

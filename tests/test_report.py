@@ -10,6 +10,7 @@ from nbclient import NotebookClient
 
 from common import REPO
 from dpkit.bench.results import read_results
+from dpkit.report import findings
 import run_experiments
 
 RESULTS = REPO / "results"
@@ -42,6 +43,7 @@ def executed():
     return committed, fresh
 
 
+@pytest.mark.slow  # executing the notebook takes half a minute: CI runs it with the slow tests
 def test_report_executes_top_to_bottom_on_the_committed_results_and_shows_them(executed):
     committed, fresh = executed
     pictures = sum("image/png" in o.get("data", {}) for c in fresh.cells if c.cell_type == "code" for o in c.outputs)
@@ -58,6 +60,7 @@ def numbers(text: str) -> set[str]:
     return {n.replace(",", "") for n in NUMBER.findall(text)}
 
 
+@pytest.mark.slow
 def test_numbers_in_the_hand_written_text_appear_in_what_the_code_computed(executed):
     """Hand-written markdown may hold prose, or numbers that the code cells' outputs also show; a number
     typed by hand that the data does not produce (a stale claim) fails here."""
@@ -101,3 +104,95 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_its_test_command():
     assert "ddp_cifar100.py" in install_and_run and "--dataset synthetic" in install_and_run
     ci = (REPO / ".ci" / "run").read_text()
     assert test in ci.splitlines(), f"CI must run the README's test command {test!r}"
+
+
+# --------------------------------------------------------------------------- findings: the numbers behind the sentences
+
+
+def target(world, verdict, limit=1.0, **fields):
+    return {"model": "resnet18", "world_size": world, "axis": "engine", "label": "ours", "reference": "pytorch",
+            "target": "p50 / pytorch p50", "limit": limit, "verdict": verdict, **fields}
+
+
+def test_counts_leave_out_oversubscribed_runs_and_checks_without_a_target():
+    env = {"cpus": 2, "device": "cpu"}
+    checks = [target(1, "met"), target(2, "missed"), target(2, "inconclusive"), target(4, "met"),
+              target(4, "missed", oversubscribed=False), target(2, "information", limit=None)]
+    counted = findings.countable(checks, env)
+    assert [c["world_size"] for c in counted] == [1, 2, 2]
+    assert findings.verdict_counts(counted) == {"met": 1, "missed": 1, "inconclusive": 1}
+    assert findings.counts_text(counted[:1]) == "1 met, 0 missed, 0 inconclusive"
+    assert len(findings.countable(checks, {"cpus": 4, "device": "cpu"})) == 5  # 4 processes fit on 4 cores
+
+
+def test_two_runs_verdicts_are_compared_on_the_same_comparison_only():
+    headline = [target(2, "met"), target(2, "inconclusive", label="flat"), target(2, "met", label="only here")]
+    sweep = [target(2, "inconclusive"), target(2, "inconclusive", label="flat"), target(2, "met", label="only there"),
+             target(2, "missed", model="cnn")]
+    assert [(c["label"], o["label"]) for c, o in findings.paired_checks(headline, sweep)] == [("ours", "ours"), ("flat", "flat")]
+    differ = findings.differing_verdicts(headline, sweep)
+    assert [(c["verdict"], o["verdict"]) for c, o in differ] == [("met", "inconclusive")]
+
+
+def test_a_series_trend_and_text_follow_its_points_in_x_order():
+    assert findings.trend([(10_000, 1.37), (1_000, 1.39), (100_000, 3.28)]) == "rises"  # a dip, then the largest last
+    assert findings.trend([(1, 3.0), (2, 2.0), (3, 1.0)]) == "falls"
+    assert findings.trend([(1, 1.0), (2, 3.0), (3, 2.0)]) == "varies"
+    assert findings.trend([(1, 1.0)]) == "varies"
+    assert findings.series_text([(10_000, 1.37), (1_000, 1.39), (100_000, 3.28)]) == \
+        "1.39 at 1,000, 1.37 at 10,000 and 3.28 at 100,000"
+    assert findings.series_text([(2, 0.5)], "d", ".1f") == "0.5 at 2"
+
+
+def test_growth_is_from_one_world_size_to_another_of_one_label():
+    rows = [{"label": "no ddp", "world_size": 1, "p50_s": 0.10}, {"label": "no ddp", "world_size": 2, "p50_s": 0.13},
+            {"label": "ddp", "world_size": 1, "p50_s": 0.20}]
+    assert findings.growth(rows, "no ddp", 1, 2) == pytest.approx(0.3)
+    assert findings.growth(rows, "ddp", 1, 2) is None
+
+
+def allreduce_row(world, size, label, p50, choice=None, axis="algorithm"):
+    return {"world_size": world, "bytes": size, "label": label, "p50_s": p50, "choice": choice, "axis": axis}
+
+
+def test_auto_choices_compare_autos_pick_with_the_fastest_algorithm_of_the_run():
+    rows = [allreduce_row(2, 4000, "torch", 0.1), allreduce_row(2, 4000, "ring", 3.0), allreduce_row(2, 4000, "tree", 0.6),
+            allreduce_row(2, 4000, "auto", 0.5, "tree"),
+            allreduce_row(2, 2**20, "torch", 0.1), allreduce_row(2, 2**20, "ring", 1.0), allreduce_row(2, 2**20, "tree", 2.0),
+            allreduce_row(2, 2**20, "auto", 0.05, "tree"),
+            allreduce_row(2, 2**20, "p2p", 0.01, "ring", axis="transport"),  # another axis: not an algorithm
+            allreduce_row(4, 4000, "ring", 0.1), allreduce_row(4, 4000, "auto", 0.2, "tree")]
+    assert findings.auto_choices(rows, 2) == [
+        {"bytes": 4000, "choice": "tree", "fastest": "tree", "hit": True},
+        {"bytes": 2**20, "choice": "tree", "fastest": "ring", "hit": False}]  # by the algorithms' own p50, not auto's
+    assert findings.auto_choices(rows, 4) == [{"bytes": 4000, "choice": "tree", "fastest": "ring", "hit": False}]
+    assert findings.auto_choices(rows, 8) == []
+
+
+def syncbn_time(impl, transport, batch, seconds, **fields):
+    return {"kind": "time", "setting": "workers", "dtype": "float32", "impl": impl, "transport": transport,
+            "batch": batch, "hidden": 128, "time_s": seconds, **fields}
+
+
+def test_syncbn_extra_is_the_median_time_ours_adds_to_the_reference_on_one_transport():
+    ref = findings.SYNCBN_REFERENCE
+    doc = {"results": [syncbn_time("ours", "torch", 32, 4.0), syncbn_time(ref, "torch", 32, 3.0),
+                       syncbn_time("ours", "torch", 64, 6.0), syncbn_time(ref, "torch", 64, 3.0),
+                       syncbn_time("ours", "torch", 128, 9.0),  # no reference at this size: left out
+                       syncbn_time("ours", "shm", 32, 1.5), syncbn_time(ref, "shm", 32, 1.0),
+                       syncbn_time("ours", "shm", 64, 1.5, dtype="float16"), syncbn_time(ref, "shm", 64, 0.1, dtype="float16")]}
+    assert findings.syncbn_extra(doc, "torch") == {"extra_s": 2.0, "reference_s": 3.0, "sizes": 2}
+    assert findings.syncbn_extra(doc, "shm") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}  # float32 only
+    assert findings.syncbn_extra(doc, "nccl") is None
+
+
+def test_compute_gap_sums_the_compute_phases_outside_the_collectives():
+    def phases(impl, transport, before, between, after, wait):
+        return {"kind": "phases", "impl": impl, "transport": transport, "batch": 32, "hidden": 128,
+                "phases_s": {"compute before": before, "forward all_reduce": wait, "compute between": between,
+                             "backward all_reduce": wait, "compute after": after}}
+
+    doc = {"results": [phases("ours", "torch", 2.0, 3.0, 1.0, 9.0), phases(findings.SYNCBN_REFERENCE, "torch", 1.0, 1.0, 0.5, 1.0)]}
+    assert findings.compute_gap(doc, 32, 128, "torch") == pytest.approx(3.5)  # 6.0 - 2.5: the waits do not count
+    assert findings.compute_gap(doc, 32, 128, "shm") is None
+    assert findings.compute_gap(doc, 64, 128, "torch") is None

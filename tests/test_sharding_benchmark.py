@@ -18,7 +18,7 @@ import sharding_benchmark as bench
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
         "--variants", "ddp ours [torch]", "ddp ours [shm]", "ddp pytorch", "zero ours [torch]", "zero ours [shm]",
-        "zero ours tensor [torch]", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
+        "zero ours tensor [torch]", "zero2 ours", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
 WORLD = 2
 
 
@@ -53,13 +53,16 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
             if t.axis == "engine":
                 assert v.base.replace(" ours", " pytorch") == other.base, (v.name, t)
             if t.axis == "sharding":
-                assert v.sharding == "zero" and other.sharding == "ddp" and v.base.split()[1] == other.base.split()[1]
+                assert v.sharding in ("zero", "zero2") and other.sharding == "ddp"
+                assert v.base.split()[1] == other.base.split()[1], (v.name, t)
             limits[f"{v.name} / {t.other}"] = (t.axis, t.limit, t.scope)
     for sharding, on in (("ddp", ("torch", "shm")), ("zero", ("torch",)), ("fsdp", ("torch", "shm"))):
         for t in on:
             assert limits[f"{sharding} ours [{t}] / {sharding} pytorch [{t}]"] == ("engine", 1.00, None)
     for t in ("torch", "shm"):
         assert limits[f"zero ours [{t}] / ddp ours [{t}]"] == ("sharding", 1.05, None)
+        assert limits[f"zero2 ours [{t}] / zero ours [{t}]"] == ("option", None, None)  # stage 2 / stage 1
+        assert limits[f"zero2 ours [{t}] / ddp ours [{t}]"] == ("sharding", None, None)
     assert limits["zero pytorch [torch] / ddp pytorch [torch]"] == ("sharding", 1.05, None)
     assert limits["fsdp pytorch [shm] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
     assert limits["ddp pytorch [shm] / ddp pytorch [torch]"] == ("transport", None, None)
@@ -183,6 +186,16 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
     assert m["ddp pytorch [shm]"]["shared_peak_bytes"] >= 2 ** 20
 
 
+def flat_shares(params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(elements, pieces) of each rank's share under ZeRO's flat partition of one bucket: n near-equal ranges
+    of the parameters back to back, a piece per parameter a range crosses."""
+    ends = torch.tensor([p.numel() for p in params]).cumsum(0).tolist()
+    edges = allreduce.bounds(ends[-1], WORLD)
+    pieces = [sum(1 for end, p in zip(ends, params) if end - p.numel() < edges[r + 1] and end > edges[r])
+              for r in range(WORLD)]
+    return [edges[r + 1] - edges[r] for r in range(WORLD)], pieces
+
+
 def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     """Every rank holds all parameters and gradients; AdamW keeps 2 moments per element and a step per
     tensor (per piece of a tensor): all of it under DDP, the owned share under ZeRO (ours, flat: n
@@ -192,13 +205,10 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     state = {id(p): 2 * p.numel() * 4 + 4 for p in params}
     owners = zero.partition([p.numel() for p in params], [0] * WORLD)
     whole_tensors = [sum(state[id(p)] for p, o in zip(params, owners) if o == r) for r in range(WORLD)]
-    ends = torch.tensor([p.numel() for p in params]).cumsum(0).tolist()
-    edges = allreduce.bounds(ends[-1], WORLD)
-    pieces = [sum(1 for end, p in zip(ends, params) if end - p.numel() < edges[r + 1] and end > edges[r])
-              for r in range(WORLD)]
-    flat = [8 * (edges[r + 1] - edges[r]) + 4 * pieces[r] for r in range(WORLD)]
+    elements, pieces = flat_shares(params)
+    flat = [8 * elements[r] + 4 * pieces[r] for r in range(WORLD)]
     for name, row in measured_rows(rows).items():
-        if row["sharding"] == "fsdp":
+        if row["sharding"] in ("fsdp", "zero2"):  # (stage 2's gradients: the test below)
             continue
         # ddp.DDP's buckets hold the gradients and one float32 used-flag per parameter after them
         flags = 4 * len(params) if " ours" in name else 0
@@ -214,6 +224,30 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
             assert row["state_bytes_per_rank"] == flat, name
         if name.startswith("zero ours tensor"):
             assert row["state_bytes_per_rank"] == whole_tensors, name
+
+
+def test_zero_stage2_keeps_one_nth_of_the_gradients_per_rank(rows):
+    """Stage 2: each rank's gradients are one buffer of the largest share's elements plus a float32 used-flag per
+    piece (the same flat partition as the optimizer state's, which matches stage 1's); about 1/n of what stage 1
+    holds on every rank (all of them, in DDP's bucket with a flag per parameter)."""
+    params = model_tensors()
+    total = sum(p.numel() * 4 for p in params)
+    state = sum(2 * p.numel() * 4 + 4 for p in params)
+    elements, pieces = flat_shares(params)
+    share = 4 * max(e + k for e, k in zip(elements, pieces))  # the reduce-scatter's row: every rank's is as long
+    measured = measured_rows(rows)
+    for t in ("torch", "shm"):
+        row, stage1 = measured[f"zero2 ours [{t}]"], measured[f"zero ours [{t}]"]
+        slack = 0 if t == "torch" else transports.ALIGN - 1  # one buffer on shared memory: whole cache lines
+        assert len(row["grads_bytes_per_rank"]) == WORLD and row["params_bytes"] == total, t
+        assert all(share <= held <= share + slack for held in row["grads_bytes_per_rank"]), (t, row)
+        assert stage1["grads_bytes_per_rank"] == [stage1["grads_bytes"]] * WORLD
+        for held in row["grads_bytes_per_rank"]:  # 1/n, but for the flags and the uneven cut
+            assert abs(WORLD * held - stage1["grads_bytes"]) <= WORLD * (4 * (len(params) + 1) + slack), (t, held)
+        assert row["state_bytes_per_rank"] == stage1["state_bytes_per_rank"], t
+        assert row["ideal_bytes"] == total + (total + state) // WORLD
+        assert row["state_vs_ideal"] <= bench.TARGET_STATE_VS_IDEAL, t
+    assert "grads MiB per rank" in bench.report(rows)
 
 
 def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
@@ -246,7 +280,8 @@ def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
                 "zero ours [torch] / zero pytorch [torch]": "engine", "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
                 "zero ours [shm] / ddp ours [shm]": "sharding", "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
                 "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport", "fsdp ours [shm-thread] / fsdp ours [shm]": "transport",
-                "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shm] state / ideal": "memory"}
+                "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shm] state / ideal": "memory",
+                "zero2 ours [shm] / zero ours [shm]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
     assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
     assert not [name for name in targets if "[shm" in name.split(" / ")[0] and "[torch]" in name.split(" / ")[-1]

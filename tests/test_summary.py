@@ -204,3 +204,71 @@ def test_collectives_results_without_stored_checks_name_the_command():
     with pytest.raises(summary.MissingResults, match="run_experiments.py --quick --only reduce_scatter"):
         summary.collectives_lines({"targets": [collective_check("allreduce", "algorithm", "ring", 2, "met")]},
                                   {"results": []}, {"targets": []})
+
+
+# --------------------------------------------------------------------------- SyncBatchNorm, oversubscription, footer
+
+
+def syncbn_ratio(dtype, peak, saved, target, batch=32, hidden=128):
+    return {"kind": "ratio", "impl": "ours", "versus": "BatchNorm1d (local)", "setting": "workers", "transport": "shm",
+            "dtype": dtype, "batch": batch, "hidden": hidden, "peak_ratio": peak, "saved_ratio": saved, "target": target}
+
+
+def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_without_a_target():
+    time = {"kind": "time", "impl": "ours", "workers": 2, "batch": 32, "hidden": 128}
+    doc = {"config": {"rounds": 12}, "results": [
+        time, {**time, "hidden": 256},
+        syncbn_ratio("float32", 0.72, 0.90, 1.3), syncbn_ratio("float32", 0.72, 0.90, 1.3, hidden=256),
+        syncbn_ratio("bfloat16", 2.10, 0.85, None), syncbn_ratio("float16", 2.06, 0.90, None, hidden=256),
+        {"kind": "target", "name": "workers [shm]: peak_bytes of ours <= BatchNorm1d's at every size", "verdict": "met",
+         "sizes": 2, "sizes_met": 2}]}
+    header, target, memory = summary.syncbn_lines(doc)
+    assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32):")
+    assert target == "  - workers [shm]: peak_bytes of ours <= BatchNorm1d's at every size: 2 of 2 sizes met, **met**"
+    assert memory == ("  - workers [shm], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to 2.10x, "
+                      "saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
+
+
+def test_the_overlap_line_states_what_was_measured_not_a_cause():
+    slower = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")[0]
+    assert "costs more than it hides (one traced iteration is in the report's overlap timeline)" in slower
+    assert "cores that compute" not in slower
+
+
+def test_a_check_of_more_processes_than_cores_is_left_out_whatever_its_flag_says():
+    env = {"cpus": 2, "device": "cpu"}
+    stale = collective_check("allreduce", "algorithm", "ring", 4, "met")  # flag False, 4 processes on 2 cores
+    lines = summary.collectives_lines({"env": env, "targets": [collective_check("allreduce", "algorithm", "ring", 2, "met"),
+                                                               stale]},
+                                      {"env": env, "targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]},
+                                      {"env": env, "targets": [collective_check("all_gather", "transport", "p2p", 2, "met")]})
+    assert not any("4 processes" in line for line in lines)
+    docs = [{"env": env, "results": [{"world_size": 2}, {"world_size": 8, "oversubscribed": False}],
+             "targets": [{"world_size": 4}]}]
+    assert summary.oversubscribed_lines(*docs) == [
+        "- Runs with 4 and 8 processes on this machine's 2 cores are oversubscribed: the report shows them, labelled, "
+        "and no headline rests on them."]
+    assert summary.oversubscribed_lines({"env": env, "results": [{"world_size": 2}]}) == []
+
+
+def test_the_footer_calls_the_brackets_a_range_when_a_file_has_fewer_than_five_rounds(tmp_path):
+    many = {"config": {"rounds": 12}, "targets": [{"ratio": {"rounds": 40}}]}
+    assert summary.interval_note({"syncbn": many}) == "median over rounds [95 % bootstrap interval] (at least 12 rounds)"
+    note = summary.interval_note({"syncbn": many, "sharding": {"config": {"rounds": 2}}, "ddp_sweep": {"config": {"rounds": 1}}})
+    assert note.startswith("median over rounds [95 % bootstrap interval] (at least 2 rounds)")  # ddp_sweep states no ratio
+    assert note.endswith("with fewer than 5 rounds the brackets are the range of the rounds")
+    manifest = {"results": [{"experiment": "syncbn"}]}
+    for name in ("syncbn", "manifest", "syncbn_large"):
+        (tmp_path / f"{name}.json").write_text("{}")
+    assert summary.report_scope(tmp_path, manifest) == ("report.ipynb shows every experiment of `results/manifest.json` "
+                                                        "(not `syncbn_large.json`, which no experiment of it writes).")
+    (tmp_path / "syncbn_large.json").unlink()
+    assert summary.report_scope(tmp_path, manifest).endswith("`results/manifest.json`.")
+
+
+def test_the_run_time_says_the_notebook_is_not_counted():
+    manifest = {"config": {"quick": True}, "env": {"device_model": "cpu", "cpus": 2},
+                "results": [{"seconds": 600.0}, {"seconds": 600.0}]}
+    line, = summary.run_time_lines(manifest)
+    assert line.startswith("`python run_experiments.py --quick` took 20 min for these results on cpu (2 cores), 2 experiments")
+    assert "executing report.ipynb is not counted" in line

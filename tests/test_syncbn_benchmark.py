@@ -2,7 +2,8 @@
 devices (the floor, the stamping transport), and one tiny run of the workers over both transports.
 
 The rows are synthetic with known per-round times, so every ratio, verdict and sentence is known in advance.
-The timing devices take a recording transport (no process group). Only the last test spawns workers.
+The timing devices take a recording transport (no process group). One tiny run of one process alone goes through
+the benchmark harness (nothing spawned); only the last test spawns workers.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import pytest
 import torch
 
 from common import run_workers
+from dpkit.bench.results import format_environment, read_results
 from dpkit.comm import transport as transports
 from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
                               SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
-                              attribution_lines, bounds, parse_args, ratios, run, run_case, targets)
+                              attribution_lines, bounds, main, parse_args, ratios, report, run, run_case, targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -338,3 +340,24 @@ def test_the_workers_time_every_engine_on_both_transports_and_leave_nothing_in_d
     names = {t["name"] for t in targets(ratios(rows), rows)}
     assert {f"{WORKERS} [{t}]: every size, ours / ({REFERENCE}) <= {CPU_TARGET}" for t in (TORCH, SHM)} <= names
     assert not glob.glob(f"/dev/shm/dp-kit-{pid}-*")
+
+
+def test_one_process_alone_is_measured_here_then_completed_printed_and_written_as_the_readers_expect(tmp_path, capsys):
+    """--settings single spawns nothing: this process times one size, warm and with cold caches; the harness adds
+    the ratios, targets and bounds after the measured rows, prints the environment and the timing line before the
+    report, and writes every flag (--json too) as the config and an environment without spawned process counts."""
+    path = str(tmp_path / "single.json")
+    args = parse_args(["--settings", "single", "--batch", "8", "--hidden", "4", "--iters", "2", "--rounds", "1",
+                       "--warmup", "0", "--json", path])
+    rows = main(args)
+    kinds = [r["kind"] for r in rows]
+    measured = kinds.index("ratio")
+    assert set(kinds[:measured]) == {"time", "breakdown"} and set(kinds[measured:]) == {"ratio", "target"}
+    assert {r["setting"] for r in rows if r["kind"] == "time"} == {SINGLE, COLD}
+    assert f"{SINGLE}: every size, ours / ({LOCAL}) <= {TARGET_SINGLE}" in {r["name"] for r in rows if r["kind"] == "target"}
+    doc = read_results(path)
+    assert doc["benchmark"] == "syncbn_benchmark" and [r["kind"] for r in doc["results"]] == kinds and doc["targets"] == []
+    assert doc["config"] == vars(args) and "procs" not in doc["env"] and doc["env"]["threads"] == 1
+    out = capsys.readouterr().out
+    assert out.startswith(format_environment(doc["env"]) + "\n* 2 iterations per implementation and size")
+    assert out.endswith(f"{report(rows)}\n\nwrote {path}\n")

@@ -8,10 +8,16 @@ the optimizer), so the oracle is the plain optimizer run in the parent on the sa
 the same steps. The bucketed grid runs every optimizer, partition and overlap on each transport
 (split between the world sizes, see ``grid_cases``): "auto" (shared memory), "torch", "p2p",
 and shared memory on a communication thread, whose all-gathers really run beside the caller.
+
+Stage 2 (``stage=2``: the optimizer reduce-scatters the gradients during backward) cannot take
+gradients set by hand: each rank runs a backward whose gradients are exact multiples of a power of
+two that differ per rank, so the average is the same bits in any order of summation, and the oracle
+is the plain optimizer stepped on that average (see ``stage2_gradient``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import time
@@ -397,6 +403,167 @@ def _transport_refusals(group) -> dict:
             for case, choice in choices.items()}
 
 
+# --------------------------------------------------------------------------- stage 2: workers
+
+STAGE2_STEPS = LATE + 1  # the late group joins for the last step
+BACKWARDS = {LATE: 2}  # backward passes before the step (default 1): at LATE, gradient accumulation
+
+
+def stage2_cases(n: int) -> list[tuple[str, str, str]]:
+    """(transport, optimizer, partition) of the stage-2 cases at world size n: both partitions on "auto" (shared
+    memory) with SGD and Adam in the 2-rank subgroup, AdamW in the others (as ``grid_cases`` splits them), and
+    AdamW flat on the other transports, with one bucket per parameter (``stage2_cap``); on "background" (its
+    all-gathers run beside the caller) with overlap_with_forward."""
+    names = ["sgd", "adam"] if n == 2 else ["adamw"]
+    return ([("auto", name, partition) for name in names for partition in zero.PARTITIONS]
+            + [(kind, "adamw", "flat") for kind in ("torch", "p2p", "background")])
+
+
+def stage2_cap(kind: str) -> float:
+    """The bucket cap of a stage-2 case: the default on "auto" (a bucket per param group and dtype, some with
+    a parameter that gets no gradient), 0 elsewhere: a bucket per parameter, whose flat cut is uneven at 2
+    and 3 ranks for the parameters of 7, 5 and 3 elements."""
+    return 25.0 if kind == "auto" else 0.0
+
+
+def stage2_givers(name: str, step: int, n: int) -> list[int]:
+    """The group ranks whose backward gives parameter ``name`` a gradient at ``step``: every rank, but ``scale``
+    (rank 0 only: the others' zeros are in the average), ``hidden.bias`` at step 1 (no rank: left unchanged,
+    although its optimizer state would move it with a zero gradient), ``late`` before its group joins, and the
+    parameters no backward reaches (``unused``, the frozen layer)."""
+    if name in ("unused", "frozen.weight", "frozen.bias") or (name == "late" and step < LATE):
+        return []
+    if name == "scale":
+        return [0]
+    return [] if name == "hidden.bias" and step == 1 else list(range(n))
+
+
+def stage2_gradient(index: int, step: int, micro: int, rank: int, n: int, p: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s gradient of parameter ``index`` in backward ``micro`` of ``step``: n * k * 2**-8, k an
+    integer in [-256, 256]. Divided by n (what the engine does first) it is k * 2**-8 exactly, and any sum of
+    a few such values is exact (small integers times one power of two): the average has the same bits in
+    whatever order a transport adds the ranks' contributions, so the oracle can sum them in float64."""
+    generator = torch.Generator().manual_seed(10_000 * step + 1000 * micro + 10 * index + rank)
+    k = torch.randint(-256, 257, p.shape, generator=generator, dtype=torch.float64)
+    return (k * n / 256).to(p.dtype)
+
+
+def stage2_backward(model: Toy, step: int, micro: int, rank: int, n: int) -> None:
+    """One backward whose gradients are exactly ``stage2_gradient`` (d/dp of sum(p * c) is c), the terms built
+    in the opposite order on odd ranks (autograd runs the later-built first): the hooks fire in other orders."""
+    named = list(enumerate(model.named_parameters()))
+    terms = [(p * stage2_gradient(index, step, micro, rank, n, p)).sum()
+             for index, (name, p) in (named if rank % 2 == 0 else named[::-1]) if rank in stage2_givers(name, step, n)]
+    sum(terms).backward()
+
+
+class Ordered(CountingTransport):
+    """Counts, and lists the input size of every reduce-scatter in call order."""
+
+    def __init__(self, inner: transports.Transport):
+        super().__init__(inner)
+        self.reduced: list[int] = []
+
+    def reset(self) -> None:
+        super().reset()
+        self.reduced.clear()
+
+    def reduce_scatter(self, output, input, op="sum", *, async_op=False):
+        self.reduced.append(input.numel())
+        return super().reduce_scatter(output, input, op, async_op=async_op)
+
+
+def _arena_held():
+    """A callback for ``SharedMemory.observe_blocks``, and a list whose entry is the bytes it saw taken, net."""
+    held = [0]
+
+    def observe(offset: int, nbytes: int, taken: bool) -> None:
+        held[0] += nbytes if taken else -nbytes
+    return observe, held
+
+
+def _stage2_step(model: Toy, optimizer: zero.ShardedOptimizer, counting: Ordered, step: int) -> dict:
+    """zero_grad (both ways), the step's backward passes, step(); what was held after backward and sent, the
+    parameters after backward (the previous step's: with overlap_with_forward, the first gradient hook waited
+    for their all-gathers, which no forward of the model waited for) and the all-gathers in flight after step."""
+    n, rank = dist.get_world_size(optimizer.process_group), dist.get_rank(optimizer.process_group)
+    optimizer.zero_grad(set_to_none=step % 2 == 0)
+    counting.reset()
+    arena = counting.inner if isinstance(counting.inner, transports.SharedMemory) else None
+    observe, taken = _arena_held()
+    with arena.observe_blocks(observe) if arena is not None else contextlib.nullcontext():
+        arrived: list[str] = []
+        handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: arrived.append(name))
+                   for name, p in model.named_parameters() if p.requires_grad]
+        for micro in range(BACKWARDS.get(step, 1)):
+            stage2_backward(model, step, micro, rank, n)
+        for handle in handles:
+            handle.remove()
+        grads_left = [name for name, p in model.named_parameters() if p.grad is not None]
+        shares = sum(t.numel() * t.element_size() for t in optimizer.gradient_shares())
+    before = state_of(model)
+    optimizer.step()
+    return {"before": before, "grads_left": grads_left, "share_bytes": shares, "arena_taken": taken[0],
+            "arrived": arrived, "calls": dict(counting.calls), "bytes": dict(counting.bytes),
+            "reduced": list(counting.reduced), "order": [b.rows.numel() for b in optimizer.buckets[::-1]],
+            "in_flight": sum(b.work is not None for b in optimizer.buckets)}
+
+
+def _stage2_case(name: str, partition: str, group, inner: transports.Transport, cap: float, overlap: bool) -> dict:
+    """STAGE2_STEPS steps of ZeRO stage 2 over the unwrapped Toy, the late group joining after LATE; then the
+    consolidated state dict and the parameters close() leaves."""
+    model = make_model()
+    cls, options = OPTIMIZERS[name]
+    counting = Ordered(inner)
+    optimizer = zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition,
+                                      transport=counting, stage=2, bucket_cap_mb=cap, **options)
+    if overlap:
+        optimizer.overlap_with_forward(model)
+    steps = []
+    for step in range(STAGE2_STEPS):
+        steps.append(_stage2_step(model, optimizer, counting, step))
+        if step + 1 == LATE:
+            optimizer.add_param_group({"params": [model.late], "lr": 0.02})
+    saved = optimizer.state_dict()
+    optimizer.close()
+    return {"steps": steps, "state_dict": saved, "final": state_of(model)}
+
+
+def _stage2_refusals(group) -> dict:
+    """A bad stage (before any message); parameters that differ across ranks at construction and in an added
+    group (every rank raises, naming the first); a .grad set by hand (step() refuses it)."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = make_model()
+    with torch.no_grad():
+        if rank == n - 1 and n > 1:  # hidden.bias (param group 1, parameter 0) and scale differ on the last rank,
+            model.hidden.bias[0] += 1.0  # frozen.weight (after hidden.bias) on rank 1 of 3: the first is hidden.bias
+            model.scale[1] += 1.0
+            model.late[0, 0] += 1.0
+        if rank == 1 and n > 2:
+            model.frozen.weight[0, 0] += 1.0
+    w = model.hidden.weight
+    out = {"stage": refused(lambda: zero.ShardedOptimizer([w], torch.optim.SGD, group, stage=3, lr=1)),
+           "differ": refused(lambda: zero.ShardedOptimizer(param_groups(model), torch.optim.SGD, group, stage=2, lr=1))}
+    same = zero.ShardedOptimizer([w], torch.optim.SGD, group, stage=2, lr=1)
+    out["added group differs"] = refused(lambda: same.add_param_group({"params": [model.late]}))
+    w.grad = torch.ones_like(w)
+    try:
+        same.step()
+        out["set by hand"] = None
+    except RuntimeError as error:
+        out["set by hand"] = str(error)
+    same.close()
+    return out
+
+
+def _stage2_grid(group, made: dict[str, transports.Transport]) -> dict:
+    cases = stage2_cases(dist.get_world_size(group))
+    return {"cases": {(kind, name, partition): _stage2_case(name, partition, group, made[kind], stage2_cap(kind),
+                                                            overlap=kind == "background")
+                      for kind, name, partition in cases},
+            "refused": _stage2_refusals(group)}
+
+
 def _grid(ctx) -> dict:
     out = {}
     for n, members in GROUPS:
@@ -408,6 +575,7 @@ def _grid(ctx) -> dict:
                                 for name in OPTIMIZERS for partition in zero.PARTITIONS},
                       "apart": _apart(group), "lone bucket": _lone_bucket_case(group),
                       "share time": _share_time(group) if n == 2 else None,  # meanwhile rank 0 is alone
+                      "stage 2": _stage2_grid(group, made),  # before the grid below, which closes "background"
                       "bucketed": _bucketed_grid(group, made),
                       "refused": _bad_inputs(group), "transport refused": _transport_refusals(group)}
     return out
@@ -757,3 +925,151 @@ def test_ranks_that_choose_different_transports_are_refused_on_every_rank(ranks,
             error = refusals[case]["error"]
             assert error is not None and error.startswith(start), (case, error)
             assert set(refusals[case]["calls"]) <= {"all_gather_object"}, (case, refusals[case]["calls"])
+
+
+# --------------------------------------------------------------------------- stage 2: gradients to their owners
+
+
+@functools.lru_cache(maxsize=None)
+def stage2_oracle(name: str, n: int) -> tuple[list[dict[str, torch.Tensor]], dict]:
+    """The plain optimizer's parameters after each step, each step on the average of what the n ranks' backward
+    passes gave, and its state dict at the end (computed once per optimizer and world size: read only). A
+    parameter no rank gave a gradient has none (zero_grad(set_to_none=True)); the sum over backward passes of
+    the averages, each exact."""
+    model = make_model()
+    cls, options = OPTIMIZERS[name]
+    optimizer = cls(param_groups(model), **options)
+    states = []
+    for step in range(STAGE2_STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        for index, (param_name, p) in enumerate(model.named_parameters()):
+            givers = stage2_givers(param_name, step, n)
+            if givers:  # float64 sums of k * 2**-8 values: exact, see stage2_gradient
+                p.grad = sum(stage2_gradient(index, step, micro, r, n, p).double() / n
+                             for micro in range(BACKWARDS.get(step, 1)) for r in givers).to(p.dtype)
+        optimizer.step()
+        if step + 1 == LATE:
+            optimizer.add_param_group({"params": [model.late], "lr": 0.02})
+        states.append(state_of(model))
+    return states, optimizer.state_dict()
+
+
+def stage2_buckets(step: int, kind: str) -> list[tuple[int, int, int]]:
+    """(elements, parameters, element bytes) of each bucket stage 2 makes at ``step`` on transport ``kind``, from
+    the shapes: of the parameters that require a gradient, one per param group and dtype (the default cap
+    holds the Toy whole) or one per parameter (``stage2_cap``)."""
+    model = make_model()
+    groups = [g["params"] for g in param_groups(model)] + ([[model.late]] if step >= LATE else [])
+    trainable = [[p for p in params if p.requires_grad] for params in groups]
+    if stage2_cap(kind) == 0:
+        return [(p.numel(), 1, p.element_size()) for params in trainable for p in params]
+    buckets = []
+    for params in trainable:
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            mine = [p for p in params if p.dtype == dtype]
+            buckets.append((sum(p.numel() for p in mine), len(mine), mine[0].element_size()))
+    return buckets
+
+
+def stage2(ranks, n: int, case: tuple[str, str, str]) -> list[list[dict]]:
+    """Each group rank's steps of a stage-2 case."""
+    return [outcome["stage 2"]["cases"][case]["steps"] for outcome in ranks[n]]
+
+
+@pytest.mark.parametrize("n, case", [(n, case) for n in (1, 2, 3) for case in stage2_cases(n)],
+                         ids=lambda value: "-".join(value) if isinstance(value, tuple) else str(value))
+def test_stage2_is_the_unsharded_optimizer_on_the_averaged_gradient_bit_for_bit(ranks, n, case):
+    """After every step, every rank's parameters are the plain optimizer's stepped on the average of the ranks'
+    gradients: some parameters got one from some ranks only (their average has the others' zeros), one from no
+    rank in a step (left unchanged), one from none ever; two backward passes accumulate before one step; the
+    late group trains; the flat partition cuts tensors between ranks unevenly. The consolidated state dict is
+    the plain optimizer's too (the frozen parameters, which stage 2 leaves out of its buckets, have none)."""
+    want, state = stage2_oracle(case[1], n)
+    assert torch.equal(want[1]["hidden.bias"], want[0]["hidden.bias"]), "no gradient: left unchanged"
+    assert not torch.equal(want[2]["hidden.bias"], want[1]["hidden.bias"])
+    assert not torch.equal(want[-1]["late"], want[LATE - 1]["late"]) and torch.equal(want[-1]["unused"],
+                                                                                      make_model().unused)
+    for outcome in ranks[n]:
+        run = outcome["stage 2"]["cases"][case]
+        for step, record in enumerate(run["steps"]):  # each step's parameters, read after the next backward
+            assert_same_bits(record["before"], want[step - 1] if step else state_of(make_model()))
+        assert_same_bits(run["final"], want[-1])
+        assert_same_state(run["state_dict"], state)
+        if case[0] == "background" and n > 1:
+            assert any(record["in_flight"] for record in run["steps"]), "step() left all-gathers in flight"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_stage2_reduces_the_buckets_in_one_order_on_every_rank_whatever_order_the_gradients_arrive_in(ranks, n):
+    """The hooks fire in opposite orders on even and odd ranks; the reduce-scatters go last bucket first on
+    every rank (the transports pair collectives up by call order), one per bucket per backward."""
+    for case in stage2_cases(n):
+        runs = stage2(ranks, n, case)
+        for step in range(STAGE2_STEPS):
+            first, second = (steps[step]["arrived"] for steps in runs[:2])
+            assert [a for a in first if a in second] != [a for a in second if a in first], (case, step)
+            for steps in runs:
+                assert steps[step]["reduced"] == steps[step]["order"] * BACKWARDS.get(step, 1), (case, step)
+            assert len({tuple(steps[step]["reduced"]) for steps in runs}) == 1, (case, step)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stage2_sends_the_bytes_of_one_all_reduce_per_step(ranks, n):
+    """Counted where the engine hands them to its transport: per backward one reduce-scatter per bucket, per
+    step one all-gather per bucket (none alone). A ring moves (n-1)/n of a reduce-scatter's input and of an
+    all-gather's output; an all-reduce of the gradients moves (n-1)/n of their bytes twice. So the input plus
+    the output must be twice the gradient bytes G, plus padding (each bucket's rows cut to equal lengths:
+    fewer than n elements for the all-gather) and one used-flag per piece of a parameter in the reduce-scatter
+    (at most one more piece than parameters per row). Stage 1 sends G in DDP's all-reduce and G in the
+    all-gather: 1.5 all-reduces."""
+    for case in stage2_cases(n):
+        for steps in stage2(ranks, n, case):
+            for step, record in enumerate(steps):
+                buckets, backwards = stage2_buckets(step, case[0]), BACKWARDS.get(step, 1)
+                gathers = {"all_gather": len(buckets)} if n > 1 else {}
+                assert record["calls"] == {"reduce_scatter": backwards * len(buckets), **gathers}, (case, step)
+                if n == 1 or case[2] == "tensor":  # whole tensors: rows as long as the largest share (not bounded)
+                    continue
+                grads = sum(elements * size for elements, _, size in buckets)
+                slack = sum(n * (params + 1) * size + 2 * (n - 1) * size for _, params, size in buckets)
+                sent = record["bytes"]["reduce_scatter"] / backwards + record["bytes"]["all_gather"]
+                assert 2 * grads <= sent <= 2 * grads + slack, (case, step, sent, grads, slack)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stage2_keeps_about_one_nth_of_the_gradients_per_rank(ranks, n):
+    """After backward no parameter holds a .grad, no shared memory was taken (the rows are the all-gather
+    buffers, the shares allocated once) and the shares hold G / n bytes, plus padding and the used-flags."""
+    for case in stage2_cases(n):
+        for steps in stage2(ranks, n, case):
+            for step, record in enumerate(steps):
+                assert record["grads_left"] == [] and record["arena_taken"] == 0, (case, step)
+                if case[2] == "tensor":  # whole tensors: a rank's share is uneven (not bounded here)
+                    continue
+                buckets = stage2_buckets(step, case[0])
+                grads = sum(elements * size for elements, _, size in buckets)
+                slack = sum((params + 1) * size for _, params, size in buckets)
+                assert grads / n <= record["share_bytes"] <= grads / n + slack, (case, step, record["share_bytes"])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stage2_refuses_parameters_that_differ_across_ranks_on_every_rank_naming_the_first(ranks, n):
+    """At construction and in add_param_group, after one exchange of digests: the same message on every rank,
+    naming the first parameter that differs and the ranks that hold another one; a stage that does not exist
+    before any message; a .grad set by hand, at step()."""
+    for outcome in ranks[n]:
+        refusals = outcome["stage 2"]["refused"]
+        assert_refused({"stage": refusals["stage"]}, {"stage": "ValueError: stage must be one of 1, 2, got 3"})
+        if n == 1:
+            assert refusals["differ"]["error"] is None and refusals["added group differs"]["error"] is None
+        else:
+            assert refusals["differ"]["error"] == (
+                "ValueError: ShardedOptimizer(stage=2): the ranks' parameters differ, first parameter 0 of param "
+                f"group 1 (shape (7,), torch.float32): group rank(s) [{n - 1}] hold another one than rank 0 (its "
+                "values, shape or dtype, or no such parameter): every rank must build the same model (one seed, "
+                "or one checkpoint loaded) before the optimizer")
+            assert refusals["differ"]["calls"] == {"all_gather_object": 1}, "one exchange, before any other"
+            assert refusals["added group differs"]["error"].startswith(
+                "ValueError: ShardedOptimizer(stage=2): the ranks' parameters differ, first parameter 0 of param "
+                f"group 1 (shape (4, 3), torch.float32): group rank(s) [{n - 1}]")
+        assert refusals["set by hand"].startswith("ShardedOptimizer(stage=2): parameter 0 of param group 0")

@@ -4,33 +4,50 @@
     rows = run(BENCHMARK, parse_args())     # under torchrun: this rank; else each process count, spawned in turn
 
 What ``run`` does, the same for every benchmark: the process group (torchrun's, or ``launch``'s spawned
-workers with the ``--timeout`` process-group timeout), the environment header, every rank's rows (rank 0's
-are kept: the benchmarks gather what they need themselves), the printed report, and the results file in the
-shared layout (``--json``) with the target checks stored beside the rows. What a benchmark declares: its
-worker, the process counts to spawn, how to print its rows, its targets, and anything else it writes
-(charts, tables the code reads).
+workers with the ``--timeout`` process-group timeout) at the benchmark's intra-op threads per process, the
+environment header, every rank's rows (rank 0's are kept: the benchmarks gather what they need themselves),
+the rows this process measures itself, the rows derived from them all, the printed report, and the results
+file in the shared layout (``--json``) with the target checks stored beside the rows. What a benchmark
+declares: its worker, the process counts to spawn, how to print its rows, its targets, anything else it
+writes (charts, tables the code reads), and, where it needs them, the optional hooks ``Benchmark`` lists.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import torch
+
 from dpkit.bench.results import environment, format_environment, write_results
-from dpkit.comm.process_groups import distributed, launch, print0, progress, resolve_backend
+from dpkit.comm.process_groups import distributed, launch, placement, print0, progress
 
 
 def _nothing(*_) -> list:
     return []
 
 
+def _as_they_are(rows: list[dict], *_) -> list[dict]:
+    return rows
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """What a benchmark declares. ``worker(ctx, args)`` runs on every rank and returns its rows;
     ``report(rows)`` is the text printed at the end; ``targets(rows)`` the checks stored with the rows;
-    ``extra(rows, env, args)`` writes anything else (charts, a table the code reads)."""
+    ``extra(rows, env, args)`` writes anything else (charts, a table the code reads).
+
+    Optional hooks: ``threads(args)``, the intra-op threads of every process that measures (default 1);
+    ``world_of_one_here``, a process count of 1 joins a world of one in this process instead of spawning it;
+    ``local(args, device)``, rows this process measures with no process group, after the workers' (under
+    torchrun, rank 0 once the group is closed); ``complete(rows, env, args)``, every row with those derived
+    from them (ratios, verdicts): what is printed and stored; ``header(env, args)``, the text printed before
+    measuring (default: the environment, then ``describe(args)``); ``environment(env, args)``, the environment
+    as stored (default: as measured, with ``procs``, the process counts spawned); ``config_adds(args)``,
+    settings stored in the config after the arguments (resolved defaults, constants of the run)."""
 
     name: str
     worker: Callable[[Any, argparse.Namespace], list[dict]]
@@ -41,40 +58,88 @@ class Benchmark:
     describe: Callable[[argparse.Namespace], str] = field(default=lambda args: "")
     timeout_s: Callable[[argparse.Namespace, int], float] = field(default=lambda args, world_size: 3600.0)
     config_leaves_out: tuple[str, ...] = ("json",)
+    threads: Callable[[argparse.Namespace], int] = field(default=lambda args: 1)
+    world_of_one_here: bool = False
+    local: Callable[[argparse.Namespace, torch.device], list[dict]] = _nothing
+    complete: Callable[[list[dict], dict, argparse.Namespace], list[dict]] = _as_they_are
+    header: Callable[[dict, argparse.Namespace], str] | None = None
+    environment: Callable[[dict, argparse.Namespace], dict] = field(default=lambda env, args: env)
+    config_adds: Callable[[argparse.Namespace], dict] = field(default=lambda args: {})
 
 
 def run(benchmark: Benchmark, args: argparse.Namespace) -> list[dict]:
-    """Measure, print, write: under torchrun this process is one rank of its world; otherwise every process
-    count of ``benchmark.world_sizes(args)`` is spawned in turn (gloo on CPU, NCCL where ``--backend`` says so)."""
+    """Measure, complete, print, write: under torchrun this process is one rank of its world; otherwise every
+    process count of ``benchmark.world_sizes(args)`` is spawned in turn (gloo on CPU, NCCL where ``--backend``
+    says so). Returns the completed rows (a rank other than 0 under torchrun: its own rows, uncompleted)."""
+    threads = benchmark.threads(args)
     if "RANK" in os.environ:
-        with distributed(args.backend, args.timeout) as ctx:
-            env = environment(ctx.backend, ctx.device, ctx.world_size)
+        with distributed(args.backend, args.timeout, _device_flag(args)) as ctx, _threads(threads):
+            env = benchmark.environment(environment(ctx.backend, ctx.device, ctx.world_size), args)
             print0(_header(benchmark, env, args))
             rows = benchmark.worker(ctx, args)
-            if ctx.is_master:
-                finish(benchmark, rows, env, args)
-        return rows
-    backend = resolve_backend(args.backend)
-    sizes = list(benchmark.world_sizes(args))
-    env = environment(backend, "cuda" if backend == "nccl" else "cpu", max(sizes), threads=1, procs=sizes)
-    print(_header(benchmark, env, args), flush=True)
-    rows = []
-    for world_size in progress(sizes, desc="process counts") if len(sizes) > 1 else sizes:
-        rows += launch(benchmark.worker, world_size, args, backend=backend,
-                       timeout_s=benchmark.timeout_s(args, world_size), pg_timeout_s=args.timeout)[0]
+        if not ctx.is_master:
+            return rows
+        device = ctx.device
+    else:
+        backend, device_type = placement(args.backend, _device_flag(args))
+        device = torch.device(device_type)
+        sizes = list(benchmark.world_sizes(args))
+        measured = environment(backend, device, max(sizes, default=1), threads=threads, procs=sizes)
+        env = benchmark.environment(measured, args)
+        print(_header(benchmark, env, args), flush=True)
+        rows = []
+        for world_size in progress(sizes, desc="process counts") if len(sizes) > 1 else sizes:
+            rows += _world(benchmark, args, world_size, backend, device_type, threads)
+    with _threads(threads):
+        rows += benchmark.local(args, device)
+    rows = benchmark.complete(rows, env, args)
     finish(benchmark, rows, env, args)
     return rows
+
+
+def _world(benchmark: Benchmark, args: argparse.Namespace, world_size: int, backend: str, device: str,
+           threads: int) -> list[dict]:
+    """Rank 0's rows of one world of ``world_size`` processes: spawned, or a world of one in this process."""
+    if world_size == 1 and benchmark.world_of_one_here:
+        with distributed(backend, args.timeout, device) as ctx, _threads(threads):
+            return benchmark.worker(ctx, args)
+    return launch(benchmark.worker, world_size, args, backend=backend, timeout_s=benchmark.timeout_s(args, world_size),
+                  pg_timeout_s=args.timeout, threads=threads, device=device)[0]
+
+
+def _device_flag(args: argparse.Namespace) -> str:
+    """``--device`` (every script's, from ``add_common_args``; "auto" for a namespace made without it)."""
+    return getattr(args, "device", "auto")
+
+
+@contextmanager
+def _threads(count: int):
+    """This process at ``count`` intra-op threads, as a spawned worker is; its own count back afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def finish(benchmark: Benchmark, rows: list[dict], env: dict, args: argparse.Namespace) -> None:
     """The report, the results file (``--json``: rows, targets, the configuration) and the benchmark's extras."""
     print(benchmark.report(rows), flush=True)
     if getattr(args, "json", None):
-        config = {k: v for k, v in vars(args).items() if k not in benchmark.config_leaves_out}
-        write_results(args.json, benchmark.name, env, config, rows, targets=benchmark.targets(rows))
+        write_results(args.json, benchmark.name, env, config(benchmark, args), rows, targets=benchmark.targets(rows))
+        print(f"\nwrote {args.json}", flush=True)
     benchmark.extra(rows, env, args)
 
 
+def config(benchmark: Benchmark, args: argparse.Namespace) -> dict:
+    """The configuration a results file stores: the arguments but ``config_leaves_out``, then ``config_adds``."""
+    kept = {k: v for k, v in vars(args).items() if k not in benchmark.config_leaves_out}
+    return {**kept, **benchmark.config_adds(args)}
+
+
 def _header(benchmark: Benchmark, env: dict, args: argparse.Namespace) -> str:
+    if benchmark.header is not None:
+        return benchmark.header(env, args)
     described = benchmark.describe(args)
     return format_environment(env) + (f"\n* {described}" if described else "")

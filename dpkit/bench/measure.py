@@ -132,6 +132,15 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int 
     return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
 
 
+def round_p50s(samples: Sequence[float], iters: int, rounds: int) -> list[float]:
+    """The p50 of each round's iterations of one function timed by ``time_interleaved`` (``samples``: its
+    ``Timing.samples``, whose rounds come in order, split as ``time_interleaved`` splits ``iters``)."""
+    rounds = max(1, min(rounds, iters))
+    sizes = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    starts = [sum(sizes[:r]) for r in range(rounds)]
+    return [percentile(samples[s:s + k], 50) for s, k in zip(starts, sizes)]
+
+
 # What the profiler writes to fd 2 as it starts and stops: kineto's status lines
 # ("USDT:2026-01-01 12:00:00 123:123 SyncActivityProfilerHandler.cpp:39] profiler_start") and
 # the allocator's once-per-process warning about blocks allocated before profiling.

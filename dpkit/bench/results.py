@@ -47,12 +47,23 @@ def _git_commit() -> str | None:
         return None
 
 
+def gpu_facts(device: torch.device) -> dict:
+    """What a GPU result needs beside it: CUDA and NCCL versions, the GPU's memory (bytes) and compute
+    capability. Empty keys' values (None) on the CPU, so CPU and GPU rows have the same header fields."""
+    if device.type != "cuda":
+        return {"cuda": None, "nccl": None, "gpu_memory_bytes": None, "gpu_capability": None}
+    properties = torch.cuda.get_device_properties(device)
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    return {"cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+            "gpu_memory_bytes": properties.total_memory, "gpu_capability": f"{properties.major}.{properties.minor}"}
+
+
 def environment(backend: str, device: torch.device | str, world_size: int, **extra) -> dict:
     """The environment header stored with, and printed before, every result."""
     device = torch.device(device)
     return {
         "torch": torch.__version__,
-        "cuda": torch.version.cuda if device.type == "cuda" else None,
+        **gpu_facts(device),
         "backend": backend,
         "device": device.type,
         "device_model": _device_model(device),
@@ -72,8 +83,11 @@ def environment(backend: str, device: torch.device | str, world_size: int, **ext
 def format_environment(env: dict) -> str:
     """A short header: what ran, on what."""
     lines = [
-        f"* torch {env['torch']}" + (f", CUDA {env['cuda']}" if env.get("cuda") else ""),
-        f"* backend {env['backend']}, device {env['device']} ({env['device_model']})",
+        f"* torch {env['torch']}" + (f", CUDA {env['cuda']}" if env.get("cuda") else "")
+        + (f", NCCL {env['nccl']}" if env.get("nccl") else ""),
+        f"* backend {env['backend']}, device {env['device']} ({env['device_model']}"
+        + (f", {env['gpu_memory_bytes'] / 2 ** 30:.0f} GiB, {env['gpus']} visible" if env.get("gpu_memory_bytes")
+           else "") + ")",
         f"* world size {env['world_size']}, {env['threads']} thread(s) per process, {env['cpus']} CPUs",
     ]
     return "\n".join(lines)

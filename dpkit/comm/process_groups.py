@@ -43,6 +43,8 @@ import torch.distributed as dist
 # where a worker can abort ("terminate called without an active exception"). Imported now, they hold None.
 import torch.distributed.nn  # noqa: F401
 
+from dpkit.comm.hosts import HOSTS_ENV, layout_value
+
 # Short enough that a dead or stuck peer fails every rank within about a minute;
 # long enough for a slow collective on a loaded 2-core machine.
 DEFAULT_TIMEOUT_S = 60.0
@@ -58,7 +60,8 @@ _MODULES_AT_INIT: set[str] = set()
 
 @dataclass(frozen=True)
 class DistContext:
-    """Who this process is. ``device`` is where its tensors live (cuda:LOCAL_RANK with nccl)."""
+    """Who this process is. ``device`` is where its tensors live (``resolve_device``; on CUDA
+    cuda:LOCAL_RANK modulo the GPUs visible)."""
 
     rank: int
     local_rank: int
@@ -76,28 +79,62 @@ class PeerFailedError(RuntimeError):
     """A collective or message failed because another rank died, diverged or stopped answering."""
 
 
-def resolve_backend(backend: str = "auto") -> str:
-    """``auto`` is nccl when CUDA is available, else gloo; nccl without CUDA is an error."""
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_backend(backend: str = "auto", device: str = "auto") -> str:
+    """``auto`` is nccl when the ranks compute on CUDA (``--device cuda``, or ``auto`` with a GPU visible),
+    else gloo; nccl without CUDA is an error naming the flag."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"--backend {backend}: unknown backend; choose auto, gloo or nccl")
+    if device not in DEVICES:
+        raise ValueError(f"--device {device}: unknown device; choose one of {', '.join(DEVICES)}")
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"unknown backend {backend!r}: choose auto, gloo or nccl")
+        return "nccl" if device != "cpu" and torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend nccl needs CUDA, and no GPU is visible; use --backend gloo")
+        raise RuntimeError("--backend nccl needs CUDA, and no GPU is visible (torch.cuda.is_available() is "
+                           "False): use --backend gloo")
     return backend
 
 
-def _device_for(backend: str, local_rank: int) -> torch.device:
-    if backend != "nccl":
+def resolve_device(device: str, backend: str) -> str:
+    """The device type the ranks compute on, for a resolved ``backend``: ``auto`` is cuda with nccl, else cpu.
+
+    ``cuda`` with gloo puts the tensors on the GPU and lets gloo move them (its collectives take CUDA
+    tensors through host memory): how two processes share one GPU. Asking for CUDA where none is
+    visible, or for CPU tensors with nccl (which moves CUDA tensors only), is an error naming the flags.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"--device {device}: unknown device; choose one of {', '.join(DEVICES)}")
+    if device == "auto":
+        return "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
+                           "use --device cpu (or auto)")
+    if device == "cpu" and backend == "nccl":
+        raise ValueError("--device cpu with --backend nccl: NCCL moves CUDA tensors only; use --backend gloo "
+                         "(or auto) for CPU tensors")
+    return device
+
+
+def placement(backend: str = "auto", device: str = "auto") -> tuple[str, str]:
+    """(backend, device type) the flags ``--backend`` and ``--device`` name, checked against this machine."""
+    backend = resolve_backend(backend, device)
+    return backend, resolve_device(device, backend)
+
+
+def _device_for(device_type: str, local_rank: int) -> torch.device:
+    if device_type != "cuda":
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())  # ranks of one host share the GPUs
     torch.cuda.set_device(device)
     return device
 
 
-def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: float, store=None) -> DistContext:
-    backend = resolve_backend(backend)
-    device = _device_for(backend, local_rank)
+def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: float, store=None,
+          device: str = "auto") -> DistContext:
+    backend, device_type = placement(backend, device)
+    device = _device_for(device_type, local_rank)
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     if store is not None:
         kwargs["store"] = store
@@ -204,7 +241,7 @@ def _explain(error: BaseException, ctx: DistContext) -> BaseException:
 
 
 @contextmanager
-def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
+def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "auto"):
     """Join the process group described by torchrun's environment; tear it down on exit.
 
     Without torchrun (no ``RANK`` in the environment) this is a world of one process, so
@@ -220,7 +257,7 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
         tmp = tempfile.mkdtemp(prefix="dpkit-store-")
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
     try:  # from here on, the store's directory is removed whatever fails, set-up included
-        ctx = _init(backend, rank, local_rank, world_size, timeout_s, store)
+        ctx = _init(backend, rank, local_rank, world_size, timeout_s, store, device)
         try:
             yield ctx
         except Exception as error:
@@ -236,12 +273,27 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S):
 
 
 def add_common_args(parser: argparse.ArgumentParser, json_help: str = "write the results here in the shared JSON layout") -> None:
-    """The flags every script shares: --backend, --timeout, --json."""
+    """The flags every script shares: --backend, --device, --timeout, --json (check them with ``parse_checked``)."""
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                        help="process-group backend; auto = nccl when CUDA is available, else gloo (default: %(default)s)")
+                        help="process-group backend; auto = nccl when the ranks compute on CUDA, else gloo "
+                             "(default: %(default)s)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the ranks compute; auto = cuda with nccl (a GPU per rank, cycling), else cpu; "
+                             "cuda with --backend gloo: ranks may share one GPU (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="process-group timeout in seconds: a stuck peer fails the job after this long (default: %(default)s)")
     parser.add_argument("--json", metavar="PATH", default=None, help=f"{json_help} (default: none)")
+
+
+def parse_checked(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, then --backend and --device checked against this machine: a request it
+    cannot serve (CUDA without a GPU, nccl with CPU tensors) exits with the parser's usage and the reason."""
+    args = parser.parse_args(argv)
+    try:
+        placement(args.backend, args.device)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    return args
 
 
 # --------------------------------------------------------------------------- local launcher
@@ -256,7 +308,7 @@ class WorkerError(RuntimeError):
 
 
 def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads, args, out_dir, environ=None,
-                streams=None):
+                streams=None, device="auto"):
     """One rank started by ``launch``: takes the launcher's environment and, from a forkserver, its stdout and
     stderr (``streams``), joins the group through the file store, runs ``fn(ctx, *args)`` and leaves
     ``result-<rank>.pt``, or ``error-<rank>.txt`` (time stamp and traceback) and exit status 1, in ``out_dir``."""
@@ -271,7 +323,7 @@ def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads
     torch.set_num_threads(threads)
     ctx = None
     try:
-        ctx = _init(backend, rank, rank, world_size, pg_timeout_s, dist.FileStore(store_path, world_size))
+        ctx = _init(backend, rank, rank, world_size, pg_timeout_s, dist.FileStore(store_path, world_size), device)
         try:
             result = fn(ctx, *args)
         except Exception as error:
@@ -338,8 +390,10 @@ class _Streams:
         return tuple, ((reduction.DupFd(1), reduction.DupFd(2)),)
 
 
-# What a forkserver imports once, so that every worker it forks starts with them loaded.
-PRELOAD = ("torch", "torch.distributed", "numpy", "dpkit.comm.transport")
+# What a forkserver imports once, so that every worker it forks starts with them loaded. torch._dynamo: the first
+# torch.optim optimizer a process builds imports it, seconds of CPU that every worker would pay again (it starts
+# no thread, so forking after it is safe).
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "dpkit.comm.transport")
 
 
 def _start_context():
@@ -354,14 +408,17 @@ def _start_context():
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo", timeout_s: float = 300.0,
-           pg_timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1) -> list[Any]:
+           pg_timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1, device: str = "auto",
+           hosts: Sequence[int] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` fresh processes and return each rank's result.
 
     Workers start from a forkserver with torch imported once (``_start_context``; ``spawn`` where there is
     none) and meet through a FileStore in a new temporary directory (no port, so concurrent runs never
     collide). Each uses
-    ``threads`` intra-op threads. ``fn`` must be importable (defined at module level)
-    and its result picklable by ``torch.save``.
+    ``threads`` intra-op threads and computes on ``device`` (``resolve_device``: "cuda" with gloo shares
+    the GPUs). ``fn`` must be importable (defined at module level)
+    and its result picklable by ``torch.save``. ``hosts`` (ranks per host, e.g. ``(2, 2)``) simulates
+    that many hosts: the workers' ``DPKIT_HOSTS`` (``dpkit.comm.hosts``); None keeps the environment's.
 
     The whole group must finish within ``timeout_s``. A worker that raises or exits
     without a result fails the launch with the root cause's traceback (see
@@ -370,6 +427,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    environ = dict(os.environ)
+    if hosts is not None:
+        environ[HOSTS_ENV] = layout_value(hosts, world_size)
     mp = _start_context()
     tmp = tempfile.mkdtemp(prefix="dpkit-launch-")
     processes = []
@@ -377,7 +437,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
         for rank in range(world_size):
             p = mp.Process(target=worker_main, name=f"rank{rank}",
                            args=(fn, rank, world_size, os.path.join(tmp, "store"), backend, pg_timeout_s, threads, args, tmp,
-                                 dict(os.environ), _Streams() if mp.get_start_method() == "forkserver" else None))
+                                 environ, _Streams() if mp.get_start_method() == "forkserver" else None,
+                                 device))
             p.start()
             processes.append(p)
         deadline = time.monotonic() + timeout_s

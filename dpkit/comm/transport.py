@@ -1,7 +1,7 @@
 """Transports: how the ranks of a process group move and sum tensors, as one object every engine takes.
 
     from dpkit.comm.transport import SharedMemory, resolve
-    t = resolve("auto", group, device)       # shared memory on one CPU host, else PyTorch's collectives
+    t = resolve("auto", group, device)       # shared memory on one CPU host, hierarchical across hosts
     flat = t.allocate((n,), dtype=torch.float32)   # a buffer the transport serves without a copy
     t.all_reduce(flat, op="sum")                   # or async_op=True for a handle to wait on
     ddp_model.register_comm_hook(SharedMemory(group), ddp_comm_hook)   # PyTorch's DDP over it
@@ -9,12 +9,14 @@
 
 A transport has the three collectives data parallelism needs (``all_reduce``, ``reduce_scatter``,
 ``all_gather``; the contracts of ``torch.distributed``'s, with ``op`` "sum" or "mean"), each
-blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers. Three kinds:
+blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers. The kinds:
 
 * ``Torch``: ``torch.distributed``'s collectives on the group's backend (gloo, NCCL).
 * ``SharedMemory``: ranks of one host meet in /dev/shm (CPU tensors). Every rank owns an arena
   that every other rank maps; a tensor ``allocate`` returned lives there, so a sum reads each
   rank's buffer where it lies, with no copy in or out. Any other tensor is staged through the arena.
+* ``Hierarchical`` (``dpkit.comm.hierarchical``): shared memory inside each host, ``Torch`` between
+  hosts (``dpkit.comm.hosts`` says which rank is where; ``DPKIT_HOSTS`` simulates hosts on one machine).
 * others by name through ``register``: ``allreduce.py`` registers "p2p", the homework's point-to-point
   algorithms, when it is imported.
 
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from dpkit.comm.checks import bounds, check_input, check_sharded
 from dpkit.comm.comm_thread import CommThread, group_timeout
 from dpkit.comm import process_groups
+from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 
 OPS = ("sum", "mean")
@@ -484,8 +487,9 @@ def _owner_of(tensor: torch.Tensor):
 class SharedMemory(Transport):
     """Collectives through this host's shared memory, for a group whose ranks all run on this host (CPU).
 
-    ``SharedMemory(group)`` is a collective: it makes and maps the files and raises ValueError on
-    every rank if one rank cannot see them (the ranks are not on one host, or /dev/shm is not shared).
+    ``SharedMemory(group)`` is a collective: it makes and maps the files and raises ``NotOneHost`` (a
+    ValueError) on every rank if the ranks are on several hosts (``hosts.host_indices``: real ones or
+    simulated by ``DPKIT_HOSTS``) or one rank cannot see the files (/dev/shm is not shared).
     When /dev/shm has no room, it warns once and every collective goes through ``Torch``; a single
     call that finds no room to stage a tensor does the same, on every rank.
 
@@ -511,6 +515,7 @@ class SharedMemory(Transport):
         self._chunk_views: dict[tuple, tuple] = {}  # (offsets, bytes, dtype) -> this rank's chunks (``_chunks``)
         self._staging: tuple[int, torch.Tensor] | None = None  # (offset, uint8 block) kept for later calls
         if self.world_size > 1:
+            self._check_one_host()
             self._map(directory)
 
     # ---- set-up (collective)
@@ -558,6 +563,15 @@ class SharedMemory(Transport):
         for view in self._views:
             _ARENAS.append((view.data_ptr(), size, me))
         weakref.finalize(self, _forget_arenas, [view.data_ptr() for view in self._views], os.close, arena_fds[rank])
+
+    def _check_one_host(self) -> None:
+        """NotOneHost on every rank when the group's ranks are on several (real or simulated) hosts."""
+        spread = host_indices(self.group)
+        if len(set(spread)) > 1:
+            simulated = f" (simulated: {HOSTS_ENV}={os.environ[HOSTS_ENV]})" if HOSTS_ENV in os.environ else ""
+            raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host: ranks "
+                             f"{self.ranks} are on {len(set(spread))} hosts{simulated}; use transport 'auto' "
+                             "or 'hierarchical' (or 'torch') for a group that spans hosts")
 
     def _file_prefix(self, directory: str) -> str:
         name = torch.zeros(2, dtype=torch.int64)
@@ -927,7 +941,7 @@ def _profiled(kind: str):
 
 # --------------------------------------------------------------------------- the choice, in one place
 
-BUILT_IN = ("auto", "torch", "shared_memory")
+BUILT_IN = ("auto", "torch", "shared_memory", "hierarchical")
 # name -> (factory(group, option), options): transports made by "name" or "name:option" besides the built-in ones.
 _REGISTERED: dict[str, tuple[Callable, tuple[str, ...]]] = {}
 
@@ -955,13 +969,15 @@ _CHOSEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine") -> Transport:
     """The transport ``spec`` names for ``group`` and tensors on ``device`` (a collective: every rank calls it).
 
-    ``spec``: ``"auto"`` (shared memory when the tensors are on the CPU and every rank of the group
-    is on this host, else ``Torch``), a name of ``names()``, or a ``Transport`` over the same ranks.
+    ``spec``: ``"auto"`` (for tensors on the CPU: shared memory when every rank of the group is on
+    this host, ``Hierarchical`` when the group spans hosts and some host holds two or more of its
+    ranks; else ``Torch``), a name of ``names()``, or a ``Transport`` over the same ranks.
     Every rank learns every rank's choice and device type first, so all of them raise ValueError,
     with the same message, for an unknown name, ranks asking for different transports or putting
-    their tensors on different device types, ``"shared_memory"`` for GPU tensors or a group that
-    spans hosts, or a transport over other ranks. Transports chosen by name are made once per
-    group and shared by the engines of this process (they run in the caller's thread, in turn).
+    their tensors on different device types, ``"shared_memory"`` or ``"hierarchical"`` for GPU
+    tensors, ``"shared_memory"`` for a group that spans hosts, or a transport over other ranks.
+    Transports chosen by name are made once per group and shared by the engines of this process
+    (they run in the caller's thread, in turn).
     """
     device = torch.device("cpu" if device is None else device)
     group = group if group is not None else dist.group.WORLD
@@ -1014,21 +1030,39 @@ def _check_choices(everyone: list, ranks: list[int], engine: str) -> None:
 
 def _make(name: str, group, device: torch.device, engine: str) -> Transport:
     if name == "auto":
-        if device.type != "cpu" or dist.get_world_size(group) == 1:
-            return Torch(group)
+        return _automatic(group, device)
+    if name == "torch":
+        return Torch(group)
+    if name in ("shared_memory", "hierarchical"):
+        if device.type != "cpu":
+            raise ValueError(f"{engine}: transport {name!r} takes CPU tensors, not {device.type} ones: use "
+                             "'torch' (NCCL) or 'auto'")
+        if name == "hierarchical":
+            from dpkit.comm.hierarchical import Hierarchical  # (it builds on this module)
+
+            return Hierarchical(group)
+        return SharedMemory(group)
+    registered, _, option = name.partition(":")
+    return _REGISTERED[registered][0](group, option)
+
+
+def _automatic(group, device: torch.device) -> Transport:
+    """What "auto" makes for CPU tensors, from where the ranks are (``host_indices``, a collective): one host,
+    shared memory (torch if the ranks cannot share a file after all); several hosts with two or more ranks
+    on some host, hierarchical; one rank per host, torch (there is nothing to share inside a host)."""
+    if device.type != "cpu" or dist.get_world_size(group) == 1:
+        return Torch(group)
+    spread = host_indices(group)
+    if len(set(spread)) == 1:
         try:
             return SharedMemory(group)
         except NotOneHost:
             return Torch(group)
-    if name == "torch":
-        return Torch(group)
-    if name == "shared_memory":
-        if device.type != "cpu":
-            raise ValueError(f"{engine}: transport 'shared_memory' takes CPU tensors, not {device.type} ones: use "
-                             "'torch' (NCCL) or 'auto'")
-        return SharedMemory(group)
-    registered, _, option = name.partition(":")
-    return _REGISTERED[registered][0](group, option)
+    if len(set(spread)) < len(spread):
+        from dpkit.comm.hierarchical import Hierarchical
+
+        return Hierarchical(group)
+    return Torch(group)
 
 
 # --------------------------------------------------------------------------- PyTorch's engines over a transport

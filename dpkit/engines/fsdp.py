@@ -4,6 +4,7 @@ Not a script; import it inside an initialised process group (``process_groups.di
 
     from dpkit.engines.fsdp import FSDP
     model = FSDP(net, compute_dtype=torch.bfloat16)   # rank 0's weights, sharded 1/n per rank
+    model = FSDP(net, shard="host")                    # or: sharded over each host's ranks, replicated across hosts
     optimizer = torch.optim.AdamW(model.parameters())  # local shards and replicated parameters
     for x, y in loader:
         loss_fn(model(x), y).backward()                # gathers before each layer, reduce-scatters after
@@ -37,10 +38,17 @@ import torch.distributed as dist
 from torch import nn
 
 from dpkit.comm import transport as transports
+from dpkit.comm.comm_thread import group_timeout
+from dpkit.comm.hierarchical import new_subgroups
+from dpkit.comm.hosts import host_indices, ranks_by_host
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S
 from dpkit.engines.ddp import DDP, broadcast_module_state, check_same_model
 
 DEFAULT_SHARD_TYPES = (nn.Linear, nn.Embedding)
 COMPUTE_DTYPES = (None, torch.float16, torch.bfloat16)
+# Over which ranks a unit is sharded: every rank of the process group, or the group's ranks on this rank's
+# host (hybrid sharding, HSDP: each host holds the whole model, its gradients averaged across the hosts).
+SHARD_SCOPES = ("group", "host")
 
 
 # --------------------------------------------------------------------------- the flat units
@@ -93,17 +101,32 @@ class _Saved:
 @dataclass(eq=False)
 class _Reduction:
     """A unit's reduce-scatter: ``out`` becomes this rank's averaged shard of its gradient. ``source``, the flat
-    gradient, is kept until ``work`` is done: a transport may read it after ``reduce_scatter`` returned."""
+    gradient, is kept until ``work`` is done: a transport may read it after ``reduce_scatter`` returned.
+    With ``shard="host"`` the reduce-scatter averages over the host; ``across`` then averages ``out`` over
+    the ranks that hold the same shard on the other hosts (an all-reduce, started once ``work`` is done)."""
 
     unit: Unit
-    out: torch.Tensor                        # (padded // world,) master dtype
+    out: torch.Tensor                        # (padded // shard world,) master dtype
     source: torch.Tensor | None              # (padded,) master dtype, until done
     work: transports.Work | None
+    across: transports.Transport | None = None
+    crossing: transports.Work | None = None  # the all-reduce across hosts on its way
 
     def wait(self) -> None:
+        """The reduce-scatter is done (and the all-reduce across hosts, if any, started)."""
         if self.work is not None:
             self.work.wait()
             self.work = self.source = None  # the flat gradient can go
+            if self.across is not None:
+                self.crossing = self.across.all_reduce(self.out, "mean", async_op=True)
+
+    def result(self) -> torch.Tensor:
+        """``out`` once everything is done: the shard's gradient averaged over every rank of the group."""
+        self.wait()
+        if self.crossing is not None:
+            self.crossing.wait()
+            self.crossing = None
+        return self.out
 
 
 @dataclass(frozen=True)
@@ -156,7 +179,7 @@ class FSDP(nn.Module):
     """Fully sharded data parallelism: all-gathers and reduce-scatters through a ``transport``.
 
     ``FSDP(module, compute_dtype=None, shard_types=(nn.Linear, nn.Embedding),
-    reshard_after_forward=True, process_group=None, transport="auto")``
+    reshard_after_forward=True, process_group=None, transport="auto", shard="group")``
 
     * Construction: every rank must wrap an identical model (same parameter names, shapes,
       dtypes; checked with one all_gather_object, raising on every rank with the first
@@ -208,6 +231,21 @@ class FSDP(nn.Module):
     every rank; asynchronous where the transport is (NCCL; ``SharedMemory(background=True)``),
     so that the next unit's gather is prefetched while this one computes.
 
+    Hybrid sharding (HSDP), ``shard="host"``: the units are sharded over the group's ranks on
+    this rank's host only (``hosts.host_indices``; ``DPKIT_HOSTS`` simulates hosts), so that
+    parameters are gathered inside the host and never cross hosts. Each unit's gradient is
+    reduce-scattered (averaged) inside the host, then this rank's shard is all-reduced
+    (averaged) among the ranks that hold the same shard on the other hosts: the mean over the
+    whole group, and the shards of every host stay equal. Replicated parameters are all-reduced
+    over the whole group as above; ``full_parameters()`` gathers inside the host. FSDP makes
+    the subgroups (``hierarchical.new_subgroups``: the group may be any subset of the world)
+    and one transport per subgroup and one over the group, each from ``transport``, which is
+    here a name or a factory ``f(group) -> Transport`` (not a Transport: it would be over one
+    group only). Every host must hold the same number of the group's ranks (else ValueError
+    on every rank, naming the layout). With one rank per host nothing is sharded: every rank
+    keeps the whole model and all-reduces its gradients, which is DDP across hosts; group rank
+    0 warns so (``ddp.DDP`` does it in fewer, bucketed messages). With one host it is plain FSDP.
+
     Warnings:
         * Every rank must call forward (also in eval and under ``torch.no_grad()``) and
           backward the same way: gathers are collectives.
@@ -220,7 +258,7 @@ class FSDP(nn.Module):
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_types: tuple[type, ...] = DEFAULT_SHARD_TYPES, reshard_after_forward: bool = True,
-                 process_group=None, *, transport="auto"):
+                 process_group=None, *, transport="auto", shard: str = "group"):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("FSDP needs an initialised process group (process_groups.distributed)")
@@ -229,6 +267,9 @@ class FSDP(nn.Module):
         shard_types = tuple(shard_types)
         if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in shard_types):
             raise TypeError(f"shard_types must be nn.Module subclasses, got {shard_types}")
+        if shard not in SHARD_SCOPES:
+            raise ValueError(f"shard must be 'group' (over every rank of the process group) or 'host' (over the "
+                             f"ranks of each host, replicated across hosts); got {shard!r}")
         self.compute_dtype = compute_dtype
         self.shard_types = shard_types
         self.reshard_after_forward = reshard_after_forward
@@ -238,7 +279,16 @@ class FSDP(nn.Module):
         # One collective: every rank raises the same error for a local problem or differing models.
         check_same_model(module, process_group, local_problem=_local_problem(module), wrapper="FSDP")
         # Also a collective that raises on every rank (ranks asking for different transports): before any data moves.
-        self.transport = transports.resolve(transport, process_group, next(module.parameters()).device, engine="FSDP")
+        device = next(module.parameters()).device
+        self.transport = transports.resolve(_made(transport, process_group) if shard == "host" else transport,
+                                            process_group, device, engine="FSDP")
+        # The units are sharded over ``shard_group``'s ranks through ``shard_transport``; ``across`` (None unless
+        # hybrid over several hosts) averages each gradient shard among the hosts.
+        self.shard = shard
+        self.shard_group, self.shard_transport, self.across, self._subgroups = process_group, self.transport, None, []
+        if shard == "host":
+            self._split_by_host(transport, device)
+        self.shard_rank, self.shard_world = dist.get_rank(self.shard_group), dist.get_world_size(self.shard_group)
         broadcast_module_state(module, process_group)
 
         self.module = module
@@ -274,6 +324,35 @@ class FSDP(nn.Module):
 
     # ---- construction
 
+    def _split_by_host(self, spec, device: torch.device) -> None:
+        """``shard="host"``: this rank's host becomes the shard group and, over several hosts, the ranks that
+        hold the same shard on each host the ``across`` group, each with its transport from ``spec``.
+        Collectives over the group; a layout that cannot be split raises the same error on every rank."""
+        if isinstance(spec, transports.Transport):  # on every rank alike: resolve compared the ranks' choices
+            raise TypeError(f"FSDP(shard='host'): give transport as a name or a factory(group) -> Transport, not "
+                            f"{spec!r}: FSDP makes one over each host and one among the hosts")
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        hosts = [sorted(ranks[r] for r in members) for members in ranks_by_host(host_indices(group))]
+        _check_even_hosts(hosts)
+        if len(hosts) == 1:
+            return  # one host: sharded over the whole group, plain FSDP
+        if len(hosts[0]) == 1 and self.rank == 0:
+            warnings.warn(f"FSDP(shard='host'): each of the {len(hosts)} hosts holds one rank of the group, so "
+                          "nothing is sharded: every rank keeps the whole model and all-reduces its gradients "
+                          "across the hosts, which is DDP across hosts (ddp.DDP does it in fewer, bucketed "
+                          "messages; shard='group' shards over the hosts)", stacklevel=3)
+        me = dist.get_rank()
+        host = next(h for h, members in enumerate(hosts) if me in members)
+        shard_index = hosts[host].index(me)
+        peers = [list(holders) for holders in zip(*hosts)]  # shard i's holders: local rank i of every host
+        made = new_subgroups(group, hosts + peers, group_timeout(group, device) or DEFAULT_TIMEOUT_S)
+        self._subgroups = [g for g in made if g is not None]
+        self.shard_group, across = made[host], made[len(hosts) + shard_index]
+        self.shard_transport = transports.resolve(_made(spec, self.shard_group), self.shard_group, device,
+                                                  engine="FSDP")
+        self.across = transports.resolve(_made(spec, across), across, device, engine="FSDP")
+
     def _make_units(self, module: nn.Module) -> list[Unit]:
         """One unit per (outermost ``shard_types`` submodule, dtype), in registration order."""
         slots_of: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -304,14 +383,14 @@ class FSDP(nn.Module):
         for _, p in params:
             offsets.append(numel)
             numel += p.numel()
-        per_rank = -(-numel // self.world_size)  # ceil: every rank the same shard size
-        padded = per_rank * self.world_size
+        per_rank = -(-numel // self.shard_world)  # ceil: every rank the same shard size
+        padded = per_rank * self.shard_world
         first = params[0][1]
         full = torch.zeros(padded, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for (_, p), offset in zip(params, offsets):
                 full[offset:offset + p.numel()].copy_(p.reshape(-1))
-        shard = nn.Parameter(full[self.rank * per_rank:(self.rank + 1) * per_rank].clone())
+        shard = nn.Parameter(full[self.shard_rank * per_rank:(self.shard_rank + 1) * per_rank].clone())
         return Unit(index, prefix, [n for n, _ in params], [p.shape for _, p in params], offsets, slots, numel,
                     padded, shard)
 
@@ -394,10 +473,11 @@ class FSDP(nn.Module):
         if unit.full is not None or unit.work is not None:
             return
         shard = unit.shard.detach()
-        full = self.transport.allocate((unit.padded,), dtype=self.compute_dtype or shard.dtype, device=shard.device)
-        own = full[self.rank * shard.numel():(self.rank + 1) * shard.numel()]
+        full = self.shard_transport.allocate((unit.padded,), dtype=self.compute_dtype or shard.dtype,
+                                             device=shard.device)
+        own = full[self.shard_rank * shard.numel():(self.shard_rank + 1) * shard.numel()]
         own.copy_(shard)
-        unit.work = self.transport.all_gather(full, own, async_op=True)
+        unit.work = self.shard_transport.all_gather(full, own, async_op=True)
         unit.full = full
         self._storage_to_unit[full.untyped_storage().data_ptr()] = unit
 
@@ -465,10 +545,10 @@ class FSDP(nn.Module):
             raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
         if self._reductions:
             self._reductions[-1].wait()
-        source = _flat_gradient(unit, grads, self.transport.allocate)
-        out = torch.empty(unit.padded // self.world_size, dtype=unit.master_dtype, device=source.device)
-        work = self.transport.reduce_scatter(out, source, "mean", async_op=True)
-        self._reductions.append(_Reduction(unit, out, source, work))
+        source = _flat_gradient(unit, grads, self.shard_transport.allocate)
+        out = torch.empty(unit.padded // self.shard_world, dtype=unit.master_dtype, device=source.device)
+        work = self.shard_transport.reduce_scatter(out, source, "mean", async_op=True)
+        self._reductions.append(_Reduction(unit, out, source, work, self.across))
         unit.gathers -= 1
         if self.reshard_after_forward or unit.gathers == 0:
             self._release(unit)
@@ -492,12 +572,13 @@ class FSDP(nn.Module):
         start = time.perf_counter()
         with torch.no_grad():
             for reduction in self._reductions:
-                reduction.wait()
+                reduction.wait()  # every all-reduce across hosts on its way before the first is waited for
+            for reduction in self._reductions:
                 unit = reduction.unit
                 if unit.shard.grad is None:
-                    unit.shard.grad = reduction.out
+                    unit.shard.grad = reduction.result()
                 else:
-                    unit.shard.grad += reduction.out
+                    unit.shard.grad += reduction.result()
             self._reductions = []
             self._replicated.finish_gradient_synchronization()
         self._release_all()
@@ -514,7 +595,7 @@ class FSDP(nn.Module):
         fulls = {}
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=unit.master_dtype, device=unit.shard.device)
-            self.transport.all_gather(full, unit.shard.detach())
+            self.shard_transport.all_gather(full, unit.shard.detach())  # inside the host with shard="host"
             fulls[unit.index] = full
         replicated = dict(self.module.named_parameters())
         out = {}
@@ -546,8 +627,8 @@ class FSDP(nn.Module):
             name = self._key_to_name.get(key)
             if name in self._unit_of_name:
                 unit, i = self._unit_of_name[name]
-                per_rank = unit.padded // self.world_size
-                lo, hi = self.rank * per_rank, (self.rank + 1) * per_rank
+                per_rank = unit.padded // self.shard_world
+                lo, hi = self.shard_rank * per_rank, (self.shard_rank + 1) * per_rank
                 start, stop = unit.offsets[i], unit.offsets[i] + unit.shapes[i].numel()
                 a, b = max(lo, start), min(hi, stop)  # the part of this parameter in this rank's shard
                 if a < b:
@@ -560,13 +641,36 @@ class FSDP(nn.Module):
                 buffers[key].copy_(state[key])
 
     def close(self) -> None:
-        """Remove the hooks (the wrapper is unusable afterwards)."""
+        """Remove the hooks; with ``shard="host"`` also close the subgroups' transports and destroy the subgroups
+        (the wrapper is unusable afterwards)."""
         for handle in self._hook_handles:
             handle.remove()
         self._replicated.remove_hooks()
+        if self._subgroups:
+            self.shard_transport.close()
+            self.across.close()
+            if dist.is_initialized():
+                for group in self._subgroups:
+                    dist.destroy_process_group(group)
+            self._subgroups = []
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _made(spec, group):
+    """``spec(group)`` for a transport factory (a class such as ``transport.Torch`` included); else ``spec``."""
+    return spec(group) if callable(spec) and not isinstance(spec, (str, transports.Transport)) else spec
+
+
+def _check_even_hosts(hosts: list[list[int]]) -> None:
+    """ValueError unless every host holds as many of the group's ranks (``hosts``: global ranks per host)."""
+    if len({len(members) for members in hosts}) > 1:
+        layout = "; ".join(f"host {h}: ranks {members}" for h, members in enumerate(hosts))
+        raise ValueError(f"FSDP(shard='host'): the group's hosts hold different numbers of its ranks "
+                         f"({'+'.join(str(len(m)) for m in hosts)}: {layout}); each gradient shard is all-reduced "
+                         "among the ranks that hold it on every host, so every host needs as many ranks: use "
+                         "shard='group', or a process group with as many ranks on each host")
 
 
 def _pre_hook(ref: weakref.ref):

@@ -1,32 +1,34 @@
-"""ZeRO stage 1: an optimizer whose state is sharded over the data-parallel ranks.
+"""ZeRO stages 1 and 2: an optimizer whose state (stage 2: and gradients) is sharded over the ranks.
 
-    model = DDP(build_model(...))                     # gradients are averaged as usual
+    model = DDP(build_model(...))        # stage 1: DDP averages every gradient on every rank
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    model = build_model(...)             # stage 2: no DDP; each rank receives its own share's gradients
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-3)
     optimizer.overlap_with_forward(model)             # optional: the next forward waits per layer
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-Every rank still holds the whole model and the whole averaged gradient, but each parameter
-element is owned by exactly one rank, and only its owner keeps its optimizer state (for AdamW
-two float32 tensors per parameter, the largest part of the model states) and updates it. Then
-every rank's updated share goes to every other rank in one all-gather per *bucket* (at most
-``bucket_cap_mb`` of one param group and dtype) through the ``transport``, into buffers the
-transport allocated: on one host the shares are read where they lie in shared memory.
+Each parameter element is owned by one rank, which alone keeps its optimizer state (for AdamW two tensors
+per parameter) and updates it; every rank's updated share then goes to every other rank in one all-gather
+per *bucket* (at most ``bucket_cap_mb`` of one param group and dtype) through the ``transport``, into
+buffers the transport allocated. At stage 2, hooks on the parameters reduce-scatter a bucket's gradients as
+soon as backward has produced them all: each rank keeps only the averaged gradients of its own elements,
+and a step moves the bytes of one all-reduce (stage 1: DDP's all-reduce, then the all-gather).
 
-``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; it returns once
-every parameter is up to date, or, after ``overlap_with_forward(module)``, at once, each layer of
-the next forward waiting for its bucket. Whether the all-gathers overlap is the transport's matter:
-an asynchronous one runs them beside the next update; the default on one CPU host runs each in the
-caller's thread (there they are copies made by the cores that compute).
+``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; it returns once every
+parameter is up to date, or, after ``overlap_with_forward(module)``, at once, each layer of the next
+forward waiting for its bucket. Whether the transfers overlap is the transport's matter.
 
-The partition, from the shapes alone, the same on every rank: ``"flat"`` (default) cuts each
-bucket's parameters, back to back, into n near-equal ranges: exact for element-wise updates (SGD,
-Adam, AdamW: bit for bit the unsharded optimizer), not for one that looks at a whole tensor (LAMB, a
-norm); ``"tensor"`` gives whole parameters, largest first, to the least loaded rank: exact for any
-per-tensor update, uneven when one tensor dominates. ``tests/test_zero.py`` checks both.
+The partition, from the shapes alone, the same on every rank: ``"flat"`` (default) cuts each bucket's
+parameters, back to back, into n near-equal ranges: exact for element-wise updates (SGD, Adam, AdamW: bit
+for bit the unsharded optimizer), not for one that looks at a whole tensor (LAMB, a norm); ``"tensor"``
+gives whole parameters, largest first, to the least loaded rank: exact for any per-tensor update, uneven
+when one tensor dominates (at stage 2 every rank's row of a bucket's reduce-scatter is as long as the
+largest share). ``tests/test_zero.py`` checks both partitions at both stages.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from dpkit.comm import transport as transports
 from dpkit.comm.checks import bounds
@@ -70,6 +73,16 @@ class Bucket:
     by_rank: list[list[Piece]]
     buffer: torch.Tensor | None = field(default=None, repr=False)  # (n, width), allocated by the transport
     work: transports.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
+    # Stage 2 only. ``rows`` (n, reduce_width): the reduce-scatter's input, row r = rank r's pieces' gradients
+    # divided by n, back to back, then one used-flag per piece (1 if this rank had its parameter's gradient),
+    # then zeros; ``buffer`` is a view of its first n x width elements (the gradients are in it during backward,
+    # the updated shares during step: never both at once). ``grad`` (reduce_width,): this rank's row of the sum,
+    # i.e. its pieces' averaged gradients and how many ranks had each.
+    rows: torch.Tensor | None = field(default=None, repr=False)
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    reducing: tuple | None = field(default=None, repr=False)  # (work, output) of the reduce-scatter in flight
+    arrived: set = field(default_factory=set, repr=False)  # ids of the parameters this backward put in ``rows``
+    holds: bool = False  # ``grad`` holds gradients (some backward since the last zero_grad reduced this bucket)
 
     def mine(self, rank: int) -> list[torch.Tensor]:
         return [piece.tensor for piece in self.by_rank[rank]]
@@ -79,9 +92,14 @@ class Bucket:
         """Elements of the largest share: the row length of the all-gather buffer."""
         return max(sum(piece.end - piece.start for piece in pieces) for pieces in self.by_rank)
 
+    @property
+    def reduce_width(self) -> int:
+        """Elements of the largest share plus its used-flags: the row length of the reduce-scatter."""
+        return max(sum(piece.end - piece.start for piece in pieces) + len(pieces) for pieces in self.by_rank)
+
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer_cls`` over this rank's share of ``params`` (ZeRO stage 1); a ``torch.optim.Optimizer``.
+    """``optimizer_cls`` over this rank's share of ``params`` (ZeRO stage 1 or 2); a ``torch.optim.Optimizer``.
 
     Args:
         params: tensors, or param-group dicts with their own options (as any optimizer takes).
@@ -94,7 +112,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
             host's shared memory when every rank is on it, else PyTorch's all-gather). An
             asynchronous transport overlaps each bucket's all-gather with the next bucket's update
             (and the next forward, see ``overlap_with_forward``); an inline one completes it at its call.
+        stage: 1 (default): the gradients arrive averaged on every rank (wrap the model in a DDP);
+            2: over an unwrapped model, the optimizer averages them itself, see below.
         **defaults: options for ``optimizer_cls`` (``lr=...``), defaults of every param group.
+
+    Stage 2 (``stage=2``, the model NOT wrapped in a DDP): construction checks that every rank holds
+    the same parameters (a digest of each all-gathered: ValueError on every rank naming the first that
+    differs; build the model from one seed, or load one checkpoint). Buckets hold the parameters that
+    require a gradient when their group is added; a post-accumulate-grad hook on each copies its
+    gradient, divided by n, into its bucket's row of the reduce-scatter and sets ``.grad`` to None; a
+    bucket whose gradients are all in is reduce-scattered at once (the buckets go in reverse order, the
+    same on every rank whatever order the gradients arrive in), the rest when backward ends, which waits
+    for every one. After backward each rank holds, in ``gradient_shares()`` (buffers the transport
+    allocated), the averaged gradients of its own pieces only, and no parameter has a ``.grad``.
+    ``step()`` hands them to the local optimizer, then all-gathers as at stage 1. The contract:
+
+    * a parameter no rank gave a gradient since the last ``zero_grad`` is left unchanged (a used-flag
+      per piece rides in the reduce-scatter); one that some ranks gave a gradient gets the average,
+      zeros from the others (as DDP with ``find_unused_parameters=True``);
+    * each backward reduces what it produced, added to what earlier ones left (gradient accumulation:
+      the sum of the averages, rounded per backward); ``zero_grad(set_to_none=...)`` empties the shares
+      either way: there is no ``.grad`` to keep at zero, so a step after it with no backward changes
+      nothing (the plain optimizer after ``zero_grad(set_to_none=True)``, PyTorch's default);
+    * every rank runs the same backward passes, each reaching at least one of these parameters (a rank
+      whose backward reaches none leaves its peers in the reduce-scatter until the group's timeout);
+      a ``.grad`` set by hand is refused by ``step()`` (RuntimeError): gradients come through the hooks.
 
     ``param_groups`` lists every parameter (so ``zero_grad`` and learning-rate schedulers act
     on all of them; their options are handed to the local optimizer at every step); ``state``
@@ -110,8 +152,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``step()``; with ``overlap_with_forward`` the waits of the following forward (or of any
     other wait) count too, and it is set once every bucket of that step has arrived.
 
-    ``close()`` waits for the parameters and removes the hooks; the transport stays open (it
-    may serve other engines: close one you made yourself when done with it).
+    ``last_reduce_wait_s`` (stage 2): seconds the end of the last backward spent launching the buckets still
+    waiting and waiting for every reduce-scatter (what backward did not overlap; an inline transport sums
+    inside the hooks, lengthening backward instead).
+
+    ``close()`` waits for the parameters and removes the hooks (stage 2: the gradient hooks too, after
+    which backward leaves ``.grad`` as usual); the transport stays open (it may serve other engines:
+    close one you made yourself when done with it).
 
     Checkpoints are CONSOLIDATED: ``state_dict()`` gathers every rank's state and returns, on
     every rank, exactly what ``optimizer_cls`` over all the parameters would return, so it can
@@ -124,16 +171,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     update = "all_gather"
 
     def __init__(self, params: Iterable, optimizer_cls: type, process_group=None, *, partition: str = "flat",
-                 bucket_cap_mb: float = 25.0, transport="auto", **defaults: Any):
+                 bucket_cap_mb: float = 25.0, transport="auto", stage: int = 1, **defaults: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if partition not in PARTITIONS:
             raise ValueError(f"unknown partition {partition!r}: choose one of {', '.join(PARTITIONS)}")
         if not bucket_cap_mb >= 0:  # also refuses NaN
             raise ValueError(f"bucket_cap_mb must be at least 0, got {bucket_cap_mb}")
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))}, got {stage!r}")
         groups = _param_groups(params)
         self.process_group, self.rank = process_group, dist.get_rank(process_group)
-        self.world_size, self.partition = dist.get_world_size(process_group), partition
+        self.world_size, self.partition, self.stage = dist.get_world_size(process_group), partition, stage
+        if stage == 2:
+            check_same_parameters(groups, process_group)
         self.bucket_cap_bytes = bucket_cap_mb * 2 ** 20
         self.load = [0] * self.world_size  # elements owned per rank, across groups: the greedy partition's state
         self.pieces: list[Piece] = []  # every rank's, in bucket order
@@ -146,11 +197,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
         self.transport = transports.resolve(transport, process_group, device, engine="ShardedOptimizer")
-        self._allocate_buffers(self.buckets)
         self._module: nn.Module | None = None  # set by overlap_with_forward
         self._hooks: list = []
         self._waited_s = 0.0  # the calling thread's time on this step's share so far (see last_share_s)
         self.last_share_s = 0.0
+        # Stage 2: parameter id -> (its bucket, [(row, column, start, end)]: where each of its pieces goes in the
+        # bucket's rows); the gradient hooks; the world size as a divisor (a 0-dim tensor dispatches faster than
+        # a Python number, wrapped anew at every call); the state of the backward in progress.
+        self._slots: dict[int, tuple[Bucket, list[tuple[int, int, int, int]]]] = {}
+        self._gradient_hooks: list = []
+        self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)
+        self._in_backward = False
+        self._reduced = 0  # buckets whose reduce-scatter this backward launched, in ``_reduce_order``
+        self.last_reduce_wait_s = 0.0
+        self._allocate_buffers(self.buckets)
 
     # ------------------------------------------------------------------ partition
 
@@ -158,6 +218,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Cut one group's parameters into buckets of pieces with owners; returns the tensors this rank
         updates, in order (the local optimizer's group: ``_mine()`` follows the same order)."""
         owner_of = {}
+        if self.stage == 2:  # a parameter that cannot get a gradient has nothing to reduce, update or gather
+            params = [p for p in params if p.requires_grad]
         if self.partition == "tensor":
             # A frozen parameter never has optimizer state: it weighs nothing in the balance.
             owners = partition([p.numel() if p.requires_grad else 0 for p in params], self.load)
@@ -177,9 +239,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Each bucket's (n, largest share) all-gather buffer, allocated once by the transport (on shared memory
         it lies in the segment the peers read: the all-gather copies each share once, into its place)."""
         for bucket in buckets:
-            if bucket.width and self.world_size > 1:
+            if self.stage == 2:
+                self._prepare_reduction(bucket)
+            elif bucket.width and self.world_size > 1:
                 bucket.buffer = self.transport.allocate((self.world_size, bucket.width), dtype=bucket.params[0].dtype,
                                                         device=bucket.params[0].device)
+
+    def _prepare_reduction(self, bucket: Bucket) -> None:
+        """Stage 2: the bucket's reduce-scatter rows (the all-gather buffer a view of them), its share of the sum,
+        where each parameter's pieces go in the rows, and a gradient hook on each parameter."""
+        n, width, first = self.world_size, bucket.reduce_width, bucket.params[0]
+        flat = self.transport.allocate((n * width,), dtype=first.dtype, device=first.device)
+        bucket.rows = flat.view(n, width)
+        bucket.grad = self.transport.allocate((width,), dtype=first.dtype, device=first.device)
+        if bucket.width and n > 1:
+            bucket.buffer = flat[:n * bucket.width].view(n, bucket.width)
+        for row, pieces in enumerate(bucket.by_rank):
+            column = 0
+            for piece in pieces:
+                self._slots.setdefault(id(piece.param), (bucket, []))[1].append((row, column, piece.start, piece.end))
+                column += piece.end - piece.start
+        ref = weakref.ref(self)
+        self._gradient_hooks += [p.register_post_accumulate_grad_hook(_gradient_hook(ref)) for p in bucket.params]
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to every rank's partition (every rank must add the same group)."""
@@ -187,6 +268,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         (group,) = _param_groups([param_group], known=[p for g in self.param_groups for p in g["params"]])
+        if self.stage == 2:
+            check_same_parameters([group], self.process_group, first_group=len(self.param_groups))
         self.wait_for_parameters()
         super().add_param_group(group)
         first_new = len(self.buckets)
@@ -213,23 +296,56 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, local in zip(self.param_groups, self.local.param_groups):
             local.update({key: value for key, value in group.items() if key != "params"})  # schedulers set these
-        views = [piece for piece in self._mine() if piece.tensor is not piece.param]
-        for piece in views:  # the gradient of a piece is the same view of the parameter's gradient
-            grad = piece.param.grad
-            piece.tensor.grad = None if grad is None else grad.view(-1)[piece.start:piece.end]
+        attached = self._attach_gradients()
         self._waited_s = 0.0
         try:
             for bucket in self.buckets:
                 self._update(bucket)
                 self._launch(bucket)
         finally:
-            for piece in views:
+            for piece in attached:
                 piece.tensor.grad = None  # do not keep the gradient alive past zero_grad(set_to_none=True)
         if self._module is None:
             self.wait_for_parameters()
         else:
             self._note_share_time()  # an inline transport left nothing for the forward to wait for
         return loss
+
+    def _attach_gradients(self) -> list[Piece]:
+        """Give this rank's pieces their gradients (the tensors the local optimizer steps): at stage 1 the
+        same view of the parameter's averaged ``.grad`` (a whole parameter already has it), at stage 2 their
+        part of the bucket's reduced share, where some rank had one. Returns the pieces given one here."""
+        if self.stage == 1:
+            views = [piece for piece in self._mine() if piece.tensor is not piece.param]
+            for piece in views:
+                grad = piece.param.grad
+                piece.tensor.grad = None if grad is None else grad.view(-1)[piece.start:piece.end]
+            return views
+        self._refuse_stray_gradients()
+        attached = []
+        for bucket in self.buckets:
+            pieces = bucket.by_rank[self.rank]
+            if not (bucket.holds and pieces):
+                continue
+            column, elements = 0, sum(piece.end - piece.start for piece in pieces)
+            for piece, had in zip(pieces, bucket.grad[elements:elements + len(pieces)].tolist()):
+                length = piece.end - piece.start
+                if had > 0:  # some rank's backward gave its parameter a gradient
+                    piece.tensor.grad = bucket.grad[column:column + length].view(piece.tensor.shape)
+                    attached.append(piece)
+                column += length
+        return attached
+
+    def _refuse_stray_gradients(self) -> None:
+        """Stage 2: a ``.grad`` on a parameter here did not come through the hooks: it would be ignored."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    raise RuntimeError(
+                        f"ShardedOptimizer(stage=2): parameter {i} of param group {g} (shape {tuple(p.shape)}) has a "
+                        ".grad: at stage 2 gradients reach the optimizer only through backward, whose hooks "
+                        "reduce-scatter them (a .grad set by hand, or produced while the hooks were removed or the "
+                        "parameter did not require a gradient when its group was added, is not reduced)")
 
     def _update(self, bucket: Bucket) -> None:
         """The local optimizer's step over this rank's pieces of ``bucket`` only.
@@ -290,6 +406,97 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if all(bucket.work is None for bucket in self.buckets):
             self.last_share_s = self._waited_s  # every bucket of the last step is in
 
+    # ------------------------------------------------------------------ stage 2: gradients to their owners
+
+    def gradient_shares(self) -> list[torch.Tensor]:
+        """Stage 2: the buffers holding this rank's reduced gradients, one per bucket (its pieces' averaged
+        gradients, their used-flags, padding); empty at stage 1, where the gradients are the parameters'."""
+        return [bucket.grad for bucket in self.buckets if bucket.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As any optimizer's; at stage 2 it also empties the reduced shares (either way: see the class)."""
+        super().zero_grad(set_to_none)
+        for bucket in self.buckets:
+            bucket.holds = False
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        """Backward finished ``param``'s gradient (its hook): into its bucket's rows, divided by n, then freed.
+        The first hook of a backward arranges for its end (``_end_of_backward``)."""
+        if not self._in_backward:
+            self._in_backward = True
+            self.wait_for_parameters()  # a late all-gather would write the rows the gradients go into
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket, slots = self._slots[id(param)]
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError("ShardedOptimizer(stage=2) does not take sparse gradients (nn.Embedding(sparse=True))")
+        flat = grad.reshape(-1)
+        for row, column, start, end in slots:  # before the sum, as DDP divides (see the note above ddp's engines)
+            torch.div(flat[start:end], self._divisor, out=bucket.rows[row, column:column + end - start])
+        param.grad = None  # the rows hold it now; after the reduce-scatter only this rank's share is kept
+        bucket.arrived.add(id(param))
+        if len(bucket.arrived) == len(bucket.params):
+            self._launch_reductions(complete_only=True)
+
+    def _reduce_order(self) -> list[Bucket]:
+        """Last bucket first (backward produces the last parameters' gradients first); the same on every rank:
+        the transports pair collectives up by call order."""
+        return self.buckets[::-1]
+
+    def _launch_reductions(self, complete_only: bool) -> None:
+        """Launch the next buckets in ``_reduce_order``: those whose gradients are all in, or (at the end of
+        backward) every one left."""
+        order = self._reduce_order()
+        while self._reduced < len(order):
+            bucket = order[self._reduced]
+            if complete_only and len(bucket.arrived) < len(bucket.params):
+                return
+            self._reduce(bucket)
+            self._reduced += 1
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """Complete the bucket's rows (zeros for the parameters that had no gradient, the used-flags, zero
+        padding) and start its reduce-scatter: into this rank's share, or beside it when the share already
+        holds an earlier backward's gradients (added at the end)."""
+        for row, pieces in zip(bucket.rows, bucket.by_rank):
+            column = 0
+            for piece in pieces:
+                if id(piece.param) not in bucket.arrived:
+                    row[column:column + piece.end - piece.start].zero_()
+                column += piece.end - piece.start
+            row[column:column + len(pieces)] = torch.tensor([float(id(piece.param) in bucket.arrived)
+                                                             for piece in pieces], dtype=row.dtype)
+            row[column + len(pieces):].zero_()
+        out = bucket.grad if not bucket.holds else self.transport.allocate(bucket.grad.shape, dtype=bucket.grad.dtype,
+                                                                            device=bucket.grad.device)
+        work = self.transport.reduce_scatter(out, bucket.rows.view(-1), "sum", async_op=True)
+        bucket.reducing = (work, out)
+        if work.is_completed():  # an inline transport: done already
+            self._finish_reduction(bucket)
+
+    def _finish_reduction(self, bucket: Bucket) -> None:
+        if bucket.reducing is None:
+            return
+        work, out = bucket.reducing
+        bucket.reducing = None
+        work.wait()
+        if out is not bucket.grad:  # gradient accumulation: this backward's average added to the earlier ones'
+            bucket.grad.add_(out)
+        bucket.holds = True
+
+    def _end_of_backward(self) -> None:
+        """Launch the buckets still waiting (in order), wait for every reduce-scatter, reset for the next backward."""
+        start = time.perf_counter()
+        try:
+            self._launch_reductions(complete_only=False)
+            for bucket in self.buckets:
+                self._finish_reduction(bucket)
+        finally:
+            self._in_backward, self._reduced = False, 0
+            for bucket in self.buckets:
+                bucket.arrived = set()
+        self.last_reduce_wait_s = time.perf_counter() - start
+
     # ------------------------------------------------------------------ overlap with the next forward
 
     def overlap_with_forward(self, module: nn.Module) -> None:
@@ -344,6 +551,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.wait_for_parameters()
         self._remove_hooks()
         self._module = None
+        for handle in self._gradient_hooks:
+            handle.remove()
+        self._gradient_hooks = []
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -394,6 +604,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 PARTITIONS = ("flat", "tensor")
+STAGES = (1, 2)
+
+
+def check_same_parameters(groups: list[dict], process_group=None, first_group: int = 0) -> None:
+    """Raise ValueError on every rank of the group unless every rank's ``groups`` hold the same parameters:
+    the same number, shapes, dtypes and values (a digest of each one's bytes, all-gathered once: a
+    collective). The message names the first parameter that differs, in param-group order (group
+    numbers from ``first_group``), and the ranks whose copy differs from group rank 0's."""
+    mine = [(g, i, tuple(p.shape), str(p.dtype), _digest(p))
+            for g, group in enumerate(groups, first_group) for i, p in enumerate(group["params"])]
+    everyone: list = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(everyone, mine, group=process_group)  # construction, not the hot path: pickled is fine
+    for index in range(max(len(entries) for entries in everyone)):
+        column = [entries[index] if index < len(entries) else None for entries in everyone]
+        if any(entry != column[0] for entry in column):
+            g, i, shape, dtype, _ = next(entry for entry in column if entry is not None)
+            ranks = [r for r, entry in enumerate(column) if entry != column[0]]
+            raise ValueError(f"ShardedOptimizer(stage=2): the ranks' parameters differ, first parameter {i} of param "
+                             f"group {g} (shape {shape}, {dtype}): group rank(s) {ranks} hold another one than rank 0 "
+                             "(its values, shape or dtype, or no such parameter): every rank must build the same model "
+                             "(one seed, or one checkpoint loaded) before the optimizer")
+
+
+def _digest(p: torch.Tensor) -> str:
+    """A digest of a tensor's bytes: equal on two ranks exactly when their values are bitwise equal (to a
+    collision of a 128-bit hash)."""
+    data = p.detach().reshape(-1).view(torch.uint8).cpu().numpy()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _gradient_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook for stage 2; a weak reference: a parameter must not keep the optimizer alive."""
+    def on_gradient(param: torch.Tensor) -> None:
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer._on_gradient(param)
+    return on_gradient
 
 
 def _elementwise(value: Any, numel: int) -> bool:

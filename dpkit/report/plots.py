@@ -10,9 +10,9 @@ returns a matplotlib Figure; nothing is shown or saved here. The style is the sa
 figure: one colour per implementation or algorithm (``colour``), one line style per world size
 (``line_style``), legends outside the data, log axes with plain tick labels, sizes in
 KiB/MiB/GiB, error bars from 95 % bootstrap intervals over rounds wherever a row carries its
-per-round values (or ``ci_low``/``ci_high``), and runs with more processes than CPU cores
-(oversubscribed) drawn grey and hatched. Rows are read by field name; a figure whose optional
-fields are missing says so on the figure instead of failing.
+per-round values (their range below ``MIN_BOOTSTRAP_ROUNDS`` rounds; or ``ci_low``/``ci_high``),
+and runs with more processes than CPU cores (oversubscribed) drawn grey and hatched. Rows are
+read by field name; a figure whose optional fields are missing says so on the figure instead of failing.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
+# Re-exported: the report reads them from here with the figures.
+from dpkit.report.findings import MIN_BOOTSTRAP_ROUNDS, interval_name, oversubscribed  # noqa: F401
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {
@@ -138,16 +140,6 @@ def missing(ax, what: str) -> None:
             fontsize="small", color="#AA0000", wrap=True)
 
 
-def oversubscribed(row: dict, env: dict | None = None) -> bool:
-    """The row's own flag when it has one, else more processes than the machine's CPUs on a CPU run."""
-    if "oversubscribed" in row:
-        return bool(row["oversubscribed"])
-    env = env or {}
-    device = row.get("device", env.get("device", "cpu"))
-    cpus = env.get("cpus")
-    return device == "cpu" and bool(cpus) and int(row.get("world_size", 1)) > int(cpus)
-
-
 def shade_oversubscribed(ax, worlds: Iterable[int], label: str = "oversubscribed") -> None:
     """Grey, hatched band over the oversubscribed world sizes of a log x axis (nothing when there are none)."""
     worlds = list(worlds)
@@ -166,13 +158,16 @@ def round_values(row: dict, key: str) -> list[float] | None:
 
 
 def interval(row: dict, key: str) -> tuple[float, float] | None:
-    """A 95 % interval of ``row[key]``: ``<key>_ci_low``/``_ci_high`` when the row has them, else the
-    bootstrap of the median over its per-round values ``round_<key>``, else None."""
+    """An interval of ``row[key]``: ``<key>_ci_low``/``_ci_high`` when the row has them, else over its per-round
+    values ``round_<key>`` the 95 % bootstrap interval of their median, or with fewer than
+    ``MIN_BOOTSTRAP_ROUNDS`` rounds their range (min, max); None without rounds."""
     low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
     if low is not None and high is not None:
         return float(low), float(high)
     rounds = round_values(row, key)
-    return bootstrap_ci(rounds) if rounds and len(rounds) > 1 else None
+    if not rounds or len(rounds) < 2:
+        return None
+    return bootstrap_ci(rounds) if len(rounds) >= MIN_BOOTSTRAP_ROUNDS else (min(rounds), max(rounds))
 
 
 def ratio(ours: dict, theirs: dict, key: str = "p50_s") -> dict | None:
@@ -458,8 +453,9 @@ def time_breakdown(doc: dict) -> Figure:
 
 
 def ddp_sweep(doc: dict) -> Figure:
-    """p50 time per iteration (with 95 % intervals) and whole-job examples per second against world
-    size, one colour per variant; oversubscribed world sizes shaded grey and hatched, points hollow."""
+    """p50 time per iteration (bars: ``interval``, the range of the rounds below ``MIN_BOOTSTRAP_ROUNDS``) and
+    whole-job examples per second against world size, one colour per variant; oversubscribed world sizes shaded
+    grey and hatched, points hollow."""
     rows, env = doc["results"], doc.get("env", {})
     figure, axes = _figure(1, 2, width=12, height=3.8)
     time_ax, throughput_ax = axes[0]
@@ -609,7 +605,7 @@ SERIES_MARKERS = ("o", "s", "^", "v", "D", "x")
 # The parts of what a rank holds, stacked bottom to top (sharding_benchmark.py's byte fields).
 MEMORY_PARTS = (("params_bytes", "parameters", "#56B4E9"), ("grads_bytes", "gradients", "#009E73"),
                 ("state_bytes", "optimizer state", "#CC79A7"), ("activation_bytes", "activations", "#F0E442"))
-SHARDINGS = ("ddp", "zero", "fsdp")
+SHARDINGS = ("ddp", "zero", "zero2", "fsdp")  # zero2: ZeRO stage 2 (gradients sharded too)
 
 
 def our_variant(rows: list[dict], sharding: str) -> str | None:
@@ -623,7 +619,7 @@ def our_variant(rows: list[dict], sharding: str) -> str | None:
 
 def sharding_memory(doc: dict) -> Figure:
     """What one rank holds (the largest rank), per model: parameters, gradients, optimizer state and
-    activations stacked, for our DDP, ZeRO and FSDP at every world size measured; a dash at the
+    activations stacked, for our DDP, ZeRO (stages 1 and 2) and FSDP at every world size measured; a dash at the
     ideal model-state bytes of that sharding; oversubscribed runs hatched."""
     rows, env = [r for r in doc["results"] if "variant" in r], doc.get("env", {})
     models = _models(rows) or [""]
@@ -650,4 +646,27 @@ def sharding_memory(doc: dict) -> Figure:
         axes[0][0].add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor="white", hatch=OVERSUBSCRIBED["hatch"],
                                        edgecolor=OVERSUBSCRIBED["edgecolor"]))
     _legend_outside(figure)
+    return figure
+
+
+def cluster_model(doc: dict) -> Figure:
+    """``multihost_benchmark.py``'s model of a cluster: communication per step of each engine against the number
+    of hosts, one panel per model, both axes logarithmic."""
+    rows = [r for r in doc["results"] if r["kind"] == "cluster"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    figure, axes = _figure(1, max(1, len(models)))
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        for engine, marker in zip(dict.fromkeys(r["engine"] for r in mine), "osv^Dx"):
+            points = sorted((r["hosts"], r["communication_s"] * 1e3) for r in mine if r["engine"] == engine)
+            ax.plot(*zip(*points), marker=marker, fillstyle="none", linestyle="--" if "flat" in engine else "-",
+                    label=engine)
+        hosts = sorted({r["hosts"] for r in mine})
+        _log_x(ax, hosts, formatter=lambda v, _: f"{v:g}")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: {mine[0]['param_bytes'] / 2 ** 20:.0f} MiB of float32 parameters")
+        ax.set_xlabel(f"hosts ({mine[0]['ranks_per_host']} ranks each)")
+        ax.set_ylabel("communication ms per step (model)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    _legend_outside(figure, handles, labels, title="engine")
     return figure
