@@ -325,13 +325,16 @@ def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, sharding):
     assert doc["env"]["cuda"] and doc["env"]["device_model"], doc["env"]
 
 
-# script -> its --quick arguments; each spawns its own workers, except ddp_benchmark's run, under torchrun
+# script -> its --quick arguments, cut to a few iterations (the run proves the CUDA path, not a speed); each
+# spawns its own workers, except ddp_benchmark's run, started under torchrun
 BENCHMARKS = {
-    "syncbn_benchmark.py": ("--quick", "--dtypes", "float32"),
-    "ddp_benchmark.py": ("--quick",),
-    "collectives_benchmark.py": ("--quick", "--sizes", "4000", "1MB"),
-    "sharding_benchmark.py": ("--quick",),
-    "allreduce.py": ("--quick", "--world-sizes", "1", "2", "--sizes", "1000", "100000"),
+    "syncbn_benchmark.py": ("--quick", "--settings", "workers", "--dtypes", "float32", "--batch", "64", "--hidden", "128",
+                            "--iters", "8", "--rounds", "2"),
+    "ddp_benchmark.py": ("--quick", "--models", "cnn", "--variants", "pytorch-best", "bucketed", "--iters", "6",
+                         "--rounds", "2", "--warmup", "1", "--no-breakdown"),
+    "collectives_benchmark.py": ("--quick", "--procs", "2", "--sizes", "4000", "1MB", "--iters", "4", "--warmup", "1"),
+    "sharding_benchmark.py": ("--quick", "--procs", "2", "--iters", "4", "--rounds", "2", "--warmup", "1"),
+    "allreduce.py": ("--quick", "--world-sizes", "1", "2", "--sizes", "1000", "100000", "--repeats", "4", "--warmup", "1"),
 }
 UNDER_TORCHRUN = ("ddp_benchmark.py",)
 
