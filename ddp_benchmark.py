@@ -504,7 +504,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
         if ours and base:
             checks.append(_check(block, world, "p50 / no DDP", ours["label"], base["label"], ours["vs_no_ddp"]
                                  or paired_ratio(ours["round_p50_s"], base["round_p50_s"]), TARGET_VS_NO_DDP, oversub,
-                                 axis="transport"))
+                                 axis="overhead"))  # what data parallelism costs on top of the model, not a transport
         checks += _overlap_checks(block, world, by_label, oversub) + _thread_checks(block, world, by_label, oversub)
     return checks
 

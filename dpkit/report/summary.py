@@ -70,8 +70,9 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
             lines.append(f"  - engine, one transport: {c['label']} / {c['reference']}: {format_ratio(c['ratio'])} "
                          f"(target <= {c['limit']:.2f}x): **{c['verdict']}**{extra}")
     for c in checks:
-        if c["axis"] == "transport":
-            lines.append(f"  - transport, one engine: {c['label']} / {c['reference']}: {format_ratio(c['ratio'])} "
+        if c["axis"] in ("transport", "overhead"):
+            what = "transport, one engine" if c["axis"] == "transport" else "overhead, against no DDP at all"
+            lines.append(f"  - {what}: {c['label']} / {c['reference']}: {format_ratio(c['ratio'])} "
                          f"(target <= {c['limit']:.2f}x): **{c['verdict']}**")
     lines += _overlap_lines(rows, checks)
     return lines
