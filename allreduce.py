@@ -1083,14 +1083,14 @@ SHORT = {"ring": "ring", "butterfly": "bfly", "halving_doubling": "HD", "recursi
 
 def targets(rows: list[dict]) -> list[dict]:
     """auto <= AUTO_TARGET x torch at every size, 2 and 4 processes: one stored check per (world size, size),
-    its interval and verdict (met / missed / inconclusive), oversubscribed runs marked."""
+    its ratio (``measure.paired_ratio``'s fields, as collectives_benchmark stores them) and verdict (met /
+    missed / inconclusive), oversubscribed runs marked."""
     checks = []
     for row in rows:
         if row["algorithm"] == "auto" and row["world_size"] in TARGET_WORLD_SIZES and row.get("vs_torch") is not None:
             ratio = _ratio_of(row)
             checks.append({"target": "auto / torch", "world_size": row["world_size"], "numel": row["numel"],
-                           "limit": AUTO_TARGET, "ratio": ratio["median"], "ci_low": ratio["ci_low"],
-                           "ci_high": ratio["ci_high"], "rounds": ratio["rounds"], "verdict": verdict(ratio, AUTO_TARGET),
+                           "limit": AUTO_TARGET, "ratio": ratio, "verdict": verdict(ratio, AUTO_TARGET),
                            "oversubscribed": bool(row["oversubscribed"])})
     return checks
 
@@ -1101,8 +1101,7 @@ def target_lines(rows: list[dict]) -> list[str]:
     for check in targets(rows):
         label = f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]" if check["oversubscribed"] else ""
         lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {check['world_size']} processes, {check['numel']} elements: "
-                     f"{format_ratio({'median': check['ratio'], **{k: check[k] for k in ('ci_low', 'ci_high', 'rounds')}})} "
-                     f"{check['verdict']}{label}")
+                     f"{format_ratio(check['ratio'])} {check['verdict']}{label}")
     return lines
 
 

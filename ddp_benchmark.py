@@ -39,7 +39,7 @@ from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
 from dpkit.bench.results import format_environment, read_results, write_durably
 from dpkit.comm import transport as transports
-from dpkit.comm.process_groups import add_common_args, placement, progress, resolve_backend
+from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
@@ -796,10 +796,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--warmup must be at least 0")
     if args.rounds > args.iters:
         parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
-    try:
-        device = placement(args.backend, args.device)[1]
-    except (ValueError, RuntimeError) as error:
-        parser.error(str(error))
+    device = check_placement(parser, args)
     if args.transports and set(args.transports) - {"torch"} and device == "cuda":
         parser.error("--transports shm and shm-thread take CPU tensors: on CUDA use --transports torch")
     if args.gpt_width % args.gpt_heads:

@@ -27,15 +27,16 @@ import math
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dpkit.bench import harness
 from dpkit.bench.cluster import ENGINES, Cluster, Link, communication_seconds, flat_ring, hierarchical
-from dpkit.bench.collectives import format_size, parse_size
+from dpkit.bench.collectives import TRANSPORTS, format_size, parse_size
 from dpkit.bench.measure import oversubscribed, paired_ratio, percentile, round_p50s, time_interleaved
 from dpkit.bench.results import markdown_table, read_results
 from dpkit.comm import transport as transports
-from dpkit.comm.hierarchical import new_subgroups
+from dpkit.comm.hierarchical import Plan, host_subgroups
 from dpkit.comm.hosts import HOSTS_ENV, host_indices, layout_value, ranks_by_host
 from dpkit.comm.process_groups import add_common_args, parse_checked
 from dpkit.engines.ddp import DDP
@@ -75,10 +76,9 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
 
 def _link_transports(hosts: list[list[int]], timeout_s: float):
     """This rank's host's shared memory, and gloo among the ranks of its local index on every host."""
-    local = len(hosts[0])
-    groups = new_subgroups(None, hosts + [[h[i] for h in hosts] for i in range(local)], timeout_s)
-    mine = [g for g in groups if g is not None]  # [my host's group, my local index's group]
-    return transports.SharedMemory(mine[0]), transports.Torch(mine[1])
+    plan, me = Plan(hosts, range(dist.get_world_size())), dist.get_rank()
+    made = host_subgroups(plan, None, timeout_s)
+    return transports.SharedMemory(made[plan.host_of[me]]), transports.Torch(made[len(hosts) + plan.local_of[me]])
 
 
 def _collectives(ctx, args, inside, between) -> list[dict]:
@@ -154,8 +154,7 @@ def complete(rows: list[dict], env: dict, args: argparse.Namespace) -> list[dict
     out = [row | _predicted(row, simulated, rows) for row in rows]
     out += [{"kind": "link", "label": name, "alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
              "gbps": link.gbps()} for name, link in (("inside [shm]", inside), ("between [torch]", between))]
-    for name, label in (("hierarchical / flat [torch]", ("hierarchical", "flat [torch]")),):
-        out += _ratios(rows, *label, name)
+    out += _ratios(rows, "hierarchical", "flat [torch]", "hierarchical / flat [torch]")
     memory, source = memory_link(args.memory_link, inside)
     out.append({"kind": "link", "label": "memory (the model's inside a host)", "alpha_s": memory.alpha_s,
                 "beta_s_per_byte": memory.beta_s_per_byte, "gbps": memory.gbps(), "source": source})
@@ -168,7 +167,7 @@ def memory_link(path: str, simulated: Link) -> tuple[Link, str]:
     processes on their own cores (``path``: a collectives_benchmark results file, its zero-copy rows), or,
     without that file, the simulated job's (oversubscribed) fit, saying so."""
     if os.path.exists(path):
-        rows = [r for r in read_results(path)["results"] if r.get("label") == "shared_memory (zero copy)"
+        rows = [r for r in read_results(path)["results"] if r.get("label") == TRANSPORTS["zero_copy"]
                 and r.get("world_size") == 2 and r.get("collective", "allreduce") == "allreduce"]
         if len(rows) >= 2:
             return Link.fit([r["bytes"] for r in rows], [r["p50_s"] for r in rows], 2), f"{path}, 2 processes"

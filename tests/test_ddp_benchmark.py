@@ -642,7 +642,7 @@ def test_bad_flags_stop_with_a_usage_error(flags, capsys):
 
 
 def test_shared_memory_transports_are_refused_with_gpus(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "placement", lambda backend, device: ("nccl", "cuda"))  # as with GPUs, without one
+    monkeypatch.setattr(bench, "check_placement", lambda parser, args: "cuda")  # as with GPUs, without one
     for transports_ in (["shm"], ["torch", "shm-thread"]):
         with pytest.raises(SystemExit) as stop:
             bench.parse_args(["--transports", *transports_])

@@ -128,3 +128,14 @@ def test_the_executed_notebook_is_written_durably_and_a_failed_write_keeps_the_o
     executed = nbformat.read(tmp_path / "report.ipynb", as_version=4)
     assert executed.cells[0].outputs[0].data == {"text/plain": "2"} and os.listdir(tmp_path) == ["report.ipynb"]
 
+
+
+def test_the_environment_of_a_cpu_run_has_the_gpu_fields_empty_and_a_gpu_header_names_them():
+    env = results.environment("gloo", "cpu", 2)
+    assert {k: env[k] for k in ("cuda", "nccl", "gpu_memory_bytes", "gpu_capability")} == dict.fromkeys(
+        ("cuda", "nccl", "gpu_memory_bytes", "gpu_capability"))
+    assert "NCCL" not in results.format_environment(env) and "GiB" not in results.format_environment(env)
+    gpu = {**env, "device": "cuda", "device_model": "NVIDIA A100", "cuda": "13.0", "nccl": "2.27.3", "gpus": 8,
+           "gpu_memory_bytes": 80 * 2 ** 30}
+    header = results.format_environment(gpu).splitlines()
+    assert header[0].endswith(", CUDA 13.0, NCCL 2.27.3") and header[1].endswith("(NVIDIA A100, 80 GiB, 8 visible)")

@@ -274,3 +274,19 @@ def test_the_run_time_says_the_notebook_is_not_counted():
     line, = summary.run_time_lines(manifest)
     assert line.startswith("`python run_experiments.py --quick` took 20 min for these results on cpu (2 cores), 2 experiments")
     assert "executing report.ipynb is not counted" in line
+
+
+CPU_ENV = {"device": "cpu", "device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
+GPU_ENV = {"device": "cuda", "device_model": "NVIDIA A100", "cpus": 16, "backend": "nccl", "gpus": 8,
+           "gpu_memory_bytes": 80 * 2 ** 30, "cuda": "13.0", "nccl": "2.27.3"}
+
+
+def test_the_hardware_line_names_the_cpu_or_the_gpu_with_its_memory_cuda_and_nccl():
+    assert summary.hardware(CPU_ENV) == "AMD EPYC (2 cores, no GPU), gloo"
+    assert summary.hardware(GPU_ENV) == "NVIDIA A100 (GPU, 80 GiB, 8 visible, CUDA 13.0, NCCL 2.27.3), nccl"
+
+
+def test_the_block_refuses_results_measured_on_different_device_types():
+    summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": CPU_ENV}, "manifest": {}})
+    with pytest.raises(ValueError, match=r"results/ mixes devices \(ddp_headline: cuda, syncbn: cpu\)"):
+        summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": GPU_ENV}})

@@ -104,6 +104,14 @@ def new_subgroups(parent, members: Sequence[Sequence[int]], timeout_s: float) ->
     return made
 
 
+def host_subgroups(plan: "Plan", parent, timeout_s: float) -> list:
+    """``new_subgroups`` for ``plan``: one group per host (index h), then one per slot, the ranks serving it on
+    every host (index ``len(plan.hosts) + j``); this rank's groups, None for the others (a collective)."""
+    lists = [[plan.global_ranks[r] for r in members] for members in plan.hosts]
+    lists += [[plan.global_ranks[r] for r in plan.outer(j)] for j in range(plan.slots)]
+    return new_subgroups(parent, lists, timeout_s)
+
+
 def _group_count() -> int:
     return getattr(c10d._world, "group_count", 0)
 
@@ -142,9 +150,7 @@ class Hierarchical(Transport):
     def _connect(self, outer) -> None:
         """Make the subgroups, this host's shared memory and this rank's outer transports (collective)."""
         plan, parent = self.plan, self.group if self.group is not None else dist.group.WORLD
-        lists = [[plan.global_ranks[r] for r in members] for members in plan.hosts]
-        lists += [[plan.global_ranks[r] for r in plan.outer(j)] for j in range(plan.slots)]
-        made = new_subgroups(parent, lists, group_timeout(parent, torch.device("cpu")) or DEFAULT_TIMEOUT_S)
+        made = host_subgroups(plan, parent, group_timeout(parent, torch.device("cpu")) or DEFAULT_TIMEOUT_S)
         self.subgroups = [g for g in made if g is not None]
         try:
             self.inner = SharedMemory(made[self.host])

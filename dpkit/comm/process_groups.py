@@ -286,14 +286,19 @@ def add_common_args(parser: argparse.ArgumentParser, json_help: str = "write the
 
 
 def parse_checked(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """``parser.parse_args(argv)``, then --backend and --device checked against this machine: a request it
-    cannot serve (CUDA without a GPU, nccl with CPU tensors) exits with the parser's usage and the reason."""
+    """``parser.parse_args(argv)``, then ``check_placement``."""
     args = parser.parse_args(argv)
+    check_placement(parser, args)
+    return args
+
+
+def check_placement(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The device type of --backend and --device (``placement``), checked against this machine: a request it
+    cannot serve (CUDA without a GPU, nccl with CPU tensors) exits with the parser's usage and the reason."""
     try:
-        placement(args.backend, args.device)
+        return placement(args.backend, args.device)[1]
     except (ValueError, RuntimeError) as error:
         parser.error(str(error))
-    return args
 
 
 # --------------------------------------------------------------------------- local launcher

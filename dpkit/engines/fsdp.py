@@ -39,7 +39,7 @@ from torch import nn
 
 from dpkit.comm import transport as transports
 from dpkit.comm.comm_thread import group_timeout
-from dpkit.comm.hierarchical import new_subgroups
+from dpkit.comm.hierarchical import Plan, host_subgroups
 from dpkit.comm.hosts import host_indices, ranks_by_host
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S
 from dpkit.engines.ddp import DDP, broadcast_module_state, check_same_model
@@ -238,7 +238,7 @@ class FSDP(nn.Module):
     (averaged) among the ranks that hold the same shard on the other hosts: the mean over the
     whole group, and the shards of every host stay equal. Replicated parameters are all-reduced
     over the whole group as above; ``full_parameters()`` gathers inside the host. FSDP makes
-    the subgroups (``hierarchical.new_subgroups``: the group may be any subset of the world)
+    the subgroups (``hierarchical.host_subgroups``: the group may be any subset of the world)
     and one transport per subgroup and one over the group, each from ``transport``, which is
     here a name or a factory ``f(group) -> Transport`` (not a Transport: it would be over one
     group only). Every host must hold the same number of the group's ranks (else ValueError
@@ -332,8 +332,8 @@ class FSDP(nn.Module):
             raise TypeError(f"FSDP(shard='host'): give transport as a name or a factory(group) -> Transport, not "
                             f"{spec!r}: FSDP makes one over each host and one among the hosts")
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(group)
-        hosts = [sorted(ranks[r] for r in members) for members in ranks_by_host(host_indices(group))]
+        plan = Plan(ranks_by_host(host_indices(group)), dist.get_process_group_ranks(group))
+        hosts = [[plan.global_ranks[r] for r in members] for members in plan.hosts]
         _check_even_hosts(hosts)
         if len(hosts) == 1:
             return  # one host: sharded over the whole group, plain FSDP
@@ -342,13 +342,11 @@ class FSDP(nn.Module):
                           "nothing is sharded: every rank keeps the whole model and all-reduces its gradients "
                           "across the hosts, which is DDP across hosts (ddp.DDP does it in fewer, bucketed "
                           "messages; shard='group' shards over the hosts)", stacklevel=3)
-        me = dist.get_rank()
-        host = next(h for h, members in enumerate(hosts) if me in members)
-        shard_index = hosts[host].index(me)
-        peers = [list(holders) for holders in zip(*hosts)]  # shard i's holders: local rank i of every host
-        made = new_subgroups(group, hosts + peers, group_timeout(group, device) or DEFAULT_TIMEOUT_S)
+        me = dist.get_rank(group)
+        # Even hosts: slot i is served by local rank i of every host, the holders of shard i.
+        made = host_subgroups(plan, group, group_timeout(group, device) or DEFAULT_TIMEOUT_S)
         self._subgroups = [g for g in made if g is not None]
-        self.shard_group, across = made[host], made[len(hosts) + shard_index]
+        self.shard_group, across = made[plan.host_of[me]], made[len(hosts) + plan.local_of[me]]
         self.shard_transport = transports.resolve(_made(spec, self.shard_group), self.shard_group, device,
                                                   engine="FSDP")
         self.across = transports.resolve(_made(spec, across), across, device, engine="FSDP")
