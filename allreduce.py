@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dpkit import compat
 from dpkit.bench import harness
 from dpkit.bench.collectives import bus_factor
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved,
@@ -863,7 +864,7 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "m
     """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
     gloo has no AVG, so the mean is the sum divided once."""
     check_sharded(output, input, op, group, gathering=False)
-    dist.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
+    compat.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
     if op == "mean":
         output.div_(dist.get_world_size(group))
     return output
@@ -872,7 +873,7 @@ def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "m
 def torch_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
     """``torch.distributed.all_gather_single`` (formerly ``all_gather_into_tensor``) with the same contract."""
     check_sharded(output, input, "sum", group, gathering=True)
-    dist.all_gather_single(output, input, group=group)
+    compat.all_gather_single(output, input, group=group)
     return output
 
 

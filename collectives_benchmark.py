@@ -38,6 +38,7 @@ import torch
 import allreduce
 from dpkit.bench.collectives import (AXIS_TITLES, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size, labelled,
                                      parse_size, ratio_of)
+from dpkit import compat
 from dpkit.bench import harness
 from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import markdown_table, read_results, write_results
@@ -272,7 +273,7 @@ def _sharded_error(ctx, collective: str, call, full: torch.Tensor, shard: torch.
     if collective == "reduce_scatter":
         fill_pattern(full, ctx.rank)
         call()
-        torch.distributed.all_gather_single(full, shard)
+        compat.all_gather_single(full, shard)
     else:
         fill_pattern(full, 0)  # i mod PERIOD: times n plus n(n-1)/2 is the pattern's sum, exact in float32
         full.mul_(n).add_(n * (n - 1) / 2)

@@ -43,6 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, percentile,
                                  round_p50s, saved_tensor_bytes, time_interleaved, verdict)
+from dpkit import compat
 from dpkit.bench import harness
 from dpkit.bench.results import markdown_table
 from dpkit.comm import transport as transports
@@ -184,7 +185,7 @@ def adamw(params) -> torch.optim.Optimizer:
 
 def _pytorch_ddp(module: nn.Module, transport: transports.Transport) -> nn.Module:
     """PyTorch's DDP: its own all-reduce on [torch], our transport through its communication hook otherwise."""
-    model = nn.parallel.DistributedDataParallel(module, forward_sync_buffers=False)  # like ours: buffers synced once
+    model = nn.parallel.DistributedDataParallel(module, **compat.NO_BUFFER_SYNC)  # like ours: buffers synced once
     if not isinstance(transport, transports.Torch):
         model.register_comm_hook(transport, transports.ddp_comm_hook)  # averages each bucket, as its own does
     return model

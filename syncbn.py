@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from dpkit import compat
 from dpkit.comm import transport as transports
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
@@ -303,7 +304,12 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, process_group=None, device=None, dtype=None, *, bias: bool = True,
                  transport="auto"):
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        if compat.BATCHNORM_TAKES_BIAS:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        else:
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+            if not bias:
+                compat.drop_bias(self)
         self.process_group = process_group
         self.transport = transport
         # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.

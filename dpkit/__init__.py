@@ -2,6 +2,7 @@
 
 The layers, each importing only the ones before it:
 
+    dpkit.compat    the torch releases the kit runs on (refused at import where older) and their names
     dpkit.comm      process groups, the checks every collective makes, and transports: how ranks move and
                     sum tensors (torch.distributed; shared memory on one host; others registered by name)
     dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stage 1, FSDP
@@ -16,3 +17,5 @@ What a user runs lives beside the package: the homework scripts (``sequential_pr
     from dpkit.engines.ddp import DDP
     model = DDP(net, transport=transport.SharedMemory(group))
 """
+
+from dpkit import compat  # noqa: F401  (first: a torch older than the supported range fails here, saying so)

@@ -8,7 +8,7 @@ import pytest
 
 from common import REPO
 
-LAYERS = {"dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.report": 4}
+LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.report": 4}
 PACKAGE = sorted((REPO / "dpkit").rglob("*.py"))
 EVERY_MODULE = sorted([*REPO.glob("*.py"), *(REPO / "tests").glob("*.py"), *PACKAGE])
 

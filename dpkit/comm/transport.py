@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dpkit import compat
 from dpkit.comm.checks import bounds, check_input, check_sharded
 from dpkit.comm.comm_thread import CommThread, group_timeout
 from dpkit.comm import process_groups
@@ -336,13 +337,13 @@ def _torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, gr
     source = input.contiguous()
     if op == "mean":  # a divided copy of the input (the input is not modified)
         source = torch.div(source, dist.get_world_size(group))
-    work = dist.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = compat.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish_torch(work, async_op, None if out is output else lambda: output.copy_(out))
 
 
 def _torch_all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     out = output if output.is_contiguous() else output.contiguous()
-    work = dist.all_gather_single(out, input.contiguous(), group=group, async_op=async_op)
+    work = compat.all_gather_single(out, input.contiguous(), group=group, async_op=async_op)
     return _finish_torch(work, async_op, None if out is output else lambda: output.copy_(out))
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dpkit import compat
 from dpkit.comm.process_groups import synchronize
 from dpkit.comm import transport as transports
 
@@ -654,7 +655,7 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``;
     ``find_unused_parameters`` to ``bucketed`` and ``overlap`` (see ``DDP``).
     ``pytorch`` is ``torch.nn.parallel.DistributedDataParallel`` with
-    ``forward_sync_buffers=False`` (torch >= 2.14's name for ``broadcast_buffers=False``),
+    ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before it; ``compat.NO_BUFFER_SYNC``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
     collective per forward; its other arguments keep their defaults (e.g.
     ``gradient_as_bucket_view=False``) unless ``pytorch_kwargs`` override them.
@@ -679,7 +680,7 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     if variant == "pytorch":
         device = next(module.parameters()).device
         kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=bucket_cap_mb,
-                      process_group=process_group, forward_sync_buffers=False)
+                      process_group=process_group, **compat.NO_BUFFER_SYNC)
         model = torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
         # Always resolved (None as "torch", its own communication): resolve is a collective, so ranks that
         # chose differently all raise instead of some waiting in it for the others.
