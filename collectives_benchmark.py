@@ -43,7 +43,7 @@ from dpkit.bench import harness
 from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import markdown_table, read_results, write_results
 from dpkit.comm import transport
-from dpkit.comm.process_groups import add_common_args, parse_checked, print0, progress
+from dpkit.comm.process_groups import add_common_args, message_device, parse_checked, print0, progress
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
 QUICK = dict(sizes=["4000", "64KB", "1MB", "10MB"], procs=[2, 4], iters=10, warmup=2)
@@ -308,11 +308,12 @@ def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[di
     """Two processes: one step of our engine (an exchange of n bytes each way with isend/irecv, as recursive
     doubling makes it) against one step of gloo's all_reduce (its ring on 2 ranks makes 2 steps of n/2 bytes)."""
     rows = []
+    wire = message_device(ctx.device)  # a step is a message on the wire: host memory where gloo carries it
     for nbytes in sizes:
-        x, y = torch.ones(nbytes // 4, device=ctx.device), torch.empty(nbytes // 4, device=ctx.device)
+        x, y = torch.ones(nbytes // 4, device=wire), torch.empty(nbytes // 4, device=wire)
         timings = time_interleaved({"ours": lambda: allreduce.pair_exchange(x, y, 1 - ctx.rank, None),
                                     "gloo": lambda: torch.distributed.all_reduce(x)},
-                                   iters, warmup, rounds=iters, device=ctx.device, setup=functools.partial(x.fill_, 1.0))
+                                   iters, warmup, rounds=iters, device=wire, setup=functools.partial(x.fill_, 1.0))
         for engine, steps, step_bytes in (("ours", 1, nbytes), ("gloo", 2, nbytes / 2)):
             step = timings[engine].median / steps
             rows.append({"backend": ctx.backend, "engine": engine, "bytes": nbytes, "step_s": step,

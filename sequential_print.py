@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dpkit.bench.results import environment, format_environment, write_results
-from dpkit.comm.process_groups import add_common_args, distributed, parse_checked
+from dpkit.comm.process_groups import add_common_args, distributed, message_device, parse_checked
 
 
 def print_order(size: int, order: str = "up") -> list[int]:
@@ -63,7 +63,7 @@ def run_sequential(rank: int, size: int, num_iter: int = 1, order: str = "up", d
     """
     one = print_order(size, order)
     turns = one * num_iter
-    token = torch.zeros(1, dtype=torch.int64, device=device)
+    token = torch.zeros(1, dtype=torch.int64, device=message_device(device))
     for i, turn in enumerate(turns):
         if turn != rank:
             continue

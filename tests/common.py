@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -33,6 +34,10 @@ from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A device whose memory gloo's send and recv cannot read, on a machine without one: meta tensors stand in for
+# CUDA tensors in the CPU twins of the GPU paths (gloo's collectives copy CUDA tensors; its send and recv do not).
+OFF_HOST = torch.device("meta")
 
 # Generous for a loaded 2-core machine, yet far below gloo's 30-minute default.
 WORKERS_TIMEOUT_S = 180.0

@@ -2,6 +2,7 @@
 the test computes itself), its exact correctness pattern, the labels that keep algorithms and transports apart,
 the model fit, the crossover table, the targets and the charts."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 import allreduce
 import collectives_benchmark as bench
-from common import run_workers
+from common import OFF_HOST, run_workers
 from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
@@ -47,7 +48,8 @@ def _measure(ctx) -> dict:
     transports = {collective: _transports(ctx, collective) for collective in bench.COLLECTIVES}
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
-            "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000))}
+            "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
+            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0, sizes=(4,))}
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,12 @@ def test_ratios_pair_each_call_with_torchs_call_of_the_same_round_and_axis(measu
     assert [r["choice"] for r in auto] == [allreduce.choose_algorithm(s, 2, warn=False) for s in SIZES]
     p2p = [r for rows in measured[0]["transports"].values() for r in rows if r["label"] == "p2p"]
     assert [r["choice"] for r in p2p] == [allreduce.choose_algorithm(TRANSPORT_SIZE, 2, warn=False), None, None]
+
+
+def test_a_step_on_a_device_gloos_send_cannot_read_goes_through_host_memory(measured):
+    """The CPU twin of CUDA over gloo: gloo's send and recv take host memory only (handed device memory, they
+    fail with 'writev ... Bad address'), so the one-step rows exchange host tensors."""
+    assert [(r["engine"], r["bytes"]) for r in measured[0]["p2p_off_host"]] == [("ours", 4), ("gloo", 4)]
 
 
 def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import CollectiveCounter, run_torchrun, run_workers
+from common import OFF_HOST, CollectiveCounter, run_torchrun, run_workers
 from sequential_print import run_sequential, transcript
 
 
@@ -40,6 +40,7 @@ def test_torchrun_output_is_exactly_the_specified_lines(nproc, order):
 def _print_and_count(ctx):
     with CollectiveCounter() as counter:
         run_sequential(ctx.rank, ctx.world_size, num_iter=2, order="updown")
+    run_sequential(ctx.rank, ctx.world_size, device=OFF_HOST)  # the token goes through host memory, as on CUDA
     return {"calls": dict(counter.calls), "wrong_token": _wrong_token(ctx)}
 
 

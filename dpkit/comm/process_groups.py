@@ -496,3 +496,10 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work, so a host clock measures it; nothing to wait for on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def message_device(device: torch.device | str, group=None) -> torch.device:
+    """Where ``send``/``recv`` of ``group``'s backend take tensors meant for ``device``: host memory on gloo,
+    whose collectives copy CUDA tensors themselves but whose send and recv do not; the device itself on NCCL."""
+    device = torch.device(device)
+    return device if device.type == "cpu" or dist.get_backend(group) == "nccl" else torch.device("cpu")
