@@ -310,6 +310,14 @@ class SyncBatchNorm(_BatchNorm):
             super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
             if not bias:
                 compat.drop_bias(self)
+
+    def reset_parameters(self) -> None:
+        # BatchNorm's own, but for a bias that is None (``bias=False``), which releases without ``bias=`` reset too.
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
         self.process_group = process_group
         self.transport = transport
         # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
