@@ -310,6 +310,10 @@ class SyncBatchNorm(_BatchNorm):
             super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
             if not bias:
                 compat.drop_bias(self)
+        self.process_group = process_group
+        self.transport = transport
+        # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
+        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport]] = {}
 
     def reset_parameters(self) -> None:
         # BatchNorm's own, but for a bias that is None (``bias=False``), which releases without ``bias=`` reset too.
@@ -318,10 +322,6 @@ class SyncBatchNorm(_BatchNorm):
             nn.init.ones_(self.weight)
             if self.bias is not None:
                 nn.init.zeros_(self.bias)
-        self.process_group = process_group
-        self.transport = transport
-        # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
-        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport]] = {}
 
     def _check_input_dim(self, x) -> None:
         """Bad input fails here, on the rank that has it, before any communication."""
