@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S, CountingTransport
 from dpkit.comm import transport as transports
-from dpkit.comm.hierarchical import new_subgroups
+from dpkit.comm.process_groups import new_subgroups
 from dpkit.comm.process_groups import launch
 from dpkit.engines.fsdp import FSDP
 from test_fsdp import (MICRO, OPTIMIZERS, STEPS, assert_few_ulps, build, expected_traffic, loss_of, oracle, tokens,

@@ -36,6 +36,7 @@ from torch import nn
 
 import allreduce
 from common import CollectiveCounter, launch_expecting_peer_failure, refused, run_in_subgroups
+from dpkit import compat
 from dpkit.comm import process_groups
 from dpkit.comm import transport
 from dpkit.comm.process_groups import PeerFailedError
@@ -337,10 +338,10 @@ def run_grid(group, grid, ts: dict[str, transport.Transport] | None = None) -> d
 
 
 class TorchCalls(CollectiveCounter):
-    """A ``CollectiveCounter`` that also sees ``reduce_scatter_single`` and ``all_gather_single`` (the
-    names through which the transport reaches torch's sharded collectives)."""
+    """A ``CollectiveCounter`` that also sees the names through which the transport reaches torch's sharded
+    collectives on this torch (``reduce_scatter_single`` and ``all_gather_single`` from 2.13: ``dpkit.compat``)."""
 
-    EXTRA = ("reduce_scatter_single", "all_gather_single")
+    EXTRA = (compat.REDUCE_SCATTER_SINGLE, compat.ALL_GATHER_SINGLE)
 
     def __enter__(self) -> "TorchCalls":
         super().__enter__()

@@ -21,12 +21,13 @@ computes while the thread sends, receives and adds::
 
 from __future__ import annotations
 
-import datetime
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+
+from dpkit.comm.process_groups import new_subgroups
 
 
 def group_timeout(process_group, device: torch.device) -> float | None:
@@ -44,8 +45,7 @@ class CommThread:
     def __init__(self, process_group, device: torch.device, *, enabled: bool = True, name: str = "comm"):
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
         self.timeout_s = group_timeout(process_group, device)
-        timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
-        self.group = dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
+        self.group = new_subgroups(process_group, [ranks], self.timeout_s, device)[0]
         # On CUDA the thread must use this rank's device (a new thread starts on device 0).
         init = (torch.cuda.set_device, (device,)) if device.type == "cuda" else (None, ())
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix=name, initializer=init[0], initargs=init[1])

@@ -22,17 +22,15 @@ subset of the world. A host whose ranks cannot map one shared file computes thro
 
 from __future__ import annotations
 
-import datetime
 import warnings
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hosts import host_indices, ranks_by_host
-from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, new_subgroups
 from dpkit.comm.transport import NotOneHost, SharedMemory, Torch, Transport, names, resolve
 
 
@@ -81,44 +79,12 @@ class Plan:
         return found
 
 
-def new_subgroups(parent, members: Sequence[Sequence[int]], timeout_s: float) -> list:
-    """This rank's process group for each list of global ranks it is in, None for the others (a collective
-    over ``parent``). Only the members of a list make its group (``use_local_synchronization``): no rank
-    outside ``parent`` takes part, and each member makes its groups in list order, so none waits in a cycle.
-
-    torch names such a group after its ranks and a count of the groups the process made so far, and a
-    process counts only the groups it is a member of: members with different histories would name one
-    group differently and never meet. So every rank of ``parent`` first sets its count to the largest of
-    theirs, then to that plus the group's index before making each group, and ends at one shared count.
-    """
-    count = torch.tensor([_group_count()], dtype=torch.int64)
-    dist.all_reduce(count, dist.ReduceOp.MAX, group=parent)
-    base, me = int(count.item()), dist.get_rank()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    made = []
-    for index, ranks in enumerate(members):
-        _set_group_count(base + index)
-        made.append(dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
-                    if me in ranks else None)
-    _set_group_count(base + len(members))
-    return made
-
-
 def host_subgroups(plan: "Plan", parent, timeout_s: float) -> list:
     """``new_subgroups`` for ``plan``: one group per host (index h), then one per slot, the ranks serving it on
     every host (index ``len(plan.hosts) + j``); this rank's groups, None for the others (a collective)."""
     lists = [[plan.global_ranks[r] for r in members] for members in plan.hosts]
     lists += [[plan.global_ranks[r] for r in plan.outer(j)] for j in range(plan.slots)]
     return new_subgroups(parent, lists, timeout_s)
-
-
-def _group_count() -> int:
-    return getattr(c10d._world, "group_count", 0)
-
-
-def _set_group_count(value: int) -> None:
-    if hasattr(c10d._world, "group_count"):  # versions that name groups otherwise need no alignment
-        c10d._world.group_count = value
 
 
 class Hierarchical(Transport):

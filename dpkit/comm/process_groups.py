@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 # Imported while no process group exists, on purpose. Its functions take ``group=group.WORLD`` as a default
 # argument, evaluated on first import: PyTorch's DDP imports it on first construction, after
 # init_process_group, and the defaults would then hold the default group for the life of the process.
@@ -43,6 +44,7 @@ import torch.distributed as dist
 # where a worker can abort ("terminate called without an active exception"). Imported now, they hold None.
 import torch.distributed.nn  # noqa: F401
 
+from dpkit import compat
 from dpkit.comm.hosts import HOSTS_ENV, layout_value
 
 # Short enough that a dead or stuck peer fails every rank within about a minute;
@@ -503,3 +505,29 @@ def message_device(device: torch.device | str, group=None) -> torch.device:
     whose collectives copy CUDA tensors themselves but whose send and recv do not; the device itself on NCCL."""
     device = torch.device(device)
     return device if device.type == "cpu" or dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def new_subgroups(parent, members: Sequence[Sequence[int]], timeout_s: float | None, device=None) -> list:
+    """This rank's process group for each list of global ranks it is in, None for the others: a collective
+    over ``parent`` (every rank of it calls, with the same lists); no rank outside ``parent`` takes part.
+
+    Only the members of a list make its group (``use_local_synchronization``), so groups of disjoint
+    parents are made at the same time. torch names such a group after its ranks and a count of groups
+    (``compat.subgroup_names_by_count``), a count a process advances only for the groups it makes: members
+    with different histories would name one group differently and never meet. So every rank of ``parent``
+    first sets its count to the largest of theirs, then to that plus the group's index before making each
+    group, and ends at one shared count. ``device``: where ``parent`` sums (CUDA for NCCL; default the CPU);
+    ``timeout_s``: the groups' timeout (None: torch's default).
+    """
+    count = torch.tensor([c10d._world.group_count], dtype=torch.int64, device=device)
+    dist.all_reduce(count, dist.ReduceOp.MAX, group=parent)
+    base, me = int(count.item()), dist.get_rank()
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)  # None: torch's default
+    made = []
+    with compat.subgroup_names_by_count():
+        for index, ranks in enumerate(members):
+            c10d._world.group_count = base + index
+            made.append(dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=True)
+                        if me in ranks else None)
+    c10d._world.group_count = base + len(members)
+    return made
