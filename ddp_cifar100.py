@@ -53,7 +53,6 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-import allreduce  # noqa: F401 (registers the message-passing transports, "p2p" and "p2p:<algorithm>")
 from dpkit.bench.measure import PeakMemory, gather_rows
 from dpkit.bench.results import environment, format_environment, markdown_table, write_durably, write_results
 from dpkit.comm import transport as transports

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import allreduce  # noqa: F401 (registers the "p2p" transports the engine tests choose by name)
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ddp_cifar100  # noqa: E402
-from dpkit.comm import transport  # noqa: E402
+from dpkit.comm import shared_memory  # noqa: E402
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 LAST = WORLD - 1
@@ -72,7 +72,7 @@ def install(point: str, n: int, checkpoint_dir: str | None) -> None:
     ddp_cifar100.Trainer.__init__ = init
 
     if point == "allreduce" and RANK == LAST:
-        all_reduce, sum_chunk = dist.all_reduce, transport.sum_chunk
+        all_reduce, sum_chunk = dist.all_reduce, shared_memory.sum_chunk
 
         def all_reduce_then_die(tensor, *args, **kwargs):  # torch's: the bucket's sum in flight
             work = all_reduce(tensor, *args, **kwargs)
@@ -85,7 +85,7 @@ def install(point: str, n: int, checkpoint_dir: str | None) -> None:
                 die(f"in the middle of a bucket's shared-memory sum after step {n}")
             return sum_chunk(*args, **kwargs)
 
-        dist.all_reduce, transport.sum_chunk = all_reduce_then_die, sum_then_die
+        dist.all_reduce, shared_memory.sum_chunk = all_reduce_then_die, sum_then_die
 
     if point == "scatter" and RANK == LAST:
         scatter, calls = dist.scatter, {}

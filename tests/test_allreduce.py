@@ -22,6 +22,7 @@ import torch.distributed as dist
 import allreduce
 from common import CollectiveCounter, run_in_subgroups
 from dpkit.bench.measure import PeakMemory
+from dpkit.comm import message_passing
 from dpkit.comm.process_groups import WorkerError, launch
 
 # Rounds of groups over a world of 8; None is the default group (all 8).
@@ -124,11 +125,11 @@ def _auto_against_named(group) -> dict:
     """Per (table, numel, dtype): the algorithm auto chose and whether its result has the bits of that algorithm's."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {}
-    saved = allreduce.CROSSOVER
+    saved = message_passing.CROSSOVER  # auto's table, where the package's allreduce reads it
     try:
         for table in ("real", "every algorithm"):
             if table != "real":
-                allreduce.CROSSOVER = {n: AUTO_TABLE}
+                message_passing.CROSSOVER = {n: AUTO_TABLE}
             for numel in AUTO_SIZES:  # float32: the choice depends on bytes only, the dtypes are the grid's
                 auto, named = rank_input(numel, rank, "float32", salt=3), rank_input(numel, rank, "float32", salt=3)
                 with warnings.catch_warnings():
@@ -138,7 +139,7 @@ def _auto_against_named(group) -> dict:
                 allreduce.ALGORITHMS[name](named, "mean", group)
                 out[table, numel, "float32"] = (name, torch.equal(auto, named))
     finally:
-        allreduce.CROSSOVER = saved
+        message_passing.CROSSOVER = saved
     return out
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
+from dpkit.comm import shared_memory
 from dpkit.comm import transport as transports
 from dpkit.engines.ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets,
                                guard_optimizer_step, make_ddp, sync_gradients)
@@ -524,7 +525,7 @@ def _no_room_in_dev_shm(ctx):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             made_before = transports.SharedMemory() if case == "no room for buckets" else None
-            with mock.patch.object(transports.os, "posix_fallocate", _full):
+            with mock.patch.object(shared_memory.os, "posix_fallocate", _full):
                 model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB, transport=made_before or transports.SharedMemory())
             with CollectiveCounter() as calls:
                 result = train(model, mse_loss(model, ctx.world_size, ctx.rank), TRANSPORT_ACCUM, steps=TRANSPORT_STEPS,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common import CollectiveCounter, CountingTransport, run_torchrun
-from dpkit.comm import hosts, process_groups, transport
+from dpkit.comm import hosts, process_groups, shared_memory, transport
 from dpkit.comm.hierarchical import Hierarchical, Plan
 from test_transport import FLOATS, mismatch, oracle, rank_input
 
@@ -201,7 +201,7 @@ def blind_rank_1() -> contextlib.AbstractContextManager:
         if os.path.basename(str(path)).startswith("dp-kit-") and not flags & os.O_CREAT:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
         return real_open(path, flags, *args, **kwargs)
-    return mock.patch.object(transport.os, "open", blind) if dist.get_rank() == 1 else contextlib.nullcontext()
+    return mock.patch.object(shared_memory.os, "open", blind) if dist.get_rank() == 1 else contextlib.nullcontext()
 
 
 def fallback() -> dict:
@@ -222,7 +222,7 @@ def sent_between_hosts() -> dict:
     outer transport; the shared memory inside a host sends none), and what a counting outer transport is asked
     to move."""
     rank, n, out = dist.get_rank(), dist.get_world_size(), {}
-    ring = Hierarchical(outer="p2p:ring")
+    ring = Hierarchical(outer=transport.factory("p2p:ring"))
     m = BYTES_NUMEL // n
     for kind, call in (("all_reduce", lambda: ring.all_reduce(rank_input(BYTES_NUMEL, rank, "float32"))),
                        ("reduce_scatter", lambda: ring.reduce_scatter(torch.empty(m), rank_input(BYTES_NUMEL, rank,
@@ -375,12 +375,12 @@ def test_hierarchical_refuses_gpu_tensors_on_every_rank(four, name):
                                                 "ones: use 'torch' (NCCL) or 'auto'")
 
 
-def test_an_outer_transport_that_is_not_a_name_or_a_factory_is_refused_before_any_message():
-    for outer in (3, object.__new__(transport.Torch)):
-        with pytest.raises(TypeError, match="Hierarchical's outer must be a transport name or a factory"):
+def test_an_outer_transport_that_is_not_a_factory_or_a_known_name_is_refused_before_any_message():
+    for outer in (3, "p2p:ring", object.__new__(transport.Torch)):
+        with pytest.raises(TypeError, match="Hierarchical's outer must be a factory"):
             Hierarchical(outer=outer)
     with pytest.raises(ValueError, match="Hierarchical: unknown outer transport 'fastest': choose one of auto, "):
-        Hierarchical(outer="fastest")
+        transport.factory("fastest")
 
 
 @pytest.mark.parametrize("name", list(AUTO))

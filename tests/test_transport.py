@@ -37,7 +37,7 @@ from torch import nn
 import allreduce
 from common import CollectiveCounter, launch_expecting_peer_failure, refused, run_in_subgroups
 from dpkit import compat
-from dpkit.comm import process_groups
+from dpkit.comm import process_groups, shared_memory
 from dpkit.comm import transport
 from dpkit.comm.process_groups import PeerFailedError
 
@@ -495,7 +495,7 @@ def _full(*args, **kwargs):
 @contextlib.contextmanager
 def no_room(active: bool = True):
     """/dev/shm is full: posix_fallocate says ENOSPC (on this rank, if ``active``)."""
-    with mock.patch.object(transport.os, "posix_fallocate", _full) if active else contextlib.nullcontext():
+    with mock.patch.object(shared_memory.os, "posix_fallocate", _full) if active else contextlib.nullcontext():
         yield
 
 
@@ -584,7 +584,7 @@ def _apart(group) -> dict:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
         return real_open(path, flags, *args, **kwargs)
     fresh = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(2)]  # resolve caches per group
-    with mock.patch.object(transport.os, "open", blind) if rank == 1 else contextlib.nullcontext():
+    with mock.patch.object(shared_memory.os, "open", blind) if rank == 1 else contextlib.nullcontext():
         for case, call in (("constructor", lambda: transport.SharedMemory(group)),
                            ("auto", lambda: transport.resolve("auto", fresh[0])),
                            ("shared_memory", lambda: transport.resolve("shared_memory", fresh[1]))):
@@ -1216,7 +1216,7 @@ def _killed_between_the_synchronisations(ctx, victim: int):
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
-    with mock.patch.object(transport, "sum_chunk", die if ctx.rank == victim else transport.sum_chunk):
+    with mock.patch.object(shared_memory, "sum_chunk", die if ctx.rank == victim else shared_memory.sum_chunk):
         start = time.monotonic()
         try:
             t.all_reduce(x)
@@ -1249,7 +1249,7 @@ def _stops_answering(ctx, pid_file: str):
             f.write(str(os.getpid()))
     t = transport.SharedMemory()
     silent = lambda *args, **kwargs: time.sleep(600)  # noqa: E731
-    with mock.patch.object(transport, "sum_chunk", silent if ctx.rank == 1 else transport.sum_chunk):
+    with mock.patch.object(shared_memory, "sum_chunk", silent if ctx.rank == 1 else shared_memory.sum_chunk):
         t.all_reduce(torch.ones(1000))
 
 

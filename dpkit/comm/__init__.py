@@ -1,3 +1,6 @@
 """Layer 1, communication: ``process_groups`` (set-up, launching, peer failures), ``checks`` (what every
-collective refuses before its first message), ``transport`` (the one seam every engine communicates
-through) and ``comm_thread`` (a transport's collectives in the background)."""
+collective refuses before its first message), ``hosts`` (which rank is on which host), ``comm_thread`` (a
+transport's collectives in the background), and the transports: ``interface`` (what a transport is),
+``torch_transport``, ``shared_memory``, ``message_passing`` ("p2p"), ``hierarchical``, ``registry`` (the one
+place a transport is chosen, by name or "auto"), ``pytorch_adapters`` (PyTorch's DDP and fully_shard over a
+transport) and ``transport``, which names all of them in one place."""

@@ -2,7 +2,7 @@
 
     from dpkit.comm.hierarchical import Hierarchical
     t = Hierarchical(group)                     # what transport.resolve("auto") picks when hosts hold 2+ ranks
-    t = Hierarchical(group, outer="p2p:ring")   # between hosts: any transport name, or factory(group)
+    t = Hierarchical(group, outer=transport.factory("p2p:ring"))   # between hosts: any factory(group)
     t.all_reduce(flat, op="mean")               # also reduce_scatter and all_gather (torch.distributed's)
 
 An all-reduce of N elements, the largest host holding L ranks: every host cuts the data into L
@@ -31,7 +31,9 @@ import torch.distributed as dist
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hosts import host_indices, ranks_by_host
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, new_subgroups
-from dpkit.comm.transport import NotOneHost, SharedMemory, Torch, Transport, names, resolve
+from dpkit.comm.interface import Transport
+from dpkit.comm.shared_memory import NotOneHost, SharedMemory
+from dpkit.comm.torch_transport import Torch
 
 
 class Plan:
@@ -89,18 +91,16 @@ def host_subgroups(plan: "Plan", parent, timeout_s: float) -> list:
 
 class Hierarchical(Transport):
     """Collectives over a group that spans hosts (CPU tensors): inside a host through its shared memory,
-    between hosts through ``outer`` (a transport name for ``resolve``, or ``factory(group)``) among the
-    ranks that serve the same shard. A collective to make: every rank of the group calls it alike.
+    between hosts through ``outer(group)`` (a factory: ``Torch``, or ``registry.factory(name)`` for a transport
+    by name) among the ranks that serve the same shard. A collective to make: every rank of the group calls it alike.
     ``close`` closes the inner and outer transports and destroys the subgroups."""
 
     name = "hierarchical"
 
-    def __init__(self, group=None, *, outer: str | Callable[..., Transport] = "torch"):
-        if isinstance(outer, Transport) or not (isinstance(outer, str) or callable(outer)):
-            raise TypeError(f"Hierarchical's outer must be a transport name or a factory(group) -> Transport (one "
-                            f"transport per shard's group is made), got a {type(outer).__name__}")
-        if isinstance(outer, str) and outer not in names():
-            raise ValueError(f"Hierarchical: unknown outer transport {outer!r}: choose one of {', '.join(names())}")
+    def __init__(self, group=None, *, outer: Callable[..., Transport] = Torch):
+        if isinstance(outer, Transport) or not callable(outer):
+            raise TypeError(f"Hierarchical's outer must be a factory(group) -> Transport (one transport per shard's "
+                            f"group is made; transport.factory(name) makes one by name), got a {type(outer).__name__}")
         super().__init__(group)
         self.inner: Transport | None = None
         self.outer: list[tuple[int, Transport]] = []  # (slot, its transport), in slot order
@@ -124,8 +124,7 @@ class Hierarchical(Transport):
             self.inner = Torch(made[self.host])
         for j in plan.served(self.host, self.local):
             group = made[len(plan.hosts) + j]
-            between = outer(group) if callable(outer) else resolve(outer, group, "cpu", engine="Hierarchical")
-            self.outer.append((j, between))
+            self.outer.append((j, outer(group)))
 
     def _agree(self) -> str:
         """Every rank learns which hosts went through torch inside and what carries the data between hosts:

@@ -1,0 +1,568 @@
+"""``SharedMemory``: collectives through this host's shared memory, for ranks that all run on one host (CPU).
+
+    t = SharedMemory(group)                          # a collective: every rank makes it
+    flat = t.allocate((n,), dtype=torch.float32)     # in this rank's arena, which every peer maps
+    t.all_reduce(flat, op="mean")                    # each rank sums its chunk where the buffers lie
+
+Every rank owns an arena that every other rank maps; a tensor ``allocate`` returned lives there, so
+a sum reads each rank's buffer where it lies, with no copy in or out. Any other tensor is staged
+through the arena. Ranks meet through a control file (counters and descriptors of the call in
+progress); a peer that dies or stops answering fails the call on every rank, naming it. Without room
+in /dev/shm every collective goes through ``torch_transport``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import platform
+import threading
+import time
+import warnings
+import weakref
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dpkit.comm import torch_transport
+from dpkit.comm.checks import bounds
+from dpkit.comm.comm_thread import group_timeout
+from dpkit.comm.hosts import HOSTS_ENV, host_indices
+from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
+from dpkit.comm.torch_transport import Torch
+
+OPS = ("sum", "mean")
+# Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
+SHARED_MEMORY_RANGE = "shared_memory:{}"
+SHM_DIRECTORY = "/dev/shm"
+
+# Every rank owns an arena: a sparse file of /dev/shm as large as /dev/shm itself, mapped by every rank
+# of the group (virtual memory only: a page exists once it is allocated). ``allocate`` hands out pieces
+# of the caller's arena, allocating their pages first (posix_fallocate: a full /dev/shm says ENOSPC there,
+# not SIGBUS at the first write). A control file holds one 64-byte record per rank: a counter of the
+# synchronisations it reached and the descriptor of its part of the call in progress (which collective,
+# dtype, bytes, where its data lies in its arena). The files are unlinked as soon as every rank mapped
+# them: nothing stays in /dev/shm, whatever happens to the processes later.
+
+# x86 keeps a core's stores in order, so a peer that sees a rank's counter also sees the data written
+# before it: ranks wait for each other by polling counters. Elsewhere they synchronise with a message.
+POLLS = platform.machine().lower() in ("x86_64", "amd64")
+ALIGN = 64  # bytes: every allocation starts on a cache line
+# A chunk is summed and copied to the peers block by block, so the copies read the sum from the cache.
+BLOCK_BYTES = 1 << 20
+_RECORD = 16  # int64 words per rank in the control file: two cache lines
+_COUNTER, _KIND, _DTYPE, _NBYTES, _OP, _STATUS, _OFFSET, _PID, _STARTED = range(9)  # [_KIND, _OP] must agree
+_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+_OK, _NO_ROOM = 0, 1
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64)
+
+
+class _Arena:
+    """This rank's arena: first-fit allocation of ``ALIGN``-aligned blocks, freed when their tensor's storage is.
+
+    Each block is a numpy array over the mapping; the tensor made from it keeps it alive, so the
+    block returns to the free list only when the last view of the tensor is gone (``weakref.finalize``).
+    """
+
+    def __init__(self, fd: int, size: int, mapping: mmap.mmap):
+        self.fd, self.size, self.mapping = fd, size, mapping
+        self.free = [(0, size)]    # (offset, bytes), sorted, coalesced
+        self.allocated_to = 0      # bytes [0, allocated_to) have their pages (posix_fallocate)
+        self.lock = threading.Lock()  # finalizers run on whichever thread frees the last view
+        self.observers: list[Callable[[int, int, bool], None]] = []  # see SharedMemory.observe_blocks
+
+    def take(self, nbytes: int) -> tuple[int, np.ndarray] | None:
+        """(offset, the block as uint8 numpy array), or None when /dev/shm has no room for it."""
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self.lock:
+            index = next((i for i, (_, length) in enumerate(self.free) if length >= size), None)
+            if index is None:
+                return None
+            offset, length = self.free[index]
+            end = offset + size
+            if end > self.allocated_to:
+                try:
+                    os.posix_fallocate(self.fd, self.allocated_to, end - self.allocated_to)
+                except OSError:
+                    return None
+                self.allocated_to = end
+            self.free[index:index + 1] = [(end, length - size)] if length > size else []
+        block = np.frombuffer(self.mapping, np.uint8, count=size, offset=offset)
+        weakref.finalize(block, self.give_back, offset, size)
+        for observe in self.observers:
+            observe(offset, size, True)
+        return offset, block
+
+    def give_back(self, offset: int, size: int) -> None:
+        for observe in self.observers:
+            observe(offset, size, False)
+        with self.lock:
+            self.free.append((offset, size))
+            self.free.sort()
+            merged = [self.free[0]]
+            for start, length in self.free[1:]:
+                last_start, last_length = merged[-1]
+                if last_start + last_length == start:
+                    merged[-1] = (last_start, last_length + length)
+                else:
+                    merged.append((start, length))
+            self.free = merged
+
+
+class SharedMemory(Transport):
+    """Collectives through this host's shared memory, for a group whose ranks all run on this host (CPU).
+
+    ``SharedMemory(group)`` is a collective: it makes and maps the files and raises ``NotOneHost`` (a
+    ValueError) on every rank if the ranks are on several hosts (``hosts.host_indices``: real ones or
+    simulated by ``DPKIT_HOSTS``) or one rank cannot see the files (/dev/shm is not shared).
+    When /dev/shm has no room, it warns once and every collective goes through ``Torch``; a single
+    call that finds no room to stage a tensor does the same, on every rank.
+
+    The sums (all-reduce, reduce-scatter) are made by one rank per chunk, every rank reading each
+    other's data where it lies: for a tensor that ``allocate`` returned, its own buffer; for any other,
+    a copy staged in the arena. Rank r adds chunk r over the ranks (its own contribution first, then
+    the others in rank order) and, for the all-reduce, writes the sum into every rank's buffer. Two
+    synchronisations per call (the data is ready; every rank is done with the others' data), each
+    bounded by the group's timeout: a rank that stops answering fails the call naming it.
+    """
+
+    name = "shared_memory"
+    _skips_empty = False
+
+    def __init__(self, group=None, *, background: bool = False, directory: str = SHM_DIRECTORY):
+        super().__init__(group, background=background)
+        self.timeout_s = group_timeout(group, torch.device("cpu")) or DEFAULT_TIMEOUT_S
+        self._fallback: Torch | None = None
+        self._warned = False
+        self._syncs = 0
+        self._peers_visible: bool | None = None  # known after the first meeting (``_see_peers``)
+        self._peer_views: dict[tuple, torch.Tensor] = {}  # (rank, offset, bytes, dtype) -> view (``_peer``)
+        self._chunk_views: dict[tuple, tuple] = {}  # (offsets, bytes, dtype) -> this rank's chunks (``_chunks``)
+        self._staging: tuple[int, torch.Tensor] | None = None  # (offset, uint8 block) kept for later calls
+        if self.world_size > 1:
+            self._check_one_host()
+            self._map(directory)
+
+    # ---- set-up (collective)
+
+    def _map(self, directory: str) -> None:
+        n, rank = self.world_size, self.rank
+        prefix = self._file_prefix(directory)
+        size = _arena_size(directory)
+        names = [f"{prefix}-{r}" for r in range(n)]
+        control_name, control_size = f"{prefix}-control", 8 * _RECORD * (n + 1)
+        status, fds = 0, []
+        try:
+            status = _make_files(names[rank], size, control_name if rank == 0 else None, control_size)
+            status = _agree(status, self.group)  # every file exists, or every rank knows why not
+            if status == 0:
+                status, fds = _open_all(names, control_name)
+            status = _agree(status, self.group)  # every rank mapped every file (or failed): they can go
+        finally:
+            for name in (names[rank], control_name if rank == 0 else None):
+                if name is not None and os.path.exists(name):
+                    os.unlink(name)
+        if status == _SETUP_NO_ROOM:
+            self._fall_back(f"/dev/shm has no room for the control file of {n} ranks")
+            return
+        if status != 0:
+            for fd in fds:
+                os.close(fd)
+            raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host, sharing "
+                             f"{directory}: some rank of {self.ranks} cannot open the files the others made; "
+                             "use transport 'torch' (or 'auto') for a group that spans hosts")
+        control_fd, arena_fds = fds[0], fds[1:]
+        control = mmap.mmap(control_fd, control_size)
+        os.close(control_fd)
+        self._control = np.frombuffer(control, np.int64)[_RECORD:].reshape(n, _RECORD)  # record per rank
+        self._control[rank, _PID], self._control[rank, _STARTED] = os.getpid(), _start_time(os.getpid())
+        mappings = [mmap.mmap(fd, size) for fd in arena_fds]
+        self._arena = _Arena(arena_fds[rank], size, mappings[rank])
+        for r, fd in enumerate(arena_fds):
+            if r != rank:
+                os.close(fd)
+        self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in mappings]  # every rank's arena, bytes
+        self._base = self._views[rank].data_ptr()
+        self._size = size
+        for view in self._views:
+            claim_memory(view.data_ptr(), size, self)
+        weakref.finalize(self, _forget_arenas, [view.data_ptr() for view in self._views], os.close, arena_fds[rank])
+
+    def _check_one_host(self) -> None:
+        """NotOneHost on every rank when the group's ranks are on several (real or simulated) hosts."""
+        spread = host_indices(self.group)
+        if len(set(spread)) > 1:
+            simulated = f" (simulated: {HOSTS_ENV}={os.environ[HOSTS_ENV]})" if HOSTS_ENV in os.environ else ""
+            raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host: ranks "
+                             f"{self.ranks} are on {len(set(spread))} hosts{simulated}; use transport 'auto' "
+                             "or 'hierarchical' (or 'torch') for a group that spans hosts")
+
+    def _file_prefix(self, directory: str) -> str:
+        name = torch.zeros(2, dtype=torch.int64)
+        if self.rank == 0:
+            name[:] = torch.tensor([os.getpid(), int.from_bytes(os.urandom(7), "little")])
+        dist.broadcast(name, group_src=0, group=self.group)
+        pid, token = name.tolist()
+        return os.path.join(directory, f"dp-kit-{pid}-{token:x}")
+
+    def _collective_group(self):
+        """The group a fallback through torch uses: the communication thread's own when there is one, so that
+        its collectives never interleave with the caller's on ``group``."""
+        return self._comm.group if self._comm is not None else self.group
+
+    def _fall_back(self, why: str) -> None:
+        self._fallback = Torch(self._collective_group())
+        self._warn(f"the shared-memory transport over ranks {self.ranks} goes through torch.distributed instead: {why}")
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            if self.rank == 0:
+                warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    # ---- buffers
+
+    def allocate(self, shape, *, dtype, device=None):
+        """A tensor in this rank's arena (CPU only): the collectives read and write it where it lies.
+        Without room in /dev/shm, a plain tensor (then staged through the arena, one copy each way)."""
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"{self!r} allocates CPU tensors, not on {device}: use transport 'torch' for GPUs")
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        numel = int(np.prod(shape)) if shape else 1
+        if self.world_size == 1 or self._fallback is not None or numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        taken = self._arena.take(numel * dtype.itemsize)
+        if taken is None:
+            self._warn(f"/dev/shm has no room for a buffer of {numel} {dtype} elements: it is a plain tensor, "
+                       "copied through the shared memory at each call")
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(taken[1]).view(dtype)[:numel].view(shape)
+
+    def owns(self, tensor):
+        return owner_of(tensor) is self and self._offset(tensor) is not None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging block (in /dev/shm, where a memory profiler does not look)."""
+        return 0 if self._staging is None else self._staging[1].numel()
+
+    def release_staging(self) -> None:
+        """Give the staging block back to the arena (the next staged call takes one again)."""
+        self._staging = None
+
+    @contextlib.contextmanager
+    def observe_blocks(self, callback: Callable[[int, int, bool], None]):
+        """Within the block, ``callback(offset, nbytes, taken)`` whenever this rank's arena hands out a block
+        (``taken``) or gets one back, on whichever thread that happens. Memory in /dev/shm is not torch's: a
+        profiler of torch's allocator (``measure.PeakMemory``) sees it only through such a callback."""
+        if self.world_size == 1 or self._fallback is not None:
+            yield
+            return
+        self._arena.observers.append(callback)
+        try:
+            yield
+        finally:
+            self._arena.observers.remove(callback)
+
+    def supports(self, device):
+        return (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu"
+
+    def describe(self) -> str:
+        return "shared_memory" if self._fallback is None else "shared_memory (through torch: no room)"
+
+    def _offset(self, flat: torch.Tensor) -> int | None:
+        """Where a contiguous tensor lies in this rank's arena, or None if elsewhere."""
+        if self.world_size == 1 or self._fallback is not None or not flat.is_contiguous():
+            return None
+        offset = flat.data_ptr() - self._base
+        return offset if 0 <= offset and offset + flat.numel() * flat.element_size() <= self._size else None
+
+    def _peer(self, rank: int, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s data of the call in progress, as a 1-D tensor of ``dtype`` (in its arena). Kept for
+        the next call: engines sum the same buffers step after step, and a view costs microseconds to make."""
+        key = (rank, offset, nbytes, dtype)
+        view = self._peer_views.get(key)
+        if view is None:
+            if len(self._peer_views) > 4096:  # buffers come and go (FSDP's gathers): forget the old ones
+                self._peer_views.clear()
+            view = self._peer_views[key] = self._views[rank][offset:offset + nbytes].view(dtype)
+        return view
+
+    def _chunks(self, offsets: tuple, nbytes: int, dtype: torch.dtype, numel: int):
+        """For an all-reduce whose ranks posted their data at ``offsets``: (this rank's whole data, every rank's
+        chunk ``rank`` of it, this rank's first). Kept for the next call, like ``_peer``'s views."""
+        key = (offsets, nbytes, dtype)
+        found = self._chunk_views.get(key)
+        if found is None:
+            if len(self._chunk_views) > 4096:
+                self._chunk_views.clear()
+            data = [self._views[r][offset:offset + nbytes].view(dtype) for r, offset in enumerate(offsets)]
+            b = bounds(numel, self.world_size)
+            lo, hi = b[self.rank], b[self.rank + 1]
+            order = [self.rank] + [r for r in range(self.world_size) if r != self.rank]
+            found = self._chunk_views[key] = (data[self.rank], [data[r][lo:hi] for r in order])
+        return found
+
+    # ---- one call: post where my data lies, meet, work on everyone's data, meet
+
+    def _post(self, flat: torch.Tensor) -> tuple[int, int]:
+        """Put this rank's data where the peers can read it; returns (status, offset): ``flat`` in the arena
+        is used where it lies, any other tensor is copied into the staging block."""
+        nbytes = flat.numel() * flat.element_size()
+        offset = self._offset(flat)
+        if offset is not None or nbytes == 0:
+            return _OK, offset or 0
+        staging = self._stage(nbytes)
+        if staging is None:
+            return _NO_ROOM, -1
+        offset = staging[0]
+        self._peer(self.rank, offset, nbytes, flat.dtype).copy_(flat)
+        return _OK, offset
+
+    def _stage(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
+        """The staging block, grown to ``nbytes`` (kept for later calls), or None without room."""
+        if self._staging is None or self._staging[1].numel() < nbytes:
+            self._staging = None  # give the old block back before taking a larger one
+            taken = self._arena.take(max(nbytes, 1 << 20))
+            if taken is None:
+                return None
+            self._staging = (taken[0], torch.from_numpy(taken[1]))
+        return self._staging
+
+    def _meet_descriptors(self, kind: str, dtype: torch.dtype, nbytes: int, op: str, status: int,
+                          offset: int) -> np.ndarray:
+        """Post this rank's descriptor, wait for every rank's, check that they describe one call; returns them."""
+        record = self._control[self.rank]
+        record[_KIND], record[_DTYPE], record[_NBYTES] = _KINDS.index(kind), _DTYPES.index(dtype), nbytes
+        record[_OP], record[_STATUS], record[_OFFSET] = OPS.index(op), status, offset
+        self._meet()
+        table = self._control.copy()
+        if (table[:, _KIND:_OP + 1] != table[0, _KIND:_OP + 1]).any():
+            self._meet()  # let every rank read the table before any can overwrite its record
+            rows = "; ".join(f"rank {r}: {_KINDS[k]} of {b} bytes of {_DTYPES[d]} (op {OPS[o]!r})"
+                             for r, (k, d, b, o) in enumerate(table[:, [_KIND, _DTYPE, _NBYTES, _OP]].tolist()))
+            raise ValueError(f"rank {self.rank}/{self.world_size}: the ranks called different shared-memory "
+                             f"collectives (a peer diverged): {rows}")
+        return table
+
+    def _meet(self) -> None:
+        """Returns on every rank once every rank has called it as often; a rank that has not within the
+        group's timeout fails the call with ``PeerFailedError`` naming it."""
+        self._syncs += 1
+        if not POLLS:
+            dist.all_reduce(torch.zeros(1), group=self._comm.group if self._comm is not None else self.group)
+            return
+        counters = self._control[:, _COUNTER]
+        counters[self.rank] = self._syncs
+        deadline, polls, look = None, 0, 0.0
+        while counters.min() < self._syncs:
+            polls += 1
+            if polls < 1000:
+                os.sched_yield()  # an oversubscribed peer needs this core
+                continue
+            time.sleep(1e-4)
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now > look:  # a peer's process that is gone will never count: say so now, not at the timeout
+                look = now + 0.1
+                self._fail_if_a_late_peer_died(counters)
+            if now > deadline:
+                late = [r for r in range(self.world_size) if counters[r] < self._syncs]
+                self._fail(f"a peer failed, diverged or stopped answering: rank(s) {late} did not reach the "
+                           f"shared-memory collective within the {self.timeout_s:g} s process-group timeout")
+        if self._peers_visible is None:
+            self._see_peers()
+
+    def _fail_if_a_late_peer_died(self, counters: np.ndarray) -> None:
+        """PeerFailedError naming the late ranks whose process no longer exists: only where the peers' processes
+        are this process's to see (``_peers_visible``: same PID namespace)."""
+        if not self._peers_visible:
+            return
+        records = self._control
+        dead = [r for r in range(self.world_size) if counters[r] < self._syncs
+                and _start_time(int(records[r, _PID])) != int(records[r, _STARTED])]
+        if dead:
+            self._fail(f"a peer failed: rank(s) {dead} did not reach the shared-memory collective: their process "
+                       "is gone (killed or crashed)")
+
+    def _fail(self, why: str) -> None:
+        """Raise PeerFailedError; the transport refuses every later call (the ranks' meetings no longer pair up)."""
+        self._broken = why
+        raise PeerFailedError(f"rank {self.rank}/{self.world_size}: {why}")
+
+    def _see_peers(self) -> None:
+        """After the first meeting (every peer alive, its pid written): whether their pids and start times
+        are visible in this process's /proc, i.e. whether a dead peer can be told from a slow one."""
+        records = self._control
+        self._peers_visible = all(_start_time(int(records[r, _PID])) == int(records[r, _STARTED])
+                                  for r in range(self.world_size))
+
+    def _fall_back_for_call(self, table: np.ndarray, fallback: Callable[[], None]) -> bool:
+        """After the first meet: True if the call went through ``Torch`` (a rank had no room to stage)."""
+        if not table[:, _STATUS].any():
+            return False
+        self._meet()  # every rank has read the table
+        self._warn("/dev/shm had no room to stage a tensor of this call on some rank: it went through "
+                   "torch.distributed, and so does every later call that finds no room")
+        fallback()
+        return True
+
+    # ---- the three collectives
+
+    def _all_reduce(self, flat, op):
+        if self._fallback is not None:
+            return self._fallback.all_reduce(flat, op)
+        nbytes, n = flat.numel() * flat.element_size(), self.world_size
+        with _profiled("all_reduce"):
+            staged = nbytes and self._offset(flat) is None
+            status, offset = self._post(flat)
+            table = self._meet_descriptors("all_reduce", flat.dtype, nbytes, op, status, offset)
+            if self._fall_back_for_call(table, lambda: torch_transport.all_reduce(flat, op, self._collective_group())):
+                return
+            mine, chunks = self._chunks(tuple(table[:, _OFFSET].tolist()), nbytes, flat.dtype, flat.numel())
+            sum_chunk(chunks, flat.element_size(), scale=1.0 / n if op == "mean" else None)
+            self._meet()  # every chunk is in every rank's buffer
+            if staged:  # the result comes back
+                flat.copy_(mine)
+
+    def _reduce_scatter(self, out, flat, op):
+        if self._fallback is not None:
+            return self._fallback.reduce_scatter(out, flat, op)
+        nbytes, n, m = flat.numel() * flat.element_size(), self.world_size, out.numel()
+        with _profiled("reduce_scatter"):
+            status, offset = self._post(flat)
+            table = self._meet_descriptors("reduce_scatter", flat.dtype, nbytes, op, status, offset)
+            if self._fall_back_for_call(table, lambda: torch_transport.reduce_scatter(out, flat, op, self._collective_group())):
+                return
+            lo, hi = self.rank * m, (self.rank + 1) * m
+            mine = [self._peer(r, int(table[r, _OFFSET]), nbytes, flat.dtype)[lo:hi] for r in range(n)]
+            order = [self.rank] + [r for r in range(n) if r != self.rank]  # own first: ``out`` may be it
+            scale = 1.0 / n if op == "mean" else None
+            if scale is None:
+                if out.data_ptr() != mine[self.rank].data_ptr():
+                    out.copy_(mine[self.rank])
+                for r in order[1:]:
+                    out.add_(mine[r])
+            else:
+                torch.mul(mine[self.rank], scale, out=out)
+                for r in order[1:]:
+                    out.add_(mine[r], alpha=scale)
+            self._meet()  # no rank reads my input any more: the caller may change it
+
+    def _all_gather(self, out, flat):
+        if self._fallback is not None:
+            return self._fallback.all_gather(out, flat)
+        nbytes, n = flat.numel() * flat.element_size(), self.world_size
+        with _profiled("all_gather"):
+            status, offset = self._post(flat)
+            table = self._meet_descriptors("all_gather", flat.dtype, nbytes, "sum", status, offset)
+            if self._fall_back_for_call(table, lambda: torch_transport.all_gather(out, flat, self._collective_group())):
+                return
+            rows = out.view(n, -1)
+            for r in range(n):
+                source = flat if r == self.rank else self._peer(r, int(table[r, _OFFSET]), nbytes, flat.dtype)
+                if rows[r].data_ptr() != source.data_ptr():
+                    rows[r].copy_(source)
+            self._meet()  # no rank reads my input any more
+
+
+_SETUP_NO_ROOM, _SETUP_NOT_SHARED = 1, 2
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat), or None if there is no such
+    process here. A pid and its start time name one process: a reused pid has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+    except OSError:
+        return None
+    if fields[0] in (b"Z", b"X"):  # a zombie (dead, not yet reaped by its parent) will never count either
+        return None
+    return int(fields[19])
+
+
+class NotOneHost(ValueError):
+    """The ranks of a group cannot share memory (not one host, or no common /dev/shm): raised on every rank."""
+
+
+def _arena_size(directory: str) -> int:
+    """The virtual size of every arena: all of /dev/shm (pages exist only once allocated)."""
+    stats = os.statvfs(directory)
+    return max(1 << 20, stats.f_blocks * stats.f_frsize) // ALIGN * ALIGN
+
+
+def _make_files(arena: str, size: int, control: str | None, control_size: int) -> int:
+    """This rank's arena file (sparse) and, on group rank 0, the control file (allocated: it is written at once)."""
+    try:
+        fd = os.open(arena, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        os.close(fd)
+        if control is not None:
+            fd = os.open(control, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, control_size)
+            finally:
+                os.close(fd)
+    except OSError as error:
+        return _SETUP_NO_ROOM if error.errno == 28 else _SETUP_NOT_SHARED  # 28: ENOSPC
+    return 0
+
+
+def _open_all(names: list[str], control: str) -> tuple[int, list[int]]:
+    """File descriptors of the control file and of every rank's arena, or a failure status."""
+    fds = []
+    try:
+        for name in (control, *names):
+            fds.append(os.open(name, os.O_RDWR))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        return _SETUP_NOT_SHARED, []
+    return 0, fds
+
+
+def _agree(status: int, group) -> int:
+    """The largest status of any rank, on every rank (a collective)."""
+    value = torch.tensor([status], dtype=torch.int64)
+    dist.all_reduce(value, dist.ReduceOp.MAX, group=group)
+    return int(value.item())
+
+
+def _forget_arenas(bases: list[int], close: Callable[[int], None], fd: int) -> None:
+    forget_memory(bases)
+    close(fd)
+
+
+def sum_chunk(chunks: list[torch.Tensor], element_size: int, scale: float | None = None) -> None:
+    """``chunks[0]`` (this rank's chunk of its own data) becomes the sum of every rank's chunk (its own first,
+    then the others in rank order), each contribution times ``scale`` when given (the mean: 1/n; exact for a
+    power of two, so at 2 ranks the same bits as dividing first); then the sum is copied into every other
+    rank's chunk. Block by block, so each copy reads the sum from the cache. Each element is summed by one
+    rank only: every rank gets the same bits."""
+    mine = chunks[0]
+    step = max(1, BLOCK_BYTES // element_size)
+    for start in range(0, mine.numel(), step):
+        blocks = [c[start:start + step] for c in chunks] if mine.numel() > step else chunks
+        if scale is None:
+            for other in blocks[1:]:
+                blocks[0].add_(other)
+        else:
+            blocks[0].mul_(scale)
+            for other in blocks[1:]:
+                blocks[0].add_(other, alpha=scale)
+        for other in blocks[1:]:
+            other.copy_(blocks[0])
+
+
+def _profiled(kind: str):
+    """A profiler range named after the collective when a profiler is on (asking costs nanoseconds; a range,
+    microseconds). ``_is_profiler_enabled`` is the profiler's own flag, true on every thread it records."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(SHARED_MEMORY_RANGE.format(kind))
+    return contextlib.nullcontext()
