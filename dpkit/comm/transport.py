@@ -192,6 +192,11 @@ class Transport:
         """Whether ``tensor`` lies in memory this transport allocated for zero-copy collectives."""
         return False
 
+    def held_bytes(self) -> int:
+        """Bytes of memory of its own this transport holds on this rank (here none: it allocates with torch).
+        A tensor it ``owns`` lies in them: a count adding this must not count such tensors again."""
+        return 0
+
     def supports(self, device: torch.device) -> bool:
         return True
 
@@ -384,6 +389,9 @@ class Wrapped(Transport):
 
     def owns(self, tensor) -> bool:
         return self.inner.owns(tensor)
+
+    def held_bytes(self) -> int:
+        return self.inner.held_bytes()
 
     def supports(self, device) -> bool:
         return self.inner.supports(device)
@@ -617,6 +625,13 @@ class SharedMemory(Transport):
 
     def owns(self, tensor):
         return _owner_of(tensor) is self and self._offset(tensor) is not None
+
+    def held_bytes(self) -> int:
+        """Bytes of this rank's arena with pages in /dev/shm (RAM that a profiler of torch's allocator does not
+        see): every block taken so far, the buffers ``allocate`` returned and the staging block among them; a block
+        given back keeps its pages for the next one."""
+        arena = getattr(self, "_arena", None)  # none: one rank, or no room in /dev/shm at set-up
+        return 0 if arena is None else arena.allocated_to
 
     @property
     def staging_bytes(self) -> int:
