@@ -72,7 +72,6 @@ class Bucket:
     params: list[torch.Tensor]
     by_rank: list[list[Piece]]
     buffer: torch.Tensor | None = field(default=None, repr=False)  # (n, width), allocated by the transport
-    # Stage 1: ``buffer`` holds the parameters themselves, each a view of it (see ``ShardedOptimizer._place``).
     work: transports.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
     # Stage 2 only. ``rows`` (n, reduce_width): the reduce-scatter's input, row r = rank r's pieces' gradients
     # divided by n, back to back, then one used-flag per piece (1 if this rank had its parameter's gradient),
@@ -146,9 +145,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     unchanged, as by any optimizer. At stage 1 over several ranks, construction (and ``add_param_group``)
     moves each parameter into its bucket's buffer: ``p.data`` becomes a view of it, the Parameter object
     stays (module, tied weights, a DDP see the same one); a parameter whose storage is replaced later
-    (``p.data = ...``, ``load_state_dict(assign=True)``) is no longer updated. Every rank must construct it, call ``step``,
-    ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward`` the
-    same way, with the same model (collectives, or they reshape the collectives).
+    (``p.data = ...``, ``load_state_dict(assign=True)``) is no longer updated. Every rank must construct
+    it, call ``step``, ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward``
+    the same way, with the same model (collectives, or they reshape the collectives).
 
     ``last_share_s``: seconds the calling thread spent on sharing the last step's updated
     parameters, i.e. the share communication nothing overlapped: the all-gather calls (all of an
