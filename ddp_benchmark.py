@@ -627,7 +627,9 @@ def legend(config: dict) -> list[str]:
         "ours and both PyTorch rows run with find_unused_parameters=False (no used-flags); "
         "vs columns: median of the per-round p50 ratios [95 % bootstrap interval over rounds]",
         f"* peak memory: the least over {MEMORY_ITERS} untimed iterations of the most tensor bytes above the level "
-        "before each, max over ranks, plus the DDP's buckets (kept between iterations)",
+        "before each, max over ranks, plus what the DDP and its transport keep between iterations: its buckets "
+        "(on [shm] they lie in the transport's shared memory) and the shared-memory transport's staging block "
+        "(in /dev/shm, which the profiler does not see)",
         "* [torch]: torch.distributed's collectives on the backend (gloo: loopback TCP between the processes of "
         "one host; PyTorch's DDP with its own built-in communication); [shm]: this host's shared memory "
         "(transport.SharedMemory; PyTorch's DDP through transport.ddp_comm_hook), summed in the thread that "

@@ -22,13 +22,12 @@ An iteration: forward, cross-entropy, backward, gradient synchronisation, ``Adam
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then
 timed in rounds that interleave the variants; ratios are medians of per-round p50 ratios with 95 %
 bootstrap intervals, judged met / missed / inconclusive against their targets. Memory is counted per
-rank from the tensors it holds (the gradients of every rank are reported: ZeRO stage 2 keeps 1/n of them).
+rank from the tensors it holds and what its transport holds for it (each variant has a transport of its own).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -68,18 +67,18 @@ GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
 TARGET_SHM_VS_TORCH = 0.85  # fully_shard on our shared memory / fully_shard on gloo, the GPT at its default size
-TARGET_STATE_VS_IDEAL = 1.10  # per-rank model-state bytes / ideal
+TARGET_STATE_VS_IDEAL = 1.10  # per-rank held bytes (model states, engine buffers, transport memory) / ideal
 
 # What a target's two variants differ in (one thing only); every target row names its axis.
 AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
         "sharding": "ZeRO (stage 1 or 2) / DDP: the same engine on the same transport",
         "transport": "one engine: shared memory / torch.distributed (gloo), or on a communication thread / inline",
         "option": "one engine on one transport: an option / its default",
-        "memory": "model-state bytes per rank / the ideal"}
+        "memory": "bytes a rank holds (model states, the engine's buffers, its transport's memory) / the ideal"}
 # Where a target's limit holds (elsewhere its ratio is shown for information): a reader's phrase and a test.
 SCOPES = {"gpt default": ("the GPT at its default size",
                           lambda model, args: model == "gpt" and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
-# A variant's transport, by the label in its name: made once per model for every variant on it (a collective).
+# A variant's transport, by the label in its name: made for each variant of each model (a collective).
 TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
     "torch": lambda: transports.Torch(),                              # torch.distributed's collectives (gloo, NCCL)
     "shm": lambda: transports.SharedMemory(),                         # this host's shared memory, in the caller's thread
@@ -394,6 +393,21 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def _in_transport(t: torch.Tensor, transport: transports.Transport) -> bool:
+    """Whether ``t``'s storage lies in memory ``transport`` holds itself (asked of the whole storage)."""
+    t = _local(t)
+    storage = t.untyped_storage()
+    return storage.nbytes() > 0 and transport.owns(t.new_empty(0, dtype=torch.uint8).set_(storage))
+
+
+def held_bytes(tensors, transport: transports.Transport) -> int:
+    """Bytes held by ``tensors`` (distinct storages) and by ``transport`` for them: the memory of its own
+    (``Transport.held_bytes``: a shared-memory arena's pages in /dev/shm, with the buffers that lie there,
+    counted once, its staging block, and blocks freed whose pages it keeps)."""
+    outside = [t for t in tensors if t is not None and not _in_transport(t, transport)]
+    return storage_bytes(outside) + transport.held_bytes()
+
+
 def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
     """The whole model's state, counted from shapes (not from any rank's tensors): the ideal's inputs.
 
@@ -411,41 +425,6 @@ def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
 
 
 # --------------------------------------------------------------------------- one iteration
-
-
-class SharedMirror:
-    """Makes a ``SharedMemory`` transport's blocks in /dev/shm visible to ``PeakMemory``, which sees torch's CPU
-    allocator only: inside the block, each block this rank's arena hands out is mirrored by a torch allocation
-    of its size that is never touched (virtual memory: torch neither zeroes nor fills it), freed when the block
-    is, so PeakMemory's timeline holds the shared bytes when they are held. ``bytes``: the most bytes taken in
-    /dev/shm above the level at entry. A transport without an arena (torch's, one process) mirrors nothing.
-    Like PeakMemory, it misses what another thread allocates (a communication thread's staging block).
-    """
-
-    def __init__(self, transport: transports.Transport | None):
-        self.transport = transport if isinstance(transport, transports.SharedMemory) else None
-        self.bytes = 0
-        self._mirrors: dict[int, torch.Tensor] = {}  # offset of a block taken inside -> its mirror
-        self._held = 0
-        self._watch = contextlib.nullcontext()
-
-    def _observe(self, offset: int, nbytes: int, taken: bool) -> None:
-        if taken:
-            self._mirrors[offset] = torch.empty(nbytes, dtype=torch.uint8)
-            self._held += nbytes
-            self.bytes = max(self.bytes, self._held)
-        elif self._mirrors.pop(offset, None) is not None:
-            self._held -= nbytes
-
-    def __enter__(self) -> "SharedMirror":
-        if self.transport is not None:
-            self._watch = self.transport.observe_blocks(self._observe)
-        self._watch.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._watch.__exit__(*exc)
-        self._mirrors.clear()
 
 
 @dataclass
@@ -474,33 +453,35 @@ class Run:
         self.finish(self.forward())
 
     def memory(self, device: torch.device) -> dict:
-        """One untimed iteration, counting what this rank holds; then one under PeakMemory (and SharedMirror)."""
+        """One untimed iteration, counting what this rank holds (with what its transport holds for it, see
+        ``held_bytes``); then one under PeakMemory."""
         model, optimizer = self.setup.model, self.setup.optimizer
-        shared = self.transport if isinstance(self.transport, transports.SharedMemory) else None
-        if shared is not None:
-            shared.release_staging()  # variants share the transport: the iteration below takes what this one needs
         params = list(model.parameters())
         box = []
         activations = saved_tensor_bytes(lambda: box.append(self.forward()), exclude=[_local(p) for p in params])
         box[0].backward()
         sync_gradients(model)
-        grads = storage_bytes(self.setup.grad_tensors())
+        grads = self.setup.grad_tensors()
+        # Model state and what holds it, with the gradients in: the engine's buffers and its transport's memory.
+        held = held_bytes([*params, *grads, *self.setup.state_tensors(), *self.setup.kept()], self.transport)
+        counts = {"params_bytes": storage_bytes(params), "grads_bytes": storage_bytes(grads)}
+        del grads
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        counts = {"params_bytes": storage_bytes(params), "grads_bytes": grads,
-                  "state_bytes": storage_bytes(self.setup.state_tensors()), "activation_bytes": activations}
-        kept_tensors = [*params, *self.setup.state_tensors(), *self.setup.kept()]
-        staging = shared.staging_bytes if shared is not None else 0  # a block the transport keeps in /dev/shm
-        kept = storage_bytes(kept_tensors) + staging
-        with SharedMirror(shared) as transient, PeakMemory(device) as peak:
+        counts.update(state_bytes=storage_bytes(self.setup.state_tensors()), activation_bytes=activations,
+                      model_state_bytes=held)
+        kept = held_bytes([*params, *self.setup.state_tensors(), *self.setup.kept()], self.transport)
+        before = self.transport.held_bytes()
+        with PeakMemory(device) as peak:
             self.step()
             # Nothing may still run when the profiler stops: a gloo collective launched under it and finished
             # after it (ZeRO's all-gathers on [torch]) leaves a worker process crashing later (SIGSEGV in
             # the profiler's ThreadLocalSubqueue destructor, when the collective's handle is freed).
             self.setup.settle()
-        counts["peak_bytes"] = kept + peak.bytes  # the blocks taken in /dev/shm inside: in PeakMemory's timeline
-        counts["shared_peak_bytes"] = (storage_bytes(t for t in kept_tensors if shared is not None and shared.owns(t))
-                                       + staging + transient.bytes)
+        # PeakMemory sees torch's allocator only. An arena keeps its pages: the blocks the iteration took in
+        # /dev/shm lie in what ``kept`` counted already, or grew it.
+        counts["peak_bytes"] = kept + peak.bytes + self.transport.held_bytes() - before
+        counts["shared_peak_bytes"] = self.transport.held_bytes()
         return counts
 
 
@@ -512,11 +493,14 @@ def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
     names = runnable(names, ctx.world_size, ctx.device)
     batch = make_batch(name, args, ctx.rank, ctx.device)
     full = full_sizes(fresh_module(name, args, ctx.device))
-    # One transport of each kind, shared by the variants on it (made in TRANSPORTS' order on every rank).
-    made = {t: make() for t, make in TRANSPORTS.items() if any(VARIANTS[v].transport == t for v in names)}
+    # A transport per variant (made in the variants' order on every rank): what one holds (a shared-memory
+    # arena's pages, its staging block) is then its variant's alone, counted with it.
+    made: dict[str, transports.Transport] = {}
     try:
-        runs = {v: Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[VARIANTS[v].transport]),
-                       made[VARIANTS[v].transport], *batch) for v in names}
+        runs = {}
+        for v in names:
+            made[v] = TRANSPORTS[VARIANTS[v].transport]()
+            runs[v] = Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[v]), made[v], *batch)
         timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
                                    device=ctx.device)
         rows = [_row(ctx, args, name, v, runs[v], timings[v].samples, full) for v in names]
@@ -542,7 +526,6 @@ def _row(ctx, args, name: str, v: str, run: Run, samples: list[float], full: dic
            "grads_bytes_per_rank": [int(b) for b in per_rank[:, list(counts).index("grads_bytes")]],
            "ideal_bytes": ideal_bytes(VARIANTS[v].sharding, full, ctx.world_size),
            "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
-    row["model_state_bytes"] = row["params_bytes"] + row["grads_bytes"] + row["state_bytes"]
     row["state_vs_ideal"] = row["model_state_bytes"] / row["ideal_bytes"]
     return row
 
@@ -587,23 +570,26 @@ COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "v
            ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
            ("grads_mib", "grads MiB", ".1f"), ("grads_per_rank_mib", "grads MiB per rank", "s"),
            ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
-           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("ideal_mib", "ideal MiB", ".1f"),
-           ("state_vs_ideal", "states / ideal", ".2f")]
+           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
+           ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "held / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
-storages: a tied weight or a bucket holding every gradient counts once): parameters; gradients (after
-synchronisation; "per rank": each rank's, in rank order; ZeRO stage 2 keeps only its share's, with a
-used-flag per piece); optimizer state; activations (what autograd saves in forward, parameters excluded: the
-gathered weights count for fully_shard, whose saved tensors they are, and for ours with keep, not for ours
-resharding, which gathers them again in backward). Peak = what is kept between iterations (parameters,
-optimizer state, the variant's own buffers: DDP's buckets, ours and PyTorch's, ZeRO's all-gather buffers, the
-shared-memory transport's staging block) + the most bytes held above it during an iteration, in torch's
-allocator and in /dev/shm together (each block the shared-memory transport takes is mirrored in the memory
-profiler's timeline when it is taken and freed). "/dev/shm MiB": the most bytes a variant held in shared
-memory (its buffers, the staging block, blocks taken during the iteration), which a memory profiler does not
-see. Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them
-for DDP, 1/n of the optimizer state for ZeRO (stage 2: and of the gradients), 1/n of everything plus the
-largest gathered unit for FSDP."""
+storages: a tied weight or a bucket holding every gradient counts once): parameters (ZeRO stage 1's are views
+of its all-gather buffers: those, padding included); gradients (after synchronisation; "per rank": each
+rank's, in rank order; ZeRO stage 2 keeps only its share's, with a used-flag per piece); optimizer state;
+activations (what autograd saves in forward, parameters excluded: the gathered weights count for fully_shard,
+whose saved tensors they are, and for ours with keep, not for ours resharding, which gathers them again in
+backward). Held = everything the variant holds with its gradients in: parameters, gradients, optimizer state,
+its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's rows) and what its
+transport holds for it (every variant has a transport of its own: for shared memory, the pages of its arena
+in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
+iterations, kept for reuse; a memory profiler does not see them). Peak = the same between iterations
+(gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
+arena grew by during it. "/dev/shm MiB": the transport's pages in /dev/shm (``Transport.held_bytes``).
+Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them for
+DDP, 1/n of the optimizer state for ZeRO (stage 2: and of the gradients), 1/n of everything plus the largest
+gathered unit for FSDP; "held / ideal" (the memory target) counts every byte an engine or its transport
+keeps beside them against it."""
 
 
 def report(rows: list[dict]) -> str:
@@ -611,7 +597,7 @@ def report(rows: list[dict]) -> str:
     for row in (r for r in rows if "variant" in r):
         line = {**row, "p50_ms": row["p50_s"] * 1e3, "p95_ms": row["p95_s"] * 1e3,
                 "exposed_ms": None if row["exposed_comm_s"] is None else row["exposed_comm_s"] * 1e3}
-        for key in ("params", "grads", "state", "activation", "peak", "shared_peak", "ideal"):
+        for key in ("params", "grads", "state", "activation", "peak", "shared_peak", "model_state", "ideal"):
             line[f"{key}_mib"] = row[f"{key}_bytes"] / MIB
         line["world_size"] = f"{row['world_size']}{' (oversubscribed)' if row['oversubscribed'] else ''}"
         if row.get("grads_bytes_per_rank") is not None:  # (absent from files written before it was recorded)

@@ -148,6 +148,10 @@ class Hierarchical(Transport):
     def describe(self) -> str:
         return getattr(self, "_summary", self.name)
 
+    def held_bytes(self) -> int:
+        """What its transports inside the host and between hosts hold (the shared memory's staging block)."""
+        return sum(t.held_bytes() for t in [self.inner, *(t for _, t in self.outer)] if t is not None)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -148,6 +148,11 @@ class Transport:
         """Whether ``tensor`` lies in memory this transport allocated for zero-copy collectives."""
         return False
 
+    def held_bytes(self) -> int:
+        """Bytes of memory of its own this transport holds on this rank (here none: it allocates with torch).
+        A tensor it ``owns`` lies in them: a count adding this must not count such tensors again."""
+        return 0
+
     def supports(self, device: torch.device) -> bool:
         return True
 
@@ -262,6 +267,9 @@ class Wrapped(Transport):
 
     def owns(self, tensor) -> bool:
         return self.inner.owns(tensor)
+
+    def held_bytes(self) -> int:
+        return self.inner.held_bytes()
 
     def supports(self, device) -> bool:
         return self.inner.supports(device)

@@ -246,6 +246,13 @@ class SharedMemory(Transport):
     def owns(self, tensor):
         return owner_of(tensor) is self and self._offset(tensor) is not None
 
+    def held_bytes(self) -> int:
+        """Bytes of this rank's arena with pages in /dev/shm (RAM that a profiler of torch's allocator does not
+        see): every block taken so far, the buffers ``allocate`` returned and the staging block among them; a block
+        given back keeps its pages for the next one."""
+        arena = getattr(self, "_arena", None)  # none: one rank, or no room in /dev/shm at set-up
+        return 0 if arena is None else arena.allocated_to
+
     @property
     def staging_bytes(self) -> int:
         """Bytes of the staging block (in /dev/shm, where a memory profiler does not look)."""

@@ -7,23 +7,23 @@
     optimizer.overlap_with_forward(model)             # optional: the next forward waits per layer
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-Each parameter element is owned by one rank, which alone keeps its optimizer state (for AdamW two tensors
-per parameter) and updates it; every rank's updated share then goes to every other rank in one all-gather
-per *bucket* (at most ``bucket_cap_mb`` of one param group and dtype) through the ``transport``, into
-buffers the transport allocated. At stage 2, hooks on the parameters reduce-scatter a bucket's gradients as
-soon as backward has produced them all: each rank keeps only the averaged gradients of its own elements,
-and a step moves the bytes of one all-reduce (stage 1: DDP's all-reduce, then the all-gather).
+Each parameter element is owned by one rank, which alone keeps its optimizer state (AdamW: two tensors per
+parameter) and updates it; every rank's updated share then goes to every other rank in one all-gather per
+*bucket* (at most ``bucket_cap_mb`` of one param group and dtype) through the ``transport``. Stage 1: a
+bucket's parameters are views of one buffer the transport allocated (row r: rank r's share), so the gather
+lands in them in place and nothing the size of the parameters is kept beside them. Stage 2: hooks
+reduce-scatter each bucket's gradients once backward made them all; each rank keeps its elements' average.
 
-``step()`` updates bucket 0, starts its all-gather, updates bucket 1, and so on; it returns once every
-parameter is up to date, or, after ``overlap_with_forward(module)``, at once, each layer of the next
-forward waiting for its bucket. Whether the transfers overlap is the transport's matter.
+``step()`` updates bucket 0, starts its all-gather, updates bucket 1, ...; it returns once every parameter is
+up to date, or, after ``overlap_with_forward(module)``, at once, each layer of the next forward waiting for its
+bucket (whether the transfers overlap is the transport's matter).
 
-The partition, from the shapes alone, the same on every rank: ``"flat"`` (default) cuts each bucket's
-parameters, back to back, into n near-equal ranges: exact for element-wise updates (SGD, Adam, AdamW: bit
+The partition, from the shapes alone, the same on every rank: ``"flat"`` (default) cuts each bucket's N
+elements, back to back, into ranges of ceil(N / n): exact for element-wise updates (SGD, Adam, AdamW: bit
 for bit the unsharded optimizer), not for one that looks at a whole tensor (LAMB, a norm); ``"tensor"``
 gives whole parameters, largest first, to the least loaded rank: exact for any per-tensor update, uneven
-when one tensor dominates (at stage 2 every rank's row of a bucket's reduce-scatter is as long as the
-largest share). ``tests/test_zero.py`` checks both partitions at both stages.
+when one tensor dominates (a bucket's rows are as long as its largest share). ``tests/test_zero.py`` checks
+both partitions at both stages, ``tests/test_zero_memory.py`` what stage 1 holds.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpkit.comm import transport as transports
-from dpkit.comm.checks import bounds
 from dpkit.engines.ddp import coalesce
 
 
@@ -65,7 +64,8 @@ class Bucket:
 
     ``by_rank[r]``: rank r's pieces of them, in order (what row r of the all-gather buffer
     holds, back to back). ``work``: the all-gather on its way into ``buffer``, from ``step()`` until
-    someone waits for it and copies the rows into the parameters."""
+    someone waits for it (at stage 2, then copies the rows into the parameters; at stage 1 the
+    parameters are views of the buffer, so it lands in them)."""
 
     index: int
     group: int                     # the param group (of this optimizer and of the local one)
@@ -83,6 +83,7 @@ class Bucket:
     reducing: tuple | None = field(default=None, repr=False)  # (work, output) of the reduce-scatter in flight
     arrived: set = field(default_factory=set, repr=False)  # ids of the parameters this backward put in ``rows``
     holds: bool = False  # ``grad`` holds gradients (some backward since the last zero_grad reduced this bucket)
+    in_place: bool = False  # stage 1: the parameters are views of ``buffer`` (``_place``): nothing to copy
 
     def mine(self, rank: int) -> list[torch.Tensor]:
         return [piece.tensor for piece in self.by_rank[rank]]
@@ -141,14 +142,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``param_groups`` lists every parameter (so ``zero_grad`` and learning-rate schedulers act
     on all of them; their options are handed to the local optimizer at every step); ``state``
     holds this rank's optimizer state only (per piece). Parameters without a gradient are left
-    unchanged, as by any optimizer. Every rank must construct it, call ``step``,
-    ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward`` the
-    same way, with the same model (collectives, or they reshape the collectives).
+    unchanged, as by any optimizer. At stage 1 over several ranks, construction (and ``add_param_group``)
+    moves each parameter into its bucket's buffer: ``p.data`` becomes a view of it, the Parameter object
+    stays (module, tied weights, a DDP see the same one); a parameter whose storage is replaced later
+    (``p.data = ...``, ``load_state_dict(assign=True)``) is no longer updated. Every rank must construct
+    it, call ``step``, ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward``
+    the same way, with the same model (collectives, or they reshape the collectives).
 
     ``last_share_s``: seconds the calling thread spent on sharing the last step's updated
-    parameters, i.e. the share communication nothing overlapped: packing each bucket's share,
-    the all-gather calls (all of an all-gather that the transport runs inline), the waits for
-    the asynchronous ones and the copies into the parameters. By default all of it is inside
+    parameters, i.e. the share communication nothing overlapped: the all-gather calls (all of an
+    all-gather that the transport runs inline), the waits for the asynchronous ones and, at stage 2,
+    packing each bucket's share and the copies into the parameters. By default all of it is inside
     ``step()``; with ``overlap_with_forward`` the waits of the following forward (or of any
     other wait) count too, and it is set once every bucket of that step has arrived.
 
@@ -189,12 +193,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.load = [0] * self.world_size  # elements owned per rank, across groups: the greedy partition's state
         self.pieces: list[Piece] = []  # every rank's, in bucket order
         self.buckets: list[Bucket] = []  # in param-group order, then the parameters' order
-        owned = [self._assign(group["params"], index) for index, group in enumerate(groups)]
-        self.local = optimizer_cls([{**group, "params": mine} for group, mine in zip(groups, owned)], **defaults)
-        self._ready = False  # the base constructor calls add_param_group: the groups are already partitioned
-        super().__init__(groups, self.local.defaults)  # every option of optimizer_cls, so state_dict loads anywhere
-        self._ready = True
-        self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
         self.transport = transports.resolve(transport, process_group, device, engine="ShardedOptimizer")
         self._module: nn.Module | None = None  # set by overlap_with_forward
@@ -210,7 +208,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._in_backward = False
         self._reduced = 0  # buckets whose reduce-scatter this backward launched, in ``_reduce_order``
         self.last_reduce_wait_s = 0.0
-        self._allocate_buffers(self.buckets)
+        owned = [self._assign(group["params"], index) for index, group in enumerate(groups)]  # allocates too
+        self.local = optimizer_cls([{**group, "params": mine} for group, mine in zip(groups, owned)], **defaults)
+        self._ready = False  # the base constructor calls add_param_group: the groups are already partitioned
+        super().__init__(groups, self.local.defaults)  # every option of optimizer_cls, so state_dict loads anywhere
+        self._ready = True
+        self.state = self.local.state  # type: ignore[assignment]  # this rank's share only
 
     # ------------------------------------------------------------------ partition
 
@@ -232,18 +235,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bucket = Bucket(len(self.buckets), group, run, by_rank)
             self.buckets.append(bucket)
             self.pieces += [piece for share in by_rank for piece in share]
-            mine += bucket.mine(self.rank)
-        return mine
-
-    def _allocate_buffers(self, buckets: list[Bucket]) -> None:
-        """Each bucket's (n, largest share) all-gather buffer, allocated once by the transport (on shared memory
-        it lies in the segment the peers read: the all-gather copies each share once, into its place)."""
-        for bucket in buckets:
             if self.stage == 2:
                 self._prepare_reduction(bucket)
             elif bucket.width and self.world_size > 1:
-                bucket.buffer = self.transport.allocate((self.world_size, bucket.width), dtype=bucket.params[0].dtype,
-                                                        device=bucket.params[0].device)
+                self._place(bucket)
+            mine += bucket.mine(self.rank)
+        return mine
+
+    @torch.no_grad()
+    def _place(self, bucket: Bucket) -> None:
+        """Stage 1: the bucket's parameters move into one (n, width) buffer the transport allocates, rank r's
+        pieces back to back in row r, and become views of it, so the all-gather lands in the parameters
+        themselves (in place: nothing kept beside them but the rows' padding; on shared memory the peers read
+        each share where its owner updated it). A flat partition's rows are consecutive ranges of the bucket,
+        so each parameter is one contiguous run of the buffer; a whole tensor is one piece."""
+        first = bucket.params[0]
+        buffer = self.transport.allocate((self.world_size, bucket.width), dtype=first.dtype, device=first.device)
+        buffer.zero_()  # the padding: deterministic bytes to gather
+        flat, begins = buffer.view(-1), {}
+        for row, pieces in enumerate(bucket.by_rank):
+            column = row * bucket.width
+            for piece in pieces:  # where the parameter's element 0 lies: the same for each of its pieces
+                begin = begins.setdefault(id(piece.param), column - piece.start)
+                assert begin == column - piece.start, "a flat partition's rows are consecutive ranges"
+                column += piece.end - piece.start
+        for p in bucket.params:
+            view = flat[begins[id(p)]:begins[id(p)] + p.numel()].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view  # the same Parameter object (the module, tied weights, a DDP keep it), new storage
+        for piece in (piece for pieces in bucket.by_rank for piece in pieces):
+            if piece.tensor is not piece.param:  # a flat piece: its view of the parameter's new storage
+                piece.tensor = piece.param.detach().view(-1)[piece.start:piece.end]
+        bucket.buffer, bucket.in_place = buffer, True
 
     def _prepare_reduction(self, bucket: Bucket) -> None:
         """Stage 2: the bucket's reduce-scatter rows (the all-gather buffer a view of them), its share of the sum,
@@ -272,10 +295,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_same_parameters([group], self.process_group, first_group=len(self.param_groups))
         self.wait_for_parameters()
         super().add_param_group(group)
-        first_new = len(self.buckets)
         self.local.add_param_group({**self.param_groups[-1],
                                     "params": self._assign(group["params"], len(self.param_groups) - 1)})
-        self._allocate_buffers(self.buckets[first_new:])
         if self._module is not None:  # the new parameters' layers wait for their buckets too
             self._install_hooks(self._module)
 
@@ -364,12 +385,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.local.param_groups = groups
 
     def _launch(self, bucket: Bucket) -> None:
-        """Start sharing the bucket's updated pieces: this rank's share into its row of the bucket's buffer, then
-        the all-gather (asynchronous where the transport is; ``wait_for_parameters`` copies the rows out)."""
+        """Start sharing the bucket's updated pieces: the all-gather of this rank's row of the bucket's buffer
+        (asynchronous where the transport is). At stage 1 the row is this rank's pieces, updated where they lie; at
+        stage 2 they are copied into it first (and ``wait_for_parameters`` copies the rows out)."""
         if bucket.buffer is None:  # nothing to share: one rank owns every piece
             return
         start = time.perf_counter()
-        _copy_pieces(bucket.by_rank[self.rank], bucket.buffer[self.rank], into_row=True)
+        if not bucket.in_place:  # stage 2: the buffer is the gradients' rows
+            _copy_pieces(bucket.by_rank[self.rank], bucket.buffer[self.rank], into_row=True)
         if self.update == "broadcast":
             _broadcast_rows(bucket.buffer.view(-1), bucket.buffer[self.rank], self.process_group)
         else:
@@ -379,14 +402,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._unpack(bucket)
 
     def _unpack(self, bucket: Bucket) -> None:
-        """Wait for the bucket's all-gather, then copy every other rank's pieces from their rows into the
-        parameters: the all-gather writes only the buffer, so a parameter changes here, in the caller's thread."""
+        """Wait for the bucket's all-gather. Stage 1: it wrote the other ranks' pieces into the parameters (views
+        of the buffer); stage 2: copy them from their rows into the parameters, here, in the caller's thread."""
         start = time.perf_counter()
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
         for owner, pieces in enumerate(bucket.by_rank):
-            if owner != self.rank:
+            if owner != self.rank and not bucket.in_place:
                 _copy_pieces(pieces, bucket.buffer[owner], into_row=False)
         self._waited_s += time.perf_counter() - start
 
@@ -720,9 +743,12 @@ def _param_groups(params: Iterable, known: Iterable[torch.Tensor] = ()) -> list[
 
 
 def _flat_pieces(params: list[torch.Tensor], world_size: int) -> list[Piece]:
-    """``params`` (one dtype) flattened back to back and cut into ``world_size`` near-equal ranges:
-    each parameter's piece in each range it crosses, in order."""
-    edges = bounds(sum(p.numel() for p in params), world_size)
+    """``params`` (one dtype) flattened back to back and cut into ``world_size`` ranges of ceil(N / n)
+    elements, the last ones shorter (so rows of that width, back to back, are the parameters back to back,
+    padded at the end only): each parameter's piece in each range it crosses, in order."""
+    total = sum(p.numel() for p in params)
+    width = -(-total // world_size)
+    edges = [min(r * width, total) for r in range(world_size + 1)]
     pieces, offset = [], 0
     for p in params:
         for owner in range(world_size):
