@@ -217,3 +217,28 @@ def test_a_device_the_machine_cannot_serve_is_a_usage_error_naming_the_flag(monk
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage:" in err, err
+
+
+@pytest.mark.parametrize("script", ("sequential_print", "ddp_cifar100"))
+def test_cuda_asked_of_a_torch_built_without_it_says_so_rather_than_no_gpu(monkeypatch, capsys, script):
+    module = __import__(script)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(["--device", "cuda"])
+    assert exit_.value.code == 2
+    assert f"--device cuda: this torch ({torch.__version__}) is built without CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("processes, gpus, refused", [(2, 1, True), (3, 2, True), (2, 2, False), (1, 1, False)])
+def test_nccl_with_more_processes_than_gpus_on_a_host_is_one_sentence_naming_both_ways_out(monkeypatch, processes,
+                                                                                           gpus, refused):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    process_groups.check_gpu_per_rank("gloo", processes)  # gloo: processes may share a GPU
+    if not refused:
+        process_groups.check_gpu_per_rank("nccl", processes)
+        return
+    with pytest.raises(RuntimeError, match=rf"--backend nccl: {processes} processes on this host and {gpus} GPU\(s\), "
+                                           r"and NCCL needs a GPU per process: use --backend gloo \(processes share a "
+                                           r"GPU\) or more GPUs"):
+        process_groups.check_gpu_per_rank("nccl", processes)

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dpkit.bench.results import environment, format_environment, write_results
-from dpkit.comm.process_groups import distributed, launch, placement, print0, progress
+from dpkit.comm.process_groups import check_gpu_per_rank, distributed, launch, placement, print0, progress
 
 
 def _nothing(*_) -> list:
@@ -100,6 +100,7 @@ def run(benchmark: Benchmark, args: argparse.Namespace) -> list[dict]:
 def _world(benchmark: Benchmark, args: argparse.Namespace, world_size: int, backend: str, device: str,
            threads: int) -> list[dict]:
     """Rank 0's rows of one world of ``world_size`` processes: spawned, or a world of one in this process."""
+    check_gpu_per_rank(backend, world_size)  # here, before any process starts: spawned ranks share this host
     if world_size == 1 and benchmark.world_of_one_here:
         with distributed(backend, args.timeout, device) as ctx, _threads(threads):
             return benchmark.worker(ctx, args)

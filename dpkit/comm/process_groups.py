@@ -110,6 +110,9 @@ def resolve_device(device: str, backend: str) -> str:
         raise ValueError(f"--device {device}: unknown device; choose one of {', '.join(DEVICES)}")
     if device == "auto":
         return "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda" and not torch.backends.cuda.is_built():
+        raise RuntimeError(f"--device cuda: this torch ({torch.__version__}) is built without CUDA; install a "
+                           "CUDA build of torch, or use --device cpu (or auto)")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False); "
                            "use --device cpu (or auto)")
@@ -125,6 +128,15 @@ def placement(backend: str = "auto", device: str = "auto") -> tuple[str, str]:
     return backend, resolve_device(device, backend)
 
 
+def check_gpu_per_rank(backend: str, local_world_size: int) -> None:
+    """NCCL gives each process a GPU of its own: more processes on a host than GPUs is refused here, on
+    every rank, before PyTorch's "Duplicate GPU detected" from inside the first collective."""
+    gpus = torch.cuda.device_count()
+    if backend == "nccl" and local_world_size > gpus:
+        raise RuntimeError(f"--backend nccl: {local_world_size} processes on this host and {gpus} GPU(s), and NCCL "
+                           "needs a GPU per process: use --backend gloo (processes share a GPU) or more GPUs")
+
+
 def _device_for(device_type: str, local_rank: int) -> torch.device:
     if device_type != "cuda":
         return torch.device("cpu")
@@ -136,6 +148,7 @@ def _device_for(device_type: str, local_rank: int) -> torch.device:
 def _init(backend: str, rank: int, local_rank: int, world_size: int, timeout_s: float, store=None,
           device: str = "auto") -> DistContext:
     backend, device_type = placement(backend, device)
+    check_gpu_per_rank(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     device = _device_for(device_type, local_rank)
     kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     if store is not None:
