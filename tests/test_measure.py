@@ -111,3 +111,11 @@ def test_a_ratio_is_printed_with_its_interval_or_as_a_single_measurement():
     assert measure.format_ratio(paired_ratio([1.1, 1.2, 1.0], [1.0, 1.0, 1.0])) == "1.10x [1.00, 1.20]"
     single = {"median": 1.00031, "ci_low": 1.00031, "ci_high": 1.00031, "rounds": 1}
     assert measure.format_ratio(single) == "1.0003x (one measurement)" and verdict(single, 1.0) == "missed"
+
+
+def test_a_profile_still_runs_where_torch_lacks_the_private_all_threads_config(monkeypatch):
+    import torch._C._profiler as private
+
+    monkeypatch.delattr(private, "_ExperimentalConfig")
+    breakdown = measure.op_breakdown(lambda: torch.ones(8).add_(1), iters=2)
+    assert "aten::add_" in [op["op"] for op in breakdown["ops"]]

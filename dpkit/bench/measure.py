@@ -26,7 +26,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._profiler import _ExperimentalConfig
 
 from dpkit.comm.process_groups import synchronize
 
@@ -242,15 +241,26 @@ class PeakMemory:
         self.bytes = peak
 
 
+def _all_threads() -> dict:
+    """The profiler's argument that records every Python thread (a communication thread's ranges too), not only
+    the one that starts it; none where the running torch has moved or dropped that private class: the
+    profile then covers the starting thread, and the benchmark runs on."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, AttributeError, TypeError):
+        return {}
+
+
 @contextmanager
 def _profiled(device: torch.device):
     """The autograd profiler (every thread's host operators; on CUDA, every stream's kernels) around
     the block, queued GPU work waited for before it stops, kineto's status lines silenced. Yields the
     profiler, stopped once the block is over. It is what ``torch.profiler.profile`` wraps: the
     wrapper's start imports torch._inductor (seconds of CPU per process)."""
-    # profile_all_threads: Python threads too (a communication thread's ranges), not only the one that starts it.
     profiler = torch.autograd.profiler.profile(use_kineto=True, use_device="cuda" if device.type == "cuda" else None,
-                                               experimental_config=_ExperimentalConfig(profile_all_threads=True))
+                                               **_all_threads())
     with quiet_stderr():
         profiler.__enter__()
     try:
