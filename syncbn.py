@@ -18,10 +18,10 @@ PyTorch, for DDP to average.
 
 The sums go through the layer's ``transport`` (``transport.resolve``, made at the first synchronized
 forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
-on the CPU, else ``torch.distributed``). The synchronisation is written here; the per-element work
-runs in PyTorch's fused BatchNorm kernels, chosen by device (``_local_moments``, ``_normalize``,
-``_backward_sums``). float16/bfloat16 inputs compute statistics in float32, as BatchNorm does. With
-nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
+on the CPU, else ``torch.distributed``). The synchronisation is written here; every per-element pass
+is one of BatchNorm's own kernels, the same on CPU and CUDA, and the per-channel arithmetic a few
+operations on reused buffers (``_Workspace``). float16/bfloat16 inputs compute statistics in float32,
+as BatchNorm does. With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class _Workspace:
 
     ``packed`` (2C + 1, float64): the forward's sums, blocks ``sum_x``, ``sum_square``, ``counted``.
     ``rows`` (3, C): [-a, -b, 1] in backward, its first two rows ``sums`` summed across ranks.
-    ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows`` (``_input_grad``).
+    ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows`` (``_input_grad``); ``scaled`` (3, C)
+    the same times invstd, for half inputs.
     """
 
     def __init__(self, channels: int, dtype: torch.dtype, device: torch.device):
@@ -132,6 +133,8 @@ class _Workspace:
         self.sums = self.rows[:2]
         self.coefficients = torch.empty(3, channels, dtype=dtype, device=device)
         self.gamma, self.alpha_prime, self.scale = self.coefficients.unbind()
+        self.scaled = torch.empty(3, channels, dtype=dtype, device=device)  # half inputs: coefficients * invstd
+        self.alpha = self.scaled[1]
         self.unused = (torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device))
         self.zeros = torch.zeros(channels, dtype=dtype, device=device)
 
@@ -220,8 +223,11 @@ def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor
     if x.dtype == mean.dtype:
         grad = torch.native_batch_norm(x, work.alpha_prime, work.gamma, mean, var, False, 0.0, eps)[0]
         return grad.addcmul_(dy, _per_channel(work.scale, x))
-    # Half input: the inference kernel would round its term to x's dtype before the second is added.
-    alpha = torch.native_batch_norm(work.alpha_prime.view(1, -1), None, None, work.zeros, var, False, 0.0, eps)[0]
+    # Half input: the inference kernel would round its term to x's dtype before the second is added. The kernel
+    # once more, without weight, multiplies the coefficients by invstd: alpha = alpha' * invstd in its second row.
+    torch.native_batch_norm(work.coefficients, None, None, work.zeros, var, False, 0.0, eps,
+                            out=(work.scaled, *work.unused))
+    alpha = work.alpha
     beta = torch.addcmul(work.gamma, alpha, mean, value=-1)  # dx = alpha * x + beta + s * dy
     grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x))
     return grad.addcmul_(dy, _per_channel(work.scale, x)).to(x.dtype)
