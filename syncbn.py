@@ -190,21 +190,25 @@ def _update_running_stats(running_mean, running_var, mean, var, total: int, mome
     running_var.add_(var, alpha=momentum * total / (total - 1))
 
 
-def _backward_sums(dy, x, weight, mean, var, eps, total) -> tuple[torch.Tensor, torch.Tensor, _Workspace]:
-    """This rank's sum(dy) and sum(dy * x_hat) (C each, x_hat with the global statistics), and the workspace
-    whose ``rows`` hold [-sum(dy) / N, -sum(dy * x_hat) / N, 1]: its ``sums`` (C, C -> 2C) are to be summed
-    across ranks."""
+def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sum(dy) and sum(dy * x_hat) (C each, x_hat with the global statistics)."""
+    if not x.numel():  # an empty rank still joins the collective
+        zeros = mean.new_zeros(x.size(1))
+        return zeros, zeros
+    # In eval form (train=False) BatchNorm's backward kernel normalizes with the given statistics: its
+    # weight gradient is sum(dy * (x - mean) * invstd), its bias gradient sum(dy).
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
+    return sum_dy, sum_dy_xhat
+
+
+def _minus_means(sum_dy, sum_dy_xhat, mean, total: int) -> _Workspace:
+    """The workspace (of ``mean``'s dtype) whose ``rows`` hold [-sum(dy) / N, -sum(dy * x_hat) / N, 1] of this
+    rank's sums: its ``sums`` (C, C -> 2C) summed across ranks make them -[a, b], the global means."""
     work = _workspace_for(mean)
-    if x.numel():
-        # In eval form (train=False) BatchNorm's backward kernel normalizes with the given statistics: its
-        # weight gradient is sum(dy * (x - mean) * invstd), its bias gradient sum(dy).
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
-    else:  # an empty rank still joins the collective
-        sum_dy = sum_dy_xhat = mean.new_zeros(x.size(1))
     torch.stack((sum_dy, sum_dy_xhat), out=work.sums)
-    work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))  # summed across ranks: -[a, b], global means
-    return sum_dy, sum_dy_xhat, work
+    work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))
+    return work
 
 
 def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor:
@@ -280,11 +284,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
-        sum_dy, sum_dy_xhat, work = _backward_sums(dy, x, weight, mean, var, ctx.eps, ctx.total)  # local
+        sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
         grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
+            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total)
             if ctx.transport is not None:
                 ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
             grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
