@@ -18,16 +18,17 @@ PyTorch, for DDP to average.
 
 The sums go through the layer's ``transport`` (``transport.resolve``, made at the first synchronized
 forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
-on the CPU, else ``torch.distributed``). The synchronisation is written here; the per-element work
-runs in PyTorch's fused BatchNorm kernels, chosen by device (``_local_moments``, ``_normalize``,
-``_backward_sums``). float16/bfloat16 inputs compute statistics in float32, as BatchNorm does. With
-nobody to synchronise with (eval, one process) the layer is ``F.batch_norm`` itself.
+on the CPU, else ``torch.distributed``). The synchronisation is written here; every per-element pass
+is one of BatchNorm's own kernels, the same on CPU and CUDA, and the per-channel arithmetic a few
+operations on reused buffers (``_Workspace``). float16/bfloat16 inputs compute statistics in float32,
+as BatchNorm does. With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import threading
 import weakref
 
 import torch
@@ -46,7 +47,7 @@ _TOO_FEW_VALUES = "Expected more than 1 value per channel when training"
 
 
 def _per_channel(vector: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A (C,) vector as (C, 1, ..., 1), so that it broadcasts against x of shape (N, C, *)."""
+    """C values ((C) or (1, C)) as a tensor that broadcasts against x of shape (N, C, *)."""
     return vector if x.dim() == 2 else vector.view(-1, *(1,) * (x.dim() - 2))
 
 
@@ -60,112 +61,91 @@ def _as(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _constant(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A read-only tensor [value], made once: a Python number in a tensor operation costs a conversion each
-    call, and every operation costs microseconds, as much as a pass over x at these sizes."""
-    return torch.tensor([value], dtype=dtype, device=device)
-
-
-def _invstd(var: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.add(var, _constant(eps, var.dtype, var.device)).rsqrt_()
+def _constant(value: float, dtype: torch.dtype, device: torch.device, channels: int = 1) -> torch.Tensor:
+    """A read-only tensor of ``channels`` times ``value``, made once: a Python number in a tensor operation
+    costs a conversion each call, and every operation costs microseconds, as much as a pass over x at these
+    sizes. Never written: every use reads it."""
+    return torch.full((channels,), value, dtype=dtype, device=device)
 
 
 def _check_dtypes(x, weight, bias, running_mean, running_var, eps) -> None:
     """Parameters of a dtype BatchNorm refuses for ``x`` raise BatchNorm's own error, before any communication."""
     if all(t is None or t.dtype == x.dtype for t in (weight, bias, running_mean, running_var)):
         return
-    with torch.no_grad():  # BatchNorm itself on a tiny probe: its dtype rules, its message
-        torch.batch_norm(x.new_zeros(2, x.size(1)), weight, bias, running_mean, running_var,
-                         running_mean is None, 0.0, eps, False)
+    _probe_dtypes(x.device, x.dtype, *(None if t is None else t.dtype
+                                       for t in (weight, bias, running_mean, running_var)))
 
 
-# --------------------------------------------------------------------------- fused kernels, chosen by device
-# CPU has no kernels for batch_norm_stats / batch_norm_elemt / batch_norm_backward_reduce / _elemt;
-# CUDA has them (and they are what torch.nn.SyncBatchNorm runs).
+@functools.lru_cache(maxsize=64)
+def _probe_dtypes(device, x, weight, bias, running_mean, running_var) -> None:
+    """BatchNorm itself on a tiny probe of these dtypes: its dtype rules, its message. What passes is
+    remembered (a raise is not), so that half inputs with float32 parameters pay for it once."""
+    def probe(dtype):
+        return None if dtype is None else torch.zeros(2, dtype=dtype, device=device)
+    with torch.no_grad():
+        torch.batch_norm(probe(x).view(1, 2).expand(2, 2), probe(weight), probe(bias), probe(running_mean),
+                         probe(running_var), running_mean is None, 0.0, 1e-5, False)
 
 
-def _cuda_layout(t: torch.Tensor) -> torch.Tensor:
-    """The CUDA kernels take contiguous or channels_last tensors (as torch.nn.SyncBatchNorm ensures)."""
-    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) \
-            or t.is_contiguous(memory_format=torch.channels_last_3d):
-        return t
-    return t.contiguous()
+# --------------------------------------------------------------------------- BatchNorm's kernels, CPU and CUDA alike
+# Every per-element pass is one of BatchNorm's own kernels, which exist on both devices (batch_norm_stats,
+# batch_norm_elemt and batch_norm_backward_reduce do not exist on the CPU): the CPU tests run the CUDA code.
+# The per-channel arithmetic is a handful of operations on (C) vectors, each a dispatch (a kernel launch on
+# CUDA): ``python syncbn_benchmark.py --quick`` counts them per iteration ("operators").
 
 
 def _local_moments(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's per-channel mean and biased variance (C each) in ``dtype``, from one fused pass over x.
 
-    On CPU, BatchNorm's statistics kernel: ``torch.var_mean`` gives the same but reduces over
-    dimension 0 of an (N, C) input far slower; compare ``python -m timeit -s "import torch;
+    BatchNorm's statistics kernel: ``torch.var_mean`` gives the same but reduces over dimension 0 of
+    an (N, C) input far slower on the CPU; compare ``python -m timeit -s "import torch;
     x = torch.randn(32, 1024)" "torch.var_mean(x, [0], correction=0)"`` with
     ``"torch.batch_norm_update_stats(x, None, None, 0.0)"``.
     """
-    if x.is_cuda:
-        mean, invstd = torch.batch_norm_stats(x, 0.0)  # float32 for half inputs; invstd = var^-1/2
-        return mean, invstd.pow(-2)
-    running = None
-    if x.dtype != dtype:  # without float32 buffers the kernel returns half statistics: lend it scratch ones
-        running = torch.empty(2, x.size(1), dtype=dtype, device=x.device)
-    # With momentum 0 the kernel leaves the buffers it is given unchanged.
-    return torch.batch_norm_update_stats(x, *(running.unbind() if running is not None else (None, None)), 0.0)
+    if x.dtype == dtype:
+        return torch.batch_norm_update_stats(x, None, None, 0.0)
+    # Half inputs: with float32 buffers the kernel returns float32 statistics. With momentum 0 it writes each
+    # buffer back as it was, so one scratch pair (never read for a result) serves every call.
+    return torch.batch_norm_update_stats(x, *_scratch(x.size(1), dtype, x.device), 0.0)
 
 
-def _normalize(x, weight, bias, mean, var, eps) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) * weight + bias in x's dtype and memory format: BatchNorm's inference kernel."""
-    if x.is_cuda:
-        return torch.batch_norm_elemt(x, weight, bias, mean, _invstd(var, eps), eps)
-    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, False)
+@functools.lru_cache(maxsize=64)
+def _scratch(channels: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(2, channels, dtype=dtype, device=device).unbind()
 
 
-def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's sum(dy) and sum(dy * x_hat) (C each), x_hat with the global mean and variance."""
-    if x.is_cuda:
-        invstd = _invstd(var, eps)
-        sum_dy, sum_dy_xmu, _, _ = torch.batch_norm_backward_reduce(dy, x, mean, invstd, weight, True, False, False)
-        return sum_dy, sum_dy_xmu.mul_(invstd)
-    # In eval form (train=False) the kernel normalizes with the given statistics: its weight gradient is
-    # sum(dy * (x - mean) * invstd), its bias gradient sum(dy); the input gradient is not asked for.
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-        dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
-    return sum_dy, sum_dy_xhat
+class _Workspace:
+    """The per-channel buffers of one layer size, made once per (C, dtype, device, thread) and reused by every
+    call: each operation on them is in place or writes ``out=``, one dispatch with no allocation. Nothing in
+    them outlives the pass that fills it (what backward needs is saved in fresh tensors), and one thread runs
+    one pass at a time.
 
-
-def _input_grad(dy, x, weight, mean, var, eps, sums, total, work=None) -> torch.Tensor:
-    """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
-
-    ``sums`` (2, C) become the global [sum(dy), sum(dy * x_hat)] once ``work`` (the all_reduce
-    filling them, or None if they already are) is done. On CPU, per element,
-    dx = scale * dy + alpha * x + beta with scale = weight * invstd, alpha = -scale * invstd * b and
-    beta = -scale * a - alpha * mean (in float32 for half inputs): two passes over the data once the
-    sums are here, alpha * x + beta into a new tensor, then + scale * dy in place. (Forming
-    scale * dy while the sums travel would overlap one pass with them but cost a third pass over
-    the data, which large inputs feel; the per-channel terms are what overlaps.) Every
-    per-channel operation costs microseconds of dispatch, as much as a pass over x at small
-    sizes, so the coefficients take few of them.
+    ``packed`` (2C + 1, float64): the forward's sums, blocks ``sum_x``, ``sum_square``, ``counted``.
+    ``rows`` (3, C): [-a, -b, 1] in backward, its first two rows ``sums`` summed across ranks.
+    ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows`` (``_input_grad``); ``scaled`` (3, C)
+    the same times invstd, for half inputs.
     """
-    if not x.numel():
-        if work is not None:
-            work.wait()
-        return torch.zeros_like(x)
-    invstd = _invstd(var, eps)
-    if x.is_cuda:
-        if work is not None:
-            work.wait()
-        count = torch.full((1,), total, dtype=torch.int32, device=x.device)
-        # The kernel wants sum(dy * (x - mean)) = sum(dy * x_hat) / invstd.
-        return torch.batch_norm_backward_elemt(dy, x, mean, invstd, weight, sums[0], sums[1] / invstd, count)
-    scale = invstd if weight is None else invstd * weight
-    if work is not None:
-        work.wait()  # the global sums
-    minus_a, minus_b = torch.addcmul(_constant(0.0, sums.dtype, sums.device), sums, scale, value=-1 / total)  # -scale a, -scale b
-    alpha = minus_b.mul_(invstd)
-    beta = minus_a.addcmul_(alpha, mean, value=-1)
-    # float32 for half inputs: the per-channel coefficients are, and they take part in both passes.
-    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x)).addcmul_(dy, _per_channel(scale, x))
-    return _as(grad, x.dtype)
+
+    def __init__(self, channels: int, dtype: torch.dtype, device: torch.device):
+        self.packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+        self.sum_x, self.sum_square, self.counted = self.packed.split_with_sizes((channels, channels, 1))
+        self.rows = torch.ones(3, channels, dtype=dtype, device=device)
+        self.sums = self.rows[:2]
+        self.coefficients = torch.empty(3, channels, dtype=dtype, device=device)
+        self.gamma, self.alpha_prime, self.scale = self.coefficients.unbind()
+        self.scaled = torch.empty(3, channels, dtype=dtype, device=device)  # half inputs: coefficients * invstd
+        self.alpha = self.scaled[1]
+        self.unused = (torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device))
+        self.zeros = torch.zeros(channels, dtype=dtype, device=device)
 
 
-# --------------------------------------------------------------------------- the synchronisation (ours)
+@functools.lru_cache(maxsize=64)
+def _workspace(channels: int, dtype: torch.dtype, device: torch.device, thread: int) -> _Workspace:
+    return _Workspace(channels, dtype, device)
+
+
+def _workspace_for(mean: torch.Tensor) -> _Workspace:
+    return _workspace(mean.size(-1), mean.dtype, mean.device, threading.get_ident())
 
 
 def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
@@ -178,33 +158,83 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
     between-rank term is a difference; in float64 it stays exact to float32's resolution for
     |m| / std up to about 1e4. The one input-precision rounding left is each m_r's, which moves the
     variance by at most 2 |m_r - m| u |m_r| (u the unit roundoff). An empty rank sends zeros and
-    still joins.
+    still joins. The mean and variance returned are views of one fresh (2C + 1) tensor.
     """
-    channels = x.size(1)
+    channels, device = x.size(1), x.device
+    work = _workspace(channels, dtype, device, threading.get_ident())
     if count:
         mean, var = _local_moments(x, dtype)
-        packed = torch.cat((mean, var, _constant(1.0, dtype, x.device))).to(torch.float64)
+        local = torch.cat((mean, var, _constant(1.0, dtype, device)))  # [m_r, v_r, 1]
+        # A float64 factor: the product is float64, so n_r m_r is exact.
+        torch.mul(local, _constant(count, torch.float64, device), out=work.packed)  # [n_r m_r, M2_r, n_r]
+        work.sum_square.addcmul_(work.sum_x, work.sum_x, value=1.0 / count)  # M2_r + (n_r m_r)^2 / n_r
     else:
-        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
-    # Views of the three blocks: they follow packed through the in-place operations and the all_reduce.
-    sum_x, sum_square, _ = packed.split((channels, channels, 1))
-    if count:
-        sum_square.addcmul_(sum_x, sum_x)  # M2_r / n_r + m_r^2 (float64)
-        packed.mul_(_constant(count, torch.float64, x.device))  # [n_r m_r, M2_r + n_r m_r^2, n_r]
+        local = torch.empty(2 * channels + 1, dtype=dtype, device=device)
+        work.packed.zero_()
     if transport is not None:
-        transport.all_reduce(packed)  # now the global sums
-    total = int(packed[-1])  # the same on every rank: all raise or none do
+        transport.all_reduce(work.packed)  # now the global sums
+    total = int(work.counted)  # the same on every rank: all raise or none do
     if total < 2:
         return None, None, total
-    packed.div_(_constant(total, torch.float64, x.device))  # [m, (sum M2_r + sum n_r m_r^2) / N, 1]
-    sum_square.addcmul_(sum_x, sum_x, value=-1).clamp_(min=0)  # M2 / N, the biased variance
-    return _as(sum_x, dtype), _as(sum_square, dtype), total
+    work.sum_square.addcmul_(work.sum_x, work.sum_x, value=-1.0 / total).clamp_(min=0)  # M2 (float64)
+    # [m, M2 / N, 1], divided in float64, then rounded once into local's (2C + 1) ``dtype`` values.
+    local.copy_(work.packed.div_(_constant(total, torch.float64, device)))
+    mean, var, _ = local.split_with_sizes((channels, channels, 1))
+    return mean, var, total
 
 
 def _update_running_stats(running_mean, running_var, mean, var, total: int, momentum: float) -> None:
     """BatchNorm's update with the global statistics; the variance unbiased over the global count N."""
     running_mean.lerp_(_as(mean, running_mean.dtype), momentum)
-    running_var.mul_(1 - momentum).add_(var, alpha=momentum * total / (total - 1))
+    running_var.mul_(_constant(1 - momentum, running_var.dtype, running_var.device))
+    running_var.add_(var, alpha=momentum * total / (total - 1))
+
+
+def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sum(dy) and sum(dy * x_hat) (C each, x_hat with the global statistics)."""
+    if not x.numel():  # an empty rank still joins the collective
+        zeros = mean.new_zeros(x.size(1))
+        return zeros, zeros
+    # In eval form (train=False) BatchNorm's backward kernel normalizes with the given statistics: its
+    # weight gradient is sum(dy * (x - mean) * invstd), its bias gradient sum(dy).
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
+    return sum_dy, sum_dy_xhat
+
+
+def _minus_means(sum_dy, sum_dy_xhat, mean, total: int) -> _Workspace:
+    """The workspace (of ``mean``'s dtype) whose ``rows`` hold [-sum(dy) / N, -sum(dy * x_hat) / N, 1] of this
+    rank's sums: its ``sums`` (C, C -> 2C) summed across ranks make them -[a, b], the global means."""
+    work = _workspace_for(mean)
+    torch.stack((sum_dy, sum_dy_xhat), out=work.sums)
+    work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))
+    return work
+
+
+def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor:
+    """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
+
+    ``work.rows`` (3, C) holds [-a, -b, 1]. BatchNorm's inference kernel on it, with weight w, mean 0
+    and variance var, multiplies each row by s = w * invstd: [gamma, alpha', s] with gamma = -s a,
+    alpha' = -s b, in one operation. Then dx = (x - mean) * invstd * alpha' + gamma + s * dy: the
+    inference kernel again (x in, the first term a new tensor) and one addcmul_, two passes.
+    float16/bfloat16: the same sum in float32, rounded once to x's dtype.
+    """
+    if not x.numel():
+        return torch.zeros_like(x)
+    torch.native_batch_norm(work.rows, weight, None, work.zeros, var, False, 0.0, eps,
+                            out=(work.coefficients, *work.unused))
+    if x.dtype == mean.dtype:
+        grad = torch.native_batch_norm(x, work.alpha_prime, work.gamma, mean, var, False, 0.0, eps)[0]
+        return grad.addcmul_(dy, _per_channel(work.scale, x))
+    # Half input: the inference kernel would round its term to x's dtype before the second is added. The kernel
+    # once more, without weight, multiplies the coefficients by invstd: alpha = alpha' * invstd in its second row.
+    torch.native_batch_norm(work.coefficients, None, None, work.zeros, var, False, 0.0, eps,
+                            out=(work.scaled, *work.unused))
+    alpha = work.alpha
+    beta = torch.addcmul(work.gamma, alpha, mean, value=-1)  # dx = alpha * x + beta + s * dy
+    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x))
+    return grad.addcmul_(dy, _per_channel(work.scale, x)).to(x.dtype)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -217,15 +247,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
     it, whatever its local N (0 included), and the same number of times; a global count of
     one value per channel raises ValueError on every rank.
 
-    Saved for backward: x and three (C) vectors (weight, mean, variance), no more than
-    BatchNorm saves. On CUDA, reading the global count (``.item()``) is one host
-    synchronisation per forward: every rank needs it on the host to raise the same error.
+    Saved for backward: x, weight and the global mean and variance (views of one 2C + 1
+    vector), no more than BatchNorm saves. On CUDA, reading the global count (``.item()``) is
+    one host synchronisation per forward: every rank needs it on the host to raise the same error.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, transport):
         _check_dtypes(x, weight, bias, running_mean, running_var, eps)
-        x = _cuda_layout(x) if x.is_cuda else x
         channels = x.size(1)
         count = x.numel() // channels if channels else 0  # local values per channel
         dtype = _compute_dtype(x.dtype)
@@ -234,7 +263,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             where = " on this rank, and 1 value per channel over all ranks" if transport is not None else ""
             raise ValueError(f"{_TOO_FEW_VALUES}, got input size {x.shape}{where}")
         ctx.transport, ctx.total, ctx.eps = transport, total, eps
-        ctx.dtypes = (x.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        ctx.dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.empty_channels = channels if total == 0 else None
         if total == 0:  # an empty global batch, as BatchNorm: empty output, statistics untouched
             return x.clone()
@@ -242,31 +271,28 @@ class SyncBatchNormFunction(torch.autograd.Function):
             _update_running_stats(running_mean, running_var, mean, var, total, momentum)
         weight = _as(weight, dtype)  # the kernels take half inputs with float32 parameters
         ctx.save_for_backward(x, weight, mean, var)
-        return _normalize(x, weight, _as(bias, dtype), mean, var, eps)
+        # (x - mean) / sqrt(var + eps) * weight + bias in x's dtype and memory format: BatchNorm's inference kernel.
+        return torch.native_batch_norm(x, weight, _as(bias, dtype), mean, var, False, 0.0, eps)[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
-        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        weight_dtype, bias_dtype = ctx.dtypes
         if ctx.empty_channels is not None:  # empty global batch: zero gradients, nothing to communicate
             zeros = dy.new_zeros(ctx.empty_channels)
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
-        dy = _cuda_layout(dy) if dy.is_cuda else dy
-        if x.numel():
-            sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local (C each)
-        else:  # an empty rank still joins the collective
-            sum_dy = sum_dy_xhat = mean.new_zeros(x.size(1))
+        sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
         grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
-            sums = torch.stack((sum_dy, sum_dy_xhat))  # (C, C -> 2C)
-            # The global sums; _input_grad computes what needs none of them while they travel.
-            work = None if ctx.transport is None else ctx.transport.all_reduce(sums, async_op=True)
-            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, sums, ctx.total, work)
+            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total)
+            if ctx.transport is not None:
+                ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
+            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 

@@ -20,8 +20,8 @@ normal inputs, loss = sum of the outputs over the first B/2 samples of the globa
 = forward + backward after a barrier, as long as its slowest rank, implementations interleaved in
 rounds; a ratio is the median of per-round ratios with a 95 % bootstrap interval, judged met / missed /
 inconclusive. With one process the layer is ``F.batch_norm``, timed also with cold caches (``COLD``).
-Peak memory, bytes saved for backward, a per-operator profile and one iteration cut at its two sums
-(``phases``) come from separate passes.
+Peak memory, bytes saved for backward, operators dispatched per iteration (``operators``; CUDA: kernels
+launched), a per-operator profile and one iteration cut at its two sums (``phases``): separate passes.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from typing import Callable
 
 import numpy as np
@@ -72,6 +73,7 @@ CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
 # and what the floor costs beyond BatchNorm1d and the same two sums made outside autograd.
 BOUNDS = ((OURS, FLOOR), (FLOOR, REFERENCE))
 PROFILE_ITERS = 20
+OPERATOR_ITERS = 3  # iterations whose dispatched operators (CUDA: kernel launches) are counted, per iteration
 # One process times this many times --iters (warm caches): its iterations are a few tens of microseconds, several
 # times shorter than the workers', and their ratios to BatchNorm1d's need more of them to settle.
 SINGLE_ITERS_FACTOR = 8
@@ -322,8 +324,59 @@ def _local_input(rank: int, world: int, batch: int, hidden: int, dtype: torch.dt
     return x, max(0, min(local, batch // 2 - rank * local))
 
 
-def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, device: torch.device) -> tuple[int, int]:
-    """(peak bytes of one iteration, bytes saved for backward by one forward); maxima over ranks.
+def dispatch_counter():
+    """A context manager class whose instances count the aten operators dispatched on this thread (``count``),
+    or None where this torch lacks the hook: the benchmark's one private torch name (a Python dispatch mode),
+    imported here only, so a torch without it loses the count and nothing else."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        return None
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+    return Counter
+
+
+def _kernel_launches(step: Callable[[], None], iters: int) -> float:
+    """CUDA: the kernel launches of ``iters`` calls of ``step`` (the profiler's runtime events), per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return sum("LaunchKernel" in e.name for e in profiler.events()) / iters
+
+
+def operators(step: Callable[[], None], device: torch.device, iters: int = OPERATOR_ITERS) -> float:
+    """What one iteration dispatches: on the CPU the aten operators called on this thread (the autograd
+    engine runs the CPU backward here too; a transport's own threads are not counted), on CUDA the kernels
+    launched. -1 where it cannot be counted (a warning says why): the count is information, not a verdict."""
+    try:
+        if device.type == "cuda":
+            return _kernel_launches(step, iters)
+        counter = dispatch_counter()
+        if counter is None:
+            return -1.0
+        with counter() as mode:
+            for _ in range(iters):
+                step()
+        return mode.count / iters
+    except Exception as error:  # a profiler or dispatch mode this torch refuses: no count, the run goes on
+        warnings.warn(f"syncbn_benchmark: operators not counted ({type(error).__name__}: {error})")
+        return -1.0
+
+
+def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor,
+            device: torch.device) -> tuple[int, int, float]:
+    """(peak bytes of one iteration, bytes saved for backward by one forward, ``operators`` per iteration);
+    maxima over ranks.
 
     The peak is the least of 3 iterations' (``measure.PeakMemory`` on the CPU can only overstate)."""
     step()  # warm: first-call allocations (e.g. cached constants) are not the steady state
@@ -333,8 +386,9 @@ def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor, d
             step()
         peaks.append(peak.bytes)
     saved = saved_tensor_bytes(lambda: layer(x))
-    most = gather_rows([min(peaks), saved]).max(dim=0).values  # ranks differ (rank 0 holds the loss rows)
-    return int(most[0]), int(most[1])
+    ops = operators(step, device)
+    most = gather_rows([min(peaks), saved, ops]).max(dim=0).values  # ranks differ (rank 0 holds the loss rows)
+    return int(most[0]), int(most[1]), float(most[2])
 
 
 def run_case(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
@@ -361,7 +415,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
     for c in impls:
         impl, t = c
         flat = [s for r in samples[c] for s in r]
-        peak, saved = _memory(steps[c], layers[c], x, device)
+        peak, saved, ops = _memory(steps[c], layers[c], x, device)
         rows.append({"kind": "time", "impl": impl, "transport": t,
                      "transport_detail": made[t].describe() if t in made else None,
                      "setting": setting or (WORKERS if world > 1 else SINGLE),
@@ -369,7 +423,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
                      "local_batch": x.size(0), "iters": len(flat), "rounds": args.rounds,
                      "time_s": float(np.median(flat)), "p10_s": percentile(flat, 10), "p90_s": percentile(flat, 90),
                      **{f"round_p{q}_s": [percentile(r, q) for r in samples[c]] for q in (10, 50, 90)},
-                     "peak_bytes": peak, "saved_bytes": saved})
+                     "peak_bytes": peak, "saved_bytes": saved, "operators": ops})
     return rows
 
 
@@ -730,10 +784,13 @@ def _time_table(rows: list[dict], setting: str, dtype: str) -> str:
         for c in impls:
             entry[label(*c)] = 1e3 * by_impl[c][key]["time_s"]
             entry[label(*c) + " peak"] = by_impl[c][key]["peak_bytes"] / 1024
+            entry[label(*c) + " ops"] = by_impl[c][key].get("operators", -1)  # older files have no count
         table.append(entry)
+    what = "kernels" if rows[0]["device"] == "cuda" else "ops"  # see ``operators``
     columns = [("batch", "batch", "d"), ("hidden", "hidden", "d")]
     columns += [(label(*c), f"{label(*c)} (ms)", ".3f") for c in impls]
     columns += [(label(*c) + " peak", f"{label(*c)} peak (KiB)", ".0f") for c in impls]
+    columns += [(label(*c) + " ops", f"{label(*c)} {what}/iter", ".0f") for c in impls]
     return markdown_table(table, columns)
 
 
@@ -787,7 +844,8 @@ def report(rows: list[dict]) -> str:
     for setting in (WORKERS, SINGLE, COLD):
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
-                lines.append(f"\n{setting}, {dtype}: median time per iteration and peak memory\n"
+                lines.append(f"\n{setting}, {dtype}: median time per iteration, peak memory, operators dispatched "
+                             "per iteration (CUDA: kernels launched; -1: not counted)\n"
                              f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]

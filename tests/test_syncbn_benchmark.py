@@ -15,12 +15,15 @@ import time
 import pytest
 import torch
 
+import syncbn
+import syncbn_benchmark
 from common import run_workers
 from dpkit.bench.results import format_environment, read_results
 from dpkit.comm import transport as transports
 from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
                               SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
-                              attribution_lines, bounds, main, parse_args, ratios, report, run, run_case, targets)
+                              attribution_lines, bounds, main, operators, parse_args, ratios, report, run, run_case,
+                              targets)
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -293,6 +296,50 @@ def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_l
         torch.testing.assert_close(mine, theirs)
     torch.testing.assert_close(floor.running_mean, batch_norm.running_mean)
     torch.testing.assert_close(floor.running_var, batch_norm.running_var)
+
+
+def test_operators_counts_what_one_iteration_dispatches_and_without_its_hook_says_so():
+    """Two aten operators per call of a step that makes two; -1 (not a guess) where the counter cannot be made
+    or fails, with a warning when it fails."""
+    def step():
+        torch.ones(3).add_(1.0)
+    cpu = torch.device("cpu")
+    assert operators(step, cpu, iters=4) == 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(syncbn_benchmark, "dispatch_counter", lambda: None)
+        assert operators(step, cpu) == -1
+    with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning, match="operators not counted"):
+        patch.setattr(syncbn_benchmark, "dispatch_counter", lambda: 1 / 0)
+        assert operators(step, cpu) == -1
+
+
+# Ours' forward + backward beyond BatchNorm1d's: the per-channel arithmetic of both sums, a few operations each;
+# half inputs add the float32 sum of dx's two terms and its rounding. More than this is a regression (a per-channel
+# operation dispatched one by one where a fused one did it).
+OPERATORS_BEYOND_BATCHNORM = {torch.float32: 16, torch.bfloat16: 19}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ours_dispatches_few_operators_beyond_batchnorm_and_makes_its_two_sums(dtype):
+    """The synchronized Function through a recording transport (both sums made, in float64 then float32) costs at
+    most OPERATORS_BEYOND_BATCHNORM[dtype] aten operators per iteration more than BatchNorm1d on the same step."""
+    x = torch.randn(16, 64, dtype=dtype, requires_grad=True)
+    recording = _Recording()
+    ours = syncbn.SyncBatchNorm(64)
+    batch_norm = torch.nn.BatchNorm1d(64)
+
+    def mine():
+        syncbn.SyncBatchNormFunction.apply(x, ours.weight, ours.bias, ours.running_mean, ours.running_var, ours.eps,
+                                           ours.momentum, recording)[:8].float().sum().backward()
+
+    def theirs():
+        batch_norm(x)[:8].float().sum().backward()
+    for step in (mine, theirs):
+        step()  # warm: a first call makes the cached constants and buffers
+    counts = {name: operators(step, torch.device("cpu")) for name, step in (("ours", mine), ("BatchNorm1d", theirs))}
+    assert [c[:2] for c in recording.calls[-2:]] == [((129,), torch.float64), ((2, 64), torch.float32)]
+    beyond = OPERATORS_BEYOND_BATCHNORM[dtype]
+    assert 0 < counts["BatchNorm1d"] < counts["ours"] <= counts["BatchNorm1d"] + beyond, counts
 
 
 def test_the_stamping_transport_times_where_the_caller_waits_and_delegates_the_rest():
