@@ -57,7 +57,7 @@ from dpkit.bench.measure import PeakMemory, gather_rows
 from dpkit.bench.results import environment, format_environment, markdown_table, write_durably, write_results
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, distributed, parse_checked, print0, progress, synchronize
-from dpkit.engines.ddp import broadcast_module_state, guard_optimizer_step, make_ddp, sync_gradients
+from dpkit.engines.ddp import broadcast_module_state, make_ddp
 from dpkit.engines.fsdp import FSDP
 from dpkit.engines.zero import ShardedOptimizer
 from dpkit.models import NUM_CLASSES, build_model
@@ -535,7 +535,6 @@ class Trainer:
             if self._optimizer_state is not None:
                 load_optimizer_state(self.model, self.optimizer, self._optimizer_state, args)
                 self._optimizer_state = None
-            guard_optimizer_step(self.model, self.optimizer)  # a step before sync_gradients raises
         except BaseException:
             self._close_memory_probe()  # a refused checkpoint must not leave the profiler running
             raise
@@ -594,8 +593,7 @@ class Trainer:
         return no_sync() if no_sync is not None else nullcontext()
 
     def _step(self) -> None:
-        sync_gradients(self.model)  # ours waits for its buckets here; PyTorch's finished inside backward
-        self.optimizer.step()
+        self.optimizer.step()  # every engine, ours and PyTorch's, finished its gradients' sums inside backward
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._steps_here += 1

@@ -383,10 +383,11 @@ def _error(fn) -> str | None:
 
 
 def _misuse(ctx):
-    """After a synchronised backward and before finish_gradient_synchronization: a forward, no_sync()
-    and optimizer.step() (guarded) must raise and leave the step's gradients intact. Then a second
-    backward through the same graph, a double backward, an exception inside no_sync()."""
-    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
+    """With ``finish_in_backward=False`` (the caller finishes), after a synchronised backward and before
+    finish_gradient_synchronization: a forward, no_sync() and optimizer.step() (guarded) must raise and
+    leave the step's gradients intact. Then a second backward through the same graph, a double backward,
+    an exception inside no_sync()."""
+    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB, finish_in_backward=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     guard_optimizer_step(model, optimizer)
     x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
@@ -395,7 +396,7 @@ def _misuse(ctx):
 
     def accumulate_in_no_sync():
         with model.no_sync():
-            F.mse_loss(model.module(x), y).backward()  # the forward bypasses the wrapper: only no_sync() can catch it
+            F.mse_loss(model.module(x), y).backward()  # no_sync() refuses first
 
     out["no_sync"] = _error(accumulate_in_no_sync)
     model.finish_gradient_synchronization()
@@ -413,6 +414,36 @@ def _misuse(ctx):
     except KeyError:
         pass
     out["sync_restored"] = model.require_backward_grad_sync
+    out["finished by backward"] = _finished_by_backward(ctx)
+    return out
+
+
+def _finished_by_backward(ctx):
+    """By default the end of each synchronised backward finishes: right after one, a forward, no_sync() and a
+    guarded step go through; finish_gradient_synchronization() then sends nothing. Two synchronised backward
+    passes through one graph (retain_graph) leave the sum of their averages; a double backward is refused."""
+    counter = CountingTransport("auto")
+    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB, transport=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    guard_optimizer_step(model, optimizer)
+    x, y = shard(global_batch(0, 0, ctx.world_size), ctx.rank)
+    F.mse_loss(model(x), y).backward()
+    out = {"grads": {n: p.grad.clone() for n, p in model.module.named_parameters()}}
+    counter.reset()
+    model.finish_gradient_synchronization()
+    out["sums by finish"] = counter.collectives
+
+    def enter_no_sync():
+        with model.no_sync():
+            pass
+
+    out.update(forward=_error(lambda: model(x)), no_sync=_error(enter_no_sync), step=_error(optimizer.step))
+    model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB)
+    loss = F.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    out["twice"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    out["double"] = _error(lambda: F.mse_loss(model(x), y).backward(create_graph=True))
     return out
 
 
@@ -471,14 +502,19 @@ TRANSPORT_ACCUM = TRANSPORT_STEPS = 2  # per run of _over_transports: enough for
 
 
 def _summed_by_end_of_backward(model, ctx) -> list[tuple[bool, bool]] | None:
-    """One more synchronised backward: (launched, done) for each of DDP's buckets when it returns."""
+    """One more synchronised backward: (launched, done) for each of DDP's buckets after its last gradient hook,
+    before the end of backward waits for them (hooks added after DDP's run after them)."""
     if not isinstance(model, DDP):
         return None
+    seen = []
+    note = lambda _: seen.append([(b.work is not None, b.work is not None and b.work.is_completed())
+                                  for b in model.buckets])
+    handles = [p.register_post_accumulate_grad_hook(note) for p in model.parameters() if p.requires_grad]
     x, y = shard(global_batch(TRANSPORT_STEPS, 0, ctx.world_size), ctx.rank)
     F.mse_loss(model(x), y).backward()
-    seen = [(b.work is not None, b.work is not None and b.work.is_completed()) for b in model.buckets]
-    model.finish_gradient_synchronization()
-    return seen
+    for handle in handles:
+        handle.remove()
+    return seen[-1]
 
 
 def _over_transports(ctx):
@@ -761,11 +797,11 @@ def _buckets_of(sizes: list[int], cap_bytes: float) -> int:
     return count
 
 
-def test_baselines_all_reduce_once_per_parameter_or_once_in_all(two):
+def test_baselines_all_reduce_once_per_parameter_or_once_in_all_when_backward_ends(two):
     for name, factory in MODELS.items():
         trainable = sum(p.requires_grad for p in build(factory, 0).parameters())
-        assert two[0]["baselines"]["NaiveDDP", name, 3]["counts"] == [(0, 0, trainable)] * STEPS
-        assert two[0]["baselines"]["FlatDDP", name, 3]["counts"] == [(0, 0, 1)] * STEPS
+        assert two[0]["baselines"]["NaiveDDP", name, 3]["counts"] == [(0, trainable, trainable)] * STEPS
+        assert two[0]["baselines"]["FlatDDP", name, 3]["counts"] == [(0, 1, 1)] * STEPS
 
 
 def test_buckets_are_launched_in_the_same_order_on_ranks_that_finish_gradients_in_different_orders(two):
@@ -808,10 +844,10 @@ def test_grads_are_views_of_the_buckets_after_synchronisation(two):
 
 def sums_per_step(variant: str) -> tuple[int, int]:
     """(sums made by the end of the synchronised backward, sums in all) in one step of ``variant`` on ``big``
-    (the bucketed one with 4 KiB buckets)."""
+    (the bucketed one with 4 KiB buckets): every variant finishes when backward ends."""
     trainable = sum(p.requires_grad for p in build(big, 0).parameters())
-    return {"bucketed": (len(BIG_LAYOUTS["4KiB"]),) * 2, "overlap": (trainable, trainable), "naive": (0, trainable),
-            "flat": (0, 1)}[variant]
+    return {"bucketed": (len(BIG_LAYOUTS["4KiB"]),) * 2, "overlap": (trainable, trainable),
+            "naive": (trainable, trainable), "flat": (1, 1)}[variant]
 
 
 @pytest.mark.parametrize("variant", TRANSPORT_VARIANTS)
@@ -864,10 +900,11 @@ def test_on_shared_memory_the_transport_owns_the_buffers_it_sums_and_elsewhere_n
 
 
 def test_an_inline_transport_sums_each_bucket_in_backward_an_asynchronous_one_has_launched_it(two):
-    """Shared memory and p2p run in the caller's thread by default: the hook that completes a bucket sums it,
-    so when backward returns every sum is done (and, since buckets go in index order, the launch order
-    holds: ``test_buckets_are_launched_in_the_same_order_...``). torch's all_reduce and the threaded
-    shared memory have launched every bucket by then, and may still be summing."""
+    """Seen after the last gradient hook, before the end of backward waits. Shared memory and p2p run in the
+    caller's thread by default: the hook that completes a bucket sums it, so by then every sum is done (and,
+    since buckets go in index order, the launch order holds: ``test_buckets_are_launched_in_the_same_order_...``).
+    torch's all_reduce and the threaded shared memory have launched every bucket by then, and may still be
+    summing."""
     for rank in range(2):
         runs = two[rank]["transports"]
         for variant in ("bucketed", "overlap"):
@@ -964,8 +1001,9 @@ def test_without_used_flags_buckets_hold_only_gradients_and_an_unused_parameter_
 
 
 def test_forward_no_sync_and_step_before_finish_raise_and_corrupt_nothing(two):
-    """Buckets of a synchronised backward are in flight: each misuse raises, naming the fix, and the
-    step then completes with the single-process gradient (nothing was added into the buckets)."""
+    """With finish_in_backward=False, buckets of a synchronised backward are in flight until the caller
+    finishes: each misuse raises, naming the fix, and the step then completes with the single-process
+    gradient (nothing was added into the buckets)."""
     expected = oracle("big", 1, world=2, steps=1)["grads"]
     for rank in range(2):
         result = two[rank]["misuse"]
@@ -981,6 +1019,30 @@ def test_second_backward_before_finish_and_double_backward_are_errors(two):
     for rank in range(2):
         result = two[rank]["misuse"]
         assert result["second"] is not None and "second gradient before finish_gradient_synchronization()" in result["second"]
+        assert result["double"] is not None and "create_graph=True" in result["double"]
+
+
+def test_by_default_backward_ends_synchronised_so_the_next_forward_no_sync_and_step_go_through(two):
+    """What used to raise (a forward, no_sync() or a guarded step right after a synchronised backward) is what
+    PyTorch's DDP allows: the end of backward finished, with the single-process gradient, and a finish called
+    afterwards sends nothing."""
+    expected = oracle("big", 1, world=2, steps=1)["grads"]
+    for rank in range(2):
+        result = two[rank]["misuse"]["finished by backward"]
+        assert (result["forward"], result["no_sync"], result["step"]) == (None, None, None)
+        assert result["sums by finish"] == 0
+        for key, grad in expected.items():
+            torch.testing.assert_close(result["grads"][key], grad, rtol=1e-9, atol=1e-12, msg=key)
+
+
+def test_two_synchronised_backward_passes_through_one_graph_add_their_averages_and_double_backward_is_refused(two):
+    """retain_graph: each backward ends averaged, so the gradients are twice the single-process one, as one
+    process accumulates them (PyTorch's DDP would reduce only the first after the forward)."""
+    expected = oracle("big", 1, world=2, steps=1)["grads"]
+    for rank in range(2):
+        result = two[rank]["misuse"]["finished by backward"]
+        for key, grad in expected.items():
+            torch.testing.assert_close(result["twice"][key], 2 * grad, rtol=1e-9, atol=1e-12, msg=key)
         assert result["double"] is not None and "create_graph=True" in result["double"]
 
 

@@ -260,22 +260,24 @@ def _training_case(ctx, impl, checkpoint_dir):
     train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
     run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set, identity={"lr": args.lr})
     run.train()
-    step_before_sync = None
-    if impl == "selfmade":  # PyTorch's DDP finishes its all-reduces inside backward: nothing to forget
-        images, labels = next(iter(run.loader))
-        F.cross_entropy(run.model(images), labels).backward()
-        try:
-            run.optimizer.step()
-        except RuntimeError as error:
-            step_before_sync = str(error)
-        trainer.sync_gradients(run.model)
+    state = {k: v.clone() for k, v in run.module.state_dict().items()}
+    # One more step as a loop written for PyTorch's DDP takes it, on both engines: backward, then step.
+    images, labels = next(iter(run.loader))  # each rank's own shard: local gradients differ
+    run.optimizer.zero_grad()
+    F.cross_entropy(run.model(images), labels).backward()
+    grads_at_step = [p.grad.clone() for p in run.model.parameters() if p.grad is not None]
+    try:
+        run.optimizer.step()
+        step_after_backward = None
+    except RuntimeError as error:
+        step_after_backward = str(error)
     refused = None
     try:
         trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set, identity={"lr": 0.5})
     except ValueError as error:
         refused = str(error)
-    return {"state": run.module.state_dict(), "history": run.history, "sync_bn": sync_bn, "refused": refused,
-            "step_before_sync": step_before_sync}
+    return {"state": state, "history": run.history, "sync_bn": sync_bn, "refused": refused,
+            "step_after_backward": step_after_backward, "grads_at_step": grads_at_step}
 
 
 def _checkpoint_cases(ctx, checkpoint_dir):
@@ -495,11 +497,17 @@ def test_a_failed_save_stops_every_rank_with_the_path_and_cause_and_keeps_the_pr
     assert _state(directory / "epoch-0001.pt")["epoch"] == 1
 
 
-def test_optimizer_step_before_gradient_synchronisation_raises_in_the_trainer(in_process):
-    for result in in_process.results:
-        message = result["training"]["selfmade"]["step_before_sync"]
-        assert message is not None and "optimizer.step() while the gradients" in message
-        assert result["training"]["pytorch"]["step_before_sync"] is None
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_step_right_after_backward_sees_gradients_averaged_over_ranks(in_process, impl):
+    """Our DDP finishes at the end of backward, as PyTorch's: the step needs no call before it, and every
+    rank steps with the same gradients although each computed its own."""
+    runs = [result["training"][impl] for result in in_process.results]
+    assert [run["step_after_backward"] for run in runs] == [None] * WORLD
+    assert any(g.any() for g in runs[0]["grads_at_step"]), "a zero gradient could not tell"
+    for rank, run in enumerate(runs[1:], start=1):
+        assert len(run["grads_at_step"]) == len(runs[0]["grads_at_step"]) > 0
+        for mine, rank0s in zip(run["grads_at_step"], runs[0]["grads_at_step"]):
+            torch.testing.assert_close(mine, rank0s, rtol=0, atol=0, msg=f"rank {rank}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1,13 +1,12 @@
 """Hand-written data parallelism: every rank ends a step with the same, averaged gradients.
 
-Not a script; import it inside an initialised process group (``process_groups.distributed``)::
+A drop-in for ``torch.nn.parallel.DistributedDataParallel``, inside an initialised process group::
 
     model = DDP(net, bucket_cap_mb=25.0)           # broadcasts rank 0's weights and buffers
     with model.no_sync():                           # accumulation micro-batches: no communication
         loss_fn(model(x0), y0).backward()
-    loss_fn(model(x1), y1).backward()               # buckets summed as they fill during backward
-    model.finish_gradient_synchronization()         # wait; every param.grad = average over ranks
-    optimizer.step(); optimizer.zero_grad()
+    loss_fn(model(x1), y1).backward()               # buckets summed as they fill; at its end (autograd
+    optimizer.step(); optimizer.zero_grad()         # calls back, as PyTorch's) every .grad is averaged
 
 The variants the benchmark compares, all with that interface (``make_ddp`` selects by name):
 
@@ -15,8 +14,8 @@ The variants the benchmark compares, all with that interface (``make_ddp`` selec
 bucketed   ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each summed as soon
            as it is complete, while the rest of backward goes on.
 overlap    ``DDP(module, bucket_cap_mb=0)``: the same, one bucket per parameter.
-flat       ``FlatDDP``: after backward, all gradients copied into one flat tensor, one all-reduce.
-naive      ``NaiveDDP``: after backward, one blocking all-reduce per parameter.
+flat       ``FlatDDP``: when backward ends, all gradients copied into one flat tensor, one all-reduce.
+naive      ``NaiveDDP``: when backward ends, one blocking all-reduce per parameter.
 pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
 =========  ==============================================================================
 
@@ -36,6 +35,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpkit import compat
@@ -113,10 +113,10 @@ def coalesce(tensors: Sequence[torch.Tensor], cap_bytes: int) -> Iterator[list[t
 
 
 _UNFINISHED = (
-    "DDP: {what} while the gradients of the last synchronised backward are still being all-reduced. Call "
-    "finish_gradient_synchronization() (or ddp.sync_gradients(model)) after every synchronised backward, before "
-    "optimizer.step(), the next forward or no_sync(): otherwise gradients are added into buckets being sent "
-    "or the optimizer reads half-reduced ones.")
+    "DDP: {what} while the gradients of a synchronised backward are still being all-reduced: that backward did "
+    "not reach its end (it raised), or this wrapper was built with finish_in_backward=False. Call "
+    "finish_gradient_synchronization() (or ddp.sync_gradients(model)) on every rank first: otherwise gradients "
+    "are added into buckets being sent or the optimizer reads half-reduced ones.")
 
 
 def _model_signature(module: nn.Module) -> list[tuple]:
@@ -172,14 +172,20 @@ def check_same_model(module: nn.Module, process_group=None, local_problem: str |
 
 
 class _DataParallel(nn.Module):
-    """What every hand-written variant shares: the wrapped module, the broadcast, forward, ``no_sync``, timing.
+    """What every hand-written variant shares: the wrapped module, the broadcast, forward, ``no_sync``, timing,
+    and the end of each synchronised backward.
 
     ``state_dict()`` keys carry the ``module.`` prefix (as PyTorch's DDP's do): load a
     plain model's state into ``wrapper.module``, or strip the prefix. No parameter or
     buffer is added: ``parameters()`` and ``named_parameters()`` are the wrapped module's.
+
+    The end of backward: the first gradient hook of a synchronised backward queues a callback
+    on autograd's engine (as PyTorch's DDP reducer does), which runs once that backward is done
+    and calls ``finish_gradient_synchronization``. ``finish_in_backward=False`` leaves that call
+    to the caller (FSDP ends its replicated parameters' DDP in its own callback).
     """
 
-    def __init__(self, module: nn.Module, process_group=None, transport="auto"):
+    def __init__(self, module: nn.Module, process_group=None, transport="auto", *, finish_in_backward: bool = True):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs an initialised process group (process_groups.distributed)")
@@ -191,7 +197,10 @@ class _DataParallel(nn.Module):
         self._names = {id(p): n for n, p in module.named_parameters()}
         # False inside no_sync(); read by the gradient hooks when backward runs.
         self.require_backward_grad_sync = True
-        # Host seconds the last finish_gradient_synchronization() took: the communication
+        self.finish_in_backward = finish_in_backward
+        self._armed = False     # an end-of-backward callback is queued (cleared when it runs)
+        self._finished = False  # synchronised; cleared by a forward with gradients or a gradient's arrival
+        # Host seconds the last finish took (at the end of backward, or called): the communication
         # left exposed after backward. On CUDA set sync_device_for_timing to include the
         # device-side wait (it synchronises the device before and after: measurement only).
         self.last_wait_s = 0.0
@@ -203,26 +212,40 @@ class _DataParallel(nn.Module):
         device = self._trainable[0].device if self._trainable else torch.device("cpu")
         self.transport = transports.resolve(transport, process_group, device, engine=type(self).__name__)
         self.broadcasts = broadcast_module_state(module, process_group)
+        self_ref = weakref.ref(self)
+        # On the module itself, so that a forward that bypasses the wrapper (FSDP's) counts too.
+        self._hook_handles = [module.register_forward_pre_hook(_forward_pre_hook(self_ref))]
+        self._hook_handles += [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
+                               for position, p in enumerate(self._trainable)]
+
+    def remove_hooks(self) -> None:
+        """Detach from the module and its parameters: later backward passes are plain local ones."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled() and self._in_flight():
-            raise RuntimeError(_UNFINISHED.format(what="a forward with gradients enabled"))
         return self.module(*args, **kwargs)
+
+    def _before_forward(self) -> None:
+        """The module's forward pre-hook, with gradients enabled."""
+        if self._in_flight():
+            raise RuntimeError(_UNFINISHED.format(what="a forward with gradients enabled"))
+        self._finished = False  # a rank whose backward reaches no parameter can still finish by hand
 
     @contextmanager
     def no_sync(self):
         """Skip gradient communication for the backward passes run inside (gradient accumulation).
 
         Gradients keep adding up in ``param.grad``; the first synchronised backward after
-        the context (and ``finish_gradient_synchronization``) averages the accumulated sum.
+        the context (or ``finish_gradient_synchronization``) averages the accumulated sum.
 
         Note: the flag is read when backward runs, so the ``backward()`` call must be
         inside the context (in PyTorch's DDP the forward decides; run both inside, as its
         documentation shows, and the two agree).
 
-        Raises RuntimeError if a synchronised backward's buckets are still in flight (no
-        ``finish_gradient_synchronization()`` since): a backward in here would add into
-        gradients that are being sent.
+        Raises RuntimeError if a synchronised backward's buckets are still in flight (see
+        ``_UNFINISHED``): a backward in here would add into gradients that are being sent.
         """
         if self._in_flight():
             raise RuntimeError(_UNFINISHED.format(what="no_sync()"))
@@ -236,30 +259,57 @@ class _DataParallel(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Finish communication: afterwards each trainable ``param.grad`` is its average over ranks.
 
-        Every rank must call it once per optimizer step, after the last backward. Inside
-        ``no_sync()`` with nothing in flight it does nothing. Records ``last_wait_s``.
+        Each synchronised backward calls it at its end (unless ``finish_in_backward=False``), so a
+        call afterwards does nothing, as it does inside ``no_sync()`` with nothing in flight. Called
+        after backward passes that only accumulated (``no_sync``), or on a rank whose backward reached
+        no parameter while its peers' did, it averages the gradients as they are (a collective: every
+        rank finishes, by hand or at its backward's end). Records ``last_wait_s``.
         """
-        if not self.require_backward_grad_sync and not self._in_flight():
+        if not self._in_flight() and (self._finished or not self.require_backward_grad_sync):
             return
         device = self._trainable[0].device if self._trainable else torch.device("cpu")
         if self.sync_device_for_timing:
             synchronize(device)  # so the clock below measures communication, not queued backward
         start = time.perf_counter()
+        self._armed = False
         with torch.no_grad():
             self._finish()
         if self.sync_device_for_timing:
             synchronize(device)
+        self._finished = True
         self.last_wait_s = time.perf_counter() - start
 
+    def _on_grad_ready(self, position: int, param: nn.Parameter) -> None:
+        """Backward finished accumulating ``param.grad`` (hook): a synchronised backward ends with a finish."""
+        self._finished = False
+        if self.require_backward_grad_sync and not self._armed and self.finish_in_backward:
+            self._arm()
+
+    def _arm(self) -> None:
+        """Have autograd call ``finish_gradient_synchronization`` once the running backward is done (only
+        from inside a backward: a hook's). If that backward raises, the engine drops the callback: the
+        wrapper stays in flight and the next forward says so."""
+        self._armed = True
+        Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+
     def _in_flight(self) -> bool:
-        """True between a synchronised backward and the ``finish_gradient_synchronization()`` that ends it."""
-        return False
+        """True between a synchronised backward's first gradient and the finish that ends it."""
+        return self._armed
 
     def _finish(self) -> None:
         raise NotImplementedError
 
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(id(param), "<unnamed>")
+
+
+def _forward_pre_hook(ref: weakref.ref):
+    def before_forward(module, args) -> None:
+        wrapper = ref()
+        if wrapper is not None and torch.is_grad_enabled():
+            wrapper._before_forward()
+
+    return before_forward
 
 
 def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -274,7 +324,7 @@ def _grads_or_zeros(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
 
 
 class NaiveDDP(_DataParallel):
-    """One blocking all-reduce per trainable parameter, after backward.
+    """One blocking all-reduce per trainable parameter, at the end of backward.
 
     ``NaiveDDP(module, process_group=None, transport="auto")``. The baseline: no overlap with
     backward and one collective (one round trip) per parameter. ``transport``: how the ranks
@@ -291,7 +341,7 @@ class NaiveDDP(_DataParallel):
 
 
 class FlatDDP(_DataParallel):
-    """All gradients flattened into one tensor (per dtype and device), one all-reduce, after backward.
+    """All gradients flattened into one tensor (per dtype and device), one all-reduce, at the end of backward.
 
     ``FlatDDP(module, process_group=None, transport="auto")``. One round trip per step, but
     no overlap with backward, and two extra copies of the gradients (into the flat tensor and
@@ -464,9 +514,12 @@ class DDP(_DataParallel):
 
     ``DDP(module, bucket_cap_mb=25.0, process_group=None, find_unused_parameters=True, transport="auto")``
 
-    The rule: after the last backward of every step call ``finish_gradient_synchronization()``
-    (or ``sync_gradients(model)``), and only then ``optimizer.step()``: until it returns, the
-    gradients are half-reduced. A forward with gradients, ``no_sync()`` or (with
+    ``DDP(..., finish_in_backward=True)``: a drop-in for PyTorch's DDP in a loop written for it
+    (``zero_grad``, forward, ``loss.backward()``, ``step``; ``no_sync()`` for accumulation): each
+    synchronised backward ends with every gradient averaged, as PyTorch's does. With
+    ``finish_in_backward=False`` the caller must call ``finish_gradient_synchronization()`` (or
+    ``sync_gradients(model)``) after each synchronised backward and before ``optimizer.step()``: until
+    then the gradients are half-reduced, and a forward with gradients, ``no_sync()`` or (with
     ``guard_optimizer_step``) ``optimizer.step()`` in between raises RuntimeError.
 
     * Construction broadcasts the group's rank 0 parameters (trainable and frozen) and
@@ -492,15 +545,22 @@ class DDP(_DataParallel):
       segment the transport allocated it in; else torch's asynchronous all_reduce).
     * Each gradient is divided by the world size as it enters its bucket (before the
       sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
-      ``finish_gradient_synchronization()`` launches what is left (in order) and waits for
-      every bucket. Each trainable ``param.grad`` is then the average over ranks and a
-      view of its bucket.
-    * Gradient accumulation: inside ``no_sync()`` backward communicates nothing.
+      ``finish_gradient_synchronization()``, run by autograd once the synchronised backward is
+      done (a callback the first hook queues, as PyTorch's reducer does), launches what is left
+      (in order) and waits for every bucket, on an asynchronous transport too. Each trainable
+      ``param.grad`` is then the average over ranks and a view of its bucket. Calling it again
+      does nothing.
+    * Gradient accumulation: inside ``no_sync()`` backward communicates nothing; the first
+      backward outside it averages what accumulated.
+    * Several synchronised backward passes per forward (``retain_graph=True``): each ends
+      averaged, so the gradients are the sum of the passes' averages, as one process would
+      accumulate them (PyTorch's DDP reduces only the first after each forward).
+      ``torch.autograd.grad`` fills no ``.grad`` and communicates nothing.
     * ``forward`` delegates to ``module``; ``parameters()`` and ``named_parameters()`` are
       the module's (nothing is registered besides it), and ``state_dict()`` keys carry the
       ``module.`` prefix, as with PyTorch's DDP: save ``ddp.module.state_dict()`` for a
       checkpoint that loads into the plain model.
-    * ``last_wait_s``: seconds the last ``finish_gradient_synchronization()`` took, i.e.
+    * ``last_wait_s``: seconds the last finish (at the end of backward, or called) took, i.e.
       communication not hidden behind backward (see ``sync_device_for_timing`` on CUDA). On
       an inline transport (shared memory by default) the sums run inside backward, which
       they lengthen, so it is near zero there: compare step times instead.
@@ -513,7 +573,7 @@ class DDP(_DataParallel):
     gets the average. A one-element flag per parameter rides in its bucket's all-reduce
     to decide this, so no extra collective is needed; it matches PyTorch's DDP with
     ``find_unused_parameters=True``. A parameter without a gradient delays its bucket
-    (and all later ones) to ``finish_gradient_synchronization``. With
+    (and all later ones) to the end of backward. With
     ``find_unused_parameters=False`` the buckets carry no flags (one element per parameter
     less; PyTorch's DDP by default has none either, and raises on an unused parameter):
     every trainable parameter then gets the average as its gradient, zeros where no rank had
@@ -528,8 +588,11 @@ class DDP(_DataParallel):
     the averages back into them.
 
     Warnings:
-        * Call ``finish_gradient_synchronization()`` once after each synchronised backward
-          (the rule above); a second backward before it raises RuntimeError.
+        * Every rank's synchronised backward must reach some trainable parameter (as with
+          PyTorch's DDP): a rank whose backward reaches none has no end of backward to finish
+          at, so it must call ``finish_gradient_synchronization()`` by hand, or its peers wait
+          until the group's timeout. Reentrant activation checkpointing may finish inside the
+          checkpoint's own backward, then again at the end: correct, but sent twice.
         * Wrap a module once, after moving it to its device; every rank must wrap an
           identical model (checked at construction: ``check_same_model``). Sparse
           gradients and double backward are not supported.
@@ -537,11 +600,11 @@ class DDP(_DataParallel):
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, process_group=None,
                  find_unused_parameters: bool = True, last_bucket_cap_mb: float = LAST_BUCKET_CAP_MB,
-                 transport="auto"):
+                 transport="auto", *, finish_in_backward: bool = True):
         if bucket_cap_mb < 0 or last_bucket_cap_mb < 0:
             raise ValueError(f"bucket_cap_mb and last_bucket_cap_mb must be >= 0, got {bucket_cap_mb} and "
                              f"{last_bucket_cap_mb}")
-        super().__init__(module, process_group, transport)
+        super().__init__(module, process_group, transport, finish_in_backward=finish_in_backward)
         self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
@@ -557,15 +620,6 @@ class DDP(_DataParallel):
             for slot, position in enumerate(positions):
                 self._slot_of[position] = (bucket, slot)
         self._reset_step()
-        self_ref = weakref.ref(self)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(_hook(self_ref, position))
-                              for position, p in enumerate(self._trainable)]
-
-    def remove_hooks(self) -> None:
-        """Detach from the module's parameters: later backward passes are plain local ones."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
 
     # ---- per step state: which gradients arrived, which buckets are launched
 
@@ -577,7 +631,7 @@ class DDP(_DataParallel):
             bucket.pending, bucket.missing, bucket.work = len(bucket.params), [], None
 
     def _in_flight(self) -> bool:
-        return self._ready_count > 0 or self._next_launch > 0
+        return self._armed or self._ready_count > 0 or self._next_launch > 0
 
     def _on_grad_ready(self, position: int, param: nn.Parameter) -> None:
         """Backward finished accumulating ``param.grad`` (hook); may launch buckets.
@@ -585,6 +639,7 @@ class DDP(_DataParallel):
         Runs once per parameter per backward, so it stays lean: no ``torch.no_grad()``
         (a context manager's cost at every call), since backward runs hooks with gradients off unless create_graph.
         """
+        self._finished = False
         if not self.require_backward_grad_sync:
             return  # accumulation micro-batch: the gradient stays in param.grad
         if torch.is_grad_enabled():
@@ -592,8 +647,10 @@ class DDP(_DataParallel):
         if self._ready[position]:
             raise RuntimeError(
                 f"DDP: parameter {self._name(param)!r} received a second gradient before "
-                "finish_gradient_synchronization(). Call it after every synchronised backward, and "
-                "run the backward passes that only accumulate inside no_sync().")
+                "finish_gradient_synchronization(): built with finish_in_backward=False, call it after every "
+                "synchronised backward; with reentrant activation checkpointing, use use_reentrant=False.")
+        if not self._armed and self.finish_in_backward:
+            self._arm()
         self._ready[position] = True
         self._ready_count += 1
         bucket, slot = self._slot_of[position]
@@ -665,8 +722,9 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     Given for ``pytorch``, any transport but "torch" is registered as its communication
     hook (``transport.ddp_comm_hook``), so the two engines can be compared on one transport.
 
-    Drive every variant the same way: ``no_sync()`` around the backward passes that only
-    accumulate, ``sync_gradients(model)`` before the optimizer step.
+    Drive every variant the same way, as PyTorch's DDP: ``no_sync()`` around the backward passes
+    that only accumulate; each synchronised backward ends averaged (``sync_gradients(model)``
+    before the step is harmless, and needed only with ``finish_in_backward=False``).
     """
     ours = "auto" if transport is None else transport
     if variant == "bucketed":
@@ -694,11 +752,12 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
 
 def guard_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer):
     """Make ``optimizer.step()`` raise RuntimeError while ``model`` (ours) still has gradients in
-    flight, i.e. when ``sync_gradients(model)`` was forgotten after a synchronised backward.
+    flight: built with ``finish_in_backward=False`` and ``sync_gradients(model)`` forgotten, or after
+    a synchronised backward that raised.
 
     A step pre-hook on the optimizer (a flag read, no communication). Returns its handle, or
-    None for models that have nothing in flight after backward (PyTorch's DDP waits inside
-    backward; ``NaiveDDP`` and ``FlatDDP`` communicate only in ``sync_gradients``).
+    None for models that leave nothing in flight (PyTorch's DDP waits inside backward;
+    ``NaiveDDP`` and ``FlatDDP`` start communicating only when backward ends).
     """
     if not isinstance(model, DDP):
         return None
@@ -711,8 +770,9 @@ def guard_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer):
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """End a synchronised step: ``finish_gradient_synchronization()`` for ours; nothing for
-    PyTorch's DDP, whose backward already waited for its all-reduces."""
+    """End a synchronised step: ``finish_gradient_synchronization()`` for ours (nothing left to do
+    unless built with ``finish_in_backward=False``); nothing for PyTorch's DDP, whose backward
+    already waited for its all-reduces."""
     finish = getattr(model, "finish_gradient_synchronization", None)
     if finish is not None:
         finish()

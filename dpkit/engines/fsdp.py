@@ -7,9 +7,8 @@ Not a script; import it inside an initialised process group (``process_groups.di
     model = FSDP(net, shard="host")                    # or: sharded over each host's ranks, replicated across hosts
     optimizer = torch.optim.AdamW(model.parameters())  # local shards and replicated parameters
     for x, y in loader:
-        loss_fn(model(x), y).backward()                # gathers before each layer, reduce-scatters after
-        model.finish_gradient_synchronization()        # wait; every .grad is the average over ranks
-        optimizer.step()
+        loss_fn(model(x), y).backward()                # gathers before each layer, reduce-scatters after;
+        optimizer.step()                               # at its end every .grad is the average over ranks
         optimizer.zero_grad()
 
 The idea: a layer's parameters exist in full only while the layer runs. Every submodule
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from dpkit.comm import transport as transports
 from dpkit.comm.comm_thread import group_timeout
@@ -146,7 +146,7 @@ class _Gathered(torch.autograd.Function):
     use of the unit's parameters has added its gradient, one backward call receives each
     parameter's gradient (None for one nothing used). It hands them to ``FSDP._reduce``
     (asynchronous) and returns no gradient for the shard: the averaged shard gradient is
-    added to ``shard.grad`` in ``finish_gradient_synchronization``.
+    added to ``shard.grad`` in ``finish_gradient_synchronization``, when backward ends.
 
     One output per parameter, not one flat output sliced afterwards: autograd's gradient of
     a slice is a zero-filled tensor of the whole flat size, so a unit of k parameters cost k
@@ -207,11 +207,14 @@ class FSDP(nn.Module):
       one, and reduce-scattered (mean over ranks) through the transport while backward goes
       on (at most one in flight). Replicated parameters are handled by an internal
       ``ddp.DDP`` (bucketed all-reduces, averaged).
-    * ``finish_gradient_synchronization()``: waits for everything; afterwards each shard's
-      ``.grad`` is the master-dtype average over ranks of its slice of the gradient (added
+    * ``finish_gradient_synchronization()``, run by autograd when each backward ends (a
+      callback the first reduce-scatter or replicated gradient of that backward queues, as
+      ``fully_shard`` does; calling it afterwards does nothing): waits for everything; then each
+      shard's ``.grad`` is the master-dtype average over ranks of its slice of the gradient (added
       to what was there: gradients accumulate as usual) and each replicated parameter's
       ``.grad`` is its average. A unit that no forward used this step keeps ``grad=None``
-      on every rank (the optimizer skips it, as in one process).
+      on every rank (the optimizer skips it, as in one process). So a loop written for
+      ``fully_shard`` (forward, ``backward()``, ``step``) runs unchanged.
     * ``no_sync()``: skips the replicated all-reduces (``ddp.DDP.no_sync``); sharded
       gradients are still reduce-scattered every backward (keeping them unsharded is what
       FSDP avoids); summing averaged shards gives the average of the sums.
@@ -306,7 +309,10 @@ class FSDP(nn.Module):
                           "data parallelism (ddp.DDP)", stacklevel=2)
         # The replicated parameters (those still registered) get DDP's bucketed, averaged all-reduce.
         # Stored outside the module tree so parameters() does not list them twice.
-        self.__dict__["_replicated"] = DDP(module, process_group=process_group, transport=self.transport)
+        # Its finish is ours, in one end-of-backward callback: the ranks then wait for their reduce-scatters
+        # and launch its last buckets in the same order, whichever gradient a backward produced first.
+        self.__dict__["_replicated"] = DDP(module, process_group=process_group, transport=self.transport,
+                                           finish_in_backward=False)
         self._storage_to_unit: dict[int, Unit] = {}
         self._reductions: list[_Reduction] = []
         self._calls: list[nn.Module] = []        # unit modules in the order the current forward called them
@@ -315,9 +321,12 @@ class FSDP(nn.Module):
         self._in_forward = False
         self._outer_hooks = None
         self._no_grad_forward = False
+        self._armed = False     # an end-of-backward callback is queued (cleared when it runs)
+        self._finished = False  # synchronised; cleared by a forward with gradients or a gradient
         self.last_wait_s = 0.0
         self_ref = weakref.ref(self)
-        self._hook_handles = []
+        self._hook_handles = [p.register_post_accumulate_grad_hook(_replicated_hook(self_ref))
+                              for p in module.parameters() if p.requires_grad]  # the replicated ones, now
         for m in self._units_of_module:
             self._hook_handles.append(m.register_forward_pre_hook(_pre_hook(self_ref), with_kwargs=True))
             self._hook_handles.append(m.register_forward_hook(_post_hook(self_ref)))
@@ -403,8 +412,13 @@ class FSDP(nn.Module):
     # ---- forward
 
     def forward(self, *args, **kwargs):
-        self._release_all()  # gathers kept from an earlier forward may be stale (the optimizer stepped)
         grad = torch.is_grad_enabled()
+        if grad and self._armed:
+            raise RuntimeError("FSDP: a forward with gradients enabled while the last backward's gradients are still "
+                               "being reduced: that backward did not reach its end (it raised). Call "
+                               "finish_gradient_synchronization() on every rank first.")
+        self._finished = self._finished and not grad
+        self._release_all()  # gathers kept from an earlier forward may be stale (the optimizer stepped)
         self._no_grad_forward = not grad
         self._calls, self._saving_calls = [], []
         # An enclosing saved-tensor hook pair (activation offloading, a measurement) would be shadowed
@@ -541,6 +555,7 @@ class FSDP(nn.Module):
         to run in) before this unit's flat gradient is made, so one full-size gradient exists at a time."""
         if torch.is_grad_enabled():
             raise RuntimeError("FSDP does not support backward(create_graph=True) (double backward)")
+        self._arm()
         if self._reductions:
             self._reductions[-1].wait()
         source = _flat_gradient(unit, grads, self.shard_transport.allocate)
@@ -557,12 +572,23 @@ class FSDP(nn.Module):
         with self._replicated.no_sync():
             yield
 
+    def _arm(self) -> None:
+        """In a backward (a hook's or a node's): have autograd call the finish once it is done."""
+        self._finished = False
+        if not self._armed:
+            self._armed = True
+            Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter and all-reduce; add the averaged shard gradients to ``.grad``.
 
-        Call it once per optimizer step on every rank, after the last backward. Records
-        ``last_wait_s``, the seconds it took (communication left exposed after backward).
+        Autograd calls it when each backward ends; afterwards it does nothing until the next forward
+        with gradients. Records ``last_wait_s``, the seconds it took (communication left exposed
+        after backward).
         """
+        if self._finished:
+            return
+        self._armed = False
         if self._no_grad_forward and not self._reductions and self.units:
             raise RuntimeError("FSDP: the last forward ran under torch.no_grad() (or with gradients disabled), so "
                                "no sharded parameter can receive a gradient: run the training forward with "
@@ -582,6 +608,7 @@ class FSDP(nn.Module):
         self._release_all()
         for unit in self.units:
             unit.gathers = 0
+        self._finished = True
         self.last_wait_s = time.perf_counter() - start
 
     # ---- full views for checkpoints and tests
@@ -669,6 +696,15 @@ def _check_even_hosts(hosts: list[list[int]]) -> None:
                          f"({'+'.join(str(len(m)) for m in hosts)}: {layout}); each gradient shard is all-reduced "
                          "among the ranks that hold it on every host, so every host needs as many ranks: use "
                          "shard='group', or a process group with as many ranks on each host")
+
+
+def _replicated_hook(ref: weakref.ref):
+    """A replicated parameter's post-accumulate-grad hook: a backward that reaches only those ends with a finish too."""
+    def hook(param):
+        fsdp = ref()
+        if fsdp is not None:
+            fsdp._arm()
+    return hook
 
 
 def _pre_hook(ref: weakref.ref):
