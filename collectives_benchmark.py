@@ -295,6 +295,7 @@ def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, w
                 rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)
             if made:
                 rows += benchmark_transports_size(ctx, collective, nbytes, made, iters, warmup)
+            harness.keep(ctx, rows)
     finally:
         for t in {id(t): t for t in made.values()}.values():
             t.close()

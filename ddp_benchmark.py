@@ -413,6 +413,7 @@ def run(ctx, args, models: list[str], kinds) -> list[dict]:
     rows = []
     for name in models:
         rows += benchmark_model(ctx, args, name, variants, made)
+        harness.keep(ctx, rows)
     for transport in made.values():
         transport.close()
     return rows
