@@ -358,7 +358,8 @@ def model_facts(module: nn.Module) -> dict:
 
 def iters_within(budget_s: float, step_s: float, variants: int, rounds: int, warmup: int, most: int) -> int:
     """Timed iterations per variant such that every variant's timed and warm-up iterations, at ``step_s`` each,
-    take about ``budget_s`` (building the replicas, memory and profiles not counted): at most ``most``
+    take about ``budget_s`` (not counted: building the replicas, memory, profiles, and on a GPU the second,
+    synchronised pass that reads our variants' waits): at most ``most``
     (--iters), at least one per round. ``budget_s`` 0: ``most``."""
     if not budget_s:
         return most
