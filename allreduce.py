@@ -177,9 +177,13 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
 
 def compare_worker(ctx, sizes: list[int], algorithms: list[str], repeats: int, warmup: int, seed: int,
                    dtype: str) -> list[dict]:
-    """Every size and algorithm for one world size, in one spawned group (spawning costs seconds)."""
-    return [row for numel in sizes
-            for row in _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed)]
+    """Every size and algorithm for one world size, in one spawned group (spawning costs seconds); each size's
+    rows kept in the results file as it finishes."""
+    rows = []
+    for numel in sizes:
+        rows += _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed)
+        harness.keep(ctx, rows)
+    return rows
 
 
 # The target of ``auto`` against torch.distributed.all_reduce, and the world sizes it applies to.

@@ -41,7 +41,7 @@ from dpkit.bench.collectives import (AXIS_TITLES, NAMES, TRANSPORTS, allreduce_r
 from dpkit import compat
 from dpkit.bench import harness
 from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
-from dpkit.bench.results import markdown_table, read_results, write_results
+from dpkit.bench.results import incomplete_note, markdown_table, read_results, write_results
 from dpkit.comm import transport
 from dpkit.comm.process_groups import add_common_args, message_device, parse_checked, print0, progress
 
@@ -295,6 +295,7 @@ def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, w
                 rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)
             if made:
                 rows += benchmark_transports_size(ctx, collective, nbytes, made, iters, warmup)
+            harness.keep(ctx, rows)
     finally:
         for t in {id(t): t for t in made.values()}.values():
             t.close()
@@ -577,6 +578,8 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.from_json:  # measure nothing: the file's rows, printed (and charted) again
         document = read_results(arguments.from_json)
+        if incomplete_note(document):  # a stopped run's rows: printed, and said to be what it finished
+            print(incomplete_note(document), flush=True)
         harness.finish(BENCHMARK, document["results"], document["env"], arguments)
     else:
         harness.run(BENCHMARK, arguments)

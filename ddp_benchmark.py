@@ -61,6 +61,11 @@ MEMORY_ITERS = 3
 # Defaults of the measurement flags, and of --quick (explicit flags win over both).
 NORMAL = {"batch_size": 32, "iters": 48, "rounds": 8, "warmup": 2}
 QUICK = {"batch_size": 16, "iters": 8, "rounds": 4, "warmup": 1}
+# On a GPU the defaults must finish in minutes, the GPT at its default size included: bucket caps at PyTorch's
+# default only (the targets' size), and a time budget per model that lowers --iters to what fits.
+BUCKET_SIZES = {"cpu": [1.0, 10.0, 25.0, 100.0, 1000.0], "cuda": [PYTORCH_DEFAULT_BUCKET_MB]}
+BUDGET_S = {"cpu": 0.0, "cuda": 60.0}  # --budget: seconds of timed and warm-up iterations per model; 0: none
+PROBE_ITERS = 2  # no-DDP iterations timed (after one warm-up) to size a model's iterations within the budget
 TARGET_VS_PYTORCH = 1.00  # engine: bucketed 25M p50 / the faster PyTorch 25M p50 on the same transport
 TARGET_MEMORY = 1.00  # bucketed 25M peak memory / the same PyTorch row's
 TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and bucketed on asynchronous transports
@@ -351,16 +356,44 @@ def model_facts(module: nn.Module) -> dict:
             "grad_bytes": sum(p.numel() * p.element_size() for p in trainable)}
 
 
+def iters_within(budget_s: float, step_s: float, variants: int, rounds: int, warmup: int, most: int) -> int:
+    """Timed iterations per variant such that every variant's timed and warm-up iterations, at ``step_s`` each,
+    take about ``budget_s`` (not counted: building the replicas, memory, profiles, and on a GPU the second,
+    synchronised pass that reads our variants' waits): at most ``most``
+    (--iters), at least one per round. ``budget_s`` 0: ``most``."""
+    if not budget_s:
+        return most
+    fit = int(budget_s / (step_s * variants)) - rounds * warmup
+    return min(most, max(rounds, fit))
+
+
+def step_seconds(ctx, args, name: str, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """A no-DDP iteration of model ``name``: the median of PROBE_ITERS after one warm-up, of the slowest rank
+    (every rank gets the same value)."""
+    replica = make_replica(Variant(NO_DDP), fresh_module(args, name, ctx.device), batch, {})
+    return statistics.median(time_iterations(replica.step, PROBE_ITERS, 1, ctx.device).samples)
+
+
+def model_iters(ctx, args, name: str, variants: list[Variant], batch) -> int:
+    """--iters, or fewer where --budget (default: BUDGET_S for the device) says so."""
+    budget = BUDGET_S[ctx.device.type] if args.budget is None else args.budget
+    if not budget:
+        return args.iters
+    return iters_within(budget, step_seconds(ctx, args, name, batch), len(variants), args.rounds, args.warmup,
+                        args.iters)
+
+
 def benchmark_model(ctx, args, name: str, variants: list[Variant], made: dict[str, transports.Transport]) -> list[dict]:
     """Every variant on one model: interleaved timed rounds; after a variant's last round, its memory
     (and trace) from the same, warmed-up replica."""
     batch = make_batch(name, args, ctx.rank, ctx.device)
+    iters = model_iters(ctx, args, name, variants, batch)
     rounds: dict[Variant, list[RoundResult]] = {v: [] for v in variants}
     memory: dict[Variant, dict] = {}
     steps = schedule(variants, args.rounds)
     for round_, variant in progress(steps, desc=f"{name}: {len(variants)} variants x {args.rounds} rounds"):
         replica = make_replica(variant, fresh_module(args, name, ctx.device), batch, made)
-        rounds[variant].append(time_round(ctx, args, replica, round_iters(args.iters, args.rounds, round_)))
+        rounds[variant].append(time_round(ctx, args, replica, round_iters(iters, args.rounds, round_)))
         if round_ == args.rounds - 1:
             memory[variant] = measure_memory(ctx, replica)
             if args.breakdown and variant.bucket_mb == PYTORCH_DEFAULT_BUCKET_MB:
@@ -413,6 +446,7 @@ def run(ctx, args, models: list[str], kinds) -> list[dict]:
     rows = []
     for name in models:
         rows += benchmark_model(ctx, args, name, variants, made)
+        harness.keep(ctx, rows)
     for transport in made.values():
         transport.close()
     return rows
@@ -616,7 +650,9 @@ def targets_text(checks: list[dict]) -> list[str]:
 
 def legend(config: dict) -> list[str]:
     return [
-        f"* {config['iters']} timed iterations per variant in {config['rounds']} rotated rounds, each after "
+        f"* {config['iters']} timed iterations per variant" + (" at most (each row says how many: see --budget)"
+                                                                if config.get("budget", 0) else "")
+        + f" in {config['rounds']} rotated rounds, each after "
         f"{config['warmup']} warm-up iterations of a freshly built variant; batch {config['batch_size']} per rank",
         "* sec/iter: percentiles over iterations of the slowest rank's time (forward, loss, backward, gradient "
         "sync, SGD step); ex/sec = global batch / sec/iter",
@@ -706,12 +742,13 @@ def stored_environment(env: dict, args: argparse.Namespace) -> dict:
 
 
 def settings(args: argparse.Namespace) -> dict:
-    """What the results' config stores after the arguments: the models, transports and row labels the flags
-    resolve to on this device, the optimizer's constants, and a sweep's world sizes."""
+    """What the results' config stores after the arguments: the models, transports, row labels and budget the
+    flags resolve to on this device, the optimizer's constants, and a sweep's world sizes."""
     device = torch.device(placement(args.backend, args.device)[1])
     names = default_transports(args, device)
     out = {"models": default_models(args, device), "transports": names, "lr": LR, "momentum": MOMENTUM,
-           "variants": [v.label for v in variants_for(args.variants, args.bucket_sizes, names)]}
+           "variants": [v.label for v in variants_for(args.variants, args.bucket_sizes, names)],
+           "budget": BUDGET_S[device.type] if args.budget is None else args.budget}
     if args.command == "sweep":
         out["world_sizes"] = sweep_sizes(args)
     return out
@@ -751,9 +788,10 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
                              "between the processes of one host, NCCL on GPUs), shm (this host's shared memory, "
                              "summed in the caller's thread), shm-thread (the same on a communication thread); "
                              f"every DDP row runs on each (default: {' '.join(CPU_TRANSPORTS)} on CPU, torch on GPU)")
-    parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=[1.0, 10.0, 25.0, 100.0, 1000.0],
+    parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=None,
                         metavar="MIB", help="bucket caps in MiB for bucketed and pytorch; pytorch also runs at its "
-                                            "default 25 (default: %(default)s)")
+                                            f"default 25 (default: {BUCKET_SIZES['cpu']} on CPU, "
+                                            f"{BUCKET_SIZES['cuda']} on GPU)")
     parser.add_argument("--batch-size", type=_positive(int), default=None,
                         help="examples (images or sequences) per rank per iteration "
                              f"(default: {NORMAL['batch_size']}; {QUICK['batch_size']} with --quick)")
@@ -765,8 +803,13 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-seq-len", type=_positive(int), default=256, help="GPT tokens per sequence (default: %(default)s)")
     parser.add_argument("--gpt-vocab", type=_positive(int), default=50304, help="GPT vocabulary size (default: %(default)s)")
     parser.add_argument("--iters", type=_positive(int), default=None,
-                        help="timed iterations per variant, over all rounds "
+                        help="timed iterations per variant, over all rounds; with a --budget, the most "
                              f"(default: {NORMAL['iters']}; {QUICK['iters']} with --quick)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="per model: time one no-DDP iteration first, then lower --iters (to one per round at "
+                             "least) so that every variant's timed and warm-up iterations take about this long; "
+                             "each row stores its iters; 0: no budget "
+                             f"(default: {BUDGET_S['cuda']:g} on GPU, none on CPU)")
     parser.add_argument("--rounds", type=_positive(int), default=None,
                         help="independent rounds the timed iterations are split into, variants rotated; ratios get a "
                              f"confidence interval over rounds (default: {NORMAL['rounds']}; {QUICK['rounds']} with --quick)")
@@ -805,7 +848,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:
         parser.error("--batch-size must be at least 2 for the CNN and resnets: BatchNorm needs 2 samples per rank to train")
-    args.bucket_sizes = sorted(set(args.bucket_sizes))
+    args.bucket_sizes = sorted(set(args.bucket_sizes or BUCKET_SIZES[device]))
+    if args.budget is not None and args.budget < 0:
+        parser.error("--budget must be at least 0")
     if getattr(args, "world_sizes", None) and min(args.world_sizes) < 1:
         parser.error("--world-sizes must be at least 1")
 

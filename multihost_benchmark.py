@@ -66,12 +66,13 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"{HOSTS_ENV} must give at least two hosts with the same number of ranks, got "
                          f"{[len(h) for h in hosts]} ranks per host")
     inside, between = _link_transports(hosts, ctx.timeout_s)
-    rows = _collectives(ctx, args, inside, between)
-    rows += _steps(ctx, args)
+    placed = {"hosts": [len(h) for h in hosts], "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
+    rows = [row | placed for row in _collectives(ctx, args, inside, between)]
+    harness.keep(ctx, rows)
+    rows += [row | placed for row in _steps(ctx, args)]
     for t in (inside, between):
         t.close()
-    return [row | {"hosts": [len(h) for h in hosts], "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
-            for row in rows]
+    return rows
 
 
 def _link_transports(hosts: list[list[int]], timeout_s: float):

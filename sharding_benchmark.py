@@ -559,6 +559,7 @@ def worker(ctx, args) -> list[dict]:
     rows = []
     for name in progress(args.models, desc=f"{ctx.world_size} processes"):
         rows += benchmark_model(ctx, args, name, args.variants)
+        harness.keep(ctx, rows)
     return rows
 
 

@@ -492,6 +492,7 @@ def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_
             impls = contenders(ctx.device, made, args.baseline, dtype_name)
             rows += run_case(ctx.rank, ctx.world_size, ctx.device, impls, batch, hidden, dtype_name, args, baseline,
                              made=made)
+            harness.keep(ctx, rows)
         for batch, hidden in _profiled_sizes(args):
             engines = [(impl, t) for t in made for impl in (OURS, REFERENCE)]
             rows += breakdown(ctx.rank, ctx.world_size, ctx.device, engines + [(LOCAL, None)], batch, hidden, made,

@@ -13,6 +13,7 @@ checked exactly on a world of one timed by a scripted clock (rounds, drift, ever
 
 from __future__ import annotations
 
+import argparse
 import copy
 import io
 import itertools
@@ -578,6 +579,10 @@ def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
     assert torch.__version__ in torch_line and "9.9.9" in torch_line and "differs" in torch_line
     backend_line = next(line for line in text.splitlines() if line.startswith("backend:"))
     assert "differs" not in backend_line
+    assert "incomplete" not in text
+    stopped = bench.format_diff(doc, {**test, "complete": False})
+    assert f"test: incomplete run: ddp_benchmark was stopped; {len(test['results'])} rows" in stopped, \
+        "a stopped run's rows are compared, and said to be what it finished"
     row = rows_at(doc, WORLD)[QUICKER]
     p75 = FASTER * bench.percentile(row["samples_s"], 75)
     assert f"{bench.row_prefix(row)}  p75: {p75:8.4f}s {row['global_batch'] / p75:7.0f}/s    +20.0%" in text
@@ -698,3 +703,49 @@ def test_diff_of_two_benchmarks_or_of_runs_with_nothing_in_common_says_what_diff
     write_results(str(test), other["benchmark"], other["env"], other["config"], other["results"])
     with pytest.raises(SystemExit, match="error: cannot compare"):
         bench.main(["diff", str(base), str(test)])
+
+
+# --------------------------------------------------------------------------- the time budget (GPU defaults)
+
+
+def test_the_budget_lowers_the_iterations_to_what_fits_never_below_one_per_round_nor_above_iters():
+    # 7 variants at 0.2 s an iteration, 8 rounds of 2 warm-up iterations each: 60 s hold 42 iterations a
+    # variant, of which 16 warm up.
+    assert bench.iters_within(60.0, 0.2, 7, 8, 2, 48) == 26
+    assert bench.iters_within(60.0, 0.5, 7, 8, 2, 48) == 8, "one per round at least"
+    assert bench.iters_within(60.0, 0.001, 7, 8, 2, 48) == 48, "never more than --iters"
+    assert bench.iters_within(0.0, 10.0, 7, 8, 2, 48) == 48, "0: no budget"
+
+
+def test_on_a_gpu_the_defaults_take_one_bucket_size_and_a_budget_measured_on_a_no_ddp_iteration(monkeypatch):
+    args = bench.parse_args([])
+    assert args.bucket_sizes == [1.0, 10.0, 25.0, 100.0, 1000.0] and args.budget is None, "the CPU's defaults"
+    monkeypatch.setattr(bench, "check_placement", lambda parser, args: "cuda")
+    on_gpu = bench.parse_args([])
+    assert on_gpu.bucket_sizes == [bench.PYTORCH_DEFAULT_BUCKET_MB]
+    assert [v.label for v in bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])] == \
+        ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "naive [torch]", "flat [torch]",
+         "overlap [torch]", "bucketed 25M [torch]"]
+    variants = bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])
+    measured = []
+    monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: measured.append(name) or 0.5)
+    gpu, cpu = (argparse.Namespace(device=torch.device(kind)) for kind in ("cuda", "cpu"))
+    # The GPT at 0.5 s an iteration: 60 s fit 17 a variant, fewer than 8 rounds of 2 warm-up and 1 timed.
+    assert bench.model_iters(gpu, on_gpu, "gpt", variants, None) == on_gpu.rounds == 8 and measured == ["gpt"]
+    assert bench.model_iters(cpu, on_gpu, "gpt", variants, None) == on_gpu.iters and measured == ["gpt"], \
+        "no budget on a CPU: nothing measured first"
+    assert bench.model_iters(cpu, bench.parse_args(["--budget", "30"]), "cnn", variants, None) == 8
+
+
+def test_a_run_within_a_budget_times_the_iterations_it_fits_and_each_row_says_how_many(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: 1.0)  # every model: 1 s an iteration
+    path = tmp_path / "budget.json"
+    with redirect_stdout(io.StringIO()) as out:
+        bench.main(["--models", "cnn", "--variants", "pytorch", "--bucket-sizes", "25", "--transports", "torch",
+                    "--iters", "12", "--rounds", "2", "--warmup", "0", "--budget", "1", "--batch-size", "2",
+                    "--no-breakdown", "--json", str(path)])
+    doc = read_results(str(path))
+    assert doc["complete"] and doc["config"]["budget"] == 1.0
+    assert [(r["label"], r["iters"]) for r in doc["results"]] == [("no ddp", 2), ("pytorch 25M [torch]", 2)], \
+        "1 s hold half an iteration of each of 2 variants: one per round"
+    assert "12 timed iterations per variant at most (each row says how many" in out.getvalue()

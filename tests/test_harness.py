@@ -1,17 +1,28 @@
 """The one benchmark driver: a benchmark declares its worker, process counts, report, targets and extras;
 ``harness.run`` spawns each process count, keeps rank 0's rows, prints, and writes the shared layout. The
 optional hooks (threads, a world of one in this process, local rows, completion, header, stored environment
-and config) are checked on one run with every hook set."""
+and config) are checked on one run with every hook set. A run stopped after its first configuration (SIGTERM,
+its time limit) leaves that configuration's rows, marked incomplete: collectives_benchmark.py on two sizes,
+whose second never ends."""
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
+import collectives_benchmark
+from common import REPO
 from dpkit.bench import harness
 from dpkit.bench.results import read_results
+from dpkit.comm.process_groups import WorkerError
 
 CALLS = []
 
@@ -63,8 +74,9 @@ def _measured_at(ctx, args):
 
 
 def _local(args, device):
+    kept = read_results(args.json)  # as the run left it once the workers were done
     return [{"world_size": None, "threads": torch.get_num_threads(), "pid": os.getpid(),
-             "grouped": dist.is_initialized(), "device": device.type}]
+             "grouped": dist.is_initialized(), "device": device.type, "kept": [kept["complete"], len(kept["results"])]}]
 
 
 def _complete(rows, env, args):
@@ -88,13 +100,110 @@ def test_every_hook_threads_a_world_of_one_here_local_rows_completion_header_env
     here, spawned, local, derived = rows
     assert (here["world_size"], here["threads"], here["pid"]) == (1, 2, os.getpid()), "a world of one in this process"
     assert (spawned["world_size"], spawned["threads"]) == (2, 2) and spawned["pid"] != os.getpid()
-    assert local == {"world_size": None, "threads": 2, "pid": os.getpid(), "grouped": False, "device": "cpu"}, \
-        "local rows: after the workers', in this process, at the benchmark's threads, with no process group"
+    assert local == {"world_size": None, "threads": 2, "pid": os.getpid(), "grouped": False, "device": "cpu",
+                     "kept": [False, 2]}, \
+        "local rows: after the workers' (kept in the file, incomplete), in this process, at the benchmark's threads, " \
+        "with no process group"
     assert derived == {"derived_from": 3, "env": "as the benchmark says", "label": "z"}, "complete sees every row"
     doc = read_results(args.json)
+    assert doc["complete"] is True, "a run that ends says so"
     assert doc["results"] == rows and doc["env"]["stored"] == "as the benchmark says" and doc["env"]["threads"] == 2
     assert doc["config"] == {"procs": [1, 2], "threads": 2, "label": "z", "backend": "gloo", "timeout": 30.0,
                              "resolved": 4}
     out = capsys.readouterr().out
     assert out.startswith("hooked header: as the benchmark says, 2 threads\n"), "the header hook replaces the default"
     assert out.rstrip().endswith(f"4 rows\n\nwrote {args.json}")
+
+
+# --------------------------------------------------------------------------- a run stopped after its first size
+
+SIZES = (4000, 8000)
+TIME_LIMIT_S = 15.0  # the first size takes a few seconds, workers started included
+PIDS_ENV = "DPKIT_TEST_PIDS"  # where the stalling workers leave their process ids
+
+
+def _stalls_on_the_second_size(ctx, args):
+    """collectives_benchmark.py's worker, whose second size never ends: every rank sleeps in it."""
+    measure = collectives_benchmark.benchmark_transports_size
+
+    def stalling(ctx, collective, nbytes, *rest):
+        if nbytes == SIZES[1]:
+            with open(os.path.join(os.environ[PIDS_ENV], f"pid-{ctx.rank}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+        return measure(ctx, collective, nbytes, *rest)
+
+    collectives_benchmark.benchmark_transports_size = stalling  # in this worker process only
+    return collectives_benchmark.worker(ctx, args)
+
+
+def stalled_run(path: str, procs: int, timeout_s: float = 300.0) -> None:
+    args = collectives_benchmark.parse_args(["--procs", str(procs), "--sizes", *map(str, SIZES), "--axis", "transports",
+                                             "--transports", "torch", "--iters", "1", "--warmup", "0", "--json", path])
+    stalling = dataclasses.replace(collectives_benchmark.BENCHMARK, worker=_stalls_on_the_second_size,
+                                   timeout_s=lambda args, world_size: timeout_s)
+    harness.run(stalling, args)
+
+
+def _first_size_kept(path, ranks: int, pids, deadline_s: float = 120.0) -> None:
+    """Wait until the file holds the first size's rows and every rank sleeps in the second."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if len(list(pids.glob("pid-*"))) == ranks and read_results(str(path))["results"]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the first size was not kept within {deadline_s:g} s")
+
+
+def _assert_kept_first_size_only(path) -> None:
+    doc = read_results(str(path))
+    assert doc["complete"] is False and doc["targets"] == []
+    assert {row["bytes"] for row in doc["results"]} == {SIZES[0]} and {row["label"] for row in doc["results"]} == \
+        {"torch"}, "the finished size's rows, as measured"
+    assert doc["config"]["sizes"] == list(SIZES) and doc["env"]["procs"], "the environment and config of the run"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] == "Z"  # a zombie has stopped; its parent reaps it
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM to the launcher",
+                                  pytest.param("SIGINT to its process group", marks=pytest.mark.slow)])
+def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked_incomplete(tmp_path, stop):
+    """SIGTERM: ``kill``, a batch system; SIGINT to the group: Ctrl-C in a terminal, which reaches the workers too."""
+    path, pids = tmp_path / "stopped.json", tmp_path / "pids"
+    pids.mkdir()
+    script = "import sys; sys.path[:0] = ['.', 'tests']; import test_harness; test_harness.stalled_run(sys.argv[1], 2)"
+    run = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=REPO, env={**os.environ, PIDS_ENV: str(pids)},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _first_size_kept(path, 2, pids)
+        if stop.startswith("SIGTERM"):
+            run.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(run.pid, signal.SIGINT)
+        _, err = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert run.returncode == 128 + (signal.SIGTERM if stop.startswith("SIGTERM") else signal.SIGINT), err
+    _assert_kept_first_size_only(path)
+    assert f"{path} keeps the 1 row measured before the stop, marked incomplete" in err, err
+    workers = [int(p.read_text()) for p in pids.iterdir()]
+    assert all(_gone(pid) for pid in workers), "the launcher stopped its workers"
+    assert not list(tmp_path.glob("stopped.json.tmp*")), "no half-written file left"
+
+
+def test_a_run_past_its_time_limit_after_its_first_size_leaves_those_rows_marked_incomplete(tmp_path, monkeypatch,
+                                                                                            capsys):
+    monkeypatch.setenv(PIDS_ENV, str(tmp_path))
+    path = tmp_path / "timed_out.json"
+    with pytest.raises(WorkerError, match="still running after"):
+        stalled_run(str(path), 1, timeout_s=TIME_LIMIT_S)
+    _assert_kept_first_size_only(path)
+    assert harness.KEEP_ENV not in os.environ, "the next run in this process keeps nothing of this one"

@@ -29,6 +29,18 @@ def test_a_missing_results_file_is_named_with_the_command_that_writes_it(tmp_pat
         summary.render(tmp_path, run_experiments.producers())
 
 
+def test_a_stopped_runs_file_is_refused_naming_the_command_that_writes_a_whole_one(tmp_path):
+    for path in (REPO / "results").glob("*.json"):
+        shutil.copy(path, tmp_path / path.name)
+    doc = json.loads((tmp_path / "ddp_benchmark.json").read_text())
+    (tmp_path / "ddp_benchmark.json").write_text(json.dumps({**doc, "complete": False}))
+    with pytest.raises(summary.MissingResults, match=r"ddp_benchmark.json: incomplete run: ddp_benchmark was stopped"
+                                                     r"(.|\n)*python run_experiments.py --quick --only ddp_benchmark"):
+        summary.render(tmp_path, run_experiments.producers())
+    (tmp_path / "ddp_benchmark.json").write_text(json.dumps({**doc, "complete": True}))
+    summary.render(tmp_path, run_experiments.producers())  # the same file, whole: accepted
+
+
 def test_ddp_results_without_stored_target_checks_name_the_command_that_writes_them(tmp_path):
     for path in (REPO / "results").glob("*.json"):
         shutil.copy(path, tmp_path / path.name)

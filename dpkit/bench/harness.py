@@ -10,19 +10,26 @@ the rows this process measures itself, the rows derived from them all, the print
 file in the shared layout (``--json``) with the target checks stored beside the rows. What a benchmark
 declares: its worker, the process counts to spawn, how to print its rows, its targets, anything else it
 writes (charts, tables the code reads), and, where it needs them, the optional hooks ``Benchmark`` lists.
+
+Rows are kept as they are measured: a worker calls ``keep(ctx, rows)`` after each configuration, and the
+results file then holds the rows of every configuration finished, marked ``"complete": false`` until the run
+ends. A run stopped by a timeout, SIGTERM or Ctrl-C stops its workers and leaves that file.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from dpkit.bench.results import environment, format_environment, write_results
+from dpkit.bench.results import environment, format_environment, read_results, write_results
 from dpkit.comm.process_groups import check_gpu_per_rank, distributed, launch, placement, print0, progress
 
 
@@ -70,31 +77,115 @@ class Benchmark:
 def run(benchmark: Benchmark, args: argparse.Namespace) -> list[dict]:
     """Measure, complete, print, write: under torchrun this process is one rank of its world; otherwise every
     process count of ``benchmark.world_sizes(args)`` is spawned in turn (gloo on CPU, NCCL where ``--backend``
-    says so). Returns the completed rows (a rank other than 0 under torchrun: its own rows, uncompleted)."""
+    says so). Returns the completed rows (a rank other than 0 under torchrun: its own rows, uncompleted).
+    Stopped (SIGTERM, Ctrl-C) or failed, it leaves the results file as the workers' ``keep`` last wrote it."""
     threads = benchmark.threads(args)
-    if "RANK" in os.environ:
-        with distributed(args.backend, args.timeout, _device_flag(args)) as ctx, _threads(threads):
-            env = benchmark.environment(environment(ctx.backend, ctx.device, ctx.world_size), args)
-            print0(_header(benchmark, env, args))
-            rows = benchmark.worker(ctx, args)
-        if not ctx.is_master:
-            return rows
-        device = ctx.device
-    else:
-        backend, device_type = placement(args.backend, _device_flag(args))
-        device = torch.device(device_type)
-        sizes = list(benchmark.world_sizes(args))
-        measured = environment(backend, device, max(sizes, default=1), threads=threads, procs=sizes)
-        env = benchmark.environment(measured, args)
-        print(_header(benchmark, env, args), flush=True)
-        rows = []
-        for world_size in progress(sizes, desc="process counts") if len(sizes) > 1 else sizes:
-            rows += _world(benchmark, args, world_size, backend, device_type, threads)
-    with _threads(threads):
-        rows += benchmark.local(args, device)
-    rows = benchmark.complete(rows, env, args)
-    finish(benchmark, rows, env, args)
+    with _stopped_cleanly(), _keeping(benchmark, args) as kept:
+        if "RANK" in os.environ:
+            with distributed(args.backend, args.timeout, _device_flag(args)) as ctx, _threads(threads):
+                env = benchmark.environment(environment(ctx.backend, ctx.device, ctx.world_size), args)
+                print0(_header(benchmark, env, args))
+                if ctx.is_master:
+                    kept(env, [])
+                rows = benchmark.worker(ctx, args)
+            if not ctx.is_master:
+                return rows
+            device = ctx.device
+        else:
+            backend, device_type = placement(args.backend, _device_flag(args))
+            device = torch.device(device_type)
+            sizes = list(benchmark.world_sizes(args))
+            measured = environment(backend, device, max(sizes, default=1), threads=threads, procs=sizes)
+            env = benchmark.environment(measured, args)
+            print(_header(benchmark, env, args), flush=True)
+            rows = []
+            for world_size in progress(sizes, desc="process counts") if len(sizes) > 1 else sizes:
+                kept(env, rows)
+                rows += _world(benchmark, args, world_size, backend, device_type, threads)
+        kept(env, rows)
+        with _threads(threads):
+            rows += benchmark.local(args, device)
+        rows = benchmark.complete(rows, env, args)
+        finish(benchmark, rows, env, args)
     return rows
+
+
+# --------------------------------------------------------------------------- rows kept as they are measured
+
+# Where a worker's ``keep`` writes: "<rows of earlier process counts in the file>:<path>", set by ``run`` (its
+# workers inherit it); unset, nothing is kept.
+KEEP_ENV = "DPKIT_KEEP_RESULTS"
+
+
+def keep(ctx, rows: list[dict]) -> None:
+    """Rank 0, after each configuration, with every row its world has measured so far: the results file
+    (``--json``) rewritten with the rows of earlier process counts and these, ``"complete": false``. Other
+    ranks, and a run without ``--json``: nothing. Not a collective: the other ranks go on at once."""
+    where = os.environ.get(KEEP_ENV)
+    if not where or ctx.rank != 0:
+        return
+    before, path = where.split(":", 1)
+    doc = read_results(path)
+    write_results(path, doc["benchmark"], doc["env"], doc["config"], doc["results"][:int(before)] + rows,
+                  complete=False)
+
+
+@contextmanager
+def _keeping(benchmark: Benchmark, args: argparse.Namespace):
+    """``kept(env, rows)``: the results file written incomplete with ``rows`` (those of the process counts
+    done), and ``KEEP_ENV`` pointing the next workers at it; the variable as it was afterwards. Without
+    ``--json`` both do nothing. On a failure, a note of what the file keeps."""
+    path = getattr(args, "json", None)
+    before = os.environ.pop(KEEP_ENV, None)  # never a file of an enclosing run
+
+    def kept(env: dict, rows: list[dict]) -> None:
+        if path:
+            write_results(path, benchmark.name, env, config(benchmark, args), rows, complete=False)
+            os.environ[KEEP_ENV] = f"{len(rows)}:{os.path.abspath(path)}"
+
+    try:
+        yield kept
+    except BaseException:
+        if path and KEEP_ENV in os.environ and os.path.exists(path):
+            doc = read_results(path)
+            if not doc["complete"]:
+                count = len(doc["results"])
+                print(f"\n{path} keeps the {count} row{'s' * (count != 1)} measured before the stop, marked "
+                      "incomplete", file=sys.stderr, flush=True)
+        raise
+    finally:
+        os.environ.pop(KEEP_ENV, None)
+        if before is not None:
+            os.environ[KEEP_ENV] = before
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived: raised in the main thread so that every ``finally`` runs (``launch`` stops its workers)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(signum)
+
+
+@contextmanager
+def _stopped_cleanly():
+    """SIGTERM (``timeout``, a batch system, torchrun stopping its workers) unwinds like Ctrl-C does, and both
+    end the process with the shell's status for the signal (128 + its number). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        raise SystemExit(128 + signum) from stop
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _world(benchmark: Benchmark, args: argparse.Namespace, world_size: int, backend: str, device: str,

@@ -1,10 +1,11 @@
 """Results: the environment header, the one JSON layout all our benchmarks share, and tables.
 
 Every script prints ``format_environment(environment(...))`` before it measures, and writes
-``{schema, benchmark, env, config, results: [row, ...], targets: [check, ...]}`` with
+``{schema, benchmark, complete, env, config, results: [row, ...], targets: [check, ...]}`` with
 ``write_results`` (times in seconds, memory in bytes, rows flat; ``targets`` holds the verdicts
-the benchmark computed where it measured, which the README and the report read as they are). ``read_results`` refuses any other layout, naming the
-schema it expected. ``write_durably`` is how every file we produce is written (results,
+the benchmark computed where it measured, which the README and the report read as they are;
+``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
+``read_results`` refuses any other layout, naming the schema it expected. ``write_durably`` is how every file we produce is written (results,
 checkpoints, the executed notebook): whole or not at all, flushed to the disk.
 """
 
@@ -94,16 +95,17 @@ def format_environment(env: dict) -> str:
 
 
 def write_results(path: str, benchmark: str, env: dict, config: dict, rows: list[dict],
-                  targets: list[dict] | None = None) -> None:
-    """Write the shared JSON layout: ``{schema, benchmark, env, config, results: [row, ...], targets: [...]}``.
+                  targets: list[dict] | None = None, complete: bool = True) -> None:
+    """Write the shared JSON layout: ``{schema, benchmark, complete, env, config, results: [...], targets: [...]}``.
 
     Rows are flat dicts; times are in seconds and memory in bytes. ``targets``: the benchmark's
     target checks with their verdicts (each a flat dict with ``target``, ``limit``, ``ratio`` and
-    ``verdict``), stored where they were computed. Written with ``write_durably``: a reader never
-    sees half a file, and a failure leaves the old one.
+    ``verdict``), stored where they were computed. ``complete=False``: the rows of the configurations
+    a run has finished so far, as measured (no derived rows, no targets). Written with
+    ``write_durably``: a reader never sees half a file, and a failure leaves the old one.
     """
-    doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "env": env, "config": config, "results": rows,
-           "targets": targets or []}
+    doc = {"schema": RESULTS_SCHEMA, "benchmark": benchmark, "complete": complete, "env": env, "config": config,
+           "results": rows, "targets": targets or []}
     text = json.dumps(doc, indent=1, default=_jsonable) + "\n"  # an unserialisable row fails before any file is touched
     write_durably(path, lambda f: f.write(text.encode()))
 
@@ -131,9 +133,11 @@ def write_durably(path: str, write) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    except Exception as error:
+    except BaseException as error:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if not isinstance(error, Exception):  # Ctrl-C, a stop signal: no temporary file left, the stop goes on
+            raise
         raise OSError(f"could not write {path} ({type(error).__name__}: {error}); it is unchanged and no temporary "
                       f"file is left. Check the free space and the permissions of {directory}, or write elsewhere.") from error
 
@@ -147,13 +151,23 @@ def _jsonable(value):
 
 
 def read_results(path: str) -> dict:
-    """Read a file written by ``write_results``, refusing other layouts."""
+    """Read a file written by ``write_results``, refusing other layouts. Complete or not, it is returned with
+    ``complete`` set: a file written before that field existed was written whole, at the end of its run."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
         raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (it says schema={doc.get('schema')!r}): "
                          "re-run the command that wrote it (results/manifest.json lists each file's command)")
+    doc.setdefault("complete", True)
     return doc
+
+
+def incomplete_note(doc: dict) -> str:
+    """What to say of a stopped run's file (empty for a complete one): its rows are what it finished."""
+    if doc.get("complete", True):
+        return ""
+    return (f"incomplete run: {doc['benchmark']} was stopped; {len(doc['results'])} rows of the configurations it "
+            "finished, no targets")
 
 
 def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:

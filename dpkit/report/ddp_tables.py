@@ -11,7 +11,7 @@ percentiles per row, and the diff of two runs row by row.
 from __future__ import annotations
 
 from dpkit.bench.measure import percentile
-from dpkit.bench.results import check_comparable, config_differences
+from dpkit.bench.results import check_comparable, config_differences, incomplete_note
 PERCENTILES = (50, 75, 90, 95)  # the benchmark table (seed 004)
 DIFF_PERCENTILES = (75, 95)  # the diff table (seed 004)
 
@@ -100,6 +100,8 @@ def format_diff(base: dict, test: dict) -> str:
         raise ValueError("the two runs measured nothing in common (no row has the same model, batch, input, world "
                          "size and variant in both); their settings differ in:\n  " + "\n  ".join(differences))
     lines = _header_lines(base, test)
+    lines += [f"{which}: {incomplete_note(doc)}" for which, doc in (("baseline", base), ("test", test))
+              if incomplete_note(doc)]
     blocks: dict[tuple, list[dict]] = {}
     for d in diffs:
         blocks.setdefault((d["model"], d["batch_size"], d["input"]), []).append(d)
