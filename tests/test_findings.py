@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from dpkit.bench.results import read_results
-from dpkit.report import findings, paths, summary
+from dpkit.report import findings, paths, sentences, summary
 import run_experiments
 
 
@@ -156,3 +156,77 @@ def test_the_suite_times_come_from_a_file_a_command_wrote(tmp_path, monkeypatch)
 @pytest.mark.parametrize("flag", ["--suite", "--summary"])
 def test_run_experiments_takes_its_flags(flag):
     assert getattr(run_experiments.parse_args([flag]), flag[2:]) is True
+
+
+# --------------------------------------------------------------------------- the sentences made of them
+
+
+def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
+    table = "| bucketed 25M [shm] | 0.1 |\n| pytorch-best 25M [shm-thread] | 0.2 |\n| fsdp pytorch [shm] | 0.3 |"
+    assert paths.label(table) == ("| bucketed 25M [shm, zero copy] | 0.1 |\n| pytorch-best 25M [shm-thread, staged] | 0.2 |\n"
+                                  "| fsdp pytorch [shm, zero copy] | 0.3 |")
+    assert paths.label("ours [shm] / (BatchNorm1d + 2 all_reduce) [shm]", {"benchmark": "syncbn_benchmark"}) == \
+        "ours [shm, staged] / (BatchNorm1d + 2 all_reduce) [shm, staged]"
+    assert paths.label("naive [shm] waits; ddp pytorch [shm] too") == "naive [shm, staged] waits; ddp pytorch [shm, staged] too"
+    assert paths.label("[torch] only") == "[torch] only"
+
+
+def allreduce_doc(world=2, cpus=2):
+    rows = [{"algorithm": "ring", "world_size": world, "numel": n, "vs_torch": m, "vs_torch_ci_low": lo,
+             "vs_torch_ci_high": hi, "max_abs_error": 1e-7} for n, m, lo, hi in
+            ((1000, 2.61, 1.49, 3.30), (10000, 2.05, 1.41, 2.35), (100000, 2.61, 1.19, 4.34))]
+    return {"env": {"device_model": "AMD EPYC", "cpus": cpus, "device": "cpu"}, "results": rows}
+
+
+def test_the_allreduce_commentary_gives_paired_ratios_and_no_trend_its_intervals_do_not_resolve():
+    text = sentences.allreduce_commentary(allreduce_doc())
+    assert "at 2 processes ring / torch (paired by round, 95 % interval) shows no trend from end to end" in text
+    assert "2.61 [1.49, 3.30] at 1,000, 2.05 [1.41, 2.35] at 10,000 and 2.61 [1.19, 4.34] at 100,000" in text
+    assert "rises" not in text
+    assert "at 2 processes" not in sentences.allreduce_commentary(allreduce_doc(world=4))  # oversubscribed on 2 cores
+
+
+def syncbn_doc(floor_low):
+    why = ("32x1024 [torch]: ours 1.40x [0.94, 1.80] the reference, inconclusive; more. The floor alone is above 1.3x: "
+           "no layer written as a Python autograd.Function meets it here. Cut at its two sums, more.")
+    size = {"batch": 32, "hidden": 1024, "transport": "torch", "dtype": "float32", "setting": "workers"}
+    floor = {"kind": "ratio", "impl": sentences.FLOOR, **size, "median": 1.34, "ci_low": floor_low, "ci_high": 1.64,
+             "rounds": 12}
+    row = {"kind": "ratio", "impl": "ours", **size, "target": 1.3, "why": why}
+    return {"results": [floor, row]}, row
+
+
+def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
+    doc, row = syncbn_doc(floor_low=1.05)
+    text = sentences.syncbn_why(doc, row)
+    assert "The floor alone is above" not in text and text.endswith("Cut at its two sums, more.")
+    assert "The floor's interval (1.34x [1.05, 1.64]) holds 1.3x: whether the floor alone misses it is inconclusive." in text
+    doc, row = syncbn_doc(floor_low=1.31)
+    assert "The floor alone is above 1.3x (1.34x [1.31, 1.64])" in sentences.syncbn_why(doc, row)
+    assert sentences.syncbn_why(doc, {**row, "why": "no floor claim"}) == "no floor claim"
+
+
+def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
+    env = {"cpus": 2, "device": "cpu"}
+    checks = [{"target": "ddp ours [shm] / ddp pytorch [shm]", "axis": "engine", "numerator": "ddp ours [shm]",
+               "denominator": "ddp pytorch [shm]", "world_size": world, "limit": 1.0, "verdict": "met",
+               "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
+    text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
+    assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left out")
+    assert text.endswith("* transport, time: 1 met, 0 missed, 0 inconclusive of 1")  # zero copy / staged
+
+
+def test_collective_targets_show_the_other_runs_verdict_of_the_same_comparison():
+    doc = {"env": {"cpus": 2, "device": "cpu"}, "targets": [
+        {"label": "auto", "axis": "algorithm", "world_size": 2, "bytes": 4000, "limit": 1.1, "verdict": "met",
+         "ratio": ratio(0.69, 0.55, 0.80), "text": "target auto <= 1.10x torch, 2 processes, 4000B: 0.69x met"},
+        {"label": "auto", "axis": "algorithm", "world_size": 4, "bytes": 4000, "limit": 1.1, "verdict": "met",
+         "ratio": ratio(0.3, 0.2, 0.4), "text": "target auto at 4", "oversubscribed": True}]}
+    homework = {"config": {"dtype": "float32"}, "targets": [
+        {"target": "auto / torch", "world_size": 2, "numel": 1000, "limit": 1.1, "verdict": "inconclusive",
+         "ratio": ratio(1.09, 0.76, 1.98, rounds=20)}]}
+    lines = sentences.collective_targets(doc, homework)
+    assert "per axis and kind: algorithm, time: 1 met, 0 missed, 0 inconclusive of 1:" in lines[1]
+    assert ("* target auto <= 1.10x torch, 2 processes, 4000B: 0.69x met (`allreduce.py`, another run of this "
+            "comparison, 20 rounds: 1.09x [0.76, 1.98] inconclusive)") in lines
+    assert lines[-1] == "* target auto at 4"  # oversubscribed: shown apart, not counted

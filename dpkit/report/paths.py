@@ -22,35 +22,50 @@ import re
 
 ZERO_COPY, STAGED = "zero copy", "staged"
 SHM = re.compile(r"\[(shm(?:-thread)?)\]")
-# Engines (a label's words before its bracket begin so) that hand the transport tensors it did not allocate.
-STAGED_ENGINES = ("pytorch", "ddp pytorch", "naive")
+# A bracket with up to three words before it: the label it closes, in a table cell or a sentence.
+LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shm(?:-thread)?)\]")
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # every sum of a SyncBatchNorm row is of a tensor the layer made
+ZERO_COPY_PYTORCH = ("fsdp", "zero", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
 
 
-def _row(label: str, doc: dict | None) -> dict | None:
-    return next((r for r in (doc or {}).get("results", []) if r.get("label", r.get("variant")) == label), None)
+def _engine_path(words: list[str]) -> str:
+    """The path the code fixes for a label's words: PyTorch's DDP ("pytorch", "pytorch-best 25M", "ddp pytorch")
+    and our naive DDP (each gradient as it is) are staged; every other engine allocates through the transport."""
+    for i in range(len(words) - 1, max(-1, len(words) - 3), -1):
+        if words[i] == "naive" or (words[i].startswith("pytorch") and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
+            return STAGED
+    return ZERO_COPY
+
+
+def _row_path(words: list[str], bracket: str, doc: dict | None) -> str | None:
+    """The path a row of ``doc`` says it took (a staging block: staged), for the longest label these words end."""
+    rows = {r.get("label"): r for r in (doc or {}).get("results", []) if r.get("transport_staging_bytes") is not None}
+    for k in range(len(words), 0, -1):
+        row = rows.get(f"{' '.join(words[-k:])} [{bracket}]")
+        if row is not None:
+            return STAGED if row["transport_staging_bytes"] > 0 else ZERO_COPY
+    return None
 
 
 def path(label: str, doc: dict | None = None) -> str | None:
     """"zero copy", "staged", or None for a label on no shared memory."""
     if ZERO_COPY in label or STAGED in label:
         return ZERO_COPY if ZERO_COPY in label else STAGED
-    if not SHM.search(label):
+    found = SHM.search(label)
+    if not found:
         return None
-    row = _row(label, doc)
-    if row is not None and row.get("transport_staging_bytes") is not None:
-        return STAGED if row["transport_staging_bytes"] > 0 else ZERO_COPY
     if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
         return STAGED
-    engine = label.split(" [")[0]
-    return STAGED if any(engine == e or engine.startswith(e + " ") or engine.startswith(e + "-")
-                         for e in STAGED_ENGINES) else ZERO_COPY
+    words = label[:found.start()].split()[-3:]
+    return _row_path(words, found.group(1), doc) or _engine_path(words)
 
 
 def label(text: str, doc: dict | None = None) -> str:
-    """``text`` (a label, or labels joined by " / ") with each [shm] or [shm-thread] naming its path."""
-    parts = text.split(" / ")
-    return " / ".join(SHM.sub(lambda m: f"[{m.group(1)}, {path(p, doc)}]", p) if path(p, doc) else p for p in parts)
+    """``text`` (a label, a table, a sentence) with each [shm] or [shm-thread] naming its path."""
+    def named(m):
+        return f"{m.group(1)}[{m.group(2)}, {path(m.group(0), doc)}]"
+
+    return LABELLED.sub(named, text)
 
 
 def sides(check: dict) -> tuple[str, str]:
