@@ -305,3 +305,11 @@ def test_the_block_refuses_results_measured_on_different_device_types():
     summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": CPU_ENV}, "manifest": {}})
     with pytest.raises(ValueError, match=r"results/ mixes devices \(ddp_headline: cuda, syncbn: cpu\)"):
         summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": GPU_ENV}})
+
+
+def test_the_machine_is_named_from_each_files_environment_and_two_cpus_are_not_named_as_one():
+    epyc = {"device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
+    xeon = {**epyc, "device_model": "Intel Xeon"}
+    assert summary.machines({"a": {"env": epyc}, "b": {"env": epyc}, "manifest": {}}) == "AMD EPYC (2 cores, no GPU), gloo"
+    assert summary.machines({"a": {"env": epyc}, "b": {"env": xeon}}) == \
+        "AMD EPYC (2 cores, no GPU), gloo (`a.json`); Intel Xeon (2 cores, no GPU), gloo (`b.json`)"

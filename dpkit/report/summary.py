@@ -333,7 +333,7 @@ def render(results_dir: Path, producers: dict[str, str]) -> str:
     env = docs["ddp_benchmark"]["env"]
     check_one_device(docs)
     manifest = _load(results_dir, "manifest", producers)
-    lines += ["", f"Measured on {hardware(env)}, torch {env['torch']}; commit {env['git_commit']}. Ratios: "
+    lines += ["", f"Measured on {machines(docs)}, torch {env['torch']}; commit {env['git_commit']}. Ratios: "
                   f"{interval_note(docs)}; {report_scope(results_dir, manifest)}", *run_time_lines(manifest),
               *suite_lines(read_results(str(results_dir / "suite.json")) if (results_dir / "suite.json").exists()
                            else None), "", END]
@@ -381,6 +381,18 @@ def hardware(env: dict) -> str:
         return (f"{env['device_model']} (GPU{memory}, {env.get('gpus', 1)} visible, CUDA {env.get('cuda')}, "
                 f"NCCL {env.get('nccl')}), {env['backend']}")
     return f"{env['device_model']} ({env['cpus']} cores, no GPU), {env['backend']}"
+
+
+def machines(docs: dict[str, dict]) -> str:
+    """The machine of every file, from its environment header: one ``hardware`` fragment when all agree, else
+    each with the files measured on it (two CPUs are never named as one)."""
+    by_machine: dict[str, list[str]] = {}
+    for name, doc in docs.items():
+        if doc.get("env", {}).get("device_model"):
+            by_machine.setdefault(hardware(doc["env"]), []).append(name)
+    if len(by_machine) == 1:
+        return next(iter(by_machine))
+    return "; ".join(f"{machine} ({', '.join(f'`{n}.json`' for n in names)})" for machine, names in by_machine.items())
 
 
 def check_one_device(docs: dict[str, dict]) -> None:
