@@ -7,7 +7,9 @@ no comparison in either is typed by hand.
 Each function reads rows in the layout of ``dpkit.bench.results`` and returns numbers, rows or a short
 fragment; the caller composes the sentence and names hardware, transport and denominator. A run with more
 processes than CPU cores (``oversubscribed``) never enters a count, and an interval over fewer than
-``MIN_BOOTSTRAP_ROUNDS`` rounds is called the range of those rounds, not a 95 % interval. Nothing here
+``MIN_BOOTSTRAP_ROUNDS`` rounds is called the range of those rounds, not a 95 % interval. Words follow the
+intervals: "above" or "below" a target only where the whole interval is (``position``), a trend only where
+intervals are apart (``trend``), and counts per axis and kind, without one-process runs (``tally``). Nothing here
 imports matplotlib: README's block is rendered from these functions too.
 """
 
