@@ -5,6 +5,7 @@
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
     python run_experiments.py --summary           # rewrite README.md's headline block from results/
+    python run_experiments.py --suite             # time `python -m pytest` and `-m slow` into results/suite.json
 
 Each experiment is one command of this repository's own scripts, run as a subprocess with
 a time limit; its JSON (the shared layout of ``results.write_results``) goes to
@@ -210,6 +211,35 @@ def execute_report(out: Path, timeout_s: float) -> None:
     write_durably(str(path), lambda f: f.write((text if text.endswith("\n") else text + "\n").encode()))
 
 
+# The test suite's two commands (README's, and CI's slow run), timed by --suite.
+SUITE = (("-m", "pytest", "-q", "-p", "no:cacheprovider"), ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow"))
+
+
+def outcome(log_path: Path) -> str:
+    """pytest's closing summary ("2177 passed, 36 skipped in ..."), without its time, from the log."""
+    lines = [line.strip(" =\n") for line in log_path.read_text().splitlines() if " in " in line and (
+        "passed" in line or "failed" in line or "error" in line)]
+    return lines[-1].rsplit(" in ", 1)[0] if lines else "no pytest summary line"
+
+
+def time_suite(out: Path, timeout_s: float) -> int:
+    """Run the test suite's commands one after the other and write their times, exit codes and outcomes, with
+    this machine's environment, to ``<out>/suite.json``: the source of the suite's time in README."""
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env, rows = environment("-", "cpu", 1), []
+    for i, args in enumerate(SUITE):
+        command, log = [sys.executable, *args], out / "logs" / f"suite_{i}.log"
+        try:
+            code, seconds = run_one(command, log, timeout_s)
+        except ExperimentTimeout:
+            code, seconds = -9, timeout_s
+        rows.append({"command": shown(command).replace(" -q -p no:cacheprovider", ""), "exit_code": code,
+                     "seconds": seconds, "outcome": outcome(log) if code != -9 else f"killed after {timeout_s:g} s"})
+    write_results(str(out / "suite.json"), "run_experiments --suite", env, {"commands": [shown([sys.executable, *a]) for a in SUITE]}, rows)
+    print("\n" + markdown_table(rows, [("command", "command", "s"), ("seconds", "seconds", ".0f"), ("outcome", "outcome", "s")]))
+    return 0 if all(r["exit_code"] == 0 for r in rows) else 1
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small settings: minutes, not hours (README gives the time per CPU) (default: off)")
@@ -223,6 +253,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--summary", action="store_true",
                         help="run nothing: render README.md's headline block from --out (also done after every "
                              "successful --report run) (default: off)")
+    parser.add_argument("--suite", action="store_true",
+                        help="run no experiment: time `python -m pytest` and `python -m pytest -m slow` and write "
+                             "<out>/suite.json, the source of the suite's time in README (default: off)")
     args = parser.parse_args(argv)
     if args.timeout is None:
         args.timeout = 900.0 if args.quick else 86400.0
@@ -238,6 +271,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if args.summary:
         return write_summary(out)
+    if args.suite:
+        return time_suite(out, args.timeout)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = environment("-", "cpu", 1)
     print(format_environment(env), flush=True)

@@ -246,12 +246,17 @@ def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport
     figure = plots.ddp_variants(doc(rows))
     sweep, bars = figure.axes[:2]
     series = {c.get_label(): c.lines[0] for c in sweep.containers if isinstance(c, ErrorbarContainer)}
-    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shm]", "bucketed [shm]"]
-    assert list(series["bucketed [shm]"].get_ydata()) == pytest.approx([0.12, 0.112])  # 1M, then 25M: one transport
+    # on shared memory each series names its path: PyTorch's DDP through the hook is staged, ours zero copy
+    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shm, staged]",
+                            "bucketed [shm, zero copy]"]
+    shm = series["bucketed [shm, zero copy]"]
+    assert list(shm.get_ydata()) == pytest.approx([0.12, 0.112])  # 1M, then 25M: one transport
     assert list(series["bucketed [torch]"].get_ydata()) == pytest.approx([0.15, 0.14])
-    assert series["bucketed [shm]"].get_color() == series["bucketed [torch]"].get_color()  # the implementation's
-    assert {series["bucketed [torch]"].get_linestyle(), series["bucketed [shm]"].get_linestyle()} == {"-", "--"}
-    assert [t.get_text() for t in bars.get_yticklabels()] == [r["label"] for r in rows]
+    assert shm.get_color() == series["bucketed [torch]"].get_color()  # the implementation's
+    assert {series["bucketed [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
+    assert [t.get_text() for t in bars.get_yticklabels()] == [
+        r["label"].replace("[shm]", "[shm, staged]" if r["variant"] == "pytorch-best" else "[shm, zero copy]")
+        for r in rows]
 
 
 def test_ddp_variants_mark_oversubscribed_rows():

@@ -134,14 +134,11 @@ def test_two_runs_verdicts_are_compared_on_the_same_comparison_only():
     assert [(c["verdict"], o["verdict"]) for c, o in differ] == [("met", "inconclusive")]
 
 
-def test_a_series_trend_and_text_follow_its_points_in_x_order():
-    assert findings.trend([(10_000, 1.37), (1_000, 1.39), (100_000, 3.28)]) == "rises"  # a dip, then the largest last
-    assert findings.trend([(1, 3.0), (2, 2.0), (3, 1.0)]) == "falls"
-    assert findings.trend([(1, 1.0), (2, 3.0), (3, 2.0)]) == "varies"
-    assert findings.trend([(1, 1.0)]) == "varies"
+def test_a_series_text_follows_its_points_in_x_order_with_their_intervals():
     assert findings.series_text([(10_000, 1.37), (1_000, 1.39), (100_000, 3.28)]) == \
         "1.39 at 1,000, 1.37 at 10,000 and 3.28 at 100,000"
     assert findings.series_text([(2, 0.5)], "d", ".1f") == "0.5 at 2"
+    assert findings.series_text([(2, 1.8, 1.49, 3.3), (1, 1.0, 0.9, 1.1)], "d") == "1.00 [0.90, 1.10] at 1 and 1.80 [1.49, 3.30] at 2"
 
 
 def test_growth_is_from_one_world_size_to_another_of_one_label():

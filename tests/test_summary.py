@@ -103,10 +103,15 @@ CHECKS = [
 ]
 
 
+# (label, peak bytes, staging bytes): the staged rows hold a staging block, the zero-copy ones none.
+ROWS = [("no ddp", 5000, 0), ("pytorch-best 25M [torch]", 6000, 0), ("pytorch-best 25M [shm]", 6000, 1000),
+        ("bucketed 25M [torch]", 5000, 0), ("bucketed 25M [shm]", 5000, 0), ("bucketed 25M [shm-thread]", 5000, 0),
+        ("naive [torch]", 5000, 0), ("naive [shm]", 5500, 500)]
+
+
 def headline_doc(checks=CHECKS):
-    rows = [{"model": "resnet18", "world_size": 2, "label": label, "batch_size": 16}
-            for label in ("no ddp", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "bucketed 25M [torch]",
-                          "bucketed 25M [shm]", "bucketed 25M [shm-thread]", "naive [torch]", "naive [shm]")]
+    rows = [{"model": "resnet18", "world_size": 2, "label": label, "batch_size": 16, "peak_bytes": peak,
+             "transport_staging_bytes": staging} for label, peak, staging in ROWS]
     return {"config": {"rounds": 15}, "results": rows, "targets": checks}
 
 
@@ -114,38 +119,44 @@ def lines_of(lines, start):
     return [line for line in lines if line.startswith(start)]
 
 
-def test_ddp_lines_state_each_stored_check_on_its_axis():
+def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_row_its_path():
     lines = summary.ddp_lines(headline_doc(), {})
     assert lines[0].startswith("- **DDP** (`ddp_benchmark.py`, resnet18, batch 16 per rank, 2 processes, 15 rounds;")
-    engine = lines_of(lines, "  - engine, one transport: ")
-    assert engine == [
-        "  - engine, one transport: bucketed 25M [torch] / pytorch-best 25M [torch]: 1.10x [1.05, 1.15] "
-        "(target <= 1.00x): **missed**; peak memory 0.9000x (one measurement) (target <= 1.00x: **met**)",
-        "  - engine, one transport: bucketed 25M [shm] / pytorch-best 25M [shm]: 0.96x [0.90, 1.02] "
-        "(target <= 1.00x): **inconclusive**; peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**)"]
+    assert lines_of(lines, "  - engine, one path: ") == [
+        "  - engine, one path: bucketed 25M [torch] / pytorch-best 25M [torch]: 1.10x [1.05, 1.15] "
+        "(target <= 1.00x): **missed**; peak memory 0.9000x (one measurement) (target <= 1.00x: **met**)"]
+    # our DDP's buckets are the transport's (zero copy), PyTorch's DDP is copied in through the hook (staged):
+    # a comparison of the two paths, on the transport axis, its memory ratio holding the staging block
+    assert lines_of(lines, "  - transport and engine (zero copy / staged): ") == [
+        "  - transport and engine (zero copy / staged): bucketed 25M [shm, zero copy] / pytorch-best 25M [shm, staged]: "
+        "0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; peak memory 1.2000x (one measurement) "
+        "(target <= 1.00x: **missed**), the reference's peak holding the staged path's copy (1,000 B: the whole difference)"]
     assert lines_of(lines, "  - transport, one engine: ") == [
-        "  - transport, one engine: pytorch-best 25M [shm] / pytorch-best 25M [torch]: 0.80x [0.75, 0.85] "
+        "  - transport, one engine: pytorch-best 25M [shm, staged] / pytorch-best 25M [torch]: 0.80x [0.75, 0.85] "
         "(target <= 0.95x): **met**"]
     assert lines_of(lines, "  - overhead, ") == [
-        "  - overhead, against no DDP at all: bucketed 25M [shm] / no ddp: 1.30x [1.20, 1.40] (target <= 1.15x): "
-        "**missed**"]
+        "  - overhead, against no DDP at all: bucketed 25M [shm, zero copy] / no ddp: 1.30x [1.20, 1.40] "
+        "(target <= 1.15x): **missed**"]
     assert lines_of(lines, "  - overlap, asynchronous transports: ") == [
-        "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: bucketed 25M [torch] "
-        "0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shm-thread] 0.40x [0.30, 0.60] "
-        "(target <= 0.50x: **inconclusive**)"]
+        "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: bucketed 25M [torch] / "
+        "naive [torch] 0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shm-thread, zero copy] / "
+        "naive [shm, staged] 0.40x [0.30, 0.60] (target <= 0.50x: **inconclusive**)"]
     text = "\n".join(lines)
     assert "cnn-only" not in text and "[oversubscribed]" not in text  # only resnet18, 2 ranks, not oversubscribed
-    assert len(lines) == 1 + 2 + 2 + 3 + 1
+    assert "[shm]" not in text and "[shm-thread]" not in text, "every shared-memory row names its path"
+    assert len(lines) == 1 + 1 + 1 + 1 + 1 + 3 + 1  # header, one per comparison, 3 thread lines, the exposed waits
 
 
 def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says():
     lines = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")
     assert len(lines) == 3
     slower, faster, neither = lines
-    assert slower.startswith("  - overlap: bucketed 25M [shm-thread] / bucketed 25M [shm]: 1.20x [1.10, 1.30], slower:")
-    assert faster.startswith("  - overlap: overlap [shm-thread] / overlap [shm]: 0.80x [0.70, 0.90], faster:")
+    assert slower.startswith("  - overlap: bucketed 25M [shm-thread, zero copy] / bucketed 25M [shm, zero copy]: "
+                             "1.20x [1.10, 1.30], slower:")
+    assert faster.startswith("  - overlap: overlap [shm-thread, zero copy] / overlap [shm, zero copy]: 0.80x [0.70, 0.90], "
+                             "faster:")
     # [1.00, 1.10] holds 1: neither, however the median leans
-    assert neither.startswith("  - overlap: bucketed 1M [shm-thread] / bucketed 1M [shm]: 1.05x [1.00, 1.10], "
+    assert neither.startswith("  - overlap: bucketed 1M [shm-thread, zero copy] / bucketed 1M [shm, zero copy]: 1.05x [1.00, 1.10], "
                               "neither faster nor slower")
     # the same checks, the data reversed: the sentences follow
     flipped = [{**c, "ratio": ratio(1 / c["ratio"]["median"], 1 / c["ratio"]["ci_high"], 1 / c["ratio"]["ci_low"])}
@@ -174,7 +185,10 @@ def training_doc(transport, val_acc, step_s):
 def test_training_line_says_whether_both_runs_used_the_same_transport():
     same = summary.training_lines(training_doc("shared_memory", 0.253, 0.30), training_doc("shared_memory", 0.251, 0.25))
     assert len(same) == 1
-    assert "both on the same transport (shared_memory;" in same[0] and "different" not in same[0]
+    assert "both on shared memory, ours zero copy" in same[0] and "PyTorch's DDP staged" in same[0]
+    assert "compare engine and path together" in same[0] and "different" not in same[0]
+    gloo = summary.training_lines(training_doc("torch", 0.25, 0.2), training_doc("torch", 0.25, 0.2))[0]
+    assert "both on the same transport (torch)" in gloo
     assert "validation accuracy 25.3 % with our DDP" in same[0] and "25.1 % with PyTorch's DDP" in same[0]
     assert "median time per optimizer step 1.20x PyTorch's" in same[0]
     different = summary.training_lines(training_doc("shared_memory", 0.25, 0.2), training_doc("torch", 0.25, 0.4))[0]
@@ -237,9 +251,10 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
         {"kind": "target", "name": "workers [shm]: peak_bytes of ours <= BatchNorm1d's at every size", "verdict": "met",
          "sizes": 2, "sizes_met": 2}]}
     header, target, memory = summary.syncbn_lines(doc)
-    assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32):")
-    assert target == "  - workers [shm]: peak_bytes of ours <= BatchNorm1d's at every size: 2 of 2 sizes met, **met**"
-    assert memory == ("  - workers [shm], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to 2.10x, "
+    assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32; "
+                           "[shm, staged]: this host's shared memory, each sum's small tensor copied in and out):")
+    assert target == "  - workers [shm, staged]: peak_bytes of ours <= BatchNorm1d's at every size: 2 of 2 sizes met, **met**"
+    assert memory == ("  - workers [shm, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to 2.10x, "
                       "saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
 
 
@@ -302,3 +317,11 @@ def test_the_block_refuses_results_measured_on_different_device_types():
     summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": CPU_ENV}, "manifest": {}})
     with pytest.raises(ValueError, match=r"results/ mixes devices \(ddp_headline: cuda, syncbn: cpu\)"):
         summary.check_one_device({"syncbn": {"env": CPU_ENV}, "ddp_headline": {"env": GPU_ENV}})
+
+
+def test_the_machine_is_named_from_each_files_environment_and_two_cpus_are_not_named_as_one():
+    epyc = {"device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
+    xeon = {**epyc, "device_model": "Intel Xeon"}
+    assert summary.machines({"a": {"env": epyc}, "b": {"env": epyc}, "manifest": {}}) == "AMD EPYC (2 cores, no GPU), gloo"
+    assert summary.machines({"a": {"env": epyc}, "b": {"env": xeon}}) == \
+        "AMD EPYC (2 cores, no GPU), gloo (`a.json`); Intel Xeon (2 cores, no GPU), gloo (`b.json`)"

@@ -214,7 +214,15 @@ def test_a_missed_engine_target_says_per_size_what_is_left_and_why():
     why = engine[128]["why"]
     assert why.startswith("32x128 [shm]: ours 1.50x [1.50, 1.50] the reference, missed; it must lose 20 us of its 50 us")
     assert "+40 us (80 %) is that frame" in why and "+10 us (20 %) ours beyond the floor" in why
-    assert "The floor alone is above 1.3x" in why
+    assert "The floor alone is above 1.3x" in why and engine[128]["floor_verdict"] == "missed"
+    # a floor whose median is above the target but whose rounds go from 1.2x to 1.5x is not called above it
+    noisy = _engine(128, load, SHM, 100 * us, 150 * us)
+    noisy.append(_row(FLOOR, WORKERS, 128, [f * 100 * us * x for f, x in zip([1.2, 1.4, 1.5] * 3, load)], transport=SHM))
+    straddling = next(r for r in ratios(noisy) if r["versus"] == REFERENCE and r["impl"] == OURS)
+    assert straddling["floor_ratio"] > 1.3 and straddling["floor_verdict"] == "inconclusive"
+    assert "The floor alone is above" not in straddling["why"]
+    assert ("The floor's median is above 1.3x, its interval not: whether the floor alone misses is inconclusive."
+            in straddling["why"])
     assert "ours computes 45 us more than the reference per iteration and waits 10 us less in the sums" in why
     assert "The floor is within it: ours beyond the floor (40 us) must shrink by 20 us." in engine[256]["why"]
     lines = "\n".join(attribution_lines(ratios(rows)))

@@ -7,7 +7,9 @@ no comparison in either is typed by hand.
 Each function reads rows in the layout of ``dpkit.bench.results`` and returns numbers, rows or a short
 fragment; the caller composes the sentence and names hardware, transport and denominator. A run with more
 processes than CPU cores (``oversubscribed``) never enters a count, and an interval over fewer than
-``MIN_BOOTSTRAP_ROUNDS`` rounds is called the range of those rounds, not a 95 % interval. Nothing here
+``MIN_BOOTSTRAP_ROUNDS`` rounds is called the range of those rounds, not a 95 % interval. Words follow the
+intervals: "above" or "below" a target only where the whole interval is (``position``), a trend only where
+intervals are apart (``trend``), and counts per axis and kind, without one-process runs (``tally``). Nothing here
 imports matplotlib: README's block is rendered from these functions too.
 """
 
@@ -15,6 +17,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
+
+from dpkit.bench.measure import format_ratio
+from dpkit.report import paths
 
 VERDICTS = ("met", "missed", "inconclusive")
 # A percentile bootstrap over fewer rounds than this gives back little more than the spread of the few values.
@@ -75,25 +80,122 @@ def differing_verdicts(checks: Iterable[dict], others: Iterable[dict], key: Sequ
     return [(c, o) for c, o in paired_checks(checks, others, key) if o.get("verdict") != c.get("verdict")]
 
 
+KINDS = ("time", "memory", "bytes bookkeeping")
+ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kind(check: dict) -> str:
+    """What a check measures: "bytes bookkeeping" (model-state bytes against their ideal: sizes added up, nothing
+    timed), "memory" (a peak, or bytes saved or held, measured once), or "time"."""
+    text = check.get("target") or check.get("name") or ""
+    if "/ ideal" in text:
+        return "bytes bookkeeping"
+    return "memory" if "memory" in text or "_bytes" in text else "time"
+
+
+def single_measurement(check: dict) -> bool:
+    """True when the verdict rests on one measurement: no ratio with an interval over two rounds or more
+    (syncbn_benchmark.py's per-size target rows: their memory is measured once, their times in rounds)."""
+    if check.get("kind") == "target":
+        return kind(check) != "time"
+    ratio = check.get("ratio")
+    return not isinstance(ratio, dict) or (ratio.get("rounds") or 1) < 2 or ratio.get("ci_low") is None
+
+
+def counted(checks: Iterable[dict], env: dict | None) -> list[dict]:
+    """The checks a count rests on: ``countable`` ones of runs that communicate (more than one process; not
+    syncbn_benchmark.py's one-process setting)."""
+    return [c for c in countable(checks, env) if int(c.get("world_size", 2)) > 1 and c.get("setting") != "1 process"]
+
+
+def tally(sources: Iterable[tuple[dict, Iterable[dict]]]) -> list[dict]:
+    """Verdict counts per (axis, kind) over ``(doc, checks)`` pairs, counting only ``counted`` checks, each on
+    ``paths.axis`` (a zero-copy row against a staged one is on the transport axis; bookkeeping on "ideal"): rows of {"axis", "kind",
+    "met", "missed", "inconclusive", "total", "single"} ("single": how many rest on one measurement)."""
+    out: dict[tuple[str, str], dict] = {}
+    for doc, checks in sources:
+        for c in counted(checks, doc.get("env")):
+            axis = "ideal" if kind(c) == "bytes bookkeeping" else paths.axis(c, doc)
+            row = out.setdefault((axis, kind(c)), {"axis": axis, "kind": kind(c), **dict.fromkeys(VERDICTS, 0),
+                                                   "total": 0, "single": 0})
+            row[c["verdict"]] += 1
+            row["total"] += 1
+            row["single"] += single_measurement(c)
+    return sorted(out.values(), key=lambda r: (r["axis"], KINDS.index(r["kind"])))
+
+
+def tally_text(row: dict) -> str:
+    """"engine, time: 14 met, 1 missed, 11 inconclusive of 26" and how many rest on a single measurement."""
+    single = {0: "", row["total"]: ", each on a single measurement"}.get(
+        row["single"], f", {row['single']} of them on a single measurement")
+    return f"{row['axis']}, {row['kind']}: {counts_text([{'verdict': v} for v in VERDICTS for _ in range(row[v])])} " \
+           f"of {row['total']}{single}"
+
+
+def repeated_allreduce(collectives: dict, allreduce: dict) -> list[tuple[dict, dict]]:
+    """(collectives_benchmark.py's check, allreduce.py's check) for each auto / torch comparison both files
+    stored: the same process count, message bytes (allreduce.py's elements times their size) and limit."""
+    size = ITEM_BYTES.get((allreduce.get("config") or {}).get("dtype", "float32"), 4)
+    theirs = {(c["world_size"], c["numel"] * size, c["limit"]): c for c in allreduce.get("targets") or []
+              if c.get("target") == "auto / torch"}
+    pairs = [(c, theirs.get((c.get("world_size"), c.get("bytes"), c.get("limit")))) for c in collectives.get("targets") or []
+             if c.get("label") == "auto" and c.get("axis") == "algorithm"]
+    return [(c, o) for c, o in pairs if o is not None]
+
+
 # --------------------------------------------------------------------------- series
 
 
-def trend(points: Iterable[tuple[float, float]]) -> str:
-    """Which way ``(x, y)`` points go along x: "rises" when the y at the largest x is the largest and above the
-    first, "falls" when it is the smallest and below the first, else "varies" (fewer than two points: "varies")."""
-    ys = [y for _, y in sorted(points)]
-    if len(ys) < 2:
+def position(ratio: dict | None, limit: float) -> str:
+    """Where a ratio's interval lies against ``limit``: "below" (all of it at or under), "above" (all of it over)
+    or "inconclusive" (it holds ``limit``, or there is no interval: a single measurement or none)."""
+    if not ratio or ratio.get("ci_low") is None or ratio.get("ci_high") is None or (ratio.get("rounds") or 2) < 2:
+        return "inconclusive"
+    if ratio["ci_high"] <= limit:
+        return "below"
+    return "above" if ratio["ci_low"] > limit else "inconclusive"
+
+
+def against_pytorch(ratio: dict | None, what: str) -> str:
+    """``what`` (e.g. "ring / torch") as its stored paired ratio with the interval and what the interval says:
+    "ring / torch <median>x [<low>, <high>], slower than PyTorch's"; "no paired ratio stored" without one."""
+    if not ratio or ratio.get("median") is None:
+        return f"{what}: no paired ratio stored"
+    side = position(ratio, 1.0)
+    said = {"below": "faster than PyTorch's", "above": "slower than PyTorch's",
+            "inconclusive": "no difference from PyTorch's resolved (the interval holds 1)"}[side]
+    return f"{what} {format_ratio({'rounds': 2, **ratio})}, {said}"
+
+
+def trend(points: Iterable[tuple[float, float, float]]) -> str:
+    """Which way ``(x, low, high)`` intervals go along x, from pairs whose intervals do not overlap: "rises" when
+    some later point lies wholly above an earlier one and none wholly below, and the last above the first;
+    "falls" the mirror; "varies" when both happen; "unresolved" otherwise (no two intervals apart, the ends'
+    intervals overlapping, or fewer than two points). A series whose intervals overlap is not called flat: overlap shows no difference, not none."""
+    spans = [(low, high) for _, low, high in sorted(points)]
+    up = any(spans[j][0] > spans[i][1] for i in range(len(spans)) for j in range(i + 1, len(spans)))
+    down = any(spans[j][1] < spans[i][0] for i in range(len(spans)) for j in range(i + 1, len(spans)))
+    if up and down:
         return "varies"
-    if ys[-1] > ys[0] and ys[-1] == max(ys):
+    if up and spans[-1][0] > spans[0][1]:
         return "rises"
-    if ys[-1] < ys[0] and ys[-1] == min(ys):
+    if down and spans[-1][1] < spans[0][0]:
         return "falls"
-    return "varies"
+    return "unresolved"  # one resolved step, but the ends' intervals overlap: no trend from end to end
 
 
-def series_text(points: Iterable[tuple[float, float]], x_format: str = ",d", y_format: str = ".2f") -> str:
-    """Every point of a series, by x: "<y> at <x>, <y> at <x> and <y> at <x>"."""
-    parts = [f"{y:{y_format}} at {x:{x_format}}" for x, y in sorted(points)]
+TREND_WORDS = {"rises": "rises", "falls": "falls", "varies": "goes up and down beyond its intervals",
+               "unresolved": "shows no trend from end to end that its intervals resolve"}
+
+
+def series_text(points: Iterable[tuple], x_format: str = ",d", y_format: str = ".2f") -> str:
+    """Every point of a series, by x: "<y> at <x>, <y> at <x> and <y> at <x>"; a point ``(x, y, low, high)``
+    is written with its interval, "<y> [<low>, <high>] at <x>"."""
+    def one(x, y, *interval):
+        bracket = f" [{interval[0]:{y_format}}, {interval[1]:{y_format}}]" if interval else ""
+        return f"{y:{y_format}}{bracket} at {x:{x_format}}"
+
+    parts = [one(*p) for p in sorted(points)]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]}"
 
 

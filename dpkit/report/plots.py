@@ -30,6 +30,7 @@ from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
 # Re-exported: the report reads them from here with the figures.
+from dpkit.report import paths
 from dpkit.report.findings import MIN_BOOTSTRAP_ROUNDS, interval_name, oversubscribed  # noqa: F401
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
@@ -392,7 +393,7 @@ def ddp_variants(doc: dict) -> Figure:
             y = [r["p50_s"] for _, r in points]
             yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
             sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name),
-                              linestyle=TRANSPORT_LINES.get(on, "-"), label=f"{name} [{on}]" if on else name)
+                              linestyle=TRANSPORT_LINES.get(on, "-"), label=_series_label(name, on, points[0][1], doc))
         baseline = next((r for r in mine if kind(r) in ("no ddp", "no_ddp")), None)
         if baseline:
             sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":", label="no ddp (no communication)")
@@ -404,8 +405,16 @@ def ddp_variants(doc: dict) -> Figure:
     return figure
 
 
+def _series_label(name: str, on: str | None, row: dict, doc: dict) -> str:
+    """"bucketed [shm, zero copy]": an implementation, its transport and, on shared memory, its path (``row``'s)."""
+    if not on:
+        return name
+    path = paths.path(row["label"], doc)
+    return f"{name} [{on}{f', {path}' if path else ''}]"
+
+
 def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
-    labels = [r["label"] for r in rows]
+    labels = [paths.label(r["label"], {"results": rows}) for r in rows]  # each [shm] names its path
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
         over = oversubscribed(r, env)
@@ -441,7 +450,7 @@ def time_breakdown(doc: dict) -> Figure:
                     ax.barh(yi, 1e3 * seconds, left=left, height=0.6, color=PHASE_COLOURS[phase], edgecolor=colour(r),
                             linewidth=1.5, label=phase)
                     left += 1e3 * seconds
-        ax.set_yticks(y, [r["label"] for r in mine], fontsize="small")
+        ax.set_yticks(y, [paths.label(r["label"], {"results": mine}) for r in mine], fontsize="small")
         ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)", title=f"{model}: where one iteration's time goes")
         if not mine:
             missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
@@ -465,7 +474,7 @@ def ddp_sweep(doc: dict) -> Figure:
         c = colour(points[0][1])
         x = [w for w, _ in points]
         yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
-        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3, label=label)
+        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3, label=paths.label(label, doc))
         throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
         for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
             for w, r in points:
@@ -637,7 +646,7 @@ def sharding_memory(doc: dict) -> Figure:
                 bottom += r[key] / MIB
             ax.plot([x - 0.4, x + 0.4], [r["ideal_bytes"] / MIB] * 2, color="black", linestyle="--",
                     label="ideal model states (parameters + gradients + optimizer state)")
-        ax.set_xticks(range(len(bars)), [f"{r['variant']}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
+        ax.set_xticks(range(len(bars)), [f"{paths.label(r['variant'])}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
                                          for _, r in bars], fontsize="small", rotation=90)
         ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
         if not bars:

@@ -1,0 +1,84 @@
+"""Which path a shared-memory row took, so that no label says only [shm]: the transport's own buffers, summed
+where they lie ("zero copy"), or tensors the caller allocated, copied into the arena and back ("staged").
+
+    from dpkit.report import paths
+    paths.label("pytorch-best 25M [shm]", doc)     # "pytorch-best 25M [shm, staged]"
+    paths.axis(check, doc)                          # "transport" when the two rows took different paths
+
+The benchmarks' labels name the transport ([shm], [shm-thread]); the path is read from the row where it says
+(ddp_benchmark.py's ``transport_staging_bytes``: a staging block means the tensors were copied in), else from
+who allocates the tensors a collective is handed, which the code fixes per engine:
+- our DDP, ZeRO and FSDP allocate buckets, shards and gathered tensors through the transport: zero copy;
+- PyTorch's DDP reaches a transport only through ``transport.ddp_comm_hook``, handed PyTorch's bucket: staged;
+- ``fully_shard`` through ``transport.use_with_fully_shard`` has the transport allocate its buffers: zero copy;
+- SyncBatchNorm (ours, and the reference's two sums) sums small tensors it makes itself: staged;
+- collectives_benchmark.py's labels already say "zero copy" or "staged".
+A comparison of a zero-copy row with a staged row compares transports, whatever engines it names.
+"""
+
+from __future__ import annotations
+
+import re
+
+ZERO_COPY, STAGED = "zero copy", "staged"
+SHM = re.compile(r"\[(shm(?:-thread)?)\]")
+# A bracket with up to three words before it: the label it closes, in a table cell or a sentence.
+LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shm(?:-thread)?)\]")
+STAGED_BENCHMARKS = ("syncbn_benchmark",)  # every sum of a SyncBatchNorm row is of a tensor the layer made
+ZERO_COPY_PYTORCH = ("fsdp", "zero", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
+
+
+def _engine_path(words: list[str]) -> str:
+    """The path the code fixes for a label's words: PyTorch's DDP ("pytorch", "pytorch-best 25M", "ddp pytorch")
+    and our naive DDP (each gradient as it is) are staged; every other engine allocates through the transport."""
+    for i in range(len(words) - 1, max(-1, len(words) - 3), -1):
+        if words[i] == "naive" or (words[i].startswith("pytorch") and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
+            return STAGED
+    return ZERO_COPY
+
+
+def _row_path(words: list[str], bracket: str, doc: dict | None) -> str | None:
+    """The path a row of ``doc`` says it took (a staging block: staged), for the longest label these words end."""
+    rows = {r.get("label"): r for r in (doc or {}).get("results", []) if r.get("transport_staging_bytes") is not None}
+    for k in range(len(words), 0, -1):
+        row = rows.get(f"{' '.join(words[-k:])} [{bracket}]")
+        if row is not None:
+            return STAGED if row["transport_staging_bytes"] > 0 else ZERO_COPY
+    return None
+
+
+def path(label: str, doc: dict | None = None) -> str | None:
+    """"zero copy", "staged", or None for a label on no shared memory."""
+    if ZERO_COPY in label or STAGED in label:
+        return ZERO_COPY if ZERO_COPY in label else STAGED
+    found = SHM.search(label)
+    if not found:
+        return None
+    if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
+        return STAGED
+    words = label[:found.start()].split()[-3:]
+    return _row_path(words, found.group(1), doc) or _engine_path(words)
+
+
+def label(text: str, doc: dict | None = None) -> str:
+    """``text`` (a label, a table, a sentence) with each [shm] or [shm-thread] naming its path."""
+    def named(m):
+        return f"{m.group(1)}[{m.group(2)}, {path(m.group(0), doc)}]"
+
+    return LABELLED.sub(named, text)
+
+
+def sides(check: dict) -> tuple[str, str]:
+    """The two labels a stored check compares (ddp_benchmark.py: label / reference; sharding_benchmark.py:
+    numerator / denominator; others: the label and torch's)."""
+    return (check.get("label") or check.get("numerator") or "",
+            check.get("reference") or check.get("denominator") or "")
+
+
+def axis(check: dict, doc: dict | None = None) -> str:
+    """The stored axis, or "transport" where the two sides took different shared-memory paths (one side zero
+    copy, the other staged): such a ratio holds the copy, not only the engine."""
+    ours, theirs = (path(s, doc) for s in sides(check))
+    if ours and theirs and ours != theirs:
+        return "transport"
+    return check.get("axis") or "engine"

@@ -1,0 +1,232 @@
+"""The rules that decide the report's words: where an interval lies against a target, which way a series goes,
+how verdicts are counted (per axis and kind, no one-process or oversubscribed runs), which path a shared-memory
+row took, which two committed runs made the same comparison; and the suite's times, written by a command."""
+
+import sys
+
+import pytest
+
+from dpkit.bench.results import read_results
+from dpkit.report import findings, paths, sentences, summary
+import run_experiments
+
+
+def ratio(median, low, high, rounds=10):
+    return {"median": median, "ci_low": low, "ci_high": high, "rounds": rounds}
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def test_above_or_below_a_target_only_when_the_whole_interval_says_so():
+    assert findings.position(ratio(1.34, 1.05, 1.64), 1.3) == "inconclusive"  # the median above, the interval not
+    assert findings.position(ratio(1.64, 1.48, 1.80), 1.3) == "above"
+    assert findings.position(ratio(1.0, 0.9, 1.3), 1.3) == "below"  # at the target counts as within it
+    assert findings.position(ratio(0.5, 0.5, 0.5, rounds=1), 1.0) == "inconclusive"  # one measurement: no interval
+    assert findings.position(None, 1.0) == "inconclusive"
+
+
+def test_a_comparison_with_pytorch_is_the_stored_paired_ratio_with_its_interval():
+    assert findings.against_pytorch(ratio(1.80, 1.49, 3.30), "ring / torch") == \
+        "ring / torch 1.80x [1.49, 3.30], slower than PyTorch's"
+    assert findings.against_pytorch(ratio(0.7, 0.6, 0.8), "auto / torch").endswith("faster than PyTorch's")
+    assert "no difference from PyTorch's resolved" in findings.against_pytorch(ratio(1.09, 0.76, 1.98), "auto / torch")
+    assert findings.against_pytorch(None, "ring / torch") == "ring / torch: no paired ratio stored"
+
+
+def test_a_trend_word_only_where_the_intervals_resolve_it():
+    # medians 2.61, 2.05, 2.61 with overlapping intervals: no word for a direction
+    assert findings.trend([(1_000, 1.49, 3.30), (10_000, 1.41, 2.35), (100_000, 1.19, 4.34)]) == "unresolved"
+    assert findings.trend([(1, 1.0, 1.1), (2, 1.2, 1.3), (3, 1.5, 1.6)]) == "rises"
+    assert findings.trend([(3, 1.0, 1.1), (1, 1.5, 1.6), (2, 1.2, 1.3)]) == "falls"  # sorted by x first
+    assert findings.trend([(1, 1.0, 1.1), (2, 2.0, 2.1), (3, 1.0, 1.1)]) == "varies"  # up, then down
+    assert findings.trend([(1, 1.0, 1.1), (2, 1.5, 1.6), (3, 1.45, 1.7)]) == "rises"  # the last overlaps the middle: no fall
+    assert findings.trend([(1, 1.0, 1.1), (2, 1.5, 1.6), (3, 1.05, 1.6)]) == "unresolved"  # the ends overlap
+    assert findings.trend([(1, 1.0, 1.1)]) == "unresolved"
+    assert set(findings.TREND_WORDS) == {"rises", "falls", "varies", "unresolved"}
+
+
+# --------------------------------------------------------------------------- paths
+
+
+DDP_DOC = {"benchmark": "ddp_benchmark", "results": [
+    {"label": "bucketed 25M [shm]", "transport_staging_bytes": 0},
+    {"label": "pytorch-best 25M [shm]", "transport_staging_bytes": 29_057_472},
+    {"label": "naive [shm]", "transport_staging_bytes": 9_437_184}]}
+
+
+def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_its_engine():
+    assert paths.path("bucketed 25M [shm]", DDP_DOC) == "zero copy"
+    assert paths.path("pytorch-best 25M [shm]", DDP_DOC) == "staged"
+    assert paths.path("naive [shm]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
+    assert paths.path("bucketed 25M [torch]", DDP_DOC) is None
+    sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
+    assert paths.path("ddp pytorch [shm]", sharding) == "staged"  # through transport.ddp_comm_hook
+    assert paths.path("fsdp pytorch [shm]", sharding) == "zero copy"  # fully_shard's buffers from the transport
+    assert paths.path("zero ours [shm-thread]", sharding) == "zero copy"
+    assert paths.path("workers [shm]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
+    assert paths.path("shared_memory (staged)") == "staged" and paths.path("shared_memory (zero copy)") == "zero copy"
+
+
+def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the_transport_axis():
+    assert paths.label("bucketed 25M [shm] / pytorch-best 25M [shm]", DDP_DOC) == \
+        "bucketed 25M [shm, zero copy] / pytorch-best 25M [shm, staged]"
+    assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
+    engine = {"axis": "engine", "label": "bucketed 25M [shm]", "reference": "pytorch-best 25M [shm]"}
+    assert paths.axis(engine, DDP_DOC) == "transport"
+    assert paths.axis({**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}, DDP_DOC) == "engine"
+    fsdp = {"axis": "engine", "numerator": "fsdp ours [shm]", "denominator": "fsdp pytorch [shm]"}
+    assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "engine"  # both zero copy
+
+
+# --------------------------------------------------------------------------- counts
+
+
+def check(axis, verdict, target="ours [torch] / pytorch [torch]", world=2, ratio_=None, **fields):
+    return {"axis": axis, "numerator": "ours [torch]", "denominator": "pytorch [torch]", "target": target,
+            "world_size": world, "limit": 1.0, "verdict": verdict,
+            "ratio": ratio(0.9, 0.8, 1.1) if ratio_ is None else ratio_, **fields}
+
+
+def test_counts_are_per_axis_and_kind_without_one_process_or_oversubscribed_runs():
+    env = {"cpus": 2, "device": "cpu"}
+    checks = [check("engine", "met"), check("engine", "inconclusive"), check("engine", "met", world=1),
+              check("engine", "met", world=4),  # 4 processes on 2 cores
+              check("memory", "met", target="zero ours [torch] state / ideal", ratio_=False, value=1.0),
+              check("engine", "met", target="peak memory / same pytorch row", ratio_=ratio(0.9, 0.9, 0.9, rounds=1)),
+              check("engine", "met", limit=None)]  # for information: no target, no count
+    doc = {"benchmark": "sharding_benchmark", "env": env}
+    rows = findings.tally([(doc, checks)])
+    assert [(r["axis"], r["kind"], r["met"], r["missed"], r["inconclusive"], r["total"], r["single"]) for r in rows] == [
+        ("engine", "time", 1, 0, 1, 2, 0), ("engine", "memory", 1, 0, 0, 1, 1),
+        ("ideal", "bytes bookkeeping", 1, 0, 0, 1, 1)]
+    assert findings.tally_text(rows[0]) == "engine, time: 1 met, 0 missed, 1 inconclusive of 2"
+    assert findings.tally_text(rows[1]).endswith("of 1, each on a single measurement")
+    mixed = {**rows[0], "single": 1}
+    assert findings.tally_text(mixed).endswith("of 2, 1 of them on a single measurement")
+
+
+def test_syncbn_target_rows_count_without_their_one_process_setting():
+    rows = [{"kind": "target", "name": "workers [torch]: every size, ours / x <= 1.3", "setting": "workers",
+             "limit": 1.3, "verdict": "missed"},
+            {"kind": "target", "name": "workers [torch]: peak_bytes of ours <= x's", "setting": "workers",
+             "limit": 1.0, "verdict": "met"},
+            {"kind": "target", "name": "1 process: every size", "setting": "1 process", "limit": 1.2, "verdict": "met"}]
+    tallied = findings.tally([({"benchmark": "syncbn_benchmark", "env": {"cpus": 2}}, rows)])
+    assert [(r["kind"], r["missed"], r["met"], r["single"]) for r in tallied] == [("time", 1, 0, 0), ("memory", 0, 1, 1)]
+
+
+def test_the_same_auto_torch_comparison_in_two_committed_runs_is_paired():
+    collectives = {"targets": [
+        {"label": "auto", "axis": "algorithm", "world_size": 2, "bytes": 4000, "limit": 1.1, "verdict": "met"},
+        {"label": "auto", "axis": "algorithm", "world_size": 2, "bytes": 65536, "limit": 1.1, "verdict": "met"},
+        {"label": "ring", "axis": "algorithm", "world_size": 2, "bytes": 4000, "limit": 1.1, "verdict": "met"}]}
+    homework = {"config": {"dtype": "float32"}, "targets": [
+        {"target": "auto / torch", "world_size": 2, "numel": 1000, "limit": 1.1, "verdict": "inconclusive"},
+        {"target": "auto / torch", "world_size": 2, "numel": 10000, "limit": 1.1, "verdict": "met"}]}
+    pairs = findings.repeated_allreduce(collectives, homework)
+    assert [(c["bytes"], o["numel"]) for c, o in pairs] == [(4000, 1000)]  # 40,000 B is not 64 KiB
+    assert findings.repeated_allreduce(collectives, {}) == []
+
+
+def test_the_committed_readme_shows_both_runs_of_one_comparison_and_no_bare_shm():
+    block = summary.readme_block((run_experiments.REPO / "README.md").read_text())
+    assert "4000B: 0.69x [0.55, 0.80] met (`allreduce.py`, another run of this comparison" in block
+    assert "[shm]" not in block and "[shm-thread]" not in block
+
+
+# --------------------------------------------------------------------------- the suite's times
+
+
+def test_the_suite_times_come_from_a_file_a_command_wrote(tmp_path, monkeypatch):
+    script = "print('===== 3 passed, 1 skipped in 0.10s =====')"
+    monkeypatch.setattr(run_experiments, "SUITE", (("-c", script),))
+    assert run_experiments.time_suite(tmp_path, 60) == 0
+    suite = read_results(str(tmp_path / "suite.json"))
+    (row,) = suite["results"]
+    assert row["outcome"] == "3 passed, 1 skipped" and row["exit_code"] == 0 and row["seconds"] > 0
+    line, = summary.suite_lines(suite)
+    assert "3 passed, 1 skipped" in line and suite["env"]["device_model"] in line and "results/suite.json" in line
+    assert summary.suite_lines(None) == []  # no file: no time is stated
+    monkeypatch.setattr(run_experiments, "SUITE", (("-c", "import sys; sys.exit(1)"),))
+    assert run_experiments.time_suite(tmp_path, 60) == 1
+    assert read_results(str(tmp_path / "suite.json"))["results"][0]["outcome"] == "no pytest summary line"
+
+
+@pytest.mark.parametrize("flag", ["--suite", "--summary"])
+def test_run_experiments_takes_its_flags(flag):
+    assert getattr(run_experiments.parse_args([flag]), flag[2:]) is True
+
+
+# --------------------------------------------------------------------------- the sentences made of them
+
+
+def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
+    table = "| bucketed 25M [shm] | 0.1 |\n| pytorch-best 25M [shm-thread] | 0.2 |\n| fsdp pytorch [shm] | 0.3 |"
+    assert paths.label(table) == ("| bucketed 25M [shm, zero copy] | 0.1 |\n| pytorch-best 25M [shm-thread, staged] | 0.2 |\n"
+                                  "| fsdp pytorch [shm, zero copy] | 0.3 |")
+    assert paths.label("ours [shm] / (BatchNorm1d + 2 all_reduce) [shm]", {"benchmark": "syncbn_benchmark"}) == \
+        "ours [shm, staged] / (BatchNorm1d + 2 all_reduce) [shm, staged]"
+    assert paths.label("naive [shm] waits; ddp pytorch [shm] too") == "naive [shm, staged] waits; ddp pytorch [shm, staged] too"
+    assert paths.label("[torch] only") == "[torch] only"
+
+
+def allreduce_doc(world=2, cpus=2):
+    rows = [{"algorithm": "ring", "world_size": world, "numel": n, "vs_torch": m, "vs_torch_ci_low": lo,
+             "vs_torch_ci_high": hi, "max_abs_error": 1e-7} for n, m, lo, hi in
+            ((1000, 2.61, 1.49, 3.30), (10000, 2.05, 1.41, 2.35), (100000, 2.61, 1.19, 4.34))]
+    return {"env": {"device_model": "AMD EPYC", "cpus": cpus, "device": "cpu"}, "results": rows}
+
+
+def test_the_allreduce_commentary_gives_paired_ratios_and_no_trend_its_intervals_do_not_resolve():
+    text = sentences.allreduce_commentary(allreduce_doc())
+    assert "at 2 processes ring / torch (paired by round, 95 % interval) shows no trend from end to end" in text
+    assert "2.61 [1.49, 3.30] at 1,000, 2.05 [1.41, 2.35] at 10,000 and 2.61 [1.19, 4.34] at 100,000" in text
+    assert "rises" not in text
+    assert "at 2 processes" not in sentences.allreduce_commentary(allreduce_doc(world=4))  # oversubscribed on 2 cores
+
+
+def syncbn_doc(floor_low):
+    why = ("32x1024 [torch]: ours 1.40x [0.94, 1.80] the reference, inconclusive; more. The floor alone is above 1.3x: "
+           "no layer written as a Python autograd.Function meets it here. Cut at its two sums, more.")
+    size = {"batch": 32, "hidden": 1024, "transport": "torch", "dtype": "float32", "setting": "workers"}
+    floor = {"kind": "ratio", "impl": sentences.FLOOR, **size, "median": 1.34, "ci_low": floor_low, "ci_high": 1.64,
+             "rounds": 12}
+    row = {"kind": "ratio", "impl": "ours", **size, "target": 1.3, "why": why}
+    return {"results": [floor, row]}, row
+
+
+def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
+    doc, row = syncbn_doc(floor_low=1.05)
+    text = sentences.syncbn_why(doc, row)
+    assert "The floor alone is above" not in text and text.endswith("Cut at its two sums, more.")
+    assert "The floor's interval (1.34x [1.05, 1.64]) holds 1.3x: whether the floor alone misses it is inconclusive." in text
+    doc, row = syncbn_doc(floor_low=1.31)
+    assert "The floor alone is above 1.3x (1.34x [1.31, 1.64])" in sentences.syncbn_why(doc, row)
+    assert sentences.syncbn_why(doc, {**row, "why": "no floor claim"}) == "no floor claim"
+
+
+def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
+    env = {"cpus": 2, "device": "cpu"}
+    checks = [{"target": "ddp ours [shm] / ddp pytorch [shm]", "axis": "engine", "numerator": "ddp ours [shm]",
+               "denominator": "ddp pytorch [shm]", "world_size": world, "limit": 1.0, "verdict": "met",
+               "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
+    text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
+    assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left out")
+    assert text.endswith("* transport, time: 1 met, 0 missed, 0 inconclusive of 1")  # zero copy / staged
+
+
+def test_collective_targets_show_the_other_runs_verdict_of_the_same_comparison():
+    doc = {"env": {"cpus": 2, "device": "cpu"}, "targets": [
+        {"label": "auto", "axis": "algorithm", "world_size": 2, "bytes": 4000, "limit": 1.1, "verdict": "met",
+         "ratio": ratio(0.69, 0.55, 0.80), "text": "target auto <= 1.10x torch, 2 processes, 4000B: 0.69x met"},
+        {"label": "auto", "axis": "algorithm", "world_size": 4, "bytes": 4000, "limit": 1.1, "verdict": "met",
+         "ratio": ratio(0.3, 0.2, 0.4), "text": "target auto at 4", "oversubscribed": True}]}
+    homework = {"config": {"dtype": "float32"}, "targets": [
+        {"target": "auto / torch", "world_size": 2, "numel": 1000, "limit": 1.1, "verdict": "inconclusive",
+         "ratio": ratio(1.09, 0.76, 1.98, rounds=20)}]}
+    lines = sentences.collective_targets(doc, homework)
+    assert "per axis and kind: algorithm, time: 1 met, 0 missed, 0 inconclusive of 1:" in lines[1]
+    assert ("* target auto <= 1.10x torch, 2 processes, 4000B: 0.69x met (`allreduce.py`, another run of this "
+            "comparison, 20 rounds: 1.09x [0.76, 1.98] inconclusive)") in lines
+    assert lines[-1] == "* target auto at 4"  # oversubscribed: shown apart, not counted
