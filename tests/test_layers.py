@@ -1,6 +1,6 @@
 """The package's layers: what the scripts import lives in ``dpkit``, whose subpackages import only the layers
-below them (comm, then the engines and the models, then measurement, then the report), never a script at the
-root; and no module, test or script reaches another module's private names."""
+below them (comm, then the engines and the models, then measurement, then training, then the report), never a script
+at the root; and no module, test or script reaches another module's private names."""
 
 import ast
 
@@ -8,7 +8,8 @@ import pytest
 
 from common import REPO
 
-LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.report": 4}
+LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.train": 4,
+          "dpkit.report": 5}
 PACKAGE = sorted((REPO / "dpkit").rglob("*.py"))
 EVERY_MODULE = sorted([*REPO.glob("*.py"), *(REPO / "tests").glob("*.py"), *PACKAGE])
 
