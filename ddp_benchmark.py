@@ -261,7 +261,7 @@ def communication_layout(model: nn.Module) -> tuple[int | None, int | None]:
     if isinstance(model, NaiveDDP):
         return len(trainable), 0
     if isinstance(model, FlatDDP):  # its flat buffers, kept from step to step
-        return len(model._flats), sum(f.numel() * f.element_size() for f in model._flats)
+        return len(model.flat_buffers), sum(f.numel() * f.element_size() for f in model.flat_buffers)
     if isinstance(model, nn.parallel.DistributedDataParallel):  # buckets besides the gradients
         sizes = _pytorch_bucket_bytes(model)
         return (None, None) if sizes is None else (len(sizes), sum(sizes))

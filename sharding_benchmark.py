@@ -285,7 +285,7 @@ FSDP_SHARD_TYPES = (nn.Linear, nn.Embedding, nn.Conv2d)
 def _fsdp_ours(module: nn.Module, transport: transports.Transport, **options) -> Setup:
     model = FSDP(module, shard_types=FSDP_SHARD_TYPES, transport=transport, **options)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
-                 kept=lambda: [b.flat for b in model._replicated.buckets])  # the replicated parameters' gradients
+                 kept=lambda: [b.flat for b in model.replicated_buckets])  # the replicated parameters' gradients
 
 
 def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dtype=None,

@@ -168,6 +168,10 @@ def _load_baseline(revision: str):
     finally:
         for old in missing:
             sys.modules.pop(old, None)
+    if "transport" not in inspect.signature(module.SyncBatchNorm).parameters:
+        # Such a revision chooses its own communication inside, so it cannot be timed over the run's transports.
+        raise ValueError(f"--baseline {revision}: syncbn.py at that revision predates the transport seam "
+                         "(SyncBatchNorm(..., transport=)); give a later revision")
     return module
 
 
@@ -175,32 +179,10 @@ def _load_baseline(revision: str):
 BEFORE_THE_PACKAGE = {"transport": transports, "dist_utils": process_groups}
 
 
-def _sum_through(tensor: torch.Tensor, transport: transports.Transport, async_op: bool = False):
-    """What an older syncbn.py (``_sum_across(tensor, group, async_op)``, before the transport seam) calls to sum:
-    here it is handed the run's transport in place of its group (``_older_layer``)."""
-    return transport.all_reduce(tensor, async_op=async_op)
-
-
-def _older_layer(module, hidden: int, transport: transports.Transport) -> torch.nn.Module:
-    """An older revision's SyncBatchNorm summing through ``transport``: its module (our private copy) sums with
-    ``_sum_through``, and the layer hands the transport where it handed its group."""
-    if not hasattr(module, "_sum_across"):
-        raise ValueError("--baseline: syncbn.py at that revision neither takes a transport nor sums through "
-                         "_sum_across: it cannot be timed over the run's transports")
-    module._sum_across = _sum_through
-
-    class Older(module.SyncBatchNorm):
-        def _group(self):
-            return transport
-    return Older(hidden)
-
-
 def _ours(module, hidden: int, transport: transports.Transport | None) -> torch.nn.Module:
     if transport is None:  # one process: nobody to synchronise with
         return module.SyncBatchNorm(hidden)
-    if "transport" in inspect.signature(module.SyncBatchNorm).parameters:
-        return module.SyncBatchNorm(hidden, transport=transport)
-    return _older_layer(module, hidden, transport)
+    return module.SyncBatchNorm(hidden, transport=transport)
 
 
 class _WithoutCollectives(SyncBatchNorm):
@@ -924,8 +906,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "memory when they share a CPU host), and/or one process without a process group "
                              "(default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport "
-                             "(default: none)")
+                        help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a revision "
+                             "whose SyncBatchNorm takes transport= (default: none)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)

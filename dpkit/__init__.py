@@ -8,6 +8,8 @@ The layers, each importing only the ones before it:
     dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stage 1, FSDP
     dpkit.models    the workloads the trainer and the benchmarks run
     dpkit.bench     measurement (timing, intervals, verdicts, memory, profiles) and the results layout
+    dpkit.train     what the CIFAR-100 trainer assembles: data, the engine by name, the step, validation,
+                    checkpoints, its metrics
     dpkit.report    drawing the report and README's headline block from results/
 
 What a user runs lives beside the package: the homework scripts (``sequential_print.py``, ``syncbn.py``,

@@ -28,6 +28,12 @@ import ddp_cifar100 as trainer
 from dpkit.bench.results import read_results
 from dpkit.comm import process_groups
 from dpkit.models import Net
+from dpkit.train.checkpoint import CheckpointError, checkpoint_epochs, checkpoint_path, choose_checkpoint
+from dpkit.train.data import (CIFAR100_MEAN, CIFAR100_STD, SyntheticCIFAR100, build_datasets, choose_dataset,
+                              load_cifar100, train_loader)
+from dpkit.train.parallel import SHARDINGS, resolve_sync_bn
+from dpkit.train.step import micro_batch_plan
+from dpkit.train.validation import validation_sums
 
 SCRIPT = "ddp_cifar100.py"
 IMPLS = ("selfmade", "pytorch")
@@ -241,7 +247,7 @@ def _accumulation_case(ctx, impl, train, val, autocast="none"):
     optimizer = _RecordingSGD(model.parameters(), forwards)
     args = trainer.parse_args(["--distributed-impl", impl, "--grad-accum-steps", str(ACCUM), "--batch-size", str(BATCH),
                                "--num-epochs", "1", "--val-batch-size", "16", "--autocast", autocast])
-    loader = trainer.train_loader(train, ctx, BATCH, args.seed, 0)
+    loader = train_loader(train, ctx, BATCH, args.seed, 0)
     run = trainer.Trainer(model, optimizer, loader, val if ctx.is_master else None, ctx, args)
     no_sync_at = []
     original = run.model.no_sync
@@ -256,8 +262,8 @@ def _training_case(ctx, impl, checkpoint_dir):
     with another learning rate refuses the checkpoint it left."""
     flags = [*TINY_RUN, "--distributed-impl", impl, "--num-epochs", "2", "--checkpoint-dir", f"{checkpoint_dir}/{impl}"]
     args = trainer.parse_args(flags)
-    sync_bn, _ = trainer.resolve_sync_bn(args.sync_bn, impl, ctx.device)
-    train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
+    sync_bn, _ = resolve_sync_bn(args.sync_bn, impl, ctx.device)
+    train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
     run = trainer.build_trainer(args, ctx, sync_bn, train_set, val_set, identity={"lr": args.lr})
     run.train()
     state = {k: v.clone() for k, v in run.module.state_dict().items()}
@@ -286,12 +292,12 @@ def _checkpoint_cases(ctx, checkpoint_dir):
     out = {}
     for name, extra in (("refused", []), ("scratch", ["--restart-from-scratch"])):
         args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/unreadable-{name}", *extra])
-        train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
+        train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
         try:
             run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
             run.train()
             out[name] = {"epochs": run.epoch}
-        except trainer.CheckpointError as error:
+        except CheckpointError as error:
             out[name] = {"error": str(error)}
     args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/save-fails"])
     run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
@@ -303,7 +309,7 @@ def _checkpoint_cases(ctx, checkpoint_dir):
     run._log_epoch = log_an_unpicklable_value_in_epoch_2
     try:
         run.train()
-    except trainer.CheckpointError as error:
+    except CheckpointError as error:
         out["save_fails"] = {"error": str(error), "epochs": run.epoch}
     return out
 
@@ -322,20 +328,20 @@ def _sharding_case(ctx, impl, sharding, checkpoint_dir):
         flags = [*SHARDING_RUN, "--distributed-impl", impl, "--sharding", sharding, "--num-epochs", str(epochs),
                  "--checkpoint-dir", f"{checkpoint_dir}/{impl}-{sharding}-{directory}"]
         args = trainer.parse_args(flags)
-        train_set, val_set = trainer.build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size,
+        train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size,
                                                     ctx.is_master)
         job = trainer.build_trainer(args, ctx, "none", train_set, val_set, identity=trainer.run_identity(
             args, ctx, "none", args.dataset, len(train_set)))
         job.train()
-        return {"state": trainer.full_model_state(job.model, job.module, args), "history": job.history,
+        return {"state": job.parallel.full_model_state(job.model, job.module), "history": job.history,
                 "resumed_from": job.resumed_from}
 
     out = {"whole": run(2, "whole")}
     if sharding != "none":
         if ctx.is_master:  # a directory holding only the first epoch's checkpoint
             os.makedirs(f"{checkpoint_dir}/{impl}-{sharding}-resumed")
-            shutil.copy(trainer.checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-whole", 1),
-                        trainer.checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-resumed", 1))
+            shutil.copy(checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-whole", 1),
+                        checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-resumed", 1))
         out["resumed"] = run(2, "resumed")  # its resume broadcasts from rank 0 after the copy
     return out
 
@@ -345,11 +351,11 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results["bf16"] = {impl: _accumulation_case(ctx, impl, train, val, autocast="bf16") for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
     results["sharding"] = {(impl, sharding): _sharding_case(ctx, impl, sharding, checkpoint_dir)
-                           for impl in IMPLS for sharding in trainer.SHARDINGS}
+                           for impl in IMPLS for sharding in SHARDINGS}
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
-    results["validation"] = {(dtype, per_rank): trainer.validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
+    results["validation"] = {(dtype, per_rank): validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
                              for dtype in VAL_DTYPES for per_rank in VAL_PIECES}
     results["teardown"] = process_groups.teardown()  # last: the group ends here, after every wrapper was built
     return results
@@ -452,17 +458,17 @@ def test_a_checkpoint_of_another_run_is_refused(in_process):
 
 
 def test_a_damaged_checkpoint_is_set_aside_for_the_one_before_and_a_killed_save_is_cleaned_up(tmp_path):
-    torch.save({"epoch": 2}, trainer.checkpoint_path(str(tmp_path), 2))
-    with open(trainer.checkpoint_path(str(tmp_path), 3), "wb") as f:
+    torch.save({"epoch": 2}, checkpoint_path(str(tmp_path), 2))
+    with open(checkpoint_path(str(tmp_path), 3), "wb") as f:
         f.write(b"half a checkpoint")
     (tmp_path / "epoch-0004.pt.tmp123").write_bytes(b"an interrupted save")
-    assert trainer.checkpoint_epochs(str(tmp_path)) == [3, 2]
-    path, notices = trainer.choose_checkpoint(str(tmp_path), restart_from_scratch=False)
-    assert path == trainer.checkpoint_path(str(tmp_path), 2)
+    assert checkpoint_epochs(str(tmp_path)) == [3, 2]
+    path, notices = choose_checkpoint(str(tmp_path), restart_from_scratch=False)
+    assert path == checkpoint_path(str(tmp_path), 2)
     assert len(notices) == 1 and "epoch-0003.pt unreadable" in notices[0] and "kept as" in notices[0]
     assert sorted(os.listdir(tmp_path)) == ["epoch-0002.pt", "epoch-0003.pt.unreadable"]
     assert (tmp_path / "epoch-0003.pt.unreadable").read_bytes() == b"half a checkpoint", "never deleted"
-    assert trainer.choose_checkpoint(str(tmp_path / "missing"), restart_from_scratch=False) == (None, [])
+    assert choose_checkpoint(str(tmp_path / "missing"), restart_from_scratch=False) == (None, [])
 
 
 def test_checkpoints_that_all_fail_to_load_stop_every_rank_naming_them_and_stay_untouched(in_process):
@@ -576,63 +582,63 @@ def test_scatter_validation_equals_single_process_evaluation(in_process, per_ran
 
 def test_micro_batch_plan_steps_every_k_and_the_leftover_window_steps_with_its_own_count():
     # 75 samples in micro-batches of 8: ten micro-batches, the last with 3 samples.
-    plan = trainer.micro_batch_plan(samples=75, batch_size=8, accum=4)
+    plan = micro_batch_plan(samples=75, batch_size=8, accum=4)
     assert [j for j, (steps, _) in enumerate(plan) if steps] == [3, 7, 9]
     assert [window for _, window in plan] == [32] * 4 + [32] * 4 + [8 + 3] * 2
-    assert trainer.micro_batch_plan(samples=64, batch_size=8, accum=1) == [(True, 8)] * 8
-    assert trainer.micro_batch_plan(samples=16, batch_size=8, accum=5) == [(False, 16), (True, 16)]
+    assert micro_batch_plan(samples=64, batch_size=8, accum=1) == [(True, 8)] * 8
+    assert micro_batch_plan(samples=16, batch_size=8, accum=5) == [(False, 16), (True, 16)]
 
 
 def test_tiny_cifar100_files_load_through_torchvision(tiny_cifar):
     root, raw = tiny_cifar
-    train, val = trainer.build_datasets("cifar100", str(root), None, None, with_val=True)
+    train, val = build_datasets("cifar100", str(root), None, None, with_val=True)
     for dataset, (data, fine) in ((train, raw["train"]), (val, raw["test"])):
         assert len(dataset) == len(fine)
         images = torch.stack([dataset[i][0] for i in range(len(dataset))])
         assert [dataset[i][1] for i in range(len(dataset))] == fine
         pixels = torch.from_numpy(data).float().view(-1, 3, 32, 32) / 255  # (N, C, H, W) from the row layout
-        mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (trainer.CIFAR100_MEAN, trainer.CIFAR100_STD))
+        mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (CIFAR100_MEAN, CIFAR100_STD))
         torch.testing.assert_close(images, (pixels - mean) / std)
     assert train.classes[:2] == ["fine0", "fine1"], "meta read too"
-    first, only_val = trainer.build_datasets("cifar100", str(root), 5, 3, with_val=False)
+    first, only_val = build_datasets("cifar100", str(root), 5, 3, with_val=False)
     assert (len(first), only_val) == (5, None)
     assert torch.equal(first[4][0], train[4][0])
     with pytest.raises(ValueError, match="asked for 41 training images, the split has 40"):
-        trainer.build_datasets("cifar100", str(root), 41, None, with_val=False)
+        build_datasets("cifar100", str(root), 41, None, with_val=False)
 
 
 def test_missing_cifar100_fails_clearly_or_falls_back_loudly(tmp_path, tiny_cifar):
     solo = SimpleNamespace(local_rank=0, device=torch.device("cpu"))  # no process group: a world of one
     with pytest.raises(FileNotFoundError, match=f"CIFAR-100 is not in {tmp_path / 'cifar-100-python'}"):
-        trainer.choose_dataset("cifar100", str(tmp_path), solo, download=False)
+        choose_dataset("cifar100", str(tmp_path), solo, download=False)
     with pytest.raises(FileNotFoundError, match="must contain the files train, test, meta"):
-        trainer.load_cifar100(str(tmp_path), train=True)
-    name, notices = trainer.choose_dataset("auto", str(tmp_path), solo, download=False)
+        load_cifar100(str(tmp_path), train=True)
+    name, notices = choose_dataset("auto", str(tmp_path), solo, download=False)
     assert name == "synthetic" and len(notices) == 1 and "SYNTHETIC" in notices[0]
-    assert trainer.choose_dataset("auto", str(tiny_cifar[0]), solo, download=False) == ("cifar100", [])
-    assert trainer.choose_dataset("synthetic", str(tiny_cifar[0]), solo) == ("synthetic", [])
+    assert choose_dataset("auto", str(tiny_cifar[0]), solo, download=False) == ("cifar100", [])
+    assert choose_dataset("synthetic", str(tiny_cifar[0]), solo) == ("synthetic", [])
 
 
 def test_synthetic_data_is_cifar_shaped_and_a_pure_function_of_the_index():
-    small, big, val = trainer.SyntheticCIFAR100(50, train=True), trainer.SyntheticCIFAR100(80, train=True), trainer.SyntheticCIFAR100(50, train=False)
+    small, big, val = SyntheticCIFAR100(50, train=True), SyntheticCIFAR100(80, train=True), SyntheticCIFAR100(50, train=False)
     image, label = small[7]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 100
     assert all(torch.equal(small[i][0], big[i][0]) and small[i][1] == big[i][1] for i in range(50)), "a smaller set is a prefix"
     assert not torch.equal(small[0][0], val[0][0]), "train and validation samples differ"
     assert len(set(big.targets)) > 40, "labels spread over the classes"
     # Pixels in [0, 1] normalised with CIFAR-100's constants.
-    lowest = (0 - torch.tensor(trainer.CIFAR100_MEAN)) / torch.tensor(trainer.CIFAR100_STD)
+    lowest = (0 - torch.tensor(CIFAR100_MEAN)) / torch.tensor(CIFAR100_STD)
     assert torch.all(image >= lowest.view(3, 1, 1) - 1e-6)
 
 
 def test_sync_bn_choice_on_cpu():
     cpu = torch.device("cpu")
-    assert trainer.resolve_sync_bn("auto", "selfmade", cpu) == ("selfmade", [])
-    used, notices = trainer.resolve_sync_bn("auto", "pytorch", cpu)
+    assert resolve_sync_bn("auto", "selfmade", cpu) == ("selfmade", [])
+    used, notices = resolve_sync_bn("auto", "pytorch", cpu)
     assert used == "selfmade" and "cannot run on CPU" in notices[0]
-    assert trainer.resolve_sync_bn("none", "pytorch", cpu) == ("none", [])
+    assert resolve_sync_bn("none", "pytorch", cpu) == ("none", [])
     with pytest.raises(RuntimeError, match="torch.nn.SyncBatchNorm only runs on CUDA"):
-        trainer.resolve_sync_bn("pytorch", "pytorch", cpu)
+        resolve_sync_bn("pytorch", "pytorch", cpu)
 
 
 # --------------------------------------------------------------------------- fault injection (pytest -m slow)

@@ -1,6 +1,7 @@
 """The package's layers: what the scripts import lives in ``dpkit``, whose subpackages import only the layers
-below them (comm, then the engines and the models, then measurement, then the report), never a script at the
-root; and no module, test or script reaches another module's private names."""
+below them (comm, then the engines and the models, then measurement, then training, then the report), never a
+script at the root; and no module, test or script reaches another module's private names, nor a script the
+private attributes of another module's objects."""
 
 import ast
 
@@ -8,7 +9,8 @@ import pytest
 
 from common import REPO
 
-LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.report": 4}
+LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.train": 4,
+          "dpkit.report": 5}
 PACKAGE = sorted((REPO / "dpkit").rglob("*.py"))
 EVERY_MODULE = sorted([*REPO.glob("*.py"), *(REPO / "tests").glob("*.py"), *PACKAGE])
 
@@ -80,6 +82,59 @@ def test_no_module_reaches_another_modules_private_names(path):
     uses = private_uses(path)
     assert not uses, (f"{path.relative_to(REPO)} uses private names of other modules: make what it needs public "
                       "(a name without the underscore, with a docstring) or keep it inside its module:\n" + "\n".join(uses))
+
+
+# Private attributes of objects that are not ours, which a script may read because their owner offers no public
+# way; each with the reason. Anything else ``x._name`` in a script must be the script's own.
+THIRD_PARTY_PRIVATES = {
+    "_get_ddp_logging_data": "PyTorch's DistributedDataParallel: its bucket sizes (ddp_benchmark.py; None if it moves)",
+    "_get_zeros_like_grad_buckets": "PyTorch's DDP Reducer: tensors of its buckets' sizes, for memory accounting",
+    "_actions": "argparse: a parser's subcommand parsers have no public accessor",
+}
+SCRIPTS = sorted(REPO.glob("*.py"))
+
+
+def defined_here(tree) -> set[str]:
+    """Every name the file defines: functions, classes, methods, class attributes, ``self.x``/``cls.x`` targets."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return names
+
+
+def private_attributes(path) -> list[str]:
+    """``x._name`` (read or assigned) in a script where ``x`` is not ``self``/``cls`` and the script does not define
+    ``_name`` itself: another module's object reached through its private attribute (an engine's ``_flats``,
+    a loaded module's ``_sum_across``). Cheap and syntactic: no types are inferred, so a script's own private
+    name on any object passes, and a third-party private must be listed in THIRD_PARTY_PRIVATES."""
+    tree = ast.parse(path.read_text())
+    own = defined_here(tree) | set(THIRD_PARTY_PRIVATES)
+    return [f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) and node.attr not in own]
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_no_script_reaches_the_private_attributes_of_another_modules_objects(path):
+    uses = private_attributes(path)
+    assert not uses, (f"{path.name} reads or sets private attributes of objects it did not define: give their class a "
+                      "public read-only property or method (an engine's buckets, a module's seam):\n" + "\n".join(uses))
+
+
+def test_the_private_attribute_rule_sees_what_it_is_for(tmp_path):
+    """It flags an engine's private buffer and a loaded module's private function, and passes a script's own."""
+    script = tmp_path / "script.py"
+    script.write_text("class Mine:\n    def __init__(self):\n        self._own = 1\n\n"
+                      "def f(model, module, mine, parser):\n"
+                      "    module._sum_across = print\n    parser._actions\n    mine._own\n"
+                      "    return len(model._flats)\n")
+    assert private_attributes(script) == ["line 6: module._sum_across", "line 9: model._flats"]
 
 
 def test_pyproject_installs_every_subpackage_and_the_homework_modules_the_package_does_not_hold():

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from ddp_cifar100 import save_atomically
 from dpkit.bench import results
 from dpkit.bench.results import markdown_table, read_results, write_durably, write_results
+from dpkit.train.checkpoint import save_atomically
 import run_experiments
 
 FSYNC = os.fsync  # the real one, for tests that patch it

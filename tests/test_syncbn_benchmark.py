@@ -378,8 +378,8 @@ def _tiny_run(ctx, argv):
 
 
 def test_the_workers_time_every_engine_on_both_transports_and_leave_nothing_in_dev_shm():
-    """Two gloo workers on one host, one tiny size: ours, the reference, the floor and ours at HEAD (whichever form
-    its syncbn.py has) on torch's transport and on shared memory, BatchNorm1d without one; every row says its
+    """Two gloo workers on one host, one tiny size: ours, the reference, the floor and ours at HEAD (its syncbn.py
+    loaded from git) on torch's transport and on shared memory, BatchNorm1d without one; every row says its
     transport; the phases are cut on both; no file of the run stays in /dev/shm."""
     argv = ["--iters", "4", "--rounds", "2", "--warmup", "1", "--batch", "8", "--hidden", "4", "--dtypes", "float32",
             "--baseline", "HEAD"]

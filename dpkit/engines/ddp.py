@@ -357,6 +357,11 @@ class FlatDDP(_DataParallel):
                                                device=params[0].device)
                        for params in coalesce(self._trainable, cap_bytes=2**62)]
 
+    @property
+    def flat_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The flat gradient buffers (one per dtype and device), kept from step to step (read-only view)."""
+        return tuple(self._flats)
+
     def _finish(self) -> None:
         for flat, grads in zip(self._flats, coalesce(_grads_or_zeros(self._trainable), cap_bytes=2**62)):
             views = _unflatten_dense_tensors(flat, grads)  # (total numel,) in registration order

@@ -633,6 +633,12 @@ class FSDP(nn.Module):
                 out[name] = replicated[name].detach().clone()
         return out
 
+    @property
+    def replicated_buckets(self) -> tuple:
+        """The gradient buckets (``ddp.Bucket``, read-only view) of the replicated parameters, which a
+        ``ddp.DDP`` inside this FSDP averages: what it keeps between steps beside the shards."""
+        return tuple(self._replicated.buckets)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped module's ``state_dict()`` (same keys, full tensors) on every rank (a collective)."""
         params = self.full_parameters()
