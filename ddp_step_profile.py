@@ -1,10 +1,11 @@
-"""What each DDP engine adds to a training step in a world of one (nothing sent): its own host work, counted.
+"""What each DDP engine adds to a training step (in a world of one: its own work, nothing sent), counted.
 
     python ddp_step_profile.py --baseline REV --json results/ddp_step_profile.json   # ours now and at git REV
+    torchrun --standalone --nproc_per_node 2 ddp_step_profile.py --baseline REV --json results/ddp_step_profile_world2.json
     python ddp_step_profile.py --models cnn --steps 2 --timed-steps 8                    # a quick look
 
-One process runs ``ddp_benchmark.py``'s step (forward, cross-entropy, backward, SGD with momentum,
-``zero_grad(set_to_none=True)``) for no DDP, PyTorch's DDP at its defaults and at its best settings, and
+One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step (forward,
+cross-entropy, backward, SGD with momentum, ``zero_grad(set_to_none=True)``) for no DDP, PyTorch's DDP at its defaults and at its best settings, and
 ours (``bucketed`` at 25 MiB on the "torch" transport, as the benchmark's rows), also as of ``--baseline``.
 Per step, counted by ``torch.profiler`` over ``--steps`` steps (deterministic: the evidence):
 * ``ops``: dispatched aten operators, nested ones included (on the CPU the stand-in for kernel launches);
