@@ -5,8 +5,9 @@
     python ddp_step_profile.py --models cnn --steps 2 --timed-steps 8                    # a quick look
 
 One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step (forward,
-cross-entropy, backward, SGD with momentum, ``zero_grad(set_to_none=True)``) for no DDP, PyTorch's DDP at its defaults and at its best settings, and
-ours (``bucketed`` at 25 MiB on the "torch" transport, as the benchmark's rows), also as of ``--baseline``.
+cross-entropy, backward, SGD with momentum, ``zero_grad(set_to_none=True)``) for no DDP, PyTorch's DDP at its
+defaults and at its best settings, and ours (``bucketed`` at 25 MiB on the "torch" transport, as the
+benchmark's rows), also as of ``--baseline``.
 Per step, counted by ``torch.profiler`` over ``--steps`` steps (deterministic: the evidence):
 * ``ops``: dispatched aten operators, nested ones included (on the CPU the stand-in for kernel launches);
   ``copies``: ``aten::copy_``; ``allocations``: ``aten::empty*``; ``scalar_reads``:
