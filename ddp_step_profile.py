@@ -1,7 +1,7 @@
 """What each DDP engine adds to a training step (in a world of one: its own work, nothing sent), counted.
 
-    python ddp_step_profile.py --baseline REV --json results/ddp_step_profile.json   # ours now and at git REV
-    torchrun --standalone --nproc_per_node 2 ddp_step_profile.py --baseline REV --json results/ddp_step_profile_world2.json
+    python ddp_step_profile.py --baseline REV --json results/profiles/ddp_step_profile.json   # ours now and at git REV
+    torchrun --standalone --nproc_per_node 2 ddp_step_profile.py --baseline REV --json results/profiles/ddp_step_profile_world2.json
     python ddp_step_profile.py --models cnn --steps 2 --timed-steps 8                    # a quick look
 
 One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step (forward,
