@@ -267,14 +267,15 @@ class _DataParallel(nn.Module):
         """
         if not self._in_flight() and (self._finished or not self.require_backward_grad_sync):
             return
-        device = self._trainable[0].device if self._trainable else torch.device("cpu")
-        if self.sync_device_for_timing:
+        timing = self.sync_device_for_timing
+        device = (self._trainable[0].device if self._trainable else torch.device("cpu")) if timing else None
+        if timing:
             synchronize(device)  # so the clock below measures communication, not queued backward
         start = time.perf_counter()
         self._armed = False
         with torch.no_grad():
             self._finish()
-        if self.sync_device_for_timing:
+        if timing:
             synchronize(device)
         self._finished = True
         self.last_wait_s = time.perf_counter() - start
@@ -482,24 +483,38 @@ def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], posit
     return Bucket(index, params, names, positions, flat, views, numel * first.element_size(), pending=len(params))
 
 
-def _adopt_grad(param: nn.Parameter, view: torch.Tensor, world_size: torch.Tensor) -> None:
-    """Put param's gradient divided by ``world_size`` (a 0-dim CPU tensor: as a divisor it dispatches
-    faster than a Python number, which would be wrapped anew at every call) into ``view`` (its slice of
-    its bucket), and make ``view`` its ``.grad``.
+_SUMMED = transports.Work()  # a finished handle: what a world of one's "sum" returns
 
-    One pass over the gradient either way: an in-place division when autograd already
+
+def _divisor(world_size: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """What ``_adopt_grad`` divides a gradient of ``dtype`` by: None for a world of one (nothing to divide), else
+    the world size as a 0-dim CPU tensor of the gradient's own dtype. A Python number would be wrapped in a new
+    tensor at every call, and a tensor of another dtype cast anew (4 more dispatched operators and an allocation
+    per gradient); the quotient is the same, since a world size is exact in every floating dtype."""
+    return None if world_size == 1 else torch.tensor(float(world_size), dtype=dtype)
+
+
+def _adopt_grad(param: nn.Parameter, view: torch.Tensor, divisor: torch.Tensor | None) -> None:
+    """Put param's gradient divided by ``divisor`` (``_divisor``; None: as it is) into ``view`` (its slice of its
+    bucket), and make ``view`` its ``.grad``.
+
+    At most one pass over the gradient: an in-place division when autograd already
     accumulated into the view (``zero_grad(set_to_none=False)``, or no zero_grad), a
     dividing copy when the gradient lives elsewhere (the first step, after
     ``zero_grad(set_to_none=True)`` autograd makes a fresh gradient, or after a user
-    replaced ``param.grad``).
+    replaced ``param.grad``). In a world of one: nothing, or a plain copy.
     """
     grad = param.grad
     if grad is view:
-        view.div_(world_size)
+        if divisor is not None:
+            view.div_(divisor)
         return
     if grad.is_sparse:
         raise RuntimeError("DDP does not support sparse gradients (e.g. nn.Embedding(sparse=True))")
-    torch.div(grad, world_size, out=view)
+    if divisor is None:
+        view.copy_(grad)
+    else:
+        torch.div(grad, divisor, out=view)
     param.grad = view
 
 
@@ -549,7 +564,9 @@ class DDP(_DataParallel):
       rank is on it, where a bucket is summed in the hook that completes it, in the shared
       segment the transport allocated it in; else torch's asynchronous all_reduce).
     * Each gradient is divided by the world size as it enters its bucket (before the
-      sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why).
+      sum, like PyTorch's DDP; see the note above ``_DataParallel`` for why). In a world of
+      one it is copied in undivided and no collective is called (the transport's would
+      return at once); PyTorch's DDP still multiplies by 1 and calls its allreduce.
       ``finish_gradient_synchronization()``, run by autograd once the synchronised backward is
       done (a callback the first hook queues, as PyTorch's reducer does), launches what is left
       (in order) and waits for every bucket, on an asynchronous transport too. Each trainable
@@ -613,17 +630,18 @@ class DDP(_DataParallel):
         self.find_unused_parameters = find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_cap_bytes = int(bucket_cap_mb * MIB)
-        self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)  # see _adopt_grad
         self.buckets: list[Bucket] = []
-        self._slot_of: list[tuple[Bucket, int]] = [None] * len(self._trainable)  # position -> (bucket, slot)
+        # position -> (bucket, its view, divisor): what the hook needs, looked up once per gradient.
+        self._route: list[tuple[Bucket, torch.Tensor, torch.Tensor | None]] = [None] * len(self._trainable)
         for index, positions in enumerate(assign_buckets(self._trainable, self.bucket_cap_bytes,
                                                          int(last_bucket_cap_mb * MIB))):
             params = [self._trainable[i] for i in positions]
             bucket = _make_bucket(index, params, [self._name(p) for p in params], positions, find_unused_parameters,
                                   self.transport.allocate)
             self.buckets.append(bucket)
+            divisor = _divisor(self.world_size, bucket.dtype)
             for slot, position in enumerate(positions):
-                self._slot_of[position] = (bucket, slot)
+                self._route[position] = (bucket, bucket.views[slot], divisor)
         self._reset_step()
 
     # ---- per step state: which gradients arrived, which buckets are launched
@@ -633,7 +651,9 @@ class DDP(_DataParallel):
         self._ready_count = 0
         self._next_launch = 0  # buckets [0, _next_launch) are launched, on every rank in this order
         for bucket in self.buckets:
-            bucket.pending, bucket.missing, bucket.work = len(bucket.params), [], None
+            bucket.pending, bucket.work = len(bucket.params), None
+            if bucket.missing:
+                bucket.missing.clear()
 
     def _in_flight(self) -> bool:
         return self._armed or self._ready_count > 0 or self._next_launch > 0
@@ -647,19 +667,20 @@ class DDP(_DataParallel):
         self._finished = False
         if not self.require_backward_grad_sync:
             return  # accumulation micro-batch: the gradient stays in param.grad
-        if torch.is_grad_enabled():
-            raise RuntimeError("DDP does not support backward(create_graph=True) (double backward)")
         if self._ready[position]:
             raise RuntimeError(
                 f"DDP: parameter {self._name(param)!r} received a second gradient before "
                 "finish_gradient_synchronization(): built with finish_in_backward=False, call it after every "
                 "synchronised backward; with reentrant activation checkpointing, use use_reentrant=False.")
-        if not self._armed and self.finish_in_backward:
-            self._arm()
+        if not self._armed:  # the first gradient of this backward (or every one, without finishing in backward)
+            if torch.is_grad_enabled():  # create_graph holds for the whole backward: checked at its first hook
+                raise RuntimeError("DDP does not support backward(create_graph=True) (double backward)")
+            if self.finish_in_backward:
+                self._arm()
         self._ready[position] = True
         self._ready_count += 1
-        bucket, slot = self._slot_of[position]
-        _adopt_grad(param, bucket.views[slot], self._divisor)
+        bucket, view, divisor = self._route[position]
+        _adopt_grad(param, view, divisor)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_complete_buckets()
@@ -683,11 +704,15 @@ class DDP(_DataParallel):
                     else:  # no flags to tell: the gradient is the average, with zeros from this rank
                         param.grad = bucket.views[slot]
                 else:
-                    _adopt_grad(param, bucket.views[slot], self._divisor)
-        bucket.flags.fill_(1)
-        if bucket.missing:
-            bucket.flags[bucket.missing] = 0
-        bucket.work = self.transport.all_reduce(bucket.flat, "sum", async_op=True)
+                    _adopt_grad(param, bucket.views[slot], self._route[position][2])
+        if self.find_unused_parameters:  # else the bucket carries no flags: nothing to fill
+            flags = bucket.flags
+            flags.fill_(1)
+            if bucket.missing:
+                flags[bucket.missing] = 0
+        # A world of one has nothing to sum: the transport's all_reduce would return at once (every
+        # transport's contract), so it is not called. PyTorch's DDP calls its allreduce even then.
+        bucket.work = self.transport.all_reduce(bucket.flat, "sum", async_op=True) if self.world_size > 1 else _SUMMED
 
     def _finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:
