@@ -200,11 +200,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._waited_s = 0.0  # the calling thread's time on this step's share so far (see last_share_s)
         self.last_share_s = 0.0
         # Stage 2: parameter id -> (its bucket, [(row, column, start, end)]: where each of its pieces goes in the
-        # bucket's rows); the gradient hooks; the world size as a divisor (a 0-dim tensor dispatches faster than
-        # a Python number, wrapped anew at every call); the state of the backward in progress.
+        # bucket's rows); the gradient hooks; the world size as a divisor per gradient dtype (a 0-dim tensor of
+        # the gradient's own dtype: no cast at each call, exact since a world size is); the backward's state.
         self._slots: dict[int, tuple[Bucket, list[tuple[int, int, int, int]]]] = {}
         self._gradient_hooks: list = []
-        self._divisor = torch.tensor(float(self.world_size), dtype=torch.float64)
+        self._divisors: dict[torch.dtype, torch.Tensor] = {}
         self._in_backward = False
         self._reduced = 0  # buckets whose reduce-scatter this backward launched, in ``_reduce_order``
         self.last_reduce_wait_s = 0.0
@@ -454,8 +454,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if grad.is_sparse:
             raise RuntimeError("ShardedOptimizer(stage=2) does not take sparse gradients (nn.Embedding(sparse=True))")
         flat = grad.reshape(-1)
+        divisor = self._divisors.get(flat.dtype)
+        if divisor is None:
+            divisor = self._divisors[flat.dtype] = torch.tensor(float(self.world_size), dtype=flat.dtype)
         for row, column, start, end in slots:  # before the sum, as DDP divides (see the note above ddp's engines)
-            torch.div(flat[start:end], self._divisor, out=bucket.rows[row, column:column + end - start])
+            torch.div(flat[start:end], divisor, out=bucket.rows[row, column:column + end - start])
         param.grad = None  # the rows hold it now; after the reduce-scatter only this rank's share is kept
         bucket.arrived.add(id(param))
         if len(bucket.arrived) == len(bucket.params):
