@@ -172,7 +172,7 @@ class DpkitBackend(BASE):
         if self.leaders is not None:
             options = c10d.AllreduceOptions()
             options.reduceOp = _OPS[inner]
-            _reduce_through_gloo([flat], lambda ts: self.leaders.allreduce(ts, options))
+            _reduce_through_gloo([flat], lambda ts: self.leaders.allreduce(ts, options)).wait()
         if self.slots is not None:
             self.slots.broadcast(flat, 0)
         if op == "avg":
@@ -185,7 +185,8 @@ class DpkitBackend(BASE):
         if len(tensors) == 1 and self._native(tensors, "sum"):
             _in_place(tensors[0], lambda flat: self.slots.broadcast(flat, opts.rootRank))
             return done(tensors)
-        return _move_through_gloo(self.gloo.broadcast, tensors, opts)
+        check_cpu(tensors)
+        return self.gloo.broadcast([_bits(t) for t in tensors], opts)
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()

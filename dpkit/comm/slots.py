@@ -33,7 +33,7 @@ from dpkit.comm.process_groups import PeerFailedError
 SLOT_BYTES = 1 << 21  # one slot; a message longer than this goes piece by piece
 HEADER_WORDS = 16  # int64 words per rank: two cache lines
 _COUNTER, _PID, _STARTED = 0, 1, 2
-_DESCRIPTOR = 3  # descriptor of slot s at words [3 + 5 s, 8 + 5 s): kind, dtype, numel, op, root
+_DESCRIPTOR = 3  # the descriptor of slot p: words [3 + 5p, 8 + 5p): kind, dtype, numel, op, root
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)
 KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
