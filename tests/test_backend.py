@@ -302,12 +302,15 @@ def create_and_destroy(times: int) -> tuple:
         with open("/proc/self/maps") as f:
             maps = sum("dp-kit-slots" in line for line in f)
         return maps, len(os.listdir("/proc/self/task")), threading.active_count()
-    before = state()
-    for _ in range(times):
+    def cycle():
         group = dist.new_group(backend="dpkit")
         x = torch.ones(2)
         dist.all_reduce(x, group=group)
         dist.destroy_process_group(group)
+    cycle()  # the first group may start threads torch keeps for the process (a pool), not for the group
+    before = state()
+    for _ in range(times):
+        cycle()
     return before, state()
 
 
@@ -359,8 +362,7 @@ def test_a_tensor_not_on_the_cpu_is_refused_naming_its_device(bad):
 def test_a_hundred_groups_made_and_destroyed_leave_no_mapping_or_thread(bad):
     for found in bad:
         before, after = found["cycles"]
-        assert after[0] == before[0] == 0 or after[0] <= before[0], found["cycles"]
-        assert after[1] <= before[1] + 2 and after[2] <= before[2], found["cycles"]
+        assert after == before, f"(mappings of slots files, OS threads, Python threads): {found['cycles']}"
 
 
 def test_two_groups_on_the_same_ranks_do_not_talk_across(bad):

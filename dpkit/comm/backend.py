@@ -288,6 +288,25 @@ class DpkitBackend(BASE):
             self.allreduce([t], options).wait()
         return done()
 
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        for output, input in zip(outputs, inputs):
+            self.all_gather_single(output, input, opts).wait()
+        return done(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the older name
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        for output, input in zip(outputs, inputs):
+            self.reduce_scatter_single(output, input, opts).wait()
+        return done(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        for outputs, input in zip(output_lists, inputs):
+            self.allgather([outputs], [input], opts).wait()
+        return done(output_lists)
+
     def monitored_barrier(self, opts=None, *args):
         return self.gloo.monitored_barrier(*(a for a in (opts, *args) if a is not None))
 
