@@ -11,7 +11,8 @@ Each row is the time per call of back-to-back calls (median over rounds, slowest
 * what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group: torch's
   Python and C++ layers, the call back into Python, the Work), ``wait`` (one exchange of no data: post
   the counter, see the peers'), ``reduction`` (the copy into the slot and the sum into the output, alone);
-* for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer.
+* for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer and
+  on any tensor (staged: what ``dist.all_reduce`` through it would cost); long messages with ``--bytes 67108864``.
 
 Timings on a machine others are loading are not to be trusted: run it on a quiet one.
 """
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from dpkit.bench.results import environment, format_environment, write_results
 from dpkit.comm import backend, process_groups
+from dpkit.comm.slots import SLOT_BYTES
 from dpkit.comm.transport import SharedMemory
 
 
@@ -53,26 +55,35 @@ def cases(nbytes: int, world_size: int) -> dict:
     slots = backend.slots_of()
     shm = SharedMemory(gloo)
     tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
+    plain = torch.ones(numel)
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+    own = numel * 4 <= SLOT_BYTES  # a message written in place must fit one slot
     return {
         "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor),
-        "slots.all_reduce [own buffer]": lambda: slots.all_reduce(slots.buffer(numel, torch.float32), posted=True),
+        **({"slots.all_reduce [own buffer]": lambda: slots.all_reduce(slots.buffer(numel, torch.float32), posted=True)}
+           if own else {}),
         "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
         "wait (exchange of no data)": slots.barrier,
         "reduction (copy in, sum out)": lambda: (a.copy_(b), torch.add(a, b, out=c)),
         "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
         "SharedMemory.all_reduce [own buffer]": lambda: shm.all_reduce(owned),
+        "SharedMemory.all_reduce [any tensor]": lambda: shm.all_reduce(plain),
     }
+
+
+def calls_for(nbytes: int, calls: int) -> int:
+    """``calls`` for small messages, fewer for long ones (about a GiB moved per round at most)."""
+    return max(3, min(calls, (1 << 30) // nbytes))
 
 
 def worker(ctx, sizes: list[int], calls: int, rounds: int) -> list[dict]:
     rows = []
     for nbytes in sizes:
         for name, fn in cases(nbytes, ctx.world_size).items():
-            for _ in range(10):
+            for _ in range(3):
                 fn()
             rows.append({"world_size": ctx.world_size, "bytes": nbytes, "case": name,
-                         "seconds_per_call": per_call(fn, calls, rounds)})
+                         "seconds_per_call": per_call(fn, calls_for(nbytes, calls), rounds)})
     return rows
 
 

@@ -127,6 +127,8 @@ class Slots:
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's slot of the next epoch, for a message of at most one slot written in place:
         ``all_reduce(slots.buffer(n, dtype), op, posted=True)`` skips the copy in."""
+        if numel * dtype.itemsize > SLOT_BYTES:
+            raise ValueError(f"a slot holds {SLOT_BYTES} bytes, not {numel} elements of {dtype}")
         return self.slot(self.rank, (self._epoch + 1) % 2, dtype, numel)
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
