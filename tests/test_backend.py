@@ -261,9 +261,19 @@ def steps(wrap, zero=None, gather=False) -> list[torch.Tensor]:
     return seen
 
 
+def two_rank_worker(ctx) -> tuple[dict, dict]:
+    """The engines' training and the bad inputs, in one launch (a launch costs seconds)."""
+    return train_worker(ctx), bad_input_worker(ctx)
+
+
 @pytest.fixture(scope="module")
-def trained():
-    return launch(train_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+def two_ranks():
+    return launch(two_rank_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def trained(two_ranks):
+    return [found[0] for found in two_ranks]
 
 
 @pytest.mark.parametrize("engine", ("ddp", "fsdp", "zero"))
@@ -355,8 +365,8 @@ def without_room(rank: int) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def bad():
-    return launch(bad_input_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+def bad(two_ranks):
+    return [found[1] for found in two_ranks]
 
 
 @pytest.mark.parametrize("what", ("size", "dtype"))

@@ -66,6 +66,15 @@ def done(result=None) -> dist.Work:
     return c10d._create_work_from_future(future)
 
 
+def computes(dtype: torch.dtype, op: str | None) -> bool:
+    """Whether the slots compute ``op`` on ``dtype`` as gloo would (else gloo decides, or refuses)."""
+    if op is None or dtype not in DTYPES:
+        return False
+    floating, boolean = dtype.is_floating_point, dtype == torch.bool
+    return not ((op in _BITWISE and floating) or (op == "avg" and not floating)
+                or (boolean and op in ("sum", "avg", "product")))
+
+
 def check_cpu(tensors) -> None:
     """ValueError naming the device of the first tensor that is not on the CPU."""
     for t in tensors:
@@ -140,14 +149,9 @@ class DpkitBackend(BASE):
     def _native(self, tensors, op: str | None = "sum") -> bool:
         """Whether the slots take this call: one host with room, CPU tensors of their dtypes, an op they compute."""
         check_cpu(tensors)
-        if self.slots is None or self.spans_hosts or op is None:
-            return False
         dtype = tensors[0].dtype
-        if dtype not in DTYPES or any(t.dtype != dtype for t in tensors):
-            return False
-        floating, boolean = dtype.is_floating_point, dtype == torch.bool
-        return not ((op in _BITWISE and floating) or (op == "avg" and not floating)
-                    or (boolean and op in ("sum", "avg", "product")))
+        return (self.slots is not None and not self.spans_hosts and all(t.dtype == dtype for t in tensors)
+                and computes(dtype, op))
 
     def allreduce(self, tensors, opts=None):
         opts = opts or c10d.AllreduceOptions()
@@ -158,7 +162,7 @@ class DpkitBackend(BASE):
         if len(tensors) == 1 and self._native(tensors, op):
             _in_place(tensors[0], lambda flat: self.slots.all_reduce(flat, op))
             return done(tensors)
-        if len(tensors) == 1 and op is not None and self.spans_hosts and tensors[0].dtype in DTYPES:
+        if len(tensors) == 1 and self.spans_hosts and computes(tensors[0].dtype, op):
             self._hierarchical_all_reduce(tensors[0], op)
             return done(tensors)
         return _reduce_through_gloo(tensors, lambda ts: self.gloo.allreduce(ts, opts))
@@ -307,8 +311,8 @@ class DpkitBackend(BASE):
             self.allgather([outputs], [input], opts).wait()
         return done(output_lists)
 
-    def monitored_barrier(self, opts=None, *args):
-        return self.gloo.monitored_barrier(*(a for a in (opts, *args) if a is not None))
+    def monitored_barrier(self, *args):
+        return self.gloo.monitored_barrier(*args)
 
 
 def _in_place(tensor: torch.Tensor, run) -> None:
