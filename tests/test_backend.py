@@ -307,6 +307,7 @@ def bad_input_worker(ctx) -> dict:
     out["overlap"] = overlapping_groups(rank)
     out["no room"] = without_room(rank)
     out["per device"] = per_device(rank)
+    out["pid"] = os.getpid()
     return out
 
 
@@ -387,6 +388,7 @@ def test_a_hundred_groups_made_and_destroyed_leave_no_mapping_or_thread(bad):
     for found in bad:
         before, after = found["cycles"]
         assert after == before, f"(mappings of slots files, OS threads, Python threads): {found['cycles']}"
+    assert not shm_files_of([found["pid"] for found in bad]), "a slots file outlived its group"
 
 
 def test_two_groups_on_the_same_ranks_do_not_talk_across(bad):

@@ -10,7 +10,8 @@ Across hosts (real, or simulated by ``DPKIT_HOSTS``) an all-reduce is hierarchic
 slots inside each host, gloo between one leader per host, the slots again to hand the result out.
 Everything else, and whatever the slots cannot take (CUDA-free but odd dtypes, uneven lists), goes
 to a gloo backend the group keeps on the same store; bfloat16, which gloo lacks, is moved as float16
-bits or reduced in float32 there. When /dev/shm has no room, every call goes to gloo, warned once.
+bits or reduced in float32 there. When /dev/shm has no room, every call goes to gloo, warned once;
+on CPUs that may reorder stores (not x86) too, without the slots.
 
 Where torch builds Python backends (``Backend`` has a Python constructor) the class is a ``Backend``,
 so one process group may hold "dpkit" for CPU beside "nccl" for CUDA; elsewhere it is a whole
@@ -31,6 +32,7 @@ from torch._C import _distributed_c10d as c10d
 
 from dpkit.comm.hosts import HOSTS_ENV, number_hosts, ranks_by_host, real_host
 from dpkit.comm.slots import DTYPES, Slots
+from dpkit.comm.transport import POLLS
 
 NAME = "dpkit"
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
@@ -103,7 +105,7 @@ class DpkitBackend(BASE):
         members = hosts[mine]
         self.spans_hosts = len(hosts) > 1
         self._local = members.index(self._rank)
-        if len(members) > 1:
+        if len(members) > 1 and POLLS:  # elsewhere a peer may see the counter before the data: gloo carries all
             self.slots = Slots.open(dist.PrefixStore(f"{NAME}/host{mine}", store), self._local, len(members),
                                     self.timeout_s)
         if self.spans_hosts and self._local == 0:
