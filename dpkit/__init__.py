@@ -21,3 +21,4 @@ What a user runs lives beside the package: the homework scripts (``sequential_pr
 """
 
 from dpkit import compat  # noqa: F401  (first: a torch older than the supported range fails here, saying so)
+from dpkit.comm import backend  # noqa: E402,F401  (last: registers the torch.distributed backend "dpkit")

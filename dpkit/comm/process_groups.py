@@ -87,8 +87,8 @@ DEVICES = ("auto", "cpu", "cuda")
 def resolve_backend(backend: str = "auto", device: str = "auto") -> str:
     """``auto`` is nccl when the ranks compute on CUDA (``--device cuda``, or ``auto`` with a GPU visible),
     else gloo; nccl without CUDA is an error naming the flag."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"--backend {backend}: unknown backend; choose auto, gloo or nccl")
+    if backend not in ("auto", "gloo", "nccl", "dpkit"):
+        raise ValueError(f"--backend {backend}: unknown backend; choose auto, gloo, nccl or dpkit")
     if device not in DEVICES:
         raise ValueError(f"--device {device}: unknown device; choose one of {', '.join(DEVICES)}")
     if backend == "auto":

@@ -1,0 +1,115 @@
+"""Small-message latency of the "dpkit" backend, and what sets its floor.
+
+    python -m dpkit.bench.backend_latency                        # 2 ranks, 4 KiB, float32
+    python -m dpkit.bench.backend_latency --procs 2 4 --bytes 4096 65536 --json results/backend_latency.json
+
+Each row is the time per call of back-to-back calls (median over rounds, slowest rank):
+
+* ``dist.all_reduce [dpkit]``: PyTorch's call on any CPU tensor, through the backend (targets: <= 60 us at 4 KiB);
+* ``slots.all_reduce [own buffer]``: the backend's slots called directly on a tensor written in place in
+  this rank's next slot (no dispatch, no copy in; target <= 30 us);
+* what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group: torch's
+  Python and C++ layers, the call back into Python, the Work), ``wait`` (one exchange of no data: post
+  the counter, see the peers'), ``reduction`` (the copy into the slot and the sum into the output, alone);
+* for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer and
+  on any tensor (staged: what ``dist.all_reduce`` through it would cost); long messages with ``--bytes 67108864``.
+
+Timings on a machine others are loading are not to be trusted: run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dpkit.bench.results import environment, format_environment, write_results
+from dpkit.comm import backend, process_groups
+from dpkit.comm.slots import SLOT_BYTES
+from dpkit.comm.transport import SharedMemory
+
+
+def per_call(fn, calls: int, rounds: int, group=None) -> float:
+    """Seconds per call of ``fn`` run ``calls`` times back to back: the median over ``rounds``, slowest rank."""
+    samples = []
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(value, dist.ReduceOp.MAX, group=group)
+    return float(value)
+
+
+def cases(nbytes: int, world_size: int) -> dict:
+    """name -> a function of no arguments making one call (every rank makes the same dict)."""
+    numel = nbytes // 4
+    gloo, shm = dist.new_group(backend="gloo"), None
+    singles = [dist.new_group([r], backend=backend.NAME) for r in range(world_size)]
+    alone = singles[dist.get_rank()]
+    slots = backend.slots_of()
+    shm = SharedMemory(gloo)
+    tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
+    plain = torch.ones(numel)
+    a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+    own = numel * 4 <= SLOT_BYTES  # a message written in place must fit one slot
+    return {
+        "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor),
+        **({"slots.all_reduce [own buffer]": lambda: slots.all_reduce(slots.buffer(numel, torch.float32), posted=True)}
+           if own else {}),
+        "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
+        "wait (exchange of no data)": slots.barrier,
+        "reduction (copy in, sum out)": lambda: (a.copy_(b), torch.add(a, b, out=c)),
+        "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
+        "SharedMemory.all_reduce [own buffer]": lambda: shm.all_reduce(owned),
+        "SharedMemory.all_reduce [any tensor]": lambda: shm.all_reduce(plain),
+    }
+
+
+def calls_for(nbytes: int, calls: int) -> int:
+    """``calls`` for small messages, fewer for long ones (about a GiB moved per round at most)."""
+    return max(3, min(calls, (1 << 30) // nbytes))
+
+
+def worker(ctx, sizes: list[int], calls: int, rounds: int) -> list[dict]:
+    rows = []
+    for nbytes in sizes:
+        for name, fn in cases(nbytes, ctx.world_size).items():
+            for _ in range(3):
+                fn()
+            rows.append({"world_size": ctx.world_size, "bytes": nbytes, "case": name,
+                         "seconds_per_call": per_call(fn, calls_for(nbytes, calls), rounds)})
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--procs", type=int, nargs="+", default=[2], help="ranks per run (default: %(default)s)")
+    parser.add_argument("--bytes", type=int, nargs="+", default=[4096], help="message sizes (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=2000, help="back-to-back calls per round (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is kept (default: %(default)s)")
+    parser.add_argument("--json", default=None, help="write the rows here in the shared layout (default: none)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rows = []
+    for n in args.procs:
+        print(format_environment(environment(backend.NAME, "cpu", n)))
+        rows += process_groups.launch(worker, n, args.bytes, args.calls, args.rounds, backend=backend.NAME,
+                                      timeout_s=600)[0]
+    for row in rows:
+        print(f"{row['world_size']:>3} ranks {row['bytes']:>9} B  {row['case']:<38} "
+              f"{row['seconds_per_call'] * 1e6:9.1f} us")
+    if args.json:
+        write_results(args.json, "backend_latency", environment(backend.NAME, "cpu", max(args.procs)), vars(args), rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,427 @@
+"""The torch.distributed backend "dpkit" (dpkit/comm/backend.py) against gloo's results, PyTorch's engines on it,
+and what it refuses or survives.
+
+One spawned group per world size runs the whole grid: every collective torch.distributed offers, every dtype
+gloo takes (and bfloat16, which it does not: there the oracle is gloo on float32 copies, rounded), every op,
+a small message and one longer than a slot; each rank returns the pair (dpkit's result, gloo's on the same
+input, through a gloo group over the same ranks), and the parent compares them: bit for bit at 2 ranks
+(a sum of two is the same in any order) and for every op but sum, mean and product of floats, within the dtype's rounding at 3
+ranks, where gloo's ring sums in another order. DPKIT_HOSTS=2,2 runs the hierarchical path the same way.
+PyTorch's DDP, fully_shard and ZeroRedundancyOptimizer train one model on a "dpkit" and a gloo group: bit for
+bit at 2 ranks (same sums). The kill test is marked slow.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import warnings
+import zlib
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from common import PG_TIMEOUT_S
+from dpkit.comm import backend, slots
+from dpkit.comm.process_groups import WorkerError, launch
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int32", "int64")
+OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
+BIG = slots.SLOT_BYTES // 4 + 1001  # float32 elements: more than one slot, not a multiple of it
+SIZES = (7, BIG)
+LAYOUTS = {2: None, 3: None, 4: (2, 2)}
+
+
+def valid(op: str, dtype: str) -> bool:
+    floating = dtype.startswith(("float", "bfloat"))
+    return not ((op in ("band", "bor", "bxor") and floating) or (op == "avg" and not floating))
+
+
+def cases() -> list[tuple]:
+    """(collective, dtype, op, numel per rank)."""
+    out = [("all_reduce", d, op, 7) for d in DTYPES for op in OPS if valid(op, d)]
+    out += [(kind, d, "sum", 7) for kind in ("broadcast", "all_gather", "all_gather_single", "all_to_all",
+                                              "all_to_all_single", "gather", "scatter", "send_recv") for d in DTYPES]
+    out += [(kind, d, op, 7) for kind in ("reduce", "reduce_scatter", "reduce_scatter_single")
+            for d in DTYPES for op in ("sum", "max") if valid(op, d)]
+    out += [(kind, "float32", "sum", BIG) for kind in ("all_reduce", "broadcast", "all_gather_single",
+                                                       "reduce_scatter_single")]
+    out += [("all_reduce_strided", "float32", "sum", 7), ("all_reduce_async", "float32", "sum", 7),
+            ("objects", "float32", "sum", 7), ("barrier", "float32", "sum", 7)]
+    return out
+
+
+def rank_input(case: tuple, rank: int, n: int) -> torch.Tensor:
+    kind, dtype, op, numel = case
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()) + rank)
+    count = numel * (n if kind in ("reduce_scatter", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                                   "scatter") else 1)
+    if dtype.startswith(("float", "bfloat")):
+        scale = 1.5 if op == "product" else 4.0
+        return (torch.rand(count, generator=g) * scale + (0.5 if op == "product" else -2.0)).to(getattr(torch, dtype))
+    low = 0 if dtype == "uint8" else -3
+    return torch.randint(low, 4, (count,), generator=g).to(getattr(torch, dtype))
+
+
+def run(case: tuple, x: torch.Tensor, group, n: int):
+    """The collective of ``case`` on ``x`` over ``group``; returns what this rank holds afterwards."""
+    kind, _, op, numel = case
+    rank, reduce_op = dist.get_rank(group), getattr(dist.ReduceOp, op.upper())
+    if kind == "all_reduce":
+        dist.all_reduce(x, reduce_op, group=group)
+        return x
+    if kind == "all_reduce_strided":
+        y = torch.stack([x, x], 1)[:, 0]
+        if group is not dist.group.WORLD:  # the oracle: gloo, which would sum the strided view's storage
+            y = y.contiguous()
+        dist.all_reduce(y, group=group)
+        return y
+    if kind == "all_reduce_async":
+        work = dist.all_reduce(x, group=group, async_op=True)
+        return x if work.wait() and work.get_future().wait() is not None and work.get_future().done() else None
+    if kind == "broadcast":
+        dist.broadcast(x, group_src=n - 1, group=group)
+        return x
+    if kind == "reduce":
+        dist.reduce(x, group_dst=0, op=reduce_op, group=group)
+        return x if rank == 0 else None
+    if kind == "all_gather":
+        out = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(out, x, group=group)
+        return torch.cat(out)
+    if kind == "all_gather_single":
+        out = torch.empty(n * x.numel(), dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+    if kind == "reduce_scatter":
+        out = torch.empty(numel, dtype=x.dtype)
+        dist.reduce_scatter(out, list(x.chunk(n)), reduce_op, group=group)
+        return out
+    if kind == "reduce_scatter_single":
+        out = torch.empty(numel, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x, reduce_op, group=group)
+        return out
+    return run_more(case, x, group, n, rank)
+
+
+def run_more(case, x, group, n, rank):
+    kind, _, _, numel = case
+    if kind == "all_to_all" and group is not dist.group.WORLD:  # the oracle: some torch's gloo lacks the list form
+        kind = "all_to_all_single"
+    if kind == "all_to_all":
+        out = [torch.empty(numel, dtype=x.dtype) for _ in range(n)]
+        dist.all_to_all(out, list(x.chunk(n)), group=group)
+        return torch.cat(out)
+    if kind == "all_to_all_single":
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+    if kind == "gather":
+        out = [torch.empty_like(x) for _ in range(n)] if rank == 0 else None
+        dist.gather(x, out, group_dst=0, group=group)
+        return torch.cat(out) if rank == 0 else None
+    if kind == "scatter":
+        out = torch.empty(numel, dtype=x.dtype)
+        dist.scatter(out, list(x.chunk(n)) if rank == 0 else None, group_src=0, group=group)
+        return out
+    if kind == "send_recv":  # a ring: even ranks send first, odd ones receive first
+        got = torch.empty_like(x)
+        peer_to, peer_from = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+        for step in ((lambda: dist.send(x, peer_to, group=group)), (lambda: dist.recv(got, peer_from, group=group))
+                     )[::(1 if rank % 2 == 0 else -1)]:
+            step()
+        return got
+    if kind == "objects":
+        out = [None] * n
+        dist.all_gather_object(out, {"rank": rank, "x": x.tolist()}, group=group)
+        listed = [out if rank == 0 else None]
+        dist.broadcast_object_list(listed, group_src=0, group=group)
+        return listed
+    if kind == "barrier":
+        dist.barrier(group=group)
+        return torch.ones(1)
+    raise ValueError(kind)
+
+
+def grid_worker(ctx) -> dict:
+    """{case: (dpkit's result, gloo's result or the error gloo raised)} on this rank."""
+    n, gloo = ctx.world_size, dist.new_group(backend="gloo")
+    found = {}
+    for case in cases():
+        x = rank_input(case, ctx.rank, n)
+        ours = run(case, x.clone(), dist.group.WORLD, n)
+        try:
+            wide = x.float() if case[1] == "bfloat16" else x.clone()
+            theirs = run(case, wide, gloo, n)
+            theirs = theirs.to(torch.bfloat16) if case[1] == "bfloat16" and isinstance(theirs, torch.Tensor) else theirs
+        except (RuntimeError, ValueError) as error:
+            theirs = f"gloo: {error}"
+        found[case] = (ours, theirs)
+    return found | {"spans_hosts": backend.slots_of() is None, "pid": os.getpid()}
+
+
+def shm_files_of(pids) -> list[str]:
+    """The slots files in /dev/shm that processes ``pids`` made (a file is named after its maker)."""
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"dp-kit-slots-{pid}-") for pid in pids)]
+
+
+_GRIDS: dict = {}
+
+
+def grid(world: int) -> list[dict]:
+    """Every rank's grid at ``world`` ranks, launched once (a failed launch fails every test that needs it)."""
+    if world not in _GRIDS:
+        try:
+            _GRIDS[world] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
+                                   hosts=LAYOUTS[world])
+        except WorkerError as error:
+            _GRIDS[world] = error
+    if isinstance(_GRIDS[world], WorkerError):
+        raise _GRIDS[world]
+    return _GRIDS[world]
+
+
+def compare(ours, theirs, case, world) -> None:
+    if isinstance(theirs, str):
+        pytest.fail(f"gloo refused {case}, which the grid should not ask for: {theirs}")
+    if not isinstance(ours, torch.Tensor):
+        assert ours == theirs
+        return
+    exact = world == 2 or case[2] not in ("sum", "avg", "product") or not case[1].startswith(("float", "bfloat"))
+    if exact and case[1] != "bfloat16":
+        assert torch.equal(ours, theirs), f"{case}: {ours[:8]} != {theirs[:8]}"
+    else:  # a sum of ``world`` terms, each at most 2 in magnitude, rounded at every addition in either order
+        atol = world * 2 * torch.finfo(ours.dtype).eps
+        torch.testing.assert_close(ours, theirs, atol=atol, rtol=torch.finfo(ours.dtype).eps * world,
+                                   msg=lambda m: f"{case}: {m}")
+
+
+@pytest.mark.parametrize("world", (2, 3, 4), ids=("2ranks", "3ranks", "2hosts_of_2"))
+@pytest.mark.parametrize("case", cases(), ids=lambda c: "-".join(map(str, c)))
+def test_every_collective_matches_gloo(world, case):
+    if world == 4 and case[3] == BIG:
+        pytest.skip("the long messages run at 2 and 3 ranks; 2 hosts of 2 checks the hierarchical arithmetic")
+    for rank, found in enumerate(grid(world)):
+        ours, theirs = found[case]
+        compare(ours, theirs, case, world)
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_one_host_uses_the_slots_two_hosts_go_hierarchical_and_no_file_stays(world):
+    results = grid(world)
+    assert all(r["spans_hosts"] == (world == 4) for r in results)
+    assert not shm_files_of([r["pid"] for r in results]), "a slots file outlived its group"
+
+
+# --------------------------------------------------------------------------- PyTorch's engines
+
+
+def train_worker(ctx) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # older torch: the composable API's first home
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for name, group in (("dpkit", dist.group.WORLD), ("gloo", gloo)):
+        out[("ddp", name)] = steps(lambda m: torch.nn.parallel.DistributedDataParallel(m, process_group=group))
+        out[("fsdp", name)] = steps(lambda m: (fully_shard(m, mesh=DeviceMesh.from_group(group, "cpu")), m)[1],
+                                    gather=True)
+        out[("zero", name)] = steps(lambda m: m, zero=lambda p: ZeroRedundancyOptimizer(
+            p, torch.optim.AdamW, lr=1e-2, process_group=group))
+    return out
+
+
+def steps(wrap, zero=None, gather=False) -> list[torch.Tensor]:
+    """Three steps of a small MLP on this rank's batch; the full parameters after each."""
+    torch.manual_seed(0)
+    model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+    optimizer = zero(model.parameters()) if zero else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    seen = []
+    for _ in range(3):
+        loss = model(torch.randn(5, 8, generator=g)).square().mean()
+        if zero:  # ZeRO shards the optimizer, not the gradients: sum them the way DDP would
+            loss.backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=optimizer.process_group)
+        else:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        params = [p.full_tensor() if gather else p for p in model.parameters()]
+        seen.append(torch.cat([p.detach().reshape(-1).clone() for p in params]))
+    return seen
+
+
+def two_rank_worker(ctx) -> tuple[dict, dict]:
+    """The engines' training and the bad inputs, in one launch (a launch costs seconds)."""
+    return train_worker(ctx), bad_input_worker(ctx)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch(two_rank_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def trained(two_ranks):
+    return [found[0] for found in two_ranks]
+
+
+@pytest.mark.parametrize("engine", ("ddp", "fsdp", "zero"))
+def test_pytorch_engines_train_bit_for_bit_as_on_gloo_at_two_ranks(trained, engine):
+    for found in trained:
+        for ours, theirs in zip(found[(engine, "dpkit")], found[(engine, "gloo")]):
+            assert torch.equal(ours, theirs)  # two ranks: every sum is a + b, whoever adds
+        assert not torch.equal(found[(engine, "dpkit")][0], found[(engine, "dpkit")][-1]), "the model did not train"
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+
+def bad_input_worker(ctx) -> dict:
+    out = {}
+    rank = ctx.rank
+    for name, x in (("size", torch.ones(4 + rank)), ("dtype", torch.ones(4, dtype=(torch.float32, torch.int32)[rank]))):
+        try:
+            dist.all_reduce(x)
+            out[name] = "no error"
+        except ValueError as error:
+            out[name] = str(error)
+    y = torch.ones(3)
+    dist.all_reduce(y)
+    out["after"] = y  # the group still works
+    try:
+        backend.check_cpu([torch.empty(2, device="meta")])
+    except ValueError as error:
+        out["device"] = str(error)
+    out["cycles"] = create_and_destroy(100)
+    out["overlap"] = overlapping_groups(rank)
+    out["no room"] = without_room(rank)
+    out["per device"] = per_device(rank)
+    out["pid"] = os.getpid()
+    return out
+
+
+def per_device(rank: int) -> tuple:
+    """A group of "dpkit" for CPU tensors beside another backend for CUDA ones (gloo here: no GPU needed)."""
+    group = dist.new_group(backend="cpu:dpkit,cuda:gloo")
+    x = torch.full((4,), float(rank + 1))
+    dist.all_reduce(x, group=group)
+    through_slots = backend.slots_of(group) is not None
+    dist.destroy_process_group(group)
+    return x, through_slots
+
+
+def create_and_destroy(times: int) -> tuple:
+    """(mappings, threads) before and after ``times`` groups made, used and destroyed."""
+    def state():
+        with open("/proc/self/maps") as f:
+            maps = sum("dp-kit-slots" in line for line in f)
+        return maps, len(os.listdir("/proc/self/task")), threading.active_count()
+    def cycle():
+        group = dist.new_group(backend="dpkit")
+        x = torch.ones(2)
+        dist.all_reduce(x, group=group)
+        dist.destroy_process_group(group)
+    cycle()  # the first group may start threads torch keeps for the process (a pool), not for the group
+    before = state()
+    for _ in range(times):
+        cycle()
+    return before, state()
+
+
+def overlapping_groups(rank: int) -> list:
+    a, b = dist.new_group(backend="dpkit"), dist.new_group(backend="dpkit")
+    got = []
+    for i in range(5):
+        x, y = torch.full((3,), float(rank + i)), torch.full((3,), 10.0 * (rank + i))
+        dist.all_reduce(x, group=a)
+        dist.all_reduce(y, group=b)
+        got.append((x[0].item(), y[0].item()))
+    for g in (a, b):
+        dist.destroy_process_group(g)
+    return got
+
+
+def without_room(rank: int) -> tuple:
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with warnings.catch_warnings(record=True) as caught, mock.patch.object(slots.os, "posix_fallocate", full):
+        warnings.simplefilter("always")
+        group = dist.new_group(backend="dpkit")
+    x = torch.full((5,), float(rank + 1))
+    dist.all_reduce(x, group=group)
+    on_gloo = backend.slots_of(group) is None
+    dist.destroy_process_group(group)
+    return [str(w.message) for w in caught if "no room" in str(w.message)], x, on_gloo
+
+
+@pytest.fixture(scope="module")
+def bad(two_ranks):
+    return [found[1] for found in two_ranks]
+
+
+@pytest.mark.parametrize("what", ("size", "dtype"))
+def test_ranks_that_disagree_all_raise_naming_both(bad, what):
+    for found in bad:
+        message = found[what]
+        assert "rank 0:" in message and "rank 1:" in message, message
+        assert ("4 torch.float32" in message and "5 torch.float32" in message) if what == "size" else \
+            ("torch.int32" in message and "torch.float32" in message), message
+        assert torch.equal(found["after"], torch.full((3,), 2.0))
+
+
+def test_a_tensor_not_on_the_cpu_is_refused_naming_its_device(bad):
+    assert all("meta" in found["device"] and "CPU tensors" in found["device"] for found in bad)
+
+
+def test_a_hundred_groups_made_and_destroyed_leave_no_mapping_or_thread(bad):
+    for found in bad:
+        before, after = found["cycles"]
+        assert after == before, f"(mappings of slots files, OS threads, Python threads): {found['cycles']}"
+    assert not shm_files_of([found["pid"] for found in bad]), "a slots file outlived its group"
+
+
+def test_two_groups_on_the_same_ranks_do_not_talk_across(bad):
+    for found in bad:
+        assert found["overlap"] == [(2.0 * i + 1, 20.0 * i + 10) for i in range(5)]
+
+
+def test_without_room_in_dev_shm_the_group_goes_through_gloo_warned_once(bad):
+    warned, x, on_gloo = bad[0]["no room"]
+    assert len(warned) == 1 and "gloo" in warned[0] and on_gloo
+    assert bad[1]["no room"][0] == [] and torch.equal(x, torch.full((5,), 3.0))
+
+
+def test_a_group_of_dpkit_for_the_cpu_beside_another_backend_for_cuda_sums_cpu_tensors_in_the_slots(bad):
+    for found in bad:
+        x, through_slots = found["per device"]
+        assert torch.equal(x, torch.full((4,), 3.0)) and through_slots
+
+
+def killed_worker(ctx) -> None:
+    x = torch.ones(1 << 10)
+    dist.all_reduce(x)  # the group works; then rank 1 dies before the next call
+    if ctx.rank == 1:
+        os._exit(0)  # gone without a word (status 0: the launcher waits for rank 0's error, the one checked)
+    dist.all_reduce(x)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_others_naming_it_and_leaves_nothing_in_dev_shm():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as failure:
+        launch(killed_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=20)
+    text = str(failure.value)
+    assert "rank 0 of 2 failed" in text and "PeerFailedError" in text and "rank(s) [1]" in text, text
+    assert time.monotonic() - start < 20 + 15, "rank 0 did not fail within the group's timeout"
+    assert not shm_files_of(failure.value.pids)
