@@ -2,8 +2,6 @@
 how verdicts are counted (per axis and kind, no one-process or oversubscribed runs), which path a shared-memory
 row took, which two committed runs made the same comparison; and the suite's times, written by a command."""
 
-import sys
-
 import pytest
 
 from dpkit.bench.results import read_results

@@ -217,15 +217,15 @@ def test_collectives_lines_state_each_stored_check_by_collective_and_axis_and_le
     scatter = {"targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]}
     gather = {"targets": [collective_check("all_gather", "transport", "p2p", 2, "inconclusive")]}
     lines = summary.collectives_lines(allreduce, scatter, gather)
-    algorithms = lines.index(next(l for l in lines if l.startswith("- **All-reduce, algorithms")))
+    algorithms = lines.index(next(line for line in lines if line.startswith("- **All-reduce, algorithms")))
     assert "2 processes; 1 met, 1 missed" in lines[algorithms]
     assert lines[algorithms + 1:algorithms + 3] == [
         "  - ring <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] met",
         "  - auto <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] missed"]
-    assert not any("4 processes" in l for l in lines), "an oversubscribed run carries no headline"
-    assert any(l.startswith("- **All-reduce, transports") and "1 met" in l for l in lines)
-    assert any(l.startswith("- **Reduce-scatter, transports") and "1 met" in l for l in lines)
-    assert any(l.startswith("- **All-gather, transports") and "1 inconclusive" in l for l in lines)
+    assert not any("4 processes" in line for line in lines), "an oversubscribed run carries no headline"
+    assert any(line.startswith("- **All-reduce, transports") and "1 met" in line for line in lines)
+    assert any(line.startswith("- **Reduce-scatter, transports") and "1 met" in line for line in lines)
+    assert any(line.startswith("- **All-gather, transports") and "1 inconclusive" in line for line in lines)
 
 
 def test_collectives_results_without_stored_checks_name_the_command():
