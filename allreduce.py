@@ -43,9 +43,9 @@ from dpkit.comm.checks import OPS, bounds  # noqa: F401 (the homework's names, i
 # The homework's algorithms live in the package (the "p2p" transport runs them); this script imports them, so
 # ``allreduce.ring_allreduce`` and the rest are what ``dpkit.comm.message_passing`` defines.
 from dpkit.comm.message_passing import (  # noqa: F401
-    ALGORITHMS, ALL_GATHERS, CROSSOVER, CROSSOVER_FILE, DEFAULT_CROSSOVER, IN_FLIGHT, REDUCE_SCATTERS, SEGMENT_BYTES, SUMS,
-    TREE_SEGMENT_BYTES, MessagePassing, all_gather, allreduce, auto_algorithm, butterfly_allreduce, choose_algorithm,
-    crossover_for, crossover_rows, halving_doubling_allreduce, load_crossover, pair_exchange,
+    ALGORITHMS, ALL_GATHERS, CROSSOVER, CROSSOVER_FILE, DEFAULT_CROSSOVER, IN_FLIGHT, REDUCE_SCATTERS, SEGMENT_BYTES,
+    SUMS, TREE_SEGMENT_BYTES, MessagePassing, all_gather, allreduce, auto_algorithm, butterfly_allreduce,
+    choose_algorithm, crossover_for, crossover_rows, halving_doubling_allreduce, load_crossover, pair_exchange,
     recursive_doubling_allreduce, reduce_scatter, release_scratch, reset_warnings, ring_allreduce, staged,
     torch_all_gather, torch_allreduce, torch_reduce_scatter, tree_allreduce)
 from dpkit.comm.process_groups import add_common_args, parse_checked, resolve_backend
@@ -96,7 +96,8 @@ def fit_model(rows: list[dict]) -> list[dict]:
         alpha, beta = _nonnegative_lstsq(terms / times[:, None], np.ones(len(times)))
         predicted = terms @ np.array([alpha, beta])
         fit = {"backend": backend, "world_size": n, "algorithm": name, "alpha_s": alpha, "beta_s_per_byte": beta,
-               "gbps": 1e-9 / beta if beta > 0 else None, "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
+               "gbps": 1e-9 / beta if beta > 0 else None,
+               "max_rel_error": float(np.max(np.abs(predicted - times) / times))}
         sizes = np.geomspace(min(r["bytes"] for r in points), max(r["bytes"] for r in points), 50)
         fits.append(fit | {"curve": [(float(s), predict(fit, s)) for s in sizes]})  # what a chart of the model draws
     return fits
@@ -163,7 +164,8 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
         ratio = paired_ratio(timings[name].samples, timings["torch"].samples) if "torch" in timings else None
         # Every row is an algorithm over the group's backend: the same wire for all of them.
         rows.append({"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""),
-                     "axis": "algorithm", "transport": ctx.backend, "algorithm": name, "time_s": timings[name].median, "time_p90_s": timings[name].percentile(90),
+                     "axis": "algorithm", "transport": ctx.backend, "algorithm": name, "time_s": timings[name].median,
+                     "time_p90_s": timings[name].percentile(90),
                      "round_time_s": timings[name].samples,  # one call per round
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
@@ -196,7 +198,8 @@ def _pivot(rows: list[dict], max_world: int | None = None) -> list[dict]:
     for row in rows:
         if max_world is not None and row["world_size"] > max_world:
             continue
-        line = table.setdefault((row["world_size"], row["numel"]), {"world_size": row["world_size"], "numel": row["numel"]})
+        line = table.setdefault((row["world_size"], row["numel"]),
+                                {"world_size": row["world_size"], "numel": row["numel"]})
         name = row["algorithm"]
         line[f"{name}_ms"] = row["time_s"] * 1e3
         line[f"{name}_kib"] = row["memory_bytes"] / 1024
@@ -238,9 +241,10 @@ def target_lines(rows: list[dict]) -> list[str]:
     """``targets`` as the report prints them."""
     lines = []
     for check in targets(rows):
-        label = f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]" if check["oversubscribed"] else ""
-        lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {check['world_size']} processes, {check['numel']} elements: "
-                     f"{format_ratio(check['ratio'])} {check['verdict']}{label}")
+        label = (f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]"
+                 if check["oversubscribed"] else "")
+        lines.append(f"target auto <= {AUTO_TARGET:.2f}x torch, {check['world_size']} processes, {check['numel']} "
+                     f"elements: {format_ratio(check['ratio'])} {check['verdict']}{label}")
     return lines
 
 
@@ -251,10 +255,12 @@ def report(rows: list[dict]) -> str:
     for metric, unit, spec in (("ms", "ms", ".3f"), ("kib", "KiB", ".1f"), ("err", "err", ".1e")):
         custom += [(f"{name}_{metric}", f"{SHORT[name]} {unit}", spec) for name in names]
     versus = [("world_size", "world", "d"), ("numel", "elements", "d"), ("torch_ms", "torch ms", ".3f"),
-              ("auto_ms", "auto ms", ".3f"), ("auto_choice", "auto ran", "s"), ("auto_ratio", "auto/torch [95% CI]", "s"),
-              ("ring_ms", "ring ms", ".3f"), ("ring_vs_torch", "ring/torch", ".2f"),
+              ("auto_ms", "auto ms", ".3f"), ("auto_choice", "auto ran", "s"),
+              ("auto_ratio", "auto/torch [95% CI]", "s"), ("ring_ms", "ring ms", ".3f"),
+              ("ring_vs_torch", "ring/torch", ".2f"),
               *[(f"{name}_vs_torch", f"{SHORT[name]}/torch", ".2f") for name in names if name not in ("ring", "auto")],
-              ("oversubscribed", "oversubscribed", "s"), ("torch_err", "torch err", ".1e"), ("auto_err", "auto err", ".1e")]
+              ("oversubscribed", "oversubscribed", "s"), ("torch_err", "torch err", ".1e"),
+              ("auto_err", "auto err", ".1e")]
     wire = ", ".join(sorted({row.get("transport", "gloo") for row in rows}))  # the one wire every algorithm used
     return "\n\n".join([
         f"## Every algorithm, all over {wire} (time: median of max over ranks; memory: extra bytes allocated; "
@@ -307,7 +313,8 @@ BENCHMARK = harness.Benchmark(
 
 def main(args: argparse.Namespace) -> list[dict]:
     if resolve_backend(args.backend, args.device) == "nccl" and max(args.world_sizes) > torch.cuda.device_count():
-        raise SystemExit(f"nccl runs one process per GPU: world sizes above {torch.cuda.device_count()} need --backend gloo")
+        raise SystemExit(f"nccl runs one process per GPU: world sizes above {torch.cuda.device_count()} "
+                         "need --backend gloo")
     return harness.run(BENCHMARK, args)
 
 

@@ -89,7 +89,8 @@ def fill_pattern(x: torch.Tensor, rank: int) -> None:
 
 def pattern_error(x: torch.Tensor, world_size: int) -> float:
     """Largest |x - exact sum of every rank's pattern| (the sum is n (i mod PERIOD) + n(n-1)/2)."""
-    expected = world_size * torch.arange(PERIOD, dtype=torch.float64, device=x.device) + world_size * (world_size - 1) / 2
+    pattern = torch.arange(PERIOD, dtype=torch.float64, device=x.device)
+    expected = world_size * pattern + world_size * (world_size - 1) / 2
     worst = 0.0
     for _, block in _blocks(x):
         full = block.numel() // PERIOD
@@ -342,7 +343,8 @@ def crossover_table(rows: list[dict]) -> dict[int, tuple]:
         names = sorted({r["algorithm"] for r in mine})
         p50 = {(r["algorithm"], r["bytes"]): r["p50_s"] for r in mine}
         # log(p50 / fastest p50) per (algorithm, size); an algorithm not measured at a size never wins there.
-        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50 else math.inf
+        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50
+                    else math.inf
                     for a in names for s in sizes}
         winners = []
         for i, size in enumerate(sizes):
@@ -371,11 +373,13 @@ COLUMNS = {
     "algorithm": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "algorithm", "s"),
                   ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"), ("p95_ms", "p95 ms", ".3f"),
                   ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
+                  ("max_abs_error", "max error", ".1e")],
     "transport": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "transport", "s"),
                   ("algorithm", "algorithm", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
                   ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
+                  ("max_abs_error", "max error", ".1e")],
 }
 MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), ("alpha_us", "alpha us/step", ".1f"),
                  ("gbps", "1/beta GB/s", ".3f"), ("max_rel_error", "worst |pred - meas| / meas", ".2f")]
@@ -473,10 +477,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what to time; reduce_scatter and all_gather are compared on the transport axis only "
                              "(default: %(default)s)")
     parser.add_argument("--axis", choices=tuple(AXES), default=None,
-                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, all "
-                             "over one backend; transports: transport.py's Torch, SharedMemory (zero copy and staged) "
-                             "and MessagePassing (p2p) (default: both for allreduce, transports for the others, "
-                             "algorithms with --tune)")
+                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, "
+                             "all over one backend; transports: transport.py's Torch, SharedMemory "
+                             "(zero copy and staged) and MessagePassing (p2p) (default: both for allreduce, transports "
+                             "for the others, algorithms with --tune)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")

@@ -1,7 +1,9 @@
 """Homework Tasks 2 and 3: data-parallel CIFAR-100 training with our DDP and SyncBatchNorm, or PyTorch's.
 
-    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 --num-epochs 2
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl selfmade  # the homework solution's run
+    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 \
+        --num-epochs 2
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 \
+        --distributed-impl selfmade    # the homework solution's run
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
@@ -54,10 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="selfmade: ddp.DDP; pytorch: torch.nn.parallel.DistributedDataParallel (default: %(default)s)")
     p.add_argument("--sharding", choices=SHARDINGS, default="none",
                    help="none: DDP; zero: DDP + optimizer state sharded (ZeRO stage 1); fsdp: parameters, gradients "
-                        "and optimizer state sharded (FSDP), ours or PyTorch's per --distributed-impl (default: %(default)s)")
+                        "and optimizer state sharded (FSDP), ours or PyTorch's per --distributed-impl "
+                        "(default: %(default)s)")
     p.add_argument("--num-epochs", type=int, default=10, help="epochs; the homework template's (default: %(default)s)")
     p.add_argument("--grad-accum-steps", type=int, default=1,
-                   help="micro-batches per optimizer step; gradients are communicated only on the last (default: %(default)s)")
+                   help="micro-batches per optimizer step; gradients are communicated only on the last "
+                        "(default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="micro-batch size per rank (default: %(default)s)")
     p.add_argument("--val-batch-size", type=int, default=256,
                    help="validation images per rank in each scatter round; bounds memory (default: %(default)s)")
@@ -67,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("cnn", "resnet18"), default="cnn",
                    help="cnn: the homework's small CNN; resnet18: torchvision's, 100 classes (default: %(default)s)")
     p.add_argument("--sync-bn", choices=("auto", "selfmade", "pytorch", "none"), default="auto",
-                   help="BatchNorm: selfmade = syncbn.py; pytorch = torch.nn.SyncBatchNorm (CUDA only); none = per rank; "
-                        "auto = the implementation's own, ours on CPU (default: %(default)s)")
+                   help="BatchNorm: selfmade = syncbn.py; pytorch = torch.nn.SyncBatchNorm (CUDA only); none = per "
+                        "rank; auto = the implementation's own, ours on CPU (default: %(default)s)")
     p.add_argument("--dataset", choices=("auto", "cifar100", "synthetic"), default="auto",
                    help="auto: CIFAR-100 if on disk or downloadable, else synthetic (announced); cifar100: never falls "
                         "back; synthetic: CIFAR-shaped, learnable, no files (default: %(default)s)")
@@ -76,12 +80,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-size", type=int, default=None,
                    help="use this many training images (CIFAR-100: the first N) (default: all 50,000)")
     p.add_argument("--val-size", type=int, default=None,
-                   help="use this many validation images (CIFAR-100: the first N of the test split) (default: all 10,000)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps (default: no limit)")
+                   help="use this many validation images (CIFAR-100: the first N of the test split) "
+                        "(default: all 10,000)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps (default: no limit)")
     p.add_argument("--autocast", choices=("none", "bf16"), default="none",
-                   help="bf16: forward passes (training and validation) under torch.autocast with bfloat16; parameters, "
-                        "gradients and the optimizer stay float32 (default: %(default)s)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="gradient bucket size for both DDPs (default: %(default)s)")
+                   help="bf16: forward passes (training and validation) under torch.autocast with bfloat16; "
+                        "parameters, gradients and the optimizer stay float32 (default: %(default)s)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="gradient bucket size for both DDPs (default: %(default)s)")
     p.add_argument("--transport", choices=transports.names(), default="auto",
                    help="how every engine's tensors travel, for both implementations (PyTorch's DDP through its comm "
                         "hook, fully_shard through its custom collectives; its ZeroRedundancyOptimizer always uses "
@@ -91,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0,
                    help="DataLoader worker processes; 0 loads in the training process (default: %(default)s)")
     p.add_argument("--save-model", metavar="PATH", default=None,
-                   help="rank 0 saves the final model's state_dict here, unwrapped, same keys for both impls (default: none)")
+                   help="rank 0 saves the final model's state_dict here, unwrapped, same keys for both impls "
+                        "(default: none)")
     p.add_argument("--metrics-json", metavar="PATH", default=None,
                    help="rank 0 writes config, environment, per-epoch and per-rank metrics here (default: none)")
     p.add_argument("--checkpoint-dir", default=None,
@@ -104,7 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--timeout does not apply to that wait (default: %(default)s)")
     add_common_args(p, json_help="same as --metrics-json")
     args = parse_checked(p, argv)
-    for name in ("num_epochs", "grad_accum_steps", "batch_size", "val_batch_size", "train_size", "val_size", "max_steps"):
+    for name in ("num_epochs", "grad_accum_steps", "batch_size", "val_batch_size", "train_size", "val_size",
+                 "max_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -171,7 +180,8 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.epoch >= self.args.num_epochs or (self.args.max_steps is not None and self.step >= self.args.max_steps)
+        return self.epoch >= self.args.num_epochs or (self.args.max_steps is not None
+                                                      and self.step >= self.args.max_steps)
 
     def train(self) -> None:
         while not self.done:
@@ -196,7 +206,8 @@ class Trainer:
         self.meter.epoch_starts()
         batches = progress(self.loader, desc=f"epoch {epoch + 1}/{self.args.num_epochs}", unit="batch")
         for j, ((images, labels), (steps, window)) in enumerate(zip(batches, self.plan)):
-            images, labels = images.to(self.ctx.device, non_blocking=True), labels.to(self.ctx.device, non_blocking=True)
+            images = images.to(self.ctx.device, non_blocking=True)
+            labels = labels.to(self.ctx.device, non_blocking=True)
             loss_sum = forward_backward(self.model, images, labels, window, sync=steps, dtype=self.autocast_dtype)
             sums += torch.stack([loss_sum, sums.new_tensor(len(labels))])
             if steps:
@@ -219,11 +230,13 @@ class Trainer:
                 "val_time_s": time.perf_counter() - start}
 
     def _log_epoch(self, row: dict) -> None:
-        row = {"kind": "epoch", "epoch": self.epoch + 1, "steps": self.step, **row, "peak_memory_bytes": self.meter.peak_bytes}
+        row = {"kind": "epoch", "epoch": self.epoch + 1, "steps": self.step, **row,
+               "peak_memory_bytes": self.meter.peak_bytes}
         self.history.append(row)
-        print0(f"epoch {row['epoch']:3d}/{self.args.num_epochs} | step {self.step:6d} | train loss {row['train_loss']:7.4f} | "
-               f"val loss {row['val_loss']:7.4f} | val acc {row['val_acc']:6.4f} | time {row['epoch_time_s']:7.2f} s "
-               f"(+{row['val_time_s']:.2f} s val) | peak mem {self.meter.peak_bytes / 2**20:6.1f} MiB")
+        print0(f"epoch {row['epoch']:3d}/{self.args.num_epochs} | step {self.step:6d} | train loss "
+               f"{row['train_loss']:7.4f} | val loss {row['val_loss']:7.4f} | val acc {row['val_acc']:6.4f} | time "
+               f"{row['epoch_time_s']:7.2f} s (+{row['val_time_s']:.2f} s val) | peak mem "
+               f"{self.meter.peak_bytes / 2**20:6.1f} MiB")
 
     def _save_checkpoint(self) -> None:
         """The full model and optimizer state (collectives when sharded), written by rank 0 (``Checkpoints.save``)."""
@@ -248,7 +261,8 @@ class Trainer:
 # --------------------------------------------------------------------------- the job
 
 
-def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set, val_set, identity: dict | None = None) -> Trainer:
+def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set, val_set,
+                  identity: dict | None = None) -> Trainer:
     """Model (after seeding: the same initial weights on every rank and for both DDPs), SGD, data, Trainer."""
     torch.manual_seed(args.seed)
     model = convert_batchnorm(build_model(args.model), sync_bn, args.transport).to(ctx.device)
@@ -258,8 +272,8 @@ def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set, val_se
 
 def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, train_size: int) -> dict:
     """Everything that shapes the training trajectory: a checkpoint resumes only into the same."""
-    return {"distributed_impl": args.distributed_impl, "sharding": args.sharding, "model": args.model, "sync_bn": sync_bn,
-            "dataset": dataset, "train_size": train_size, "batch_size": args.batch_size,
+    return {"distributed_impl": args.distributed_impl, "sharding": args.sharding, "model": args.model,
+            "sync_bn": sync_bn, "dataset": dataset, "train_size": train_size, "batch_size": args.batch_size,
             "grad_accum_steps": args.grad_accum_steps, "lr": args.lr, "momentum": args.momentum, "seed": args.seed,
             "world_size": ctx.world_size, "autocast": args.autocast}
 
@@ -275,8 +289,8 @@ def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list
             "time_scope": "training loops only (validation and checkpoints excluded); step time = median over "
                           f"optimizer steps after the first {MEMORY_PROBE_STEPS} of the slowest rank",
             "memory_scope": "peak tensor bytes above the level before resuming and wrapping the model, through "
-                            f"optimizer step {MEMORY_PROBE_STEPS}: DDP buffers, gradients, optimizer state, activations "
-                            "(torch profiler on CPU, CUDA allocator statistics on GPU)"}
+                            f"optimizer step {MEMORY_PROBE_STEPS}: DDP buffers, gradients, optimizer state, "
+                            "activations (torch profiler on CPU, CUDA allocator statistics on GPU)"}
 
 
 def main(ctx, args: argparse.Namespace) -> None:
@@ -299,7 +313,8 @@ def main(ctx, args: argparse.Namespace) -> None:
     trainer.train()
     final, ranks = summarize(trainer.history, trainer.epoch, trainer.step, trainer.train_time, trainer.meter.step_times,
                              trainer.meter.peak_bytes, ctx.device)
-    final_state = trainer.parallel.full_model_state(trainer.model, trainer.module) if args.save_model else None  # every rank
+    # on every rank
+    final_state = trainer.parallel.full_model_state(trainer.model, trainer.module) if args.save_model else None
     if ctx.is_master:
         print_summary(final, ranks, dataset)
         metrics_path = args.metrics_json or args.json

@@ -113,7 +113,8 @@ def _steps(ctx, args) -> list[dict]:
                                args.rounds)
     model = build_model("gpt", SMALL_GPT)
     params, pieces = sum(p.numel() * 4 for p in model.parameters()), pieces_of(model, FSDP_UNITS)
-    return [_timed_row("step", name, timing, args, param_bytes=params, pieces=pieces) for name, timing in timings.items()]
+    return [_timed_row("step", name, timing, args, param_bytes=params, pieces=pieces)
+            for name, timing in timings.items()]
 
 
 def _trainer(label: str | None):
@@ -243,7 +244,8 @@ def cluster_rows(inside: Link, network: Link, ranks_per_host: int, hosts: list[i
 
 def report(rows: list[dict]) -> str:
     out = ["", "Links (fitted to the measured all-reduces): " + "; ".join(
-        f"{r['label']} alpha {r['alpha_s'] * 1e6:.0f} us, {r['gbps'] or 0:.2f} GB/s" for r in rows if r["kind"] == "link")]
+        f"{r['label']} alpha {r['alpha_s'] * 1e6:.0f} us, {r['gbps'] or 0:.2f} GB/s" for r in rows
+        if r["kind"] == "link")]
     label = " [oversubscribed]" if any(r.get("oversubscribed") for r in rows) else ""
     measured = [{"what": r["label"], "size": format_size(r["bytes"]) if "bytes" in r else "one step",
                  "measured_ms": r["p50_s"] * 1e3, "model_ms": r["predicted_s"] * 1e3 if "predicted_s" in r else None}
@@ -262,7 +264,8 @@ def report(rows: list[dict]) -> str:
             table.setdefault((r["model"], r["hosts"]), {"model": r["model"], "hosts": r["hosts"]})[r["engine"]] = \
                 r["communication_s"] * 1e3
         out += ["", f"Model of a cluster ({cluster[0]['ranks_per_host']} ranks per host): communication ms per step, "
-                "nothing overlapped", markdown_table(list(table.values()), [("model", "model", "s"), ("hosts", "hosts", "d"),
+                "nothing overlapped",
+                markdown_table(list(table.values()), [("model", "model", "s"), ("hosts", "hosts", "d"),
                                                      *((e, e, ".1f") for e in engines)])]
     return "\n".join(out)
 
@@ -270,7 +273,8 @@ def report(rows: list[dict]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 2],
-                        help="ranks on each simulated host (ignored under torchrun: DPKIT_HOSTS says) (default: %(default)s)")
+                        help="ranks on each simulated host (ignored under torchrun: DPKIT_HOSTS says) "
+                             "(default: %(default)s)")
     parser.add_argument("--sizes", nargs="+", default=None, help=f"all-reduce sizes (default: {NORMAL['sizes']})")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default: %(default)s)")
     parser.add_argument("--iters", type=int, default=None, help=f"timed calls of each (default: {NORMAL['iters']})")
@@ -280,7 +284,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the model's network between hosts, Gbit/s per host (default: %(default)s)")
     parser.add_argument("--network-latency-us", type=float, default=10.0,
                         help="the model's latency of one message between hosts (default: %(default)s)")
-    parser.add_argument("--ranks-per-host", type=int, default=8, help="the model's ranks per host (default: %(default)s)")
+    parser.add_argument("--ranks-per-host", type=int, default=8,
+                        help="the model's ranks per host (default: %(default)s)")
     parser.add_argument("--cluster-hosts", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64],
                         help="host counts the model predicts (default: %(default)s)")
     parser.add_argument("--memory-link", metavar="PATH", default=os.path.join("results", "collectives.json"),

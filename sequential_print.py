@@ -54,7 +54,8 @@ def transcript(size: int, num_iter: int = 1, order: str = "up") -> list[str]:
     return lines
 
 
-def run_sequential(rank: int, size: int, num_iter: int = 1, order: str = "up", device: str | torch.device = "cpu") -> None:
+def run_sequential(rank: int, size: int, num_iter: int = 1, order: str = "up",
+                   device: str | torch.device = "cpu") -> None:
     """Print ``Process {rank}`` at this rank's turns; iterations are separated by a ``---`` line.
 
     ``turns`` is the global printing sequence over all iterations. The token sent from

@@ -54,15 +54,16 @@ from dpkit.models import NUM_CLASSES, GPTConfig, build_model
 
 MODELS = ("resnet18", "gpt")
 LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
-DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
-                gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
+DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64,
+                gpt_width=256, gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
 # Its variants: each engine target on [torch] and on [shm], ZeRO / DDP, the transport ratios; no keep / bf16.
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
-             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]", "zero ours [torch]",
-                       "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]", "zero pytorch [torch]",
-                       "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]"])
+             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]",
+                       "zero ours [torch]", "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]",
+                       "zero pytorch [torch]", "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]",
+                       "fsdp pytorch [shm]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
@@ -77,12 +78,13 @@ AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
         "memory": "bytes a rank holds (model states, the engine's buffers, its transport's memory) / the ideal"}
 # Where a target's limit holds (elsewhere its ratio is shown for information): a reader's phrase and a test.
 SCOPES = {"gpt default": ("the GPT at its default size",
-                          lambda model, args: model == "gpt" and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
+                          lambda model, args: model == "gpt"
+                          and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
 # A variant's transport, by the label in its name: made for each variant of each model (a collective).
 TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
-    "torch": lambda: transports.Torch(),                              # torch.distributed's collectives (gloo, NCCL)
-    "shm": lambda: transports.SharedMemory(),                         # this host's shared memory, in the caller's thread
-    "shm-thread": lambda: transports.SharedMemory(background=True),   # the same on a communication thread
+    "torch": lambda: transports.Torch(),                             # torch.distributed's collectives (gloo, NCCL)
+    "shm": lambda: transports.SharedMemory(),                        # this host's shared memory, the caller's thread
+    "shm-thread": lambda: transports.SharedMemory(background=True),  # the same on a communication thread
 }
 
 
@@ -201,11 +203,13 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
     return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
-@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"), targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
+@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"),
+         targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
 def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     model = DDP(module, transport=transport)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
-                 kept=lambda: [b.flat for b in model.buckets])  # the buckets (the transport's), which hold the gradients
+                 # the buckets (the transport's), which hold the gradients
+                 kept=lambda: [b.flat for b in model.buckets])
 
 
 @variant("ddp pytorch", "ddp")
@@ -228,7 +232,8 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
 
 
 @variant("zero ours", "zero", on=("torch", "shm", "shm-thread"),
-         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH), Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
+         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH),
+                  Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     return _zero_ours(module, transport)
 
@@ -333,11 +338,12 @@ for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
             targets=(Target(f"fsdp pytorch{_name}", "engine", TARGET_VS_PYTORCH),),
             default=_default)(functools.partial(_fsdp_ours, **_options))
     # The transport's target: fully_shard on our shared memory against fully_shard on gloo, at the GPT's default size.
+    _targets = () if _name else (Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),)
     variant(f"fsdp pytorch{_name}", "fsdp", default=_default,
-            targets=(Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),) if not _name else ()
-            )(functools.partial(_fsdp_pytorch, **_options))
+            targets=_targets)(functools.partial(_fsdp_pytorch, **_options))
 # A target on a transport its other variant does not run on (there is no "zero pytorch [shm]") is dropped.
-VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS)) for name, v in VARIANTS.items()})
+VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS))
+                 for name, v in VARIANTS.items()})
 
 
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
@@ -429,7 +435,8 @@ def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
 
 @dataclass
 class Run:
-    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed communication."""
+    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed
+    communication."""
 
     setup: Setup
     transport: transports.Transport
@@ -567,11 +574,12 @@ def worker(ctx, args) -> list[dict]:
 
 
 MIB = 2 ** 20
-COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
-           ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
-           ("grads_mib", "grads MiB", ".1f"), ("grads_per_rank_mib", "grads MiB per rank", "s"),
-           ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
-           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
+COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"),
+           ("p50_ms", "p50 ms", ".1f"), ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"),
+           ("params_mib", "params MiB", ".1f"), ("grads_mib", "grads MiB", ".1f"),
+           ("grads_per_rank_mib", "grads MiB per rank", "s"), ("state_mib", "opt state MiB", ".1f"),
+           ("activation_mib", "activations MiB", ".1f"), ("peak_mib", "peak MiB", ".1f"),
+           ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
            ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "held / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
@@ -624,7 +632,8 @@ def report(rows: list[dict]) -> str:
                 limit = f"target <= {row['scoped_limit']:.2f} on {row['scope']} only: for information here"
             else:
                 limit = "for information"
-            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): {row['verdict']}")
+            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): "
+                         f"{row['verdict']}")
     return "\n".join(lines + ["", MEMORY_NOTES])
 
 
@@ -647,8 +656,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{', '.join(QUICK['variants'])}")
     for flag, kind, text in (("batch-size", int, "samples per rank"), ("image-size", int, "resnet18 input side"),
                              ("gpt-vocab", int, "GPT vocabulary"), ("gpt-seq-len", int, "GPT tokens per sample"),
-                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"), ("gpt-heads", int, "GPT heads"),
-                             ("iters", int, "timed iterations per variant"), ("rounds", int, "rounds they are split into"),
+                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"),
+                             ("gpt-heads", int, "GPT heads"), ("iters", int, "timed iterations per variant"),
+                             ("rounds", int, "rounds they are split into"),
                              ("warmup", int, "untimed iterations first")):
         key = flag.replace("-", "_")
         parser.add_argument(f"--{flag}", type=kind, help=f"{text} (default: {DEFAULTS[key]}, quick {QUICK[key]})")

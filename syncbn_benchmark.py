@@ -52,7 +52,8 @@ from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 import syncbn
 from syncbn import SyncBatchNorm
 
-OURS, LOCAL, REFERENCE, TORCH_SYNC = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce", "torch.nn.SyncBatchNorm"
+OURS, LOCAL, REFERENCE = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce"
+TORCH_SYNC = "torch.nn.SyncBatchNorm"
 # The least a synchronized BatchNorm written as a Python autograd.Function pays with the same two sums (_FloorFunction).
 FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
@@ -509,7 +510,8 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     impls += [(f"{SYNC_PATH}@{args.baseline}", None)] if args.baseline else []
     warm = argparse.Namespace(**{**vars(args), "iters": SINGLE_ITERS_FACTOR * args.iters})
     rows = []
-    for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden], desc="syncbn benchmark, 1 process"):
+    for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden],
+                                  desc="syncbn benchmark, 1 process"):
         rows += run_case(0, 1, device, impls, batch, hidden, "float32", warm, baseline)
     for batch, hidden in _profiled_sizes(args):
         if device.type == "cpu":
@@ -647,7 +649,8 @@ def _why(row: dict) -> str:
     if row["floor_verdict"] == "missed":  # the floor's whole interval above the target, not its median alone
         text += f" The floor alone is above {limit}x: no layer written as a Python autograd.Function meets it here."
     elif row["floor_ratio"] > limit:
-        text += f" The floor's median is above {limit}x, its interval not: whether the floor alone misses is inconclusive."
+        text += (f" The floor's median is above {limit}x, its interval not: whether the floor alone misses is "
+                 "inconclusive.")
     elif row["left_s"] > 0:
         text += f" The floor is within it: ours beyond the floor ({_us(own)}) must shrink by {_us(row['left_s'])}."
     if "compute_excess_s" in row:
@@ -700,14 +703,15 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
                "sizes_met": verdicts.count("met"), "sizes": len(entries)}
         if worst != "met":
             missed = ", ".join(f"{e['batch']}x{e['hidden']} {e['verdict']}" for e in entries if e["verdict"] != "met")
-            row["why"] = f"not met at {missed}" + ("; per size, the ratio rows' 'why'" if any("why" in e for e in entries)
+            row["why"] = f"not met at {missed}" + ("; per size, the ratio rows' 'why'"
+                                                   if any("why" in e for e in entries)
                                                    else "")
         out.append(row)
         if setting == WORKERS and versus == REFERENCE:
             grid = _grid_ratio(entries)
             name = f"{setting}{_tag(t)}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"
-            row = {"kind": "target", "name": name, "setting": setting, "versus": versus, "transport": t, "limit": TARGET_GRID, **grid,
-                   "verdict": verdict(grid, TARGET_GRID)}
+            row = {"kind": "target", "name": name, "setting": setting, "versus": versus, "transport": t,
+                   "limit": TARGET_GRID, **grid, "verdict": verdict(grid, TARGET_GRID)}
             if row["verdict"] != "met":
                 row["why"] = _grid_why(entries)
             out.append(row)
@@ -719,7 +723,8 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
                 if not ours:  # COLD times the synchronized path only
                     continue
                 worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
-                out.append({"kind": "target", "name": f"{setting}{_tag(t)}: {what} of ours <= BatchNorm1d's at every size",
+                out.append({"kind": "target",
+                            "name": f"{setting}{_tag(t)}: {what} of ours <= BatchNorm1d's at every size",
                             "setting": setting, "transport": t, "limit": 1.0, "verdict": "missed" if worse else "met",
                             "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
     return out
@@ -834,7 +839,8 @@ def report(rows: list[dict]) -> str:
                              f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
-    pairs = dict.fromkeys((r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"]) for r in ratio_rows)
+    pairs = dict.fromkeys((r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"])
+                          for r in ratio_rows)
     for axis, mine, t_mine, versus, t_versus in pairs:
         table = [r for r in ratio_rows if (r["axis"], r["impl"], r["transport"], r["versus"], r["versus_transport"])
                  == (axis, mine, t_mine, versus, t_versus)]
@@ -887,7 +893,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2,
                         help="processes to spawn when not under torchrun (default: %(default)s)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64], help="global batch sizes (default: %(default)s)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64],
+                        help="global batch sizes (default: %(default)s)")
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 512, 1024],
                         help="numbers of channels (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
@@ -906,8 +913,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "memory when they share a CPU host), and/or one process without a process group "
                              "(default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="REV",
-                        help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a revision "
-                             "whose SyncBatchNorm takes transport= (default: none)")
+                        help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a "
+                             "revision whose SyncBatchNorm takes transport= (default: none)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)

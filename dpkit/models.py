@@ -51,7 +51,8 @@ class GPTConfig:
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal self-attention, then an MLP four times as wide, each added to the residual."""
+    """Pre-LayerNorm transformer block: causal self-attention, then an MLP four times as wide, each added to the
+    residual."""
 
     def __init__(self, width: int, heads: int):
         super().__init__()

@@ -72,7 +72,8 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, 
     """Run ``torchrun --standalone --nproc_per_node nproc script args`` from the repository root.
 
     Returns the completed process (stdout and stderr as text). With ``check``, a non-zero
-    exit, or a process group that outlived its teardown, fails the test with both streams. On timeout every process of the run is killed.
+    exit, or a process group that outlived its teardown, fails the test with both streams. On timeout every
+    process of the run is killed.
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun_args, str(REPO / script), *args]
@@ -85,7 +86,8 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, 
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"timed out after {timeout_s} s: {' '.join(command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr[-5000:]}")
+        raise AssertionError(f"timed out after {timeout_s} s: {' '.join(command)}\n--- stdout\n{stdout}\n--- "
+                             f"stderr\n{stderr[-5000:]}")
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -96,7 +98,8 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, 
                              f"--- stdout\n{stdout[-5000:]}\n--- stderr\n{stderr[-5000:]}")
     # A group that outlives its teardown can abort a worker at exit, now and then (see process_groups.teardown).
     if check and GROUP_OUTLIVED_TEARDOWN in stderr:
-        raise AssertionError(f"a process group outlived its teardown: {' '.join(command)}\n--- stderr\n{stderr[-5000:]}")
+        raise AssertionError(f"a process group outlived its teardown: {' '.join(command)}\n"
+                             f"--- stderr\n{stderr[-5000:]}")
     return result
 
 
@@ -198,7 +201,8 @@ def _subgroup_grid(ctx, grid_in, rounds, *args) -> dict:
         handles = [dist.new_group(members) if members is not None else None for members in groups]
         for members, group in zip(groups, handles):
             if members is None or ctx.rank in members:
-                out[len(members) if members is not None else ctx.world_size] = (dist.get_rank(group), grid_in(group, *args))
+                size = len(members) if members is not None else ctx.world_size
+                out[size] = (dist.get_rank(group), grid_in(group, *args))
     return out
 
 

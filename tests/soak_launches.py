@@ -50,7 +50,8 @@ def children_left(pids) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--launches", type=int, default=100, help="back-to-back launches (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one launch may take (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds one launch may take (default: %(default)s)")
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="soak-launches-")
     os.environ["TMPDIR"] = scratch  # the spawned workers' temporary files go here too

@@ -57,7 +57,8 @@ def rank_input(numel: int, rank: int, dtype: str, salt: int = 0) -> torch.Tensor
 
 def cases(world_size: int):
     """(variant, numel, dtype, op): every size, float dtype and op for every algorithm; ``auto`` on every size in
-    float32 (it runs one of those algorithms, chosen by bytes: ``test_auto_returns_the_bits_of_the_algorithm_it_names``);
+    float32 (it runs one of those algorithms, chosen by bytes:
+    ``test_auto_returns_the_bits_of_the_algorithm_it_names``);
     int64 sums; the segmented variants on the largest size only (where segments are many: a case is as slow as
     its number of dependent message hops on an oversubscribed machine)."""
     for variant in BASE:
@@ -231,12 +232,14 @@ def tolerance(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
     return bound + 2 * UNIT_ROUNDOFF["float64"] * exact(inputs, op).abs()
 
 
-def assert_exact(got: torch.Tensor, inputs: list[torch.Tensor], op: str, dtype: str, oracle=None, what: str = "") -> None:
+def assert_exact(got: torch.Tensor, inputs: list[torch.Tensor], op: str, dtype: str, oracle=None,
+                 what: str = "") -> None:
     """``got`` is within ``tolerance`` of ``exact``; ``oracle`` = (exact, tolerance) when already computed."""
     want, bound = oracle if oracle is not None else (exact(inputs, op), tolerance(inputs, op, dtype))
     error = (got.double() - want).abs()
     worst = (error - bound).argmax() if error.numel() else 0
-    assert torch.all(error <= bound), (f"{what} element {worst.item()}: got {got[worst].item()!r}, exact {want[worst].item()!r}, "
+    assert torch.all(error <= bound), (f"{what} element {worst.item()}: got {got[worst].item()!r}, exact "
+                                       f"{want[worst].item()!r}, "
                                       f"error {error[worst].item():.3e} > bound {bound[worst].item():.3e}")
 
 
@@ -328,8 +331,8 @@ def test_halving_doubling_sends_the_optimal_bytes_on_powers_of_two_and_the_fold_
                 expected_max = core
             assert sent <= expected_max, (rank, numel, dtype, sent, expected_max)
         if n == p:
-            assert all(r["cases"][variant, numel, dtype, op]["sent_bytes"] <= bandwidth_optimal_bytes(numel, n, element_size)
-                       for r in grids[n])
+            optimal = bandwidth_optimal_bytes(numel, n, element_size)
+            assert all(r["cases"][variant, numel, dtype, op]["sent_bytes"] <= optimal for r in grids[n])
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -502,7 +505,8 @@ def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_
     assert "target auto <= 1.10x torch, 4 processes, 1000 elements: 1.30x [1.20, 1.40] missed [oversubscribed" in text
     assert "8 processes, 1000 elements" not in text  # the target is stated for 2 and 4 processes
     stored = allreduce.targets(rows)  # what the results file keeps beside the rows
-    assert [(t["world_size"], t["verdict"], t["oversubscribed"]) for t in stored] == [(2, "met", False), (4, "missed", True)]
+    assert [(t["world_size"], t["verdict"], t["oversubscribed"]) for t in stored] == [(2, "met", False),
+                                                                                      (4, "missed", True)]
     assert allreduce.BENCHMARK.targets is allreduce.targets
 
 
@@ -515,11 +519,13 @@ def test_auto_reads_its_crossover_from_the_results_file_and_keeps_the_defaults_f
     path = str(tmp_path / "crossover.json")
     assert allreduce.load_crossover(path) == allreduce.DEFAULT_CROSSOVER, "no file: the defaults"
     measured = {2: ((1 << 20, "tree"), (None, "ring")), 16: ((None, "butterfly"),)}
-    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, allreduce.crossover_rows(measured))
+    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {},
+                  allreduce.crossover_rows(measured))
     table = allreduce.load_crossover(path)
     assert table[2] == measured[2] and table[16] == measured[16], "the file's rows win"
     assert table[4] == allreduce.DEFAULT_CROSSOVER[4], "a world size the file lacks keeps its default"
-    assert allreduce.choose_algorithm(1 << 20, 2, table) == "tree" and allreduce.choose_algorithm(2 << 20, 2, table) == "ring"
+    assert allreduce.choose_algorithm(1 << 20, 2, table) == "tree"
+    assert allreduce.choose_algorithm(2 << 20, 2, table) == "ring"
 
 
 @pytest.mark.parametrize("entries, message", [(((None, "fastest"),), "unknown algorithms"),
@@ -528,7 +534,8 @@ def test_a_crossover_file_that_auto_cannot_use_is_named_with_what_is_wrong(tmp_p
     from dpkit.bench.results import environment, write_results
 
     path = str(tmp_path / "crossover.json")
-    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {}, allreduce.crossover_rows({2: entries}))
+    write_results(path, "collectives_benchmark --tune", environment("gloo", "cpu", 2), {},
+                  allreduce.crossover_rows({2: entries}))
     with pytest.raises(ValueError, match=f"crossover.json: the row of 2 processes .*{message}.*--tune"):
         allreduce.load_crossover(path)
 

@@ -22,7 +22,8 @@ def test_fitting_a_measured_ring_recovers_its_latency_and_bandwidth():
     for ranks in (2, 4):
         seconds = 2 * (ranks - 1) * 3e-5 + 2 * (ranks - 1) / ranks * sizes * 2e-10
         fitted = Link.fit(sizes, seconds, ranks)
-        assert fitted.alpha_s == pytest.approx(3e-5, rel=1e-6) and fitted.beta_s_per_byte == pytest.approx(2e-10, rel=1e-6)
+        assert fitted.alpha_s == pytest.approx(3e-5, rel=1e-6)
+        assert fitted.beta_s_per_byte == pytest.approx(2e-10, rel=1e-6)
 
 
 def test_a_fit_never_gives_a_negative_term():
@@ -32,7 +33,8 @@ def test_a_fit_never_gives_a_negative_term():
 
 def test_one_host_is_a_ring_over_memory():
     c = Cluster(1, 4, INSIDE, NETWORK)
-    assert cluster.flat_ring(c, 100 * MiB) == pytest.approx(2 * 3 * (INSIDE.alpha_s + 25 * MiB * INSIDE.beta_s_per_byte))
+    step = INSIDE.alpha_s + 25 * MiB * INSIDE.beta_s_per_byte  # a quarter of the message over one link
+    assert cluster.flat_ring(c, 100 * MiB) == pytest.approx(2 * 3 * step)
     assert cluster.collective(c, 100 * MiB, 2) == cluster.flat_ring(c, 100 * MiB)
 
 
@@ -69,7 +71,8 @@ def test_hsdp_gathers_parameters_inside_the_host_and_sends_only_gradients_betwee
 
 def test_a_step_is_compute_plus_communication_and_unknown_engines_are_named():
     c = Cluster(2, 2, INSIDE, NETWORK)
-    assert cluster.step_seconds("ddp", c, MiB, 0.25) == pytest.approx(0.25 + cluster.communication_seconds("ddp", c, MiB))
+    communication = cluster.communication_seconds("ddp", c, MiB)
+    assert cluster.step_seconds("ddp", c, MiB, 0.25) == pytest.approx(0.25 + communication)
     with pytest.raises(ValueError, match="unknown engine 'zero3'"):
         cluster.communication_seconds("zero3", c, MiB)
     assert math.isfinite(cluster.step_seconds("hsdp", Cluster(64, 8, INSIDE, NETWORK), 500 * MiB, 0.1))

@@ -49,7 +49,8 @@ def _measure(ctx) -> dict:
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
             "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
-            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0, sizes=(4,))}
+            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
+                                                 sizes=(4,))}
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +74,8 @@ def test_each_size_has_one_row_per_algorithm_over_one_wire(measured):
     assert [(r["bytes"], r["algorithm"]) for r in rows] == [(s, a) for s in SIZES for a in names]
     assert "shared_memory" not in allreduce.ALGORITHMS, "shared memory is a transport, not an algorithm"
     assert all(r["world_size"] == 2 and not r["oversubscribed"] for r in rows)
-    assert all((r["axis"], r["transport"], r["label"], r["collective"]) == ("algorithm", "gloo", r["algorithm"], "allreduce")
-               for r in rows)
+    assert all((r["axis"], r["transport"], r["label"], r["collective"])
+               == ("algorithm", "gloo", r["algorithm"], "allreduce") for r in rows)
 
 
 def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_inside(measured):
@@ -155,7 +156,8 @@ def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
 def test_the_report_has_one_table_per_axis(measured):
     text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
-    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory (zero copy) |")
+    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory "
+                                                                                     "(zero copy) |")
 
 
 # --------------------------------------------------------------------------- no processes
@@ -209,7 +211,8 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
     assert "target auto <= 1.10x torch, 2 processes, 4000B: 0.90x [0.85, 0.97] met" in lines
     assert "target auto <= 1.10x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] met" in lines
     assert "target auto <= 1.00x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] missed" in lines
-    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed [oversubscribed")
+    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed "
+                               "[oversubscribed")
                for line in lines)
     assert "target ring <= 1.10x torch, 2 processes, 10MiB: 1.05x [0.90, 1.20] inconclusive" in lines
     assert len(lines) == 6  # auto at 4000 B has no 1.00 target; torch has none
@@ -227,8 +230,10 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
     lines = bench.target_lines(rows)
     assert lines == [
-        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: 0.40x [0.38, 0.43] met",
-        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: 0.33x [0.31, 0.35] missed"]
+        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: "
+        "0.40x [0.38, 0.43] met",
+        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: "
+        "0.33x [0.31, 0.35] missed"]
     inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
         ("transport", zero, 0.30, "inconclusive")]
@@ -236,7 +241,8 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
 
 def test_an_algorithm_target_never_judges_a_transport_row():
     """A transport row whose algorithm has a target on the other axis (p2p runs auto) is not that target's row."""
-    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]), _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
+    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]),
+            _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
     assert bench.target_checks(rows) == []
 
 
@@ -254,11 +260,13 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
 
 def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
     """Shared memory then always copied in and out (staged); an auto that ran it was a transport, not an algorithm."""
-    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c, **({"collective": k} if k else {})}
+    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c,
+            **({"collective": k} if k else {})}
            for a, c, k in (("ring", None, None), ("shared_memory", None, "allreduce"), ("auto", "shared_memory", None),
                            ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
                            ("shared_memory", None, "all_gather"))]
-    got = [(r["axis"], r["transport"], r["algorithm"], r["label"]) for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
+    got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
+           for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
                    ("transport", "shared_memory", "direct", "shared_memory (staged)"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
@@ -285,10 +293,11 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
     fits = allreduce.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
-        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+        assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
         assert fit["max_rel_error"] < 1e-6
-        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(allreduce.model_terms(fit["algorithm"], world, 1 << 22),
-                                                                            (alpha, beta))))
+        terms = allreduce.model_terms(fit["algorithm"], world, 1 << 22)
+        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(terms, (alpha, beta))))
 
 
 def test_the_steps_are_those_of_each_algorithm():
@@ -315,8 +324,10 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
 def _chart_rows():
     return [_row("ring", 3e-3, nbytes=4000), _row("recursive_doubling", 1e-3, nbytes=4000),
             _row("ring", 5e-3, nbytes=1 << 20), _row("recursive_doubling", 9e-3, nbytes=1 << 20),
-            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"), _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
-            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS) for s in (4000, 1 << 20)]]
+            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"),
+            _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
+            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS)
+              for s in (4000, 1 << 20)]]
 
 
 def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
@@ -328,7 +339,8 @@ def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     figure, (algorithms, transports) = plt.subplots(1, 2)
     collective_plots.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
     lines = {line.get_label(): line for line in algorithms.get_lines()}
-    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
+    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)",
+                                                              "auto's choice"}
     assert list(lines["auto's choice"].get_xdata()) == [4000, 1 << 20]
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
     assert algorithms.get_title() == "algorithms over gloo, 2 processes"
@@ -352,7 +364,8 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
 
 def test_the_axis_selects_what_is_measured():
     both = bench.parse_args([])
-    assert both.axis == "both" and both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    assert both.axis == "both"
+    assert both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
     algorithms = bench.parse_args(["--axis", "algorithms"])
     assert algorithms.algorithms == list(allreduce.ALGORITHMS) and algorithms.transports == []
     transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "zero_copy"])

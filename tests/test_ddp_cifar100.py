@@ -59,7 +59,10 @@ class _Py2Pickler(pickle._Pickler):
     dispatch = pickle._Pickler.dispatch.copy()
 
     def _save_py2_str(self, obj: bytes):
-        header = pickle.SHORT_BINSTRING + bytes([len(obj)]) if len(obj) < 256 else pickle.BINSTRING + struct.pack("<i", len(obj))
+        if len(obj) < 256:
+            header = pickle.SHORT_BINSTRING + bytes([len(obj)])
+        else:
+            header = pickle.BINSTRING + struct.pack("<i", len(obj))
         self.write(header + obj)
         self.memoize(obj)
 
@@ -81,7 +84,8 @@ def write_tiny_cifar100(root, n_train: int, n_test: int, seed: int = 0) -> dict:
     for name, n in (("train", n_train), ("test", n_test)):
         data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)  # row: 1024 red, 1024 green, 1024 blue, row-major
         fine = rng.integers(0, 100, size=n).tolist()
-        _write_pickle(folder / name, {b"filenames": [b"img_%05d.png" % i for i in range(n)], b"batch_label": b"tiny " + name.encode(),
+        _write_pickle(folder / name,
+                      {b"filenames": [b"img_%05d.png" % i for i in range(n)], b"batch_label": b"tiny " + name.encode(),
                                       b"fine_labels": fine, b"coarse_labels": [f // 5 for f in fine], b"data": data})
         raw[name] = (data, fine)
     _write_pickle(folder / "meta", {b"fine_label_names": [b"fine%d" % i for i in range(100)],
@@ -114,15 +118,16 @@ def runs(tmp_path_factory, tiny_cifar):
 
     jobs = {
         # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
-        "selfmade": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir", str(paths["selfmade"]["ckpt"]),
-                               *outputs("selfmade")), torchrun_args=("--tee", "3")),
+        "selfmade": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
+                               str(paths["selfmade"]["ckpt"]), *outputs("selfmade")), torchrun_args=("--tee", "3")),
         "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
-                            "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs", "1",
-                            *outputs("cifar"))),
+                            "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs",
+                            "1", *outputs("cifar"))),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_torchrun, job.get("script", SCRIPT), 2, *job["args"],
-                                     torchrun_args=job.get("torchrun_args", ()), env=job.get("env")) for name, job in jobs.items()}
+                                     torchrun_args=job.get("torchrun_args", ()), env=job.get("env"))
+                   for name, job in jobs.items()}
         return {name: SimpleNamespace(process=f.result(), **paths[name]) for name, f in futures.items()}
 
 
@@ -140,8 +145,9 @@ def resumed(tmp_path_factory):
     """The synthetic run again, a worker killed at step CRASH_STEP and restarted by torchrun."""
     paths = _paths(tmp_path_factory.mktemp("resumed"), "resumed")
     process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
-                           str(paths["ckpt"]), "--save-model", str(paths["model"]), "--metrics-json", str(paths["json"]),
-                           torchrun_args=("--max-restarts", "1"), env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"})
+                           str(paths["ckpt"]), "--save-model", str(paths["model"]), "--metrics-json",
+                           str(paths["json"]), torchrun_args=("--max-restarts", "1"),
+                           env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"})
     return SimpleNamespace(process=process, **paths)
 
 
@@ -150,10 +156,12 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(
     # On one CPU host our DDP sums through shared memory (transport "auto"): the kill lands inside a sum.
     assert f"fault injected: SIGKILL in the middle of a bucket's shared-memory sum after step {CRASH_STEP}" \
         in resumed.process.stderr
-    assert f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done" in resumed.process.stdout
+    resumed_line = f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done"
+    assert resumed_line in resumed.process.stdout
     uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
     assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
-    epochs = [[row for row in read_results(run.json)["results"] if row["kind"] == "epoch"] for run in (runs["selfmade"], resumed)]
+    epochs = [[row for row in read_results(run.json)["results"] if row["kind"] == "epoch"]
+              for run in (runs["selfmade"], resumed)]
     keys = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_count")
     assert [[row[k] for k in keys] for row in epochs[0]] == [[row[k] for k in keys] for row in epochs[1]]
 
@@ -183,7 +191,8 @@ def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
     doc = read_results(runs["selfmade"].json)
     assert doc["benchmark"] == "ddp_cifar100" and doc["env"]["world_size"] == 2
     config = doc["config"]
-    assert (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"]) == ("synthetic", "selfmade", "selfmade")
+    used = (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"])
+    assert used == ("synthetic", "selfmade", "selfmade")
     assert (config["global_batch"], config["steps_per_epoch"], config["notices"]) == (16 * 3 * 2, STEPS_PER_EPOCH, [])
     rows = doc["results"]
     assert [row["kind"] for row in rows] == ["epoch"] * EPOCHS + ["final", "rank", "rank"]
@@ -279,7 +288,8 @@ def _training_case(ctx, impl, checkpoint_dir):
         step_after_backward = str(error)
     refused = None
     try:
-        trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set, identity={"lr": 0.5})
+        trainer.build_trainer(trainer.parse_args([*flags, "--lr", "0.5"]), ctx, sync_bn, train_set, val_set,
+                              identity={"lr": 0.5})
     except ValueError as error:
         refused = str(error)
     return {"state": state, "history": run.history, "sync_bn": sync_bn, "refused": refused,
@@ -355,7 +365,8 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
-    results["validation"] = {(dtype, per_rank): validation_sums(net.to(dtype), val if ctx.is_master else None, per_rank, ctx)
+    val_set = val if ctx.is_master else None
+    results["validation"] = {(dtype, per_rank): validation_sums(net.to(dtype), val_set, per_rank, ctx)
                              for dtype in VAL_DTYPES for per_rank in VAL_PIECES}
     results["teardown"] = process_groups.teardown()  # last: the group ends here, after every wrapper was built
     return results
@@ -371,7 +382,8 @@ def in_process(tmp_path_factory):
     with torch.no_grad():
         predicted = net(images).argmax(dim=1)
     # About 60 % of the labels are the model's own prediction, so the correct count is far from 0.
-    labels = torch.where(torch.rand(VAL_SIZE, generator=gen) < 0.6, predicted, torch.randint(0, 100, (VAL_SIZE,), generator=gen))
+    labels = torch.where(torch.rand(VAL_SIZE, generator=gen) < 0.6, predicted,
+                         torch.randint(0, 100, (VAL_SIZE,), generator=gen))
     val = TensorDataset(images, labels)
     checkpoint_dir = tmp_path_factory.mktemp("ckpt")
     for name in ("refused", "scratch"):
@@ -379,7 +391,8 @@ def in_process(tmp_path_factory):
         for epoch, content in UNREADABLE.items():
             (checkpoint_dir / f"unreadable-{name}" / f"epoch-{epoch:04d}.pt").write_bytes(content)
     return SimpleNamespace(train=train, val=val, net=net, checkpoint_dir=checkpoint_dir,
-                           results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(), str(checkpoint_dir)))
+                           results=run_workers(_in_process_cases, WORLD, train, val, net.state_dict(),
+                                               str(checkpoint_dir)))
 
 
 UNREADABLE = {4: b"half a checkpoint", 5: b"PK\x03\x04 not a zip archive after all"}
@@ -419,7 +432,8 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
             assert a["steps"] == b["steps"] and a["val_count"] == b["val_count"] == 101
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
-        assert torch.equal(ours["state"]["fc1.weight"], in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
+        assert torch.equal(ours["state"]["fc1.weight"],
+                           in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -478,7 +492,8 @@ def test_checkpoints_that_all_fail_to_load_stop_every_rank_naming_them_and_stay_
         for epoch in UNREADABLE:
             assert f"{directory / f'epoch-{epoch:04d}.pt'}: " in error
         assert "no checkpoint in it can be read" in error and "--restart-from-scratch" in error
-    assert {p.name: p.read_bytes() for p in directory.iterdir()} == {f"epoch-{e:04d}.pt": c for e, c in UNREADABLE.items()}
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == {f"epoch-{e:04d}.pt": c
+                                                                     for e, c in UNREADABLE.items()}
 
 
 def test_restart_from_scratch_keeps_the_unreadable_files_and_prunes_only_what_it_wrote(in_process):
@@ -497,7 +512,8 @@ def test_a_failed_save_stops_every_rank_with_the_path_and_cause_and_keeps_the_pr
     for result in in_process.results:
         failure = result["checkpoints"]["save_fails"]
         assert failure["epochs"] == 2
-        assert f"saving the checkpoint of epoch 2 failed on rank 0: could not write {directory / 'epoch-0002.pt'}" in failure["error"]
+        message = f"saving the checkpoint of epoch 2 failed on rank 0: could not write {directory / 'epoch-0002.pt'}"
+        assert message in failure["error"]
         assert "pickle" in failure["error"].lower(), "the cause"
     assert sorted(os.listdir(directory)) == ["epoch-0001.pt"], "no temporary file, no half checkpoint"
     assert _state(directory / "epoch-0001.pt")["epoch"] == 1
@@ -552,7 +568,8 @@ def test_under_bf16_autocast_the_step_gradient_is_the_global_mean_to_bfloat16_pr
 def test_train_loss_is_the_global_mean_over_the_epoch(in_process, impl):
     torch.manual_seed(0)
     model = _Linear()
-    indices = [i for rank in range(WORLD) for i in DistributedSampler(in_process.train, WORLD, rank, seed=0, drop_last=True)]
+    indices = [i for rank in range(WORLD)
+               for i in DistributedSampler(in_process.train, WORLD, rank, seed=0, drop_last=True)]
     images, labels = in_process.train[indices]
     with torch.no_grad():
         want = F.cross_entropy(model(images), labels).item()  # lr 0: the weights never move
@@ -620,10 +637,12 @@ def test_missing_cifar100_fails_clearly_or_falls_back_loudly(tmp_path, tiny_cifa
 
 
 def test_synthetic_data_is_cifar_shaped_and_a_pure_function_of_the_index():
-    small, big, val = SyntheticCIFAR100(50, train=True), SyntheticCIFAR100(80, train=True), SyntheticCIFAR100(50, train=False)
+    small, big = SyntheticCIFAR100(50, train=True), SyntheticCIFAR100(80, train=True)
+    val = SyntheticCIFAR100(50, train=False)
     image, label = small[7]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 100
-    assert all(torch.equal(small[i][0], big[i][0]) and small[i][1] == big[i][1] for i in range(50)), "a smaller set is a prefix"
+    assert all(torch.equal(small[i][0], big[i][0]) and small[i][1] == big[i][1]
+               for i in range(50)), "a smaller set is a prefix"
     assert not torch.equal(small[0][0], val[0][0]), "train and validation samples differ"
     assert len(set(big.targets)) > 40, "labels spread over the classes"
     # Pixels in [0, 1] normalised with CIFAR-100's constants.
@@ -671,7 +690,8 @@ def faults(tmp_path_factory, runs):
     before = {name: {p.name: p.read_bytes() for p in ckpt[name].iterdir()} for name in ("truncated", "readonly")}
     selfmade = (*TINY_RUN, "--distributed-impl", "selfmade")
     jobs = {
-        "chain": dict(args=selfmade, torchrun_args=("--max-restarts", str(len(CHAIN))), env={"DP_FAULTS": ",".join(CHAIN)}),
+        "chain": dict(args=selfmade, torchrun_args=("--max-restarts", str(len(CHAIN))),
+                      env={"DP_FAULTS": ",".join(CHAIN)}),
         "slow": dict(args=(*selfmade, "--timeout", str(SHORT_PG_TIMEOUT_S)),
                      env={"DP_FAULTS": "slow-checkpoint@1", "DP_SLOW_S": str(SLOW_SAVE_S)}),
         "truncated": dict(args=selfmade),
@@ -680,8 +700,9 @@ def faults(tmp_path_factory, runs):
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run_torchrun, FAULTY_SCRIPT, 2, *job["args"], "--checkpoint-dir", str(ckpt[name]),
-                                     "--save-model", str(out / f"{name}.pt"), torchrun_args=job.get("torchrun_args", ()),
-                                     env=job.get("env"), check=job.get("check", True))
+                                     "--save-model", str(out / f"{name}.pt"),
+                                     torchrun_args=job.get("torchrun_args", ()), env=job.get("env"),
+                                     check=job.get("check", True))
                    for name, job in jobs.items()}
         return SimpleNamespace(out=out, ckpt=ckpt, before=before, reference=_state(runs["selfmade"].model),
                                process={name: f.result() for name, f in futures.items()})
@@ -692,7 +713,7 @@ def _same_model(a, b):
 
 
 @pytest.mark.slow
-def test_killed_in_forward_all_reduce_validation_scatter_and_checkpoint_write_still_ends_with_the_uninterrupted_model(faults):
+def test_killed_in_forward_all_reduce_validation_scatter_and_checkpoint_write_still_ends_as_uninterrupted(faults):
     stderr = faults.process["chain"].stderr
     for what in ("in the forward after step 1", "in the middle of a bucket's shared-memory sum after step 4",
                  "in the second scatter of epoch 2's validation", "halfway through writing epoch 2's checkpoint"):
@@ -722,7 +743,9 @@ def test_a_truncated_newest_checkpoint_resumes_from_the_one_before_and_is_kept(f
 def test_a_read_only_checkpoint_directory_fails_every_rank_clearly_and_keeps_every_checkpoint(faults):
     process, directory = faults.process["readonly"], faults.ckpt["readonly"]
     assert process.returncode != 0
-    message = f"saving the checkpoint of epoch 4 failed on rank 0: could not write {directory / 'epoch-0004.pt'} (PermissionError"
+    message = (f"saving the checkpoint of epoch 4 failed on rank 0: could not write {directory / 'epoch-0004.pt'} "
+               "(PermissionError")
     for rank in (0, 1):
-        assert any(line.startswith(f"[default{rank}]:") and message in line for line in process.stderr.splitlines()), rank
+        assert any(line.startswith(f"[default{rank}]:") and message in line
+                   for line in process.stderr.splitlines()), rank
     assert {p.name: p.read_bytes() for p in directory.iterdir()} == faults.before["readonly"]

@@ -120,7 +120,8 @@ def _ddp_cases(ctx):
                 for variant, cap in OURS:
                     for name in TRANSPORTS:
                         net = build(ctx.rank, partial=partial)
-                        model = make_ddp(variant, net, bucket_cap_mb=cap, transport=threaded if name == "threaded" else name)
+                        model = make_ddp(variant, net, bucket_cap_mb=cap,
+                                         transport=threaded if name == "threaded" else name)
                         out[variant, cap, name, partial, accum] = trained(model, net, sgd(model.parameters()), ctx.rank,
                                                                           accum, **extra)
     finally:

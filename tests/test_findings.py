@@ -2,8 +2,6 @@
 how verdicts are counted (per axis and kind, no one-process or oversubscribed runs), which path a shared-memory
 row took, which two committed runs made the same comparison; and the suite's times, written by a command."""
 
-import sys
-
 import pytest
 
 from dpkit.bench.results import read_results
@@ -40,7 +38,8 @@ def test_a_trend_word_only_where_the_intervals_resolve_it():
     assert findings.trend([(1, 1.0, 1.1), (2, 1.2, 1.3), (3, 1.5, 1.6)]) == "rises"
     assert findings.trend([(3, 1.0, 1.1), (1, 1.5, 1.6), (2, 1.2, 1.3)]) == "falls"  # sorted by x first
     assert findings.trend([(1, 1.0, 1.1), (2, 2.0, 2.1), (3, 1.0, 1.1)]) == "varies"  # up, then down
-    assert findings.trend([(1, 1.0, 1.1), (2, 1.5, 1.6), (3, 1.45, 1.7)]) == "rises"  # the last overlaps the middle: no fall
+    # the last overlaps the middle: no fall
+    assert findings.trend([(1, 1.0, 1.1), (2, 1.5, 1.6), (3, 1.45, 1.7)]) == "rises"
     assert findings.trend([(1, 1.0, 1.1), (2, 1.5, 1.6), (3, 1.05, 1.6)]) == "unresolved"  # the ends overlap
     assert findings.trend([(1, 1.0, 1.1)]) == "unresolved"
     assert set(findings.TREND_WORDS) == {"rises", "falls", "varies", "unresolved"}
@@ -74,7 +73,8 @@ def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the
     assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
     engine = {"axis": "engine", "label": "bucketed 25M [shm]", "reference": "pytorch-best 25M [shm]"}
     assert paths.axis(engine, DDP_DOC) == "transport"
-    assert paths.axis({**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}, DDP_DOC) == "engine"
+    on_torch = {**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}
+    assert paths.axis(on_torch, DDP_DOC) == "engine"
     fsdp = {"axis": "engine", "numerator": "fsdp ours [shm]", "denominator": "fsdp pytorch [shm]"}
     assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "engine"  # both zero copy
 
@@ -97,7 +97,8 @@ def test_counts_are_per_axis_and_kind_without_one_process_or_oversubscribed_runs
               check("engine", "met", limit=None)]  # for information: no target, no count
     doc = {"benchmark": "sharding_benchmark", "env": env}
     rows = findings.tally([(doc, checks)])
-    assert [(r["axis"], r["kind"], r["met"], r["missed"], r["inconclusive"], r["total"], r["single"]) for r in rows] == [
+    counts = [(r["axis"], r["kind"], r["met"], r["missed"], r["inconclusive"], r["total"], r["single"]) for r in rows]
+    assert counts == [
         ("engine", "time", 1, 0, 1, 2, 0), ("engine", "memory", 1, 0, 0, 1, 1),
         ("ideal", "bytes bookkeeping", 1, 0, 0, 1, 1)]
     assert findings.tally_text(rows[0]) == "engine, time: 1 met, 0 missed, 1 inconclusive of 2"
@@ -113,7 +114,8 @@ def test_syncbn_target_rows_count_without_their_one_process_setting():
              "limit": 1.0, "verdict": "met"},
             {"kind": "target", "name": "1 process: every size", "setting": "1 process", "limit": 1.2, "verdict": "met"}]
     tallied = findings.tally([({"benchmark": "syncbn_benchmark", "env": {"cpus": 2}}, rows)])
-    assert [(r["kind"], r["missed"], r["met"], r["single"]) for r in tallied] == [("time", 1, 0, 0), ("memory", 0, 1, 1)]
+    counts = [(r["kind"], r["missed"], r["met"], r["single"]) for r in tallied]
+    assert counts == [("time", 1, 0, 0), ("memory", 0, 1, 1)]
 
 
 def test_the_same_auto_torch_comparison_in_two_committed_runs_is_paired():
@@ -163,11 +165,12 @@ def test_run_experiments_takes_its_flags(flag):
 
 def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
     table = "| bucketed 25M [shm] | 0.1 |\n| pytorch-best 25M [shm-thread] | 0.2 |\n| fsdp pytorch [shm] | 0.3 |"
-    assert paths.label(table) == ("| bucketed 25M [shm, zero copy] | 0.1 |\n| pytorch-best 25M [shm-thread, staged] | 0.2 |\n"
-                                  "| fsdp pytorch [shm, zero copy] | 0.3 |")
+    assert paths.label(table) == ("| bucketed 25M [shm, zero copy] | 0.1 |\n| pytorch-best 25M [shm-thread, staged] | "
+                                  "0.2 |\n| fsdp pytorch [shm, zero copy] | 0.3 |")
     assert paths.label("ours [shm] / (BatchNorm1d + 2 all_reduce) [shm]", {"benchmark": "syncbn_benchmark"}) == \
         "ours [shm, staged] / (BatchNorm1d + 2 all_reduce) [shm, staged]"
-    assert paths.label("naive [shm] waits; ddp pytorch [shm] too") == "naive [shm, staged] waits; ddp pytorch [shm, staged] too"
+    assert (paths.label("naive [shm] waits; ddp pytorch [shm] too")
+            == "naive [shm, staged] waits; ddp pytorch [shm, staged] too")
     assert paths.label("[torch] only") == "[torch] only"
 
 
@@ -200,7 +203,8 @@ def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
     doc, row = syncbn_doc(floor_low=1.05)
     text = sentences.syncbn_why(doc, row)
     assert "The floor alone is above" not in text and text.endswith("Cut at its two sums, more.")
-    assert "The floor's interval (1.34x [1.05, 1.64]) holds 1.3x: whether the floor alone misses it is inconclusive." in text
+    assert ("The floor's interval (1.34x [1.05, 1.64]) holds 1.3x: whether the floor alone misses it is "
+            "inconclusive.") in text
     doc, row = syncbn_doc(floor_low=1.31)
     assert "The floor alone is above 1.3x (1.34x [1.31, 1.64])" in sentences.syncbn_why(doc, row)
     assert sentences.syncbn_why(doc, {**row, "why": "no floor claim"}) == "no floor claim"
@@ -212,7 +216,8 @@ def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
                "denominator": "ddp pytorch [shm]", "world_size": world, "limit": 1.0, "verdict": "met",
                "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
     text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
-    assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left out")
+    assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left "
+                           "out")
     assert text.endswith("* transport, time: 1 met, 0 missed, 0 inconclusive of 1")  # zero copy / staged
 
 

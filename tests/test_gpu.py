@@ -235,7 +235,8 @@ def test_engines_on_cuda_train_like_one_process_on_the_global_batch(engines, eng
     want = oracle(engine)
     for rank, result in enumerate(ranks):
         params, used = result[engine]
-        assert used.startswith("torch"), f"{engine} on CUDA chose {used!r}: auto must take torch.distributed (gloo or NCCL)"
+        assert used.startswith("torch"), (f"{engine} on CUDA chose {used!r}: auto must take torch.distributed "
+                                          "(gloo or NCCL)")
         assert params.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(params[key], want[key], rtol=1e-4, atol=1e-5,
@@ -328,13 +329,14 @@ def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, sharding):
 # script -> its --quick arguments, cut to a few iterations (the run proves the CUDA path, not a speed); each
 # spawns its own workers, except ddp_benchmark's run, started under torchrun
 BENCHMARKS = {
-    "syncbn_benchmark.py": ("--quick", "--settings", "workers", "--dtypes", "float32", "--batch", "64", "--hidden", "128",
-                            "--iters", "8", "--rounds", "2"),
+    "syncbn_benchmark.py": ("--quick", "--settings", "workers", "--dtypes", "float32", "--batch", "64", "--hidden",
+                            "128", "--iters", "8", "--rounds", "2"),
     "ddp_benchmark.py": ("--quick", "--models", "cnn", "--variants", "pytorch-best", "bucketed", "--iters", "6",
                          "--rounds", "2", "--warmup", "1", "--no-breakdown"),
     "collectives_benchmark.py": ("--quick", "--procs", "2", "--sizes", "4000", "1MB", "--iters", "4", "--warmup", "1"),
     "sharding_benchmark.py": ("--quick", "--procs", "2", "--iters", "4", "--rounds", "2", "--warmup", "1"),
-    "allreduce.py": ("--quick", "--world-sizes", "1", "2", "--sizes", "1000", "100000", "--repeats", "4", "--warmup", "1"),
+    "allreduce.py": ("--quick", "--world-sizes", "1", "2", "--sizes", "1000", "100000", "--repeats", "4", "--warmup",
+                     "1"),
 }
 UNDER_TORCHRUN = ("ddp_benchmark.py",)
 

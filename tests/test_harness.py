@@ -53,7 +53,8 @@ def test_run_spawns_each_process_count_keeps_rank_0s_rows_and_writes_rows_target
                     {"world_size": 2, "rank": 0, "size": 10}, {"world_size": 2, "rank": 0, "size": 20}]
     doc = read_results(args.json)
     assert doc["benchmark"] == "toy" and doc["results"] == rows and doc["targets"] == _targets(rows)
-    assert doc["config"] == {"procs": [1, 2], "sizes": [10, 20], "backend": "gloo", "timeout": 30.0}, "json, label left out"
+    config = {"procs": [1, 2], "sizes": [10, 20], "backend": "gloo", "timeout": 30.0}
+    assert doc["config"] == config, "json, label left out"
     assert doc["env"]["world_size"] == 2 and doc["env"]["procs"] == [1, 2]
     out = capsys.readouterr().out
     assert "* label x" in out and out.rstrip().endswith(f"4 rows\n\nwrote {args.json}"), "header, report, file"

@@ -37,7 +37,8 @@ def imported(path) -> list[tuple[int, str]]:
 
 
 def test_the_layer_table_covers_every_module_of_the_package():
-    assert all(layer(module_name(p)) is not None for p in PACKAGE if p.name != "__init__.py" or p.parent.name != "dpkit")
+    assert all(layer(module_name(p)) is not None for p in PACKAGE
+               if p.name != "__init__.py" or p.parent.name != "dpkit")
 
 
 @pytest.mark.parametrize("path", PACKAGE, ids=module_name)
@@ -81,7 +82,8 @@ def private_uses(path) -> list[str]:
 def test_no_module_reaches_another_modules_private_names(path):
     uses = private_uses(path)
     assert not uses, (f"{path.relative_to(REPO)} uses private names of other modules: make what it needs public "
-                      "(a name without the underscore, with a docstring) or keep it inside its module:\n" + "\n".join(uses))
+                      "(a name without the underscore, with a docstring) or keep it inside its module:\n"
+                      + "\n".join(uses))
 
 
 # Private attributes of objects that are not ours, which a script may read because their owner offers no public

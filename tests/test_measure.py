@@ -99,7 +99,8 @@ def test_silencing_the_profiler_drops_only_its_status_lines_from_stderr(capfd):
     """fd 2 is process-wide: an error another thread (gloo's) writes while the profiler starts
     must still reach stderr; kineto's status lines must not."""
     kineto = "USDT:2026-11-23 16:08:23 28571:28571 SyncActivityProfilerHandler.cpp:39] profiler_start\n"
-    allocator = "[W1123 16:08:23.372208583 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started\n"
+    allocator = ("[W1123 16:08:23.372208583 CPUAllocator.cpp:245] Memory block of unknown size was allocated before "
+                 "the profiling started\n")
     gloo = "[E1123 16:08:23.1 ProcessGroupGloo.cpp:143] Gloo connectFullMesh failed: Connection reset by peer\n"
     with measure.quiet_stderr():
         for line in (kineto, gloo, allocator):

@@ -58,7 +58,8 @@ def test_the_model_predicts_the_simulated_jobs_collectives_and_steps(completed):
             assert row["predicted_s"] == pytest.approx(row["p50_s"], rel=1e-6), row["label"]
     steps = {r["label"]: r for r in rows if r["kind"] == "step"}
     c = Cluster(2, 2, INSIDE, BETWEEN)
-    assert steps["HSDP"]["predicted_s"] == pytest.approx(0.05 + cluster.communication_seconds("hsdp", c, PARAM_BYTES, 7))
+    hsdp = cluster.communication_seconds("hsdp", c, PARAM_BYTES, 7)
+    assert steps["HSDP"]["predicted_s"] == pytest.approx(0.05 + hsdp)
     assert steps["DDP [torch]"]["predicted_s"] == pytest.approx(0.05 + cluster.flat_ring(c, PARAM_BYTES))
     assert "predicted_s" not in steps[bench.NO_COMMUNICATION]
 
@@ -97,8 +98,8 @@ def test_the_quick_run_on_two_simulated_hosts_writes_every_kind_of_row(tmp_path)
     import sys
 
     out = tmp_path / "multihost.json"
-    done = subprocess.run([sys.executable, "multihost_benchmark.py", "--quick", "--sizes", "64KB", "1MB", "--iters", "4",
-                           "--rounds", "2", "--warmup", "1", "--json", str(out)], cwd=REPO, capture_output=True,
+    done = subprocess.run([sys.executable, "multihost_benchmark.py", "--quick", "--sizes", "64KB", "1MB", "--iters",
+                           "4", "--rounds", "2", "--warmup", "1", "--json", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(out.read_text())

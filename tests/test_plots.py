@@ -34,7 +34,8 @@ def legend_texts(figure):
 
 def data_lines(ax):
     """Lines that carry data (not the horizontal reference lines drawn with axhline)."""
-    return [line for line in ax.get_lines() if len(line.get_xdata()) > 0 and line.get_label() and not line.get_label().startswith("_")]
+    return [line for line in ax.get_lines()
+            if len(line.get_xdata()) > 0 and line.get_label() and not line.get_label().startswith("_")]
 
 
 # --------------------------------------------------------------------------- style
@@ -53,7 +54,8 @@ def test_one_colour_per_implementation_whatever_the_bucket_size_or_field():
     best = {"label": "pytorch 25M best", "variant": "pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
     assert plots.kind(best) == "pytorch-best" and plots.colour(best) != plots.colour("pytorch")
     assert plots.kind({"label": "pytorch-best 25M", "variant": "pytorch-best"}) == "pytorch-best"
-    assert len({plots.colour(k) for k in ("bucketed", "pytorch", "pytorch-best", "overlap", "flat", "naive", "no ddp")}) == 7
+    assert len({plots.colour(k)
+                for k in ("bucketed", "pytorch", "pytorch-best", "overlap", "flat", "naive", "no ddp")}) == 7
 
 
 def test_a_row_is_oversubscribed_by_its_own_flag_or_by_more_processes_than_cores():
@@ -68,25 +70,28 @@ def test_intervals_come_from_the_rows_fields_or_a_bootstrap_over_its_rounds():
     low, high = plots.interval({"p50_s": 1.0, "round_p50_s": [0.9, 1.0, 1.1, 1.3]}, "p50_s")
     assert 0.9 <= low <= 1.0 <= high <= 1.3
     assert plots.interval({"p50_s": 1.0}, "p50_s") is None
-    assert plots.interval({"p50_s": 1.0, "round_comm_wait_s": [0.1, 0.2]}, "p50_s") is None  # another statistic's rounds
+    # another statistic's rounds
+    assert plots.interval({"p50_s": 1.0, "round_comm_wait_s": [0.1, 0.2]}, "p50_s") is None
     paired = plots.ratio({"round_p50_s": [2.0, 4.0, 2.2]}, {"round_p50_s": [2.0, 4.0, 2.0]})
     assert paired["median"] == pytest.approx(1.0) and paired["ci_high"] == pytest.approx(1.1)
-    assert plots.ratio({"p50_s": 3.0}, {"p50_s": 2.0}) == {"median": 1.5, "ci_low": None, "ci_high": None, "rounds": None}
+    assert plots.ratio({"p50_s": 3.0}, {"p50_s": 2.0}) == {"median": 1.5, "ci_low": None, "ci_high": None,
+                                                           "rounds": None}
 
 
 # --------------------------------------------------------------------------- figures
 
 
 def training_doc(loss_shift=0.0):
-    epochs = [{"kind": "epoch", "epoch": e, "steps": 10 * e, "train_loss": 4.5 - 0.2 * e + loss_shift, "val_loss": 4.4 - 0.2 * e,
-               "val_acc": 0.05 * e, "epoch_time_s": 5.0} for e in (1, 2, 3)]
+    epochs = [{"kind": "epoch", "epoch": e, "steps": 10 * e, "train_loss": 4.5 - 0.2 * e + loss_shift,
+               "val_loss": 4.4 - 0.2 * e, "val_acc": 0.05 * e, "epoch_time_s": 5.0} for e in (1, 2, 3)]
     return doc(epochs + [{"kind": "final", "epochs": 3, "step_time_median_s": 0.5}])
 
 
 def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
     figure = plots.training_curves({"selfmade": training_doc(), "pytorch": training_doc(0.01)})
     loss, accuracy, step = figure.axes[:3]
-    assert len(loss.get_lines()) == 4 and len(accuracy.get_lines()) == 2  # train + validation per run; validation per run
+    # train + validation per run; validation per run
+    assert len(loss.get_lines()) == 4 and len(accuracy.get_lines()) == 2
     assert "(nats)" in loss.get_ylabel() and "(%)" in accuracy.get_ylabel() and "(s)" in step.get_ylabel()
     assert all(ax.get_xlabel() == "epoch" for ax in (loss, accuracy, step))
     per_step = step.get_lines()[0].get_ydata()
@@ -137,7 +142,8 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
 
 # ours [torch] / reference [torch] = 1.2 and ours [shm] / reference [shm] = 1.8; a ratio across transports
 # would read 0.9 (ours [shm] / reference [torch]) or 2.4 (ours [torch] / reference [shm]).
-BOTH = syncbn_rows(transport="torch", ours=1.2e-3, reference=1e-3) + syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3)
+BOTH = (syncbn_rows(transport="torch", ours=1.2e-3, reference=1e-3)
+        + syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3))
 
 
 def test_syncbn_ratios_pair_rows_on_one_transport():
@@ -165,10 +171,12 @@ def test_syncbn_grid_draws_a_bar_per_transport_each_against_the_reference_on_it(
 def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only():
     """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shm] / reference [shm], beside ours on each transport;
     a floor timed on torch is not drawn."""
-    floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1, "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
+    floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1,
+               "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
               for r in BOTH if r["impl"] == REFERENCE]  # floor [t] / reference [t] = 1.1 on both transports
     figure = plots.syncbn_grid(doc(BOTH + floors), target=1.3)
-    assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2, 1.1] * 3)  # ours [shm], ours [torch], floor [shm]
+    # ours [shm], ours [torch], floor [shm]
+    assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2, 1.1] * 3)
     texts = legend_texts(figure)
     assert f"floor [shm] / ({REFERENCE}) [shm]" in texts and f"floor [torch] / ({REFERENCE}) [torch]" not in texts
 
@@ -200,7 +208,8 @@ def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribe
 
 def test_allreduce_chart_draws_a_transport_apart_from_the_algorithms():
     """Files written before transports were measured apart hold shared memory beside the algorithms."""
-    rows = [{"world_size": w, "numel": 1000, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0, "max_abs_error": 0.0}
+    rows = [{"world_size": w, "numel": 1000, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0,
+             "max_abs_error": 0.0}
             for w in (1, 2) for a in ("torch", "ring", "shared_memory")]
     document = doc(rows)
     document["env"]["backend"] = "gloo"
@@ -212,15 +221,17 @@ def test_allreduce_chart_draws_a_transport_apart_from_the_algorithms():
 
 
 def ddp_row(label, variant, cap, p50, world=2, **extra):
-    return {"model": "resnet18", "label": label, "variant": variant, "bucket_cap_mb": cap, "world_size": world, "p50_s": p50,
-            "p50_ex_per_s": 32 / p50, "round_p50_s": [p50 * f for f in (0.95, 1.0, 1.05, 1.0)], "comm_wait_s": None, **extra}
+    return {"model": "resnet18", "label": label, "variant": variant, "bucket_cap_mb": cap, "world_size": world,
+            "p50_s": p50, "p50_ex_per_s": 32 / p50, "round_p50_s": [p50 * f for f in (0.95, 1.0, 1.05, 1.0)],
+            "comm_wait_s": None, **extra}
 
 
 def ddp_rows():
     return [ddp_row("no ddp", "no_ddp", None, 0.10), ddp_row("pytorch 1M", "pytorch", 1.0, 0.16),
             ddp_row("pytorch 25M", "pytorch", 25.0, 0.15),
             ddp_row("pytorch-best 25M", "pytorch-best", 25.0, 0.14),
-            ddp_row("naive", "naive", None, 0.25, comm_wait_s=0.1), ddp_row("bucketed 1M", "bucketed", 1.0, 0.15, comm_wait_s=0.01),
+            ddp_row("naive", "naive", None, 0.25, comm_wait_s=0.1),
+            ddp_row("bucketed 1M", "bucketed", 1.0, 0.15, comm_wait_s=0.01),
             ddp_row("bucketed 25M", "bucketed", 25.0, 0.14, comm_wait_s=0.02)]
 
 
@@ -269,7 +280,8 @@ def test_ddp_variants_mark_oversubscribed_rows():
 
 def test_ddp_sweep_plots_time_and_throughput_with_oversubscribed_worlds_marked():
     rows = [ddp_row(label, variant, 25.0 if variant != "no_ddp" else None, 0.1 * w + base, world=w)
-            for w in (1, 2, 4) for label, variant, base in (("no ddp", "no_ddp", 0.0), ("bucketed 25M", "bucketed", 0.02))]
+            for w in (1, 2, 4)
+            for label, variant, base in (("no ddp", "no_ddp", 0.0), ("bucketed 25M", "bucketed", 0.02))]
     figure = plots.ddp_sweep(doc(rows, cpus=2, world_size=[1, 2, 4]))
     time_ax, throughput_ax = figure.axes[:2]
     assert time_ax.get_xscale() == throughput_ax.get_xscale() == "log"
@@ -281,11 +293,14 @@ def test_ddp_sweep_plots_time_and_throughput_with_oversubscribed_worlds_marked()
 
 
 def chrome_trace(buckets=((40, 20), (60, 30)), threads=(2, 3)):
-    main = [("iteration 0", 0, 100), ("forward", 0, 30), ("backward", 30, 40), ("sync_gradients", 70, 20), ("optimizer_step", 90, 10)]
+    main = [("iteration 0", 0, 100), ("forward", 0, 30), ("backward", 30, 40), ("sync_gradients", 70, 20),
+            ("optimizer_step", 90, 10)]
     events = [{"ph": "X", "name": n, "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": 1, "pid": 1} for n, t, d in main]
-    events += [{"ph": "X", "name": "gloo:all_reduce", "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": threads[i % len(threads)], "pid": 1}
+    events += [{"ph": "X", "name": "gloo:all_reduce", "ts": 1000.0 * t, "dur": 1000.0 * d,
+                "tid": threads[i % len(threads)], "pid": 1}
                for i, (t, d) in enumerate(buckets)]
-    events += [{"ph": "X", "name": "aten::add", "ts": 5000.0, "dur": 1.0, "tid": 1, "pid": 1}, {"ph": "M", "name": "process_name"}]
+    events += [{"ph": "X", "name": "aten::add", "ts": 5000.0, "dur": 1.0, "tid": 1, "pid": 1},
+               {"ph": "M", "name": "process_name"}]
     return {"traceEvents": events}
 
 
@@ -315,14 +330,15 @@ def test_timeline_events_put_sums_made_by_the_compute_thread_on_a_lane_of_their_
     """Shared memory sums inline, in the backward hook: its ranges are on the compute thread (tid 1), beside
     gloo's on its own thread; a compute-thread range that is no collective is not a sum."""
     trace = chrome_trace(buckets=((40, 20),), threads=(2,))
-    trace["traceEvents"] += [{"ph": "X", "name": SHM_ALL_REDUCE, "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": 1, "pid": 1}
-                             for t, d in ((35, 5), (50, 10))]
+    trace["traceEvents"] += [{"ph": "X", "name": SHM_ALL_REDUCE, "ts": 1000.0 * t, "dur": 1000.0 * d, "tid": 1,
+                              "pid": 1} for t, d in ((35, 5), (50, 10))]
     t = plots.timeline_events(trace)
     assert t["comm"] == {"comm thread 1": [(40, 20)], "sums in the compute thread": [(35, 5), (50, 10)]}
     assert list(t["comm"]) == ["comm thread 1", "sums in the compute thread"]  # the threads', then the inline lane
     assert [name for name, _, _ in t["phases"]] == ["forward", "backward", "sync_gradients", "optimizer_step"]
     only_inline = chrome_trace(buckets=())
-    only_inline["traceEvents"].append({"ph": "X", "name": SHM_ALL_REDUCE, "ts": 45000.0, "dur": 5000.0, "tid": 1, "pid": 1})
+    only_inline["traceEvents"].append({"ph": "X", "name": SHM_ALL_REDUCE, "ts": 45000.0, "dur": 5000.0, "tid": 1,
+                                       "pid": 1})
     assert plots.timeline_events(only_inline)["comm"] == {"sums in the compute thread": [(45, 5)]}
     figure = plots.overlap_timeline({"bucketed 25M [shm]": only_inline})
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["compute", "sums in the compute thread"]
@@ -358,7 +374,8 @@ def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_
 
 def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
     import json
-    for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json", "cnn-2ranks-overlap-rank0.json"):
+    for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json",
+                 "cnn-2ranks-overlap-rank0.json"):
         (tmp_path / name).write_text(json.dumps(chrome_trace()))
     found = plots.load_traces(str(tmp_path), "resnet18", ["bucketed 25M", "overlap"])
     assert list(found) == ["bucketed 25M"]
@@ -367,9 +384,10 @@ def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
 
 def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
     figure = plots.beside_seed({"torch, 2 processes": ([2**20, 2**30], [1.0, 2.0], "torch")},
-                               {"torch, 2 processes": ([2**20, 2**30], [1.5, 3.0]), "torch, 4 processes": ([2**20], [0.7])},
-                               xlabel="message size", ylabel="algbw (GB/s)", ours_title="ours: test cpu", seed_title="seed: 2x T4",
-                               xbytes=True)
+                               {"torch, 2 processes": ([2**20, 2**30], [1.5, 3.0]),
+                                "torch, 4 processes": ([2**20], [0.7])},
+                               xlabel="message size", ylabel="algbw (GB/s)", ours_title="ours: test cpu",
+                               seed_title="seed: 2x T4", xbytes=True)
     ours, seed = figure.axes[:2]
     assert (ours.get_title(), seed.get_title()) == ("ours: test cpu", "seed: 2x T4")
     assert len(ours.get_lines()) == 1 and len(seed.get_lines()) == 2
@@ -379,14 +397,16 @@ def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
 
 
 def test_time_breakdown_stacks_each_profiled_variants_phases():
-    breakdown = {"ranges": {"forward": 0.1, "backward": 0.2, "sync_gradients": 0.05, "optimizer_step": 0.01}, "ops": [], "iters": 3}
+    breakdown = {"ranges": {"forward": 0.1, "backward": 0.2, "sync_gradients": 0.05, "optimizer_step": 0.01}, "ops": [],
+                 "iters": 3}
     rows = [{**r, "breakdown": breakdown} if r["label"] in ("pytorch 25M", "bucketed 25M") else r for r in ddp_rows()]
     figure = plots.time_breakdown(doc(rows))
     ax = figure.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["pytorch 25M", "bucketed 25M"]
     segments = [p for p in ax.patches if isinstance(p, Rectangle)]
     assert len(segments) == 8 and max(p.get_x() + p.get_width() for p in segments) == pytest.approx(360.0)
-    assert "(ms)" in ax.get_xlabel() and {"forward", "backward", "sync_gradients", "optimizer_step"} <= set(legend_texts(figure))
+    assert "(ms)" in ax.get_xlabel()
+    assert {"forward", "backward", "sync_gradients", "optimizer_step"} <= set(legend_texts(figure))
 
 
 MIB = plots.MIB
@@ -396,7 +416,8 @@ def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
     parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, state_bytes=8 * MIB // (world if sharding == "zero" else 1),
                  activation_bytes=mib * MIB)
     return {"model": "gpt", "variant": variant, "sharding": sharding, "world_size": world, **parts,
-            "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"], "oversubscribed": oversubscribed}
+            "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"],
+            "oversubscribed": oversubscribed}
 
 
 def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_ideal():
@@ -408,7 +429,8 @@ def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_i
     assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp ours"] * 3 + ["zero ours"] * 3
     assert len(ax.patches) == 6 * len(plots.MEMORY_PARTS) + 1  # four stacked parts per bar, and the legend's hatch
     tops = [p.get_y() + p.get_height() for p in ax.patches[:-1]]
-    assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)  # 4+4+8+1; 4+4+2+1 at 4 ranks
+    # 4+4+8+1; 4+4+2+1 at 4 ranks
+    assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)
     ideals = sorted({line.get_ydata()[0] for line in ax.lines})
     assert ideals == [10, 12, 16]
     assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero") == "zero ours"

@@ -61,7 +61,8 @@ def test_time_iterations_gathers_every_rank_and_reports_the_slowest(three_worker
 
 def test_collective_counter_sees_collectives_and_bytes_sent(three_workers):
     calls, sent, collectives, p2p = three_workers[0]["counted"]
-    assert calls == {"all_reduce": 1, "batch_isend_irecv": 1, "send": 1}, "the isend/irecv inside batch and send are theirs"
+    assert calls == {"all_reduce": 1, "batch_isend_irecv": 1, "send": 1}, \
+        "the isend/irecv inside batch and send are theirs"
     assert (sent, collectives, p2p) == (12 + 20, 1, 2)
     calls, sent, _, _ = three_workers[1]["counted"]
     assert calls == {"all_reduce": 1, "batch_isend_irecv": 1, "recv": 1} and sent == 12

@@ -69,7 +69,8 @@ def test_numbers_in_the_hand_written_text_appear_in_what_the_code_computed(execu
     for cell in fresh.cells:
         if cell.cell_type == "markdown":
             typed = numbers(cell.source) - computed
-            assert not typed, f"numbers {sorted(typed)} in a markdown cell appear in no computed output:\n{cell.source[:300]}"
+            assert not typed, (f"numbers {sorted(typed)} in a markdown cell appear in no computed output:\n"
+                               f"{cell.source[:300]}")
 
 
 def test_the_number_check_catches_a_typed_claim():
@@ -129,7 +130,8 @@ def test_two_runs_verdicts_are_compared_on_the_same_comparison_only():
     headline = [target(2, "met"), target(2, "inconclusive", label="flat"), target(2, "met", label="only here")]
     sweep = [target(2, "inconclusive"), target(2, "inconclusive", label="flat"), target(2, "met", label="only there"),
              target(2, "missed", model="cnn")]
-    assert [(c["label"], o["label"]) for c, o in findings.paired_checks(headline, sweep)] == [("ours", "ours"), ("flat", "flat")]
+    pairs = [(c["label"], o["label"]) for c, o in findings.paired_checks(headline, sweep)]
+    assert pairs == [("ours", "ours"), ("flat", "flat")]
     differ = findings.differing_verdicts(headline, sweep)
     assert [(c["verdict"], o["verdict"]) for c, o in differ] == [("met", "inconclusive")]
 
@@ -138,7 +140,8 @@ def test_a_series_text_follows_its_points_in_x_order_with_their_intervals():
     assert findings.series_text([(10_000, 1.37), (1_000, 1.39), (100_000, 3.28)]) == \
         "1.39 at 1,000, 1.37 at 10,000 and 3.28 at 100,000"
     assert findings.series_text([(2, 0.5)], "d", ".1f") == "0.5 at 2"
-    assert findings.series_text([(2, 1.8, 1.49, 3.3), (1, 1.0, 0.9, 1.1)], "d") == "1.00 [0.90, 1.10] at 1 and 1.80 [1.49, 3.30] at 2"
+    assert (findings.series_text([(2, 1.8, 1.49, 3.3), (1, 1.0, 0.9, 1.1)], "d")
+            == "1.00 [0.90, 1.10] at 1 and 1.80 [1.49, 3.30] at 2")
 
 
 def test_growth_is_from_one_world_size_to_another_of_one_label():
@@ -153,10 +156,10 @@ def allreduce_row(world, size, label, p50, choice=None, axis="algorithm"):
 
 
 def test_auto_choices_compare_autos_pick_with_the_fastest_algorithm_of_the_run():
-    rows = [allreduce_row(2, 4000, "torch", 0.1), allreduce_row(2, 4000, "ring", 3.0), allreduce_row(2, 4000, "tree", 0.6),
-            allreduce_row(2, 4000, "auto", 0.5, "tree"),
-            allreduce_row(2, 2**20, "torch", 0.1), allreduce_row(2, 2**20, "ring", 1.0), allreduce_row(2, 2**20, "tree", 2.0),
-            allreduce_row(2, 2**20, "auto", 0.05, "tree"),
+    rows = [allreduce_row(2, 4000, "torch", 0.1), allreduce_row(2, 4000, "ring", 3.0),
+            allreduce_row(2, 4000, "tree", 0.6), allreduce_row(2, 4000, "auto", 0.5, "tree"),
+            allreduce_row(2, 2**20, "torch", 0.1), allreduce_row(2, 2**20, "ring", 1.0),
+            allreduce_row(2, 2**20, "tree", 2.0), allreduce_row(2, 2**20, "auto", 0.05, "tree"),
             allreduce_row(2, 2**20, "p2p", 0.01, "ring", axis="transport"),  # another axis: not an algorithm
             allreduce_row(4, 4000, "ring", 0.1), allreduce_row(4, 4000, "auto", 0.2, "tree")]
     assert findings.auto_choices(rows, 2) == [
@@ -177,7 +180,8 @@ def test_syncbn_extra_is_the_median_time_ours_adds_to_the_reference_on_one_trans
                        syncbn_time("ours", "torch", 64, 6.0), syncbn_time(ref, "torch", 64, 3.0),
                        syncbn_time("ours", "torch", 128, 9.0),  # no reference at this size: left out
                        syncbn_time("ours", "shm", 32, 1.5), syncbn_time(ref, "shm", 32, 1.0),
-                       syncbn_time("ours", "shm", 64, 1.5, dtype="float16"), syncbn_time(ref, "shm", 64, 0.1, dtype="float16")]}
+                       syncbn_time("ours", "shm", 64, 1.5, dtype="float16"),
+                       syncbn_time(ref, "shm", 64, 0.1, dtype="float16")]}
     assert findings.syncbn_extra(doc, "torch") == {"extra_s": 2.0, "reference_s": 3.0, "sizes": 2}
     assert findings.syncbn_extra(doc, "shm") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}  # float32 only
     assert findings.syncbn_extra(doc, "nccl") is None
@@ -189,7 +193,8 @@ def test_compute_gap_sums_the_compute_phases_outside_the_collectives():
                 "phases_s": {"compute before": before, "forward all_reduce": wait, "compute between": between,
                              "backward all_reduce": wait, "compute after": after}}
 
-    doc = {"results": [phases("ours", "torch", 2.0, 3.0, 1.0, 9.0), phases(findings.SYNCBN_REFERENCE, "torch", 1.0, 1.0, 0.5, 1.0)]}
+    doc = {"results": [phases("ours", "torch", 2.0, 3.0, 1.0, 9.0),
+                       phases(findings.SYNCBN_REFERENCE, "torch", 1.0, 1.0, 0.5, 1.0)]}
     assert findings.compute_gap(doc, 32, 128, "torch") == pytest.approx(3.5)  # 6.0 - 2.5: the waits do not count
     assert findings.compute_gap(doc, 32, 128, "shm") is None
     assert findings.compute_gap(doc, 64, 128, "torch") is None

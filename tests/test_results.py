@@ -23,7 +23,8 @@ def test_results_round_trip_in_the_shared_layout(tmp_path):
     path = tmp_path / "r.json"
     results.write_results(str(path), "demo", env, {"iters": 3}, [{"size": 1, "time_s": 0.5}])
     doc = results.read_results(str(path))
-    assert doc["benchmark"] == "demo" and doc["config"] == {"iters": 3} and doc["results"] == [{"size": 1, "time_s": 0.5}]
+    assert doc["benchmark"] == "demo" and doc["config"] == {"iters": 3}
+    assert doc["results"] == [{"size": 1, "time_s": 0.5}]
     path.write_text('{"schema": "other"}')
     with pytest.raises(ValueError, match="not a results file"):
         results.read_results(str(path))
@@ -61,7 +62,8 @@ def test_a_file_of_an_older_layout_is_refused_naming_both_layouts(tmp_path):
 def test_durable_write_flushes_the_file_renames_then_flushes_the_directory(tmp_path, monkeypatch):
     calls = []
     fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd)))
+    monkeypatch.setattr(os, "fsync",
+                        lambda fd: (calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"))), fsync(fd)))
     monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("replace", str(b))), replace(a, b)))
     path = tmp_path / "out.bin"
     write_durably(str(path), lambda f: f.write(b"payload"))
@@ -80,8 +82,8 @@ def _read_only(file, mode="r", *args, **kwargs):
 
 @pytest.mark.parametrize("fault, cause", [("unpicklable", "Can't pickle"), ("disk full", "No space left on device"),
                                           ("read-only", "Permission denied")])
-def test_a_failed_durable_write_names_path_and_cause_leaves_no_temporary_file_and_keeps_the_old_file(tmp_path, monkeypatch,
-                                                                                                      fault, cause):
+def test_a_failed_durable_write_names_path_and_cause_leaves_no_temporary_file_and_keeps_the_old_file(
+        tmp_path, monkeypatch, fault, cause):
     path = tmp_path / "epoch-0001.pt"
     save_atomically({"epoch": 1}, str(path))
     obj = {"epoch": 2}
@@ -131,7 +133,8 @@ def test_the_executed_notebook_is_written_durably_and_a_failed_write_keeps_the_o
             self.notebook = notebook
 
         def execute(self):
-            self.notebook.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"}, execution_count=1)]
+            self.notebook.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "2"},
+                                                                     execution_count=1)]
 
     monkeypatch.setattr(run_experiments, "REPO", tmp_path)
     monkeypatch.setattr("nbclient.NotebookClient", NotebookClient)

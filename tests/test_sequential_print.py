@@ -34,7 +34,8 @@ CASES = [pytest.param(nproc, order, marks=() if (nproc, order) in DEFAULT else p
 def test_torchrun_output_is_exactly_the_specified_lines(nproc, order):
     result = run_torchrun("sequential_print.py", nproc, "--num-iter", "3", "--order", order)
     assert result.stdout.splitlines() == expected_output(nproc, order, num_iter=3)
-    assert transcript(nproc, num_iter=3, order=order) == expected_output(nproc, order, num_iter=3), "what --json records"
+    expected = expected_output(nproc, order, num_iter=3)
+    assert transcript(nproc, num_iter=3, order=order) == expected, "what --json records"
 
 
 def _print_and_count(ctx):

@@ -157,7 +157,8 @@ def assert_exact(got: torch.Tensor, inputs: list[torch.Tensor], op: str) -> None
     if got.numel() == 0:
         return
     worst = (error - bound).argmax()
-    assert torch.all(error <= bound), (f"element {worst.item()}: got {got[worst].item()!r}, exact {want[worst].item()!r}, "
+    assert torch.all(error <= bound), (f"element {worst.item()}: got {got[worst].item()!r}, exact "
+                                       f"{want[worst].item()!r}, "
                                       f"error {error[worst].item():.3e} > bound {bound[worst].item():.3e}")
 
 
@@ -231,7 +232,8 @@ def test_the_float16_mean_divides_before_it_adds_so_it_cannot_overflow(grids, n)
 def test_bad_input_is_refused_before_any_message(grids, n):
     expected = {"reduce_scatter numel": "ValueError: input has", "all_gather numel": "ValueError: output has",
                 "dtype": "TypeError: output (torch.float64", "int mean": "TypeError: op='mean' needs a floating dtype",
-                "unknown op": "ValueError: unknown op 'max'", "not a tensor": "TypeError: expected a torch.Tensor output",
+                "unknown op": "ValueError: unknown op 'max'",
+                "not a tensor": "TypeError: expected a torch.Tensor output",
                 "overlap": "ValueError: output and input overlap"}
     for ranks_out in grids[n]:
         assert_refused(ranks_out["refused"], expected)

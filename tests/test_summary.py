@@ -84,22 +84,27 @@ TIME, MEMORY = "p50 / faster pytorch p50, same transport", "peak memory / same p
 HIDDEN, THREAD = "exposed wait / naive's all-reduce time", "p50 / the same sums in the backward hook"
 CHECKS = [
     check("engine", TIME, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0, "missed"),
-    check("engine", MEMORY, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
+    check("engine", MEMORY, "bucketed 25M [torch]", "pytorch-best 25M [torch]",
+          ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
     check("engine", TIME, "bucketed 25M [shm]", "pytorch-best 25M [shm]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
-    check("engine", MEMORY, "bucketed 25M [shm]", "pytorch-best 25M [shm]", ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
+    check("engine", MEMORY, "bucketed 25M [shm]", "pytorch-best 25M [shm]",
+          ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
     check("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]",
           ratio(0.80, 0.75, 0.85), 0.95, "met"),
     check("overhead", "p50 / no DDP", "bucketed 25M [shm]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
     check("overlap", HIDDEN, "bucketed 25M [torch]", "naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
     check("overlap", HIDDEN, "bucketed 25M [shm-thread]", "naive [shm]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
     # information: a thread against the same sums inline, slower, faster, and an interval that holds 1 (its low end)
-    check("overlap", THREAD, "bucketed 25M [shm-thread]", "bucketed 25M [shm]", ratio(1.20, 1.10, 1.30), None, "information"),
+    check("overlap", THREAD, "bucketed 25M [shm-thread]", "bucketed 25M [shm]",
+          ratio(1.20, 1.10, 1.30), None, "information"),
     check("overlap", THREAD, "overlap [shm-thread]", "overlap [shm]", ratio(0.80, 0.70, 0.90), None, "information"),
-    check("overlap", THREAD, "bucketed 1M [shm-thread]", "bucketed 1M [shm]", ratio(1.05, 1.00, 1.10), None, "information"),
+    check("overlap", THREAD, "bucketed 1M [shm-thread]", "bucketed 1M [shm]",
+          ratio(1.05, 1.00, 1.10), None, "information"),
     # not the headline's setting: another model, and an oversubscribed run
-    check("engine", TIME, "bucketed 25M [cnn-only]", "pytorch 25M [torch]", ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
-    check("engine", TIME, "bucketed 25M [oversubscribed]", "pytorch 25M [torch]", ratio(0.5, 0.4, 0.6), 1.0, "met",
-          oversubscribed=True),
+    check("engine", TIME, "bucketed 25M [cnn-only]", "pytorch 25M [torch]",
+          ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
+    check("engine", TIME, "bucketed 25M [oversubscribed]", "pytorch 25M [torch]",
+          ratio(0.5, 0.4, 0.6), 1.0, "met", oversubscribed=True),
 ]
 
 
@@ -128,9 +133,10 @@ def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_ro
     # our DDP's buckets are the transport's (zero copy), PyTorch's DDP is copied in through the hook (staged):
     # a comparison of the two paths, on the transport axis, its memory ratio holding the staging block
     assert lines_of(lines, "  - transport and engine (zero copy / staged): ") == [
-        "  - transport and engine (zero copy / staged): bucketed 25M [shm, zero copy] / pytorch-best 25M [shm, staged]: "
-        "0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; peak memory 1.2000x (one measurement) "
-        "(target <= 1.00x: **missed**), the reference's peak holding the staged path's copy (1,000 B: the whole difference)"]
+        "  - transport and engine (zero copy / staged): bucketed 25M [shm, zero copy] / "
+        "pytorch-best 25M [shm, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
+        "peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**), the reference's peak holding "
+        "the staged path's copy (1,000 B: the whole difference)"]
     assert lines_of(lines, "  - transport, one engine: ") == [
         "  - transport, one engine: pytorch-best 25M [shm, staged] / pytorch-best 25M [torch]: 0.80x [0.75, 0.85] "
         "(target <= 0.95x): **met**"]
@@ -153,11 +159,11 @@ def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says
     slower, faster, neither = lines
     assert slower.startswith("  - overlap: bucketed 25M [shm-thread, zero copy] / bucketed 25M [shm, zero copy]: "
                              "1.20x [1.10, 1.30], slower:")
-    assert faster.startswith("  - overlap: overlap [shm-thread, zero copy] / overlap [shm, zero copy]: 0.80x [0.70, 0.90], "
-                             "faster:")
+    assert faster.startswith("  - overlap: overlap [shm-thread, zero copy] / overlap [shm, zero copy]: "
+                             "0.80x [0.70, 0.90], faster:")
     # [1.00, 1.10] holds 1: neither, however the median leans
-    assert neither.startswith("  - overlap: bucketed 1M [shm-thread, zero copy] / bucketed 1M [shm, zero copy]: 1.05x [1.00, 1.10], "
-                              "neither faster nor slower")
+    assert neither.startswith("  - overlap: bucketed 1M [shm-thread, zero copy] / bucketed 1M [shm, zero copy]: "
+                              "1.05x [1.00, 1.10], neither faster nor slower")
     # the same checks, the data reversed: the sentences follow
     flipped = [{**c, "ratio": ratio(1 / c["ratio"]["median"], 1 / c["ratio"]["ci_high"], 1 / c["ratio"]["ci_low"])}
                if c["limit"] is None and c["axis"] == "overlap" else c for c in CHECKS]
@@ -167,7 +173,8 @@ def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says
 
 def test_ddp_lines_without_stored_checks_name_the_command():
     for doc in ({**headline_doc(), "targets": []}, {k: v for k, v in headline_doc().items() if k != "targets"}):
-        with pytest.raises(summary.MissingResults, match="run_experiments.py --quick --only ddp_benchmark ddp_headline"):
+        with pytest.raises(summary.MissingResults,
+                           match="run_experiments.py --quick --only ddp_benchmark ddp_headline"):
             summary.ddp_lines(doc, {})
 
 
@@ -183,7 +190,8 @@ def training_doc(transport, val_acc, step_s):
 
 
 def test_training_line_says_whether_both_runs_used_the_same_transport():
-    same = summary.training_lines(training_doc("shared_memory", 0.253, 0.30), training_doc("shared_memory", 0.251, 0.25))
+    same = summary.training_lines(training_doc("shared_memory", 0.253, 0.30),
+                                  training_doc("shared_memory", 0.251, 0.25))
     assert len(same) == 1
     assert "both on shared memory, ours zero copy" in same[0] and "PyTorch's DDP staged" in same[0]
     assert "compare engine and path together" in same[0] and "different" not in same[0]
@@ -217,15 +225,15 @@ def test_collectives_lines_state_each_stored_check_by_collective_and_axis_and_le
     scatter = {"targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]}
     gather = {"targets": [collective_check("all_gather", "transport", "p2p", 2, "inconclusive")]}
     lines = summary.collectives_lines(allreduce, scatter, gather)
-    algorithms = lines.index(next(l for l in lines if l.startswith("- **All-reduce, algorithms")))
+    algorithms = lines.index(next(line for line in lines if line.startswith("- **All-reduce, algorithms")))
     assert "2 processes; 1 met, 1 missed" in lines[algorithms]
     assert lines[algorithms + 1:algorithms + 3] == [
         "  - ring <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] met",
         "  - auto <= 1.10x torch, 2 processes, 10MiB: 0.90x [0.80, 1.00] missed"]
-    assert not any("4 processes" in l for l in lines), "an oversubscribed run carries no headline"
-    assert any(l.startswith("- **All-reduce, transports") and "1 met" in l for l in lines)
-    assert any(l.startswith("- **Reduce-scatter, transports") and "1 met" in l for l in lines)
-    assert any(l.startswith("- **All-gather, transports") and "1 inconclusive" in l for l in lines)
+    assert not any("4 processes" in line for line in lines), "an oversubscribed run carries no headline"
+    assert any(line.startswith("- **All-reduce, transports") and "1 met" in line for line in lines)
+    assert any(line.startswith("- **Reduce-scatter, transports") and "1 met" in line for line in lines)
+    assert any(line.startswith("- **All-gather, transports") and "1 inconclusive" in line for line in lines)
 
 
 def test_collectives_results_without_stored_checks_name_the_command():
@@ -239,7 +247,8 @@ def test_collectives_results_without_stored_checks_name_the_command():
 
 def syncbn_ratio(dtype, peak, saved, target, batch=32, hidden=128):
     return {"kind": "ratio", "impl": "ours", "versus": "BatchNorm1d (local)", "setting": "workers", "transport": "shm",
-            "dtype": dtype, "batch": batch, "hidden": hidden, "peak_ratio": peak, "saved_ratio": saved, "target": target}
+            "dtype": dtype, "batch": batch, "hidden": hidden, "peak_ratio": peak, "saved_ratio": saved,
+            "target": target}
 
 
 def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_without_a_target():
@@ -253,9 +262,10 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
     header, target, memory = summary.syncbn_lines(doc)
     assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32; "
                            "[shm, staged]: this host's shared memory, each sum's small tensor copied in and out):")
-    assert target == "  - workers [shm, staged]: peak_bytes of ours <= BatchNorm1d's at every size: 2 of 2 sizes met, **met**"
-    assert memory == ("  - workers [shm, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to 2.10x, "
-                      "saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
+    assert target == ("  - workers [shm, staged]: peak_bytes of ours <= BatchNorm1d's at every size: "
+                      "2 of 2 sizes met, **met**")
+    assert memory == ("  - workers [shm, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to "
+                      "2.10x, saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
 
 
 def test_the_overlap_line_states_what_was_measured_not_a_cause():
@@ -267,10 +277,13 @@ def test_the_overlap_line_states_what_was_measured_not_a_cause():
 def test_a_check_of_more_processes_than_cores_is_left_out_whatever_its_flag_says():
     env = {"cpus": 2, "device": "cpu"}
     stale = collective_check("allreduce", "algorithm", "ring", 4, "met")  # flag False, 4 processes on 2 cores
-    lines = summary.collectives_lines({"env": env, "targets": [collective_check("allreduce", "algorithm", "ring", 2, "met"),
+    lines = summary.collectives_lines({"env": env,
+                                       "targets": [collective_check("allreduce", "algorithm", "ring", 2, "met"),
                                                                stale]},
-                                      {"env": env, "targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]},
-                                      {"env": env, "targets": [collective_check("all_gather", "transport", "p2p", 2, "met")]})
+                                      {"env": env,
+                                       "targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]},
+                                      {"env": env,
+                                       "targets": [collective_check("all_gather", "transport", "p2p", 2, "met")]})
     assert not any("4 processes" in line for line in lines)
     docs = [{"env": env, "results": [{"world_size": 2}, {"world_size": 8, "oversubscribed": False}],
              "targets": [{"world_size": 4}]}]
@@ -282,15 +295,19 @@ def test_a_check_of_more_processes_than_cores_is_left_out_whatever_its_flag_says
 
 def test_the_footer_calls_the_brackets_a_range_when_a_file_has_fewer_than_five_rounds(tmp_path):
     many = {"config": {"rounds": 12}, "targets": [{"ratio": {"rounds": 40}}]}
-    assert summary.interval_note({"syncbn": many}) == "median over rounds [95 % bootstrap interval] (at least 12 rounds)"
-    note = summary.interval_note({"syncbn": many, "sharding": {"config": {"rounds": 2}}, "ddp_sweep": {"config": {"rounds": 1}}})
-    assert note.startswith("median over rounds [95 % bootstrap interval] (at least 2 rounds)")  # ddp_sweep states no ratio
+    assert (summary.interval_note({"syncbn": many})
+            == "median over rounds [95 % bootstrap interval] (at least 12 rounds)")
+    note = summary.interval_note({"syncbn": many, "sharding": {"config": {"rounds": 2}},
+                                  "ddp_sweep": {"config": {"rounds": 1}}})
+    # ddp_sweep states no ratio
+    assert note.startswith("median over rounds [95 % bootstrap interval] (at least 2 rounds)")
     assert note.endswith("with fewer than 5 rounds the brackets are the range of the rounds")
     manifest = {"results": [{"experiment": "syncbn"}]}
     for name in ("syncbn", "manifest", "syncbn_large"):
         (tmp_path / f"{name}.json").write_text("{}")
-    assert summary.report_scope(tmp_path, manifest) == ("report.ipynb shows every experiment of `results/manifest.json` "
-                                                        "(not `syncbn_large.json`, which no experiment of it writes).")
+    assert summary.report_scope(tmp_path, manifest) == (
+        "report.ipynb shows every experiment of `results/manifest.json` "
+        "(not `syncbn_large.json`, which no experiment of it writes).")
     (tmp_path / "syncbn_large.json").unlink()
     assert summary.report_scope(tmp_path, manifest).endswith("`results/manifest.json`.")
 
@@ -299,7 +316,8 @@ def test_the_run_time_says_the_notebook_is_not_counted():
     manifest = {"config": {"quick": True}, "env": {"device_model": "cpu", "cpus": 2},
                 "results": [{"seconds": 600.0}, {"seconds": 600.0}]}
     line, = summary.run_time_lines(manifest)
-    assert line.startswith("`python run_experiments.py --quick` took 20 min for these results on cpu (2 cores), 2 experiments")
+    assert line.startswith("`python run_experiments.py --quick` took 20 min for these results on cpu (2 cores), 2 "
+                           "experiments")
     assert "executing report.ipynb is not counted" in line
 
 
@@ -322,6 +340,7 @@ def test_the_block_refuses_results_measured_on_different_device_types():
 def test_the_machine_is_named_from_each_files_environment_and_two_cpus_are_not_named_as_one():
     epyc = {"device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
     xeon = {**epyc, "device_model": "Intel Xeon"}
-    assert summary.machines({"a": {"env": epyc}, "b": {"env": epyc}, "manifest": {}}) == "AMD EPYC (2 cores, no GPU), gloo"
+    docs = {"a": {"env": epyc}, "b": {"env": epyc}, "manifest": {}}
+    assert summary.machines(docs) == "AMD EPYC (2 cores, no GPU), gloo"
     assert summary.machines({"a": {"env": epyc}, "b": {"env": xeon}}) == \
         "AMD EPYC (2 cores, no GPU), gloo (`a.json`); Intel Xeon (2 cores, no GPU), gloo (`b.json`)"

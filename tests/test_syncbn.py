@@ -654,7 +654,8 @@ def test_eval_mode_uses_the_running_statistics_and_communicates_nothing(results,
         _close(got["eval"]["y"], expected["eval"]["y"][start:stop], what=f"rank {rank}, eval output")
         _close(got["eval"]["grad_x"], expected["eval"]["grad_x"][start:stop], what=f"rank {rank}, eval input gradient")
         assert got["eval"]["forward_calls"] == got["eval"]["backward_calls"] == {}
-        assert all(torch.equal(got["after_eval"][b], got["trained"][b]) for b in got["trained"]), "eval changed a buffer"
+        assert all(torch.equal(got["after_eval"][b], got["trained"][b])
+                   for b in got["trained"]), "eval changed a buffer"
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -707,7 +708,8 @@ def test_exactly_one_collective_per_forward_and_per_backward(results, world):
     and dtype ``expected_sums`` gives; on every rank, including empty ones and ranks whose upstream gradient is
     zero. What carries them: shared memory, with no message (where stores stay in order), one torch
     all_reduce, or point-to-point messages; the first forward also resolves the transport."""
-    names = [n for n in STEP_CASES if not CASES[world][n].eval and n not in ("input without gradient", "empty global batch")]
+    names = [n for n in STEP_CASES
+             if not CASES[world][n].eval and n not in ("input without gradient", "empty global batch")]
     assert len(names) == len(GRID) + 13 + 3 * len(BY_NAME)
     for name in names:
         case = CASES[world][name]
@@ -993,7 +995,8 @@ def test_bytes_saved_for_backward_are_no_more_than_batchnorm():
         for affine in (True, False):
             x = torch.randn(*shape, requires_grad=True)
             weight, bias = (torch.ones(shape[1], requires_grad=True) if affine else None for _ in range(2))
-            ours = saved_tensor_bytes(lambda: _function(x, weight, bias, torch.zeros(shape[1]), torch.ones(shape[1]), 0.1))
+            mean, var = torch.zeros(shape[1]), torch.ones(shape[1])
+            ours = saved_tensor_bytes(lambda: _function(x, weight, bias, mean, var, 0.1))
             theirs = saved_tensor_bytes(lambda: cls(shape[1], affine=affine)(x))
             assert x.numel() * 4 <= ours <= theirs, (shape, affine, ours, theirs)
 

@@ -212,12 +212,14 @@ def test_a_missed_engine_target_says_per_size_what_is_left_and_why():
     assert "compute_excess_s" not in engine[256]  # no phases at that size
     assert "why" not in engine[512]
     why = engine[128]["why"]
-    assert why.startswith("32x128 [shm]: ours 1.50x [1.50, 1.50] the reference, missed; it must lose 20 us of its 50 us")
+    assert why.startswith("32x128 [shm]: ours 1.50x [1.50, 1.50] the reference, missed; "
+                          "it must lose 20 us of its 50 us")
     assert "+40 us (80 %) is that frame" in why and "+10 us (20 %) ours beyond the floor" in why
     assert "The floor alone is above 1.3x" in why and engine[128]["floor_verdict"] == "missed"
     # a floor whose median is above the target but whose rounds go from 1.2x to 1.5x is not called above it
     noisy = _engine(128, load, SHM, 100 * us, 150 * us)
-    noisy.append(_row(FLOOR, WORKERS, 128, [f * 100 * us * x for f, x in zip([1.2, 1.4, 1.5] * 3, load)], transport=SHM))
+    noisy.append(_row(FLOOR, WORKERS, 128, [f * 100 * us * x for f, x in zip([1.2, 1.4, 1.5] * 3, load)],
+                      transport=SHM))
     straddling = next(r for r in ratios(noisy) if r["versus"] == REFERENCE and r["impl"] == OURS)
     assert straddling["floor_ratio"] > 1.3 and straddling["floor_verdict"] == "inconclusive"
     assert "The floor alone is above" not in straddling["why"]
@@ -298,7 +300,8 @@ def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_l
         y.backward(dy)
         outputs.append(y.detach())
         grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
-    assert [c[:4] for c in recording.calls] == [((9,), torch.float64, "sum", False), ((8,), torch.float64, "sum", False)]
+    assert [c[:4] for c in recording.calls] == [((9,), torch.float64, "sum", False),
+                                                ((8,), torch.float64, "sum", False)]
     torch.testing.assert_close(outputs[0], outputs[1])
     for mine, theirs in zip(*grads):
         torch.testing.assert_close(mine, theirs)
@@ -409,9 +412,11 @@ def test_one_process_alone_is_measured_here_then_completed_printed_and_written_a
     measured = kinds.index("ratio")
     assert set(kinds[:measured]) == {"time", "breakdown"} and set(kinds[measured:]) == {"ratio", "target"}
     assert {r["setting"] for r in rows if r["kind"] == "time"} == {SINGLE, COLD}
-    assert f"{SINGLE}: every size, ours / ({LOCAL}) <= {TARGET_SINGLE}" in {r["name"] for r in rows if r["kind"] == "target"}
+    names = {r["name"] for r in rows if r["kind"] == "target"}
+    assert f"{SINGLE}: every size, ours / ({LOCAL}) <= {TARGET_SINGLE}" in names
     doc = read_results(path)
-    assert doc["benchmark"] == "syncbn_benchmark" and [r["kind"] for r in doc["results"]] == kinds and doc["targets"] == []
+    assert doc["benchmark"] == "syncbn_benchmark" and doc["targets"] == []
+    assert [r["kind"] for r in doc["results"]] == kinds
     assert doc["config"] == vars(args) and "procs" not in doc["env"] and doc["env"]["threads"] == 1
     out = capsys.readouterr().out
     assert out.startswith(format_environment(doc["env"]) + "\n* 2 iterations per implementation and size")

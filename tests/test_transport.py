@@ -1186,8 +1186,9 @@ def launch_to_the_end(fn, world_size: int, *args, pg_timeout_s: float, timeout_s
     (None without one), and the workers' pids."""
     spawn = multiprocessing.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="dpkit-transport-")
-    processes = [spawn.Process(target=process_groups.worker_main, args=(fn, rank, world_size, os.path.join(tmp, "store"),
-                                                                     "gloo", pg_timeout_s, 1, args, tmp))
+    store = os.path.join(tmp, "store")
+    processes = [spawn.Process(target=process_groups.worker_main,
+                               args=(fn, rank, world_size, store, "gloo", pg_timeout_s, 1, args, tmp))
                  for rank in range(world_size)]
     try:
         for p in processes:

@@ -111,7 +111,8 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
-                     device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
+                     device: torch.device | str = "cpu", group=None,
+                     setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
     """``time_iterations`` for several functions, their iterations split into ``rounds`` interleaved rounds.
 
     Round r times each function in turn (the order rotated every round), so a change in the

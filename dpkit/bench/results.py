@@ -5,8 +5,9 @@ Every script prints ``format_environment(environment(...))`` before it measures,
 ``write_results`` (times in seconds, memory in bytes, rows flat; ``targets`` holds the verdicts
 the benchmark computed where it measured, which the README and the report read as they are;
 ``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
-``read_results`` refuses any other layout, naming the schema it expected. ``write_durably`` is how every file we produce is written (results,
-checkpoints, the executed notebook): whole or not at all, flushed to the disk.
+``read_results`` refuses any other layout, naming the schema it expected. ``write_durably`` is how every
+file we produce is written (results, checkpoints, the executed notebook): whole or not at all, flushed to
+the disk.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ def write_durably(path: str, write) -> None:
         if not isinstance(error, Exception):  # Ctrl-C, a stop signal: no temporary file left, the stop goes on
             raise
         raise OSError(f"could not write {path} ({type(error).__name__}: {error}); it is unchanged and no temporary "
-                      f"file is left. Check the free space and the permissions of {directory}, or write elsewhere.") from error
+                      f"file is left. Check the free space and the permissions of {directory}, or write "
+                      "elsewhere.") from error
 
 
 def _jsonable(value):
@@ -156,8 +158,9 @@ def read_results(path: str) -> dict:
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
-        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} (it says schema={doc.get('schema')!r}): "
-                         "re-run the command that wrote it (results/manifest.json lists each file's command)")
+        raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} "
+                         f"(it says schema={doc.get('schema')!r}): re-run the command that wrote it "
+                         "(results/manifest.json lists each file's command)")
     doc.setdefault("complete", True)
     return doc
 

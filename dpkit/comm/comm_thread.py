@@ -40,7 +40,8 @@ def group_timeout(process_group, device: torch.device) -> float | None:
 
 
 class CommThread:
-    """One background thread and a process group of its own over ``process_group``'s ranks (see the module docstring)."""
+    """One background thread and a process group of its own over ``process_group``'s ranks (see the module
+    docstring)."""
 
     def __init__(self, process_group, device: torch.device, *, enabled: bool = True, name: str = "comm"):
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)

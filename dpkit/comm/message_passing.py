@@ -73,8 +73,8 @@ def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., No
     return tensor
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
-           torch.int64)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64)
 
 
 def staged(tensor: torch.Tensor, group=None) -> bool:
@@ -189,7 +189,8 @@ class _Exchange:
                 next_receive += 1
             while next_send < len(ticks) and ticks[next_send].needs < index:  # ticks before ``index`` are finished
                 if ticks[next_send].send is not None:
-                    sends.append(dist.isend(ticks[next_send].send, group=self.group, group_dst=ticks[next_send].send_peer))
+                    sends.append(dist.isend(ticks[next_send].send, group=self.group,
+                                            group_dst=ticks[next_send].send_peer))
                 next_send += 1
             target, work = receives.pop(index)
             if work is not None:
@@ -518,8 +519,8 @@ def _tree(flat: torch.Tensor, rank: int, n: int, group, segment_bytes: int = TRE
 
     def post_receives(k):
         rows = range((k % depth) * len(children), (k % depth + 1) * len(children))
-        return [(slots[row, :segments[k].numel()], dist.irecv(slots[row, :segments[k].numel()], group=group, group_src=child))
-                for row, child in zip(rows, children)]
+        slices = [slots[row, :segments[k].numel()] for row in rows]
+        return [(slot, dist.irecv(slot, group=group, group_src=child)) for slot, child in zip(slices, children)]
 
     sends, pending = [], deque(post_receives(k) for k in range(depth)) if children else deque()
     for k, segment in enumerate(segments):
@@ -531,7 +532,7 @@ def _tree(flat: torch.Tensor, rank: int, n: int, group, segment_bytes: int = TRE
                 pending.append(post_receives(k + depth))  # into the rows segment k has just freed
         if parent is not None:
             sends.append(dist.isend(segment, group=group, group_dst=parent))
-    receives = [dist.irecv(segment, group=group, group_src=parent) for segment in segments] if parent is not None else []
+    receives = [] if parent is None else [dist.irecv(segment, group=group, group_src=parent) for segment in segments]
     for k, segment in enumerate(segments):
         if receives:
             receives[k].wait()
@@ -592,7 +593,8 @@ def load_crossover(path: str = CROSSOVER_FILE, device: str = "cpu") -> dict[int,
         unknown = sorted({name for _, name in entries} - set(SUMS))
         if unknown or entries[-1][0] is not None:
             raise ValueError(f"{path}: the row of {n} processes " + (f"names unknown algorithms {unknown}" if unknown
-                             else "has no open-ended last entry") + ": run `python collectives_benchmark.py --tune` again")
+                             else "has no open-ended last entry") + ": run `python collectives_benchmark.py --tune` "
+                                                                    "again")
         table[n] = entries
     return table
 
@@ -615,7 +617,8 @@ def _nearest_world_size(world_size: int, table: dict, warn: bool = True) -> int:
     if warn and (world_size, nearest) not in _WARNED:
         _WARNED.add((world_size, nearest))
         warnings.warn(f"allreduce(algorithm='auto'): no crossover measured for {world_size} processes; using the "
-                      f"table of {nearest} (re-derive it with: python collectives_benchmark.py --tune --procs {world_size})",
+                      f"table of {nearest} (re-derive it with: python collectives_benchmark.py --tune --procs "
+                      f"{world_size})",
                       stacklevel=3)
     return nearest
 
@@ -844,7 +847,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
         per_chunk = min(flat.numel(), _segment_count(flat.numel(), out.element_size(), segment_bytes))
         ticks = []
         for s in range(n - 1):
-            sends, recvs = _segments(chunks[(rank - s) % n], per_chunk), _segments(chunks[(rank - s - 1) % n], per_chunk)
+            sends = _segments(chunks[(rank - s) % n], per_chunk)
+            recvs = _segments(chunks[(rank - s - 1) % n], per_chunk)
             for send, recv in zip(sends, recvs):
                 ticks.append(_Tick(send, (rank + 1) % n, recv, (rank - 1) % n, reduce=False,
                                    needs=len(ticks) - per_chunk))

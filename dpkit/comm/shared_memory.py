@@ -444,7 +444,8 @@ class SharedMemory(Transport):
         with _profiled("reduce_scatter"):
             status, offset = self._post(flat)
             table = self._meet_descriptors("reduce_scatter", flat.dtype, nbytes, op, status, offset)
-            if self._fall_back_for_call(table, lambda: torch_transport.reduce_scatter(out, flat, op, self._collective_group())):
+            fallback = lambda: torch_transport.reduce_scatter(out, flat, op, self._collective_group())
+            if self._fall_back_for_call(table, fallback):
                 return
             lo, hi = self.rank * m, (self.rank + 1) * m
             mine = [self._peer(r, int(table[r, _OFFSET]), nbytes, flat.dtype)[lo:hi] for r in range(n)]

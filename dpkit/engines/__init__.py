@@ -1,3 +1,3 @@
-"""Layer 2, the data-parallel engines, each taking its communication as a ``transport``: ``ddp`` (gradients
-averaged in buckets during backward), ``zero`` (ZeRO stage 1: sharded optimizer state), ``fsdp`` (parameters,
-gradients and optimizer state sharded)."""
+"""Layer 2, the data-parallel engines, each taking its communication as a transport (``dpkit.comm``): ``ddp``
+(gradients averaged in buckets during backward), ``zero`` (ZeRO stages 1 and 2: sharded optimizer state, and in
+stage 2 gradients too), ``fsdp`` (parameters, gradients and optimizer state sharded)."""

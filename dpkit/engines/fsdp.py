@@ -651,7 +651,8 @@ class FSDP(nn.Module):
         """Load a plain module's ``state_dict`` (e.g. ``full_state_dict()``'s) on every rank: each takes its shards."""
         missing, unexpected = set(self._state_keys) - state.keys(), state.keys() - set(self._state_keys)
         if missing or unexpected:
-            raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}")
+            raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, "
+                           f"unexpected keys {sorted(unexpected)}")
         self._release_all()
         replicated = dict(self.module.named_parameters())
         for key in self._state_keys:

@@ -597,7 +597,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mine = [(index[piece.param], piece.start, piece.end, local[i])
                 for i, piece in enumerate(self._mine()) if i in local]
         shares: list = [None] * self.world_size
-        dist.all_gather_object(shares, mine, group=self.process_group)  # a checkpoint, not the hot path: pickled is fine
+        # a checkpoint, not the hot path: pickled is fine
+        dist.all_gather_object(shares, mine, group=self.process_group)
         by_param: dict[int, list] = {}
         for i, start, end, state in sorted((entry for share in shares for entry in share), key=lambda e: e[:2]):
             by_param.setdefault(i, []).append((start, end, state))

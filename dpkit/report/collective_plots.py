@@ -36,7 +36,8 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
             ax.plot(xs, ys, "kx", markersize=9, label="auto (measured)")
             continue
         spans = [plots.interval(r, key) for r in points]  # None where the row has no per-round values
-        errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y) for y, span in zip(ys, spans)]
+        errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y)
+                  for y, span in zip(ys, spans)]
         ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(label),
                     label=label.replace("_", " "))
     chosen = [(a["bytes"], r[key] * scale) for a in mine if a["label"] == "auto" and a.get("choice")

@@ -75,7 +75,8 @@ def _describe(key: tuple) -> str:
 def _header_lines(base: dict, test: dict) -> list[str]:
     """Seed 004's header: chosen env and config values side by side, plus any other config key that differs."""
     pairs = [(k, base["env"].get(k, "-"), test["env"].get(k, "-")) for k in DIFF_ENV_KEYS]
-    keys = list(DIFF_CONFIG_KEYS) + sorted((set(base["config"]) | set(test["config"])) - set(DIFF_CONFIG_KEYS) - DIFF_IGNORED)
+    others = (set(base["config"]) | set(test["config"])) - set(DIFF_CONFIG_KEYS) - DIFF_IGNORED
+    keys = list(DIFF_CONFIG_KEYS) + sorted(others)
     for k in keys:
         vb, vt = base["config"].get(k, "-"), test["config"].get(k, "-")
         if k in DIFF_CONFIG_KEYS or vb != vt:
@@ -88,7 +89,9 @@ def _header_lines(base: dict, test: dict) -> list[str]:
 
 
 def _text(value) -> str:
-    return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(value, list) else str(value)
+    if not isinstance(value, list):
+        return str(value)
+    return " ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
 
 
 def format_diff(base: dict, test: dict) -> str:

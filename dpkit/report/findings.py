@@ -110,8 +110,9 @@ def counted(checks: Iterable[dict], env: dict | None) -> list[dict]:
 
 def tally(sources: Iterable[tuple[dict, Iterable[dict]]]) -> list[dict]:
     """Verdict counts per (axis, kind) over ``(doc, checks)`` pairs, counting only ``counted`` checks, each on
-    ``paths.axis`` (a zero-copy row against a staged one is on the transport axis; bookkeeping on "ideal"): rows of {"axis", "kind",
-    "met", "missed", "inconclusive", "total", "single"} ("single": how many rest on one measurement)."""
+    ``paths.axis`` (a zero-copy row against a staged one is on the transport axis; bookkeeping on "ideal"): rows
+    of {"axis", "kind", "met", "missed", "inconclusive", "total", "single"} ("single": how many rest on one
+    measurement)."""
     out: dict[tuple[str, str], dict] = {}
     for doc, checks in sources:
         for c in counted(checks, doc.get("env")):
@@ -138,7 +139,8 @@ def repeated_allreduce(collectives: dict, allreduce: dict) -> list[tuple[dict, d
     size = ITEM_BYTES.get((allreduce.get("config") or {}).get("dtype", "float32"), 4)
     theirs = {(c["world_size"], c["numel"] * size, c["limit"]): c for c in allreduce.get("targets") or []
               if c.get("target") == "auto / torch"}
-    pairs = [(c, theirs.get((c.get("world_size"), c.get("bytes"), c.get("limit")))) for c in collectives.get("targets") or []
+    pairs = [(c, theirs.get((c.get("world_size"), c.get("bytes"), c.get("limit"))))
+             for c in collectives.get("targets") or []
              if c.get("label") == "auto" and c.get("axis") == "algorithm"]
     return [(c, o) for c, o in pairs if o is not None]
 
@@ -171,7 +173,8 @@ def trend(points: Iterable[tuple[float, float, float]]) -> str:
     """Which way ``(x, low, high)`` intervals go along x, from pairs whose intervals do not overlap: "rises" when
     some later point lies wholly above an earlier one and none wholly below, and the last above the first;
     "falls" the mirror; "varies" when both happen; "unresolved" otherwise (no two intervals apart, the ends'
-    intervals overlapping, or fewer than two points). A series whose intervals overlap is not called flat: overlap shows no difference, not none."""
+    intervals overlapping, or fewer than two points). A series whose intervals overlap is not called flat:
+    overlap shows no difference, not none."""
     spans = [(low, high) for _, low, high in sorted(points)]
     up = any(spans[j][0] > spans[i][1] for i in range(len(spans)) for j in range(i + 1, len(spans)))
     down = any(spans[j][1] < spans[i][0] for i in range(len(spans)) for j in range(i + 1, len(spans)))

@@ -32,7 +32,8 @@ def _engine_path(words: list[str]) -> str:
     """The path the code fixes for a label's words: PyTorch's DDP ("pytorch", "pytorch-best 25M", "ddp pytorch")
     and our naive DDP (each gradient as it is) are staged; every other engine allocates through the transport."""
     for i in range(len(words) - 1, max(-1, len(words) - 3), -1):
-        if words[i] == "naive" or (words[i].startswith("pytorch") and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
+        if words[i] == "naive" or (words[i].startswith("pytorch")
+                                   and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
             return STAGED
     return ZERO_COPY
 

@@ -67,11 +67,13 @@ def is_pytorch_best(row: dict) -> bool:
 
 
 def kind(row_or_name) -> str:
-    """The implementation a row or name belongs to: 'bucketed 25M' -> 'bucketed', a best-settings PyTorch row -> 'pytorch-best'."""
+    """The implementation a row or name belongs to: 'bucketed 25M' -> 'bucketed', a best-settings PyTorch row ->
+    'pytorch-best'."""
     if isinstance(row_or_name, dict):
         if is_pytorch_best(row_or_name):
             return "pytorch-best"
-        name = row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl") or row_or_name.get("label", "")
+        name = (row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl")
+                or row_or_name.get("label", ""))
     else:
         name = row_or_name
     name = str(name)
@@ -117,7 +119,8 @@ def _log_y(ax, values=None, formatter=None):
 
 
 def _figure(nrows: int = 1, ncols: int = 1, width: float = 11.0, height: float = 3.6, **kw):
-    figure, axes = plt.subplots(nrows, ncols, figsize=(width, height * nrows), squeeze=False, layout="constrained", **kw)
+    figure, axes = plt.subplots(nrows, ncols, figsize=(width, height * nrows), squeeze=False, layout="constrained",
+                                **kw)
     for ax in axes.flat:
         ax.grid(True, which="major", alpha=0.3)
     return figure, axes
@@ -211,7 +214,8 @@ def training_curves(runs: dict[str, dict]) -> Figure:
             time_ax.plot(x, [r["epoch_time_s"] / n for r, n in zip(epochs, steps)], dash, color=c, marker=marker)
         final = next((r for r in doc["results"] if r.get("kind") == "final"), {})
         if final.get("step_time_median_s") is not None:
-            time_ax.axhline(final["step_time_median_s"], color=c, linestyle=":", label=f"{name}: median step of the run")
+            time_ax.axhline(final["step_time_median_s"], color=c, linestyle=":",
+                            label=f"{name}: median step of the run")
     loss_ax.set(xlabel="epoch", ylabel="cross-entropy loss (nats)", title="loss: train (dark), validation (light)")
     acc_ax.set(xlabel="epoch", ylabel="validation accuracy (%)", title="validation accuracy")
     time_ax.set(xlabel="epoch", ylabel="time per optimizer step (s)", title="time per step (epoch mean)")
@@ -239,7 +243,8 @@ def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "our
     """Per (batch, hidden): ``impl`` / ``reference`` time on one transport (rows of ``transport``; None: rows
     without one, as files written before transports were a column) with its interval. By default the file's
     only transport for these two; ValueError when it has several (a ratio never mixes two transports)."""
-    # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of the workers.
+    # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of
+    # the workers.
     times = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
              and r.get("dtype", "float32") == "float32"]
     if transport is _ONLY:
@@ -272,7 +277,8 @@ def _ratio_bars(ax, points: list[dict], offset: float, width: float, color: str,
     has_ci = [p["ci_low"] is not None for p in points]
     ax.bar(x, [p["median"] for p in points], color=color, width=width, label=label)
     if any(has_ci):
-        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None) for p, ok in zip(points, has_ci)])
+        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None)
+                         for p, ok in zip(points, has_ci)])
         ax.errorbar(x, [p["median"] for p in points], yerr=yerr[:, :, 0].T, fmt="none", ecolor="black", capsize=4,
                     label=interval_label)
     return any(has_ci)
@@ -335,9 +341,11 @@ def allreduce_table(doc: dict) -> Figure:
         time_ax, error_ax = axes[0][column], axes[1][column]
         for algorithm in algorithms:
             style = dict(color=colour(algorithm), linestyle="--" if algorithm in transports else "-")
-            label = f"transport: {algorithm.replace('_', ' ')}" if algorithm in transports else algorithm.replace("_", "-")
+            name = algorithm.replace("_", " ") if algorithm in transports else algorithm.replace("_", "-")
+            label = f"transport: {name}" if algorithm in transports else name
             points = sorted((r["world_size"], r) for r in rows if r["numel"] == numel and r["algorithm"] == algorithm)
-            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", label=label, **style)
+            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", label=label,
+                         **style)
             errors = [(w, r["max_abs_error"]) for w, r in points if w > 1 and r.get("max_abs_error") is not None]
             error_ax.plot([w for w, _ in errors], [e for _, e in errors], marker="o", **style)
         over = [w for w in worlds if oversubscribed({"world_size": w}, env)]
@@ -352,7 +360,8 @@ def allreduce_table(doc: dict) -> Figure:
     axes[0][0].set_ylabel("time (ms, median of slowest rank)")
     axes[1][0].set_ylabel("max |result - exact mean|")
     wire = env.get("backend") or "one backend"
-    figure.suptitle(f"all-reduce algorithms, all over {wire}" + ("; dashed: a transport, not an algorithm" if transports else ""))
+    dashed = "; dashed: a transport, not an algorithm" if transports else ""
+    figure.suptitle(f"all-reduce algorithms, all over {wire}{dashed}")
     _legend_outside(figure)
     return figure
 
@@ -396,7 +405,8 @@ def ddp_variants(doc: dict) -> Figure:
                               linestyle=TRANSPORT_LINES.get(on, "-"), label=_series_label(name, on, points[0][1], doc))
         baseline = next((r for r in mine if kind(r) in ("no ddp", "no_ddp")), None)
         if baseline:
-            sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":", label="no ddp (no communication)")
+            sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":",
+                             label="no ddp (no communication)")
         _log_x(sweep_ax, caps)
         sweep_ax.set(xlabel="bucket cap (MiB)", ylabel="time per iteration (s, p50)", title=f"{model}: bucket size")
         sweep_ax.set_ylim(bottom=0)
@@ -418,8 +428,7 @@ def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
         over = oversubscribed(r, env)
-        style = dict(color=OVERSUBSCRIBED["color"], hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]) \
-            if over else dict(color=colour(r))
+        style = dict(OVERSUBSCRIBED) if over else dict(color=colour(r))  # OVERSUBSCRIBED: color, hatch, edgecolor
         bounds = interval(r, "p50_s")
         ax.barh(yi, r["p50_s"], xerr=np.array(_yerr(r["p50_s"], bounds)), capsize=3, height=0.7, **style)
         if r.get("comm_wait_s"):
@@ -427,7 +436,8 @@ def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
     ax.set_yticks(y, labels, fontsize="small")
     ax.set(xlabel="time per iteration (s, p50; bar = 95 % interval over rounds)", title=f"{model}: every variant")
     # Empty rectangles carry these two entries into the figure's legend.
-    ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="white", edgecolor="black", label="exposed communication wait (ours)"))
+    ax.add_patch(Rectangle((0, 0), 0, 0, facecolor="white", edgecolor="black",
+                           label="exposed communication wait (ours)"))
     if any(oversubscribed(r, env) for r in rows):
         ax.add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor=OVERSUBSCRIBED["color"],
                                hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]))
@@ -438,7 +448,10 @@ def time_breakdown(doc: dict) -> Figure:
     ``measure.op_breakdown``): the CPU seconds of each phase, stacked, one panel per model."""
     rows = [r for r in doc["results"] if r.get("breakdown")]
     models = _models(rows) or [""]
-    figure, axes = _figure(len(models), 1, width=11, height=0.5 + 0.45 * max(1, max((sum(r["model"] == m for r in rows) for m in models), default=1)))
+    figure, axes = _figure(len(models), 1, width=11,
+                           height=0.5 + 0.45 * max(1,
+                                                   max((sum(r["model"] == m for r in rows) for m in models),
+                                                       default=1)))
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         y = np.arange(len(mine))[::-1]
@@ -451,7 +464,8 @@ def time_breakdown(doc: dict) -> Figure:
                             linewidth=1.5, label=phase)
                     left += 1e3 * seconds
         ax.set_yticks(y, [paths.label(r["label"], {"results": mine}) for r in mine], fontsize="small")
-        ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)", title=f"{model}: where one iteration's time goes")
+        ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)",
+               title=f"{model}: where one iteration's time goes")
         if not mine:
             missing(ax, "rows with a 'breakdown' (ddp_benchmark.py --breakdown)")
     _legend_outside(figure)
@@ -474,7 +488,8 @@ def ddp_sweep(doc: dict) -> Figure:
         c = colour(points[0][1])
         x = [w for w, _ in points]
         yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
-        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3, label=paths.label(label, doc))
+        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3,
+                         label=paths.label(label, doc))
         throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
         for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
             for w, r in points:
@@ -483,7 +498,8 @@ def ddp_sweep(doc: dict) -> Figure:
     over = [w for w in worlds if any(oversubscribed(r, env) for r in rows if r["world_size"] == w)]
     for ax in (time_ax, throughput_ax):
         _log_x(ax, worlds)
-        shade_oversubscribed(ax, over, f"oversubscribed: more processes than the {env.get('cpus', '?')} CPU cores (hollow points)")
+        shade_oversubscribed(ax, over, f"oversubscribed: more processes than the {env.get('cpus', '?')} CPU cores "
+                                       "(hollow points)")
         ax.set_xlabel("processes (world size)")
         ax.set_ylim(bottom=0)
     model = rows[0].get("model", "") if rows else ""
@@ -526,7 +542,8 @@ def timeline_events(trace: dict, iteration: int = -1) -> dict:
     # A sum made by the compute thread itself (shared memory, inline in the backward hook) gets a lane of its own
     # below the compute lane, so that it shows beside the phase it interrupts.
     inline = comm.pop(it.get("tid"), None)
-    lanes = {f"comm thread {i + 1}": spans for i, (_, spans) in enumerate(sorted(comm.items(), key=lambda kv: str(kv[0])))}
+    lanes = {f"comm thread {i + 1}": spans
+             for i, (_, spans) in enumerate(sorted(comm.items(), key=lambda kv: str(kv[0])))}
     if inline:
         lanes["sums in the compute thread"] = inline
     return {"phases": sorted(phases, key=lambda p: p[1]), "comm": lanes, "length": it["dur"] / 1e3}
@@ -550,7 +567,8 @@ def overlap_timeline(traces: dict[str, dict]) -> Figure:
         ax.set_yticks(list(ypos.values()), list(ypos), fontsize="small")
         ax.set_ylim(-0.6, len(lanes) - 0.4)
         buckets = sum(len(s) for s in t["comm"].values())
-        ax.set_title(f"{label}: one iteration, {t['length']:.0f} ms, {buckets} all-reduce calls", fontsize="small", loc="left")
+        ax.set_title(f"{label}: one iteration, {t['length']:.0f} ms, {buckets} all-reduce calls", fontsize="small",
+                     loc="left")
     axes[-1][0].set_xlabel("time since the iteration started (ms)")
     _legend_outside(figure)
     return figure
@@ -560,7 +578,8 @@ def trim_trace(trace: dict) -> dict:
     """The events ``timeline_events`` reads (iterations, phases, collectives): a few kB instead of a few
     MB, small enough to commit beside the results. Still a Chrome trace."""
     keep = ("iteration ", *COMPUTE_PHASES, *(f"{name}:" for name in COLLECTIVE_RANGES))
-    return {"traceEvents": [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
+    return {"traceEvents": [e for e in trace.get("traceEvents", [])
+                            if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
 
 
 def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0) -> dict[str, dict]:
@@ -581,19 +600,21 @@ def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0
 
 
 def beside_seed(ours: dict[str, tuple], seed: dict[str, tuple], *, xlabel: str, ylabel: str, ours_title: str,
-                seed_title: str, xbytes: bool = False, logx: bool = True, logy: bool = False, sharey: bool = False) -> Figure:
+                seed_title: str, xbytes: bool = False, logx: bool = True, logy: bool = False,
+                sharey: bool = False) -> Figure:
     """Two panels, ours (left) and a seed's (right), each ``{series label: (x, y[, implementation])}``,
     with the same axis labels and scales and the hardware in the titles (never one axis: different
     machines). Our series take their implementation's colour; the seed's are grey; series of one
     colour differ by line style and marker. Legends sit under the panels."""
     figure, axes = _figure(1, 2, width=12, height=4.2, sharey=sharey)
-    for ax, series, title, default in ((axes[0][0], ours, ours_title, None), (axes[0][1], seed, seed_title, SEED_STYLE["color"])):
+    for ax, series, title, default in ((axes[0][0], ours, ours_title, None),
+                                       (axes[0][1], seed, seed_title, SEED_STYLE["color"])):
         used: dict[str, int] = {}
         for label, (x, y, *impl) in series.items():
             c = colour(impl[0]) if impl else (default or OTHER)
             n = used[c] = used.get(c, -1) + 1
-            ax.plot(x, y, color=c, linestyle=SERIES_LINES[n % len(SERIES_LINES)], marker=SERIES_MARKERS[n % len(SERIES_MARKERS)],
-                    label=label)
+            ax.plot(x, y, color=c, linestyle=SERIES_LINES[n % len(SERIES_LINES)],
+                    marker=SERIES_MARKERS[n % len(SERIES_MARKERS)], label=label)
         if logx:
             values = sorted({v for x, *_ in series.values() for v in x})
             _log_x(ax, values, (lambda v, _: format_bytes(v)) if xbytes else None)
@@ -646,14 +667,15 @@ def sharding_memory(doc: dict) -> Figure:
                 bottom += r[key] / MIB
             ax.plot([x - 0.4, x + 0.4], [r["ideal_bytes"] / MIB] * 2, color="black", linestyle="--",
                     label="ideal model states (parameters + gradients + optimizer state)")
-        ax.set_xticks(range(len(bars)), [f"{paths.label(r['variant'])}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
+        ax.set_xticks(range(len(bars)),
+                      [f"{paths.label(r['variant'])}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
                                          for _, r in bars], fontsize="small", rotation=90)
         ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
         if not bars:
             missing(ax, "sharding_benchmark.py rows of our variants")
     if any(oversubscribed(r, env) for r in rows):
-        axes[0][0].add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor="white", hatch=OVERSUBSCRIBED["hatch"],
-                                       edgecolor=OVERSUBSCRIBED["edgecolor"]))
+        axes[0][0].add_patch(Rectangle((0, 0), 0, 0, label="oversubscribed", facecolor="white",
+                                       hatch=OVERSUBSCRIBED["hatch"], edgecolor=OVERSUBSCRIBED["edgecolor"]))
     _legend_outside(figure)
     return figure
 

@@ -76,7 +76,8 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
             axis = paths.axis(c, headline)
             what = {"engine": "engine, one path", "transport": "transport, one engine" if c["axis"] == "transport"
                     else "transport and engine (zero copy / staged)"}[axis]
-            memory = next((m for m in checks if m["target"].startswith("peak memory") and m["label"] == c["label"]), None)
+            memory = next((m for m in checks if m["target"].startswith("peak memory") and m["label"] == c["label"]),
+                          None)
             lines.append(f"  - {what}: {_pair(c, headline)}: {format_ratio(c['ratio'])} (target <= {c['limit']:.2f}x): "
                          f"**{c['verdict']}**{_memory_text(memory, rows, headline)}")
     for c in (c for c in checks if c["axis"] == "overhead"):
@@ -164,8 +165,8 @@ def _other_dtype_memory(doc: dict, judged: list[str]) -> list[str]:
         mine = [r for r in rows if (r["setting"], r.get("transport")) == (setting, transport)]
         order = lambda d: DTYPE_ORDER.index(d) if d in DTYPE_ORDER else len(DTYPE_ORDER)  # noqa: E731
         dtypes = "/".join(sorted({r["dtype"] for r in mine}, key=order))
-        lines.append(f"{paths.label(f'{setting} [{transport}]', SYNCBN) if transport else setting}, {dtypes}: peak_bytes of ours / "
-                     f"BatchNorm1d (local) {_span(r['peak_ratio'] for r in mine)}, saved_bytes "
+        lines.append(f"{paths.label(f'{setting} [{transport}]', SYNCBN) if transport else setting}, {dtypes}: "
+                     f"peak_bytes of ours / BatchNorm1d (local) {_span(r['peak_ratio'] for r in mine)}, saved_bytes "
                      f"{_span(r['saved_ratio'] for r in mine)}, over {len({(r['batch'], r['hidden']) for r in mine})} "
                      "sizes (no target)")
     return lines
@@ -188,7 +189,8 @@ AXIS_NAMES = {"algorithm": "algorithms over gloo, p50 / `torch.distributed`'s",
               "transport": "transports, p50 / torch's collective over gloo"}
 
 
-def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict, homework: dict | None = None) -> list[str]:
+def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict,
+                      homework: dict | None = None) -> list[str]:
     """Per collective and axis, the targets `collectives_benchmark.py` checked and stored, at process counts that
     are not oversubscribed: the all-reduce algorithms against `torch.distributed.all_reduce` over the same wire
     (gloo), then the transports against torch's collective. Where ``homework`` (allreduce.py's file) stored the
@@ -236,7 +238,8 @@ def sharding_lines(doc: dict) -> list[str]:
         for t in (t for t in timed if paths.axis(t, doc) == axis):
             judged = (f" (target <= {t['limit']:.2f}): **{t['verdict']}**" if t["limit"] is not None
                       else " (for information)")
-            lines.append(f"  - {axis}, {t['model']}: {paths.label(t['target'], doc)} {format_ratio(t['ratio'])}{judged}")
+            lines.append(f"  - {axis}, {t['model']}: {paths.label(t['target'], doc)} "
+                         f"{format_ratio(t['ratio'])}{judged}")
     return lines
 
 
@@ -295,8 +298,9 @@ def run_time_lines(manifest: dict) -> list[str]:
     seconds = sum(r["seconds"] for r in manifest["results"])
     settings = "--quick" if manifest["config"]["quick"] else "(full settings)"
     return [f"`python run_experiments.py {settings}` took {seconds / 60:.0f} min for these results on "
-            f"{manifest['env']['device_model']} ({manifest['env']['cpus']} cores), {len(manifest['results'])} experiments, without "
-            "`--report` (executing report.ipynb is not counted; `results/manifest.json` has each experiment's time)."]
+            f"{manifest['env']['device_model']} ({manifest['env']['cpus']} cores), {len(manifest['results'])} "
+            "experiments, without `--report` (executing report.ipynb is not counted; `results/manifest.json` has each "
+            "experiment's time)."]
 
 
 def suite_lines(suite: dict | None) -> list[str]:

@@ -59,7 +59,8 @@ class SyntheticCIFAR100(Dataset):
         self.noise = torch.from_numpy(shared.standard_normal((self.BANK, 3, 32, 32), dtype=np.float32))
         split = 1 if train else 2
         self.targets = np.random.default_rng((seed, split, 0)).integers(NUM_CLASSES, size=size).tolist()
-        self.shifts = np.random.default_rng((seed, split, 1)).integers(-self.SHIFT, self.SHIFT + 1, size=(size, 2)).tolist()
+        self.shifts = np.random.default_rng((seed, split, 1)).integers(-self.SHIFT, self.SHIFT + 1,
+                                                                       size=(size, 2)).tolist()
         self.noise_index = np.random.default_rng((seed, split, 2)).integers(self.BANK, size=size).tolist()
         self.mean = torch.tensor(CIFAR100_MEAN).view(3, 1, 1)
         self.std = torch.tensor(CIFAR100_STD).view(3, 1, 1)
@@ -143,7 +144,9 @@ def choose_dataset(requested: str, data_dir: str, ctx, download: bool = True) ->
     present = _everywhere(cifar100_on_disk(data_dir), ctx)
     failure = "not on disk, and downloading is off"
     if not present and download:
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DOWNLOAD_WAIT_S)) if dist.is_initialized() else None
+        group = None
+        if dist.is_initialized():
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DOWNLOAD_WAIT_S))
         failure = download_cifar100(data_dir) if ctx.local_rank == 0 else "see local rank 0's download error"
         _everywhere(True, ctx, group)  # the wait for every node's download
         present = _everywhere(cifar100_on_disk(data_dir), ctx)
@@ -167,7 +170,8 @@ def build_datasets(name: str, data_dir: str, train_size: int | None, val_size: i
         if size is None:
             return full
         if size > len(full):
-            raise ValueError(f"asked for {size} {'training' if train else 'validation'} images, the split has {len(full)}")
+            raise ValueError(f"asked for {size} {'training' if train else 'validation'} images, the split has "
+                             f"{len(full)}")
         return Subset(full, range(size))
 
     return split(True, train_size), (split(False, val_size) if with_val else None)

@@ -76,8 +76,8 @@ def summarize(history: list[dict], epochs: int, steps: int, train_time: float, s
     step_median = math.nan
     if step_times:  # every rank made the same number of steps
         step_median = statistics.median(gather_rows(step_times).max(dim=0).values.tolist())
-    ranks = [{"kind": "rank", "rank": r, "train_time_s": t, "step_time_median_s": _number(s), "peak_memory_bytes": int(m),
-              "cuda_max_memory_allocated_bytes": None if math.isnan(c) else int(c)}
+    ranks = [{"kind": "rank", "rank": r, "train_time_s": t, "step_time_median_s": _number(s),
+              "peak_memory_bytes": int(m), "cuda_max_memory_allocated_bytes": None if math.isnan(c) else int(c)}
              for r, (t, s, m, c) in enumerate(per_rank.tolist())]
     last = history[-1] if history else {}
     final = {"kind": "final", "epochs": epochs, "steps": steps, "train_loss": last.get("train_loss"),
@@ -94,7 +94,8 @@ def print_summary(final: dict, ranks: list[dict], dataset: str) -> None:
           f"{dataset}) | {final['steps']} steps | train time {final['train_time_max_s']:.2f} s (max over ranks) | "
           f"step {step} (median)", flush=True)
     columns = [("rank", "rank", "d"), ("train_time_s", "train time (s)", ".3f"),
-               ("step_time_median_s", "step time, median (s)", ".4f"), ("peak_memory_bytes", "peak memory (bytes)", "d")]
+               ("step_time_median_s", "step time, median (s)", ".4f"),
+               ("peak_memory_bytes", "peak memory (bytes)", "d")]
     if ranks[0]["cuda_max_memory_allocated_bytes"] is not None:
         columns.append(("cuda_max_memory_allocated_bytes", "max memory allocated (bytes)", "d"))
     print(markdown_table(ranks, columns), flush=True)

@@ -60,7 +60,8 @@ def _loss_correct_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 
 @torch.no_grad()
-def validation_sums(model: nn.Module, val_set: Dataset | None, per_rank: int, ctx, num_workers: int = 0) -> torch.Tensor:
+def validation_sums(model: nn.Module, val_set: Dataset | None, per_rank: int, ctx,
+                    num_workers: int = 0) -> torch.Tensor:
     """[loss sum, correct, count] (float64, CPU) of ``model`` on the validation set, on every rank.
 
     Only rank 0 holds ``val_set`` (None elsewhere) and scatters it in rounds of
