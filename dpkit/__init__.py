@@ -5,7 +5,7 @@ The layers, each importing only the ones before it:
     dpkit.compat    the torch releases the kit runs on (refused at import where older) and their names
     dpkit.comm      process groups, the checks every collective makes, and transports: how ranks move and
                     sum tensors (torch.distributed; shared memory on one host; others registered by name)
-    dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stage 1, FSDP
+    dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stages 1 and 2, FSDP
     dpkit.models    the workloads the trainer and the benchmarks run
     dpkit.bench     measurement (timing, intervals, verdicts, memory, profiles) and the results layout
     dpkit.train     what the CIFAR-100 trainer assembles: data, the engine by name, the step, validation,
@@ -15,9 +15,10 @@ The layers, each importing only the ones before it:
 What a user runs lives beside the package: the homework scripts (``sequential_print.py``, ``syncbn.py``,
 ``ddp_cifar100.py``, ``allreduce.py``), the benchmarks and ``run_experiments.py``.
 
-    from dpkit.comm import transport
+    import dpkit                       # registers the torch.distributed backend "dpkit"
+    dist.init_process_group("dpkit")   # unchanged PyTorch code over this host's shared memory
     from dpkit.engines.ddp import DDP
-    model = DDP(net, transport=transport.SharedMemory(group))
+    model = DDP(net)                   # a drop-in for torch.nn.parallel.DistributedDataParallel
 """
 
 from dpkit import compat  # noqa: F401  (first: a torch older than the supported range fails here, saying so)

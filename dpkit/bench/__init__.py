@@ -1,4 +1,5 @@
 """Layer 3, measurement: ``measure`` (timing over ranks, interleaved rounds, bootstrap intervals, verdicts,
 memory, profiles), ``results`` (the environment header and the one JSON layout every benchmark writes),
 ``harness`` (the one driver every benchmark shares), ``collectives`` (what a row of a collectives results file
-means) and ``cluster`` (a latency-bandwidth model of data parallelism on a cluster)."""
+means), ``cluster`` (a latency-bandwidth model of data parallelism on a cluster) and ``backend_latency``
+(the "dpkit" backend's per-call latency and what sets its floor)."""

@@ -3,4 +3,6 @@ collective refuses before its first message), ``hosts`` (which rank is on which 
 transport's collectives in the background), and the transports: ``interface`` (what a transport is),
 ``torch_transport``, ``shared_memory``, ``message_passing`` ("p2p"), ``hierarchical``, ``registry`` (the one
 place a transport is chosen, by name or "auto"), ``pytorch_adapters`` (PyTorch's DDP and fully_shard over a
-transport) and ``transport``, which names all of them in one place."""
+transport) and ``transport``, which names all of them in one place; ``backend`` (the torch.distributed
+backend "dpkit": unchanged PyTorch code over this host's shared memory) and ``slots`` (its shared-memory
+engine for small messages)."""
