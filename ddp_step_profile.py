@@ -1,7 +1,8 @@
 """What each DDP engine adds to a training step (in a world of one: its own work, nothing sent), counted.
 
     python ddp_step_profile.py --baseline REV --json results/profiles/ddp_step_profile.json   # ours now and at git REV
-    torchrun --standalone --nproc_per_node 2 ddp_step_profile.py --baseline REV --json results/profiles/ddp_step_profile_world2.json
+    torchrun --standalone --nproc_per_node 2 ddp_step_profile.py --baseline REV \
+        --json results/profiles/ddp_step_profile_world2.json
     python ddp_step_profile.py --models cnn --steps 2 --timed-steps 8                    # a quick look
 
 One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step (forward,
@@ -72,7 +73,8 @@ def load_baseline(revision: str):
     return module
 
 
-def engines(baseline_revision: str | None, transport: transports.Transport) -> dict[str, Callable[[nn.Module], nn.Module]]:
+def engines(baseline_revision: str | None,
+            transport: transports.Transport) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Row name -> how to wrap a fresh module, in the order of the rows."""
     def ours(engine_module):
         return lambda m: engine_module.make_ddp("bucketed", m, BUCKET_MB, find_unused_parameters=False,

@@ -5,8 +5,9 @@ One spawned group per world size runs the whole grid: every collective torch.dis
 gloo takes (and bfloat16, which it does not: there the oracle is gloo on float32 copies, rounded), every op,
 a small message and one longer than a slot; each rank returns the pair (dpkit's result, gloo's on the same
 input, through a gloo group over the same ranks), and the parent compares them: bit for bit at 2 ranks
-(a sum of two is the same in any order) and for every op but sum, mean and product of floats, within the dtype's rounding at 3
-ranks, where gloo's ring sums in another order. DPKIT_HOSTS=2,2 runs the hierarchical path the same way.
+(a sum of two is the same in any order) and for every op but sum, mean and product of floats, within the
+dtype's rounding at 3 ranks, where gloo's ring sums in another order. DPKIT_HOSTS=2,2 runs the hierarchical
+path the same way.
 PyTorch's DDP, fully_shard and ZeroRedundancyOptimizer train one model on a "dpkit" and a gloo group: bit for
 bit at 2 ranks (same sums). The kill test is marked slow.
 """

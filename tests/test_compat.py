@@ -49,7 +49,8 @@ def test_only_compat_names_what_newer_torch_releases_added(path):
         return
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute) and node.attr in NEWER_FUNCTIONS and ast.unparse(node.value) in TORCH_MODULES:
+        if (isinstance(node, ast.Attribute) and node.attr in NEWER_FUNCTIONS
+                and ast.unparse(node.value) in TORCH_MODULES):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.keyword) and node.arg in NEWER_KEYWORDS:
             found.append(f"line {node.lineno}: {node.arg}=")

@@ -454,9 +454,11 @@ MISMATCHES = {
     "dtype": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Linear(D_IN, D_OUT).double(),
               "parameter 'weight' of shape [3, 5], torch.float32", "parameter 'weight' of shape [3, 5], torch.float64"),
     "frozen": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Linear(D_IN, D_OUT).requires_grad_(False),
-               "parameter 'weight' of shape [3, 5], torch.float32 on", "parameter 'weight' of shape [3, 5], torch.float32, frozen"),
+               "parameter 'weight' of shape [3, 5], torch.float32 on",
+               "parameter 'weight' of shape [3, 5], torch.float32, frozen"),
     "nesting": (lambda: nn.Linear(D_IN, D_OUT), lambda: nn.Sequential(nn.Linear(D_IN, D_OUT)),
-                "parameter 'weight' of shape [3, 5], torch.float32", "parameter '0.weight' of shape [3, 5], torch.float32"),
+                "parameter 'weight' of shape [3, 5], torch.float32",
+                "parameter '0.weight' of shape [3, 5], torch.float32"),
     "buffers": (lambda: nn.BatchNorm1d(D_OUT), lambda: nn.BatchNorm1d(D_OUT, track_running_stats=False),
                 "buffer 'running_mean' of shape [3], torch.float32", "nothing (fewer parameters and buffers)"),
 }
@@ -562,7 +564,8 @@ def _no_room_in_dev_shm(ctx):
             warnings.simplefilter("always")
             made_before = transports.SharedMemory() if case == "no room for buckets" else None
             with mock.patch.object(shared_memory.os, "posix_fallocate", _full):
-                model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB, transport=made_before or transports.SharedMemory())
+                model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB,
+                            transport=made_before or transports.SharedMemory())
             with CollectiveCounter() as calls:
                 result = train(model, mse_loss(model, ctx.world_size, ctx.rank), TRANSPORT_ACCUM, steps=TRANSPORT_STEPS,
                                optimizer=torch.optim.SGD)
@@ -580,7 +583,8 @@ def _transport_refusals(ctx):
     for wrapper in (DDP, NaiveDDP):
         net = build(big, seed=40 + ctx.rank)
         before = net[0].weight.clone()
-        out["different", wrapper.__name__] = refused(lambda: wrapper(net, transport=("torch", "p2p")[ctx.rank]))["error"]
+        out["different", wrapper.__name__] = refused(
+            lambda: wrapper(net, transport=("torch", "p2p")[ctx.rank]))["error"]
         out["weights kept", wrapper.__name__] = torch.equal(net[0].weight, before)
     out["unknown"] = refused(lambda: DDP(build(big, seed=0), transport=("auto", "carrier pigeon")[ctx.rank]))["error"]
     out["pytorch"] = refused(lambda: make_ddp("pytorch", build(big, seed=0),
@@ -614,7 +618,8 @@ def _three_rank_cases(ctx):
         model = DDP(build(big, seed=30 + ctx.rank), bucket_cap_mb=4 * KIB, process_group=subgroup)
         out["subgroup"] = train(model, mse_loss(model, 2, ctx.rank - 1), accum=2)
         over_all = transports.Torch()
-        out["other group"] = refused(lambda: DDP(build(big, seed=0), process_group=subgroup, transport=over_all))["error"]
+        out["other group"] = refused(
+            lambda: DDP(build(big, seed=0), process_group=subgroup, transport=over_all))["error"]
     return out
 
 
@@ -924,7 +929,8 @@ def test_pytorch_ddp_summing_through_our_shared_memory_trains_like_one_process(t
         for spec in ("shared_memory", "counting shared_memory"):
             assert_trains_like(runs[spec, "pytorch"], transport_oracle())
         counts = runs["counting shared_memory", "pytorch"]["counts"]
-        assert len(counts) == TRANSPORT_STEPS and all(no_sync == 0 and 0 < during == total for no_sync, during, total in counts)
+        assert len(counts) == TRANSPORT_STEPS
+        assert all(no_sync == 0 and 0 < during == total for no_sync, during, total in counts)
 
 
 def test_ddp_built_while_dev_shm_is_full_warns_once_and_still_trains_like_one_process(two):
@@ -937,7 +943,8 @@ def test_ddp_built_while_dev_shm_is_full_warns_once_and_still_trains_like_one_pr
             result = two[rank]["no room"][case]
             assert_trains_like(result, transport_oracle())
             assert result["owned"] == [False] * buckets, case
-            assert len([w for w in result["warnings"] if "/dev/shm" in w]) == (1 if rank == 0 else 0), result["warnings"]
+            shm_warnings = [w for w in result["warnings"] if "/dev/shm" in w]
+            assert len(shm_warnings) == (1 if rank == 0 else 0), result["warnings"]
         full, staged = two[rank]["no room"]["no room at all"], two[rank]["no room"]["no room for buckets"]
         assert full["transport"] == "shared_memory (through torch: no room)"
         assert full["torch_calls"] == {"all_reduce": TRANSPORT_STEPS * buckets}
@@ -966,8 +973,9 @@ def test_an_unknown_transport_or_one_over_other_ranks_is_refused_on_every_rank(t
         assert refusals["own group"].startswith("ValueError: DDP: the transport is over ranks [0] (on group rank 0), "
                                                 "the engine's group over [0, 1]"), refusals["own group"]
     for rank in (1, 2):
-        assert three[rank]["other group"].startswith("ValueError: DDP: the transport is over ranks [0, 1, 2] (on group "
-                                                     "rank 0), the engine's group over [1, 2]"), three[rank]["other group"]
+        assert three[rank]["other group"].startswith(
+            "ValueError: DDP: the transport is over ranks [0, 1, 2] (on group rank 0), the engine's group over [1, 2]"
+        ), three[rank]["other group"]
 
 
 # --------------------------------------------------------------------------- tests: unused parameters, errors
@@ -1009,7 +1017,8 @@ def test_forward_no_sync_and_step_before_finish_raise_and_corrupt_nothing(two):
         result = two[rank]["misuse"]
         for what in ("forward", "no_sync", "step"):
             assert result[what] is not None, f"rank {rank}: {what} before finish_gradient_synchronization() must raise"
-            assert "still being all-reduced" in result[what] and "Call finish_gradient_synchronization()" in result[what]
+            assert "still being all-reduced" in result[what]
+            assert "Call finish_gradient_synchronization()" in result[what]
         assert result["step_after_finish"] is None
         for key, grad in expected.items():
             torch.testing.assert_close(result["grads"][key], grad, rtol=1e-9, atol=1e-12, msg=key)
@@ -1018,7 +1027,8 @@ def test_forward_no_sync_and_step_before_finish_raise_and_corrupt_nothing(two):
 def test_second_backward_before_finish_and_double_backward_are_errors(two):
     for rank in range(2):
         result = two[rank]["misuse"]
-        assert result["second"] is not None and "second gradient before finish_gradient_synchronization()" in result["second"]
+        assert result["second"] is not None
+        assert "second gradient before finish_gradient_synchronization()" in result["second"]
         assert result["double"] is not None and "create_graph=True" in result["double"]
 
 
@@ -1057,7 +1067,8 @@ def test_different_models_on_different_ranks_are_refused_on_every_rank_naming_th
     for rank in range(2):
         message = two[rank]["mismatch"][case, wrapper]
         assert message is not None, f"rank {rank}: {case} mismatch accepted"
-        assert "the ranks wrap different models" in message and f"{on_rank0}" in message and f"{on_rank1} on rank 1" in message
+        assert "the ranks wrap different models" in message
+        assert f"{on_rank0}" in message and f"{on_rank1} on rank 1" in message
 
 
 def test_negative_bucket_cap_and_unknown_variant_are_rejected():
@@ -1085,9 +1096,10 @@ def test_bucket_layout_reverse_order_each_bucket_closed_once_it_reaches_the_cap(
     assert [names for names, _, _ in layout] == BIG_LAYOUTS[cap]
     for names, nbytes, _ in layout:
         size = dict((n, p.numel() * p.element_size()) for n, p in build(big, 0).named_parameters())
-        assert sum(size[n] for n in names[:-1]) < CAPS[cap] * 2**20 or cap == "0", "over the cap by its last parameter only"
-    assert assign_buckets(list(build(big, 0).parameters()), int(CAPS[cap] * 2**20), int(LAST_BUCKET_CAP_MB * 2**20)) == [
-        [BIG_REVERSED[::-1].index(n) for n in names] for names in BIG_LAYOUTS[cap]]
+        assert sum(size[n] for n in names[:-1]) < CAPS[cap] * 2**20 or cap == "0", \
+            "over the cap by its last parameter only"
+    buckets = assign_buckets(list(build(big, 0).parameters()), int(CAPS[cap] * 2**20), int(LAST_BUCKET_CAP_MB * 2**20))
+    assert buckets == [[BIG_REVERSED[::-1].index(n) for n in names] for names in BIG_LAYOUTS[cap]]
 
 
 def test_the_first_layers_up_to_the_last_bucket_cap_get_the_last_bucket_of_their_own():
@@ -1111,7 +1123,8 @@ def test_the_first_layers_up_to_the_last_bucket_cap_get_the_last_bucket_of_their
 
 def test_bucket_layout_skips_frozen_counts_tied_once_and_never_mixes_dtypes(two):
     layouts = two[0]["layouts"]
-    assert [n for n, _, _ in layouts["frozen", "1000MiB"]] == [["out.bias", "out.weight", "hidden.bias", "hidden.weight"]]
+    assert [n for n, _, _ in layouts["frozen", "1000MiB"]] == [
+        ["out.bias", "out.weight", "hidden.bias", "hidden.weight"]]
     assert [n for n, _, _ in layouts["tied", "0"]] == [["out.bias"], ["out.weight"], ["b.bias"], ["a.bias"],
                                                        ["a.weight"], ["inp.bias"], ["inp.weight"]]
     assert [(n, d) for n, _, d in layouts["mixed", "1000MiB"]] == [

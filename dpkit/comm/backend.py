@@ -220,7 +220,8 @@ class DpkitBackend(BASE):
         opts = opts or c10d.ReduceScatterOptions()
         flat = torch.cat([t.reshape(-1) for t in input_lists[0]])
         if outputs[0].numel() * self._size != flat.numel():
-            raise ValueError(f"backend {NAME!r}: reduce_scatter of uneven pieces ({[t.numel() for t in input_lists[0]]})")
+            raise ValueError(f"backend {NAME!r}: reduce_scatter of uneven pieces "
+                             f"({[t.numel() for t in input_lists[0]]})")
         return self.reduce_scatter_single(outputs[0], flat, opts)
 
     def reduce_scatter_single(self, output, input, opts=None):

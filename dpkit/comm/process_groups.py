@@ -287,7 +287,8 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, dev
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def add_common_args(parser: argparse.ArgumentParser, json_help: str = "write the results here in the shared JSON layout") -> None:
+def add_common_args(parser: argparse.ArgumentParser,
+                    json_help: str = "write the results here in the shared JSON layout") -> None:
     """The flags every script shares: --backend, --device, --timeout, --json (check them with ``parse_checked``)."""
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="process-group backend; auto = nccl when the ranks compute on CUDA, else gloo "
@@ -296,7 +297,8 @@ def add_common_args(parser: argparse.ArgumentParser, json_help: str = "write the
                         help="where the ranks compute; auto = cuda with nccl (a GPU per rank, cycling), else cpu; "
                              "cuda with --backend gloo: ranks may share one GPU (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                        help="process-group timeout in seconds: a stuck peer fails the job after this long (default: %(default)s)")
+                        help="process-group timeout in seconds: a stuck peer fails the job after this long "
+                             "(default: %(default)s)")
     parser.add_argument("--json", metavar="PATH", default=None, help=f"{json_help} (default: none)")
 
 
@@ -339,7 +341,8 @@ def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads
         fd = inherited.detach()
         os.dup2(fd, target)
         os.close(fd)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     ctx = None
     try:
@@ -456,8 +459,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     try:
         for rank in range(world_size):
             p = mp.Process(target=worker_main, name=f"rank{rank}",
-                           args=(fn, rank, world_size, os.path.join(tmp, "store"), backend, pg_timeout_s, threads, args, tmp,
-                                 environ, _Streams() if mp.get_start_method() == "forkserver" else None,
+                           args=(fn, rank, world_size, os.path.join(tmp, "store"), backend, pg_timeout_s, threads,
+                                 args, tmp, environ, _Streams() if mp.get_start_method() == "forkserver" else None,
                                  device))
             p.start()
             processes.append(p)

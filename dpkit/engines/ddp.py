@@ -152,7 +152,8 @@ def check_same_model(module: nn.Module, process_group=None, local_problem: str |
         if entry is None:
             return "nothing (fewer parameters and buffers)"
         kind, name, shape, dtype, requires_grad = entry
-        return f"{kind} {name!r} of shape {list(shape)}, {dtype}" + (", frozen" if kind == "parameter" and not requires_grad else "")
+        frozen = ", frozen" if kind == "parameter" and not requires_grad else ""
+        return f"{kind} {name!r} of shape {list(shape)}, {dtype}{frozen}"
 
     first = None  # (index, rank) of the earliest difference from rank 0
     for rank, signature in enumerate(signatures[1:], start=1):
