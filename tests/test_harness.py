@@ -200,6 +200,7 @@ def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked
     assert not list(tmp_path.glob("stopped.json.tmp*")), "no half-written file left"
 
 
+@pytest.mark.slow  # waits out its whole time limit: the default run has the SIGTERM case of the same mechanism
 def test_a_run_past_its_time_limit_after_its_first_size_leaves_those_rows_marked_incomplete(tmp_path, monkeypatch,
                                                                                             capsys):
     monkeypatch.setenv(PIDS_ENV, str(tmp_path))
