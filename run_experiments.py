@@ -100,13 +100,13 @@ EXPERIMENTS = (
                 "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
     Experiment("ddp_headline", "bucketed DDP against PyTorch's on each transport (gloo, shared memory), the "
-               "transports under each engine, and a communication thread against summing in the backward hook; "
+               "transports under each engine (PyTorch's DDP on a \"dpkit\" process group too), and a communication thread against summing in the backward hook; "
                "resnet18, many rounds (the targets; naive for the exposed wait)",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16",
+                "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25", "--batch-size", "16",
                 "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown", "--json", "{out}/ddp_headline.json"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--iters", "320", "--rounds",
+                "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25", "--iters", "320", "--rounds",
                 "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
     Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",

@@ -39,11 +39,12 @@ from dpkit.report import ddp_tables, plots
 # One round: rounds are pooled and paired in the scripted run below; here every row is built once.
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
 BUCKETS = (25.0,)  # PyTorch's default, the targets' size: other sizes only add rows (variants_for is tested alone)
-SWEEP_TRANSPORTS = ("torch", "shm", "shm-thread")
+SWEEP_TRANSPORTS = ("torch", "shm", "shm-thread", "dpkit")
 # The rows of the sweep, in the order they are printed: PyTorch's DDP at its defaults with its own gloo only,
 # at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
-# after backward, so a thread would change nothing for them; overlap and bucketed on every transport.
-LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but "dpkit",
+# a process group of that backend, which only PyTorch's DDP takes.
+LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]",
           "naive [torch]", "naive [shm]", "flat [torch]", "flat [shm]",
           "overlap [torch]", "overlap [shm]", "overlap [shm-thread]",
           "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
@@ -124,12 +125,13 @@ def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monke
     monkeypatch.setattr(transports, "SharedMemory", lambda group=None, *, background=False: Made(
         "shared memory on a thread" if background else "shared_memory"))
     monkeypatch.setattr(transports, "resolve", lambda spec, group=None, device=None, **_: Made(spec))
+    monkeypatch.setattr(bench, "backend_transport", lambda: Made("dpkit"))
     cpu = torch.device("cpu")
     for order in itertools.permutations(bench.TRANSPORTS):
         for names in (list(order), set(order), dict.fromkeys(order)):
             built.clear()
             made = bench.make_transports(names, cpu)
-            assert built == ["torch", "shared_memory", "shared memory on a thread"], names
+            assert built == ["torch", "shared_memory", "shared memory on a thread", "dpkit"], names
             assert list(made) == list(bench.TRANSPORTS) and [m.what for m in made.values()] == built
     for order in itertools.permutations(("shm-thread", "torch")):
         built.clear()
@@ -183,6 +185,7 @@ def test_each_check_compares_along_one_axis(sweep):
         ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
         ("engine", "peak memory / same pytorch row", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
         ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]"),
+        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [dpkit]", "pytorch-best 25M [torch]"),
         ("overhead", "p50 / no DDP", "bucketed 25M [shm]", "no ddp"),
         *(("overlap", "exposed wait / naive's all-reduce time", f"{v} [{t}]", naive)
           for t, naive in (("torch", "naive [torch]"), ("shm-thread", "naive [shm]"))
@@ -228,7 +231,7 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
 # Seconds per iteration of each variant in a world of one, and the exposed wait ours report.
 # The oracle: every figure below follows from these numbers by hand, not from the benchmark's code.
 SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M [torch]": (0.150, 0.0), "pytorch-best 25M [torch]": (0.120, 0.0),
-          "pytorch-best 25M [shm]": (0.108, 0.0), "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
+          "pytorch-best 25M [shm]": (0.108, 0.0), "pytorch-best 25M [dpkit]": (0.111, 0.0), "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
           "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shm]": (0.104, 0.001),
           "bucketed 25M [shm-thread]": (0.1144, 0.036)}
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
@@ -375,11 +378,15 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
 def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):
     _, checks = scripted_checks(scripted)
     transport = {c["label"]: c for c in checks if c["axis"] in ("transport", "overhead")}
-    assert set(transport) == {"pytorch-best 25M [shm]", "bucketed 25M [shm]"}
+    assert set(transport) == {"pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]", "bucketed 25M [shm]"}
     assert transport["bucketed 25M [shm]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
     hook = transport["pytorch-best 25M [shm]"]
     assert hook["reference"] == "pytorch-best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
     assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
+    backed = transport["pytorch-best 25M [dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
+    assert (backed["axis"], backed["reference"], backed["limit"]) == ("transport", "pytorch-best 25M [torch]",
+                                                                      bench.TARGET_BACKEND)
+    assert exact(backed["ratio"], 0.111 / 0.120) and backed["verdict"] == "met"  # 0.925 <= 0.93
     alone = transport["bucketed 25M [shm]"]
     assert alone["reference"] == "no ddp" and alone["limit"] == bench.TARGET_VS_NO_DDP
     assert exact(alone["ratio"], 1.04) and alone["verdict"] == "met"  # 1.04 <= 1.15
@@ -438,7 +445,7 @@ def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     # ours: everything in one bucket but the first layers' gradients, up to LAST_BUCKET_CAP_MB, in a last one
     first_bytes = np.cumsum([p.numel() * p.element_size() for p in params])
     assert 0 < first_bytes[0] <= LAST_BUCKET_CAP_MB * 2**20 < grad_bytes < 25 * 2**20
-    for t in SWEEP_TRANSPORTS:  # the same buckets whatever carries them; overlap: a bucket per parameter
+    for t in SWEEP_TRANSPORTS[:-1]:  # the same buckets whatever carries them; overlap: a bucket per parameter
         assert rows[f"bucketed 25M [{t}]"]["all_reduces"] == 2 and rows[f"overlap [{t}]"]["all_reduces"] == len(params)
     for label, row in rows.items():
         assert row["grad_bytes"] == grad_bytes
@@ -504,9 +511,14 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
     for label in ("iteration 0", "iteration 2", "forward", "backward", "sync_gradients", "optimizer_step"):
         assert label in names
     # Each profiled iteration sums every bucket (or gradient) once, over the row's transport and no other:
-    # gloo's ranges for [torch] (PyTorch's own or ours), ours for shared memory (PyTorch's through its hook).
+    # gloo's ranges for [torch] (PyTorch's own or ours), ours for shared memory (PyTorch's through its hook);
+    # on a "dpkit" group, torch.distributed's call alone (the backend's sums record no range of gloo or ours).
     for label, row in rows_at(doc, WORLD).items():
         names = trace_names(traces, label)
+        if row["transport"] == "dpkit":
+            assert names.count("c10d::allreduce_") == bench.PROFILE_ITERS * row["all_reduces"] > 0, label
+            assert names.count("gloo:all_reduce") == names.count(SHM_ALL_REDUCE) == 0, label
+            continue
         wire, other = ("gloo:all_reduce", SHM_ALL_REDUCE) if row["transport"] == "torch" else (SHM_ALL_REDUCE, "gloo:all_reduce")
         assert names.count(wire) == bench.PROFILE_ITERS * row["all_reduces"] and names.count(other) == 0, label
     assert rows_at(doc, WORLD)["no ddp"]["all_reduces"] == 0
@@ -679,7 +691,7 @@ def test_quick_fills_only_the_flags_not_given():
 def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(sweep):
     rows = rows_at(sweep[0], WORLD)
     profiled = [label for label, row in rows.items() if "breakdown" in row]
-    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]",
                         "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
     for label in profiled:
         breakdown = rows[label]["breakdown"]
