@@ -59,9 +59,10 @@ _QUICK_TRAIN = ("--dataset", "synthetic", "--train-size", "8192", "--val-size", 
 _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
-# memory) and the transport under one engine (fully_shard on shared memory / on gloo: its target is for this size).
+# memory) and the transport under one engine (fully_shard on shared memory, and on a "dpkit" process group, / on
+# gloo: its target is for this size).
 SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
-                         "fsdp ours [torch]", "fsdp ours [shm]")
+                         "fsdp pytorch [dpkit]", "fsdp ours [torch]", "fsdp ours [shm]")
 
 EXPERIMENTS = (
     Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
@@ -129,7 +130,8 @@ EXPERIMENTS = (
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),
     Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, ours and "
-               "PyTorch's DDP on shared memory; FSDP, ours and fully_shard, each on shared memory and on gloo",
+               "PyTorch's DDP on shared memory; FSDP, ours and fully_shard, each on shared memory and on gloo (fully_shard also "
+               "on a \"dpkit\" process group)",
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
                 "--iters", "30", "--rounds", "15", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,

@@ -4,6 +4,7 @@ shapes and zero.partition, and what the shared-memory transport holds in /dev/sh
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,12 +67,17 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
     assert limits["fsdp pytorch [shm] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
     assert limits["ddp pytorch [shm] / ddp pytorch [torch]"] == ("transport", None, None)
     assert limits["fsdp ours [shm-thread] / fsdp ours [shm]"] == ("transport", None, None)
+    # PyTorch's engines unchanged on a "dpkit" process group against the same on gloo
+    assert limits["fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
+    assert limits["ddp pytorch [dpkit] / ddp pytorch [torch]"] == ("transport", None, None)
     assert [k for k, (axis, limit, _) in limits.items() if axis == "transport" and limit is not None] == [
-        "fsdp pytorch [shm] / fsdp pytorch [torch]"]
+        "fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]"]
+    assert {v.base for v in bench.VARIANTS.values() if v.transport == "dpkit"} == {"ddp pytorch", "fsdp pytorch"}
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
-    assert bench.select(["fsdp pytorch", "zero ours [shm]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shm]", "zero ours [shm]"]
+    assert bench.select(["fsdp pytorch", "zero ours [shm]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shm]",
+                                                                "fsdp pytorch [dpkit]", "zero ours [shm]"]
     with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
         bench.select(["zero ours blocking"])
     every = list(bench.VARIANTS)
@@ -92,7 +98,8 @@ def _targets_measured(names: list[str]) -> set[str]:
 
 def test_each_sharding_experiment_measures_the_targets_it_is_for():
     """The quick sweep and resnet18: every engine target on [torch] and [shm], ZeRO / DDP, the transports;
-    sharding_gpt: fully_shard on shared memory against gloo at the GPT's default size (where its limit holds)."""
+    sharding_gpt: fully_shard on shared memory and on a "dpkit" group against gloo at the GPT's default size (where
+    its limit holds)."""
     for name in ("sharding", "sharding_resnet18"):
         measured = _targets_measured(_experiment_args(name).variants)
         for t in ("torch", "shm"):
@@ -103,8 +110,8 @@ def test_each_sharding_experiment_measures_the_targets_it_is_for():
     for quick in (True, False):
         args = _experiment_args("sharding_gpt", quick)
         measured = _targets_measured(args.variants)
-        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "ddp ours [shm] / ddp pytorch [shm]",
-                "zero ours [shm] / ddp ours [shm]"} <= measured
+        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]",
+                "ddp ours [shm] / ddp pytorch [shm]", "zero ours [shm] / ddp ours [shm]"} <= measured
         assert bench.SCOPES["gpt default"][1]("gpt", args)
     assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
 
@@ -160,9 +167,24 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
         assert row["activation_bytes"] > 0 and row["peak_bytes"] >= row["params_bytes"] + row["state_bytes"]
         assert row["transport"] == bench.VARIANTS[name].transport
         assert row["transport_detail"] == {"torch": "torch (gloo)", "shm": "shared_memory",
-                                           "shm-thread": "shared_memory"}[row["transport"]], name
+                                           "shm-thread": "shared_memory", "dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
     assert measured["zero ours [shm]"]["exposed_comm_s"] > 0
+
+
+def test_pytorchs_engines_train_on_a_dpkit_process_group_beside_gloo_with_the_transport_ratio(rows):
+    """The tiny run's "ddp pytorch" and "fsdp pytorch" ran on [dpkit] too (the same builders, given that group):
+    each has its times and the same model-state bytes as on [torch], and a target row against [torch] (the
+    0.85 limit of fully_shard holds at the GPT's default size only: here for information)."""
+    m = measured_rows(rows)
+    for base in ("ddp pytorch", "fsdp pytorch"):
+        backed, gloo = m[f"{base} [dpkit]"], m[f"{base} [torch]"]
+        assert 0 < backed["p50_s"] and backed["model_state_bytes"] == gloo["model_state_bytes"], base
+        (target,) = [r for r in rows if r.get("target") == f"{base} [dpkit] / {base} [torch]"]
+        assert target["axis"] == "transport" and target["limit"] is None and target["verdict"] == "-"
+        assert target["ratio"]["median"] == pytest.approx(float(np.median(
+            np.divide(backed["round_p50_s"], gloo["round_p50_s"]))))
+    assert [r["scoped_limit"] for r in rows if r.get("target") == "fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == [0.85]
 
 
 def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
@@ -172,7 +194,7 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
     params = model_tensors()
     buffers = WORLD * -(-sum(p.numel() for p in params) // WORLD) * 4  # (n, largest share) float32, one bucket
     for name, row in m.items():
-        if row["transport"] == "torch":
+        if row["transport"] in ("torch", "dpkit"):  # "dpkit": the backend's slots are its group's, not counted
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
