@@ -1,27 +1,28 @@
-"""All-reduce, reduce-scatter and all-gather in the conventions of nccl-tests, on two axes, every row labelled.
+"""Collectives in the conventions of nccl-tests, on three axes, every row labelled.
 
     python collectives_benchmark.py --procs 2 4 --json results/collectives.json --plot-dir results/plots
     python collectives_benchmark.py --quick --plot-dir results/plots           # a few sizes
     python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
     python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
+    python collectives_benchmark.py --axis backends --procs 2 4              # torch.distributed on "dpkit" / gloo
     python collectives_benchmark.py --tune                                      # results/crossover.json (auto's)
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
     torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
 
 * Algorithms (all-reduce): every point-to-point algorithm of ``allreduce.py`` and ``auto`` against
   ``torch.distributed.all_reduce``, all over gloo: algorithm against algorithm on the same wire.
-* Transports (``transport.py``; all three collectives): ``Torch`` (gloo, loopback TCP) against
-  ``SharedMemory`` with buffers from its ``allocate()`` ("zero copy") and with plain tensors ("staged":
-  copied into the shared arena and back), and ``MessagePassing`` ("p2p": auto for the all-reduce, the
-  ring for the others). Shared memory's algorithm is "direct": rank r sums chunk r where it lies.
+* Transports (``transport.py``; all-reduce, reduce-scatter, all-gather): ``Torch`` (gloo) against ``SharedMemory``
+  on buffers from its ``allocate()`` ("zero copy") and on plain tensors ("staged": copied in and out), and
+  ``MessagePassing`` ("p2p": auto for the all-reduce, else the ring). Shared memory sums chunk r on rank r.
+* Backends: torch.distributed's own calls (``BACKEND_CALLS``) on a group of the backend "dpkit" against gloo,
+  and the all-reduce's latency floor (``dpkit.bench.backend_latency``: dispatch, the wait, the reduction).
 
-Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB =
-2^20 bytes) and axis: one untimed call on a pattern whose sum is exact in float32 (any error is a bug),
-then timed calls taking turns call by call, each as slow as its slowest rank, paired round by round
-with torch's call: the ratio is the median over rounds with its 95 % bootstrap interval, judged
-against ``TARGETS`` and stored with the rows. busbw = algbw x 2(n-1)/n for the all-reduce, x (n-1)/n
-for the others (nccl-tests). The algorithms get a latency-bandwidth model T = steps x alpha + bytes x
-beta (``model_terms``).
+Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20
+bytes) and axis: one untimed call on a pattern whose result is exact in float32 (any error is a bug), then
+timed calls taking turns call by call, each as slow as its slowest rank, paired round by round with the
+axis's reference (torch's call; gloo's on the backend axis): the ratio is the median over rounds with its
+95 % bootstrap interval, judged against ``TARGETS`` and stored with the rows. busbw = algbw x ``bus_factor``
+(nccl-tests). The algorithms get a latency-bandwidth model T = steps x alpha + bytes x beta (``model_terms``).
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 import allreduce
-from dpkit.bench.collectives import (AXIS_TITLES, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size, labelled,
-                                     parse_size, ratio_of)
+from dpkit.bench.collectives import (AXIS_TITLES, BACKEND, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size,
+                                     labelled, parse_size, ratio_of)
 from dpkit import compat
-from dpkit.bench import harness
-from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
+from dpkit.bench import backend_latency, harness
+from dpkit.bench.measure import Timing, format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import incomplete_note, markdown_table, read_results, write_results
-from dpkit.comm import transport
+from dpkit.comm import backend, transport
 from dpkit.comm.process_groups import add_common_args, message_device, parse_checked, print0, progress
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
@@ -53,7 +55,16 @@ TUNE_PROCS = [2, 3, 4, 8]
 PERIOD = 1024  # the correctness pattern repeats every PERIOD elements
 LARGE = (10 << 20, 100 << 20)
 COLLECTIVES = ("allreduce", "reduce_scatter", "all_gather")
-AXES = {"algorithms": ("algorithm",), "transports": ("transport",), "both": ("algorithm", "transport")}
+AXES = {"algorithms": ("algorithm",), "transports": ("transport",), "both": ("algorithm", "transport"),
+        "backends": ("backend",), "all": ("algorithm", "transport", "backend")}
+# The backend axis: torch.distributed's call of each collective (tensor forms) on a "dpkit" group and on a gloo
+# group over the same ranks, from one element up (a barrier once); the all-reduce's latency floor at FLOOR_SIZES.
+BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
+                 "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                 "all_to_all": "all_to_all_single", "barrier": "barrier"}
+BACKEND_SIZES = ["4", "4KB", "64KB", "1MB", "10MB", "100MB"]
+BACKEND_REPEAT, BACKEND_BATCH_BYTES = 64, 1 << 20  # calls timed back to back: up to 64, about 1 MiB in all
+FLOOR_SIZES, FLOOR_ROUNDS, FLOOR_CALLS = (4 << 10, 64 << 10), 5, 500
 ZERO_COPY = TRANSPORTS["zero_copy"]
 # (axis, label, sizes it applies to or None for every size, process counts or None for any, largest p50 /
 # torch's p50 on that axis). Algorithms: the ring within 10 % of torch at 10 and 100 MB (the first
@@ -62,7 +73,8 @@ ZERO_COPY = TRANSPORTS["zero_copy"]
 TARGET = 1.10
 TARGETS = [("algorithm", "ring", LARGE, None, TARGET), ("algorithm", "auto", None, None, TARGET),
            ("algorithm", "auto", LARGE, None, 1.00),
-           ("transport", ZERO_COPY, (10 << 20,), (2,), 0.45), ("transport", ZERO_COPY, (100 << 20,), (2,), 0.30)]
+           ("transport", ZERO_COPY, (10 << 20,), (2,), 0.45), ("transport", ZERO_COPY, (100 << 20,), (2,), 0.30),
+           ("backend", BACKEND, (4 << 10, 64 << 10), (2,), 0.25)]  # dist.all_reduce on "dpkit" / on gloo, 2 ranks
 # Reduce-scatter and all-gather: p2p (the ring) at 10 and 100 MB. gloo emulates reduce-scatter with a full
 # all-reduce (twice the bytes of a ring reduce-scatter), so ours should be well under torch's time there.
 COLLECTIVE_TARGETS = {"reduce_scatter": 0.70, "all_gather": 1.10}
@@ -89,8 +101,7 @@ def fill_pattern(x: torch.Tensor, rank: int) -> None:
 
 def pattern_error(x: torch.Tensor, world_size: int) -> float:
     """Largest |x - exact sum of every rank's pattern| (the sum is n (i mod PERIOD) + n(n-1)/2)."""
-    pattern = torch.arange(PERIOD, dtype=torch.float64, device=x.device)
-    expected = world_size * pattern + world_size * (world_size - 1) / 2
+    expected = world_size * torch.arange(PERIOD, dtype=torch.float64, device=x.device) + world_size * (world_size - 1) / 2
     worst = 0.0
     for _, block in _blocks(x):
         full = block.numel() // PERIOD
@@ -125,6 +136,7 @@ class Contender:
     check: Callable[[], float]
     choice: str | None = None
     inputs: tuple[torch.Tensor, ...] = ()  # the tensors it works on
+    repeat: int = 1  # calls ``call`` makes back to back: its time is divided by it
 
 
 def _worst(ctx, error: float) -> float:
@@ -135,19 +147,20 @@ def _worst(ctx, error: float) -> float:
 
 
 def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: int, iters: int, warmup: int,
-            setup: Callable[[], object] | None = None) -> list[dict]:
+            setup: Callable[[], object] | None = None, reference: str = "torch") -> list[dict]:
     """Check every contender, then time them taking turns call by call (``calls`` rounds; ``setup`` refills
-    the inputs, untimed, before each call); one row each, the same on every rank, its ratio paired with the
-    calls of the contender labelled "torch" in the same rounds."""
+    the inputs, untimed, before each call); one row each, the same on every rank, its ratio (``vs_torch``)
+    paired with the calls of the contender labelled ``reference`` in the same rounds."""
     errors = {c.label: _worst(ctx, c.check()) for c in contenders}
     rounds = calls(size, iters)
     timings = time_interleaved({c.label: c.call for c in contenders}, rounds, warmup, rounds=rounds, device=ctx.device,
                                setup=setup)
     n, rows = ctx.world_size, []
+    timings = {c.label: Timing(timings[c.label].per_rank / c.repeat) for c in contenders}  # seconds per call
     for c in contenders:
         timing = timings[c.label]
         algbw = size / timing.mean / 1e9
-        ratio = paired_ratio(timing.samples, timings["torch"].samples) if "torch" in timings else None
+        ratio = paired_ratio(timing.samples, timings[reference].samples) if reference in timings else None
         rows.append({"backend": ctx.backend, "world_size": n, "collective": collective, "axis": axis,
                      "transport": c.transport, "algorithm": c.algorithm, "label": c.label, "bytes": size,
                      "dtype": "float32", "avg_s": timing.mean, "p50_s": timing.median, "p95_s": timing.percentile(95),
@@ -155,7 +168,8 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
-                     "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one call per round
+                     "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one timed call per round
+                     "calls_per_round": c.repeat,
                      "oversubscribed": oversubscribed(n, ctx.device), "choice": c.choice,
                      "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0})
     return rows
@@ -303,6 +317,120 @@ def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, w
     return rows
 
 
+# --------------------------------------------------------------------------- backends (torch.distributed's own calls)
+
+
+def backend_groups() -> dict[str, object]:
+    """Row label -> a group over the world's ranks: gloo's, the reference, and the backend "dpkit"'s (made once
+    per world, in this order on every rank: ``new_group`` is a collective)."""
+    return {"gloo": dist.new_group(backend="gloo"), BACKEND: dist.new_group(backend=backend.NAME)}
+
+
+def _backend_numel(collective: str, nbytes: int, n: int) -> int:
+    """float32 elements of the full tensor: nbytes / 4, at least one; for the sharded collectives and
+    all-to-all a multiple of the world size, at least one element per rank (nccl-tests); none for a barrier."""
+    if collective == "barrier":
+        return 0
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return max(n, nbytes // 4 // n * n)
+    return max(1, nbytes // 4)
+
+
+def backend_call(collective: str, group, full: torch.Tensor, part: torch.Tensor) -> Callable[[], object]:
+    """One torch.distributed call on ``group``; ``full`` is the whole tensor, ``part`` a shard (all-gather,
+    reduce-scatter) or all-to-all's output. Broadcast and reduce: the group's first rank is the root."""
+    root = dist.get_global_rank(group, 0)
+    return {"allreduce": lambda: dist.all_reduce(full, group=group),
+            "broadcast": lambda: dist.broadcast(full, root, group=group),
+            "reduce": lambda: dist.reduce(full, root, group=group),
+            "all_gather": lambda: compat.all_gather_single(full, part, group=group),
+            "reduce_scatter": lambda: compat.reduce_scatter_single(part, full, group=group),
+            "all_to_all": lambda: dist.all_to_all_single(part, full, group=group),
+            "barrier": lambda: dist.barrier(group=group)}[collective]
+
+
+def backend_error(ctx, collective: str, call, full: torch.Tensor, part: torch.Tensor) -> float:
+    """One untimed call on an exact pattern: this rank's largest error (a barrier moves no data: 0)."""
+    n = ctx.world_size
+    if collective in ("all_gather", "reduce_scatter"):
+        return _sharded_error(ctx, collective, call, full, part)
+    if collective == "all_to_all":  # chunk j of rank r holds (i mod PERIOD) + PERIOD (r n + j); it lands at rank j
+        chunks = full.view(n, -1)
+        for j in range(n):
+            fill_pattern(chunks[j], 0)
+            chunks[j].add_(PERIOD * (ctx.rank * n + j))
+        part.fill_(-1.0)
+        call()
+        expected = torch.empty_like(part).view(n, -1)
+        for s in range(n):
+            fill_pattern(expected[s], 0)
+            expected[s].add_(PERIOD * (s * n + ctx.rank))
+        return (part - expected.view(-1)).abs().max().item()
+    if collective == "broadcast":  # the root holds the pattern's sum, the others zeros
+        fill_pattern(full, 0)
+        if ctx.rank == 0:
+            full.mul_(n).add_(n * (n - 1) / 2)
+        else:
+            full.zero_()
+    elif collective in ("allreduce", "reduce"):
+        fill_pattern(full, ctx.rank)
+    call()
+    if collective == "barrier" or (collective == "reduce" and ctx.rank != 0):
+        return 0.0  # reduce: only the root's result is defined
+    return pattern_error(full, n)
+
+
+def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object]
+                       ) -> tuple[list[Contender], Callable[[], object] | None, int]:
+    """The backend axis at one size: the same torch.distributed call on each group of ``groups``, on the same
+    tensors; (contenders, the refill before each timed call or None, bytes)."""
+    n = ctx.world_size
+    numel = _backend_numel(collective, nbytes, n)
+    full = torch.empty(numel, dtype=torch.float32)
+    part = torch.empty(numel // n if collective in ("all_gather", "reduce_scatter") else numel, dtype=torch.float32)
+    # Short calls are timed back to back, BACKEND_BATCH_BYTES at a time (as nccl-tests times a loop): one call
+    # alone would time mostly how far apart the ranks leave the barrier before it.
+    repeat = max(1, min(BACKEND_REPEAT, BACKEND_BATCH_BYTES // max(4, numel * 4)))
+    contenders = []
+    for label, group in groups.items():
+        call = backend_call(collective, group, full, part)
+        contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}",
+                                    functools.partial(_repeated, call, repeat),
+                                    functools.partial(backend_error, ctx, collective, call, full, part), None,
+                                    (full, part), repeat))
+    # All-reduce and reduce sum in place: zeros (refilled, untimed, before each timed batch) stay zeros.
+    setup = full.zero_ if collective in ("allreduce", "reduce") else None
+    return contenders, setup, numel * 4
+
+
+def _repeated(call: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        call()
+
+
+def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, warmup: int, floor_calls: int,
+                   earlier: list[dict] = ()) -> list[dict]:
+    """The backend axis: every collective at every size (a barrier once, of no bytes), then the latency floor
+    of the backend's all-reduce at FLOOR_SIZES (``backend_latency.floor_rows``). CPU tensors only. ``earlier``:
+    the rows this world measured before, kept with these (``harness.keep``)."""
+    if ctx.device.type != "cpu" or ctx.world_size < 2 or not collectives:
+        print0(f"no backend rows: the backend {backend.NAME!r} compares CPU tensors between 2 or more processes")
+        return []
+    groups, rows = backend_groups(), []
+    for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
+        for nbytes in sizes[:1] if collective == "barrier" else sizes:
+            contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups)
+            rows += measure(ctx, collective, "backend", contenders, size, iters, warmup, setup, reference="gloo")
+            harness.keep(ctx, [*earlier, *rows])
+    for nbytes in FLOOR_SIZES if floor_calls else ():
+        rows += [{**row, "backend": ctx.backend, "kind": "latency floor",
+                  "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
+                 for row in backend_latency.floor_rows(ctx.world_size, nbytes, floor_calls, FLOOR_ROUNDS,
+                                                       groups[BACKEND], groups["gloo"])]
+        harness.keep(ctx, [*earlier, *rows])
+    return rows
+
+
 # --------------------------------------------------------------------------- the latency-bandwidth model
 
 
@@ -343,8 +471,7 @@ def crossover_table(rows: list[dict]) -> dict[int, tuple]:
         names = sorted({r["algorithm"] for r in mine})
         p50 = {(r["algorithm"], r["bytes"]): r["p50_s"] for r in mine}
         # log(p50 / fastest p50) per (algorithm, size); an algorithm not measured at a size never wins there.
-        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50
-                    else math.inf
+        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50 else math.inf
                     for a in names for s in sizes}
         winners = []
         for i, size in enumerate(sizes):
@@ -373,14 +500,19 @@ COLUMNS = {
     "algorithm": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "algorithm", "s"),
                   ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"), ("p95_ms", "p95 ms", ".3f"),
                   ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
-                  ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
     "transport": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "transport", "s"),
                   ("algorithm", "algorithm", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
                   ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
-                  ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+    "backend": [("world_size", "procs", "d"), ("algorithm", "call", "s"), ("size", "size", "s"),
+                ("label", "backend", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
+                ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
+                ("ratio", "p50 / gloo [95% CI]", "s"), ("max_abs_error", "max error", ".1e")],
 }
+FLOOR_COLUMNS = [("world_size", "procs", "d"), ("size", "size", "s"), ("case", "case", "s"), ("us", "us per call", ".1f")]
+# The row each axis's ratios divide by.
+REFERENCES = {"algorithm": "torch", "transport": "torch", "backend": "gloo"}
 MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), ("alpha_us", "alpha us/step", ".1f"),
                  ("gbps", "1/beta GB/s", ".3f"), ("max_rel_error", "worst |pred - meas| / meas", ".2f")]
 
@@ -399,7 +531,8 @@ def target_checks(rows: list[dict]) -> list[dict]:
     for row in map(labelled, rows):
         collective = row.get("collective", "allreduce")
         targets = TARGETS if collective == "allreduce" else [
-            ("transport", TRANSPORTS["p2p"], LARGE, None, COLLECTIVE_TARGETS[collective])]
+            ("transport", TRANSPORTS["p2p"], LARGE, None, COLLECTIVE_TARGETS[collective])
+        ] if collective in COLLECTIVE_TARGETS else []
         for axis, label, sizes, worlds, limit in targets:
             if (row["axis"], row["label"]) != (axis, label) or row.get("vs_torch") is None:
                 continue
@@ -410,6 +543,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
                 continue
             checks.append({"collective": collective, "axis": axis, "label": label, "algorithm": row["algorithm"],
                            "world_size": row["world_size"], "bytes": near, "limit": limit, "ratio": ratio_of(row),
+                           "reference": REFERENCES[axis],
                            "verdict": verdict(ratio_of(row), limit), "oversubscribed": bool(row.get("oversubscribed")),
                            "row": row})
     return checks
@@ -420,7 +554,8 @@ def target_line(check: dict) -> str:
     name = check["label"] if check["axis"] == "algorithm" else f"{NAMES[check['collective']]} through {check['label']}"
     label = (f" [oversubscribed: {check['world_size']} processes on {os.cpu_count()} cores]"
              if check["oversubscribed"] else "")
-    return (f"target {name} <= {check['limit']:.2f}x torch, {check['world_size']} processes, "
+    reference = check.get("reference", "torch")
+    return (f"target {name} <= {check['limit']:.2f}x {reference}, {check['world_size']} processes, "
             f"{format_size(check['bytes'])}: {_ratio_text(check['row'])} {check['verdict']}{label}")
 
 
@@ -435,11 +570,25 @@ def stored_targets(rows: list[dict]) -> list[dict]:
             for check in target_checks(allreduce_rows(rows))]
 
 
+def floor_table(rows: list[dict]) -> list[str]:
+    """The backend's latency floor (rows of ``backend_latency.floor_rows``), one table, oversubscribed runs said so."""
+    floor = [r for r in rows if r.get("kind") == "latency floor"]
+    if not floor:
+        return []
+    crowded = sorted({r["world_size"] for r in floor if r.get("oversubscribed")})
+    note = f" (oversubscribed: {', '.join(map(str, crowded))} processes on {os.cpu_count()} cores)" if crowded else ""
+    shown = [{**r, "size": format_size(r["bytes"]), "us": r["seconds_per_call"] * 1e6} for r in floor]
+    return ["", f"## the all-reduce's latency floor on {backend.NAME!r} and what it is made of "
+                f"(dpkit/bench/backend_latency.py){note}", "", markdown_table(shown, FLOOR_COLUMNS)]
+
+
 def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
-    """One table per axis, the correctness line, the targets, the model and the one-step rows."""
+    """One table per axis, the correctness line, the targets, the model, the one-step rows and the backend's
+    latency floor."""
+    floor = floor_table(rows)
     rows = allreduce_rows(rows)
     lines = []
-    for axis in ("algorithm", "transport"):
+    for axis in ("algorithm", "transport", "backend"):
         mine = [row for row in rows if row["axis"] == axis]
         if not mine:
             continue
@@ -447,7 +596,9 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
         collectives = ", ".join(NAMES[c] for c in dict.fromkeys(row.get("collective", "allreduce") for row in mine))
         shown = [{**row, "size": format_size(row["bytes"]), "avg_ms": row["avg_s"] * 1e3, "p50_ms": row["p50_s"] * 1e3,
                   "p95_ms": row["p95_s"] * 1e3, "ratio": _ratio_text(row)} for row in mine]
-        lines += [f"## {collectives}: {AXIS_TITLES[axis].format(backend=backends)}", "",
+        crowded = sorted({row["world_size"] for row in mine if row.get("oversubscribed")})
+        note = f" (oversubscribed: {', '.join(map(str, crowded))} processes on {os.cpu_count()} cores)" if crowded else ""
+        lines += [f"## {collectives}: {AXIS_TITLES[axis].format(backend=backends)}{note}", "",
                   markdown_table(shown, COLUMNS[axis]), ""]
     wrong = [row for row in rows if not row["correct"]]
     lines.append(f"correctness: {'all exact' if not wrong else f'{len(wrong)} WRONG results: ' + str(wrong)}")
@@ -459,7 +610,7 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
     for row in p2p or []:
         lines.append(f"one step, {row['engine']:>4}: {format_size(row['bytes']):>6}: {row['step_s'] * 1e6:10.1f} us, "
                      f"{row['step_gbps']:.3f} GB/s")
-    return "\n".join(lines)
+    return "\n".join(lines + floor)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -477,16 +628,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what to time; reduce_scatter and all_gather are compared on the transport axis only "
                              "(default: %(default)s)")
     parser.add_argument("--axis", choices=tuple(AXES), default=None,
-                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, "
-                             "all over one backend; transports: transport.py's Torch, SharedMemory "
-                             "(zero copy and staged) and MessagePassing (p2p) (default: both for allreduce, transports "
-                             "for the others, algorithms with --tune)")
+                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, all "
+                             "over one backend; transports: transport.py's Torch, SharedMemory (zero copy and staged) "
+                             "and MessagePassing (p2p); backends: torch.distributed's collectives on a \"dpkit\" group "
+                             "against a gloo group (--backend-collectives); all: the three (default: both for "
+                             "allreduce, transports for the others, algorithms with --tune)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
     parser.add_argument("--transports", nargs="+", choices=tuple(TRANSPORTS), default=None,
                         help="the transport axis: " + ", ".join(f"{k} ({v})" for k, v in TRANSPORTS.items())
                              + "; 'torch' is the reference (default: all)")
+    parser.add_argument("--backend-collectives", nargs="+", choices=tuple(BACKEND_CALLS), default=None,
+                        help=f"the backend axis: these calls, each on a {backend.NAME!r} group and a gloo group (default: "
+                             "all)")
+    parser.add_argument("--backend-sizes", type=parse_size, nargs="+", default=None,
+                        help=f"the backend axis's message sizes (default: {' '.join(BACKEND_SIZES)})")
+    parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
+                        help="the backend axis: back-to-back calls per round of the latency floor "
+                             f"(backend_latency.py) at {', '.join(map(format_size, FLOOR_SIZES))}; 0: none "
+                             "(default: %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
                         help=f"timed calls (rounds) per size and contender, {SMALL_CALLS} times as many up to "
                              f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
@@ -519,19 +680,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = {"procs": TUNE_PROCS if args.tune else [2, 4], "sizes": TUNE_SIZES if args.tune else DEFAULT_SIZES,
                 "axis": "algorithms" if args.tune else "transports" if sharded else "both",
                 "algorithms": list(allreduce.CUSTOM) if args.tune else list(allreduce.ALGORITHMS),
-                "transports": list(TRANSPORTS), "iters": 20, "warmup": 5}
+                "transports": list(TRANSPORTS), "backend_collectives": list(BACKEND_CALLS),
+                "backend_sizes": BACKEND_SIZES, "iters": 20, "warmup": 5}
     if args.quick:
         defaults.update(QUICK)
     for key, value in defaults.items():  # explicit flags win over --quick and --tune
         if getattr(args, key) is None:
-            setattr(args, key, [parse_size(v) for v in value] if key == "sizes" else value)
-    if args.iters < 1 or args.warmup < 0 or min(args.procs) < 1 or min(args.sizes) < 4 or args.in_flight < 1:
-        parser.error("--iters, --procs and --in-flight must be at least 1, --warmup at least 0, sizes at least 4 bytes")
+            setattr(args, key, [parse_size(v) for v in value] if key in ("sizes", "backend_sizes") else value)
+    if (args.iters < 1 or args.warmup < 0 or min(args.procs) < 1 or min(args.sizes + args.backend_sizes) < 4
+            or args.in_flight < 1 or args.floor_calls < 0):
+        parser.error("--iters, --procs and --in-flight must be at least 1, --warmup and --floor-calls at least 0, "
+                     "sizes at least 4 bytes")
+    if sharded and args.axis in ("backends", "all"):
+        parser.error(f"--collective {args.collective} is of the transport axis; the backend axis takes "
+                     "--backend-collectives")
     # What is measured, as the results file's config will say: an axis left out measures nothing.
     if "algorithm" not in AXES[args.axis] or sharded:
         args.algorithms = []
     if "transport" not in AXES[args.axis]:
         args.transports = []
+    if "backend" not in AXES[args.axis]:
+        args.backend_collectives = []
     return args
 
 
@@ -544,6 +713,9 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
     against one of gloo's (rows with "engine")."""
     rows = benchmark_worker(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args), args.collective,
                             args.transports)
+    if args.backend_collectives:
+        rows += backend_worker(ctx, args.backend_collectives, args.backend_sizes, args.iters, args.warmup,
+                               args.floor_calls, rows)
     steps = ctx.world_size == 2 and args.collective == "allreduce" and args.algorithms and not args.tune
     return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
 

@@ -7,6 +7,7 @@
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --profile traces/
 
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --transports torch shm shm-thread   # + a comm thread
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants pytorch-best --transports torch dpkit
 
 An iteration is forward, cross-entropy, backward, gradient synchronisation, SGD with momentum
 and ``zero_grad(set_to_none=True)`` on random inputs made once per rank. Every variant (no DDP,
@@ -30,6 +31,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
@@ -38,6 +40,7 @@ from dpkit.bench import harness
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
 from dpkit.bench.results import format_environment, read_results, write_durably
+from dpkit.comm import backend
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
@@ -71,10 +74,12 @@ TARGET_MEMORY = 1.00  # bucketed 25M peak memory / the same PyTorch row's
 TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and bucketed on asynchronous transports
 TARGET_HOOK = 0.95  # transport: PyTorch's DDP summing through our shared memory (its comm hook) / through gloo
 TARGET_VS_NO_DDP = 1.15  # bucketed 25M on the default transport / no DDP at all
+TARGET_BACKEND = 0.93  # transport: PyTorch's DDP (best settings), unchanged, on a "dpkit" process group / on gloo
 # How the gradients travel (a column of every row): "torch", torch.distributed's collectives on the process
 # group's backend (gloo here, NCCL on GPUs); "shm", this host's shared memory (transport.SharedMemory), summed
-# in the caller's thread; "shm-thread", the same on a communication thread (asynchronous, so it can overlap).
-TRANSPORTS = ("torch", "shm", "shm-thread")
+# in the caller's thread; "shm-thread", the same on a communication thread (asynchronous, so it can overlap);
+# "dpkit", PyTorch's DDP unchanged on a process group of the backend "dpkit" (its rows only: PyTorch's).
+TRANSPORTS = ("torch", "shm", "shm-thread", "dpkit")
 CPU_TRANSPORTS = ("torch", "shm")  # the default on a CPU; on a GPU only "torch"
 ASYNCHRONOUS = ("torch", "shm-thread")  # the transports whose sums can hide behind backward
 MIB = 2**20
@@ -109,22 +114,23 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
 
     PyTorch's DDP at its defaults runs at every bucket size (and its default 25) with its own communication
     (transport torch): seed 004's rows. At its best settings it runs at 25 only, the reference of the
-    targets, on every transport (shared memory through ``transport.ddp_comm_hook``) but the communication
-    thread, which its hook cannot use. Naive and flat sum after backward: a thread adds nothing to them."""
+    targets, on every transport (shared memory through ``transport.ddp_comm_hook``; "dpkit": its process group)
+    but the communication thread, which its hook cannot use. Naive and flat sum after backward: a thread adds
+    nothing to them. Only PyTorch's DDP runs on "dpkit": the backend is for engines that take a process group."""
     variants = [Variant(NO_DDP)]
     for kind in DDP_KINDS:
         if kind not in kinds:
             continue
-        inline = [t for t in transports if t != "shm-thread"]
+        inline = [t for t in transports if t not in ("shm-thread", "dpkit")]
         if kind == "pytorch":
             variants += [Variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
         elif kind == "pytorch-best":
-            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in inline]
+            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, "dpkit"] if t in transports]
         elif kind == "bucketed":
-            variants += [Variant(kind, mb, t) for t in transports for mb in bucket_sizes]
+            variants += [Variant(kind, mb, t) for t in transports if t != "dpkit" for mb in bucket_sizes]
         else:
             variants += [Variant(kind, 0.0 if kind == "overlap" else None, t)
-                         for t in (transports if kind == "overlap" else inline)]
+                         for t in (transports if kind == "overlap" else inline) if t != "dpkit"]
     return variants
 
 
@@ -219,9 +225,17 @@ def make_transports(names, device: torch.device) -> dict[str, transports.Transpo
     for name in (t for t in TRANSPORTS if t in set(names)):
         if name == "shm-thread":
             made[name] = transports.SharedMemory(background=True)
+        elif name == "dpkit":
+            made[name] = backend_transport()
         else:
             made[name] = transports.resolve("shared_memory" if name == "shm" else "torch", device=device)
     return made
+
+
+def backend_transport() -> transports.Transport:
+    """torch.distributed's collectives on a new group of the backend "dpkit" over every rank (a collective):
+    its group is what PyTorch's DDP is given on "dpkit"."""
+    return transports.Torch(dist.new_group(backend=backend.NAME))
 
 
 def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
@@ -235,9 +249,11 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         # PyTorch's default), ours then needs no used-flags in its buckets. PyTorch's DDP on "torch" keeps
         # its own built-in communication (no hook).
         pytorch = variant.kind in PYTORCH_KINDS
-        transport = None if pytorch and variant.transport == "torch" else made[variant.transport]
-        model = make_ddp("pytorch" if pytorch else variant.kind, module, bucket_mb, find_unused_parameters=False,
-                         transport=transport, **options)
+        own = pytorch and variant.transport in ("torch", "dpkit")  # its built-in communication, on that group
+        transport = None if own else made[variant.transport]
+        group = made[variant.transport].group if variant.transport == "dpkit" else None
+        model = make_ddp("pytorch" if pytorch else variant.kind, module, bucket_mb, process_group=group,
+                         find_unused_parameters=False, transport=transport, **options)
     return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
 
 
@@ -529,10 +545,15 @@ def target_checks(rows: list[dict]) -> list[dict]:
                     checks.append(_check(block, world, "peak memory / same pytorch row", ours["label"],
                                          theirs["label"], _exact(ours["peak_bytes"] / theirs["peak_bytes"]),
                                          TARGET_MEMORY, oversub))
-        hooked, own = (by_label.get(Variant("pytorch-best", PYTORCH_DEFAULT_BUCKET_MB, t).label) for t in ("shm", "torch"))
+        hooked, own, backed = (by_label.get(Variant("pytorch-best", PYTORCH_DEFAULT_BUCKET_MB, t).label)
+                               for t in ("shm", "torch", "dpkit"))
         if hooked and own:
             checks.append(_check(block, world, "p50 / the same engine on torch", hooked["label"], own["label"],
                                  paired_ratio(hooked["round_p50_s"], own["round_p50_s"]), TARGET_HOOK, oversub,
+                                 axis="transport"))
+        if backed and own:
+            checks.append(_check(block, world, "p50 / the same engine on torch", backed["label"], own["label"],
+                                 paired_ratio(backed["round_p50_s"], own["round_p50_s"]), TARGET_BACKEND, oversub,
                                  axis="transport"))
         ours, base = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, "shm").label), by_label.get("no ddp")
         if ours and base:
@@ -631,7 +652,8 @@ def targets_text(checks: list[dict]) -> list[str]:
     lines = ["Targets (set for CPU, 2 ranks, resnet18), each on one axis. Engine, on one transport: bucketed 25M p50 "
              f"<= {TARGET_VS_PYTORCH:.2f} x the faster PyTorch 25M row, peak memory <= {TARGET_MEMORY:.2f} x that "
              f"row's. Transport, under one engine: PyTorch's DDP (best settings) through our shared memory <= "
-             f"{TARGET_HOOK:.2f} x through its own gloo; our bucketed 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
+             f"{TARGET_HOOK:.2f} x through its own gloo, on a \"dpkit\" process group <= {TARGET_BACKEND:.2f} x on "
+             f"gloo; our bucketed 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
              f"no DDP. Overlap, on asynchronous transports: exposed wait <= {TARGET_HIDDEN:.2f} x naive's all-reduce "
              "time. Ratios paired by round within one run, [95 % bootstrap interval over rounds]: met (interval at or "
              "below), missed (above), inconclusive (straddles)."]
@@ -669,7 +691,8 @@ def legend(config: dict) -> list[str]:
         "* [torch]: torch.distributed's collectives on the backend (gloo: loopback TCP between the processes of "
         "one host; PyTorch's DDP with its own built-in communication); [shm]: this host's shared memory "
         "(transport.SharedMemory; PyTorch's DDP through transport.ddp_comm_hook), summed in the thread that "
-        "completes a bucket; [shm-thread]: the same on a communication thread",
+        "completes a bucket; [shm-thread]: the same on a communication thread; [dpkit]: PyTorch's DDP unchanged "
+        "on a process group of the backend \"dpkit\" (dpkit/comm/backend.py: this host's shared memory)",
         "* a * after the world size: more processes than CPU cores (oversubscribed): for information only",
     ]
 
@@ -786,7 +809,8 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=None,
                         help="how the gradients travel: torch (torch.distributed on the backend: gloo's loopback TCP "
                              "between the processes of one host, NCCL on GPUs), shm (this host's shared memory, "
-                             "summed in the caller's thread), shm-thread (the same on a communication thread); "
+                             "summed in the caller's thread), shm-thread (the same on a communication thread), dpkit "
+                             "(PyTorch's DDP unchanged on a process group of the backend \"dpkit\": its rows only); "
                              f"every DDP row runs on each (default: {' '.join(CPU_TRANSPORTS)} on CPU, torch on GPU)")
     parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=None,
                         metavar="MIB", help="bucket caps in MiB for bucketed and pytorch; pytorch also runs at its "
@@ -843,7 +867,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
     device = check_placement(parser, args)
     if args.transports and set(args.transports) - {"torch"} and device == "cuda":
-        parser.error("--transports shm and shm-thread take CPU tensors: on CUDA use --transports torch")
+        parser.error("--transports shm, shm-thread and dpkit take CPU tensors: on CUDA use --transports torch")
     if args.gpt_width % args.gpt_heads:
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:

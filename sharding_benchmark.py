@@ -13,7 +13,8 @@ A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<tra
 brackets in --variants: every transport it is registered on). [torch] is torch.distributed's collectives
 (PyTorch's engines as they come); [shm] is ``transport.SharedMemory``, for PyTorch's DDP through
 ``transport.ddp_comm_hook`` and for ``fully_shard`` through ``transport.use_with_fully_shard``;
-[shm-thread] the same on a communication thread. ``ZeroRedundancyOptimizer`` takes no transport: "zero
+[shm-thread] the same on a communication thread; [dpkit] PyTorch's DDP and ``fully_shard`` unchanged on a
+process group of the backend "dpkit". ``ZeroRedundancyOptimizer`` takes no transport: "zero
 pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one axis
 only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
 transport's gain. With one process there is no communication: only [torch] runs.
@@ -33,8 +34,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 # At the top, before the process group exists: imported after it, one of its functions would keep the
 # default group as a default argument after teardown (see process_groups.teardown).
@@ -45,6 +48,7 @@ from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubs
 from dpkit import compat
 from dpkit.bench import harness
 from dpkit.bench.results import markdown_table
+from dpkit.comm import backend
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.engines import zero
@@ -54,16 +58,16 @@ from dpkit.models import NUM_CLASSES, GPTConfig, build_model
 
 MODELS = ("resnet18", "gpt")
 LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
-DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64,
-                gpt_width=256, gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
+DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
+                gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
 # Its variants: each engine target on [torch] and on [shm], ZeRO / DDP, the transport ratios; no keep / bf16.
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
-             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]",
-                       "zero ours [torch]", "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]",
-                       "zero pytorch [torch]", "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]",
-                       "fsdp pytorch [shm]"])
+             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]", "zero ours [torch]",
+                       "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]", "zero pytorch [torch]",
+                       "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
+                       "ddp pytorch [dpkit]", "fsdp pytorch [dpkit]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
@@ -73,18 +77,20 @@ TARGET_STATE_VS_IDEAL = 1.10  # per-rank held bytes (model states, engine buffer
 # What a target's two variants differ in (one thing only); every target row names its axis.
 AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
         "sharding": "ZeRO (stage 1 or 2) / DDP: the same engine on the same transport",
-        "transport": "one engine: shared memory / torch.distributed (gloo), or on a communication thread / inline",
+        "transport": "one engine: shared memory or a \"dpkit\" process group / torch.distributed (gloo), or on a "
+                     "communication thread / inline",
         "option": "one engine on one transport: an option / its default",
         "memory": "bytes a rank holds (model states, the engine's buffers, its transport's memory) / the ideal"}
 # Where a target's limit holds (elsewhere its ratio is shown for information): a reader's phrase and a test.
 SCOPES = {"gpt default": ("the GPT at its default size",
-                          lambda model, args: model == "gpt"
-                          and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
+                          lambda model, args: model == "gpt" and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
 # A variant's transport, by the label in its name: made for each variant of each model (a collective).
 TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
-    "torch": lambda: transports.Torch(),                             # torch.distributed's collectives (gloo, NCCL)
-    "shm": lambda: transports.SharedMemory(),                        # this host's shared memory, the caller's thread
-    "shm-thread": lambda: transports.SharedMemory(background=True),  # the same on a communication thread
+    "torch": lambda: transports.Torch(),                              # torch.distributed's collectives (gloo, NCCL)
+    "shm": lambda: transports.SharedMemory(),                         # this host's shared memory, in the caller's thread
+    "shm-thread": lambda: transports.SharedMemory(background=True),   # the same on a communication thread
+    # PyTorch's engines unchanged on a new process group of the backend "dpkit" (its collectives, on that group)
+    "dpkit": lambda: transports.Torch(dist.new_group(backend=backend.NAME)),
 }
 
 
@@ -138,7 +144,7 @@ class Variant:
 VARIANTS: dict[str, Variant] = {}
 # Transport targets made for every engine on two transports: shared memory against torch.distributed's,
 # the communication thread against the caller's thread.
-COMPARED_WITH = {"shm": "torch", "shm-thread": "shm"}
+COMPARED_WITH = {"shm": "torch", "shm-thread": "shm", "dpkit": "torch"}
 
 
 def variant(base: str, sharding: str, on: tuple[str, ...] = ("torch", "shm"), targets: tuple[Target, ...] = (),
@@ -185,9 +191,12 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 def _pytorch_ddp(module: nn.Module, transport: transports.Transport) -> nn.Module:
-    """PyTorch's DDP: its own all-reduce on [torch], our transport through its communication hook otherwise."""
-    model = nn.parallel.DistributedDataParallel(module, **compat.NO_BUFFER_SYNC)  # like ours: buffers synced once
-    if not isinstance(transport, transports.Torch):
+    """PyTorch's DDP: its own all-reduce on [torch] and [dpkit] (on that transport's group), our transport through
+    its communication hook otherwise."""
+    own = isinstance(transport, transports.Torch)
+    model = nn.parallel.DistributedDataParallel(module, process_group=transport.group if own else None,
+                                                **compat.NO_BUFFER_SYNC)  # like ours: buffers synced once
+    if not own:
         model.register_comm_hook(transport, transports.ddp_comm_hook)  # averages each bucket, as its own does
     return model
 
@@ -203,16 +212,14 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
     return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
-@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"),
-         targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
+@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"), targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
 def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     model = DDP(module, transport=transport)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
-                 # the buckets (the transport's), which hold the gradients
-                 kept=lambda: [b.flat for b in model.buckets])
+                 kept=lambda: [b.flat for b in model.buckets])  # the buckets (the transport's), which hold the gradients
 
 
-@variant("ddp pytorch", "ddp")
+@variant("ddp pytorch", "ddp", on=("torch", "shm", "dpkit"), default=("torch", "shm", "dpkit"))
 def ddp_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
     model = _pytorch_ddp(module, transport)
     return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
@@ -232,8 +239,7 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
 
 
 @variant("zero ours", "zero", on=("torch", "shm", "shm-thread"),
-         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH),
-                  Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
+         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH), Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     return _zero_ours(module, transport)
 
@@ -302,15 +308,23 @@ def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dt
     # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                   output_dtype=None if compute_dtype is None else torch.float32)
+    mesh = _mesh(transport, module)
     for layers in _tied_groups([m for m in module.modules() if isinstance(m, FSDP_SHARD_TYPES)]):
         # fully_shard refuses a parameter in two groups: layers sharing one (GPT's head and embedding) form one
-        fully_shard(layers if len(layers) > 1 else layers[0], reshard_after_forward=reshard_after_forward,
+        fully_shard(layers if len(layers) > 1 else layers[0], mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy)
-    model = fully_shard(module, reshard_after_forward=reshard_after_forward,
+    model = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     if not isinstance(transport, transports.Torch) and transports.use_with_fully_shard(model, transport) == 0:
         raise RuntimeError("no FSDPModule took the transport")
     return Setup(model, adamw(model.parameters()))
+
+
+def _mesh(transport: transports.Transport, module: nn.Module) -> DeviceMesh | None:
+    """fully_shard's mesh on [dpkit]: the transport's own group ("dpkit"); else None (the default group's)."""
+    if not isinstance(transport, transports.Torch) or transport.group is None:
+        return None
+    return DeviceMesh.from_group(transport.group, next(module.parameters()).device.type)
 
 
 def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
@@ -337,13 +351,14 @@ for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
     variant(f"fsdp ours{_name}", "fsdp", on=("torch", "shm", "shm-thread") if not _name else ("torch", "shm"),
             targets=(Target(f"fsdp pytorch{_name}", "engine", TARGET_VS_PYTORCH),),
             default=_default)(functools.partial(_fsdp_ours, **_options))
-    # The transport's target: fully_shard on our shared memory against fully_shard on gloo, at the GPT's default size.
-    _targets = () if _name else (Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),)
-    variant(f"fsdp pytorch{_name}", "fsdp", default=_default,
-            targets=_targets)(functools.partial(_fsdp_pytorch, **_options))
+    # The transport's target: fully_shard on our shared memory, and on a "dpkit" process group, against fully_shard
+    # on gloo, at the GPT's default size.
+    variant(f"fsdp pytorch{_name}", "fsdp", default=_default + (("dpkit",) if not _name else ()),
+            on=("torch", "shm", "dpkit") if not _name else ("torch", "shm"),
+            targets=(Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),) if not _name else ()
+            )(functools.partial(_fsdp_pytorch, **_options))
 # A target on a transport its other variant does not run on (there is no "zero pytorch [shm]") is dropped.
-VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS))
-                 for name, v in VARIANTS.items()})
+VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS)) for name, v in VARIANTS.items()})
 
 
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
@@ -435,8 +450,7 @@ def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
 
 @dataclass
 class Run:
-    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed
-    communication."""
+    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed communication."""
 
     setup: Setup
     transport: transports.Transport
@@ -574,12 +588,11 @@ def worker(ctx, args) -> list[dict]:
 
 
 MIB = 2 ** 20
-COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"),
-           ("p50_ms", "p50 ms", ".1f"), ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"),
-           ("params_mib", "params MiB", ".1f"), ("grads_mib", "grads MiB", ".1f"),
-           ("grads_per_rank_mib", "grads MiB per rank", "s"), ("state_mib", "opt state MiB", ".1f"),
-           ("activation_mib", "activations MiB", ".1f"), ("peak_mib", "peak MiB", ".1f"),
-           ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
+COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
+           ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
+           ("grads_mib", "grads MiB", ".1f"), ("grads_per_rank_mib", "grads MiB per rank", "s"),
+           ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
+           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
            ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "held / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
@@ -592,7 +605,8 @@ backward). Held = everything the variant holds with its gradients in: parameters
 its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's rows) and what its
 transport holds for it (every variant has a transport of its own: for shared memory, the pages of its arena
 in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
-iterations, kept for reuse; a memory profiler does not see them). Peak = the same between iterations
+iterations, kept for reuse; a memory profiler does not see them; on [dpkit] the backend's slots, two of
+``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between iterations
 (gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
 arena grew by during it. "/dev/shm MiB": the transport's pages in /dev/shm (``Transport.held_bytes``).
 Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them for
@@ -632,8 +646,7 @@ def report(rows: list[dict]) -> str:
                 limit = f"target <= {row['scoped_limit']:.2f} on {row['scope']} only: for information here"
             else:
                 limit = "for information"
-            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): "
-                         f"{row['verdict']}")
+            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): {row['verdict']}")
     return "\n".join(lines + ["", MEMORY_NOTES])
 
 
@@ -656,9 +669,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{', '.join(QUICK['variants'])}")
     for flag, kind, text in (("batch-size", int, "samples per rank"), ("image-size", int, "resnet18 input side"),
                              ("gpt-vocab", int, "GPT vocabulary"), ("gpt-seq-len", int, "GPT tokens per sample"),
-                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"),
-                             ("gpt-heads", int, "GPT heads"), ("iters", int, "timed iterations per variant"),
-                             ("rounds", int, "rounds they are split into"),
+                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"), ("gpt-heads", int, "GPT heads"),
+                             ("iters", int, "timed iterations per variant"), ("rounds", int, "rounds they are split into"),
                              ("warmup", int, "untimed iterations first")):
         key = flag.replace("-", "_")
         parser.add_argument(f"--{flag}", type=kind, help=f"{text} (default: {DEFAULTS[key]}, quick {QUICK[key]})")

@@ -17,6 +17,10 @@ from dpkit.report import collective_plots
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
 LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory (zero copy), shared_memory (staged), p2p
+BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
+FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "dispatch (one-rank group)",
+               "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
+               "SharedMemory.all_reduce [own buffer]", "SharedMemory.all_reduce [any tensor]"}
 
 
 def _broken(tensor, op="mean", group=None):
@@ -40,6 +44,23 @@ def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
     return rows, owned
 
 
+def _wrong_backend(ctx) -> dict[str, float]:
+    """Each collective of the backend axis on the "dpkit" group with rank 0's output off by one: the error its
+    check finds on this rank (a barrier has no output)."""
+    group, errors = bench.backend_groups()[bench.BACKEND], {}
+    for collective in (c for c in bench.BACKEND_CALLS if c != "barrier"):
+        contenders, _, _ = bench.backend_contenders(ctx, collective, 4 << 10, {bench.BACKEND: group})
+        full, part = contenders[0].inputs
+        call = bench.backend_call(collective, group, full, part)
+
+        def broken(call=call, out=part if collective in ("reduce_scatter", "all_to_all") else full):
+            call()
+            if ctx.rank == 0:
+                out[0] += 1
+        errors[collective] = bench.backend_error(ctx, collective, broken, full, part)
+    return errors
+
+
 def _measure(ctx) -> dict:
     allreduce.ALGORITHMS["broken"] = _broken  # this worker only: the benchmark looks algorithms up by name
     pipeline = {"segment_bytes": allreduce.SEGMENT_BYTES, "in_flight": allreduce.IN_FLIGHT}
@@ -49,8 +70,10 @@ def _measure(ctx) -> dict:
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
             "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
-            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
-                                                 sizes=(4,))}
+            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0, sizes=(4,)),
+            "backend": bench.backend_worker(ctx, list(bench.BACKEND_CALLS), list(BACKEND_SIZES), iters=1, warmup=0,
+                                            floor_calls=2),
+            "backend_wrong": _wrong_backend(ctx)}
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +97,8 @@ def test_each_size_has_one_row_per_algorithm_over_one_wire(measured):
     assert [(r["bytes"], r["algorithm"]) for r in rows] == [(s, a) for s in SIZES for a in names]
     assert "shared_memory" not in allreduce.ALGORITHMS, "shared memory is a transport, not an algorithm"
     assert all(r["world_size"] == 2 and not r["oversubscribed"] for r in rows)
-    assert all((r["axis"], r["transport"], r["label"], r["collective"])
-               == ("algorithm", "gloo", r["algorithm"], "allreduce") for r in rows)
+    assert all((r["axis"], r["transport"], r["label"], r["collective"]) == ("algorithm", "gloo", r["algorithm"], "allreduce")
+               for r in rows)
 
 
 def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_inside(measured):
@@ -156,8 +179,57 @@ def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
 def test_the_report_has_one_table_per_axis(measured):
     text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
-    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory "
-                                                                                     "(zero copy) |")
+    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory (zero copy) |")
+
+
+def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(measured):
+    rows = [r for r in measured[0]["backend"] if "axis" in r]
+    assert all(r["axis"] == "backend" and r["world_size"] == 2 for r in rows)
+    for collective, call in bench.BACKEND_CALLS.items():
+        mine = [r for r in rows if r["collective"] == collective]
+        sizes = BACKEND_SIZES[:1] if collective == "barrier" else BACKEND_SIZES
+        assert [r["label"] for r in mine] == ["gloo", bench.BACKEND] * len(sizes), collective
+        assert [r["transport"] for r in mine] == ["gloo", "dpkit"] * len(sizes)
+        assert {r["algorithm"] for r in mine} == {f"dist.{call}"}
+        # nccl-tests: the full tensor's bytes; the sharded calls and all-to-all hold at least one element per rank
+        sharded = collective in ("all_gather", "reduce_scatter", "all_to_all")
+        expected = [0] if collective == "barrier" else [max(s, 8) if sharded else s for s in sizes]
+        assert [r["bytes"] for r in mine[::2]] == [r["bytes"] for r in mine[1::2]] == expected
+    assert measured[0]["backend"] == measured[1]["backend"]  # timings and floor: each the slowest rank's
+
+
+def test_the_backend_rows_are_exact_and_a_wrong_result_is_flagged_on_every_collective(measured):
+    rows = [r for r in measured[0]["backend"] if "axis" in r]
+    assert all(r["max_abs_error"] == 0.0 and r["correct"] for r in rows)
+    for collective in (c for c in bench.BACKEND_CALLS if c != "barrier"):
+        assert max(rank["backend_wrong"][collective] for rank in measured) == 1.0, collective
+
+
+def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_short_calls_are_timed_in_batches(measured):
+    rows = [r for r in measured[0]["backend"] if "axis" in r]
+    for gloo, dpkit in zip(rows[::2], rows[1::2]):
+        assert gloo["vs_torch"] == gloo["vs_torch_ci_low"] == gloo["vs_torch_ci_high"] == 1.0
+        assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"], gloo["round_p50_s"]))))
+        calls = max(1, min(bench.BACKEND_REPEAT, bench.BACKEND_BATCH_BYTES // max(4, gloo["bytes"])))
+        assert gloo["calls_per_round"] == dpkit["calls_per_round"] == calls
+        assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
+        factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
+        assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)
+
+
+def test_the_backend_targets_and_latency_floor_are_stored_with_the_rows(measured):
+    checks = bench.stored_targets(measured[0]["backend"])
+    assert [(c["axis"], c["label"], c["reference"], c["bytes"], c["limit"], c["world_size"]) for c in checks] == [
+        ("backend", bench.BACKEND, "gloo", 4 << 10, 0.25, 2), ("backend", bench.BACKEND, "gloo", 64 << 10, 0.25, 2)]
+    assert all(c["text"].startswith("target all-reduce through dpkit backend <= 0.25x gloo, 2 processes") for c in checks)
+    floor = [r for r in measured[0]["backend"] if r.get("kind") == "latency floor"]
+    for nbytes in bench.FLOOR_SIZES:
+        mine = [r for r in floor if r["bytes"] == nbytes]
+        assert {r["case"] for r in mine} == FLOOR_CASES and all(r["seconds_per_call"] > 0 for r in mine)
+    text = bench.report(measured[0]["backend"])
+    assert text.index('torch.distributed on a "dpkit" group against a gloo group') < text.index(
+        "| 2 | dist.all_reduce | 4KiB | dpkit backend |") < text.index("latency floor") < text.index(
+        "| 2 | 4KiB | wait (exchange of no data) |")
 
 
 # --------------------------------------------------------------------------- no processes
@@ -211,8 +283,7 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
     assert "target auto <= 1.10x torch, 2 processes, 4000B: 0.90x [0.85, 0.97] met" in lines
     assert "target auto <= 1.10x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] met" in lines
     assert "target auto <= 1.00x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] missed" in lines
-    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed "
-                               "[oversubscribed")
+    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed [oversubscribed")
                for line in lines)
     assert "target ring <= 1.10x torch, 2 processes, 10MiB: 1.05x [0.90, 1.20] inconclusive" in lines
     assert len(lines) == 6  # auto at 4000 B has no 1.00 target; torch has none
@@ -230,10 +301,8 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
     lines = bench.target_lines(rows)
     assert lines == [
-        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: "
-        "0.40x [0.38, 0.43] met",
-        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: "
-        "0.33x [0.31, 0.35] missed"]
+        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: 0.40x [0.38, 0.43] met",
+        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: 0.33x [0.31, 0.35] missed"]
     inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
         ("transport", zero, 0.30, "inconclusive")]
@@ -241,8 +310,7 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
 
 def test_an_algorithm_target_never_judges_a_transport_row():
     """A transport row whose algorithm has a target on the other axis (p2p runs auto) is not that target's row."""
-    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]),
-            _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
+    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]), _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
     assert bench.target_checks(rows) == []
 
 
@@ -260,13 +328,11 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
 
 def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
     """Shared memory then always copied in and out (staged); an auto that ran it was a transport, not an algorithm."""
-    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c,
-            **({"collective": k} if k else {})}
+    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c, **({"collective": k} if k else {})}
            for a, c, k in (("ring", None, None), ("shared_memory", None, "allreduce"), ("auto", "shared_memory", None),
                            ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
                            ("shared_memory", None, "all_gather"))]
-    got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
-           for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
+    got = [(r["axis"], r["transport"], r["algorithm"], r["label"]) for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
                    ("transport", "shared_memory", "direct", "shared_memory (staged)"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
@@ -293,11 +359,10 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
     fits = allreduce.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
-        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
-        assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
         assert fit["max_rel_error"] < 1e-6
-        terms = allreduce.model_terms(fit["algorithm"], world, 1 << 22)
-        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(terms, (alpha, beta))))
+        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(allreduce.model_terms(fit["algorithm"], world, 1 << 22),
+                                                                            (alpha, beta))))
 
 
 def test_the_steps_are_those_of_each_algorithm():
@@ -324,10 +389,8 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
 def _chart_rows():
     return [_row("ring", 3e-3, nbytes=4000), _row("recursive_doubling", 1e-3, nbytes=4000),
             _row("ring", 5e-3, nbytes=1 << 20), _row("recursive_doubling", 9e-3, nbytes=1 << 20),
-            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"),
-            _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
-            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS)
-              for s in (4000, 1 << 20)]]
+            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"), _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
+            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS) for s in (4000, 1 << 20)]]
 
 
 def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
@@ -339,8 +402,7 @@ def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     figure, (algorithms, transports) = plt.subplots(1, 2)
     collective_plots.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
     lines = {line.get_label(): line for line in algorithms.get_lines()}
-    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)",
-                                                              "auto's choice"}
+    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
     assert list(lines["auto's choice"].get_xdata()) == [4000, 1 << 20]
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
     assert algorithms.get_title() == "algorithms over gloo, 2 processes"
@@ -364,8 +426,15 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
 
 def test_the_axis_selects_what_is_measured():
     both = bench.parse_args([])
-    assert both.axis == "both"
-    assert both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    assert both.axis == "both" and both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    assert both.backend_collectives == []
+    backends = bench.parse_args(["--axis", "backends"])
+    assert backends.algorithms == backends.transports == [] and backends.backend_collectives == list(bench.BACKEND_CALLS)
+    assert backends.backend_sizes == [bench.parse_size(s) for s in bench.BACKEND_SIZES]
+    every = bench.parse_args(["--axis", "all", "--backend-collectives", "allreduce"])
+    assert every.algorithms and every.transports and every.backend_collectives == ["allreduce"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--collective", "all_gather", "--axis", "all"])
     algorithms = bench.parse_args(["--axis", "algorithms"])
     assert algorithms.algorithms == list(allreduce.ALGORITHMS) and algorithms.transports == []
     transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "zero_copy"])

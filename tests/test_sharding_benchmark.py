@@ -4,6 +4,7 @@ shapes and zero.partition, and what the shared-memory transport holds in /dev/sh
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,8 +31,7 @@ def test_every_variant_is_an_engine_on_a_named_transport():
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
     pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
-    for base in ("ddp ours", "ddp pytorch", "zero ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep",
-                 "fsdp pytorch bf16"):
+    for base in ("ddp ours", "ddp pytorch", "zero ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep", "fsdp pytorch bf16"):
         assert {f"{base} [torch]", f"{base} [shm]"} <= set(bench.VARIANTS), base
     threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shm-thread"}
     assert threaded == {"ddp ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shm]
@@ -67,13 +67,17 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
     assert limits["fsdp pytorch [shm] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
     assert limits["ddp pytorch [shm] / ddp pytorch [torch]"] == ("transport", None, None)
     assert limits["fsdp ours [shm-thread] / fsdp ours [shm]"] == ("transport", None, None)
+    # PyTorch's engines unchanged on a "dpkit" process group against the same on gloo
+    assert limits["fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
+    assert limits["ddp pytorch [dpkit] / ddp pytorch [torch]"] == ("transport", None, None)
     assert [k for k, (axis, limit, _) in limits.items() if axis == "transport" and limit is not None] == [
-        "fsdp pytorch [shm] / fsdp pytorch [torch]"]
+        "fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]"]
+    assert {v.base for v in bench.VARIANTS.values() if v.transport == "dpkit"} == {"ddp pytorch", "fsdp pytorch"}
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
     assert bench.select(["fsdp pytorch", "zero ours [shm]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shm]",
-                                                                 "zero ours [shm]"]
+                                                                "fsdp pytorch [dpkit]", "zero ours [shm]"]
     with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
         bench.select(["zero ours blocking"])
     every = list(bench.VARIANTS)
@@ -94,20 +98,20 @@ def _targets_measured(names: list[str]) -> set[str]:
 
 def test_each_sharding_experiment_measures_the_targets_it_is_for():
     """The quick sweep and resnet18: every engine target on [torch] and [shm], ZeRO / DDP, the transports;
-    sharding_gpt: fully_shard on shared memory against gloo at the GPT's default size (where its limit holds)."""
+    sharding_gpt: fully_shard on shared memory and on a "dpkit" group against gloo at the GPT's default size (where
+    its limit holds)."""
     for name in ("sharding", "sharding_resnet18"):
         measured = _targets_measured(_experiment_args(name).variants)
         for t in ("torch", "shm"):
             assert {f"ddp ours [{t}] / ddp pytorch [{t}]", f"fsdp ours [{t}] / fsdp pytorch [{t}]",
                     f"zero ours [{t}] / ddp ours [{t}]"} <= measured, (name, t)
         assert {"zero ours [torch] / zero pytorch [torch]", "zero pytorch [torch] / ddp pytorch [torch]",
-                "ddp pytorch [shm] / ddp pytorch [torch]",
-                "fsdp pytorch [shm] / fsdp pytorch [torch]"} <= measured, name
+                "ddp pytorch [shm] / ddp pytorch [torch]", "fsdp pytorch [shm] / fsdp pytorch [torch]"} <= measured, name
     for quick in (True, False):
         args = _experiment_args("sharding_gpt", quick)
         measured = _targets_measured(args.variants)
-        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "ddp ours [shm] / ddp pytorch [shm]",
-                "zero ours [shm] / ddp ours [shm]"} <= measured
+        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]",
+                "ddp ours [shm] / ddp pytorch [shm]", "zero ours [shm] / ddp ours [shm]"} <= measured
         assert bench.SCOPES["gpt default"][1]("gpt", args)
     assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
 
@@ -163,9 +167,24 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
         assert row["activation_bytes"] > 0 and row["peak_bytes"] >= row["params_bytes"] + row["state_bytes"]
         assert row["transport"] == bench.VARIANTS[name].transport
         assert row["transport_detail"] == {"torch": "torch (gloo)", "shm": "shared_memory",
-                                           "shm-thread": "shared_memory"}[row["transport"]], name
+                                           "shm-thread": "shared_memory", "dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
     assert measured["zero ours [shm]"]["exposed_comm_s"] > 0
+
+
+def test_pytorchs_engines_train_on_a_dpkit_process_group_beside_gloo_with_the_transport_ratio(rows):
+    """The tiny run's "ddp pytorch" and "fsdp pytorch" ran on [dpkit] too (the same builders, given that group):
+    each has its times and the same model-state bytes as on [torch], and a target row against [torch] (the
+    0.85 limit of fully_shard holds at the GPT's default size only: here for information)."""
+    m = measured_rows(rows)
+    for base in ("ddp pytorch", "fsdp pytorch"):
+        backed, gloo = m[f"{base} [dpkit]"], m[f"{base} [torch]"]
+        assert 0 < backed["p50_s"] and backed["model_state_bytes"] == gloo["model_state_bytes"], base
+        (target,) = [r for r in rows if r.get("target") == f"{base} [dpkit] / {base} [torch]"]
+        assert target["axis"] == "transport" and target["limit"] is None and target["verdict"] == "-"
+        assert target["ratio"]["median"] == pytest.approx(float(np.median(
+            np.divide(backed["round_p50_s"], gloo["round_p50_s"]))))
+    assert [r["scoped_limit"] for r in rows if r.get("target") == "fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == [0.85]
 
 
 def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
@@ -175,7 +194,7 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
     params = model_tensors()
     buffers = WORLD * -(-sum(p.numel() for p in params) // WORLD) * 4  # (n, largest share) float32, one bucket
     for name, row in m.items():
-        if row["transport"] == "torch":
+        if row["transport"] in ("torch", "dpkit"):  # "dpkit": the backend's slots are its group's, not counted
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
@@ -220,8 +239,7 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
         flags = 4 * len(params) if " ours" in name else 0
         in_buffer = next((b for prefix, b in gathered.items() if name.startswith(prefix)), total)
         slack = transports.ALIGN - 1 if row["transport"] != "torch" and in_buffer != total else 0  # whole cache lines
-        assert in_buffer <= row["params_bytes"] <= in_buffer + slack, name
-        assert bucket_bytes(row, total + flags, len(params)), name
+        assert in_buffer <= row["params_bytes"] <= in_buffer + slack and bucket_bytes(row, total + flags, len(params)), name
         if row["sharding"] == "ddp":
             assert row["state_bytes_per_rank"] == [sum(state.values())] * WORLD
         else:
@@ -296,10 +314,8 @@ def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     targets = {row["target"]: row for row in rows if "target" in row}
     expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine", "ddp ours [shm] / ddp pytorch [shm]": "engine",
                 "zero ours [torch] / zero pytorch [torch]": "engine", "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
-                "zero ours [shm] / ddp ours [shm]": "sharding",
-                "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
-                "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport",
-                "fsdp ours [shm-thread] / fsdp ours [shm]": "transport",
+                "zero ours [shm] / ddp ours [shm]": "sharding", "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
+                "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport", "fsdp ours [shm-thread] / fsdp ours [shm]": "transport",
                 "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shm] state / ideal": "memory",
                 "zero2 ours [shm] / zero ours [shm]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
@@ -309,8 +325,7 @@ def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     for name, row in targets.items():
         assert row["verdict"] in ("met", "missed", "inconclusive", "-"), name
         if row["ratio"] is not None:
-            ratio = row["ratio"]
-            assert ratio["rounds"] == 2 and ratio["ci_low"] <= ratio["median"] <= ratio["ci_high"]
+            assert row["ratio"]["rounds"] == 2 and row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
     assert targets["fsdp pytorch [shm] / fsdp pytorch [torch]"]["limit"] is None, "a toy GPT: for information"
     assert targets["zero ours [torch] state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
     text = bench.report(rows)

@@ -14,6 +14,7 @@ Each row is the time per call of back-to-back calls (median over rounds, slowest
 * for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer and
   on any tensor (staged: what ``dist.all_reduce`` through it would cost); long messages with ``--bytes 67108864``.
 
+``collectives_benchmark.py --axis backends`` stores these rows (``floor_rows``) beside its backend rows.
 Timings on a machine others are loading are not to be trusted: run it on a quiet one.
 """
 
@@ -46,20 +47,22 @@ def per_call(fn, calls: int, rounds: int, group=None) -> float:
     return float(value)
 
 
-def cases(nbytes: int, world_size: int) -> dict:
-    """name -> a function of no arguments making one call (every rank makes the same dict)."""
+def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, SharedMemory]:
+    """(name -> a function of no arguments making one call, the ``SharedMemory`` transport they use: close it).
+    ``group``: a "dpkit" group over every rank (default: the world's); ``gloo``: a gloo group over them (default:
+    a new one). Every rank makes the same groups, in one order."""
     numel = nbytes // 4
-    gloo, shm = dist.new_group(backend="gloo"), None
+    gloo = gloo if gloo is not None else dist.new_group(backend="gloo")
     singles = [dist.new_group([r], backend=backend.NAME) for r in range(world_size)]
     alone = singles[dist.get_rank()]
-    slots = backend.slots_of()
+    slots = backend.slots_of(group)
     shm = SharedMemory(gloo)
     tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
     plain = torch.ones(numel)
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
     own = numel * 4 <= SLOT_BYTES  # a message written in place must fit one slot
     return {
-        "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor),
+        "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor, group=group),
         **({"slots.all_reduce [own buffer]": lambda: slots.all_reduce(slots.buffer(numel, torch.float32), posted=True)}
            if own else {}),
         "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
@@ -68,7 +71,7 @@ def cases(nbytes: int, world_size: int) -> dict:
         "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
         "SharedMemory.all_reduce [own buffer]": lambda: shm.all_reduce(owned),
         "SharedMemory.all_reduce [any tensor]": lambda: shm.all_reduce(plain),
-    }
+    }, shm
 
 
 def calls_for(nbytes: int, calls: int) -> int:
@@ -76,15 +79,23 @@ def calls_for(nbytes: int, calls: int) -> int:
     return max(3, min(calls, (1 << 30) // nbytes))
 
 
-def worker(ctx, sizes: list[int], calls: int, rounds: int) -> list[dict]:
+def floor_rows(world_size: int, nbytes: int, calls: int, rounds: int, group=None, gloo=None) -> list[dict]:
+    """One row per case of ``cases`` at ``nbytes``: seconds per call, the same on every rank."""
+    made, shm = cases(nbytes, world_size, group, gloo)
     rows = []
-    for nbytes in sizes:
-        for name, fn in cases(nbytes, ctx.world_size).items():
+    try:
+        for name, fn in made.items():
             for _ in range(3):
                 fn()
-            rows.append({"world_size": ctx.world_size, "bytes": nbytes, "case": name,
+            rows.append({"world_size": world_size, "bytes": nbytes, "case": name,
                          "seconds_per_call": per_call(fn, calls_for(nbytes, calls), rounds)})
+    finally:
+        shm.close()
     return rows
+
+
+def worker(ctx, sizes: list[int], calls: int, rounds: int) -> list[dict]:
+    return [row for nbytes in sizes for row in floor_rows(ctx.world_size, nbytes, calls, rounds)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,8 +18,9 @@ UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
 
 # --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
-TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)",
-              "p2p": "p2p"}
+TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)", "p2p": "p2p"}
+# The backend axis: rows of torch.distributed's calls on a group of the backend "dpkit", against the same on gloo.
+BACKEND = "dpkit backend"
 
 
 def parse_size(text: str) -> int:
@@ -40,12 +41,17 @@ def format_size(nbytes: int) -> str:
 
 def bus_factor(world_size: int, collective: str = "allreduce") -> float:
     """busbw / algbw: the share of the tensor each rank must send and receive (nccl-tests): 2(n-1)/n for an
-    all-reduce, (n-1)/n for a reduce-scatter or an all-gather."""
+    all-reduce, (n-1)/n for a reduce-scatter, an all-gather or an all-to-all, 1 for a broadcast or a reduce
+    (0 for a barrier, which moves no data)."""
+    if collective in ("broadcast", "reduce", "barrier"):
+        return 0.0 if collective == "barrier" else 1.0
     return (2 if collective == "allreduce" else 1) * (world_size - 1) / world_size
 
 
-NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather"}
-AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transports"}
+NAMES = {"allreduce": "all-reduce", "reduce_scatter": "reduce-scatter", "all_gather": "all-gather",
+         "broadcast": "broadcast", "reduce": "reduce", "all_to_all": "all-to-all", "barrier": "barrier"}
+AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transports",
+               "backend": "torch.distributed on a \"dpkit\" group against a gloo group"}
 
 
 def labelled(row: dict) -> dict:
@@ -71,8 +77,7 @@ def labelled(row: dict) -> dict:
 
 
 def allreduce_rows(rows: list[dict]) -> list[dict]:
-    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of
-    ``point_to_point``)."""
+    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of ``point_to_point``)."""
     return [labelled(row) for row in rows if "algorithm" in row]
 
 

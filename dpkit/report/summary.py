@@ -186,7 +186,8 @@ def _verdicts(checks: list[dict]) -> str:
 
 COLLECTIVE_NAMES = {"allreduce": "All-reduce", "reduce_scatter": "Reduce-scatter", "all_gather": "All-gather"}
 AXIS_NAMES = {"algorithm": "algorithms over gloo, p50 / `torch.distributed`'s",
-              "transport": "transports, p50 / torch's collective over gloo"}
+              "transport": "transports, p50 / torch's collective over gloo",
+              "backend": "`torch.distributed` on a \"dpkit\" group, p50 / the same call on a gloo group"}
 
 
 def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict,
