@@ -110,8 +110,11 @@ def count_events(events) -> dict:
             "launches": sum(names[k] for k in LAUNCHES), "syncs": sum(names[k] for k in SYNCS)}
 
 
-def hooks_seconds(events) -> float:
-    """Seconds in the outermost engine frames that run inside a ``backward`` range."""
+def hooks_seconds(events) -> float | None:
+    """Seconds in the outermost engine frames that run inside a ``backward`` range; None where the profiler
+    recorded no Python frame at all (a torch whose stack tracer does not record them: nothing to time)."""
+    if not any(".py(" in event.name for event in events):
+        return None
     total = 0.0
     for event in events:
         if not any(mark in event.name for mark in ENGINE_FRAMES):
@@ -136,7 +139,8 @@ def profile(rep: bench.Replica, steps: int, device: torch.device) -> dict:
         synchronize(device)
     events = prof.events()
     counts = count_events(events)
-    return {**{k: v / steps for k, v in counts.items()}, "hooks_s": hooks_seconds(events) / steps}
+    hooks = hooks_seconds(events)
+    return {**{k: v / steps for k, v in counts.items()}, "hooks_s": None if hooks is None else hooks / steps}
 
 
 def timed(replicas: dict[str, bench.Replica], args, device: torch.device) -> dict[str, float]:
@@ -189,13 +193,17 @@ def targets(rows: list[dict]) -> list[dict]:
     return checks
 
 
+def _milliseconds(seconds: float | None) -> str:
+    return f"{'n/a':>9}" if seconds is None else f"{seconds * 1e3:9.2f}"
+
+
 def report(rows: list[dict]) -> str:
     head = (f"{'model':9} {'variant':16} {'ops':>7} {'+ops':>6} {'copies':>7} {'allocs':>7} {'scalar':>7} "
             f"{'coll':>5} {'launch':>7} {'hooks ms':>9} {'step ms':>8} {'+step':>7}")
     lines = [head] + [
         f"{r['model']:9} {r['variant']:16} {r['ops']:7.0f} {r['ops_over_no_ddp']:+6.0f} {r['copies']:7.0f} "
         f"{r['allocations']:7.0f} {r['scalar_reads']:7.0f} {r['collectives']:5.0f} {r['launches']:7.0f} "
-        f"{r['hooks_s'] * 1e3:9.2f} {r['step_s'] * 1e3:8.2f} {r['step_over_no_ddp']:+7.1%}" for r in rows]
+        f"{_milliseconds(r['hooks_s'])} {r['step_s'] * 1e3:8.2f} {r['step_over_no_ddp']:+7.1%}" for r in rows]
     checks = [f"* {c['target']}: {c['ours']:+.0f} vs {c['reference']:+.0f}: {c['verdict']}" for c in targets(rows)]
     legend = ("counts per step (+: over no DDP); hooks ms under the profiler's Python tracer; step ms: median "
               "host time, unprofiled (a shared machine: noisy)")
