@@ -101,7 +101,8 @@ def fill_pattern(x: torch.Tensor, rank: int) -> None:
 
 def pattern_error(x: torch.Tensor, world_size: int) -> float:
     """Largest |x - exact sum of every rank's pattern| (the sum is n (i mod PERIOD) + n(n-1)/2)."""
-    expected = world_size * torch.arange(PERIOD, dtype=torch.float64, device=x.device) + world_size * (world_size - 1) / 2
+    expected = (world_size * torch.arange(PERIOD, dtype=torch.float64, device=x.device)
+                + world_size * (world_size - 1) / 2)
     worst = 0.0
     for _, block in _blocks(x):
         full = block.numel() // PERIOD
@@ -471,7 +472,8 @@ def crossover_table(rows: list[dict]) -> dict[int, tuple]:
         names = sorted({r["algorithm"] for r in mine})
         p50 = {(r["algorithm"], r["bytes"]): r["p50_s"] for r in mine}
         # log(p50 / fastest p50) per (algorithm, size); an algorithm not measured at a size never wins there.
-        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50)) if (a, s) in p50 else math.inf
+        relative = {(a, s): math.log(p50[a, s] / min(p50[b, s] for b in names if (b, s) in p50))
+                    if (a, s) in p50 else math.inf
                     for a in names for s in sizes}
         winners = []
         for i, size in enumerate(sizes):
@@ -500,17 +502,20 @@ COLUMNS = {
     "algorithm": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "algorithm", "s"),
                   ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"), ("p95_ms", "p95 ms", ".3f"),
                   ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
+                  ("max_abs_error", "max error", ".1e")],
     "transport": [("world_size", "procs", "d"), ("size", "size", "s"), ("label", "transport", "s"),
                   ("algorithm", "algorithm", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
                   ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
-                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"), ("max_abs_error", "max error", ".1e")],
+                  ("ratio", "p50 / torch [95% CI]", "s"), ("choice", "auto ran", "s"),
+                  ("max_abs_error", "max error", ".1e")],
     "backend": [("world_size", "procs", "d"), ("algorithm", "call", "s"), ("size", "size", "s"),
                 ("label", "backend", "s"), ("avg_ms", "avg ms", ".3f"), ("p50_ms", "p50 ms", ".3f"),
                 ("p95_ms", "p95 ms", ".3f"), ("algbw_gbps", "algbw GB/s", ".3f"), ("busbw_gbps", "busbw GB/s", ".3f"),
                 ("ratio", "p50 / gloo [95% CI]", "s"), ("max_abs_error", "max error", ".1e")],
 }
-FLOOR_COLUMNS = [("world_size", "procs", "d"), ("size", "size", "s"), ("case", "case", "s"), ("us", "us per call", ".1f")]
+FLOOR_COLUMNS = [("world_size", "procs", "d"), ("size", "size", "s"), ("case", "case", "s"),
+                 ("us", "us per call", ".1f")]
 # The row each axis's ratios divide by.
 REFERENCES = {"algorithm": "torch", "transport": "torch", "backend": "gloo"}
 MODEL_COLUMNS = [("world_size", "procs", "d"), ("algorithm", "algorithm", "s"), ("alpha_us", "alpha us/step", ".1f"),
@@ -597,7 +602,8 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
         shown = [{**row, "size": format_size(row["bytes"]), "avg_ms": row["avg_s"] * 1e3, "p50_ms": row["p50_s"] * 1e3,
                   "p95_ms": row["p95_s"] * 1e3, "ratio": _ratio_text(row)} for row in mine]
         crowded = sorted({row["world_size"] for row in mine if row.get("oversubscribed")})
-        note = f" (oversubscribed: {', '.join(map(str, crowded))} processes on {os.cpu_count()} cores)" if crowded else ""
+        note = (f" (oversubscribed: {', '.join(map(str, crowded))} processes on {os.cpu_count()} cores)"
+                if crowded else "")
         lines += [f"## {collectives}: {AXIS_TITLES[axis].format(backend=backends)}{note}", "",
                   markdown_table(shown, COLUMNS[axis]), ""]
     wrong = [row for row in rows if not row["correct"]]
@@ -628,11 +634,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what to time; reduce_scatter and all_gather are compared on the transport axis only "
                              "(default: %(default)s)")
     parser.add_argument("--axis", choices=tuple(AXES), default=None,
-                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, all "
-                             "over one backend; transports: transport.py's Torch, SharedMemory (zero copy and staged) "
-                             "and MessagePassing (p2p); backends: torch.distributed's collectives on a \"dpkit\" group "
-                             "against a gloo group (--backend-collectives); all: the three (default: both for "
-                             "allreduce, transports for the others, algorithms with --tune)")
+                        help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, "
+                             "all over one backend; transports: transport.py's Torch, SharedMemory (zero copy and "
+                             "staged) and MessagePassing (p2p); backends: torch.distributed's collectives on a "
+                             "\"dpkit\" group against a gloo group (--backend-collectives); all: the three (default: "
+                             "both for allreduce, transports for the others, algorithms with --tune)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
@@ -640,8 +646,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the transport axis: " + ", ".join(f"{k} ({v})" for k, v in TRANSPORTS.items())
                              + "; 'torch' is the reference (default: all)")
     parser.add_argument("--backend-collectives", nargs="+", choices=tuple(BACKEND_CALLS), default=None,
-                        help=f"the backend axis: these calls, each on a {backend.NAME!r} group and a gloo group (default: "
-                             "all)")
+                        help=f"the backend axis: these calls, each on a {backend.NAME!r} group and a gloo group "
+                             "(default: all)")
     parser.add_argument("--backend-sizes", type=parse_size, nargs="+", default=None,
                         help=f"the backend axis's message sizes (default: {' '.join(BACKEND_SIZES)})")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,

@@ -1,4 +1,4 @@
-"""Time per training iteration of every data-parallel variant of ddp.py against PyTorch's DDP.
+r"""Time per training iteration of every data-parallel variant of ddp.py against PyTorch's DDP.
 
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py                  # every variant; CNN + resnet18 on CPU
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --quick --json results/ddp_quick.json
@@ -7,7 +7,8 @@
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --profile traces/
 
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --transports torch shm shm-thread   # + a comm thread
-    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants pytorch-best --transports torch dpkit
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants pytorch-best \
+        --transports torch dpkit
 
 An iteration is forward, cross-entropy, backward, gradient synchronisation, SGD with momentum
 and ``zero_grad(set_to_none=True)`` on random inputs made once per rank. Every variant (no DDP,
@@ -165,7 +166,8 @@ def input_shape(name: str, args: argparse.Namespace) -> str:
     return f"3x{size}x{size}"
 
 
-def make_batch(name: str, args: argparse.Namespace, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(name: str, args: argparse.Namespace, rank: int,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (inputs, targets): random, seeded per rank (ranks hold different data), made once."""
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     if name == "gpt":
@@ -823,9 +825,12 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
                         help="input height and width for the resnets; the CNN always takes 32 (default: %(default)s)")
     parser.add_argument("--gpt-width", type=_positive(int), default=768, help="GPT model width (default: %(default)s)")
     parser.add_argument("--gpt-depth", type=_positive(int), default=12, help="GPT blocks (default: %(default)s)")
-    parser.add_argument("--gpt-heads", type=_positive(int), default=12, help="GPT attention heads (default: %(default)s)")
-    parser.add_argument("--gpt-seq-len", type=_positive(int), default=256, help="GPT tokens per sequence (default: %(default)s)")
-    parser.add_argument("--gpt-vocab", type=_positive(int), default=50304, help="GPT vocabulary size (default: %(default)s)")
+    parser.add_argument("--gpt-heads", type=_positive(int), default=12,
+                        help="GPT attention heads (default: %(default)s)")
+    parser.add_argument("--gpt-seq-len", type=_positive(int), default=256,
+                        help="GPT tokens per sequence (default: %(default)s)")
+    parser.add_argument("--gpt-vocab", type=_positive(int), default=50304,
+                        help="GPT vocabulary size (default: %(default)s)")
     parser.add_argument("--iters", type=_positive(int), default=None,
                         help="timed iterations per variant, over all rounds; with a --budget, the most "
                              f"(default: {NORMAL['iters']}; {QUICK['iters']} with --quick)")
@@ -836,19 +841,24 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
                              f"(default: {BUDGET_S['cuda']:g} on GPU, none on CPU)")
     parser.add_argument("--rounds", type=_positive(int), default=None,
                         help="independent rounds the timed iterations are split into, variants rotated; ratios get a "
-                             f"confidence interval over rounds (default: {NORMAL['rounds']}; {QUICK['rounds']} with --quick)")
+                             f"confidence interval over rounds (default: {NORMAL['rounds']}; {QUICK['rounds']} with "
+                             "--quick)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed iterations before each round of each variant "
                              f"(default: {NORMAL['warmup']}; {QUICK['warmup']} with --quick)")
-    parser.add_argument("--threads", type=_positive(int), default=1, help="intra-op threads per process (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the inputs (default: %(default)s)")
+    parser.add_argument("--threads", type=_positive(int), default=1,
+                        help="intra-op threads per process (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial weights and the inputs (default: %(default)s)")
     parser.add_argument("--profile", metavar="DIR", default=None,
-                        help=f"write a Chrome trace of {PROFILE_ITERS} iterations per variant and rank here (default: none)")
+                        help=f"write a Chrome trace of {PROFILE_ITERS} iterations per variant and rank here "
+                             "(default: none)")
     parser.add_argument("--trim-traces", action="store_true",
                         help="with --profile: keep only the events of the overlap timeline (iterations, phases, "
                              "collectives), a few kB a file instead of MB, small enough to commit (default: off)")
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
-                        help=f"profile {PROFILE_ITERS} iterations of each 25M row for where the time goes (default: on)")
+                        help=f"profile {PROFILE_ITERS} iterations of each 25M row for where the time goes "
+                             "(default: on)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: cnn and resnet18 and the --quick defaults above; flags given explicitly "
                              "still win (default: off)")
@@ -871,7 +881,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.gpt_width % args.gpt_heads:
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:
-        parser.error("--batch-size must be at least 2 for the CNN and resnets: BatchNorm needs 2 samples per rank to train")
+        parser.error("--batch-size must be at least 2 for the CNN and resnets: BatchNorm needs 2 samples per rank "
+                     "to train")
     args.bucket_sizes = sorted(set(args.bucket_sizes or BUCKET_SIZES[device]))
     if args.budget is not None and args.budget < 0:
         parser.error("--budget must be at least 0")
@@ -890,7 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_benchmark_args(run_parser)
     sweep_parser = commands.add_parser("sweep", help="run every world size, plus the single-process no-ddp row",
                                        description="Run the benchmark at each world size (1 in this process, the "
-                                                   "others spawned through process_groups.launch) into one report and JSON.")
+                                                   "others spawned through process_groups.launch) into one report "
+                                                   "and JSON.")
     add_benchmark_args(sweep_parser)
     sweep_parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2, 4],
                               help="process counts to run (default: %(default)s)")

@@ -1,7 +1,8 @@
 """Regenerate every result file the report reads, then re-execute the report.
 
     python run_experiments.py --quick --report    # every experiment, small settings (README gives the time per CPU)
-    python run_experiments.py --report            # the full settings (the homework solution's 16-epoch run, 1 GB messages, ...): for GPU machines
+    python run_experiments.py --report            # the full settings (the homework solution's 16-epoch run,
+                                                  # 1 GB messages, ...): for GPU machines
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
     python run_experiments.py --summary           # rewrite README.md's headline block from results/
@@ -61,23 +62,29 @@ _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
 # memory) and the transport under one engine (fully_shard on shared memory, and on a "dpkit" process group, / on
 # gloo: its target is for this size).
-SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
-                         "fsdp pytorch [dpkit]", "fsdp ours [torch]", "fsdp ours [shm]")
+SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]",
+                         "fsdp pytorch [shm]", "fsdp pytorch [dpkit]", "fsdp ours [torch]", "fsdp ours [shm]")
 
 EXPERIMENTS = (
     Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
-               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider", "--junitxml={out}/syncbn_tests.xml"),
-               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider", "--junitxml={out}/syncbn_tests.xml")),
+               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider",
+                "--junitxml={out}/syncbn_tests.xml"),
+               ("-m", "pytest", "tests/test_syncbn.py", "-q", "-p", "no:cacheprovider",
+                "--junitxml={out}/syncbn_tests.xml")),
     Experiment("syncbn", "SyncBatchNorm time and memory, ours vs PyTorch",
                ("syncbn_benchmark.py", "--quick", "--json", "{out}/syncbn.json"),
                ("syncbn_benchmark.py", "--json", "{out}/syncbn.json")),
     Experiment("train_selfmade", "CIFAR-100 training, our DDP + SyncBatchNorm",
-               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_QUICK_TRAIN, "--metrics-json", "{out}/train_selfmade.json"),
-               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_FULL_TRAIN, "--metrics-json", "{out}/train_selfmade.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_QUICK_TRAIN,
+                "--metrics-json", "{out}/train_selfmade.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_FULL_TRAIN,
+                "--metrics-json", "{out}/train_selfmade.json"),
                nproc=2),
     Experiment("train_pytorch", "CIFAR-100 training, PyTorch's DDP (+ its SyncBatchNorm on GPU)",
-               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_QUICK_TRAIN, "--metrics-json", "{out}/train_pytorch.json"),
-               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_FULL_TRAIN, "--metrics-json", "{out}/train_pytorch.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_QUICK_TRAIN,
+                "--metrics-json", "{out}/train_pytorch.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_FULL_TRAIN,
+                "--metrics-json", "{out}/train_pytorch.json"),
                nproc=2),
     Experiment("allreduce", "every all-reduce and auto vs torch.distributed.all_reduce (homework Task 4)",
                ("allreduce.py", "--quick", "--world-sizes", "1", "2", "4", "8", "--sizes", "1000", "10000", "100000",
@@ -85,60 +92,67 @@ EXPERIMENTS = (
                ("allreduce.py", "--json", "{out}/allreduce.json")),
     Experiment("collectives", "all-reduce bandwidth sweep (seed 001, nccl-tests conventions); torch.distributed's "
                "collectives on the backend \"dpkit\" against gloo, and its latency floor",
-               ("collectives_benchmark.py", "--quick", "--axis", "all", "--sizes", "4000", "64KB", "1MB", "10MB", "100MB",
-                "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots"),
-               ("collectives_benchmark.py", "--axis", "all", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots")),
+               ("collectives_benchmark.py", "--quick", "--axis", "all", "--sizes", "4000", "64KB", "1MB", "10MB",
+                "100MB", "--json", "{out}/collectives.json", "--plot-dir", "{out}/plots"),
+               ("collectives_benchmark.py", "--axis", "all", "--json", "{out}/collectives.json",
+                "--plot-dir", "{out}/plots")),
     Experiment("reduce_scatter", "ring reduce-scatter vs torch's reduce_scatter_tensor (sharded data parallelism)",
-               ("collectives_benchmark.py", "--collective", "reduce_scatter", "--procs", "2", "--sizes", "10MB", "100MB",
-                "--iters", "20", "--json", "{out}/reduce_scatter.json"),
+               ("collectives_benchmark.py", "--collective", "reduce_scatter", "--procs", "2", "--sizes", "10MB",
+                "100MB", "--iters", "20", "--json", "{out}/reduce_scatter.json"),
                ("collectives_benchmark.py", "--collective", "reduce_scatter", "--json", "{out}/reduce_scatter.json")),
     Experiment("all_gather", "ring all-gather vs torch's all_gather_into_tensor (sharded data parallelism)",
                ("collectives_benchmark.py", "--collective", "all_gather", "--procs", "2", "--sizes", "10MB", "100MB",
                 "--iters", "20", "--json", "{out}/all_gather.json"),
                ("collectives_benchmark.py", "--collective", "all_gather", "--json", "{out}/all_gather.json")),
     Experiment("ddp_benchmark", "iteration time of every DDP variant and bucket size (seeds 002 and 004)",
-               ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "12", "--rounds", "6",
-                "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
+               ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "12",
+                "--rounds", "6", "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
     Experiment("ddp_headline", "bucketed DDP against PyTorch's on each transport (gloo, shared memory), the "
-               "transports under each engine (PyTorch's DDP on a \"dpkit\" process group too), and a communication thread against summing in the backward hook; "
+               "transports under each engine (PyTorch's DDP on a \"dpkit\" process group too), and a communication "
+               "thread against summing in the backward hook; "
                "resnet18, many rounds (the targets; naive for the exposed wait)",
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25", "--batch-size", "16",
-                "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown", "--json", "{out}/ddp_headline.json"),
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25", "--iters", "320", "--rounds",
-                "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
+                "naive", "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25",
+                "--batch-size", "16", "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown",
+                "--json", "{out}/ddp_headline.json"),
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
+                "naive", "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25",
+                "--iters", "320", "--rounds", "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
     Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
-                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "2",
-                "--rounds", "1", "--warmup", "2", "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"),
+                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16",
+                "--iters", "2", "--rounds", "1", "--warmup", "2", "--no-breakdown", "--profile", "{out}/traces",
+                "--trim-traces"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
                 "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--iters", "2", "--rounds", "1",
                 "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
-               ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants", "pytorch",
-                "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2", "--warmup", "1",
-                "--json", "{out}/ddp_sweep.json"),
+               ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants",
+                "pytorch", "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2",
+                "--warmup", "1", "--json", "{out}/ddp_sweep.json"),
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
-    Experiment("sharding", "sharded data parallelism: DDP, ZeRO and FSDP, ours and PyTorch's, time and per-rank memory at 1, 2, 4 ranks",
+    Experiment("sharding", "sharded data parallelism: DDP, ZeRO and FSDP, ours and PyTorch's, time and per-rank "
+               "memory at 1, 2, 4 ranks",
                ("sharding_benchmark.py", "--quick", "--json", "{out}/sharding.json"),
                ("sharding_benchmark.py", "--json", "{out}/sharding.json")),
-    Experiment("sharding_resnet18", "the same on resnet18 at 2 ranks, more rounds (ZeRO against DDP on a convolutional model)",
-               ("sharding_benchmark.py", "--quick", "--models", "resnet18", "--procs", "2", "--iters", "12", "--rounds", "6",
-                "--json", "{out}/sharding_resnet18.json"),
+    Experiment("sharding_resnet18", "the same on resnet18 at 2 ranks, more rounds (ZeRO against DDP on a "
+               "convolutional model)",
+               ("sharding_benchmark.py", "--quick", "--models", "resnet18", "--procs", "2", "--iters", "12",
+                "--rounds", "6", "--json", "{out}/sharding_resnet18.json"),
                ("sharding_benchmark.py", "--models", "resnet18", "--procs", "2", "--iters", "96", "--rounds", "24",
                 "--json", "{out}/sharding_resnet18.json")),
-    Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, ours and "
-               "PyTorch's DDP on shared memory; FSDP, ours and fully_shard, each on shared memory and on gloo (fully_shard also "
-               "on a \"dpkit\" process group)",
+    Experiment("sharding_gpt", "the GPT at its default size (the quick sweep's is a toy) at 2 ranks: DDP and ZeRO, "
+               "ours and PyTorch's DDP on shared memory; FSDP, ours and fully_shard, each on shared memory and on "
+               "gloo (fully_shard also on a \"dpkit\" process group)",
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
                 "--iters", "30", "--rounds", "15", "--warmup", "2", "--json", "{out}/sharding_gpt.json"),
                ("sharding_benchmark.py", "--models", "gpt", "--procs", "2", "--variants", *SHARDING_GPT_VARIANTS,
                 "--iters", "120", "--rounds", "40", "--json", "{out}/sharding_gpt.json")),
     Experiment("multihost", "beyond one host: 2 simulated hosts of 2 ranks (oversubscribed), hierarchical all-reduce, "
                "DDP, ZeRO 1 and 2, FSDP and HSDP measured beside a two-link model, and the model of a cluster",
-               ("multihost_benchmark.py", "--quick", "--memory-link", "{out}/collectives.json", "--json", "{out}/multihost.json"),
+               ("multihost_benchmark.py", "--quick", "--memory-link", "{out}/collectives.json",
+                "--json", "{out}/multihost.json"),
                ("multihost_benchmark.py", "--hosts", "2", "2", "2", "--memory-link", "{out}/collectives.json", "--json",
                 "{out}/multihost.json")),
 )
@@ -169,7 +183,9 @@ def run_one(command: list[str], log_path: Path, timeout_s: float) -> tuple[int, 
     with open(log_path, "w") as log:
         log.write(f"$ {shown(command)}\n")
         process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TQDM_MININTERVAL": "10"})
+                                   start_new_session=True,
+                                   env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                        "TQDM_MININTERVAL": "10"})
         try:
             for line in _lines_until(process, start + timeout_s):
                 sys.stdout.write(line)
@@ -209,13 +225,15 @@ def execute_report(out: Path, timeout_s: float) -> None:
     path = REPO / "report.ipynb"
     notebook = nbformat.read(path, as_version=4)
     os.environ["REPORT_RESULTS"] = str(out.resolve())
-    NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    NotebookClient(notebook, timeout=int(timeout_s), kernel_name="python3",
+                   resources={"metadata": {"path": str(REPO)}}).execute()
     text = nbformat.writes(notebook)
     write_durably(str(path), lambda f: f.write((text if text.endswith("\n") else text + "\n").encode()))
 
 
 # The test suite's two commands (README's, and CI's slow run), timed by --suite.
-SUITE = (("-m", "pytest", "-q", "-p", "no:cacheprovider"), ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow"))
+SUITE = (("-m", "pytest", "-q", "-p", "no:cacheprovider"),
+         ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow"))
 
 
 def outcome(log_path: Path) -> str:
@@ -238,20 +256,25 @@ def time_suite(out: Path, timeout_s: float) -> int:
             code, seconds = -9, timeout_s
         rows.append({"command": shown(command).replace(" -q -p no:cacheprovider", ""), "exit_code": code,
                      "seconds": seconds, "outcome": outcome(log) if code != -9 else f"killed after {timeout_s:g} s"})
-    write_results(str(out / "suite.json"), "run_experiments --suite", env, {"commands": [shown([sys.executable, *a]) for a in SUITE]}, rows)
-    print("\n" + markdown_table(rows, [("command", "command", "s"), ("seconds", "seconds", ".0f"), ("outcome", "outcome", "s")]))
+    write_results(str(out / "suite.json"), "run_experiments --suite", env,
+                  {"commands": [shown([sys.executable, *a]) for a in SUITE]}, rows)
+    print("\n" + markdown_table(rows, [("command", "command", "s"), ("seconds", "seconds", ".0f"),
+                                       ("outcome", "outcome", "s")]))
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small settings: minutes, not hours (README gives the time per CPU) (default: off)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small settings: minutes, not hours (README gives the time per CPU) (default: off)")
     parser.add_argument("--only", nargs="+", choices=NAMES, default=list(NAMES), metavar="NAME",
                         help=f"run only these experiments, of: {', '.join(NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / "results", help="where results go (default: results/)")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="seconds one experiment may take before it is killed (default: 900 with --quick, else 86400)")
-    parser.add_argument("--report", action="store_true", help="then execute report.ipynb in place on --out (default: off)")
+                        help="seconds one experiment may take before it is killed (default: 900 with --quick, "
+                             "else 86400)")
+    parser.add_argument("--report", action="store_true",
+                        help="then execute report.ipynb in place on --out (default: off)")
     parser.add_argument("--list", action="store_true", help="print the experiments and their commands, run nothing")
     parser.add_argument("--summary", action="store_true",
                         help="run nothing: render README.md's headline block from --out (also done after every "
@@ -292,7 +315,8 @@ def main(args: argparse.Namespace) -> int:
                      "command": shown(command), "rounds": rounds_of(out / f"{experiment.name}.json")})
         print(f"=== {experiment.name}: {status} in {seconds:.0f} s", flush=True)
     write_results(str(out / "manifest.json"), "run_experiments", env, {"quick": args.quick, "only": args.only}, rows)
-    print("\n" + markdown_table(rows, [("experiment", "experiment", "s"), ("status", "status", "s"), ("seconds", "seconds", ".0f")]))
+    print("\n" + markdown_table(rows, [("experiment", "experiment", "s"), ("status", "status", "s"),
+                                       ("seconds", "seconds", ".0f")]))
     failed = [r["experiment"] for r in rows if r["status"] != "ok"]
     if failed:
         print(f"\nFAILED: {', '.join(failed)}; see {out / 'logs'}", file=sys.stderr)
@@ -307,7 +331,8 @@ def main(args: argparse.Namespace) -> int:
 
 def producers() -> dict[str, str]:
     """For each result file, the command that writes it (named when --summary finds it missing)."""
-    commands = {e.name: f"python run_experiments.py --quick --only {e.name}" for e in EXPERIMENTS}  # results/<name>.json
+    # One per results/<name>.json.
+    commands = {e.name: f"python run_experiments.py --quick --only {e.name}" for e in EXPERIMENTS}
     return commands | {"manifest": "python run_experiments.py --quick"}
 
 

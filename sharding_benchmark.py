@@ -58,14 +58,15 @@ from dpkit.models import NUM_CLASSES, GPTConfig, build_model
 
 MODELS = ("resnet18", "gpt")
 LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
-DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64, gpt_width=256,
-                gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
+DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64,
+                gpt_width=256, gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
 # Its variants: each engine target on [torch] and on [shm], ZeRO / DDP, the transport ratios; no keep / bf16.
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
-             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]", "zero ours [torch]",
-                       "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]", "zero pytorch [torch]",
+             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]",
+                       "zero ours [torch]", "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]",
+                       "zero pytorch [torch]",
                        "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
                        "ddp pytorch [dpkit]", "fsdp pytorch [dpkit]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
@@ -83,12 +84,16 @@ AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
         "memory": "bytes a rank holds (model states, the engine's buffers, its transport's memory) / the ideal"}
 # Where a target's limit holds (elsewhere its ratio is shown for information): a reader's phrase and a test.
 SCOPES = {"gpt default": ("the GPT at its default size",
-                          lambda model, args: model == "gpt" and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE))}
+                          lambda model, args: (model == "gpt"
+                                               and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE)))}
 # A variant's transport, by the label in its name: made for each variant of each model (a collective).
 TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
-    "torch": lambda: transports.Torch(),                              # torch.distributed's collectives (gloo, NCCL)
-    "shm": lambda: transports.SharedMemory(),                         # this host's shared memory, in the caller's thread
-    "shm-thread": lambda: transports.SharedMemory(background=True),   # the same on a communication thread
+    # torch.distributed's collectives (gloo, NCCL)
+    "torch": lambda: transports.Torch(),
+    # this host's shared memory, in the caller's thread
+    "shm": lambda: transports.SharedMemory(),
+    # the same on a communication thread
+    "shm-thread": lambda: transports.SharedMemory(background=True),
     # PyTorch's engines unchanged on a new process group of the backend "dpkit" (its collectives, on that group)
     "dpkit": lambda: transports.Torch(dist.new_group(backend=backend.NAME)),
 }
@@ -212,11 +217,13 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
     return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
-@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"), targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
+@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"),
+         targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
 def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     model = DDP(module, transport=transport)
+    # kept: the buckets (the transport's), which hold the gradients
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
-                 kept=lambda: [b.flat for b in model.buckets])  # the buckets (the transport's), which hold the gradients
+                 kept=lambda: [b.flat for b in model.buckets])
 
 
 @variant("ddp pytorch", "ddp", on=("torch", "shm", "dpkit"), default=("torch", "shm", "dpkit"))
@@ -239,7 +246,8 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
 
 
 @variant("zero ours", "zero", on=("torch", "shm", "shm-thread"),
-         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH), Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
+         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH),
+                  Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     return _zero_ours(module, transport)
 
@@ -355,10 +363,12 @@ for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
     # on gloo, at the GPT's default size.
     variant(f"fsdp pytorch{_name}", "fsdp", default=_default + (("dpkit",) if not _name else ()),
             on=("torch", "shm", "dpkit") if not _name else ("torch", "shm"),
-            targets=(Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),) if not _name else ()
+            targets=((Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),)
+                     if not _name else ())
             )(functools.partial(_fsdp_pytorch, **_options))
 # A target on a transport its other variant does not run on (there is no "zero pytorch [shm]") is dropped.
-VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS)) for name, v in VARIANTS.items()})
+VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS))
+                 for name, v in VARIANTS.items()})
 
 
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
@@ -450,7 +460,8 @@ def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
 
 @dataclass
 class Run:
-    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed communication."""
+    """A built variant with its batch and transport; ``step()`` is one iteration, ``exposed`` its exposed
+    communication."""
 
     setup: Setup
     transport: transports.Transport
@@ -588,11 +599,12 @@ def worker(ctx, args) -> list[dict]:
 
 
 MIB = 2 ** 20
-COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"), ("p50_ms", "p50 ms", ".1f"),
-           ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"), ("params_mib", "params MiB", ".1f"),
-           ("grads_mib", "grads MiB", ".1f"), ("grads_per_rank_mib", "grads MiB per rank", "s"),
-           ("state_mib", "opt state MiB", ".1f"), ("activation_mib", "activations MiB", ".1f"),
-           ("peak_mib", "peak MiB", ".1f"), ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
+COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "variant", "s"),
+           ("p50_ms", "p50 ms", ".1f"), ("p95_ms", "p95 ms", ".1f"), ("exposed_ms", "exposed comm ms", ".1f"),
+           ("params_mib", "params MiB", ".1f"), ("grads_mib", "grads MiB", ".1f"),
+           ("grads_per_rank_mib", "grads MiB per rank", "s"), ("state_mib", "opt state MiB", ".1f"),
+           ("activation_mib", "activations MiB", ".1f"), ("peak_mib", "peak MiB", ".1f"),
+           ("shared_peak_mib", "/dev/shm MiB", ".1f"), ("model_state_mib", "held MiB", ".1f"),
            ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "held / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
@@ -606,8 +618,8 @@ its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, s
 transport holds for it (every variant has a transport of its own: for shared memory, the pages of its arena
 in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
 iterations, kept for reuse; a memory profiler does not see them; on [dpkit] the backend's slots, two of
-``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between iterations
-(gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
+``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between
+iterations (gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
 arena grew by during it. "/dev/shm MiB": the transport's pages in /dev/shm (``Transport.held_bytes``).
 Ideal = the model states (parameters + gradients + AdamW's two moments) a rank must hold: all of them for
 DDP, 1/n of the optimizer state for ZeRO (stage 2: and of the gradients), 1/n of everything plus the largest
@@ -646,7 +658,8 @@ def report(rows: list[dict]) -> str:
                 limit = f"target <= {row['scoped_limit']:.2f} on {row['scope']} only: for information here"
             else:
                 limit = "for information"
-            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): {row['verdict']}")
+            lines.append(f"    {row['world_size']} procs, {row['model']}: {row['target']} = {value} ({limit}): "
+                         f"{row['verdict']}")
     return "\n".join(lines + ["", MEMORY_NOTES])
 
 
@@ -669,8 +682,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{', '.join(QUICK['variants'])}")
     for flag, kind, text in (("batch-size", int, "samples per rank"), ("image-size", int, "resnet18 input side"),
                              ("gpt-vocab", int, "GPT vocabulary"), ("gpt-seq-len", int, "GPT tokens per sample"),
-                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"), ("gpt-heads", int, "GPT heads"),
-                             ("iters", int, "timed iterations per variant"), ("rounds", int, "rounds they are split into"),
+                             ("gpt-width", int, "GPT width"), ("gpt-depth", int, "GPT blocks"),
+                             ("gpt-heads", int, "GPT heads"), ("iters", int, "timed iterations per variant"),
+                             ("rounds", int, "rounds they are split into"),
                              ("warmup", int, "untimed iterations first")):
         key = flag.replace("-", "_")
         parser.add_argument(f"--{flag}", type=kind, help=f"{text} (default: {DEFAULTS[key]}, quick {QUICK[key]})")

@@ -70,7 +70,8 @@ def _measure(ctx) -> dict:
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
             "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
-            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0, sizes=(4,)),
+            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
+                                                 sizes=(4,)),
             "backend": bench.backend_worker(ctx, list(bench.BACKEND_CALLS), list(BACKEND_SIZES), iters=1, warmup=0,
                                             floor_calls=2),
             "backend_wrong": _wrong_backend(ctx)}
@@ -97,7 +98,8 @@ def test_each_size_has_one_row_per_algorithm_over_one_wire(measured):
     assert [(r["bytes"], r["algorithm"]) for r in rows] == [(s, a) for s in SIZES for a in names]
     assert "shared_memory" not in allreduce.ALGORITHMS, "shared memory is a transport, not an algorithm"
     assert all(r["world_size"] == 2 and not r["oversubscribed"] for r in rows)
-    assert all((r["axis"], r["transport"], r["label"], r["collective"]) == ("algorithm", "gloo", r["algorithm"], "allreduce")
+    assert all((r["axis"], r["transport"], r["label"], r["collective"])
+               == ("algorithm", "gloo", r["algorithm"], "allreduce")
                for r in rows)
 
 
@@ -179,7 +181,8 @@ def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
 def test_the_report_has_one_table_per_axis(measured):
     text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
-    assert algorithms < text.index("| 2 | 4000B | ring |") < transports < text.index("| 2 | 64KiB | shared_memory (zero copy) |")
+    assert (algorithms < text.index("| 2 | 4000B | ring |") < transports
+            < text.index("| 2 | 64KiB | shared_memory (zero copy) |"))
 
 
 def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(measured):
@@ -209,7 +212,8 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_short_calls
     rows = [r for r in measured[0]["backend"] if "axis" in r]
     for gloo, dpkit in zip(rows[::2], rows[1::2]):
         assert gloo["vs_torch"] == gloo["vs_torch_ci_low"] == gloo["vs_torch_ci_high"] == 1.0
-        assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"], gloo["round_p50_s"]))))
+        assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"],
+                                                                            gloo["round_p50_s"]))))
         calls = max(1, min(bench.BACKEND_REPEAT, bench.BACKEND_BATCH_BYTES // max(4, gloo["bytes"])))
         assert gloo["calls_per_round"] == dpkit["calls_per_round"] == calls
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
@@ -221,7 +225,8 @@ def test_the_backend_targets_and_latency_floor_are_stored_with_the_rows(measured
     checks = bench.stored_targets(measured[0]["backend"])
     assert [(c["axis"], c["label"], c["reference"], c["bytes"], c["limit"], c["world_size"]) for c in checks] == [
         ("backend", bench.BACKEND, "gloo", 4 << 10, 0.25, 2), ("backend", bench.BACKEND, "gloo", 64 << 10, 0.25, 2)]
-    assert all(c["text"].startswith("target all-reduce through dpkit backend <= 0.25x gloo, 2 processes") for c in checks)
+    assert all(c["text"].startswith("target all-reduce through dpkit backend <= 0.25x gloo, 2 processes")
+               for c in checks)
     floor = [r for r in measured[0]["backend"] if r.get("kind") == "latency floor"]
     for nbytes in bench.FLOOR_SIZES:
         mine = [r for r in floor if r["bytes"] == nbytes]
@@ -283,7 +288,8 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
     assert "target auto <= 1.10x torch, 2 processes, 4000B: 0.90x [0.85, 0.97] met" in lines
     assert "target auto <= 1.10x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] met" in lines
     assert "target auto <= 1.00x torch, 2 processes, 10MiB: 1.05x [1.02, 1.08] missed" in lines
-    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed [oversubscribed")
+    assert any(line.startswith("target auto <= 1.00x torch, 4 processes, 100MiB: 1.30x [1.20, 1.40] missed "
+                               "[oversubscribed")
                for line in lines)
     assert "target ring <= 1.10x torch, 2 processes, 10MiB: 1.05x [0.90, 1.20] inconclusive" in lines
     assert len(lines) == 6  # auto at 4000 B has no 1.00 target; torch has none
@@ -301,8 +307,10 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
     lines = bench.target_lines(rows)
     assert lines == [
-        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: 0.40x [0.38, 0.43] met",
-        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: 0.33x [0.31, 0.35] missed"]
+        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: "
+        "0.40x [0.38, 0.43] met",
+        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: "
+        "0.33x [0.31, 0.35] missed"]
     inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
         ("transport", zero, 0.30, "inconclusive")]
@@ -310,7 +318,8 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
 
 def test_an_algorithm_target_never_judges_a_transport_row():
     """A transport row whose algorithm has a target on the other axis (p2p runs auto) is not that target's row."""
-    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]), _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
+    rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]),
+            _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
     assert bench.target_checks(rows) == []
 
 
@@ -328,11 +337,13 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
 
 def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
     """Shared memory then always copied in and out (staged); an auto that ran it was a transport, not an algorithm."""
-    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c, **({"collective": k} if k else {})}
+    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c,
+            **({"collective": k} if k else {})}
            for a, c, k in (("ring", None, None), ("shared_memory", None, "allreduce"), ("auto", "shared_memory", None),
                            ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
                            ("shared_memory", None, "all_gather"))]
-    got = [(r["axis"], r["transport"], r["algorithm"], r["label"]) for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
+    got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
+           for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
                    ("transport", "shared_memory", "direct", "shared_memory (staged)"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
@@ -359,10 +370,11 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
     fits = allreduce.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
-        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6) and fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+        assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+        assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
         assert fit["max_rel_error"] < 1e-6
-        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(allreduce.model_terms(fit["algorithm"], world, 1 << 22),
-                                                                            (alpha, beta))))
+        terms = allreduce.model_terms(fit["algorithm"], world, 1 << 22)
+        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(terms, (alpha, beta))))
 
 
 def test_the_steps_are_those_of_each_algorithm():
@@ -389,8 +401,10 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
 def _chart_rows():
     return [_row("ring", 3e-3, nbytes=4000), _row("recursive_doubling", 1e-3, nbytes=4000),
             _row("ring", 5e-3, nbytes=1 << 20), _row("recursive_doubling", 9e-3, nbytes=1 << 20),
-            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"), _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
-            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s) for i, label in enumerate(LABELS) for s in (4000, 1 << 20)]]
+            _row("auto", 1.1e-3, nbytes=4000, choice="recursive_doubling"),
+            _row("auto", 5.2e-3, nbytes=1 << 20, choice="ring"),
+            *[_transport_row(label, 1e-3 * (i + 1), nbytes=s)
+              for i, label in enumerate(LABELS) for s in (4000, 1 << 20)]]
 
 
 def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
@@ -402,7 +416,8 @@ def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     figure, (algorithms, transports) = plt.subplots(1, 2)
     collective_plots.draw_per_size(algorithms, _chart_rows(), "gloo", 2)
     lines = {line.get_label(): line for line in algorithms.get_lines()}
-    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)", "auto's choice"}
+    assert set(algorithms.get_legend_handles_labels()[1]) == {"ring", "recursive doubling", "auto (measured)",
+                                                              "auto's choice"}
     assert list(lines["auto's choice"].get_xdata()) == [4000, 1 << 20]
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
     assert algorithms.get_title() == "algorithms over gloo, 2 processes"
@@ -426,10 +441,12 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
 
 def test_the_axis_selects_what_is_measured():
     both = bench.parse_args([])
-    assert both.axis == "both" and both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    assert both.axis == "both"
+    assert both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
     assert both.backend_collectives == []
     backends = bench.parse_args(["--axis", "backends"])
-    assert backends.algorithms == backends.transports == [] and backends.backend_collectives == list(bench.BACKEND_CALLS)
+    assert backends.algorithms == backends.transports == []
+    assert backends.backend_collectives == list(bench.BACKEND_CALLS)
     assert backends.backend_sizes == [bench.parse_size(s) for s in bench.BACKEND_SIZES]
     every = bench.parse_args(["--axis", "all", "--backend-collectives", "allreduce"])
     assert every.algorithms and every.transports and every.backend_collectives == ["allreduce"]

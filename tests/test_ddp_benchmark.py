@@ -44,8 +44,8 @@ SWEEP_TRANSPORTS = ("torch", "shm", "shm-thread", "dpkit")
 # at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
 # after backward, so a thread would change nothing for them; overlap and bucketed on every transport but "dpkit",
 # a process group of that backend, which only PyTorch's DDP takes.
-LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]",
-          "naive [torch]", "naive [shm]", "flat [torch]", "flat [shm]",
+LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+          "pytorch-best 25M [dpkit]", "naive [torch]", "naive [shm]", "flat [torch]", "flat [shm]",
           "overlap [torch]", "overlap [shm]", "overlap [shm-thread]",
           "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
 SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
@@ -60,7 +60,8 @@ def sweep(tmp_path_factory):
         bench.main(["sweep", "--world-sizes", str(WORLD), "--models", "cnn", "--batch-size", str(BATCH),
                     "--iters", str(ITERS), "--rounds", str(ROUNDS), "--warmup", "1", "--timeout", str(PG_TIMEOUT_S),
                     "--bucket-sizes", *map(str, BUCKETS), "--transports", *SWEEP_TRANSPORTS,
-                    "--max-time", str(WORKERS_TIMEOUT_S), "--json", str(tmp / "run.json"), "--profile", str(tmp / "traces")])
+                    "--max-time", str(WORKERS_TIMEOUT_S), "--json", str(tmp / "run.json"),
+                    "--profile", str(tmp / "traces")])
     return read_results(str(tmp / "run.json")), out.getvalue(), tmp / "traces"
 
 
@@ -104,10 +105,12 @@ def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on
 
 def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
     variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shm", "shm-thread"])
-    assert [v.label for v in variants if v.transport == "shm-thread"] == ["overlap [shm-thread]", "bucketed 1M [shm-thread]"]
+    assert [v.label for v in variants if v.transport == "shm-thread"] == ["overlap [shm-thread]",
+                                                                          "bucketed 1M [shm-thread]"]
     # PyTorch's DDP at its defaults keeps its own gloo, and also runs at its default bucket size (25 MiB)
     assert [v.label for v in variants if v.kind == "pytorch"] == ["pytorch 1M [torch]", "pytorch 25M [torch]"]
-    assert [v.label for v in variants if v.kind == "pytorch-best"] == ["pytorch-best 25M [torch]", "pytorch-best 25M [shm]"]
+    assert [v.label for v in variants if v.kind == "pytorch-best"] == ["pytorch-best 25M [torch]",
+                                                                       "pytorch-best 25M [shm]"]
     assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
     assert bench.Variant("bucketed", 25.0, "shm-thread").slug == "bucketed-25M-[shm-thread]"
 
@@ -222,7 +225,8 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
             assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
     # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
     assert rows["bucketed 25M [shm]"]["vs_pytorch"] is None and rows["bucketed 25M [shm]"]["vs_pytorch_best"]
-    assert rows["bucketed 25M [shm-thread]"]["vs_pytorch"] is None is rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"]
+    assert (rows["bucketed 25M [shm-thread]"]["vs_pytorch"] is None
+            is rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"])
 
 
 # --------------------------------------------------------------------------- the statistics, against a scripted clock
@@ -231,7 +235,8 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
 # Seconds per iteration of each variant in a world of one, and the exposed wait ours report.
 # The oracle: every figure below follows from these numbers by hand, not from the benchmark's code.
 SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M [torch]": (0.150, 0.0), "pytorch-best 25M [torch]": (0.120, 0.0),
-          "pytorch-best 25M [shm]": (0.108, 0.0), "pytorch-best 25M [dpkit]": (0.111, 0.0), "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
+          "pytorch-best 25M [shm]": (0.108, 0.0), "pytorch-best 25M [dpkit]": (0.111, 0.0),
+          "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
           "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shm]": (0.104, 0.001),
           "bucketed 25M [shm-thread]": (0.1144, 0.036)}
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
@@ -398,9 +403,11 @@ def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the
     # bucketed 25M [shm] waits 0.001 / 0.060 of naive [shm]: inline, its sums are inside backward: not checked
     assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shm-thread]"}
     assert hidden["bucketed 25M [torch]"]["reference"] == "naive [torch]"
-    assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080) and hidden["bucketed 25M [torch]"]["verdict"] == "met"
+    assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080)
+    assert hidden["bucketed 25M [torch]"]["verdict"] == "met"
     assert hidden["bucketed 25M [shm-thread]"]["reference"] == "naive [shm]"
-    assert exact(hidden["bucketed 25M [shm-thread]"]["ratio"], 0.6) and hidden["bucketed 25M [shm-thread]"]["verdict"] == "missed"
+    assert exact(hidden["bucketed 25M [shm-thread]"]["ratio"], 0.6)
+    assert hidden["bucketed 25M [shm-thread]"]["verdict"] == "missed"
     assert all(c["limit"] == bench.TARGET_HIDDEN for c in hidden.values())
 
 
@@ -409,7 +416,8 @@ def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_inform
     information = [c for c in checks if c["limit"] is None]
     assert len(information) == 1
     thread = information[0]
-    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shm-thread]", "bucketed 25M [shm]")
+    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shm-thread]",
+                                                                      "bucketed 25M [shm]")
     assert exact(thread["ratio"], 1.10) and thread["verdict"] == "information"
     text = "\n".join(bench.targets_text(checks))
     assert "1.10x [1.10, 1.10] (information)" in text
@@ -440,7 +448,8 @@ def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     params = cnn_parameters()
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     for t in ("torch", "shm"):
-        assert rows[f"naive [{t}]"]["all_reduces"] == rows[f"overlap [{t}]"]["all_reduces"] == len(params)  # per parameter
+        # one per parameter
+        assert rows[f"naive [{t}]"]["all_reduces"] == rows[f"overlap [{t}]"]["all_reduces"] == len(params)
         assert rows[f"flat [{t}]"]["all_reduces"] == 1  # 3.2 MiB in one piece
     # ours: everything in one bucket but the first layers' gradients, up to LAST_BUCKET_CAP_MB, in a last one
     first_bytes = np.cumsum([p.numel() * p.element_size() for p in params])
@@ -464,7 +473,8 @@ def staging_block(nbytes: int) -> int:
 def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_see(sweep):
     rows = rows_at(sweep[0], WORLD)
     for label, row in rows.items():
-        assert row["peak_bytes"] == row["iteration_peak_bytes"] + row["ddp_buffer_bytes"] + row["transport_staging_bytes"]
+        assert row["peak_bytes"] == (row["iteration_peak_bytes"] + row["ddp_buffer_bytes"]
+                                     + row["transport_staging_bytes"])
     # Staged: what the transport did not allocate. Naive hands it each gradient (the largest sets the block);
     # PyTorch's DDP, through its hook, its buckets.
     largest = max(p.numel() * p.element_size() for p in cnn_parameters())
@@ -504,7 +514,8 @@ def trace_names(traces, label: str, rank: int = 0) -> list[str]:
 
 def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_its_transport(sweep):
     doc, _, traces = sweep
-    expected = {f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank{rank}.json" for label in LABELS for rank in range(WORLD)}
+    expected = {f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank{rank}.json"
+                for label in LABELS for rank in range(WORLD)}
     expected.add("cnn-1ranks-no-ddp-rank0.json")
     assert {p.name for p in traces.iterdir()} == expected
     names = trace_names(traces, "bucketed 25M [shm]")
@@ -519,7 +530,8 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
             assert names.count("c10d::allreduce_") == bench.PROFILE_ITERS * row["all_reduces"] > 0, label
             assert names.count("gloo:all_reduce") == names.count(SHM_ALL_REDUCE) == 0, label
             continue
-        wire, other = ("gloo:all_reduce", SHM_ALL_REDUCE) if row["transport"] == "torch" else (SHM_ALL_REDUCE, "gloo:all_reduce")
+        wire, other = (("gloo:all_reduce", SHM_ALL_REDUCE) if row["transport"] == "torch"
+                       else (SHM_ALL_REDUCE, "gloo:all_reduce"))
         assert names.count(wire) == bench.PROFILE_ITERS * row["all_reduces"] and names.count(other) == 0, label
     assert rows_at(doc, WORLD)["no ddp"]["all_reduces"] == 0
 
@@ -540,9 +552,11 @@ def test_the_timeline_shows_where_each_transport_sums(sweep):
         assert sum(map(len, on.values())) == rows[label]["all_reduces"]
     for label in ("bucketed 25M [shm]", "pytorch-best 25M [shm]", "naive [shm]"):
         on = lanes(label)
-        assert list(on) == ["sums in the compute thread"] and len(on["sums in the compute thread"]) == rows[label]["all_reduces"]
+        assert list(on) == ["sums in the compute thread"]
+        assert len(on["sums in the compute thread"]) == rows[label]["all_reduces"]
     on = lanes("bucketed 25M [shm-thread]")
-    assert list(on) == ["comm thread 1"] and len(on["comm thread 1"]) == rows["bucketed 25M [shm-thread]"]["all_reduces"]
+    assert list(on) == ["comm thread 1"]
+    assert len(on["comm thread 1"]) == rows["bucketed 25M [shm-thread]"]["all_reduces"]
 
 
 # --------------------------------------------------------------------------- diff
@@ -615,7 +629,8 @@ def test_rounds_rotate_the_order_and_split_the_iterations():
 def gpt_and_batch(batch: int, width: int, depth: int, heads: int, seq_len: int, vocab: int):
     """A fresh GPT (seed 0) and rank 0's batch, as the benchmark builds them from its flags."""
     args = bench.parse_args(["--models", "gpt", "--batch-size", str(batch), "--gpt-width", str(width), "--gpt-depth",
-                             str(depth), "--gpt-heads", str(heads), "--gpt-seq-len", str(seq_len), "--gpt-vocab", str(vocab)])
+                             str(depth), "--gpt-heads", str(heads), "--gpt-seq-len", str(seq_len),
+                             "--gpt-vocab", str(vocab)])
     torch.manual_seed(0)
     model = bench.build_model("gpt", bench.gpt_config(args))
     return (model, *bench.make_batch("gpt", args, rank=0, device=torch.device("cpu")))
@@ -678,8 +693,8 @@ def test_every_flag_shows_its_default_in_help():
 
 def test_quick_fills_only_the_flags_not_given():
     quick = bench.parse_args(["--quick"])
-    assert (quick.batch_size, quick.iters, quick.rounds, quick.warmup) == tuple(bench.QUICK[k] for k in
-                                                                               ("batch_size", "iters", "rounds", "warmup"))
+    assert (quick.batch_size, quick.iters, quick.rounds, quick.warmup) == tuple(
+        bench.QUICK[k] for k in ("batch_size", "iters", "rounds", "warmup"))
     assert quick.models == list(bench.CPU_MODELS)
     explicit = bench.parse_args(["--quick", "--iters", "12", "--rounds", "6", "--models", "resnet18"])
     assert (explicit.iters, explicit.rounds, explicit.models) == (12, 6, ["resnet18"])
@@ -691,8 +706,9 @@ def test_quick_fills_only_the_flags_not_given():
 def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(sweep):
     rows = rows_at(sweep[0], WORLD)
     profiled = [label for label, row in rows.items() if "breakdown" in row]
-    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]",
-                        "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
+    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
+                        "pytorch-best 25M [dpkit]", "bucketed 25M [torch]", "bucketed 25M [shm]",
+                        "bucketed 25M [shm-thread]"]
     for label in profiled:
         breakdown = rows[label]["breakdown"]
         assert set(breakdown["ranges"]) == set(bench.PHASES), label

@@ -18,7 +18,8 @@ UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
 
 # --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
-TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)", "p2p": "p2p"}
+TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)",
+              "p2p": "p2p"}
 # The backend axis: rows of torch.distributed's calls on a group of the backend "dpkit", against the same on gloo.
 BACKEND = "dpkit backend"
 
@@ -77,7 +78,8 @@ def labelled(row: dict) -> dict:
 
 
 def allreduce_rows(rows: list[dict]) -> list[dict]:
-    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of ``point_to_point``)."""
+    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of
+    ``point_to_point``)."""
     return [labelled(row) for row in rows if "algorithm" in row]
 
 
