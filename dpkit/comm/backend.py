@@ -21,7 +21,9 @@ so one process group may hold "dpkit" for CPU beside "nccl" for CUDA; elsewhere 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import json
 import os
 import warnings
@@ -58,6 +60,21 @@ BASE = c10d.Backend if _python_backends() else dist.ProcessGroup
 def op_name(reduce_op) -> str | None:
     """"sum", "avg", ... for a ``ReduceOp``; None for one the slots do not compute (PREMUL_SUM)."""
     return next((name for name, value in _OPS.items() if reduce_op == value), None)
+
+
+def profiled(kind: str):
+    """A method wrapped in the profiler range "dpkit:<kind>" while a profiler records (gloo's are "gloo:<kind>"),
+    so a trace shows this backend's collectives on every torch (a Python process group's calls enter none of
+    torch's own ``c10d::`` operators on some releases); outside a profile, one check of a flag."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            # A process-wide flag the profiler sets (private: where torch drops it, the range is always made).
+            recorded = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+            with torch.autograd.profiler.record_function(f"dpkit:{kind}") if recorded else contextlib.nullcontext():
+                return method(self, *args, **kwargs)
+        return call
+    return wrap
 
 
 def done(result=None) -> dist.Work:
@@ -155,6 +172,7 @@ class DpkitBackend(BASE):
         return (self.slots is not None and not self.spans_hosts and all(t.dtype == dtype for t in tensors)
                 and computes(dtype, op))
 
+    @profiled("all_reduce")
     def allreduce(self, tensors, opts=None):
         opts = opts or c10d.AllreduceOptions()
         op = op_name(opts.reduceOp)
@@ -186,6 +204,7 @@ class DpkitBackend(BASE):
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
 
+    @profiled("broadcast")
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
         if len(tensors) == 1 and self._native(tensors, "sum"):
@@ -194,6 +213,7 @@ class DpkitBackend(BASE):
         check_cpu(tensors)
         return self.gloo.broadcast([_bits(t) for t in tensors], opts)
 
+    @profiled("all_gather")
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         if len(inputs) == 1 and self._native([*output_lists[0], inputs[0]], "sum") \
@@ -205,6 +225,7 @@ class DpkitBackend(BASE):
             return done(output_lists)
         return _move_through_gloo(self.gloo.allgather, output_lists, inputs, opts)
 
+    @profiled("all_gather")
     def all_gather_single(self, output, input, opts=None):
         if self._native([output, input], "sum") and output.numel() == self._size * input.numel():
             _in_place(output, lambda flat: self.slots.all_gather(flat, input.contiguous().view(-1)))
@@ -216,6 +237,7 @@ class DpkitBackend(BASE):
 
     _allgather_base = all_gather_single  # the name torch's ProcessGroup calls where it predates the new one
 
+    @profiled("reduce_scatter")
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         flat = torch.cat([t.reshape(-1) for t in input_lists[0]])
@@ -224,6 +246,7 @@ class DpkitBackend(BASE):
                              f"({[t.numel() for t in input_lists[0]]})")
         return self.reduce_scatter_single(outputs[0], flat, opts)
 
+    @profiled("reduce_scatter")
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         op = op_name(opts.reduceOp)
@@ -241,6 +264,7 @@ class DpkitBackend(BASE):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @profiled("barrier")
     def barrier(self, opts=None):
         if self._size == 1:
             return done()
