@@ -21,7 +21,6 @@ so one process group may hold "dpkit" for CPU beside "nccl" for CUDA; elsewhere 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import json
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from dpkit.comm.hosts import HOSTS_ENV, number_hosts, ranks_by_host, real_host
+from dpkit.comm.interface import profiler_range
 from dpkit.comm.slots import DTYPES, Slots
 from dpkit.comm.transport import POLLS
 
@@ -69,9 +69,7 @@ def profiled(kind: str):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            # A process-wide flag the profiler sets (private: where torch drops it, the range is always made).
-            recorded = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
-            with torch.autograd.profiler.record_function(f"dpkit:{kind}") if recorded else contextlib.nullcontext():
+            with profiler_range(f"dpkit:{kind}"):
                 return method(self, *args, **kwargs)
         return call
     return wrap

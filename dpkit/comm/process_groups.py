@@ -547,3 +547,16 @@ def new_subgroups(parent, members: Sequence[Sequence[int]], timeout_s: float | N
                         if me in ranks else None)
     c10d._world.group_count = base + len(members)
     return made
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat), or None if there is no such
+    process here. A pid and its start time name one process: a reused pid has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (name)": state, ppid, ...
+    except OSError:
+        return None
+    if fields[0] in (b"Z", b"X"):  # a zombie (dead, not yet reaped by its parent) will never count either
+        return None
+    return int(fields[19])

@@ -31,8 +31,8 @@ from dpkit.comm import torch_transport
 from dpkit.comm.checks import bounds
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hosts import HOSTS_ENV, host_indices
-from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of
-from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
+from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError, start_time
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "mean")
@@ -180,7 +180,7 @@ class SharedMemory(Transport):
         control = mmap.mmap(control_fd, control_size)
         os.close(control_fd)
         self._control = np.frombuffer(control, np.int64)[_RECORD:].reshape(n, _RECORD)  # record per rank
-        self._control[rank, _PID], self._control[rank, _STARTED] = os.getpid(), _start_time(os.getpid())
+        self._control[rank, _PID], self._control[rank, _STARTED] = os.getpid(), start_time(os.getpid())
         mappings = [mmap.mmap(fd, size) for fd in arena_fds]
         self._arena = _Arena(arena_fds[rank], size, mappings[rank])
         for r, fd in enumerate(arena_fds):
@@ -392,7 +392,7 @@ class SharedMemory(Transport):
             return
         records = self._control
         dead = [r for r in range(self.world_size) if counters[r] < self._syncs
-                and _start_time(int(records[r, _PID])) != int(records[r, _STARTED])]
+                and start_time(int(records[r, _PID])) != int(records[r, _STARTED])]
         if dead:
             self._fail(f"a peer failed: rank(s) {dead} did not reach the shared-memory collective: their process "
                        "is gone (killed or crashed)")
@@ -406,7 +406,7 @@ class SharedMemory(Transport):
         """After the first meeting (every peer alive, its pid written): whether their pids and start times
         are visible in this process's /proc, i.e. whether a dead peer can be told from a slow one."""
         records = self._control
-        self._peers_visible = all(_start_time(int(records[r, _PID])) == int(records[r, _STARTED])
+        self._peers_visible = all(start_time(int(records[r, _PID])) == int(records[r, _STARTED])
                                   for r in range(self.world_size))
 
     def _fall_back_for_call(self, table: np.ndarray, fallback: Callable[[], None]) -> bool:
@@ -425,7 +425,7 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.all_reduce(flat, op)
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
-        with _profiled("all_reduce"):
+        with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
             staged = nbytes and self._offset(flat) is None
             status, offset = self._post(flat)
             table = self._meet_descriptors("all_reduce", flat.dtype, nbytes, op, status, offset)
@@ -441,7 +441,7 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.reduce_scatter(out, flat, op)
         nbytes, n, m = flat.numel() * flat.element_size(), self.world_size, out.numel()
-        with _profiled("reduce_scatter"):
+        with profiler_range(SHARED_MEMORY_RANGE.format("reduce_scatter")):
             status, offset = self._post(flat)
             table = self._meet_descriptors("reduce_scatter", flat.dtype, nbytes, op, status, offset)
             fallback = lambda: torch_transport.reduce_scatter(out, flat, op, self._collective_group())
@@ -466,7 +466,7 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.all_gather(out, flat)
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
-        with _profiled("all_gather"):
+        with profiler_range(SHARED_MEMORY_RANGE.format("all_gather")):
             status, offset = self._post(flat)
             table = self._meet_descriptors("all_gather", flat.dtype, nbytes, "sum", status, offset)
             if self._fall_back_for_call(table, lambda: torch_transport.all_gather(out, flat, self._collective_group())):
@@ -480,19 +480,6 @@ class SharedMemory(Transport):
 
 
 _SETUP_NO_ROOM, _SETUP_NOT_SHARED = 1, 2
-
-
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat), or None if there is no such
-    process here. A pid and its start time name one process: a reused pid has another start time."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (name)": state, ppid, ...
-    except OSError:
-        return None
-    if fields[0] in (b"Z", b"X"):  # a zombie (dead, not yet reaped by its parent) will never count either
-        return None
-    return int(fields[19])
 
 
 class NotOneHost(ValueError):
@@ -567,10 +554,3 @@ def sum_chunk(chunks: list[torch.Tensor], element_size: int, scale: float | None
         for other in blocks[1:]:
             other.copy_(blocks[0])
 
-
-def _profiled(kind: str):
-    """A profiler range named after the collective when a profiler is on (asking costs nanoseconds; a range,
-    microseconds). ``_is_profiler_enabled`` is the profiler's own flag, true on every thread it records."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(SHARED_MEMORY_RANGE.format(kind))
-    return contextlib.nullcontext()

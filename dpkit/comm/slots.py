@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dpkit.comm.process_groups import PeerFailedError
+from dpkit.comm.process_groups import PeerFailedError, start_time
 
 SLOT_BYTES = 1 << 21  # one slot; a message longer than this goes piece by piece
 HEADER_WORDS = 16  # int64 words per rank: two cache lines
@@ -55,17 +55,6 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
     out.copy_(parts[0])
     for part in parts[1:]:
         combine(out, part, out=out)
-
-
-def start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), None if it is gone or a zombie: pid and start
-    time name one process even when the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 class Slots:
