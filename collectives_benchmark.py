@@ -418,17 +418,21 @@ def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, wa
         print0(f"no backend rows: the backend {backend.NAME!r} compares CPU tensors between 2 or more processes")
         return []
     groups, rows = backend_groups(), []
-    for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
-        for nbytes in sizes[:1] if collective == "barrier" else sizes:
-            contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups)
-            rows += measure(ctx, collective, "backend", contenders, size, iters, warmup, setup, reference="gloo")
+    try:
+        for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
+            for nbytes in sizes[:1] if collective == "barrier" else sizes:
+                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups)
+                rows += measure(ctx, collective, "backend", contenders, size, iters, warmup, setup, reference="gloo")
+                harness.keep(ctx, [*earlier, *rows])
+        for nbytes in FLOOR_SIZES if floor_calls else ():
+            rows += [{**row, "backend": ctx.backend, "kind": "latency floor",
+                      "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
+                     for row in backend_latency.floor_rows(ctx.world_size, nbytes, floor_calls, FLOOR_ROUNDS,
+                                                           groups[BACKEND], groups["gloo"])]
             harness.keep(ctx, [*earlier, *rows])
-    for nbytes in FLOOR_SIZES if floor_calls else ():
-        rows += [{**row, "backend": ctx.backend, "kind": "latency floor",
-                  "oversubscribed": oversubscribed(ctx.world_size, ctx.device)}
-                 for row in backend_latency.floor_rows(ctx.world_size, nbytes, floor_calls, FLOOR_ROUNDS,
-                                                       groups[BACKEND], groups["gloo"])]
-        harness.keep(ctx, [*earlier, *rows])
+    finally:  # the groups are this axis's alone: a sweep over worlds holds none of them afterwards
+        for group in groups.values():
+            dist.destroy_process_group(group)
     return rows
 
 

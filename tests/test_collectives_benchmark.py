@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 import allreduce
 import collectives_benchmark as bench
@@ -72,8 +73,10 @@ def _measure(ctx) -> dict:
             "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
             "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
                                                  sizes=(4,)),
+            "groups_before_backend": len(c10d._world.pg_map),
             "backend": bench.backend_worker(ctx, list(bench.BACKEND_CALLS), list(BACKEND_SIZES), iters=1, warmup=0,
                                             floor_calls=2),
+            "groups_after_backend": len(c10d._world.pg_map),
             "backend_wrong": _wrong_backend(ctx)}
 
 
@@ -219,6 +222,11 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_short_calls
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
         assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)
+
+
+def test_measuring_the_backend_at_several_sizes_leaves_no_group_behind(measured):
+    for rank in measured:  # the floor's one-rank and gloo groups are made per size and destroyed after it
+        assert rank["groups_after_backend"] == rank["groups_before_backend"]
 
 
 def test_the_backend_targets_and_latency_floor_are_stored_with_the_rows(measured):

@@ -47,13 +47,15 @@ def per_call(fn, calls: int, rounds: int, group=None) -> float:
     return float(value)
 
 
-def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, SharedMemory]:
-    """(name -> a function of no arguments making one call, the ``SharedMemory`` transport they use: close it).
-    ``group``: a "dpkit" group over every rank (default: the world's); ``gloo``: a gloo group over them (default:
-    a new one). Every rank makes the same groups, in one order."""
+def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, SharedMemory, list]:
+    """(name -> a function of no arguments making one call, the ``SharedMemory`` transport they use: close it,
+    the groups made here: destroy them). ``group``: a "dpkit" group over every rank (default: the world's);
+    ``gloo``: a gloo group over them (default: a new one). Every rank makes the same groups, in one order."""
     numel = nbytes // 4
-    gloo = gloo if gloo is not None else dist.new_group(backend="gloo")
+    made = [] if gloo is not None else [dist.new_group(backend="gloo")]
+    gloo = gloo if gloo is not None else made[0]
     singles = [dist.new_group([r], backend=backend.NAME) for r in range(world_size)]
+    made += [g for g in singles if g != dist.GroupMember.NON_GROUP_MEMBER]  # a rank holds only its own
     alone = singles[dist.get_rank()]
     slots = backend.slots_of(group)
     shm = SharedMemory(gloo)
@@ -71,7 +73,7 @@ def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, Sh
         "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
         "SharedMemory.all_reduce [own buffer]": lambda: shm.all_reduce(owned),
         "SharedMemory.all_reduce [any tensor]": lambda: shm.all_reduce(plain),
-    }, shm
+    }, shm, made
 
 
 def calls_for(nbytes: int, calls: int) -> int:
@@ -80,8 +82,9 @@ def calls_for(nbytes: int, calls: int) -> int:
 
 
 def floor_rows(world_size: int, nbytes: int, calls: int, rounds: int, group=None, gloo=None) -> list[dict]:
-    """One row per case of ``cases`` at ``nbytes``: seconds per call, the same on every rank."""
-    made, shm = cases(nbytes, world_size, group, gloo)
+    """One row per case of ``cases`` at ``nbytes``: seconds per call, the same on every rank. The groups it
+    makes are destroyed before it returns, so a sweep over sizes holds no more groups than one size."""
+    made, shm, groups = cases(nbytes, world_size, group, gloo)
     rows = []
     try:
         for name, fn in made.items():
@@ -91,6 +94,8 @@ def floor_rows(world_size: int, nbytes: int, calls: int, rounds: int, group=None
                          "seconds_per_call": per_call(fn, calls_for(nbytes, calls), rounds)})
     finally:
         shm.close()
+        for made_group in groups:
+            dist.destroy_process_group(made_group)
     return rows
 
 
