@@ -329,6 +329,7 @@ GPU_ENV = {"device": "cuda", "device_model": "NVIDIA A100", "cpus": 16, "backend
 def test_the_hardware_line_names_the_cpu_or_the_gpu_with_its_memory_cuda_and_nccl():
     assert summary.hardware(CPU_ENV) == "AMD EPYC (2 cores, no GPU), gloo"
     assert summary.hardware(GPU_ENV) == "NVIDIA A100 (GPU, 80 GiB, 8 visible, CUDA 13.0, NCCL 2.27.3), nccl"
+    assert summary.hardware({**CPU_ENV, "backend": "-"}) == "AMD EPYC (2 cores, no GPU)"  # the suite's: none
 
 
 def test_the_block_refuses_results_measured_on_different_device_types():

@@ -386,12 +386,13 @@ def report_scope(results_dir: Path, manifest: dict) -> str:
 
 def hardware(env: dict) -> str:
     """What a result was measured on, as a sentence fragment: the CPU and its cores, or the GPU with its memory,
-    CUDA and NCCL versions, and the backend."""
+    CUDA and NCCL versions, and the backend where the run had one (the test suite's header has none: "-")."""
+    backend = f", {env['backend']}" if env.get("backend") not in (None, "", "-") else ""
     if env.get("device") == "cuda":
         memory = f", {env['gpu_memory_bytes'] / 2 ** 30:.0f} GiB" if env.get("gpu_memory_bytes") else ""
         return (f"{env['device_model']} (GPU{memory}, {env.get('gpus', 1)} visible, CUDA {env.get('cuda')}, "
-                f"NCCL {env.get('nccl')}), {env['backend']}")
-    return f"{env['device_model']} ({env['cpus']} cores, no GPU), {env['backend']}"
+                f"NCCL {env.get('nccl')}){backend}")
+    return f"{env['device_model']} ({env['cpus']} cores, no GPU){backend}"
 
 
 def machines(docs: dict[str, dict]) -> str:
