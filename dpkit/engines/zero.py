@@ -114,7 +114,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             2: over an unwrapped model, the optimizer averages them itself, see below.
         reduce_cap_mb: stage 2: MiB of each of the reduce-scatter pool's two slots (default None: 1/32 of the
             bytes of the parameters that require a gradient, at least 64 KiB; never more than the largest
-            bucket needs). A bucket larger than a slot is reduce-scattered in several calls.
+            bucket needs). A bucket larger than a slot is reduce-scattered in several calls (one bucket of
+            every parameter: about 32, more with gradient accumulation): larger slots, fewer calls.
         **defaults: options for ``optimizer_cls`` (``lr=...``), defaults of every param group.
 
     Stage 2 (``stage=2``, the model NOT wrapped in a DDP): construction checks that every rank holds
@@ -211,7 +212,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._gradient_hooks: list = []
         self._divisors: dict[torch.dtype, torch.Tensor] = {}
         # Stage 2's reduce-scatter pool (``_size_pool``): POOL_SLOTS slots (a chunk's n rows of input, then a row for
-        # its output when it is added to an earlier backward's), used in turn; ``_pending[s]``: (work, output,
+        # its output when it is to be added to an earlier backward's), used in turn; ``_pending[s]``: (work, output,
         # share) of the reduce-scatter that last used slot s, until someone waits for it.
         self._reduce_cap_bytes = None if reduce_cap_mb is None else reduce_cap_mb * 2 ** 20
         self._pool: torch.Tensor | None = None  # (POOL_SLOTS, _slot_bytes) uint8, allocated by the transport
@@ -502,8 +503,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         waited for). Then the bucket's gradients are freed."""
         n, width, share = self.world_size, bucket.reduce_width, bucket.grad
         area = self._pool.view(POOL_SLOTS, -1).view(share.dtype)  # (slots, slot elements)
-        columns = area.size(1) // (n + 1)
         accumulate = bucket.holds
+        columns = area.size(1) // (n + accumulate)  # an output row beside the input only to add to the share
         for lo in range(0, width, columns):
             hi = min(lo + columns, width)
             slot = self._turn % POOL_SLOTS
