@@ -1072,8 +1072,8 @@ def test_stage2_sends_the_bytes_of_one_all_reduce_per_step(ranks, n):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stage2_keeps_about_one_nth_of_the_gradients_per_rank(ranks, n):
-    """After backward no parameter holds a .grad, no shared memory was taken (the rows are the all-gather
-    buffers, the shares allocated once) and the shares hold G / n bytes, plus padding and the used-flags."""
+    """After backward no parameter holds a .grad, no shared memory was taken (the reduce-scatter pool and the
+    shares are allocated once, at construction) and the shares hold G / n bytes, plus padding and the used-flags."""
     for case in stage2_cases(n):
         for steps in stage2(ranks, n, case):
             for step, record in enumerate(steps):
