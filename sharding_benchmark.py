@@ -280,7 +280,7 @@ def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     optimizer = zero.ShardedOptimizer(module.parameters(), torch.optim.AdamW, lr=LR, transport=transport, stage=2)
     optimizer.overlap_with_forward(module)
     return Setup(module, optimizer, exposed_s=lambda: optimizer.last_reduce_wait_s + optimizer.last_share_s,
-                 kept=lambda: [b.rows for b in optimizer.buckets] + optimizer.gradient_shares(),  # (n, width), (width,)
+                 kept=lambda: optimizer.reduce_pool() + optimizer.gradient_shares(),  # (2, slot bytes), (width,)
                  settle=optimizer.wait_for_parameters, grads=optimizer.gradient_shares)
 
 
@@ -608,15 +608,15 @@ COLUMNS = [("world_size", "procs", "s"), ("model", "model", "s"), ("variant", "v
            ("ideal_mib", "ideal MiB", ".1f"), ("state_vs_ideal", "held / ideal", ".2f")]
 MEMORY_NOTES = """\
 memory, per rank (the largest rank), counted from the tensors it holds after one untimed iteration (distinct
-storages: a tied weight or a bucket holding every gradient counts once): parameters (ZeRO stage 1's are views
-of its all-gather buffers: those, padding included); gradients (after synchronisation; "per rank": each
+storages: a tied weight or a bucket holding every gradient counts once): parameters (ZeRO's, at stages 1 and 2,
+are views of its all-gather buffers: those, padding included); gradients (after synchronisation; "per rank": each
 rank's, in rank order; ZeRO stage 2 keeps only its share's, with a used-flag per piece); optimizer state;
 activations (what autograd saves in forward, parameters excluded: the gathered weights count for fully_shard,
 whose saved tensors they are, and for ours with keep, not for ours resharding, which gathers them again in
 backward). Held = everything the variant holds with its gradients in: parameters, gradients, optimizer state,
-its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's rows) and what its
-transport holds for it (every variant has a transport of its own: for shared memory, the pages of its arena
-in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
+its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's reduce-scatter pool)
+and what its transport holds for it (every variant has a transport of its own: for shared memory, the pages of
+its arena in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
 iterations, kept for reuse; a memory profiler does not see them; on [dpkit] the backend's slots, two of
 ``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between
 iterations (gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the

@@ -408,6 +408,10 @@ def _transport_refusals(group) -> dict:
 
 STAGE2_STEPS = LATE + 1  # the late group joins for the last step
 BACKWARDS = {LATE: 2}  # backward passes before the step (default 1): at LATE, gradient accumulation
+# Stage 2 through a reduce-scatter pool of 64-byte slots: every bucket of the Toy in chunks of a few columns (a
+# piece, the used-flags cut between chunks), two chunks in flight on the asynchronous transport.
+CHUNK_CAP_MB = 64 / 2 ** 20
+CHUNKED_CASES = [("auto", "adamw", "flat"), ("auto", "adam", "tensor"), ("background", "adamw", "flat")]
 
 
 def stage2_cases(n: int) -> list[tuple[str, str, str]]:
@@ -506,18 +510,20 @@ def _stage2_step(model: Toy, optimizer: zero.ShardedOptimizer, counting: Ordered
     optimizer.step()
     return {"before": before, "grads_left": grads_left, "share_bytes": shares, "arena_taken": taken[0],
             "arrived": arrived, "calls": dict(counting.calls), "bytes": dict(counting.bytes),
-            "reduced": list(counting.reduced), "order": [b.rows.numel() for b in optimizer.buckets[::-1]],
+            "reduced": list(counting.reduced), "order": [n * b.reduce_width for b in optimizer.buckets[::-1]],
             "in_flight": sum(b.work is not None for b in optimizer.buckets)}
 
 
-def _stage2_case(name: str, partition: str, group, inner: transports.Transport, cap: float, overlap: bool) -> dict:
+def _stage2_case(name: str, partition: str, group, inner: transports.Transport, cap: float, overlap: bool,
+                 reduce_cap_mb: float | None = None) -> dict:
     """STAGE2_STEPS steps of ZeRO stage 2 over the unwrapped Toy, the late group joining after LATE; then the
     consolidated state dict and the parameters close() leaves."""
     model = make_model()
     cls, options = OPTIMIZERS[name]
     counting = Ordered(inner)
     optimizer = zero.ShardedOptimizer(param_groups(model), cls, process_group=group, partition=partition,
-                                      transport=counting, stage=2, bucket_cap_mb=cap, **options)
+                                      transport=counting, stage=2, bucket_cap_mb=cap, reduce_cap_mb=reduce_cap_mb,
+                                      **options)
     if overlap:
         optimizer.overlap_with_forward(model)
     steps = []
@@ -562,6 +568,9 @@ def _stage2_grid(group, made: dict[str, transports.Transport]) -> dict:
     return {"cases": {(kind, name, partition): _stage2_case(name, partition, group, made[kind], stage2_cap(kind),
                                                             overlap=kind == "background")
                       for kind, name, partition in cases},
+            "chunked": {(kind, name, partition): _stage2_case(name, partition, group, made[kind], stage2_cap(kind),
+                                                              overlap=kind == "background", reduce_cap_mb=CHUNK_CAP_MB)
+                        for kind, name, partition in CHUNKED_CASES},
             "refused": _stage2_refusals(group)}
 
 
@@ -1000,6 +1009,30 @@ def test_stage2_is_the_unsharded_optimizer_on_the_averaged_gradient_bit_for_bit(
             assert any(record["in_flight"] for record in run["steps"]), "step() left all-gathers in flight"
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stage2_through_a_pool_of_slots_smaller_than_a_bucket_is_still_bit_for_bit(ranks, n):
+    """With ``reduce_cap_mb`` so small that each bucket is reduce-scattered in chunks of a few columns (the
+    pool's two slots used in turn, each chunk waiting for the one before it in its slot), every step's
+    parameters and the state dict are still the plain optimizer's; the chunks of each bucket cover its rows
+    once, last bucket first; no .grad is left and no transport memory is taken during backward."""
+    for outcome in ranks[n]:
+        for (kind, name, partition), run in outcome["stage 2"]["chunked"].items():
+            want, state = stage2_oracle(name, n)
+            for step, record in enumerate(run["steps"]):
+                assert_same_bits(record["before"], want[step - 1] if step else state_of(make_model()))
+                assert record["grads_left"] == [] and record["arena_taken"] == 0, (kind, step)
+                sizes = [size for _, _, size in stage2_buckets(step, kind)[::-1]]  # in the reduce order
+                chunks = []
+                for micro in range(BACKWARDS.get(step, 1)):  # a later backward's sums go beside the share: a row
+                    for rows, size in zip(record["order"], sizes):
+                        columns, width = (64 // size) // (n + (micro > 0)), rows // n
+                        chunks += [n * (min(lo + columns, width) - lo) for lo in range(0, width, columns)]
+                assert len(chunks) > len(sizes), (kind, step, "a bucket in several chunks")
+                assert record["reduced"] == chunks, (kind, partition, step)
+            assert_same_bits(run["final"], want[-1])
+            assert_same_state(run["state_dict"], state)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_stage2_reduces_the_buckets_in_one_order_on_every_rank_whatever_order_the_gradients_arrive_in(ranks, n):
     """The hooks fire in opposite orders on even and odd ranks; the reduce-scatters go last bucket first on
@@ -1039,8 +1072,8 @@ def test_stage2_sends_the_bytes_of_one_all_reduce_per_step(ranks, n):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_stage2_keeps_about_one_nth_of_the_gradients_per_rank(ranks, n):
-    """After backward no parameter holds a .grad, no shared memory was taken (the rows are the all-gather
-    buffers, the shares allocated once) and the shares hold G / n bytes, plus padding and the used-flags."""
+    """After backward no parameter holds a .grad, no shared memory was taken (the reduce-scatter pool and the
+    shares are allocated once, at construction) and the shares hold G / n bytes, plus padding and the used-flags."""
     for case in stage2_cases(n):
         for steps in stage2(ranks, n, case):
             for step, record in enumerate(steps):

@@ -1,11 +1,13 @@
-"""What ZeRO stage 1 holds beside the parameters and their gradients, counted from outside, against AdamW's state.
+"""What ZeRO stages 1 and 2 hold beside the parameters and their gradients, counted from outside, against AdamW's state.
 
     python tests/test_zero_memory.py      # prints the bytes each rank's optimizer holds
 
 ONE spawned group of 4 workers: the whole world, then ranks {0, 1} and {2, 3} as two 2-rank subgroups. Each
-builds four 512x512 Linear layers, gives every parameter a gradient and steps once with
-``ShardedOptimizer(AdamW)`` on transport "torch" and on "auto" (shared memory here), then with the plain
-``torch.optim.AdamW`` on the same model (the oracle). What an optimizer holds: every tensor reachable from it
+builds four 512x512 Linear layers, gives every parameter a gradient of 0.5 (stage 1: set by hand, as DDP would
+leave it; stage 2: by a backward, reduce-scattered) and steps once with ``ShardedOptimizer(AdamW)`` at each stage
+on transport "torch" and on "auto" (shared memory here), then with the plain ``torch.optim.AdamW`` on the same
+model (the oracle). Stage 2's gradients are its shares (``gradient_shares()``): counted apart, not as held. What
+an optimizer holds: every tensor reachable from it
 (attributes followed through gc referents; types, modules and nn.Modules not followed), storages deduplicated
 by address, less the bytes of the parameters and gradients lying in them (a buffer the parameters are views of
 counts its padding only). A transport is not walked (a shared-memory one maps every rank's whole arena: virtual
@@ -30,9 +32,14 @@ from dpkit.engines import zero
 
 WORLD = 4
 KINDS = ("torch", "auto")
-# Everything ZeRO stage 1 over n ranks may hold beside parameters and gradients, over AdamW's whole state: its
-# 1/n of that state, and a margin for the rows' padding and alignment (no buffer the size of the parameters).
+STAGES = (1, 2)
+# Everything ZeRO over n ranks may hold beside parameters and gradients, over AdamW's whole state: its 1/n of
+# that state, and a margin for the rows' padding and alignment and, at stage 2, the reduce-scatter pool (no
+# buffer the size of the parameters).
 LIMITS = {2: 0.55, 4: 0.30}
+# Stage 2's gradients on a rank: its 1/n of the parameters' gradient bytes, plus a used-flag per piece and the
+# padding of its row (a few elements): at most this many bytes more.
+SHARE_SLACK = 1024
 
 
 def _model() -> nn.Module:
@@ -79,22 +86,29 @@ def held_bytes(optimizer, model: nn.Module) -> int:
     return total
 
 
-def _one_step(model: nn.Module, optimizer) -> None:
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 0.5)
+def _one_step(model: nn.Module, optimizer, stage: int = 1) -> None:
+    """Every gradient 0.5: at stage 2 through backward (d/dp of sum(0.5 p)), whose average over any n of 2 or 4
+    ranks is 0.5 exactly; else set by hand."""
+    if stage == 2:
+        sum((0.5 * p).sum() for p in model.parameters()).backward()
+    else:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5)
     optimizer.step()
 
 
-def _case(group, kind: str) -> dict:
+def _case(group, kind: str, stage: int) -> dict:
     model = _model()
     optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3,
-                                      transport=kind)
-    _one_step(model, optimizer)
+                                      transport=kind, stage=stage)
+    _one_step(model, optimizer, stage)
     plain_model = _model()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     _one_step(plain_model, plain)
     params_equal = all(torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters()))
-    result = {"held": held_bytes(optimizer, model), "adamw": held_bytes(plain, plain_model),
+    shares = sum(t.numel() * t.element_size() for t in optimizer.gradient_shares())
+    result = {"held": held_bytes(optimizer, model) - shares, "shares": shares, "adamw": held_bytes(plain, plain_model),
+              "grads": sum(p.numel() * p.element_size() for p in plain_model.parameters()),
               "transport": type(optimizer.transport).__name__, "params_equal": params_equal}
     optimizer.close()
     if kind != "torch":  # "auto" made a transport of its own here
@@ -107,7 +121,8 @@ def _grid(ctx) -> dict:
     out = {}
     for n, group in ((2, pairs[ctx.rank // 2]), (WORLD, None)):
         for kind in KINDS:
-            out[n, kind] = _case(group, kind)
+            for stage in STAGES:
+                out[n, kind, stage] = {**_case(group, kind, stage), "rank": dist.get_rank(group)}
     return out
 
 
@@ -116,13 +131,14 @@ def ranks() -> list[dict]:
     return run_workers(_grid, WORLD)
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("n", sorted(LIMITS))
-def test_zero_holds_its_share_of_adamws_state_and_no_buffer_the_size_of_the_parameters(ranks, n, kind):
+def test_zero_holds_its_share_of_adamws_state_and_no_buffer_the_size_of_the_parameters(ranks, n, kind, stage):
     """Each rank at most LIMITS[n] x what AdamW holds; the ranks of a group together at least AdamW's state (the
     count sees the sharded state: it is not blind), and the parameters after the step are AdamW's, bit for bit."""
     for group_start in range(0, WORLD, n):
-        cases = [outcome[n, kind] for outcome in ranks[group_start:group_start + n]]
+        cases = [outcome[n, kind, stage] for outcome in ranks[group_start:group_start + n]]
         for case in cases:
             assert case["transport"] == ("Torch" if kind == "torch" else "SharedMemory"), case
             assert case["params_equal"], case
@@ -130,8 +146,21 @@ def test_zero_holds_its_share_of_adamws_state_and_no_buffer_the_size_of_the_para
         assert sum(case["held"] for case in cases) >= cases[0]["adamw"], (n, kind, cases)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", sorted(LIMITS))
+def test_zero_stage2_keeps_its_1_nth_of_the_gradients_and_stage1_none(ranks, n, kind):
+    """Stage 2's gradient shares are 1/n of the gradients' bytes and a few used-flags and padding; stage 1 has none
+    (the gradients are the parameters' .grad, DDP's)."""
+    for outcome in ranks:
+        assert outcome[n, kind, 1]["shares"] == 0
+        case = outcome[n, kind, 2]
+        assert case["grads"] / n <= case["shares"] <= case["grads"] / n + SHARE_SLACK, (n, kind, case)
+
+
 if __name__ == "__main__":
     for rank, outcome in enumerate(run_workers(_grid, WORLD)):
-        for (n, kind), case in outcome.items():
-            print(f"rank {rank} of {n} ranks, transport {kind!r} ({case['transport']}): ShardedOptimizer holds "
-                  f"{case['held']:,} bytes, torch.optim.AdamW {case['adamw']:,} ({case['held'] / case['adamw']:.3f}x)")
+        for (n, kind, stage), case in outcome.items():
+            print(f"rank {rank} (rank {case['rank']} of its {n}), stage {stage}, transport {kind!r} "
+                  f"({case['transport']}): ShardedOptimizer holds {case['held']:,} bytes beside parameters and "
+                  f"gradients (gradient shares {case['shares']:,}), torch.optim.AdamW {case['adamw']:,} "
+                  f"({case['held'] / case['adamw']:.3f}x)")

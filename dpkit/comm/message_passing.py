@@ -274,6 +274,11 @@ def release_scratch() -> None:
     _SCRATCH.__dict__.pop("buffers", None)
 
 
+def scratch_bytes() -> int:
+    """Bytes of the calling thread's scratch buffers: what its calls keep from one call to the next."""
+    return sum(t.numel() * t.element_size() for t in _SCRATCH.__dict__.get("buffers", {}).values())
+
+
 def _segments(piece: torch.Tensor, count: int) -> list[torch.Tensor | None]:
     """``piece`` cut into ``count`` near-equal views; an empty one is None (nothing to send)."""
     b = bounds(piece.numel(), count)

@@ -9,10 +9,10 @@
 
 Each parameter element is owned by one rank, which alone keeps its optimizer state (AdamW: two tensors per
 parameter) and updates it; every rank's updated share then goes to every other rank in one all-gather per
-*bucket* (at most ``bucket_cap_mb`` of one param group and dtype) through the ``transport``. Stage 1: a
-bucket's parameters are views of one buffer the transport allocated (row r: rank r's share), so the gather
-lands in them in place and nothing the size of the parameters is kept beside them. Stage 2: hooks
-reduce-scatter each bucket's gradients once backward made them all; each rank keeps its elements' average.
+*bucket* (at most ``bucket_cap_mb`` of one param group and dtype) through the ``transport``. A bucket's
+parameters are views of one buffer the transport allocated (row r: rank r's share), so the gather lands in
+them in place. Stage 2: hooks reduce-scatter each bucket's gradients once backward made them all, in chunks
+through two small slots (1/32 of the parameters' bytes each); each rank keeps its elements' average.
 
 ``step()`` updates bucket 0, starts its all-gather, updates bucket 1, ...; it returns once every parameter is
 up to date, or, after ``overlap_with_forward(module)``, at once, each layer of the next forward waiting for its
@@ -23,7 +23,7 @@ elements, back to back, into ranges of ceil(N / n): exact for element-wise updat
 for bit the unsharded optimizer), not for one that looks at a whole tensor (LAMB, a norm); ``"tensor"``
 gives whole parameters, largest first, to the least loaded rank: exact for any per-tensor update, uneven
 when one tensor dominates (a bucket's rows are as long as its largest share). ``tests/test_zero.py`` checks
-both partitions at both stages, ``tests/test_zero_memory.py`` what stage 1 holds.
+both partitions at both stages, ``tests/test_zero_memory.py`` what each stage holds.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ class Bucket:
 
     ``by_rank[r]``: rank r's pieces of them, in order (what row r of the all-gather buffer
     holds, back to back). ``work``: the all-gather on its way into ``buffer``, from ``step()`` until
-    someone waits for it (at stage 2, then copies the rows into the parameters; at stage 1 the
-    parameters are views of the buffer, so it lands in them)."""
+    someone waits for it (the parameters are views of the buffer, so it lands in them)."""
 
     index: int
     group: int                     # the param group (of this optimizer and of the local one)
@@ -73,17 +72,15 @@ class Bucket:
     by_rank: list[list[Piece]]
     buffer: torch.Tensor | None = field(default=None, repr=False)  # (n, width), allocated by the transport
     work: transports.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
-    # Stage 2 only. ``rows`` (n, reduce_width): the reduce-scatter's input, row r = rank r's pieces' gradients
-    # divided by n, back to back, then one used-flag per piece (1 if this rank had its parameter's gradient),
-    # then zeros; ``buffer`` is a view of its first n x width elements (the gradients are in it during backward,
-    # the updated shares during step: never both at once). ``grad`` (reduce_width,): this rank's row of the sum,
-    # i.e. its pieces' averaged gradients and how many ranks had each.
-    rows: torch.Tensor | None = field(default=None, repr=False)
+    # Stage 2 only. The reduce-scatter's input is n virtual rows of ``reduce_width``: row r = rank r's pieces'
+    # gradients divided by n, back to back, then one used-flag per piece (1 if this rank had its parameter's
+    # gradient), then zeros; they are built chunk by chunk in the optimizer's reduce-scatter pool (see
+    # ``ShardedOptimizer._reduce``). ``grad`` (reduce_width,): this rank's row of the sum, i.e. its pieces'
+    # averaged gradients and how many ranks had each.
     grad: torch.Tensor | None = field(default=None, repr=False)
-    reducing: tuple | None = field(default=None, repr=False)  # (work, output) of the reduce-scatter in flight
-    arrived: set = field(default_factory=set, repr=False)  # ids of the parameters this backward put in ``rows``
+    # Parameter id -> its gradient (flat), from its hook until the bucket is reduced (autograd's tensor, kept).
+    arrived: dict = field(default_factory=dict, repr=False)
     holds: bool = False  # ``grad`` holds gradients (some backward since the last zero_grad reduced this bucket)
-    in_place: bool = False  # stage 1: the parameters are views of ``buffer`` (``_place``): nothing to copy
 
     def mine(self, rank: int) -> list[torch.Tensor]:
         return [piece.tensor for piece in self.by_rank[rank]]
@@ -115,18 +112,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (and the next forward, see ``overlap_with_forward``); an inline one completes it at its call.
         stage: 1 (default): the gradients arrive averaged on every rank (wrap the model in a DDP);
             2: over an unwrapped model, the optimizer averages them itself, see below.
+        reduce_cap_mb: stage 2: MiB of each of the reduce-scatter pool's two slots (default None: 1/32 of the
+            bytes of the parameters that require a gradient, at least 64 KiB; never more than the largest
+            bucket needs). A bucket larger than a slot is reduce-scattered in several calls (one bucket of
+            every parameter: about 32, more with gradient accumulation): larger slots, fewer calls.
         **defaults: options for ``optimizer_cls`` (``lr=...``), defaults of every param group.
 
     Stage 2 (``stage=2``, the model NOT wrapped in a DDP): construction checks that every rank holds
     the same parameters (a digest of each all-gathered: ValueError on every rank naming the first that
     differs; build the model from one seed, or load one checkpoint). Buckets hold the parameters that
-    require a gradient when their group is added; a post-accumulate-grad hook on each copies its
-    gradient, divided by n, into its bucket's row of the reduce-scatter and sets ``.grad`` to None; a
-    bucket whose gradients are all in is reduce-scattered at once (the buckets go in reverse order, the
-    same on every rank whatever order the gradients arrive in), the rest when backward ends, which waits
-    for every one. After backward each rank holds, in ``gradient_shares()`` (buffers the transport
-    allocated), the averaged gradients of its own pieces only, and no parameter has a ``.grad``.
-    ``step()`` hands them to the local optimizer, then all-gathers as at stage 1. The contract:
+    require a gradient when their group is added; a post-accumulate-grad hook on each keeps its
+    gradient (autograd's tensor) until its bucket is reduced and sets ``.grad`` to None; a bucket whose
+    gradients are all in is reduce-scattered at once (the buckets go in reverse order, the same on every
+    rank whatever order the gradients arrive in), the rest when backward ends, which waits for every one.
+    A bucket goes in chunks of columns of its rows (see ``Bucket``), each copied, divided by n, into one of
+    two slots the transport allocated once; a chunk waits for the reduce-scatter that last used its slot, so
+    stage 2 keeps no buffer the size of the parameters and takes no transport memory during backward (while
+    a bucket waits, its gradients are alive, as autograd made them). After backward each rank holds, in
+    ``gradient_shares()`` (buffers the transport allocated), the averaged gradients of its own pieces only,
+    and no parameter has a ``.grad``. ``step()`` hands them to the local optimizer, then all-gathers as at
+    stage 1. The contract:
 
     * a parameter no rank gave a gradient since the last ``zero_grad`` is left unchanged (a used-flag
       per piece rides in the reduce-scatter); one that some ranks gave a gradient gets the average,
@@ -142,8 +147,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``param_groups`` lists every parameter (so ``zero_grad`` and learning-rate schedulers act
     on all of them; their options are handed to the local optimizer at every step); ``state``
     holds this rank's optimizer state only (per piece). Parameters without a gradient are left
-    unchanged, as by any optimizer. At stage 1 over several ranks, construction (and ``add_param_group``)
-    moves each parameter into its bucket's buffer: ``p.data`` becomes a view of it, the Parameter object
+    unchanged, as by any optimizer. Over several ranks, construction (and ``add_param_group``) moves each
+    parameter of a bucket into its bucket's buffer: ``p.data`` becomes a view of it, the Parameter object
     stays (module, tied weights, a DDP see the same one); a parameter whose storage is replaced later
     (``p.data = ...``, ``load_state_dict(assign=True)``) is no longer updated. Every rank must construct
     it, call ``step``, ``state_dict``, ``load_state_dict``, ``add_param_group`` and ``overlap_with_forward``
@@ -151,9 +156,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     ``last_share_s``: seconds the calling thread spent on sharing the last step's updated
     parameters, i.e. the share communication nothing overlapped: the all-gather calls (all of an
-    all-gather that the transport runs inline), the waits for the asynchronous ones and, at stage 2,
-    packing each bucket's share and the copies into the parameters. By default all of it is inside
-    ``step()``; with ``overlap_with_forward`` the waits of the following forward (or of any
+    all-gather that the transport runs inline) and the waits for the asynchronous ones. By default all of
+    it is inside ``step()``; with ``overlap_with_forward`` the waits of the following forward (or of any
     other wait) count too, and it is set once every bucket of that step has arrived.
 
     ``last_reduce_wait_s`` (stage 2): seconds the end of the last backward spent launching the buckets still
@@ -175,7 +179,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     update = "all_gather"
 
     def __init__(self, params: Iterable, optimizer_cls: type, process_group=None, *, partition: str = "flat",
-                 bucket_cap_mb: float = 25.0, transport="auto", stage: int = 1, **defaults: Any):
+                 bucket_cap_mb: float = 25.0, transport="auto", stage: int = 1, reduce_cap_mb: float | None = None,
+                 **defaults: Any):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
         if partition not in PARTITIONS:
@@ -184,6 +189,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"bucket_cap_mb must be at least 0, got {bucket_cap_mb}")
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))}, got {stage!r}")
+        if reduce_cap_mb is not None and not reduce_cap_mb > 0:
+            raise ValueError(f"reduce_cap_mb must be more than 0 (or None), got {reduce_cap_mb}")
         groups = _param_groups(params)
         self.process_group, self.rank = process_group, dist.get_rank(process_group)
         self.world_size, self.partition, self.stage = dist.get_world_size(process_group), partition, stage
@@ -199,12 +206,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._waited_s = 0.0  # the calling thread's time on this step's share so far (see last_share_s)
         self.last_share_s = 0.0
-        # Stage 2: parameter id -> (its bucket, [(row, column, start, end)]: where each of its pieces goes in the
-        # bucket's rows); the gradient hooks; the world size as a divisor per gradient dtype (a 0-dim tensor of
-        # the gradient's own dtype: no cast at each call, exact since a world size is); the backward's state.
-        self._slots: dict[int, tuple[Bucket, list[tuple[int, int, int, int]]]] = {}
+        # Stage 2: parameter id -> its bucket; the gradient hooks; the world size as a divisor per gradient dtype
+        # (a 0-dim tensor of the gradient's own dtype: no cast at each call, exact since a world size is).
+        self._bucket_of: dict[int, Bucket] = {}
         self._gradient_hooks: list = []
         self._divisors: dict[torch.dtype, torch.Tensor] = {}
+        # Stage 2's reduce-scatter pool (``_size_pool``): POOL_SLOTS slots (a chunk's n rows of input, then a row for
+        # its output when it is to be added to an earlier backward's), used in turn; ``_pending[s]``: (work, output,
+        # share) of the reduce-scatter that last used slot s, until someone waits for it.
+        self._reduce_cap_bytes = None if reduce_cap_mb is None else reduce_cap_mb * 2 ** 20
+        self._pool: torch.Tensor | None = None  # (POOL_SLOTS, _slot_bytes) uint8, allocated by the transport
+        self._pending: list[tuple | None] = [None] * POOL_SLOTS
+        self._turn = 0
         self._in_backward = False
         self._reduced = 0  # buckets whose reduce-scatter this backward launched, in ``_reduce_order``
         self.last_reduce_wait_s = 0.0
@@ -237,14 +250,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.pieces += [piece for share in by_rank for piece in share]
             if self.stage == 2:
                 self._prepare_reduction(bucket)
-            elif bucket.width and self.world_size > 1:
+            if bucket.width and self.world_size > 1:
                 self._place(bucket)
             mine += bucket.mine(self.rank)
+        if self.stage == 2:
+            self._size_pool()
         return mine
 
     @torch.no_grad()
     def _place(self, bucket: Bucket) -> None:
-        """Stage 1: the bucket's parameters move into one (n, width) buffer the transport allocates, rank r's
+        """The bucket's parameters move into one (n, width) buffer the transport allocates, rank r's
         pieces back to back in row r, and become views of it, so the all-gather lands in the parameters
         themselves (in place: nothing kept beside them but the rows' padding; on shared memory the peers read
         each share where its owner updated it). A flat partition's rows are consecutive ranges of the bucket,
@@ -266,24 +281,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for piece in (piece for pieces in bucket.by_rank for piece in pieces):
             if piece.tensor is not piece.param:  # a flat piece: its view of the parameter's new storage
                 piece.tensor = piece.param.detach().view(-1)[piece.start:piece.end]
-        bucket.buffer, bucket.in_place = buffer, True
+        bucket.buffer = buffer
 
     def _prepare_reduction(self, bucket: Bucket) -> None:
-        """Stage 2: the bucket's reduce-scatter rows (the all-gather buffer a view of them), its share of the sum,
-        where each parameter's pieces go in the rows, and a gradient hook on each parameter."""
-        n, width, first = self.world_size, bucket.reduce_width, bucket.params[0]
-        flat = self.transport.allocate((n * width,), dtype=first.dtype, device=first.device)
-        bucket.rows = flat.view(n, width)
-        bucket.grad = self.transport.allocate((width,), dtype=first.dtype, device=first.device)
-        if bucket.width and n > 1:
-            bucket.buffer = flat[:n * bucket.width].view(n, bucket.width)
-        for row, pieces in enumerate(bucket.by_rank):
-            column = 0
-            for piece in pieces:
-                self._slots.setdefault(id(piece.param), (bucket, []))[1].append((row, column, piece.start, piece.end))
-                column += piece.end - piece.start
+        """Stage 2: the bucket's share of the sum (allocated by the transport) and a gradient hook on each
+        parameter."""
+        first = bucket.params[0]
+        bucket.grad = self.transport.allocate((bucket.reduce_width,), dtype=first.dtype, device=first.device)
+        self._bucket_of.update((id(p), bucket) for p in bucket.params)
         ref = weakref.ref(self)
         self._gradient_hooks += [p.register_post_accumulate_grad_hook(_gradient_hook(ref)) for p in bucket.params]
+
+    def _size_pool(self) -> None:
+        """Stage 2: (re)allocate the reduce-scatter pool when a bucket added needs larger slots (construction and
+        ``add_param_group``, never during backward). A slot holds one chunk: n rows of input and one of output."""
+        n = self.world_size
+        need = max((n + 1) * b.reduce_width * b.grad.element_size() for b in self.buckets if b.grad is not None)
+        cap = self._reduce_cap_bytes
+        if cap is None:
+            trainable = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+            cap = max(POOL_MIN_BYTES, trainable / POOL_FRACTION)
+        widest = max(b.grad.element_size() for b in self.buckets if b.grad is not None)
+        slot = max(min(need, int(cap)), (n + 1) * widest)  # at least one column of the widest dtype
+        slot = -(-slot // POOL_ALIGN) * POOL_ALIGN  # every slot starts aligned for any dtype's view
+        if self._pool is None or self._pool.size(1) < slot:
+            first = self.buckets[0].params[0]
+            self._pool = self.transport.allocate((POOL_SLOTS, slot), dtype=torch.uint8, device=first.device)
+
+    def reduce_pool(self) -> list[torch.Tensor]:
+        """Stage 2: the reduce-scatter pool (kept between steps; during backward, chunks of gradients in flight);
+        empty at stage 1."""
+        return [] if self._pool is None else [self._pool]
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group to every rank's partition (every rank must add the same group)."""
@@ -310,7 +338,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Update this rank's pieces bucket by bucket, each bucket's all-gather overlapping the next
         bucket's update; return when every parameter is up to date (or at once, see
         ``overlap_with_forward``)."""
-        self.wait_for_parameters()  # the previous step's gathers still use the buffers; their rows are not in place
+        self.wait_for_parameters()  # the previous step's gathers still write the parameters being updated
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -386,13 +414,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: Bucket) -> None:
         """Start sharing the bucket's updated pieces: the all-gather of this rank's row of the bucket's buffer
-        (asynchronous where the transport is). At stage 1 the row is this rank's pieces, updated where they lie; at
-        stage 2 they are copied into it first (and ``wait_for_parameters`` copies the rows out)."""
+        (asynchronous where the transport is), which is this rank's pieces, updated where they lie."""
         if bucket.buffer is None:  # nothing to share: one rank owns every piece
             return
         start = time.perf_counter()
-        if not bucket.in_place:  # stage 2: the buffer is the gradients' rows
-            _copy_pieces(bucket.by_rank[self.rank], bucket.buffer[self.rank], into_row=True)
         if self.update == "broadcast":
             _broadcast_rows(bucket.buffer.view(-1), bucket.buffer[self.rank], self.process_group)
         else:
@@ -402,15 +427,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._unpack(bucket)
 
     def _unpack(self, bucket: Bucket) -> None:
-        """Wait for the bucket's all-gather. Stage 1: it wrote the other ranks' pieces into the parameters (views
-        of the buffer); stage 2: copy them from their rows into the parameters, here, in the caller's thread."""
+        """Wait for the bucket's all-gather: it wrote the other ranks' pieces into the parameters (views of the
+        buffer)."""
         start = time.perf_counter()
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
-        for owner, pieces in enumerate(bucket.by_rank):
-            if owner != self.rank and not bucket.in_place:
-                _copy_pieces(pieces, bucket.buffer[owner], into_row=False)
         self._waited_s += time.perf_counter() - start
 
     def wait_for_parameters(self, through: int | None = None) -> None:
@@ -443,24 +465,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bucket.holds = False
 
     def _on_gradient(self, param: torch.Tensor) -> None:
-        """Backward finished ``param``'s gradient (its hook): into its bucket's rows, divided by n, then freed.
-        The first hook of a backward arranges for its end (``_end_of_backward``)."""
+        """Backward finished ``param``'s gradient (its hook): kept by its bucket until the bucket is reduced, then
+        freed. The first hook of a backward arranges for its end (``_end_of_backward``)."""
         if not self._in_backward:
             self._in_backward = True
-            self.wait_for_parameters()  # a late all-gather would write the rows the gradients go into
+            self.wait_for_parameters()  # a late all-gather would change the parameters backward reads
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket, slots = self._slots[id(param)]
+        bucket = self._bucket_of[id(param)]
         grad = param.grad
         if grad.is_sparse:
             raise RuntimeError("ShardedOptimizer(stage=2) does not take sparse gradients (nn.Embedding(sparse=True))")
-        flat = grad.reshape(-1)
-        divisor = self._divisors.get(flat.dtype)
-        if divisor is None:
-            divisor = self._divisors[flat.dtype] = torch.tensor(float(self.world_size), dtype=flat.dtype)
-        for row, column, start, end in slots:  # before the sum, as DDP divides (see the note above ddp's engines)
-            torch.div(flat[start:end], divisor, out=bucket.rows[row, column:column + end - start])
-        param.grad = None  # the rows hold it now; after the reduce-scatter only this rank's share is kept
-        bucket.arrived.add(id(param))
+        bucket.arrived[id(param)] = grad.reshape(-1)
+        param.grad = None  # the bucket holds it now; after the reduce-scatter only this rank's share is kept
         if len(bucket.arrived) == len(bucket.params):
             self._launch_reductions(complete_only=True)
 
@@ -481,46 +497,79 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._reduced += 1
 
     def _reduce(self, bucket: Bucket) -> None:
-        """Complete the bucket's rows (zeros for the parameters that had no gradient, the used-flags, zero
-        padding) and start its reduce-scatter: into this rank's share, or beside it when the share already
-        holds an earlier backward's gradients (added at the end)."""
-        for row, pieces in zip(bucket.rows, bucket.by_rank):
-            column = 0
-            for piece in pieces:
-                if id(piece.param) not in bucket.arrived:
-                    row[column:column + piece.end - piece.start].zero_()
-                column += piece.end - piece.start
-            row[column:column + len(pieces)] = torch.tensor([float(id(piece.param) in bucket.arrived)
-                                                             for piece in pieces], dtype=row.dtype)
-            row[column + len(pieces):].zero_()
-        out = bucket.grad if not bucket.holds else self.transport.allocate(bucket.grad.shape, dtype=bucket.grad.dtype,
-                                                                            device=bucket.grad.device)
-        work = self.transport.reduce_scatter(out, bucket.rows.view(-1), "sum", async_op=True)
-        bucket.reducing = (work, out)
-        if work.is_completed():  # an inline transport: done already
-            self._finish_reduction(bucket)
-
-    def _finish_reduction(self, bucket: Bucket) -> None:
-        if bucket.reducing is None:
-            return
-        work, out = bucket.reducing
-        bucket.reducing = None
-        work.wait()
-        if out is not bucket.grad:  # gradient accumulation: this backward's average added to the earlier ones'
-            bucket.grad.add_(out)
+        """Start the bucket's reduce-scatter, chunk by chunk: columns [lo, hi) of its n rows (see ``Bucket``) into
+        a slot of the pool, once the reduce-scatter that last used that slot is done; each chunk's sum goes into
+        this rank's share, or beside it when the share already holds an earlier backward's gradients (added when
+        waited for). Then the bucket's gradients are freed."""
+        n, width, share = self.world_size, bucket.reduce_width, bucket.grad
+        area = self._pool.view(POOL_SLOTS, -1).view(share.dtype)  # (slots, slot elements)
+        accumulate = bucket.holds
+        columns = area.size(1) // (n + accumulate)  # an output row beside the input only to add to the share
+        for lo in range(0, width, columns):
+            hi = min(lo + columns, width)
+            slot = self._turn % POOL_SLOTS
+            self._turn += 1
+            self._finish_slot(slot)
+            rows = area[slot, :n * (hi - lo)].view(n, hi - lo)
+            for row in range(n):
+                self._fill(bucket, row, lo, rows[row])
+            out = area[slot, n * columns:n * columns + hi - lo] if accumulate else share[lo:hi]
+            work = self.transport.reduce_scatter(out, rows.view(-1), "sum", async_op=True)
+            self._pending[slot] = (work, out, share[lo:hi])
+            if work.is_completed():  # an inline transport: done already
+                self._finish_slot(slot)
         bucket.holds = True
+        bucket.arrived = {}
+
+    def _fill(self, bucket: Bucket, row: int, lo: int, out: torch.Tensor) -> None:
+        """Columns [lo, lo + len(out)) of the bucket's row ``row``: its pieces' gradients divided by n (zeros for a
+        parameter that had none), their used-flags, zero padding."""
+        hi, arrived, column = lo + out.numel(), bucket.arrived, 0
+        pieces = bucket.by_rank[row]
+        for piece in pieces:
+            a, b = max(lo, column), min(hi, column + piece.end - piece.start)
+            if a < b:
+                grad = arrived.get(id(piece.param))
+                if grad is None:
+                    out[a - lo:b - lo].zero_()
+                else:  # divided before the sum, as DDP divides (see the note above ddp's engines)
+                    first = piece.start + a - column
+                    torch.div(grad[first:first + b - a], self._divisor(grad.dtype), out=out[a - lo:b - lo])
+            column += piece.end - piece.start
+        a, b = max(lo, column), min(hi, column + len(pieces))
+        if a < b:
+            out[a - lo:b - lo] = torch.tensor([float(id(piece.param) in arrived)
+                                               for piece in pieces[a - column:b - column]], dtype=out.dtype)
+        out[max(lo, column + len(pieces)) - lo:].zero_()
+
+    def _divisor(self, dtype: torch.dtype) -> torch.Tensor:
+        divisor = self._divisors.get(dtype)
+        if divisor is None:
+            divisor = self._divisors[dtype] = torch.tensor(float(self.world_size), dtype=dtype)
+        return divisor
+
+    def _finish_slot(self, slot: int) -> None:
+        """Wait for the reduce-scatter that last used pool slot ``slot``; add its sum to the share if it went beside
+        it (gradient accumulation: this backward's average added to the earlier ones')."""
+        pending, self._pending[slot] = self._pending[slot], None
+        if pending is None:
+            return
+        work, out, share = pending
+        work.wait()
+        if out.data_ptr() != share.data_ptr():
+            share.add_(out)
 
     def _end_of_backward(self) -> None:
         """Launch the buckets still waiting (in order), wait for every reduce-scatter, reset for the next backward."""
         start = time.perf_counter()
         try:
             self._launch_reductions(complete_only=False)
-            for bucket in self.buckets:
-                self._finish_reduction(bucket)
+            for slot in range(POOL_SLOTS):
+                self._finish_slot(slot)
         finally:
             self._in_backward, self._reduced = False, 0
             for bucket in self.buckets:
-                bucket.arrived = set()
+                bucket.arrived = {}
         self.last_reduce_wait_s = time.perf_counter() - start
 
     # ------------------------------------------------------------------ overlap with the next forward
@@ -632,6 +681,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 PARTITIONS = ("flat", "tensor")
 STAGES = (1, 2)
+# Stage 2's reduce-scatter pool: two slots, so that one chunk is filled while the one before is summed; each
+# 1/POOL_FRACTION of the trainable parameters' bytes by default (the pool: 1/16 of them beside the parameters),
+# at least POOL_MIN_BYTES (fewer calls for a small model), each starting on a cache line.
+POOL_SLOTS, POOL_FRACTION, POOL_MIN_BYTES, POOL_ALIGN = 2, 32, 64 * 2 ** 10, 64
 
 
 def check_same_parameters(groups: list[dict], process_group=None, first_group: int = 0) -> None:
@@ -779,16 +832,3 @@ def _waiter(ref: weakref.ref, through: int | None) -> Callable[[], None]:
         if optimizer is not None:
             optimizer.wait_for_parameters(through)
     return wait
-
-
-def _copy_pieces(pieces: list[Piece], row: torch.Tensor, into_row: bool) -> None:
-    """Pieces back to back in ``row`` (1-D), copied into it or out of it into their parameters."""
-    offset = 0
-    for piece in pieces:
-        length = piece.end - piece.start
-        values = piece.param.detach().view(-1)[piece.start:piece.end]
-        if into_row:
-            row[offset:offset + length].copy_(values)
-        else:
-            values.copy_(row[offset:offset + length])
-        offset += length
