@@ -15,8 +15,8 @@ import pytest
 
 from common import REPO
 from dpkit.bench.results import read_results
-from dpkit.report import (allreduce_section, overview, page, sharding_section, summary, syncbn_section,
-                          training_section)
+from dpkit.report import (allreduce_section, ddp_formats, ddp_section, multihost_section, overview, page,
+                          sharding_section, summary, syncbn_section, training_section, wording)
 
 matplotlib.use("Agg")
 
@@ -197,3 +197,40 @@ def test_zero_balance_is_the_worst_rank_over_every_rank_count():
     rows = [r for r in doc["results"] if "variant" in r]
     worst = max(r["model_state_bytes"] / r["ideal_bytes"] for r in rows if r["variant"].startswith("zero ours"))
     assert f"at most {worst:.2f}x" in sharding_section.zero_balance_text(rows)
+
+
+def test_the_bucket_sentence_names_the_sweeps_fastest_cap_per_transport():
+    doc = read_results(str(RESULTS / "ddp_benchmark.json"))
+    bucketed = [r for r in doc["results"] if r["variant"] == "bucketed" and r["model"] == "resnet18"]
+    text = ddp_section.caps_text(doc["results"])
+    for transport in {r["transport"] for r in bucketed}:
+        best = min((r for r in bucketed if r["transport"] == transport), key=lambda r: r["p50_s"])
+        assert f"[{transport}] the lowest p50 is {best['label']}" in text
+
+
+def test_the_sweep_scaling_is_examples_per_second_at_the_most_processes_within_the_cores():
+    doc = read_results(str(RESULTS / "ddp_sweep.json"))
+    cpus = doc["env"]["cpus"]
+    rows = {(r["label"], r["world_size"]): r for r in doc["results"]}
+    text = ddp_formats.scaling_text(ddp_formats.marked(doc), cpus)
+    for label in {label for label, _ in rows}:
+        if (label, 1) in rows and (label, cpus) in rows:
+            gain = rows[label, cpus]["p50_ex_per_s"] / rows[label, 1]["p50_ex_per_s"]
+            assert f"{label}: {gain:.2f}x the examples per second of 1 process" in text
+
+
+def test_the_simulated_jobs_step_ratios_are_the_files_p50_times():
+    doc = read_results(str(RESULTS / "multihost.json"))
+    steps = {r["label"]: r["p50_s"] for r in doc["results"] if r["kind"] == "step"}
+    text = multihost_section.steps_text(doc)
+    assert f"HSDP / FSDP [torch] {steps['HSDP'] / steps['FSDP [torch]']:.2f}x" in text
+    assert f"ZeRO-2 / ZeRO-1 {steps['ZeRO-2 [hierarchical]'] / steps['ZeRO-1 [hierarchical]']:.2f}x" in text
+
+
+def test_the_report_words_a_ratio_with_its_interval_and_a_range_of_values():
+    assert wording.span([1.4, 1.2, 1.3]) == "1.20 to 1.40" and wording.span([2, 2], "d") == "2"
+    assert wording.ratio_text(None) == "n/a" and wording.verdict_text({"median": 1.0}, 1.1) == "n/a"
+    assert wording.ratio_text({"median": 0.5}).endswith("(no interval: the file has no per-round values)")
+    assert wording.verdict_text({"median": 1.0, "ci_low": 0.9, "ci_high": 1.05}, 1.1) == "met"
+    assert wording.verdict_text({"median": 1.3, "ci_low": 1.2, "ci_high": 1.4}, 1.1) == "missed"
+    assert wording.interval_text(None) == "-" and wording.interval_text((0.1, 0.2)) == "[0.1000, 0.2000]"
