@@ -2,4 +2,9 @@
 ``collective_plots`` (the collectives' charts), ``ddp_tables`` (PyTorch's DDP benchmark formats),
 ``findings`` (the facts behind every sentence, computed from rows), ``paths`` (which path a shared-memory row
 took), ``sentences`` (the report's computed sentences) and ``summary`` (README's headline block, rendered from
-the verdicts the benchmarks stored)."""
+the verdicts the benchmarks stored).
+
+report.ipynb's cells are calls into one section module each, writing to a ``page`` (result files in, markdown
+and compact images out) in the report's words (``wording``): ``overview`` (what ran, and README's block as the
+summary), ``syncbn_section`` and ``syncbn_detail``, ``training_section``, ``allreduce_section``,
+``collective_section``, ``ddp_section``, ``ddp_formats``, ``sharding_section`` and ``multihost_section``."""

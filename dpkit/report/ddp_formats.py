@@ -1,0 +1,146 @@
+"""The report's comparison with PyTorch's DDP benchmark (``benchmarks/distributed/ddp/benchmark.py``): its
+percentile table and its diff of two runs, in its own format, beside ours from ``results/ddp_benchmark.json``,
+and the world-size sweep (``results/ddp_sweep.json``) beside its world sizes.
+
+    from dpkit.report import ddp_formats, page
+    ddp_formats.percentiles(page.Page.open())
+"""
+
+from __future__ import annotations
+
+from dpkit.report import ddp_tables, findings, paths, plots
+from dpkit.report.wording import interval_text, ratio_text, span
+
+ONE, TWENTY_FIVE = "pytorch 1M [torch]", "pytorch 25M [torch]"  # the rows of PyTorch's DDP at two bucket caps
+SWEEP_COLUMNS = [("world_size", "processes", "d"), ("over", "oversubscribed", "s"), ("label", "variant", "s"),
+                 ("p50_s", "p50 s/iter", ".4f"), ("p50_ci", "interval", "s"), ("p50_ex_per_s", "ex/s (p50)", ".0f"),
+                 ("p95_s", "p95 s/iter", ".4f")]
+
+
+def fenced(text: str) -> str:
+    return f"```text\n{text}\n```"
+
+
+def resnet18(doc: dict) -> list[dict]:
+    return [r for r in doc["results"] if r["model"] == "resnet18"] or doc["results"]
+
+
+def as_run(doc: dict, row: dict, cap: float) -> dict:
+    """One row as a file of its own at one bucket size, the way PyTorch's diff reads two runs."""
+    return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]}, "results": [{**row, "label": "pytorch"}]}
+
+
+def direction(ratio: dict) -> str:
+    if ratio.get("ci_low") is not None and ratio["ci_low"] > 1:
+        return "**the same direction** (1 MiB slower)."
+    if ratio.get("ci_high") is not None and ratio["ci_high"] < 1:
+        return "**the opposite direction** (1 MiB faster)."
+    return "**not resolved**: the interval contains 1, where the effect the seed measured is a few percent."
+
+
+def diff(page, doc: dict, rows: dict[str, dict], seed: dict) -> None:
+    """PyTorch's diff (25 MiB baseline, 1 MiB test) beside ours within our run, and whether the direction agrees."""
+    page.say("PyTorch's diff (25 MiB baseline, 1 MiB test):\n\n" + fenced(seed["diff"]["format_excerpt"])
+             + "\n\nOurs, the same comparison within our run:\n\n"
+             + fenced(ddp_tables.format_diff(as_run(doc, rows[TWENTY_FIVE], 25.0), as_run(doc, rows[ONE], 1.0))),
+             label=False)
+    one_vs_25, seed_diffs = plots.ratio(rows[ONE], rows[TWENTY_FIVE]), [r["p75_diff_pct"] for r in seed["diff"]["rows"]]
+    page.say(f"Hardware: PyTorch's on {seed['hardware']}; ours on {page.env['device_model']} ({page.cpus} cores, "
+             "gloo). "
+             f"There, 1 MiB buckets changed p75 time by {span(seed_diffs, '+.1f')} % against 25 MiB (negative: "
+             f"slower), over {len(seed_diffs)} model and GPU-count pairs. Here, PyTorch's DDP [torch] with 1 MiB / "
+             "25 MiB buckets at p50 (ours at p50, the seed's at p75: our rounds hold p50 only): "
+             f"{ratio_text(one_vs_25)}: " + direction(one_vs_25)
+             + " The format is the same; ours also states the environment header and which configuration keys differ.")
+
+
+def percentiles(page) -> None:
+    """PyTorch's percentile table, ours in the same format, then the two bucket sizes' diff."""
+    doc, seed = page.load("ddp_benchmark"), page.seeds["pytorch_ddp_benchmark"]
+    rows = resnet18(doc)
+    page.say(f"PyTorch's benchmark ({seed['hardware']}):\n\n" + fenced(seed["benchmark"]["format_excerpt"])
+             + f"\n\nOurs (ddp_benchmark.json, {rows[0]['model']}):\n\n"
+             + fenced(paths.label("\n".join(ddp_tables.percentile_table(rows)), doc)), label=False)
+    pytorch = {r["label"]: r for r in rows if r["variant"] == "pytorch" and not plots.is_pytorch_best(r)}
+    if ONE in pytorch and TWENTY_FIVE in pytorch:
+        diff(page, doc, pytorch, seed)
+    else:
+        page.missing(f"PyTorch's DDP at 1 MiB and at 25 MiB buckets (rows '{ONE}' and '{TWENTY_FIVE}')")
+
+
+def within_cores(rows: list[dict]) -> list[int]:
+    return sorted({r["world_size"] for r in rows if r["over"] == "no"})
+
+
+def marked(doc: dict) -> list[dict]:
+    return [{**r, "over": "yes" if plots.oversubscribed(r, doc["env"]) else "no",
+             "p50_ci": interval_text(plots.interval(r, "p50_s"))} for r in doc["results"]]
+
+
+def scaling_text(rows: list[dict], cpus: int) -> str:
+    """Examples per second at the most processes within the cores against one process, per variant."""
+    fits, lines = within_cores(rows), []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        pts = {r["world_size"]: r for r in rows if r["label"] == label}
+        if 1 in pts and max(fits) in pts and max(fits) > 1:
+            lines.append(f"{label}: {pts[max(fits)]['p50_ex_per_s'] / pts[1]['p50_ex_per_s']:.2f}x the examples per "
+                         "second of 1 process")
+    over = sorted({r["world_size"] for r in rows if r["over"] == "yes"})
+    return (f"*Commentary.* From 1 to {max(fits)} processes (both within the {cpus} cores): " + "; ".join(lines) + ". "
+            + (f"The runs with {', '.join(map(str, over))} processes are oversubscribed: their processes share {cpus} "
+               "cores, so their times are shown but not used." if over else ""))
+
+
+def sweep(page) -> None:
+    """Every row of the world-size sweep, its figure, and how the examples per second scale."""
+    doc = page.load("ddp_sweep")
+    rows = marked(doc)
+    columns = [c if c[0] != "p50_ci" else ("p50_ci", findings.interval_name(doc["config"].get("rounds")), "s")
+               for c in SWEEP_COLUMNS]
+    page.show(sorted(rows, key=lambda r: (r["label"] != "no ddp", r["label"], r["world_size"])), columns)
+    page.draw(plots.ddp_sweep(doc))
+    page.say(scaling_text(rows, page.cpus))
+
+
+def sweep_figure(rows: list[dict], seed: dict, env: dict):
+    """Time per iteration against processes, ours (oversubscribed shaded) beside PyTorch's against GPUs."""
+    theirs = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50"]
+    pick = lambda ddp: ([r["gpus"] for r in theirs if (r["label"] != "no ddp") == ddp],  # noqa: E731
+                        [r["p50_s"] for r in theirs if (r["label"] != "no ddp") == ddp])
+    ordered = sorted(rows, key=lambda r: r["world_size"])
+    ours = {f"{rows[0]['model']}, {label}": ([r["world_size"] for r in ordered if r["label"] == label],
+                                             [r["p50_s"] for r in ordered if r["label"] == label], label)
+            for label in dict.fromkeys(r["label"] for r in rows)}
+    figure = plots.beside_seed(ours, {"resnet50, DDP": pick(True), "resnet50, no ddp": pick(False)},
+                               xlabel="processes (ours) / GPUs (seed)", ylabel="time per iteration (s, p50)",
+                               ours_title=f"ours: {env['device_model']}, {env['cpus']} cores (shaded: oversubscribed)",
+                               seed_title=f"seed: {seed['hardware']}")
+    plots.shade_oversubscribed(figure.axes[0], sorted({r["world_size"] for r in rows if r["over"] == "yes"}))
+    for ax in figure.axes:
+        ax.set_ylim(bottom=0)
+    return figure
+
+
+def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
+    """How time per iteration grows with the processes: PyTorch's on GPUs, ours with DDP and without it."""
+    ddp_seed = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50" and r["label"] != "no ddp"]
+    seed_growth, top = ddp_seed[-1]["p50_s"] / ddp_seed[0]["p50_s"] - 1, max(within_cores(rows))
+    label = next((x for x in dict.fromkeys(r["label"] for r in rows) if x.startswith("bucketed")), None)
+    ours = findings.growth(rows, label, 1, top) if label else None
+    no_ddp = findings.growth(rows, "no ddp", 1, top)
+    text = (f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "
+            f"With one GPU per process, its sec/iter grows by {100 * seed_growth:.0f} % from {ddp_seed[0]['gpus']} "
+            f"to {ddp_seed[-1]['gpus']} GPUs. ")
+    if ours is None:
+        return text
+    return text + (f"Ours ({label}) grows by {100 * ours:.0f} % from 1 to {top} processes"
+                   + (f", and the same model without DDP (no communication at all) by {100 * no_ddp:.0f} %"
+                      + (": most of our growth is there without any communication" if no_ddp >= ours / 2 else "")
+                      if no_ddp is not None else "")
+                   + ". **Not comparable** beyond the shape; oversubscribed runs are left out.")
+
+
+def sweep_beside_seed(page) -> None:
+    rows, seed = marked(page.load("ddp_sweep")), page.seeds["pytorch_ddp_benchmark"]
+    page.draw(sweep_figure(rows, seed, page.env))
+    page.say(growth_text(rows, seed, page.env))

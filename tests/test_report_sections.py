@@ -1,0 +1,236 @@
+"""report.ipynb is a list of calls into ``dpkit.report``: each code cell a few lines that call a section module
+(no definitions, loops or branches in the notebook), the committed file small; and what those section modules
+state is checked here against the committed result files, read independently of the code under test. The
+notebook's own cells run here, without Jupyter, on a page that keeps its blocks (the slow test in
+tests/test_report.py executes it in a kernel)."""
+
+import ast
+import io
+import json
+import xml.etree.ElementTree as ET
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+
+from common import REPO
+from dpkit.bench.results import read_results
+from dpkit.report import (allreduce_section, ddp_formats, ddp_section, multihost_section, overview, page,
+                          sharding_section, summary, syncbn_section, training_section, wording)
+
+matplotlib.use("Agg")
+
+NOTEBOOK = REPO / "report.ipynb"
+RESULTS = REPO / "results"
+MAX_CELL_LINES = 8  # a cell is a call or a few, each with a comment at most
+MAX_NOTEBOOK_BYTES = 1_200_000  # the whole notebook, its figures embedded
+CELL_STATEMENTS = (ast.Expr, ast.Import, ast.ImportFrom, ast.Assign)  # calls, the imports, the page
+
+
+def code_cells() -> list[str]:
+    return ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+            for c in json.loads(NOTEBOOK.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def report_modules(cells: list[str]) -> set[str]:
+    """The names the notebook imports from dpkit.report."""
+    return {alias.asname or alias.name for cell in cells for node in ast.walk(ast.parse(cell))
+            if isinstance(node, ast.ImportFrom) and node.module == "dpkit.report" for alias in node.names}
+
+
+def root(node: ast.expr) -> str | None:
+    """``x`` of ``x.a.b``."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def called_modules(cell: str) -> set[str]:
+    """``x`` of every call ``x.f(...)`` or ``x.A.f(...)`` in a cell."""
+    return {root(node.func) for node in ast.walk(ast.parse(cell))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+
+
+def logic(cell: str) -> list[str]:
+    """The statements of a cell that are not a call, an import or a plain assignment (a def, a loop, a branch)."""
+    return [type(node).__name__ for node in ast.parse(cell).body if not isinstance(node, CELL_STATEMENTS)]
+
+
+def test_every_code_cell_is_a_few_lines_calling_dpkit_report():
+    cells = code_cells()
+    modules = report_modules(cells)
+    assert {"page", "syncbn_section", "overview"} <= modules, "the first cell imports the section modules"
+    for cell in cells:
+        lines = [line for line in cell.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        assert len(lines) <= MAX_CELL_LINES, f"a cell of {len(lines)} lines: move its logic into dpkit.report\n{cell}"
+        assert not logic(cell), f"a cell with {logic(cell)}: move it into dpkit.report\n{cell}"
+        assert called_modules(cell) & modules, f"a cell that calls nothing of dpkit.report:\n{cell}"
+
+
+def test_the_shape_rules_see_a_cell_with_logic():
+    assert logic("for r in rows:\n    show(r)\nx = 1\nsyncbn_section.speed(report)") == ["For"]
+    assert called_modules("syncbn_section.speed(report)  # the table") == {"syncbn_section"}
+    assert called_modules("report = page.Page.open()\nprint(1)") == {"page"}
+    assert report_modules(["from dpkit.report import page, overview as o"]) == {"page", "o"}
+
+
+def test_the_committed_notebook_stays_small():
+    size = NOTEBOOK.stat().st_size
+    assert size <= MAX_NOTEBOOK_BYTES, (
+        f"report.ipynb is {size:,} bytes (at most {MAX_NOTEBOOK_BYTES:,}): a figure drawn outside page.draw, or a "
+        "large text output?")
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    """Every block the notebook's cells emit on the committed results, per cell, run here without a kernel."""
+    cells, per_cell = code_cells(), []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("REPORT_RESULTS", str(RESULTS))
+        patch.chdir(REPO)
+        report = page.Page.open(REPO)
+        patch.setattr(page.Page, "in_notebook", classmethod(lambda cls, root=None: report))
+        # Drawn, not encoded: encoding is test_a_figure_is_embedded_small's, and costs seconds a figure here.
+        patch.setattr(page, "figure_png", lambda figure: plt.close(figure) or b"figure")
+        patch.setattr(page, "compact_png", lambda data: b"image")
+        namespace = {}
+        for cell in cells:
+            before = len(report.blocks)
+            exec(compile(cell, "report.ipynb", "exec"), namespace)
+            per_cell.append(report.blocks[before:])
+    return per_cell
+
+
+def test_every_section_of_the_notebook_emits_on_the_committed_results(blocks):
+    assert all(blocks[1:]), "every cell after the imports shows something"
+    pictures = [value for cell in blocks for kind, value in cell if kind == "png"]
+    assert pictures.count(b"figure") >= 15 and pictures.count(b"image") == 3, "each section draws its figures"
+
+
+def test_the_summary_cell_is_readmes_block():
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index(summary.BEGIN) + len(summary.BEGIN):readme.index(summary.END)].strip("\n")
+    report = page.Page.open(REPO)
+    overview.headline(report)
+    assert report.markdown() == [block], "the notebook's summary and README's block are one function's output"
+
+
+def test_a_missing_file_is_none_and_a_line_naming_its_command(tmp_path):
+    (tmp_path / "seeds.json").write_text("{}")
+    report = page.Page(tmp_path / "results", {})
+    assert report.load("syncbn") is None and report.load("syncbn") is None
+    assert report.markdown() == ["*`syncbn.json` is not in this results directory: `python run_experiments.py "
+                                 "--only syncbn` writes it.*"], "said once"
+
+
+def test_a_figure_is_embedded_small():
+    figure, ax = plt.subplots(figsize=(30, 4))
+    ax.plot(range(100))
+    data = page.figure_png(figure)
+    from PIL import Image
+    image = Image.open(io.BytesIO(data))
+    assert image.width == page.MAX_WIDTH and image.mode == "P", "scaled down, 256 colours"
+    assert not plt.get_fignums(), "the figure is closed"
+
+
+# --------------------------------------------------------------------------- the sections against the files
+
+
+@pytest.fixture(scope="module")
+def syncbn():
+    return read_results(str(RESULTS / "syncbn.json"))
+
+
+def test_syncbn_table_states_each_sizes_time_and_memory_from_the_file(syncbn):
+    rows, _ = syncbn_section.speed_table(syncbn)
+    times = [r for r in syncbn["results"] if r.get("kind") == "time" and r["setting"] == "workers"
+             and r["dtype"] == "float32"]
+    local = {(r["batch"], r["hidden"]): r for r in times if r["impl"] == "BatchNorm1d (local)"}
+    assert [(r["batch"], r["hidden"]) for r in rows] == sorted(local)
+    for t in ("torch", "shm"):
+        ours = {(r["batch"], r["hidden"]): r for r in times if r["impl"] == "ours" and r["transport"] == t}
+        for row in rows:
+            size = row["batch"], row["hidden"]
+            assert row[f"ms_{t}"] == pytest.approx(1e3 * ours[size]["time_s"])
+            assert row[f"mem_{t}"] == pytest.approx(ours[size]["peak_bytes"] / local[size]["peak_bytes"])
+
+
+def test_syncbn_commentary_counts_the_sizes_the_benchmark_judged_met(syncbn):
+    """The benchmark stored how many sizes met the every-size target per transport: the sentence agrees."""
+    stored = {t["transport"]: t for t in syncbn["results"] if t.get("kind") == "target" and t["setting"] == "workers"
+              and t.get("versus") == "BatchNorm1d + 2 all_reduce" and "every size" in t["name"]}
+    assert set(stored) == {"torch", "shm"}
+    for transport, target in stored.items():
+        sentence = syncbn_section.transport_sentence(syncbn, transport)
+        assert f"met on {target['sizes_met']}," in sentence and f"of the {target['sizes']} sizes" in sentence
+        assert f"<= {target['limit']}x" in sentence
+
+
+def test_syncbn_test_outcomes_add_up_to_the_junit_file():
+    suite = ET.parse(RESULTS / "syncbn_tests.xml").getroot().find("testsuite")
+    attributes, rows = syncbn_section.test_outcomes(RESULTS)
+    assert sum(r["passed"] + r["failed"] + r["skipped"] for r in rows) == int(suite.get("tests"))
+    assert sum(r["failed"] for r in rows) == int(suite.get("failures")) + int(suite.get("errors"))
+    assert attributes["tests"] == suite.get("tests")
+
+
+def test_training_difference_is_the_largest_gap_between_the_two_runs_epochs():
+    runs = {impl: read_results(str(RESULTS / f"train_{impl}.json")) for impl in ("selfmade", "pytorch")}
+    epochs = [[r for r in runs[impl]["results"] if r["kind"] == "epoch"] for impl in ("selfmade", "pytorch")]
+    expected = max(abs(a[k] - b[k]) for a, b in zip(*epochs) for k in ("train_loss", "val_loss", "val_acc"))
+    assert training_section.largest_difference(runs) == expected
+    assert f"is {expected:.3g}:" in training_section.commentary_text(runs)
+
+
+def test_allreduce_rows_carry_each_algorithms_time_and_error_from_the_file():
+    doc = read_results(str(RESULTS / "allreduce.json"))
+    short = dict(allreduce_section.ALGORITHMS)
+    rows = {(r["world"], r["elements"]): r for r in allreduce_section.rows(doc)}
+    for measured in (r for r in doc["results"] if r["algorithm"] in short):
+        row = rows[measured["world_size"], measured["numel"]]
+        assert row[f"{short[measured['algorithm']]}_ms"] == pytest.approx(1e3 * measured["time_s"])
+        assert row[f"{short[measured['algorithm']]}_err"] == measured["max_abs_error"]
+
+
+def test_zero_balance_is_the_worst_rank_over_every_rank_count():
+    doc = read_results(str(RESULTS / "sharding.json"))
+    rows = [r for r in doc["results"] if "variant" in r]
+    worst = max(r["model_state_bytes"] / r["ideal_bytes"] for r in rows if r["variant"].startswith("zero ours"))
+    assert f"at most {worst:.2f}x" in sharding_section.zero_balance_text(rows)
+
+
+def test_the_bucket_sentence_names_the_sweeps_fastest_cap_per_transport():
+    doc = read_results(str(RESULTS / "ddp_benchmark.json"))
+    bucketed = [r for r in doc["results"] if r["variant"] == "bucketed" and r["model"] == "resnet18"]
+    text = ddp_section.caps_text(doc["results"])
+    for transport in {r["transport"] for r in bucketed}:
+        best = min((r for r in bucketed if r["transport"] == transport), key=lambda r: r["p50_s"])
+        assert f"[{transport}] the lowest p50 is {best['label']}" in text
+
+
+def test_the_sweep_scaling_is_examples_per_second_at_the_most_processes_within_the_cores():
+    doc = read_results(str(RESULTS / "ddp_sweep.json"))
+    cpus = doc["env"]["cpus"]
+    rows = {(r["label"], r["world_size"]): r for r in doc["results"]}
+    text = ddp_formats.scaling_text(ddp_formats.marked(doc), cpus)
+    for label in {label for label, _ in rows}:
+        if (label, 1) in rows and (label, cpus) in rows:
+            gain = rows[label, cpus]["p50_ex_per_s"] / rows[label, 1]["p50_ex_per_s"]
+            assert f"{label}: {gain:.2f}x the examples per second of 1 process" in text
+
+
+def test_the_simulated_jobs_step_ratios_are_the_files_p50_times():
+    doc = read_results(str(RESULTS / "multihost.json"))
+    steps = {r["label"]: r["p50_s"] for r in doc["results"] if r["kind"] == "step"}
+    text = multihost_section.steps_text(doc)
+    assert f"HSDP / FSDP [torch] {steps['HSDP'] / steps['FSDP [torch]']:.2f}x" in text
+    assert f"ZeRO-2 / ZeRO-1 {steps['ZeRO-2 [hierarchical]'] / steps['ZeRO-1 [hierarchical]']:.2f}x" in text
+
+
+def test_the_report_words_a_ratio_with_its_interval_and_a_range_of_values():
+    assert wording.span([1.4, 1.2, 1.3]) == "1.20 to 1.40" and wording.span([2, 2], "d") == "2"
+    assert wording.ratio_text(None) == "n/a" and wording.verdict_text({"median": 1.0}, 1.1) == "n/a"
+    assert wording.ratio_text({"median": 0.5}).endswith("(no interval: the file has no per-round values)")
+    assert wording.verdict_text({"median": 1.0, "ci_low": 0.9, "ci_high": 1.05}, 1.1) == "met"
+    assert wording.verdict_text({"median": 1.3, "ci_low": 1.2, "ci_high": 1.4}, 1.1) == "missed"
+    assert wording.interval_text(None) == "-" and wording.interval_text((0.1, 0.2)) == "[0.1000, 0.2000]"
