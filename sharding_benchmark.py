@@ -10,15 +10,12 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (without the
-brackets in --variants: every transport it is registered on), by the registry's names. [torch] is
-torch.distributed's collectives (PyTorch's engines as they come); [shared_memory] is ``transport.SharedMemory``,
-for PyTorch's DDP through ``transport.ddp_comm_hook`` and for ``fully_shard`` through
-``transport.use_with_fully_shard``; [shared_memory:thread] the same on a communication thread; [torch:dpkit]
-PyTorch's DDP and ``fully_shard`` unchanged on a process group of the backend "dpkit"; any other registered
-transport on request ("ddp ours [mine]"). ``ZeroRedundancyOptimizer`` takes no transport: "zero
-pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one axis
-only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
-transport's gain. With one process there is no communication: only [torch] runs.
+brackets: every transport it is registered on), by the registry's names: [torch] (PyTorch's engines as they
+come), [shared_memory] (PyTorch's DDP through ``ddp_comm_hook``, ``fully_shard`` through ``use_with_fully_shard``),
+[shared_memory:thread], [torch:dpkit] (PyTorch's engines unchanged on a "dpkit" process group), and any registered
+transport on request ("ddp ours [mine]"). "zero pytorch" (``ZeroRedundancyOptimizer``) runs on [torch] only.
+Each target divides the times of two variants that differ on one axis only (engine, sharding, transport or an
+option: ``AXES``), so no ratio credits an engine with a transport's gain. With one process there is no communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then

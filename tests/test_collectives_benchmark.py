@@ -16,7 +16,7 @@ from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
-LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory (zero copy), shared_memory (staged), p2p
+LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory, shared_memory:staged, p2p
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "dispatch (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
@@ -117,8 +117,8 @@ def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_insid
 
 def test_zero_copy_works_on_buffers_the_transport_allocated_and_staged_on_plain_tensors(measured):
     for collective, owned in measured[0]["owned"].items():
-        assert owned["shared_memory (zero copy)"] and all(owned["shared_memory (zero copy)"]), collective
-        for label in ("torch", "shared_memory (staged)", "p2p"):
+        assert owned["shared_memory"] and all(owned["shared_memory"]), collective
+        for label in ("torch", "shared_memory:staged", "p2p"):
             assert not any(owned[label]), (collective, label)
 
 
@@ -182,7 +182,7 @@ def test_the_report_has_one_table_per_axis(measured):
     text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
     assert (algorithms < text.index("| 2 | 4000B | ring |") < transports
-            < text.index("| 2 | 64KiB | shared_memory (zero copy) |"))
+            < text.index("| 2 | 64KiB | shared_memory |"))
 
 
 def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(measured):
@@ -296,7 +296,7 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
 
 
 def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_processes():
-    zero, staged = "shared_memory (zero copy)", "shared_memory (staged)"
+    zero, staged = "shared_memory", "shared_memory:staged"
     rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]),
             _transport_row(zero, 0.04, ratio=0.40, ci=[0.38, 0.43]),
             _transport_row(zero, 0.33, nbytes=100 << 20, ratio=0.33, ci=[0.31, 0.35]),
@@ -307,9 +307,9 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
     lines = bench.target_lines(rows)
     assert lines == [
-        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: "
+        "target all-reduce through shared_memory <= 0.45x torch, 2 processes, 10MiB: "
         "0.40x [0.38, 0.43] met",
-        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: "
+        "target all-reduce through shared_memory <= 0.30x torch, 2 processes, 100MiB: "
         "0.33x [0.31, 0.35] missed"]
     inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
@@ -327,7 +327,7 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
     rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0], collective="reduce_scatter"),
             _transport_row("p2p", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65], collective="reduce_scatter"),
             _transport_row("p2p", 0.12, ratio=1.2, ci=[1.15, 1.25], collective="all_gather"),
-            _transport_row("shared_memory (zero copy)", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
+            _transport_row("shared_memory", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
     text = bench.report(rows)
     assert "target reduce-scatter through p2p <= 0.70x torch, 2 processes, 10MiB: 0.60x [0.55, 0.65] met" in text
     assert "target all-gather through p2p <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
@@ -345,12 +345,12 @@ def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
     got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
            for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
-                   ("transport", "shared_memory", "direct", "shared_memory (staged)"),
+                   ("transport", "shared_memory", "direct", "shared_memory:staged"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
                    ("algorithm", "gloo", "auto", "auto"),
                    ("transport", "p2p (ring)", "ring", "p2p"),
                    ("transport", "torch (gloo)", "torch", "torch"),
-                   ("transport", "shared_memory", "direct", "shared_memory (staged)")]
+                   ("transport", "shared_memory", "direct", "shared_memory:staged")]
     new = _transport_row("p2p", 0.1)
     assert bench.labelled(new) is new
 
