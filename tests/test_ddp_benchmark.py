@@ -29,7 +29,9 @@ import torch
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
 from dpkit.bench import harness, measure
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.results import read_results, write_results
+from dpkit.comm import registry
 from dpkit.comm import transport as transports
 from dpkit.engines import ddp
 from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
@@ -39,13 +41,14 @@ from dpkit.report import ddp_tables, plots
 # One round: rounds are pooled and paired in the scripted run below; here every row is built once.
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
 BUCKETS = (25.0,)  # PyTorch's default, the targets' size: other sizes only add rows (variants_for is tested alone)
-SWEEP_TRANSPORTS = ("torch", "shared_memory", "shared_memory:thread", "dpkit")
+SWEEP_TRANSPORTS = ("torch", "shared_memory", "shared_memory:thread", "torch:dpkit")
 # The rows of the sweep, in the order they are printed: PyTorch's DDP at its defaults with its own gloo only,
 # at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
-# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but "dpkit",
-# a process group of that backend, which only PyTorch's DDP takes.
+# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but
+# "torch:dpkit", a process group of the backend "dpkit", which only PyTorch's DDP takes.
 LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]",
-          "pytorch-best 25M [torch:dpkit]", "naive [torch]", "naive [shared_memory]", "flat [torch]", "flat [shared_memory]",
+          "pytorch-best 25M [torch:dpkit]", "naive [torch]", "naive [shared_memory]", "flat [torch]",
+          "flat [shared_memory]",
           "overlap [torch]", "overlap [shared_memory]", "overlap [shared_memory:thread]",
           "bucketed 25M [torch]", "bucketed 25M [shared_memory]", "bucketed 25M [shared_memory:thread]"]
 SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
@@ -86,7 +89,7 @@ def cnn_parameters() -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- which rows run
 
 
-# The default rows on a CPU (transports torch and shm), at the default bucket sizes the issue lists.
+# The default rows on a CPU (transports torch and shared_memory), at the default bucket sizes the issue lists.
 DEFAULT_LABELS = (["no ddp"] + [f"pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
                   + ["pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]", "naive [torch]", "naive [shared_memory]",
                      "flat [torch]", "flat [shared_memory]", "overlap [torch]", "overlap [shared_memory]"]
@@ -119,30 +122,17 @@ def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monke
     """Each transport is made collectively: ranks that made them in different orders (a set's order differs
     between processes) would wait on each other forever. Recorded here without a process group."""
     built = []
-
-    class Made:
-        def __init__(self, what):
-            self.what = what
-            built.append(what)
-
-    monkeypatch.setattr(transports, "SharedMemory", lambda group=None, *, background=False: Made(
-        "shared memory on a thread" if background else "shared_memory"))
-    monkeypatch.setattr(transports, "resolve", lambda spec, group=None, device=None, **_: Made(spec))
-    monkeypatch.setattr(bench, "backend_transport", lambda: Made("dpkit"))
+    monkeypatch.setattr(registry, "resolve", lambda spec, group=None, device=None, **_: built.append(spec) or spec)
     cpu = torch.device("cpu")
-    for order in itertools.permutations(bench.TRANSPORTS):
+    for order in itertools.permutations(SWEEP_TRANSPORTS):
         for names in (list(order), set(order), dict.fromkeys(order)):
             built.clear()
-            made = bench.make_transports(names, cpu)
-            assert built == ["torch", "shared_memory", "shared memory on a thread", "dpkit"], names
-            assert list(made) == list(bench.TRANSPORTS) and [m.what for m in made.values()] == built
-    for order in itertools.permutations(("shared_memory:thread", "torch")):
-        built.clear()
-        assert list(bench.make_transports(set(order), cpu)) == ["torch", "shared_memory:thread"]
-        assert built == ["torch", "shared memory on a thread"]
+            made = bench_transports.make(names, cpu)
+            assert built == ["torch", "torch:dpkit", "shared_memory", "shared_memory:thread"], names
+            assert list(made) == built
     built.clear()
-    with pytest.raises(ValueError, match="unknown transport"):
-        bench.make_transports(["torch", "gloo"], cpu)
+    with pytest.raises(ValueError, match="unknown transport 'gloo': choose one of auto, torch, torch:dpkit"):
+        bench_transports.make(["torch", "gloo"], cpu)
     assert built == []  # refused before any was made
 
 
@@ -266,7 +256,7 @@ def scripted():
 
     def make_replica(variant, module, batch, made):
         replica = real_make(variant, module, batch, made)
-        assert set(made) == set(bench.TRANSPORTS)  # one transport object per name, made once for the whole run
+        assert set(made) == set(SWEEP_TRANSPORTS)  # one transport object per name, made once for the whole run
         clock.built.append((variant, replica.model))
         replica.label = variant.label
         replica.drift = DRIFT[clock.replicas // variants]  # schedule(): round r builds every variant once
@@ -284,7 +274,7 @@ def scripted():
     patch.setattr(measure, "time", clock)
     try:
         args = bench.parse_args(["--models", "cnn", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                                 "--transports", *bench.TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
+                                 "--transports", *SWEEP_TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
                                  "--iters", str(SCRIPTED_ITERS), "--rounds", str(len(DRIFT)), "--warmup", "1",
                                  "--no-breakdown"])
         with redirect_stdout(io.StringIO()):
@@ -526,7 +516,7 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
     # on a "dpkit" group, the backend's own range (its sums record none of gloo's or the transport's).
     for label, row in rows_at(doc, WORLD).items():
         names = trace_names(traces, label)
-        if row["transport"] == "dpkit":
+        if row["transport"] == "torch:dpkit":
             assert names.count("dpkit:all_reduce") == bench.PROFILE_ITERS * row["all_reduces"] > 0, label
             assert names.count("gloo:all_reduce") == names.count(SHM_ALL_REDUCE) == 0, label
             continue

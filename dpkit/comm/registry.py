@@ -4,6 +4,7 @@ names in which every transport, built in or not, is registered alike (``register
     t = resolve("auto", group, device)     # shared memory on one CPU host, hierarchical across hosts, else torch
     t = resolve("p2p:ring", group)         # by name: ``names()`` lists them
     register("mine", lambda group, option: Mine(group))   # then resolve("mine") makes it, and every benchmark
+    unregister("mine")                                     # a test's toy, once the test is done
 
 ``resolve`` is a collective: every rank learns every rank's choice first, so ranks that ask for
 different transports, or an unknown name, all raise the same ValueError before any data moves.
@@ -52,6 +53,13 @@ def register(name: str, factory: Callable[..., Transport], options: Sequence[str
     if name == "auto" or ":" in name or (name in BUILT_IN and name in _REGISTERED):
         raise ValueError(f"cannot register {name!r}: a built-in name, or one with a ':'")
     _REGISTERED[name] = Entry(factory, tuple(options), None if devices is None else tuple(devices))
+
+
+def unregister(name: str) -> None:
+    """Forget a name ``register`` added (not a built-in one): a test's toy transport, once the test is done."""
+    if name in BUILT_IN or name not in _REGISTERED:
+        raise ValueError(f"cannot unregister {name!r}: a built-in name, or one not registered")
+    del _REGISTERED[name]
 
 
 def names() -> tuple[str, ...]:
