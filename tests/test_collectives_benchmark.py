@@ -16,7 +16,7 @@ from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
-LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory, shared_memory:staged, p2p
+LABELS = list(bench.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "dispatch (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
@@ -33,8 +33,8 @@ def _broken(tensor, op="mean", group=None):
 
 def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
     """The transport axis of one collective at one size, and which contenders' inputs the shared memory owns."""
-    made = bench.make_transports(ctx, list(bench.TRANSPORTS), collective)
-    shared = made["zero_copy"]
+    made = bench.make_transports(ctx, list(bench.TRANSPORTS))
+    shared = made["shared_memory"]
     contenders, _, _ = bench.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
     owned = {c.label: [shared.owns(t) for t in c.inputs] for c in contenders}
     del contenders
@@ -108,8 +108,8 @@ def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_insid
     for collective, rows in measured[0]["transports"].items():
         assert [r["label"] for r in rows] == LABELS
         assert all(r["axis"] == "transport" and r["collective"] == collective for r in rows)
-        assert [r["transport"] for r in rows] == ["torch (gloo)", "shared_memory", "shared_memory",
-                                                  f"p2p ({inside[collective]})"]
+        # "p2p" is auto's transport: the ring for reduce-scatter and all-gather (the algorithm column)
+        assert [r["transport"] for r in rows] == ["torch (gloo)", "shared_memory", "staged shared_memory", "p2p (auto)"]
         assert [r["algorithm"] for r in rows] == ["torch", "direct", "direct", inside[collective]]
         size = TRANSPORT_SIZE if collective == "allreduce" else TRANSPORT_SIZE // 4 // 2 * 2 * 4
         assert {r["bytes"] for r in rows} == {size}
@@ -454,8 +454,8 @@ def test_the_axis_selects_what_is_measured():
         bench.parse_args(["--collective", "all_gather", "--axis", "all"])
     algorithms = bench.parse_args(["--axis", "algorithms"])
     assert algorithms.algorithms == list(allreduce.ALGORITHMS) and algorithms.transports == []
-    transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "zero_copy"])
-    assert transports.algorithms == [] and transports.transports == ["torch", "zero_copy"]
+    transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "shared_memory"])
+    assert transports.algorithms == [] and transports.transports == ["torch", "shared_memory"]
 
 
 def test_a_sharded_collective_compares_transports_only():
@@ -479,5 +479,5 @@ def test_the_transport_panel_of_an_older_file_takes_torchs_call_from_the_algorit
     collective_plots.draw_per_size(algorithms, old, "gloo", 2)
     collective_plots.draw_per_size(transports, old, "gloo", 2, axis="transport")
     assert algorithms.get_legend_handles_labels()[1] == ["torch", "ring"]
-    assert transports.get_legend_handles_labels()[1] == ["torch", "shared memory (staged)"]
+    assert transports.get_legend_handles_labels()[1] == ["torch", "shared_memory:staged"]  # the registry's name
     plt.close(figure)

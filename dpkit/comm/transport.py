@@ -14,7 +14,8 @@ This module is their public face: it names what the modules below define, and de
 * ``shared_memory``: ``SharedMemory``, ranks of one host meeting in /dev/shm (CPU tensors).
 * ``message_passing``: ``MessagePassing`` ("p2p"), the homework's point-to-point algorithms.
 * ``hierarchical``: ``Hierarchical``, shared memory inside each host, another transport between hosts.
-* ``registry``: ``resolve``, the one place a transport is chosen, ``register``, ``unregister``, ``names``, ``canonical``.
+* ``registry``: ``resolve``, the one place a transport is chosen; ``register``, ``unregister``, ``names``,
+  ``canonical``.
 * ``pytorch_adapters``: ``ddp_comm_hook``, ``use_with_fully_shard``, ``fully_shard_comms``.
 """
 
