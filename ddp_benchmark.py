@@ -858,8 +858,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
     device = check_placement(parser, args)
     if args.transports and set(args.transports) - {"torch"} and device == "cuda":
-        parser.error(f"--transports {' '.join(sorted(set(args.transports) - {'torch'}))}: only torch takes CUDA "
-                     "tensors here: on CUDA use --transports torch")
+        parser.error(f"--transports {' '.join(sorted(set(args.transports) - {'torch'}))} take CPU tensors: on CUDA "
+                     "use --transports torch")
     if args.gpt_width % args.gpt_heads:
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common import run_workers
+from dpkit.bench import transports as bench_transports
 from dpkit.comm import transport as transports
 from dpkit.engines import zero
 from dpkit.models import build_model
@@ -27,7 +28,7 @@ WORLD = 2
 
 def test_every_variant_is_an_engine_on_a_named_transport():
     for name, v in bench.VARIANTS.items():
-        assert name == f"{v.base} [{v.transport}]" and v.transport in bench.TRANSPORTS, name
+        assert name == f"{v.base} [{v.transport}]" and v.transport in bench_transports.choices(), name
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
     pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
@@ -73,7 +74,7 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
     assert limits["ddp pytorch [torch:dpkit] / ddp pytorch [torch]"] == ("transport", None, None)
     assert [k for k, (axis, limit, _) in limits.items() if axis == "transport" and limit is not None] == [
         "fsdp pytorch [shared_memory] / fsdp pytorch [torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]"]
-    assert {v.base for v in bench.VARIANTS.values() if v.transport == "dpkit"} == {"ddp pytorch", "fsdp pytorch"}
+    assert {v.base for v in bench.VARIANTS.values() if v.transport == "torch:dpkit"} == {"ddp pytorch", "fsdp pytorch"}
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
@@ -170,7 +171,7 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
         assert row["transport"] == bench.VARIANTS[name].transport
         assert row["transport_detail"] == {"torch": "torch (gloo)", "shared_memory": "shared_memory",
                                            "shared_memory:thread": "shared_memory",
-                                           "dpkit": "torch (dpkit)"}[row["transport"]], name
+                                           "torch:dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
     assert measured["zero ours [shared_memory]"]["exposed_comm_s"] > 0
 
@@ -198,7 +199,7 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
     params = model_tensors()
     buffers = WORLD * -(-sum(p.numel() for p in params) // WORLD) * 4  # (n, largest share) float32, one bucket
     for name, row in m.items():
-        if row["transport"] in ("torch", "dpkit"):  # "dpkit": the backend's slots are its group's, not counted
+        if row["transport"] in ("torch", "torch:dpkit"):  # the backend "dpkit"'s slots are its group's, not counted
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
