@@ -15,7 +15,8 @@ come), [shared_memory] (PyTorch's DDP through ``ddp_comm_hook``, ``fully_shard``
 [shared_memory:thread], [torch:dpkit] (PyTorch's engines unchanged on a "dpkit" process group), and any registered
 transport on request ("ddp ours [mine]"). "zero pytorch" (``ZeroRedundancyOptimizer``) runs on [torch] only.
 Each target divides the times of two variants that differ on one axis only (engine, sharding, transport or an
-option: ``AXES``), so no ratio credits an engine with a transport's gain. With one process there is no communication: only [torch] runs.
+option: ``AXES``), so no ratio credits an engine with a transport's gain. With one process there is no
+communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then

@@ -91,7 +91,8 @@ def cnn_parameters() -> list[torch.Tensor]:
 
 # The default rows on a CPU (transports torch and shared_memory), at the default bucket sizes the issue lists.
 DEFAULT_LABELS = (["no ddp"] + [f"pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
-                  + ["pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]", "naive [torch]", "naive [shared_memory]",
+                  + ["pytorch-best 25M "
+                     "[torch]", "pytorch-best 25M [shared_memory]", "naive [torch]", "naive [shared_memory]",
                      "flat [torch]", "flat [shared_memory]", "overlap [torch]", "overlap [shared_memory]"]
                   + [f"bucketed {mb}M [{t}]" for t in ("torch", "shared_memory") for mb in (1, 10, 25, 100, 1000)])
 
@@ -156,7 +157,8 @@ def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep
     rows = rows_at(doc, WORLD)
     assert all(r["transport"] == transport_of(label) for label, r in rows.items())
     buckets = {label: r["bucket_cap_mb"] for label, r in rows.items()}
-    assert buckets["overlap [shared_memory]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
+    assert buckets["overlap "
+                   "[shared_memory]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
 
 
 def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
@@ -175,8 +177,10 @@ def test_each_check_compares_along_one_axis(sweep):
     expected = {
         ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [torch]", faster_on_torch),
         ("engine", "peak memory / same pytorch row", "bucketed 25M [torch]", faster_on_torch),
-        ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
-        ("engine", "peak memory / same pytorch row", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
+        ("engine", "p50 / faster pytorch p50, same "
+                   "transport", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
+        ("engine", "peak memory / same pytorch "
+                   "row", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
         ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch]"),
         ("transport", "p50 / the same engine on torch", "pytorch-best 25M [torch:dpkit]", "pytorch-best 25M [torch]"),
         ("overhead", "p50 / no DDP", "bucketed 25M [shared_memory]", "no ddp"),
@@ -214,7 +218,8 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
             reference = rows.get(f"{kind} 25M [{transport_of(label)}]")
             assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
     # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
-    assert rows["bucketed 25M [shared_memory]"]["vs_pytorch"] is None and rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"]
+    assert rows["bucketed 25M "
+                "[shared_memory]"]["vs_pytorch"] is None and rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"]
     assert (rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch"] is None
             is rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"])
 
@@ -314,12 +319,14 @@ def exact(ratio: dict, expected: float) -> bool:
 
 def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_transport(scripted):
     # Every round, bucketed [torch] takes 0.132 / 0.150 = 0.88 of pytorch [torch]'s time and 1.10 of
-    # pytorch-best [torch]'s, whatever the drift; bucketed [shared_memory] 0.104 / 0.108 of pytorch-best [shared_memory]'s.
+    # pytorch-best [torch]'s, whatever the drift; bucketed [shared_memory] 0.104 / 0.108 of
+    # pytorch-best [shared_memory]'s.
     rows, _ = scripted
     assert exact(rows["bucketed 25M [torch]"]["vs_pytorch"], 0.88)
     assert exact(rows["bucketed 25M [torch]"]["vs_pytorch_best"], 1.10)
     assert rows["bucketed 25M [torch]"]["vs_pytorch"]["rounds"] == len(DRIFT)
-    assert rows["bucketed 25M [shared_memory]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
+    assert rows["bucketed 25M "
+                "[shared_memory]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
     assert exact(rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
     assert rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
     assert exact(rows["naive [shared_memory]"]["vs_no_ddp"], 1.8)
@@ -339,7 +346,8 @@ def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
 def test_exposed_wait_and_its_share_of_the_iteration(scripted):
     rows, _ = scripted
     drift_sum = sum(DRIFT) * (SCRIPTED_ITERS // len(DRIFT))
-    for label in ("bucketed 25M [torch]", "bucketed 25M [shared_memory:thread]", "naive [torch]", "naive [shared_memory]"):
+    for label in ("bucketed 25M "
+                  "[torch]", "bucketed 25M [shared_memory:thread]", "naive [torch]", "naive [shared_memory]"):
         seconds, wait = SCRIPT[label]
         row = rows[label]
         assert row["comm_share"] == pytest.approx(wait * drift_sum / (seconds * drift_sum))
@@ -359,11 +367,14 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
     engine = [c for c in checks if c["axis"] == "engine"]
     assert all(transport_of(c["label"]) == transport_of(c["reference"]) for c in engine)
     time = {c["label"]: c for c in engine if c["target"] == "p50 / faster pytorch p50, same transport"}
-    assert set(time) == {"bucketed 25M [torch]", "bucketed 25M [shared_memory]"}  # no PyTorch row on the thread: no check
+    assert set(time) == {"bucketed 25M "
+                         "[torch]", "bucketed 25M [shared_memory]"}  # no PyTorch row on the thread: no check
     assert time["bucketed 25M [torch]"]["reference"] == "pytorch-best 25M [torch]"
     assert exact(time["bucketed 25M [torch]"]["ratio"], 1.10) and time["bucketed 25M [torch]"]["verdict"] == "missed"
     assert time["bucketed 25M [shared_memory]"]["reference"] == "pytorch-best 25M [shared_memory]"
-    assert exact(time["bucketed 25M [shared_memory]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M [shared_memory]"]["verdict"] == "met"
+    assert exact(time["bucketed 25M "
+                      "[shared_memory]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M "
+                                                                           "[shared_memory]"]["verdict"] == "met"
     by_label = {r["label"]: r for r in rows}
     for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
         assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == bench.TARGET_MEMORY
@@ -373,8 +384,10 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
 def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):
     _, checks = scripted_checks(scripted)
     transport = {c["label"]: c for c in checks if c["axis"] in ("transport", "overhead")}
-    assert set(transport) == {"pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch:dpkit]", "bucketed 25M [shared_memory]"}
-    assert transport["bucketed 25M [shared_memory]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
+    assert set(transport) == {"pytorch-best 25M "
+                              "[shared_memory]", "pytorch-best 25M [torch:dpkit]", "bucketed 25M [shared_memory]"}
+    assert transport["bucketed 25M "
+                     "[shared_memory]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
     hook = transport["pytorch-best 25M [shared_memory]"]
     assert hook["reference"] == "pytorch-best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
     assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
@@ -390,7 +403,8 @@ def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_
 def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the_same_wire(scripted):
     _, checks = scripted_checks(scripted)
     hidden = {c["label"]: c for c in checks if c["axis"] == "overlap" and c["limit"] is not None}
-    # bucketed 25M [shared_memory] waits 0.001 / 0.060 of naive [shared_memory]: inline, its sums are inside backward: not checked
+    # bucketed 25M [shared_memory] waits 0.001 / 0.060 of naive [shared_memory]: inline, its sums are inside
+    # backward: not checked
     assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shared_memory:thread]"}
     assert hidden["bucketed 25M [torch]"]["reference"] == "naive [torch]"
     assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080)

@@ -61,7 +61,8 @@ def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_
     assert paths.path("bucketed 25M [torch]", DDP_DOC) is None
     sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
     assert paths.path("ddp pytorch [shared_memory]", sharding) == "staged"  # through transport.ddp_comm_hook
-    assert paths.path("fsdp pytorch [shared_memory]", sharding) == "zero copy"  # fully_shard's buffers from the transport
+    assert paths.path("fsdp pytorch "
+                      "[shared_memory]", sharding) == "zero copy"  # fully_shard's buffers from the transport
     assert paths.path("zero ours [shared_memory:thread]", sharding) == "zero copy"
     assert paths.path("workers [shared_memory]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
     assert paths.path("shared_memory:staged") == "staged" and paths.path("shared_memory") == "zero copy"
@@ -71,7 +72,8 @@ def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the
     assert paths.label("bucketed 25M [shared_memory] / pytorch-best 25M [shared_memory]", DDP_DOC) == \
         "bucketed 25M [shared_memory, zero copy] / pytorch-best 25M [shared_memory, staged]"
     assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
-    engine = {"axis": "engine", "label": "bucketed 25M [shared_memory]", "reference": "pytorch-best 25M [shared_memory]"}
+    engine = {"axis": "engine", "label": "bucketed 25M "
+                                         "[shared_memory]", "reference": "pytorch-best 25M [shared_memory]"}
     assert paths.axis(engine, DDP_DOC) == "transport"
     on_torch = {**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}
     assert paths.axis(on_torch, DDP_DOC) == "engine"
@@ -222,7 +224,8 @@ def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
 
 def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
     env = {"cpus": 2, "device": "cpu"}
-    checks = [{"target": "ddp ours [shared_memory] / ddp pytorch [shared_memory]", "axis": "engine", "numerator": "ddp ours [shared_memory]",
+    checks = [{"target": "ddp ours [shared_memory] / ddp pytorch "
+                         "[shared_memory]", "axis": "engine", "numerator": "ddp ours [shared_memory]",
                "denominator": "ddp pytorch [shared_memory]", "world_size": world, "limit": 1.0, "verdict": "met",
                "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
     text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")

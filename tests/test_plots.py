@@ -140,7 +140,8 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
     assert f"ours / ({REFERENCE})" in legend_texts(figure)
 
 
-# ours [torch] / reference [torch] = 1.2 and ours [shared_memory] / reference [shared_memory] = 1.8; a ratio across transports
+# ours [torch] / reference [torch] = 1.2 and ours [shared_memory] / reference [shared_memory] = 1.8; a ratio across
+# transports
 # would read 0.9 (ours [shared_memory] / reference [torch]) or 2.4 (ours [torch] / reference [shared_memory]).
 BOTH = (syncbn_rows(transport="torch", ours=1.2e-3, reference=1e-3)
         + syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3))
@@ -154,7 +155,8 @@ def test_syncbn_ratios_pair_rows_on_one_transport():
     assert plots.syncbn_ratios(doc(BOTH), transport=None) == []  # no row of this file lacks a transport
     old = plots.syncbn_ratios(doc(syncbn_rows()))  # a file without transports: its rows, transport None
     assert [r["median"] for r in old] == pytest.approx([1.2] * 6) and {r["transport"] for r in old} == {None}
-    one = plots.syncbn_ratios(doc(syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3)))  # its only transport
+    # its only transport
+    one = plots.syncbn_ratios(doc(syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3)))
     assert [r["median"] for r in one] == pytest.approx([1.8] * 6) and {r["transport"] for r in one} == {"shared_memory"}
     with pytest.raises(ValueError, match="transports"):  # two: the caller must choose, never a mix
         plots.syncbn_ratios(doc(BOTH))
@@ -164,12 +166,14 @@ def test_syncbn_grid_draws_a_bar_per_transport_each_against_the_reference_on_it(
     figure = plots.syncbn_grid(doc(BOTH), target=1.3)
     assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2] * 3)  # per size: shm, then torch
     texts = legend_texts(figure)
-    assert {f"ours [shared_memory] / ({REFERENCE}) [shared_memory]", f"ours [torch] / ({REFERENCE}) [torch]"} <= set(texts)
+    assert {f"ours [shared_memory] / ({REFERENCE}) "
+            "[shared_memory]", f"ours [torch] / ({REFERENCE}) [torch]"} <= set(texts)
     assert not any(t.startswith("floor") for t in texts)  # the file has no floor rows
 
 
 def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only():
-    """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shared_memory] / reference [shared_memory], beside ours on each transport;
+    """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shared_memory] / reference [shared_memory], beside ours
+    on each transport;
     a floor timed on torch is not drawn."""
     floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1,
                "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
@@ -178,7 +182,8 @@ def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only
     # ours [shared_memory], ours [torch], floor [shared_memory]
     assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2, 1.1] * 3)
     texts = legend_texts(figure)
-    assert f"floor [shared_memory] / ({REFERENCE}) [shared_memory]" in texts and f"floor [torch] / ({REFERENCE}) [torch]" not in texts
+    assert f"floor [shared_memory] / ({REFERENCE}) [shared_memory]" in texts
+    assert f"floor [torch] / ({REFERENCE}) [torch]" not in texts
 
 
 def test_syncbn_grid_says_when_the_file_has_no_intervals():
@@ -266,7 +271,9 @@ def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport
     assert shm.get_color() == series["bucketed [torch]"].get_color()  # the implementation's
     assert {series["bucketed [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
     assert [t.get_text() for t in bars.get_yticklabels()] == [
-        r["label"].replace("[shared_memory]", "[shared_memory, staged]" if r["variant"] == "pytorch-best" else "[shared_memory, zero copy]")
+        r["label"].replace("[shared_memory]", "[shared_memory, "
+                                              "staged]" if r["variant"] == "pytorch-best" else "[shared_memory, zero "
+                                                                                               "copy]")
         for r in rows]
 
 

@@ -183,7 +183,8 @@ def test_syncbn_extra_is_the_median_time_ours_adds_to_the_reference_on_one_trans
                        syncbn_time("ours", "shared_memory", 64, 1.5, dtype="float16"),
                        syncbn_time(ref, "shared_memory", 64, 0.1, dtype="float16")]}
     assert findings.syncbn_extra(doc, "torch") == {"extra_s": 2.0, "reference_s": 3.0, "sizes": 2}
-    assert findings.syncbn_extra(doc, "shared_memory") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}  # float32 only
+    # float32 only
+    assert findings.syncbn_extra(doc, "shared_memory") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}
     assert findings.syncbn_extra(doc, "nccl") is None
 
 

@@ -18,7 +18,9 @@ import sharding_benchmark as bench
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
-        "--variants", "ddp ours [torch]", "ddp ours [shared_memory]", "ddp pytorch", "zero ours [torch]", "zero ours [shared_memory]",
+        "--variants", "ddp ours "
+                      "[torch]", "ddp ours "
+                                 "[shared_memory]", "ddp pytorch", "zero ours [torch]", "zero ours [shared_memory]",
         "zero ours tensor [torch]", "zero2 ours", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
 WORLD = 2
 
@@ -36,7 +38,8 @@ def test_every_variant_is_an_engine_on_a_named_transport():
                  "fsdp pytorch bf16"):
         assert {f"{base} [torch]", f"{base} [shared_memory]"} <= set(bench.VARIANTS), base
     threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shared_memory:thread"}
-    assert threaded == {"ddp ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shared_memory]
+    assert threaded == {"ddp "
+                        "ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shared_memory]
     assert not [n for n in bench.VARIANTS if "blocking" in n or "inline" in n]
 
 
@@ -58,7 +61,8 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
                 assert v.sharding in ("zero", "zero2") and other.sharding == "ddp"
                 assert v.base.split()[1] == other.base.split()[1], (v.name, t)
             limits[f"{v.name} / {t.other}"] = (t.axis, t.limit, t.scope)
-    for sharding, on in (("ddp", ("torch", "shared_memory")), ("zero", ("torch",)), ("fsdp", ("torch", "shared_memory"))):
+    for sharding, on in (("ddp", ("torch", "shared_memory")), ("zero", ("torch",)),
+                         ("fsdp", ("torch", "shared_memory"))):
         for t in on:
             assert limits[f"{sharding} ours [{t}] / {sharding} pytorch [{t}]"] == ("engine", 1.00, None)
     for t in ("torch", "shared_memory"):
@@ -78,8 +82,11 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
-    assert bench.select(["fsdp pytorch", "zero ours [shared_memory]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shared_memory]",
-                                                                "fsdp pytorch [torch:dpkit]", "zero ours [shared_memory]"]
+    assert bench.select(["fsdp "
+                         "pytorch", "zero ours "
+                                    "[shared_memory]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shared_memory]",
+                                                                "fsdp pytorch "
+                                                                "[torch:dpkit]", "zero ours [shared_memory]"]
     with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
         bench.select(["zero ours blocking"])
     every = list(bench.VARIANTS)
@@ -113,8 +120,10 @@ def test_each_sharding_experiment_measures_the_targets_it_is_for():
     for quick in (True, False):
         args = _experiment_args("sharding_gpt", quick)
         measured = _targets_measured(args.variants)
-        assert {"fsdp pytorch [shared_memory] / fsdp pytorch [torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]",
-                "ddp ours [shared_memory] / ddp pytorch [shared_memory]", "zero ours [shared_memory] / ddp ours [shared_memory]"} <= measured
+        assert {"fsdp pytorch [shared_memory] / fsdp pytorch "
+                "[torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]",
+                "ddp ours [shared_memory] / ddp pytorch "
+                "[shared_memory]", "zero ours [shared_memory] / ddp ours [shared_memory]"} <= measured
         assert bench.SCOPES["gpt default"][1]("gpt", args)
     assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
 
@@ -203,8 +212,11 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
-    assert m["ddp ours [shared_memory]"]["shared_peak_bytes"] >= m["ddp ours [shared_memory]"]["grads_bytes"]  # the buckets hold them
-    assert m["zero ours [shared_memory]"]["shared_peak_bytes"] >= m["zero ours [shared_memory]"]["grads_bytes"] + buffers
+    assert m["ddp ours "
+             "[shared_memory]"]["shared_peak_bytes"] >= m["ddp ours "
+                                                          "[shared_memory]"]["grads_bytes"]  # the buckets hold them
+    assert m["zero ours "
+             "[shared_memory]"]["shared_peak_bytes"] >= m["zero ours [shared_memory]"]["grads_bytes"] + buffers
     # The peak counts them as it counts the same buffers in torch's allocator on [torch].
     for name in ("ddp ours [shared_memory]", "zero ours [shared_memory]"):
         assert m[name]["peak_bytes"] >= m[name]["params_bytes"] + m[name]["state_bytes"] + m[name]["shared_peak_bytes"]
@@ -303,14 +315,17 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
             replicated += [p.numel() * 4 for p in own]
     held = sum(shards) + sum(replicated)
     measured = measured_rows(rows)
-    for name in ("fsdp ours [torch]", "fsdp ours [shared_memory]", "fsdp ours [shared_memory:thread]", "fsdp ours bf16 [torch]"):
+    for name in ("fsdp ours "
+                 "[torch]", "fsdp ours [shared_memory]", "fsdp ours [shared_memory:thread]", "fsdp ours bf16 [torch]"):
         row = measured[name]
         assert row["params_bytes"] == held and bucket_bytes(row, held + 4 * len(replicated), len(replicated)), name
         assert row["state_bytes_per_rank"] == [2 * held + 4 * (len(shards) + len(replicated))] * WORLD, name
     for name in ("fsdp ours [torch]", "fsdp pytorch [torch]"):
         assert measured[name]["state_vs_ideal"] <= bench.TARGET_STATE_VS_IDEAL, name
         assert measured[name]["model_state_bytes"] < 0.6 * measured["ddp ours [torch]"]["model_state_bytes"], name
-    for name in ("fsdp ours [shared_memory]", "fsdp pytorch [shared_memory]"):  # the arena's pages count (a staging block: 1 MiB at least)
+    for name in ("fsdp ours "
+                 "[shared_memory]", "fsdp pytorch "
+                                    "[shared_memory]"):  # the arena's pages count (a staging block: 1 MiB at least)
         row, on_torch = measured[name], measured[name.replace("[shared_memory]", "[torch]")]
         assert row["shared_peak_bytes"] <= row["model_state_bytes"], name
         assert row["model_state_bytes"] <= on_torch["model_state_bytes"] + row["shared_peak_bytes"], name
@@ -318,14 +333,18 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
 
 def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     targets = {row["target"]: row for row in rows if "target" in row}
-    expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine", "ddp ours [shared_memory] / ddp pytorch [shared_memory]": "engine",
-                "zero ours [torch] / zero pytorch [torch]": "engine", "fsdp ours [shared_memory] / fsdp pytorch [shared_memory]": "engine",
+    expected = {"ddp ours [torch] / ddp pytorch "
+                "[torch]": "engine", "ddp ours [shared_memory] / ddp pytorch [shared_memory]": "engine",
+                "zero ours [torch] / zero pytorch "
+                "[torch]": "engine", "fsdp ours [shared_memory] / fsdp pytorch [shared_memory]": "engine",
                 "zero ours [shared_memory] / ddp ours [shared_memory]": "sharding",
                 "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
                 "fsdp pytorch [shared_memory] / fsdp pytorch [torch]": "transport",
                 "fsdp ours [shared_memory:thread] / fsdp ours [shared_memory]": "transport",
-                "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shared_memory] state / ideal": "memory",
-                "zero2 ours [shared_memory] / zero ours [shared_memory]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
+                "zero ours tensor [torch] / zero ours "
+                "[torch]": "option", "zero ours [shared_memory] state / ideal": "memory",
+                "zero2 ours [shared_memory] / zero ours "
+                "[shared_memory]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
     assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
     assert not [name for name in targets if "[shm" in name.split(" / ")[0] and "[torch]" in name.split(" / ")[-1]
