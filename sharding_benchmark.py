@@ -633,7 +633,7 @@ backward). Held = everything the variant holds with its gradients in: parameters
 its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's rows) and what its
 transport holds for it (every variant has a transport of its own: for shared memory, the pages of its arena
 in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
-iterations, kept for reuse; a memory profiler does not see them; on [dpkit] the backend's slots, two of
+iterations, kept for reuse; a memory profiler does not see them; on [torch:dpkit] the backend's slots, two of
 ``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between
 iterations (gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
 arena grew by during it. "/dev/shm MiB": the transport's pages in /dev/shm (``Transport.held_bytes``).

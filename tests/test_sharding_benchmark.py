@@ -347,8 +347,9 @@ def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
                 "[shared_memory]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
     assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
-    assert not [name for name in targets if "[shm" in name.split(" / ")[0] and "[torch]" in name.split(" / ")[-1]
-                and targets[name]["axis"] != "transport"], "an engine credited with a transport's gain"
+    assert not [name for name in targets if "[shared_memory" in name.split(" / ")[0]
+                and "[torch]" in name.split(" / ")[-1] and targets[name]["axis"] != "transport"], \
+        "an engine credited with a transport's gain"
     for name, row in targets.items():
         assert row["verdict"] in ("met", "missed", "inconclusive", "-"), name
         if row["ratio"] is not None:
