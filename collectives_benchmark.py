@@ -11,9 +11,10 @@
 
 * Algorithms (all-reduce): every point-to-point algorithm of ``allreduce.py`` and ``auto`` against
   ``torch.distributed.all_reduce``, all over gloo: algorithm against algorithm on the same wire.
-* Transports (``transport.py``; all-reduce, reduce-scatter, all-gather): ``Torch`` (gloo) against ``SharedMemory``
-  on buffers from its ``allocate()`` ("zero copy") and on plain tensors ("staged": copied in and out), and
-  ``MessagePassing`` ("p2p": auto for the all-reduce, else the ring). Shared memory sums chunk r on rank r.
+* Transports (the registry's names, ``--transports``; all-reduce, reduce-scatter, all-gather): "torch" (gloo)
+  against "shared_memory" on buffers from its ``allocate()`` (zero copy), "shared_memory:staged" (plain tensors,
+  copied in and out), "p2p" (auto for the all-reduce, else the ring), and any transport registered: each on the
+  buffers it allocates. Shared memory sums chunk r on rank r.
 * Backends: torch.distributed's own calls (``BACKEND_CALLS``) on a group of the backend "dpkit" against gloo,
   and the all-reduce's latency floor (``dpkit.bench.backend_latency``: dispatch, the wait, the reduction).
 
@@ -42,6 +43,7 @@ from dpkit.bench.collectives import (AXIS_TITLES, BACKEND, NAMES, TRANSPORTS, al
                                      labelled, parse_size, ratio_of)
 from dpkit import compat
 from dpkit.bench import backend_latency, harness
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.measure import Timing, format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import incomplete_note, markdown_table, read_results, write_results
 from dpkit.comm import backend, transport
@@ -65,7 +67,7 @@ BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": 
 BACKEND_SIZES = ["4", "4KB", "64KB", "1MB", "10MB", "100MB"]
 BACKEND_REPEAT, BACKEND_BATCH_BYTES = 64, 1 << 20  # calls timed back to back: up to 64, about 1 MiB in all
 FLOOR_SIZES, FLOOR_ROUNDS, FLOOR_CALLS = (4 << 10, 64 << 10), 5, 500
-ZERO_COPY = TRANSPORTS["zero_copy"]
+ZERO_COPY = "shared_memory"  # the transport on the buffers it allocates
 # (axis, label, sizes it applies to or None for every size, process counts or None for any, largest p50 /
 # torch's p50 on that axis). Algorithms: the ring within 10 % of torch at 10 and 100 MB (the first
 # all-reduce work), auto within 10 % from the homework's 1,000 elements up and no slower at 10 and 100 MB.
@@ -211,40 +213,31 @@ def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: 
 # --------------------------------------------------------------------------- transports (all three collectives)
 
 
-def make_transports(ctx, names: list[str], collective: str) -> dict[str, transport.Transport]:
-    """``--transports`` name -> its transport over the whole world (a collective: every rank makes the same).
-    Shared memory only where it can serve: CPU tensors, every rank on this host."""
-    made: dict[str, transport.Transport] = {}
-    shared = None
-    if {"zero_copy", "staged"} & set(names) and ctx.device.type == "cpu" and ctx.world_size > 1:
-        try:
-            shared = transport.SharedMemory()
-        except transport.NotOneHost as error:
-            print0(f"no shared-memory rows: {error}")
-    for name in names:
-        if name == "torch":
-            made[name] = transport.Torch()
-        elif name == "p2p":  # the all-reduce runs auto's choice; reduce-scatter and all-gather are the ring
-            made[name] = allreduce.MessagePassing(None, "auto" if collective == "allreduce" else "ring")
-        elif shared is not None:
-            made[name] = shared
-    return made
+def make_transports(ctx, names: list[str]) -> dict[str, transport.Transport]:
+    """``--transports`` name -> its transport over the whole world (``bench_transports.make``, a collective).
+    Shared memory only where it can serve (CPU tensors, every rank on this host); with one process, only
+    transports that move nothing but copies: those of one process."""
+    if ctx.world_size == 1:
+        names = [n for n in names if not n.startswith("shared_memory")]
+    return bench_transports.make(names, ctx.device, optional=True)
 
 
-def _algorithm_of(made: transport.Transport) -> str:
-    """What runs inside a transport: torch's own collective, shared memory's direct sums, the p2p algorithm."""
-    if isinstance(made, allreduce.MessagePassing):
-        return made.algorithm
-    return "direct" if isinstance(made, transport.SharedMemory) else "torch"
+def _algorithm_of(made: transport.Transport, collective: str) -> str:
+    """What runs inside a transport: torch's own collective, shared memory's direct sums, the p2p algorithm
+    (the ring but for the all-reduce), else the transport's name."""
+    inner = made.inner if isinstance(made, transport.Wrapped) else made
+    if isinstance(inner, allreduce.MessagePassing):
+        return inner.algorithm if collective == "allreduce" else "ring"
+    return {transport.SharedMemory: "direct", transport.Torch: "torch"}.get(type(inner), made.name)
 
 
 def transport_contenders(ctx, collective: str, nbytes: int, transports: dict[str, transport.Transport]
                          ) -> tuple[list[Contender], Callable[[], object] | None, int]:
     """The transport axis at one size: (contenders, the refill before each timed call or None, bytes).
 
-    Zero copy: buffers from the shared-memory transport's ``allocate()``; every other transport: plain
-    tensors (shared memory copies them into its arena and back: staged). Reduce-scatter and all-gather:
-    ``nbytes`` is the full tensor, rounded down to a multiple of the world size (nccl-tests)."""
+    Each transport on the buffers its ``allocate()`` gives: shared memory's own (zero copy); the others', plain
+    tensors, one set shared by all (shared_memory:staged copies them into its arena and back). Reduce-scatter and
+    all-gather:    ``nbytes`` is the full tensor, rounded down to a multiple of the world size (nccl-tests)."""
     n = ctx.world_size
     numel = nbytes // 4 // n * n if collective != "allreduce" else nbytes // 4
 
@@ -255,8 +248,9 @@ def transport_contenders(ctx, collective: str, nbytes: int, transports: dict[str
     plain = tensors(functools.partial(torch.empty, device=ctx.device))
     contenders = []
     for name, made in transports.items():
-        label, algorithm = TRANSPORTS[name], _algorithm_of(made)
-        inputs = tensors(made.allocate) if name == "zero_copy" else plain
+        label, algorithm = name, _algorithm_of(made, collective)
+        own = tensors(made.allocate)
+        inputs = own if made.owns(own[0]) else plain
         if collective == "allreduce":
             choice = allreduce.auto_algorithm(inputs[0]) if algorithm == "auto" and n > 1 else None
             contender = _summing(ctx, label, made.describe(), algorithm, made.all_reduce, inputs[0], choice)
@@ -303,7 +297,7 @@ def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, w
                      collective: str = "allreduce", transports: list[str] = ()) -> list[dict]:
     """Every size, on each axis asked for (``algorithms`` and ``transports`` empty: that axis is not measured),
     for this world (one spawned group, or the world torchrun started)."""
-    made = make_transports(ctx, list(transports), collective)
+    made = make_transports(ctx, list(transports))
     rows = []
     try:
         for nbytes in progress(sizes, desc=f"{ctx.world_size} processes"):
@@ -540,7 +534,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
     for row in map(labelled, rows):
         collective = row.get("collective", "allreduce")
         targets = TARGETS if collective == "allreduce" else [
-            ("transport", TRANSPORTS["p2p"], LARGE, None, COLLECTIVE_TARGETS[collective])
+            ("transport", "p2p", LARGE, None, COLLECTIVE_TARGETS[collective])
         ] if collective in COLLECTIVE_TARGETS else []
         for axis, label, sizes, worlds, limit in targets:
             if (row["axis"], row["label"]) != (axis, label) or row.get("vs_torch") is None:
@@ -639,16 +633,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: %(default)s)")
     parser.add_argument("--axis", choices=tuple(AXES), default=None,
                         help="algorithms: allreduce.py's all-reduces and auto against torch.distributed.all_reduce, "
-                             "all over one backend; transports: transport.py's Torch, SharedMemory (zero copy and "
-                             "staged) and MessagePassing (p2p); backends: torch.distributed's collectives on a "
-                             "\"dpkit\" group against a gloo group (--backend-collectives); all: the three (default: "
-                             "both for allreduce, transports for the others, algorithms with --tune)")
+                             "all over one backend; transports: the registry's (--transports); backends: "
+                             "torch.distributed's collectives on a \"dpkit\" group against a gloo group "
+                             "(--backend-collectives); all: the three (default: both for allreduce, transports for "
+                             "the others, algorithms with --tune)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
-    parser.add_argument("--transports", nargs="+", choices=tuple(TRANSPORTS), default=None,
-                        help="the transport axis: " + ", ".join(f"{k} ({v})" for k, v in TRANSPORTS.items())
-                             + "; 'torch' is the reference (default: all)")
+    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, default=None,
+                        choices=bench_transports.choices(), metavar="NAME",
+                        help="the transport axis, by the registry's names: " + ", ".join(bench_transports.choices())
+                             + "; each on the buffers it allocates; 'torch' is the reference (default: "
+                             + " ".join(TRANSPORTS) + ")")
     parser.add_argument("--backend-collectives", nargs="+", choices=tuple(BACKEND_CALLS), default=None,
                         help=f"the backend axis: these calls, each on a {backend.NAME!r} group and a gloo group "
                              "(default: all)")

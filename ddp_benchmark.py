@@ -6,16 +6,16 @@ r"""Time per training iteration of every data-parallel variant of ddp.py against
     python ddp_benchmark.py diff results/base.json results/test.json                 # A/B: % change per row
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --profile traces/
 
-    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --transports torch shm shm-thread   # + a comm thread
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --transports torch shared_memory shared_memory:thread
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants pytorch-best \
-        --transports torch dpkit
+        --transports torch torch:dpkit
 
 An iteration is forward, cross-entropy, backward, gradient synchronisation, SGD with momentum
 and ``zero_grad(set_to_none=True)`` on random inputs made once per rank. Every variant (no DDP,
 PyTorch's DDP at its defaults and at its best settings, our naive, flat, overlap and bucketed
-at each bucket size) runs on each transport of ``--transports`` (gloo, or this host's shared
-memory; PyTorch's DDP reaches it through its communication hook), so that every comparison is
-of one thing: engine against engine on one transport, or transport against transport under
+at each bucket size) runs on each transport of ``--transports`` (the registry's names: gloo, this host's
+shared memory, any registered; PyTorch's DDP reaches it through its communication hook), so that every
+comparison is of one thing: engine against engine on one transport, or transport against transport under
 one engine. Each is rebuilt from the same weights in each of ``--rounds`` rounds, the order
 rotated from round to round, so drift of a shared machine hits all alike; ratios are the
 median of per-round ratios with a 95 % bootstrap interval over rounds (``measure.paired_ratio``).
@@ -32,16 +32,15 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
 from dpkit.bench import harness
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
 from dpkit.bench.results import format_environment, read_results, write_durably
-from dpkit.comm import backend
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
@@ -76,13 +75,14 @@ TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and 
 TARGET_HOOK = 0.95  # transport: PyTorch's DDP summing through our shared memory (its comm hook) / through gloo
 TARGET_VS_NO_DDP = 1.15  # bucketed 25M on the default transport / no DDP at all
 TARGET_BACKEND = 0.93  # transport: PyTorch's DDP (best settings), unchanged, on a "dpkit" process group / on gloo
-# How the gradients travel (a column of every row): "torch", torch.distributed's collectives on the process
-# group's backend (gloo here, NCCL on GPUs); "shm", this host's shared memory (transport.SharedMemory), summed
-# in the caller's thread; "shm-thread", the same on a communication thread (asynchronous, so it can overlap);
-# "dpkit", PyTorch's DDP unchanged on a process group of the backend "dpkit" (its rows only: PyTorch's).
-TRANSPORTS = ("torch", "shm", "shm-thread", "dpkit")
-CPU_TRANSPORTS = ("torch", "shm")  # the default on a CPU; on a GPU only "torch"
-ASYNCHRONOUS = ("torch", "shm-thread")  # the transports whose sums can hide behind backward
+# How the gradients travel (a column of every row), by the registry's names (``bench_transports.choices()``):
+# "torch", torch.distributed's collectives on the process group's backend (gloo here, NCCL on GPUs);
+# "shared_memory", this host's shared memory, summed in the caller's thread; "shared_memory:thread", the same on
+# a communication thread (asynchronous, so it can overlap); "torch:dpkit", torch.distributed's collectives on a
+# process group of the backend "dpkit", which only PyTorch's DDP runs on (as its process group).
+SHARED, THREAD, ON_DPKIT = "shared_memory", "shared_memory:thread", "torch:dpkit"
+CPU_TRANSPORTS = ("torch", SHARED)  # the default on a CPU; on a GPU only "torch"
+ASYNCHRONOUS = ("torch", THREAD)  # the transports whose sums can hide behind backward
 MIB = 2**20
 
 
@@ -92,7 +92,7 @@ MIB = 2**20
 @dataclass(frozen=True)
 class Variant:
     """One row of a benchmark block: a kind (``no_ddp`` or one of ddp.VARIANTS), its bucket size in MiB and
-    the transport its gradients travel through (one of TRANSPORTS; None for no_ddp)."""
+    the transport its gradients travel through (a registry name; None for no_ddp)."""
 
     kind: str
     bucket_mb: float | None = None  # pytorch and bucketed; 0 for overlap; None otherwise
@@ -115,23 +115,23 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
 
     PyTorch's DDP at its defaults runs at every bucket size (and its default 25) with its own communication
     (transport torch): seed 004's rows. At its best settings it runs at 25 only, the reference of the
-    targets, on every transport (shared memory through ``transport.ddp_comm_hook``; "dpkit": its process group)
-    but the communication thread, which its hook cannot use. Naive and flat sum after backward: a thread adds
-    nothing to them. Only PyTorch's DDP runs on "dpkit": the backend is for engines that take a process group."""
+    targets, on every transport (shared memory through ``transport.ddp_comm_hook``; "torch:dpkit": its process
+    group) but the communication thread, which its hook cannot use. Naive and flat sum after backward: a thread
+    adds nothing to them. Only PyTorch's DDP runs on "torch:dpkit": it is for engines that take a process group."""
     variants = [Variant(NO_DDP)]
     for kind in DDP_KINDS:
         if kind not in kinds:
             continue
-        inline = [t for t in transports if t not in ("shm-thread", "dpkit")]
+        inline = [t for t in transports if t not in (THREAD, ON_DPKIT)]
         if kind == "pytorch":
             variants += [Variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
         elif kind == "pytorch-best":
-            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, "dpkit"] if t in transports]
+            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, ON_DPKIT] if t in transports]
         elif kind == "bucketed":
-            variants += [Variant(kind, mb, t) for t in transports if t != "dpkit" for mb in bucket_sizes]
+            variants += [Variant(kind, mb, t) for t in transports if t != ON_DPKIT for mb in bucket_sizes]
         else:
             variants += [Variant(kind, 0.0 if kind == "overlap" else None, t)
-                         for t in (transports if kind == "overlap" else inline) if t != "dpkit"]
+                         for t in (transports if kind == "overlap" else inline) if t != ON_DPKIT]
     return variants
 
 
@@ -217,29 +217,6 @@ def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> n
     return build_model(name, gpt_config(args)).to(device).train()
 
 
-def make_transports(names, device: torch.device) -> dict[str, transports.Transport]:
-    """One transport object per name for the whole run, shared by every replica. Each is made collectively, so
-    they are made in TRANSPORTS order whatever the order of ``names`` (a set's differs between processes)."""
-    unknown = set(names) - set(TRANSPORTS)
-    if unknown:
-        raise ValueError(f"unknown transport(s) {', '.join(sorted(unknown))}: choose from {', '.join(TRANSPORTS)}")
-    made = {}
-    for name in (t for t in TRANSPORTS if t in set(names)):
-        if name == "shm-thread":
-            made[name] = transports.SharedMemory(background=True)
-        elif name == "dpkit":
-            made[name] = backend_transport()
-        else:
-            made[name] = transports.resolve("shared_memory" if name == "shm" else "torch", device=device)
-    return made
-
-
-def backend_transport() -> transports.Transport:
-    """torch.distributed's collectives on a new group of the backend "dpkit" over every rank (a collective):
-    its group is what PyTorch's DDP is given on "dpkit"."""
-    return transports.Torch(dist.new_group(backend=backend.NAME))
-
-
 def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                  made: dict[str, transports.Transport]) -> Replica:
     if variant.kind == NO_DDP:
@@ -251,9 +228,10 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         # PyTorch's default), ours then needs no used-flags in its buckets. PyTorch's DDP on "torch" keeps
         # its own built-in communication (no hook).
         pytorch = variant.kind in PYTORCH_KINDS
-        own = pytorch and variant.transport in ("torch", "dpkit")  # its built-in communication, on that group
+        # On a Torch transport ("torch", "torch:dpkit") PyTorch's DDP keeps its built-in communication, on its group.
+        own = pytorch and isinstance(made[variant.transport], transports.Torch)
         transport = None if own else made[variant.transport]
-        group = made[variant.transport].group if variant.transport == "dpkit" else None
+        group = made[variant.transport].group if own else None
         model = make_ddp("pytorch" if pytorch else variant.kind, module, bucket_mb, process_group=group,
                          find_unused_parameters=False, transport=transport, **options)
     return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
@@ -457,9 +435,8 @@ def run(ctx, args, models: list[str], kinds) -> list[dict]:
     """Every model and variant on this process group; every rank returns the same rows."""
     names = default_transports(args, ctx.device)
     variants = variants_for(kinds, args.bucket_sizes, names)
-    # In TRANSPORTS order: each is made collectively, so every rank must make them in one order (not a set's).
-    needed = [t for t in TRANSPORTS if any(v.transport == t for v in variants)]
-    made = make_transports(needed, ctx.device) if ctx.world_size > 1 else \
+    needed = {v.transport for v in variants if v.transport}  # made in the registry's order on every rank
+    made = bench_transports.make(needed, ctx.device) if ctx.world_size > 1 else \
         {name: transports.resolve("torch") for name in names}  # one process: nothing travels
     rows = []
     for name in models:
@@ -536,7 +513,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
         if world < 2:
             continue
         oversub = any(r["oversubscribed"] for r in by_label.values())
-        for transport in TRANSPORTS:
+        for transport in dict.fromkeys(r["transport"] for r in by_label.values() if r.get("transport")):
             ours, theirs = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, transport).label), \
                 faster_pytorch(by_label, transport)
             if ours and theirs:
@@ -548,7 +525,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
                                          theirs["label"], _exact(ours["peak_bytes"] / theirs["peak_bytes"]),
                                          TARGET_MEMORY, oversub))
         hooked, own, backed = (by_label.get(Variant("pytorch-best", PYTORCH_DEFAULT_BUCKET_MB, t).label)
-                               for t in ("shm", "torch", "dpkit"))
+                               for t in (SHARED, "torch", ON_DPKIT))
         if hooked and own:
             checks.append(_check(block, world, "p50 / the same engine on torch", hooked["label"], own["label"],
                                  paired_ratio(hooked["round_p50_s"], own["round_p50_s"]), TARGET_HOOK, oversub,
@@ -557,7 +534,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
             checks.append(_check(block, world, "p50 / the same engine on torch", backed["label"], own["label"],
                                  paired_ratio(backed["round_p50_s"], own["round_p50_s"]), TARGET_BACKEND, oversub,
                                  axis="transport"))
-        ours, base = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, "shm").label), by_label.get("no ddp")
+        ours, base = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, SHARED).label), by_label.get("no ddp")
         if ours and base:
             checks.append(_check(block, world, "p50 / no DDP", ours["label"], base["label"], ours["vs_no_ddp"]
                                  or paired_ratio(ours["round_p50_s"], base["round_p50_s"]), TARGET_VS_NO_DDP, oversub,
@@ -571,8 +548,8 @@ def _thread_checks(block: tuple, world: int, by_label: dict[str, dict], oversub:
     against the same sums made in the thread that completes each bucket."""
     checks = []
     for row in by_label.values():
-        inline = by_label.get(row["label"].replace("[shm-thread]", "[shm]"))
-        if row["transport"] == "shm-thread" and inline:
+        inline = by_label.get(row["label"].replace(f"[{THREAD}]", f"[{SHARED}]"))
+        if row["transport"] == THREAD and inline:
             checks.append(_check(block, world, "p50 / the same sums in the backward hook", row["label"],
                                  inline["label"], paired_ratio(row["round_p50_s"], inline["round_p50_s"]), None,
                                  oversub, axis="overlap"))
@@ -585,7 +562,7 @@ def _overlap_checks(block: tuple, world: int, by_label: dict[str, dict], oversub
     checks = []
     for transport in ASYNCHRONOUS:
         # naive's sums on the same wire (it sums after backward: a thread would change nothing for it)
-        naive = by_label.get(Variant("naive", None, "shm" if transport == "shm-thread" else transport).label)
+        naive = by_label.get(Variant("naive", None, SHARED if transport == THREAD else transport).label)
         if not naive or not naive["comm_wait_s"]:
             continue
         for row in by_label.values():
@@ -688,13 +665,14 @@ def legend(config: dict) -> list[str]:
         "vs columns: median of the per-round p50 ratios [95 % bootstrap interval over rounds]",
         f"* peak memory: the least over {MEMORY_ITERS} untimed iterations of the most tensor bytes above the level "
         "before each, max over ranks, plus what the DDP and its transport keep between iterations: its buckets "
-        "(on [shm] they lie in the transport's shared memory) and the shared-memory transport's staging block "
-        "(in /dev/shm, which the profiler does not see)",
+        "(on [shared_memory] they lie in the transport's shared memory) and the shared-memory transport's staging "
+        "block (in /dev/shm, which the profiler does not see)",
         "* [torch]: torch.distributed's collectives on the backend (gloo: loopback TCP between the processes of "
-        "one host; PyTorch's DDP with its own built-in communication); [shm]: this host's shared memory "
-        "(transport.SharedMemory; PyTorch's DDP through transport.ddp_comm_hook), summed in the thread that "
-        "completes a bucket; [shm-thread]: the same on a communication thread; [dpkit]: PyTorch's DDP unchanged "
-        "on a process group of the backend \"dpkit\" (dpkit/comm/backend.py: this host's shared memory)",
+        "one host; PyTorch's DDP with its own built-in communication); [shared_memory]: this host's shared "
+        "memory (transport.SharedMemory; PyTorch's DDP through transport.ddp_comm_hook), summed in the thread that "
+        "completes a bucket; [shared_memory:thread]: the same on a communication thread; [torch:dpkit]: PyTorch's "
+        "DDP unchanged on a process group of the backend \"dpkit\" (dpkit/comm/backend.py: this host's shared "
+        "memory)",
         "* a * after the world size: more processes than CPU cores (oversubscribed): for information only",
     ]
 
@@ -808,12 +786,15 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
                         help=f"models to benchmark (default: {' '.join(CPU_MODELS)} on CPU; {' '.join(MODELS)} on GPU)")
     parser.add_argument("--variants", nargs="+", choices=DDP_KINDS, default=list(DDP_KINDS),
                         help="DDP variants; the no-ddp baseline is always measured (default: %(default)s)")
-    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=None,
-                        help="how the gradients travel: torch (torch.distributed on the backend: gloo's loopback TCP "
-                             "between the processes of one host, NCCL on GPUs), shm (this host's shared memory, "
-                             "summed in the caller's thread), shm-thread (the same on a communication thread), dpkit "
-                             "(PyTorch's DDP unchanged on a process group of the backend \"dpkit\": its rows only); "
-                             f"every DDP row runs on each (default: {' '.join(CPU_TRANSPORTS)} on CPU, torch on GPU)")
+    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+                        default=None, metavar="NAME",
+                        help="how the gradients travel, by the registry's names ("
+                             + ", ".join(bench_transports.choices()) + "): torch (torch.distributed on the "
+                             "backend: gloo's loopback TCP on one host, NCCL on GPUs), shared_memory (this host's "
+                             "shared memory, summed in the caller's thread), shared_memory:thread (the same on a "
+                             "communication thread), torch:dpkit (PyTorch's DDP unchanged on a process group of the "
+                             "backend \"dpkit\": its rows only); every DDP row runs on each (default: "
+                             f"{' '.join(CPU_TRANSPORTS)} on CPU, torch on GPU)")
     parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=None,
                         metavar="MIB", help="bucket caps in MiB for bucketed and pytorch; pytorch also runs at its "
                                             f"default 25 (default: {BUCKET_SIZES['cpu']} on CPU, "
@@ -877,7 +858,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--rounds ({args.rounds}) must not exceed --iters ({args.iters}): every round times an iteration")
     device = check_placement(parser, args)
     if args.transports and set(args.transports) - {"torch"} and device == "cuda":
-        parser.error("--transports shm, shm-thread and dpkit take CPU tensors: on CUDA use --transports torch")
+        parser.error(f"--transports {' '.join(sorted(set(args.transports) - {'torch'}))} take CPU tensors: on CUDA "
+                     "use --transports torch")
     if args.gpt_width % args.gpt_heads:
         parser.error(f"--gpt-width ({args.gpt_width}) must be divisible by --gpt-heads ({args.gpt_heads})")
     if args.batch_size < 2 and set(args.models or MODELS) - {"gpt"}:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from dpkit.bench import harness
 from dpkit.bench.cluster import ENGINES, Cluster, Link, communication_seconds, flat_ring, hierarchical
-from dpkit.bench.collectives import TRANSPORTS, format_size, parse_size
+from dpkit.bench.collectives import format_size, parse_size
 from dpkit.bench.measure import oversubscribed, paired_ratio, percentile, round_p50s, time_interleaved
 from dpkit.bench.results import markdown_table, read_results
 from dpkit.comm import transport as transports
@@ -91,7 +91,7 @@ def _collectives(ctx, args, inside, between) -> list[dict]:
                    (("inside", inside), ("between", between), ("flat", flat), ("hierarchical", hier))}
         for b in buffers.values():
             b.fill_(1.0)
-        calls = {"inside [shm]": lambda: inside.all_reduce(buffers["inside"], "mean"),
+        calls = {"inside [shared_memory]": lambda: inside.all_reduce(buffers["inside"], "mean"),
                  "between [torch]": lambda: between.all_reduce(buffers["between"], "mean"),
                  "flat [torch]": lambda: flat.all_reduce(buffers["flat"], "mean"),
                  "hierarchical": lambda: hier.all_reduce(buffers["hierarchical"], "mean")}
@@ -151,11 +151,11 @@ def complete(rows: list[dict], env: dict, args: argparse.Namespace) -> list[dict
     """The measured rows, the fitted links, the model's predictions for the simulated job beside them, and the
     model of a cluster (``--ranks-per-host`` ranks per host, the stated network)."""
     per_host = rows[0]["hosts"]
-    inside, between = (_fit(rows, "inside [shm]", per_host[0]), _fit(rows, "between [torch]", len(per_host)))
+    inside, between = (_fit(rows, "inside [shared_memory]", per_host[0]), _fit(rows, "between [torch]", len(per_host)))
     simulated = Cluster(len(per_host), per_host[0], inside, between)
     out = [row | _predicted(row, simulated, rows) for row in rows]
     out += [{"kind": "link", "label": name, "alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte,
-             "gbps": link.gbps()} for name, link in (("inside [shm]", inside), ("between [torch]", between))]
+             "gbps": link.gbps()} for name, link in (("inside [shared_memory]", inside), ("between [torch]", between))]
     out += _ratios(rows, "hierarchical", "flat [torch]", "hierarchical / flat [torch]")
     memory, source = memory_link(args.memory_link, inside)
     out.append({"kind": "link", "label": "memory (the model's inside a host)", "alpha_s": memory.alpha_s,
@@ -169,11 +169,11 @@ def memory_link(path: str, simulated: Link) -> tuple[Link, str]:
     processes on their own cores (``path``: a collectives_benchmark results file, its zero-copy rows), or,
     without that file, the simulated job's (oversubscribed) fit, saying so."""
     if os.path.exists(path):
-        rows = [r for r in read_results(path)["results"] if r.get("label") == TRANSPORTS["zero_copy"]
+        rows = [r for r in read_results(path)["results"] if r.get("label") == "shared_memory"
                 and r.get("world_size") == 2 and r.get("collective", "allreduce") == "allreduce"]
         if len(rows) >= 2:
             return Link.fit([r["bytes"] for r in rows], [r["p50_s"] for r in rows], 2), f"{path}, 2 processes"
-    return simulated, "the simulated job's inside [shm] fit (oversubscribed)"
+    return simulated, "the simulated job's inside [shared_memory] fit (oversubscribed)"
 
 
 def _fit(rows: list[dict], label: str, ranks: int) -> Link:
@@ -185,7 +185,8 @@ def _predicted(row: dict, c: Cluster, rows: list[dict]) -> dict:
     if row["kind"] == "collective":
         one_host = Cluster(1, c.ranks_per_host, c.inside, c.between)
         across = Cluster(c.hosts, 1, c.inside, c.between)
-        model = {"inside [shm]": flat_ring(one_host, row["bytes"]), "between [torch]": flat_ring(across, row["bytes"]),
+        model = {"inside [shared_memory]": flat_ring(one_host, row["bytes"]),
+                 "between [torch]": flat_ring(across, row["bytes"]),
                  "flat [torch]": flat_ring(c, row["bytes"]), "hierarchical": hierarchical(c, row["bytes"])}
         return {"predicted_s": model[row["label"]]}
     if row["kind"] == "step" and row["label"] in STEPS:

@@ -62,8 +62,9 @@ _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
 # memory) and the transport under one engine (fully_shard on shared memory, and on a "dpkit" process group, / on
 # gloo: its target is for this size).
-SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]",
-                         "fsdp pytorch [shm]", "fsdp pytorch [dpkit]", "fsdp ours [torch]", "fsdp ours [shm]")
+SHARDING_GPT_VARIANTS = ("ddp ours [shared_memory]", "ddp pytorch [shared_memory]", "zero ours [shared_memory]",
+                         "fsdp pytorch [torch]", "fsdp pytorch [shared_memory]", "fsdp pytorch [torch:dpkit]",
+                         "fsdp ours [torch]", "fsdp ours [shared_memory]")
 
 EXPERIMENTS = (
     Experiment("syncbn_tests", "SyncBatchNorm against BatchNorm on the global batch (the homework grid)",
@@ -113,19 +114,23 @@ EXPERIMENTS = (
                "thread against summing in the backward hook; "
                "resnet18, many rounds (the targets; naive for the exposed wait)",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "naive", "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25",
+                "naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
+                "--bucket-sizes", "25",
                 "--batch-size", "16", "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown",
                 "--json", "{out}/ddp_headline.json"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "naive", "--transports", "torch", "shm", "shm-thread", "dpkit", "--bucket-sizes", "25",
+                "naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
+                "--bucket-sizes", "25",
                 "--iters", "320", "--rounds", "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
     Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
-                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--batch-size", "16",
+                "--transports", "torch", "shared_memory", "shared_memory:thread", "--bucket-sizes", "25",
+                "--batch-size", "16",
                 "--iters", "2", "--rounds", "1", "--warmup", "2", "--no-breakdown", "--profile", "{out}/traces",
                 "--trim-traces"),
                ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
-                "--transports", "torch", "shm", "shm-thread", "--bucket-sizes", "25", "--iters", "2", "--rounds", "1",
+                "--transports", "torch", "shared_memory", "shared_memory:thread", "--bucket-sizes", "25",
+                "--iters", "2", "--rounds", "1",
                 "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants",

@@ -3,21 +3,20 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
 
     python sharding_benchmark.py                                     # spawns 1, 2 and 4 processes in turn
     python sharding_benchmark.py --quick --json results/sharding.json
-    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp pytorch"   # fully_shard on [torch] and [shm]
-    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"      # [torch], [shm], [shm-thread]
-    python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero ours in step [shm]"
-    python sharding_benchmark.py --procs 2 --variants "zero ours [shm]" "zero2 ours [shm]"   # ZeRO stages 1 and 2
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp pytorch"   # [torch], [shared_memory]
+    python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"      # and [shared_memory:thread]
+    python sharding_benchmark.py --procs 2 --variants "zero ours [shared_memory]" "zero ours in step [shared_memory]"
+    python sharding_benchmark.py --procs 2 --variants "zero ours [shared_memory]" "zero2 ours [shared_memory]"
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
 A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (without the
-brackets in --variants: every transport it is registered on). [torch] is torch.distributed's collectives
-(PyTorch's engines as they come); [shm] is ``transport.SharedMemory``, for PyTorch's DDP through
-``transport.ddp_comm_hook`` and for ``fully_shard`` through ``transport.use_with_fully_shard``;
-[shm-thread] the same on a communication thread; [dpkit] PyTorch's DDP and ``fully_shard`` unchanged on a
-process group of the backend "dpkit". ``ZeroRedundancyOptimizer`` takes no transport: "zero
-pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one axis
-only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
-transport's gain. With one process there is no communication: only [torch] runs.
+brackets: every transport it is registered on), by the registry's names: [torch] (PyTorch's engines as they
+come), [shared_memory] (PyTorch's DDP through ``ddp_comm_hook``, ``fully_shard`` through ``use_with_fully_shard``),
+[shared_memory:thread], [torch:dpkit] (PyTorch's engines unchanged on a "dpkit" process group), and any registered
+transport on request ("ddp ours [mine]"). "zero pytorch" (``ZeroRedundancyOptimizer``) runs on [torch] only.
+Each target divides the times of two variants that differ on one axis only (engine, sharding, transport or an
+option: ``AXES``), so no ratio credits an engine with a transport's gain. With one process there is no
+communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then
@@ -34,7 +33,6 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,8 +45,8 @@ from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubs
                                  round_p50s, saved_tensor_bytes, time_interleaved, verdict)
 from dpkit import compat
 from dpkit.bench import harness
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.results import markdown_table
-from dpkit.comm import backend
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.engines import zero
@@ -61,14 +59,14 @@ LR = 1e-4  # AdamW; small, so many steps on random labels stay finite
 DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=64, gpt_vocab=8192, gpt_seq_len=64,
                 gpt_width=256, gpt_depth=4, gpt_heads=4, iters=30, rounds=6, warmup=3)
 # Quick: the small GPT only, at every world size; --models adds resnet18 (run_experiments.py runs it at 2 ranks).
-# Its variants: each engine target on [torch] and on [shm], ZeRO / DDP, the transport ratios; no keep / bf16.
+# Its variants: each engine target on [torch] and on [shared_memory], ZeRO / DDP, the transport ratios; no keep / bf16.
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
-             variants=["ddp ours [torch]", "ddp ours [shm]", "ddp pytorch [torch]", "ddp pytorch [shm]",
-                       "zero ours [torch]", "zero ours [shm]", "zero2 ours [torch]", "zero2 ours [shm]",
-                       "zero pytorch [torch]",
-                       "fsdp ours [torch]", "fsdp ours [shm]", "fsdp pytorch [torch]", "fsdp pytorch [shm]",
-                       "ddp pytorch [dpkit]", "fsdp pytorch [dpkit]"])
+             variants=["ddp ours [torch]", "ddp ours [shared_memory]", "ddp pytorch [torch]",
+                       "ddp pytorch [shared_memory]", "zero ours [torch]", "zero ours [shared_memory]",
+                       "zero2 ours [torch]", "zero2 ours [shared_memory]", "zero pytorch [torch]",
+                       "fsdp ours [torch]", "fsdp ours [shared_memory]", "fsdp pytorch [torch]",
+                       "fsdp pytorch [shared_memory]", "ddp pytorch [torch:dpkit]", "fsdp pytorch [torch:dpkit]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same sharding on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same engine on the same transport
@@ -86,17 +84,11 @@ AXES = {"engine": "ours / PyTorch's: the same sharding on the same transport",
 SCOPES = {"gpt default": ("the GPT at its default size",
                           lambda model, args: (model == "gpt"
                                                and all(getattr(args, k) == DEFAULTS[k] for k in GPT_SIZE)))}
-# A variant's transport, by the label in its name: made for each variant of each model (a collective).
-TRANSPORTS: dict[str, Callable[[], transports.Transport]] = {
-    # torch.distributed's collectives (gloo, NCCL)
-    "torch": lambda: transports.Torch(),
-    # this host's shared memory, in the caller's thread
-    "shm": lambda: transports.SharedMemory(),
-    # the same on a communication thread
-    "shm-thread": lambda: transports.SharedMemory(background=True),
-    # PyTorch's engines unchanged on a new process group of the backend "dpkit" (its collectives, on that group)
-    "dpkit": lambda: transports.Torch(dist.new_group(backend=backend.NAME)),
-}
+# A variant's transport, by the registry's name in its brackets, made for each variant of each model (a
+# collective): "torch", torch.distributed's collectives (gloo, NCCL); "shared_memory", this host's shared memory
+# in the caller's thread; "shared_memory:thread", the same on a communication thread; "torch:dpkit", PyTorch's
+# engines unchanged on a new process group of the backend "dpkit" (its collectives, on that group).
+SHARED, THREAD, ON_DPKIT = "shared_memory", "shared_memory:thread", "torch:dpkit"
 
 
 # --------------------------------------------------------------------------- the variants
@@ -140,7 +132,7 @@ class Variant:
     name: str  # "<base> [<transport>]"
     base: str  # "zero ours", "fsdp pytorch keep", ...
     sharding: str  # "ddp", "zero" or "fsdp" (see ideal_bytes)
-    transport: str  # a key of TRANSPORTS
+    transport: str  # a registry name (``bench_transports.choices()``)
     build: Callable[[nn.Module, transports.Transport], Setup]
     targets: tuple[Target, ...] = ()  # with full names
     default: bool = True  # measured unless --variants says otherwise
@@ -149,39 +141,63 @@ class Variant:
 VARIANTS: dict[str, Variant] = {}
 # Transport targets made for every engine on two transports: shared memory against torch.distributed's,
 # the communication thread against the caller's thread.
-COMPARED_WITH = {"shm": "torch", "shm-thread": "shm", "dpkit": "torch"}
+COMPARED_WITH = {SHARED: "torch", THREAD: SHARED, ON_DPKIT: "torch"}
+# Bases that take any transport object (those registered on shared memory): "base [t]" for any registry name t is
+# made on request (``select``), so a transport registered anywhere runs under every such engine.
+OPEN: dict[str, tuple] = {}
 
 
-def variant(base: str, sharding: str, on: tuple[str, ...] = ("torch", "shm"), targets: tuple[Target, ...] = (),
-            default: tuple[str, ...] = ("torch", "shm")):
+def variant(base: str, sharding: str, on: tuple[str, ...] = ("torch", SHARED), targets: tuple[Target, ...] = (),
+            default: tuple[str, ...] = ("torch", SHARED)):
     """Register a builder ``f(module, transport) -> Setup`` (module: seeded, on this rank's device) as
     "base [t]" for each transport ``t`` of ``on`` (measured by default on those of ``default``).
 
     A target's other variant without "[...]" is taken on the same transport, so an engine or sharding
-    target never compares two transports. Every "[shm]" variant is also compared with its "[torch]" self and
-    every "[shm-thread]" one with its "[shm]" self (axis "transport"; for information unless a target says so)."""
+    target never compares two transports. Every "[shared_memory]" variant is also compared with its "[torch]"
+    self and every "[shared_memory:thread]" one with its "[shared_memory]" self (axis "transport"; for
+    information unless a target says so)."""
     def register(build):
+        if SHARED in on:
+            OPEN[base] = (sharding, build, targets, on)
         for t in on:
-            own = [replace(x, other=x.other if x.other.endswith("]") else f"{x.other} [{t}]") for x in targets]
-            other = COMPARED_WITH.get(t)
-            if other in on and not any(x.other == f"{base} [{other}]" for x in own):
-                own.append(Target(f"{base} [{other}]", "transport"))
-            own = [x for x in own if x.other != f"{base} [{t}]"]  # e.g. a transport target of its own transport
-            VARIANTS[f"{base} [{t}]"] = Variant(f"{base} [{t}]", base, sharding, t, build, tuple(own), t in default)
+            _add(base, sharding, t, build, targets, on, t in default)
         return build
     return register
 
 
+def _add(base: str, sharding: str, t: str, build, targets: tuple[Target, ...], on: tuple[str, ...],
+         default: bool) -> None:
+    own = [replace(x, other=x.other if x.other.endswith("]") else f"{x.other} [{t}]") for x in targets]
+    other = COMPARED_WITH.get(t)
+    if other in on and not any(x.other == f"{base} [{other}]" for x in own):
+        own.append(Target(f"{base} [{other}]", "transport"))
+    own = [x for x in own if x.other != f"{base} [{t}]"]  # e.g. a transport target of its own transport
+    VARIANTS[f"{base} [{t}]"] = Variant(f"{base} [{t}]", base, sharding, t, build, tuple(own), default)
+
+
 def select(names: list[str]) -> list[str]:
-    """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has."""
-    out = []
+    """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has.
+    A bracket takes any name of the registry (an old spelling, deprecated, says its new one)."""
+    out, made = [], []
     for name in names:
+        base, bracket, t = name.rstrip("]").partition(" [")
+        if bracket:
+            name = f"{base} [{bench_transports.canonical(t)}]"
+            if name not in VARIANTS and base in OPEN:  # an open engine on a transport not built in here
+                sharding, build, targets, on = OPEN[base]
+                _add(base, sharding, name.rstrip("]").partition(" [")[2], build,
+                     tuple(x for x in targets if not x.other.endswith("]")), on, False)
+                made.append(name)
         matches = [name] if name in VARIANTS else [v.name for v in VARIANTS.values() if v.base == name]
         if not matches:
             bases = ", ".join(dict.fromkeys(v.base for v in VARIANTS.values()))
-            raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on {'/'.join(TRANSPORTS)}, e.g. "
-                             "'fsdp ours [shm]'; without brackets: every transport it runs on)")
+            raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on its transports, e.g. "
+                             f"'fsdp ours [shared_memory]'; {', '.join(OPEN)} on any of "
+                             f"{', '.join(bench_transports.choices())}; without brackets: every transport it runs on)")
         out += [m for m in matches if m not in out]
+    for name in made:  # as for the built-in ones: a target whose other variant does not exist is dropped
+        kept = tuple(t for t in VARIANTS[name].targets if t.other in VARIANTS)
+        VARIANTS[name] = replace(VARIANTS[name], targets=kept)
     return out
 
 
@@ -196,8 +212,8 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 def _pytorch_ddp(module: nn.Module, transport: transports.Transport) -> nn.Module:
-    """PyTorch's DDP: its own all-reduce on [torch] and [dpkit] (on that transport's group), our transport through
-    its communication hook otherwise."""
+    """PyTorch's DDP: its own all-reduce on [torch] and [torch:dpkit] (on that transport's group), our transport
+    through its communication hook otherwise."""
     own = isinstance(transport, transports.Torch)
     model = nn.parallel.DistributedDataParallel(module, process_group=transport.group if own else None,
                                                 **compat.NO_BUFFER_SYNC)  # like ours: buffers synced once
@@ -217,7 +233,7 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
     return [bucket.buffer() for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
-@variant("ddp ours", "ddp", on=("torch", "shm", "shm-thread"),
+@variant("ddp ours", "ddp", on=("torch", SHARED, THREAD),
          targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
 def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     model = DDP(module, transport=transport)
@@ -226,7 +242,7 @@ def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
                  kept=lambda: [b.flat for b in model.buckets])
 
 
-@variant("ddp pytorch", "ddp", on=("torch", "shm", "dpkit"), default=("torch", "shm", "dpkit"))
+@variant("ddp pytorch", "ddp", on=("torch", SHARED, ON_DPKIT), default=("torch", SHARED, ON_DPKIT))
 def ddp_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
     model = _pytorch_ddp(module, transport)
     return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
@@ -245,7 +261,7 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
                  settle=optimizer.wait_for_parameters)  # overlap_with_forward: all-gathers still on their way
 
 
-@variant("zero ours", "zero", on=("torch", "shm", "shm-thread"),
+@variant("zero ours", "zero", on=("torch", SHARED, THREAD),
          targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH),
                   Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
@@ -329,7 +345,7 @@ def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dt
 
 
 def _mesh(transport: transports.Transport, module: nn.Module) -> DeviceMesh | None:
-    """fully_shard's mesh on [dpkit]: the transport's own group ("dpkit"); else None (the default group's)."""
+    """fully_shard's mesh on [torch:dpkit]: the transport's own group ("dpkit"); else None (the default group's)."""
     if not isinstance(transport, transports.Torch) or transport.group is None:
         return None
     return DeviceMesh.from_group(transport.group, next(module.parameters()).device.type)
@@ -354,19 +370,19 @@ for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
                         (" bf16 keep", dict(compute_dtype=torch.bfloat16, reshard_after_forward=False))):
     # "keep": reshard_after_forward=False (gathered once per step, kept for backward); "bf16": gathered
     # and computed in bfloat16, float32 master shards, gradients and AdamW. The bf16 keep pair is opt-in.
-    # Ours also on a communication thread ([shm-thread]: what overlap buys on a CPU host).
-    _default = () if _name == " bf16 keep" else ("torch", "shm")
-    variant(f"fsdp ours{_name}", "fsdp", on=("torch", "shm", "shm-thread") if not _name else ("torch", "shm"),
+    # Ours also on a communication thread ([shared_memory:thread]: what overlap buys on a CPU host).
+    _default = () if _name == " bf16 keep" else ("torch", SHARED)
+    variant(f"fsdp ours{_name}", "fsdp", on=("torch", SHARED, THREAD) if not _name else ("torch", SHARED),
             targets=(Target(f"fsdp pytorch{_name}", "engine", TARGET_VS_PYTORCH),),
             default=_default)(functools.partial(_fsdp_ours, **_options))
     # The transport's target: fully_shard on our shared memory, and on a "dpkit" process group, against fully_shard
     # on gloo, at the GPT's default size.
-    variant(f"fsdp pytorch{_name}", "fsdp", default=_default + (("dpkit",) if not _name else ()),
-            on=("torch", "shm", "dpkit") if not _name else ("torch", "shm"),
+    variant(f"fsdp pytorch{_name}", "fsdp", default=_default + ((ON_DPKIT,) if not _name else ()),
+            on=("torch", SHARED, ON_DPKIT) if not _name else ("torch", SHARED),
             targets=((Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),)
                      if not _name else ())
             )(functools.partial(_fsdp_pytorch, **_options))
-# A target on a transport its other variant does not run on (there is no "zero pytorch [shm]") is dropped.
+# A target on a transport its other variant does not run on (no "zero pytorch [shared_memory]") is dropped.
 VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS))
                  for name, v in VARIANTS.items()})
 
@@ -531,7 +547,7 @@ def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
     try:
         runs = {}
         for v in names:
-            made[v] = TRANSPORTS[VARIANTS[v].transport]()
+            made[v] = bench_transports.new(VARIANTS[v].transport, ctx.device)
             runs[v] = Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[v]), made[v], *batch)
         timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
                                    device=ctx.device)
@@ -617,7 +633,7 @@ backward). Held = everything the variant holds with its gradients in: parameters
 its own buffers (DDP's buckets, ours and PyTorch's; ZeRO's all-gather buffers, stage 2's reduce-scatter pool)
 and what its transport holds for it (every variant has a transport of its own: for shared memory, the pages of
 its arena in /dev/shm, which hold the buffers it allocated, its staging block and the blocks it took during
-iterations, kept for reuse; a memory profiler does not see them; on [dpkit] the backend's slots, two of
+iterations, kept for reuse; a memory profiler does not see them; on [torch:dpkit] the backend's slots, two of
 ``slots.SLOT_BYTES`` per rank and group in /dev/shm, are the group's and not counted). Peak = the same between
 iterations (gradients freed) + the most bytes torch's allocator held above it during an iteration + the pages the
 arena grew by during it. "/dev/shm MiB": the transport's pages in /dev/shm (``Transport.held_bytes``).
@@ -676,8 +692,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         help="each 'name [transport]' (quoted), or a name alone for every transport it runs on; names: "
                              f"{', '.join(dict.fromkeys(v.base for v in VARIANTS.values()))}; transports: "
-                             f"{', '.join(TRANSPORTS)} (not with one process, nor on GPUs). Default: every name on "
-                             "[torch] and [shm] (zero pytorch on [torch] only), but the opt-in "
+                             f"{', '.join(bench_transports.choices())} (the registry's; not with one process, nor on "
+                             "GPUs). Default: every name on [torch] and [shared_memory] (zero pytorch on [torch] "
+                             "only), but the opt-in "
                              f"{', '.join(v.name for v in VARIANTS.values() if not v.default)}; quick: "
                              f"{', '.join(QUICK['variants'])}")
     for flag, kind, text in (("batch-size", int, "samples per rank"), ("image-size", int, "resnet18 input side"),

@@ -6,13 +6,14 @@
     python syncbn_benchmark.py --baseline main    # also times syncbn.py as of a git revision: the A/B of a change
     torchrun --standalone --nproc_per_node 2 syncbn_benchmark.py --json results/syncbn.json
 
-Two axes, never mixed. Every synchronized implementation sums through a transport made once per run
-(``transport.Torch``, rows ``[torch]``; ``transport.SharedMemory`` when the workers share a CPU host,
-rows ``[shm]``). The engine: ours [t] against ``BatchNorm1d + 2 all_reduce`` [t], BatchNorm1d plus the
-two sums of 2C + 1 values any synchronized BatchNorm makes, on the same transport t; the float32 targets
-(``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per transport. The transport: ours
-[shm] / ours [torch], for information. The floor [t] (``_FloorFunction``: BatchNorm's kernels in a
-Python autograd.Function making the same two sums) bounds what a layer of this design costs.
+Two axes, never mixed. Every synchronized implementation sums through each transport of ``--transports``
+(the registry's names), made once per run: "torch" (``transport.Torch``, rows ``[torch]``) and "shared_memory"
+when the workers share a CPU host (rows ``[shared_memory]``) by default. The engine: ours [t] against
+``BatchNorm1d + 2 all_reduce`` [t], BatchNorm1d plus the two sums of 2C + 1 values any synchronized BatchNorm
+makes, on the same transport t; the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid)
+hold per transport. The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
+(``_FloorFunction``: BatchNorm's kernels in a Python autograd.Function making the same two sums) bounds what a
+layer of this design costs.
 ``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm`` [torch] is timed too.
 
 The homework's setup: a global batch of B samples split evenly over the workers, H channels, standard
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from dpkit.bench import harness
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
                                  percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
 from dpkit.bench.results import format_environment, markdown_table
@@ -65,8 +67,8 @@ COLD = "1 process, cold caches"
 EVICT_BYTES = 16 << 20  # written before each COLD iteration: several times a core's own caches (L1 and L2)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The ``transport`` field of a row: what carries its sums (None: no sum across ranks, e.g. BatchNorm1d (local)).
-TORCH, SHM = "torch", "shm"
-TRANSPORTS = (TORCH, SHM)  # made in this order on every rank
+TORCH, SHM = "torch", "shared_memory"
+TRANSPORTS = (TORCH, SHM)  # the default --transports (shared memory where it can serve)
 # CPU targets (float32, 2 workers), per transport t: ours [t] / (BatchNorm1d + 2 all_reduce) [t] per size and as the
 # median over the grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
@@ -89,23 +91,11 @@ Contender = tuple[str, "str | None"]  # (impl, transport name or None)
 
 
 def label(impl: str, transport: str | None) -> str:
-    """``ours [shm]``: an implementation and the transport of its sums."""
+    """``ours [shared_memory]``: an implementation and the transport of its sums."""
     return impl if transport is None else f"{impl} [{transport}]"
 
 
 # --------------------------------------------------------------------------- the transports
-
-
-def make_transports(device: torch.device) -> dict[str, transports.Transport]:
-    """The run's transports, by row name, made once in the same order on every rank (each is a collective):
-    torch.distributed's, then this host's shared memory when the tensors are on the CPU and every rank is here."""
-    made = {TORCH: transports.Torch()}
-    if device.type == "cpu":
-        try:
-            made[SHM] = transports.SharedMemory()
-        except transports.NotOneHost:  # raised on every rank alike
-            pass
-    return made
 
 
 class Stamped(transports.Wrapped):
@@ -378,7 +368,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
              dtype_name: str, args, baseline=None, setting: str | None = None, setup=None,
              made: dict[str, transports.Transport] | None = None) -> list[dict]:
     """Every (implementation, transport) of ``impls`` on one (batch, hidden, dtype), timed in interleaved rounds;
-    one row each. ``made`` maps a transport name to the transport (``make_transports``).
+    one row each. ``made`` maps a transport name to the transport (``bench_transports.make``).
 
     ``setup`` runs before every iteration, outside the timed region; ``setting`` labels the rows
     (default: WORKERS with a process group, else SINGLE)."""
@@ -467,7 +457,7 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
 def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_ITERS) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    made = make_transports(ctx.device)
+    made = bench_transports.make(args.transports, ctx.device, optional=True)  # shared memory where it can serve
     try:
         cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
         rows = []
@@ -531,8 +521,13 @@ def _times(rows: list[dict], impl: str, transport: str | None, setting: str, dty
 
 
 def _transports_in(rows: list[dict]) -> list[str]:
-    present = {r.get("transport") for r in rows if r["kind"] == "time"}
-    return [t for t in TRANSPORTS if t in present]
+    return _ordered({r.get("transport") for r in rows if r["kind"] == "time"})
+
+
+def _ordered(names: set) -> list[str]:
+    """Transport names in the registry's order (names it does not know last; None left out)."""
+    known = bench_transports.choices()
+    return sorted(names - {None}, key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
 def comparisons(rows: list[dict]) -> list[tuple]:
@@ -732,10 +727,10 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
 
 def bounds(ratio_rows: list[dict]) -> list[dict]:
     """Medians over the grid without a target (float32): each of ``BOUNDS`` on each transport (kind "bound"), and
-    the transport axis, ours [shm] / ours [torch] (kind "comparison")."""
+    the transport axis, ours [shared_memory] / ours [torch] (kind "comparison")."""
     out = []
     float32 = [r for r in ratio_rows if r["dtype"] == "float32" and r["setting"] == WORKERS]
-    for t in TRANSPORTS:
+    for t in _ordered({r["transport"] for r in float32}):
         for mine, versus in BOUNDS:
             entries = [r for r in float32 if (r["impl"], r["versus"], r["transport"], r["versus_transport"]) ==
                        (mine, versus, t, t)]
@@ -824,8 +819,8 @@ def header(env: dict, args) -> str:
             f"* {args.iters} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
             f"and warm caches) in {args.rounds} interleaved rounds; "
             "times are medians of the per-iteration maximum over ranks; [torch]: torch.distributed's all_reduce, "
-            "[shm]: this host's shared memory" + ("; OVERSUBSCRIBED (more processes than cores): timings say little"
-                                                   if oversub else ""))
+            "[shared_memory]: this host's shared memory"
+            + ("; OVERSUBSCRIBED (more processes than cores): timings say little" if oversub else ""))
 
 
 def report(rows: list[dict]) -> str:
@@ -915,6 +910,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a "
                              "revision whose SyncBatchNorm takes transport= (default: none)")
+    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+                        default=list(TRANSPORTS), metavar="NAME",
+                        help="what the synchronized layers sum through, by the registry's names ("
+                             + ", ".join(bench_transports.choices()) + "); shared memory only where the workers share "
+                             "a CPU host (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")
     add_common_args(parser)

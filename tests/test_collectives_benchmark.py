@@ -17,7 +17,7 @@ from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
-LABELS = list(bench.TRANSPORTS.values())  # torch, shared_memory (zero copy), shared_memory (staged), p2p
+LABELS = list(bench.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "dispatch (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
@@ -34,8 +34,8 @@ def _broken(tensor, op="mean", group=None):
 
 def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
     """The transport axis of one collective at one size, and which contenders' inputs the shared memory owns."""
-    made = bench.make_transports(ctx, list(bench.TRANSPORTS), collective)
-    shared = made["zero_copy"]
+    made = bench.make_transports(ctx, list(bench.TRANSPORTS))
+    shared = made["shared_memory"]
     contenders, _, _ = bench.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
     owned = {c.label: [shared.owns(t) for t in c.inputs] for c in contenders}
     del contenders
@@ -111,8 +111,8 @@ def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_insid
     for collective, rows in measured[0]["transports"].items():
         assert [r["label"] for r in rows] == LABELS
         assert all(r["axis"] == "transport" and r["collective"] == collective for r in rows)
-        assert [r["transport"] for r in rows] == ["torch (gloo)", "shared_memory", "shared_memory",
-                                                  f"p2p ({inside[collective]})"]
+        # "p2p" is auto's transport: the ring for reduce-scatter and all-gather (the algorithm column)
+        assert [r["transport"] for r in rows] == ["torch (gloo)", "shared_memory", "staged shared_memory", "p2p (auto)"]
         assert [r["algorithm"] for r in rows] == ["torch", "direct", "direct", inside[collective]]
         size = TRANSPORT_SIZE if collective == "allreduce" else TRANSPORT_SIZE // 4 // 2 * 2 * 4
         assert {r["bytes"] for r in rows} == {size}
@@ -120,8 +120,8 @@ def test_each_collective_has_one_row_per_transport_labelled_with_what_runs_insid
 
 def test_zero_copy_works_on_buffers_the_transport_allocated_and_staged_on_plain_tensors(measured):
     for collective, owned in measured[0]["owned"].items():
-        assert owned["shared_memory (zero copy)"] and all(owned["shared_memory (zero copy)"]), collective
-        for label in ("torch", "shared_memory (staged)", "p2p"):
+        assert owned["shared_memory"] and all(owned["shared_memory"]), collective
+        for label in ("torch", "shared_memory:staged", "p2p"):
             assert not any(owned[label]), (collective, label)
 
 
@@ -185,7 +185,7 @@ def test_the_report_has_one_table_per_axis(measured):
     text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
     assert (algorithms < text.index("| 2 | 4000B | ring |") < transports
-            < text.index("| 2 | 64KiB | shared_memory (zero copy) |"))
+            < text.index("| 2 | 64KiB | shared_memory |"))
 
 
 def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(measured):
@@ -304,7 +304,7 @@ def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs()
 
 
 def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_processes():
-    zero, staged = "shared_memory (zero copy)", "shared_memory (staged)"
+    zero, staged = "shared_memory", "shared_memory:staged"
     rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]),
             _transport_row(zero, 0.04, ratio=0.40, ci=[0.38, 0.43]),
             _transport_row(zero, 0.33, nbytes=100 << 20, ratio=0.33, ci=[0.31, 0.35]),
@@ -315,9 +315,9 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
     lines = bench.target_lines(rows)
     assert lines == [
-        "target all-reduce through shared_memory (zero copy) <= 0.45x torch, 2 processes, 10MiB: "
+        "target all-reduce through shared_memory <= 0.45x torch, 2 processes, 10MiB: "
         "0.40x [0.38, 0.43] met",
-        "target all-reduce through shared_memory (zero copy) <= 0.30x torch, 2 processes, 100MiB: "
+        "target all-reduce through shared_memory <= 0.30x torch, 2 processes, 100MiB: "
         "0.33x [0.31, 0.35] missed"]
     inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
@@ -335,7 +335,7 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
     rows = [_transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0], collective="reduce_scatter"),
             _transport_row("p2p", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65], collective="reduce_scatter"),
             _transport_row("p2p", 0.12, ratio=1.2, ci=[1.15, 1.25], collective="all_gather"),
-            _transport_row("shared_memory (zero copy)", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
+            _transport_row("shared_memory", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
     text = bench.report(rows)
     assert "target reduce-scatter through p2p <= 0.70x torch, 2 processes, 10MiB: 0.60x [0.55, 0.65] met" in text
     assert "target all-gather through p2p <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
@@ -353,12 +353,12 @@ def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
     got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
            for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
-                   ("transport", "shared_memory", "direct", "shared_memory (staged)"),
+                   ("transport", "shared_memory", "direct", "shared_memory:staged"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
                    ("algorithm", "gloo", "auto", "auto"),
                    ("transport", "p2p (ring)", "ring", "p2p"),
                    ("transport", "torch (gloo)", "torch", "torch"),
-                   ("transport", "shared_memory", "direct", "shared_memory (staged)")]
+                   ("transport", "shared_memory", "direct", "shared_memory:staged")]
     new = _transport_row("p2p", 0.1)
     assert bench.labelled(new) is new
 
@@ -430,7 +430,7 @@ def test_the_per_size_chart_draws_one_axis_and_marks_the_algorithm_auto_chose():
     assert list(lines["auto's choice"].get_ydata()) == pytest.approx([1.0, 5.0])  # ms: RD's point, then the ring's
     assert algorithms.get_title() == "algorithms over gloo, 2 processes"
     collective_plots.draw_per_size(transports, _chart_rows(), "gloo", 2, axis="transport")
-    assert transports.get_legend_handles_labels()[1] == [label.replace("_", " ") for label in LABELS]
+    assert transports.get_legend_handles_labels()[1] == LABELS  # the registry's names
     assert transports.get_title() == "transports, 2 processes"
     plt.close(figure)
 
@@ -462,8 +462,8 @@ def test_the_axis_selects_what_is_measured():
         bench.parse_args(["--collective", "all_gather", "--axis", "all"])
     algorithms = bench.parse_args(["--axis", "algorithms"])
     assert algorithms.algorithms == list(allreduce.ALGORITHMS) and algorithms.transports == []
-    transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "zero_copy"])
-    assert transports.algorithms == [] and transports.transports == ["torch", "zero_copy"]
+    transports = bench.parse_args(["--axis", "transports", "--transports", "torch", "shared_memory"])
+    assert transports.algorithms == [] and transports.transports == ["torch", "shared_memory"]
 
 
 def test_a_sharded_collective_compares_transports_only():
@@ -487,5 +487,5 @@ def test_the_transport_panel_of_an_older_file_takes_torchs_call_from_the_algorit
     collective_plots.draw_per_size(algorithms, old, "gloo", 2)
     collective_plots.draw_per_size(transports, old, "gloo", 2, axis="transport")
     assert algorithms.get_legend_handles_labels()[1] == ["torch", "ring"]
-    assert transports.get_legend_handles_labels()[1] == ["torch", "shared memory (staged)"]
+    assert transports.get_legend_handles_labels()[1] == ["torch", "shared_memory:staged"]  # the registry's name
     plt.close(figure)

@@ -29,7 +29,9 @@ import torch
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
 from dpkit.bench import harness, measure
+from dpkit.bench import transports as bench_transports
 from dpkit.bench.results import read_results, write_results
+from dpkit.comm import registry
 from dpkit.comm import transport as transports
 from dpkit.engines import ddp
 from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
@@ -39,15 +41,16 @@ from dpkit.report import ddp_tables, plots
 # One round: rounds are pooled and paired in the scripted run below; here every row is built once.
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
 BUCKETS = (25.0,)  # PyTorch's default, the targets' size: other sizes only add rows (variants_for is tested alone)
-SWEEP_TRANSPORTS = ("torch", "shm", "shm-thread", "dpkit")
+SWEEP_TRANSPORTS = ("torch", "shared_memory", "shared_memory:thread", "torch:dpkit")
 # The rows of the sweep, in the order they are printed: PyTorch's DDP at its defaults with its own gloo only,
 # at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
-# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but "dpkit",
-# a process group of that backend, which only PyTorch's DDP takes.
-LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
-          "pytorch-best 25M [dpkit]", "naive [torch]", "naive [shm]", "flat [torch]", "flat [shm]",
-          "overlap [torch]", "overlap [shm]", "overlap [shm-thread]",
-          "bucketed 25M [torch]", "bucketed 25M [shm]", "bucketed 25M [shm-thread]"]
+# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but
+# "torch:dpkit", a process group of the backend "dpkit", which only PyTorch's DDP takes.
+LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]",
+          "pytorch-best 25M [torch:dpkit]", "naive [torch]", "naive [shared_memory]", "flat [torch]",
+          "flat [shared_memory]",
+          "overlap [torch]", "overlap [shared_memory]", "overlap [shared_memory:thread]",
+          "bucketed 25M [torch]", "bucketed 25M [shared_memory]", "bucketed 25M [shared_memory:thread]"]
 SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
 
 
@@ -70,12 +73,12 @@ def rows_at(doc: dict, world: int) -> dict[str, dict]:
 
 
 def transport_of(label: str) -> str | None:
-    """The transport a label names in brackets ("naive [shm]" -> "shm"); None for "no ddp"."""
+    """The transport a label names in brackets ("naive [shared_memory]" -> "shared_memory"); None for "no ddp"."""
     return label[label.index("[") + 1:-1] if label.endswith("]") else None
 
 
 def engine_of(label: str) -> str:
-    """A label without its transport ("pytorch-best 25M [shm]" -> "pytorch-best 25M")."""
+    """A label without its transport ("pytorch-best 25M [shared_memory]" -> "pytorch-best 25M")."""
     return label.split(" [")[0]
 
 
@@ -86,16 +89,17 @@ def cnn_parameters() -> list[torch.Tensor]:
 # --------------------------------------------------------------------------- which rows run
 
 
-# The default rows on a CPU (transports torch and shm), at the default bucket sizes the issue lists.
+# The default rows on a CPU (transports torch and shared_memory), at the default bucket sizes the issue lists.
 DEFAULT_LABELS = (["no ddp"] + [f"pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
-                  + ["pytorch-best 25M [torch]", "pytorch-best 25M [shm]", "naive [torch]", "naive [shm]",
-                     "flat [torch]", "flat [shm]", "overlap [torch]", "overlap [shm]"]
-                  + [f"bucketed {mb}M [{t}]" for t in ("torch", "shm") for mb in (1, 10, 25, 100, 1000)])
+                  + ["pytorch-best 25M "
+                     "[torch]", "pytorch-best 25M [shared_memory]", "naive [torch]", "naive [shared_memory]",
+                     "flat [torch]", "flat [shared_memory]", "overlap [torch]", "overlap [shared_memory]"]
+                  + [f"bucketed {mb}M [{t}]" for t in ("torch", "shared_memory") for mb in (1, 10, 25, 100, 1000)])
 
 
 def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on_torch_alone_on_gpus():
     args = bench.parse_args([])
-    assert bench.default_transports(args, torch.device("cpu")) == ["torch", "shm"]
+    assert bench.default_transports(args, torch.device("cpu")) == ["torch", "shared_memory"]
     assert bench.default_transports(args, torch.device("cuda")) == ["torch"]
     assert harness.config(bench.BENCHMARK, args)["variants"] == DEFAULT_LABELS
     assert [v.label for v in bench.variants_for(bench.DDP_KINDS, args.bucket_sizes)] == DEFAULT_LABELS
@@ -104,45 +108,32 @@ def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on
 
 
 def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
-    variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shm", "shm-thread"])
-    assert [v.label for v in variants if v.transport == "shm-thread"] == ["overlap [shm-thread]",
-                                                                          "bucketed 1M [shm-thread]"]
+    variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shared_memory", "shared_memory:thread"])
+    assert [v.label for v in variants if v.transport == "shared_memory:thread"] == ["overlap [shared_memory:thread]",
+                                                                          "bucketed 1M [shared_memory:thread]"]
     # PyTorch's DDP at its defaults keeps its own gloo, and also runs at its default bucket size (25 MiB)
     assert [v.label for v in variants if v.kind == "pytorch"] == ["pytorch 1M [torch]", "pytorch 25M [torch]"]
     assert [v.label for v in variants if v.kind == "pytorch-best"] == ["pytorch-best 25M [torch]",
-                                                                       "pytorch-best 25M [shm]"]
+                                                                       "pytorch-best 25M [shared_memory]"]
     assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
-    assert bench.Variant("bucketed", 25.0, "shm-thread").slug == "bucketed-25M-[shm-thread]"
+    assert bench.Variant("bucketed", 25.0, "shared_memory:thread").slug == "bucketed-25M-[shared_memory:thread]"
 
 
 def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monkeypatch):
     """Each transport is made collectively: ranks that made them in different orders (a set's order differs
     between processes) would wait on each other forever. Recorded here without a process group."""
     built = []
-
-    class Made:
-        def __init__(self, what):
-            self.what = what
-            built.append(what)
-
-    monkeypatch.setattr(transports, "SharedMemory", lambda group=None, *, background=False: Made(
-        "shared memory on a thread" if background else "shared_memory"))
-    monkeypatch.setattr(transports, "resolve", lambda spec, group=None, device=None, **_: Made(spec))
-    monkeypatch.setattr(bench, "backend_transport", lambda: Made("dpkit"))
+    monkeypatch.setattr(registry, "resolve", lambda spec, group=None, device=None, **_: built.append(spec) or spec)
     cpu = torch.device("cpu")
-    for order in itertools.permutations(bench.TRANSPORTS):
+    for order in itertools.permutations(SWEEP_TRANSPORTS):
         for names in (list(order), set(order), dict.fromkeys(order)):
             built.clear()
-            made = bench.make_transports(names, cpu)
-            assert built == ["torch", "shared_memory", "shared memory on a thread", "dpkit"], names
-            assert list(made) == list(bench.TRANSPORTS) and [m.what for m in made.values()] == built
-    for order in itertools.permutations(("shm-thread", "torch")):
-        built.clear()
-        assert list(bench.make_transports(set(order), cpu)) == ["torch", "shm-thread"]
-        assert built == ["torch", "shared memory on a thread"]
+            made = bench_transports.make(names, cpu)
+            assert built == ["torch", "torch:dpkit", "shared_memory", "shared_memory:thread"], names
+            assert list(made) == built
     built.clear()
-    with pytest.raises(ValueError, match="unknown transport"):
-        bench.make_transports(["torch", "gloo"], cpu)
+    with pytest.raises(ValueError, match="unknown transport 'gloo': choose one of auto, torch, torch:dpkit"):
+        bench_transports.make(["torch", "gloo"], cpu)
     assert built == []  # refused before any was made
 
 
@@ -166,7 +157,8 @@ def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep
     rows = rows_at(doc, WORLD)
     assert all(r["transport"] == transport_of(label) for label, r in rows.items())
     buckets = {label: r["bucket_cap_mb"] for label, r in rows.items()}
-    assert buckets["overlap [shm]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
+    assert buckets["overlap "
+                   "[shared_memory]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
 
 
 def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
@@ -185,15 +177,17 @@ def test_each_check_compares_along_one_axis(sweep):
     expected = {
         ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [torch]", faster_on_torch),
         ("engine", "peak memory / same pytorch row", "bucketed 25M [torch]", faster_on_torch),
-        ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
-        ("engine", "peak memory / same pytorch row", "bucketed 25M [shm]", "pytorch-best 25M [shm]"),
-        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]"),
-        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [dpkit]", "pytorch-best 25M [torch]"),
-        ("overhead", "p50 / no DDP", "bucketed 25M [shm]", "no ddp"),
+        ("engine", "p50 / faster pytorch p50, same "
+                   "transport", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
+        ("engine", "peak memory / same pytorch "
+                   "row", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
+        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch]"),
+        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [torch:dpkit]", "pytorch-best 25M [torch]"),
+        ("overhead", "p50 / no DDP", "bucketed 25M [shared_memory]", "no ddp"),
         *(("overlap", "exposed wait / naive's all-reduce time", f"{v} [{t}]", naive)
-          for t, naive in (("torch", "naive [torch]"), ("shm-thread", "naive [shm]"))
+          for t, naive in (("torch", "naive [torch]"), ("shared_memory:thread", "naive [shared_memory]"))
           for v in ("overlap", "bucketed 25M")),
-        *(("overlap", "p50 / the same sums in the backward hook", f"{v} [shm-thread]", f"{v} [shm]")
+        *(("overlap", "p50 / the same sums in the backward hook", f"{v} [shared_memory:thread]", f"{v} [shared_memory]")
           for v in ("overlap", "bucketed 25M")),
     }
     checks = doc["targets"]
@@ -224,9 +218,10 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
             reference = rows.get(f"{kind} 25M [{transport_of(label)}]")
             assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
     # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
-    assert rows["bucketed 25M [shm]"]["vs_pytorch"] is None and rows["bucketed 25M [shm]"]["vs_pytorch_best"]
-    assert (rows["bucketed 25M [shm-thread]"]["vs_pytorch"] is None
-            is rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"])
+    assert rows["bucketed 25M "
+                "[shared_memory]"]["vs_pytorch"] is None and rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"]
+    assert (rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch"] is None
+            is rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"])
 
 
 # --------------------------------------------------------------------------- the statistics, against a scripted clock
@@ -235,10 +230,10 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
 # Seconds per iteration of each variant in a world of one, and the exposed wait ours report.
 # The oracle: every figure below follows from these numbers by hand, not from the benchmark's code.
 SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M [torch]": (0.150, 0.0), "pytorch-best 25M [torch]": (0.120, 0.0),
-          "pytorch-best 25M [shm]": (0.108, 0.0), "pytorch-best 25M [dpkit]": (0.111, 0.0),
-          "naive [torch]": (0.200, 0.080), "naive [shm]": (0.180, 0.060),
-          "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shm]": (0.104, 0.001),
-          "bucketed 25M [shm-thread]": (0.1144, 0.036)}
+          "pytorch-best 25M [shared_memory]": (0.108, 0.0), "pytorch-best 25M [torch:dpkit]": (0.111, 0.0),
+          "naive [torch]": (0.200, 0.080), "naive [shared_memory]": (0.180, 0.060),
+          "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shared_memory]": (0.104, 0.001),
+          "bucketed 25M [shared_memory:thread]": (0.1144, 0.036)}
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
 SCRIPTED_ITERS = 8  # 2 per round
 # The engine each kind must be built as (in a world of one every transport is torch's: nothing travels).
@@ -266,7 +261,7 @@ def scripted():
 
     def make_replica(variant, module, batch, made):
         replica = real_make(variant, module, batch, made)
-        assert set(made) == set(bench.TRANSPORTS)  # one transport object per name, made once for the whole run
+        assert set(made) == set(SWEEP_TRANSPORTS)  # one transport object per name, made once for the whole run
         clock.built.append((variant, replica.model))
         replica.label = variant.label
         replica.drift = DRIFT[clock.replicas // variants]  # schedule(): round r builds every variant once
@@ -284,7 +279,7 @@ def scripted():
     patch.setattr(measure, "time", clock)
     try:
         args = bench.parse_args(["--models", "cnn", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
-                                 "--transports", *bench.TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
+                                 "--transports", *SWEEP_TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
                                  "--iters", str(SCRIPTED_ITERS), "--rounds", str(len(DRIFT)), "--warmup", "1",
                                  "--no-breakdown"])
         with redirect_stdout(io.StringIO()):
@@ -324,18 +319,20 @@ def exact(ratio: dict, expected: float) -> bool:
 
 def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_transport(scripted):
     # Every round, bucketed [torch] takes 0.132 / 0.150 = 0.88 of pytorch [torch]'s time and 1.10 of
-    # pytorch-best [torch]'s, whatever the drift; bucketed [shm] 0.104 / 0.108 of pytorch-best [shm]'s.
+    # pytorch-best [torch]'s, whatever the drift; bucketed [shared_memory] 0.104 / 0.108 of
+    # pytorch-best [shared_memory]'s.
     rows, _ = scripted
     assert exact(rows["bucketed 25M [torch]"]["vs_pytorch"], 0.88)
     assert exact(rows["bucketed 25M [torch]"]["vs_pytorch_best"], 1.10)
     assert rows["bucketed 25M [torch]"]["vs_pytorch"]["rounds"] == len(DRIFT)
-    assert rows["bucketed 25M [shm]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
-    assert exact(rows["bucketed 25M [shm]"]["vs_pytorch_best"], 0.104 / 0.108)
-    assert rows["bucketed 25M [shm-thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
-    assert exact(rows["naive [shm]"]["vs_no_ddp"], 1.8)
+    assert rows["bucketed 25M "
+                "[shared_memory]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
+    assert exact(rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
+    assert rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
+    assert exact(rows["naive [shared_memory]"]["vs_no_ddp"], 1.8)
     assert bench.faster_pytorch(rows, "torch")["label"] == "pytorch-best 25M [torch]"
-    assert bench.faster_pytorch(rows, "shm")["label"] == "pytorch-best 25M [shm]"
-    assert bench.faster_pytorch(rows, "shm-thread") is None
+    assert bench.faster_pytorch(rows, "shared_memory")["label"] == "pytorch-best 25M [shared_memory]"
+    assert bench.faster_pytorch(rows, "shared_memory:thread") is None
 
 
 def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
@@ -343,18 +340,19 @@ def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
     p50_drift = float(np.median([d for d in DRIFT for _ in range(SCRIPTED_ITERS // len(DRIFT))]))  # 1.75
     assert rows["naive [torch]"]["overhead_s"] == pytest.approx((0.200 - 0.100) * p50_drift)
     assert rows["naive [torch]"]["overhead_frac"] == pytest.approx(1.0)
-    assert rows["naive [shm]"]["overhead_frac"] == pytest.approx(0.8)
+    assert rows["naive [shared_memory]"]["overhead_frac"] == pytest.approx(0.8)
 
 
 def test_exposed_wait_and_its_share_of_the_iteration(scripted):
     rows, _ = scripted
     drift_sum = sum(DRIFT) * (SCRIPTED_ITERS // len(DRIFT))
-    for label in ("bucketed 25M [torch]", "bucketed 25M [shm-thread]", "naive [torch]", "naive [shm]"):
+    for label in ("bucketed 25M "
+                  "[torch]", "bucketed 25M [shared_memory:thread]", "naive [torch]", "naive [shared_memory]"):
         seconds, wait = SCRIPT[label]
         row = rows[label]
         assert row["comm_share"] == pytest.approx(wait * drift_sum / (seconds * drift_sum))
         assert row["round_comm_wait_s"] == pytest.approx([wait * d for d in DRIFT])
-    for label in ("no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]"):
+    for label in ("no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]"):
         assert rows[label]["comm_wait_s"] is None and rows[label]["comm_share"] is None  # nothing a host clock isolates
 
 
@@ -369,11 +367,14 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
     engine = [c for c in checks if c["axis"] == "engine"]
     assert all(transport_of(c["label"]) == transport_of(c["reference"]) for c in engine)
     time = {c["label"]: c for c in engine if c["target"] == "p50 / faster pytorch p50, same transport"}
-    assert set(time) == {"bucketed 25M [torch]", "bucketed 25M [shm]"}  # no PyTorch row on the thread: no check
+    assert set(time) == {"bucketed 25M "
+                         "[torch]", "bucketed 25M [shared_memory]"}  # no PyTorch row on the thread: no check
     assert time["bucketed 25M [torch]"]["reference"] == "pytorch-best 25M [torch]"
     assert exact(time["bucketed 25M [torch]"]["ratio"], 1.10) and time["bucketed 25M [torch]"]["verdict"] == "missed"
-    assert time["bucketed 25M [shm]"]["reference"] == "pytorch-best 25M [shm]"
-    assert exact(time["bucketed 25M [shm]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M [shm]"]["verdict"] == "met"
+    assert time["bucketed 25M [shared_memory]"]["reference"] == "pytorch-best 25M [shared_memory]"
+    assert exact(time["bucketed 25M "
+                      "[shared_memory]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M "
+                                                                           "[shared_memory]"]["verdict"] == "met"
     by_label = {r["label"]: r for r in rows}
     for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
         assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == bench.TARGET_MEMORY
@@ -383,16 +384,18 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
 def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):
     _, checks = scripted_checks(scripted)
     transport = {c["label"]: c for c in checks if c["axis"] in ("transport", "overhead")}
-    assert set(transport) == {"pytorch-best 25M [shm]", "pytorch-best 25M [dpkit]", "bucketed 25M [shm]"}
-    assert transport["bucketed 25M [shm]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
-    hook = transport["pytorch-best 25M [shm]"]
+    assert set(transport) == {"pytorch-best 25M "
+                              "[shared_memory]", "pytorch-best 25M [torch:dpkit]", "bucketed 25M [shared_memory]"}
+    assert transport["bucketed 25M "
+                     "[shared_memory]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
+    hook = transport["pytorch-best 25M [shared_memory]"]
     assert hook["reference"] == "pytorch-best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
     assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
-    backed = transport["pytorch-best 25M [dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
+    backed = transport["pytorch-best 25M [torch:dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
     assert (backed["axis"], backed["reference"], backed["limit"]) == ("transport", "pytorch-best 25M [torch]",
                                                                       bench.TARGET_BACKEND)
     assert exact(backed["ratio"], 0.111 / 0.120) and backed["verdict"] == "met"  # 0.925 <= 0.93
-    alone = transport["bucketed 25M [shm]"]
+    alone = transport["bucketed 25M [shared_memory]"]
     assert alone["reference"] == "no ddp" and alone["limit"] == bench.TARGET_VS_NO_DDP
     assert exact(alone["ratio"], 1.04) and alone["verdict"] == "met"  # 1.04 <= 1.15
 
@@ -400,14 +403,15 @@ def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_
 def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the_same_wire(scripted):
     _, checks = scripted_checks(scripted)
     hidden = {c["label"]: c for c in checks if c["axis"] == "overlap" and c["limit"] is not None}
-    # bucketed 25M [shm] waits 0.001 / 0.060 of naive [shm]: inline, its sums are inside backward: not checked
-    assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shm-thread]"}
+    # bucketed 25M [shared_memory] waits 0.001 / 0.060 of naive [shared_memory]: inline, its sums are inside
+    # backward: not checked
+    assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shared_memory:thread]"}
     assert hidden["bucketed 25M [torch]"]["reference"] == "naive [torch]"
     assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080)
     assert hidden["bucketed 25M [torch]"]["verdict"] == "met"
-    assert hidden["bucketed 25M [shm-thread]"]["reference"] == "naive [shm]"
-    assert exact(hidden["bucketed 25M [shm-thread]"]["ratio"], 0.6)
-    assert hidden["bucketed 25M [shm-thread]"]["verdict"] == "missed"
+    assert hidden["bucketed 25M [shared_memory:thread]"]["reference"] == "naive [shared_memory]"
+    assert exact(hidden["bucketed 25M [shared_memory:thread]"]["ratio"], 0.6)
+    assert hidden["bucketed 25M [shared_memory:thread]"]["verdict"] == "missed"
     assert all(c["limit"] == bench.TARGET_HIDDEN for c in hidden.values())
 
 
@@ -416,8 +420,8 @@ def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_inform
     information = [c for c in checks if c["limit"] is None]
     assert len(information) == 1
     thread = information[0]
-    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shm-thread]",
-                                                                      "bucketed 25M [shm]")
+    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shared_memory:thread]",
+                                                                      "bucketed 25M [shared_memory]")
     assert exact(thread["ratio"], 1.10) and thread["verdict"] == "information"
     text = "\n".join(bench.targets_text(checks))
     assert "1.10x [1.10, 1.10] (information)" in text
@@ -447,7 +451,7 @@ def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     rows = rows_at(sweep[0], WORLD)
     params = cnn_parameters()
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    for t in ("torch", "shm"):
+    for t in ("torch", "shared_memory"):
         # one per parameter
         assert rows[f"naive [{t}]"]["all_reduces"] == rows[f"overlap [{t}]"]["all_reduces"] == len(params)
         assert rows[f"flat [{t}]"]["all_reduces"] == 1  # 3.2 MiB in one piece
@@ -478,8 +482,8 @@ def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_se
     # Staged: what the transport did not allocate. Naive hands it each gradient (the largest sets the block);
     # PyTorch's DDP, through its hook, its buckets.
     largest = max(p.numel() * p.element_size() for p in cnn_parameters())
-    assert rows["naive [shm]"]["transport_staging_bytes"] == staging_block(largest)
-    best = rows["pytorch-best 25M [shm]"]
+    assert rows["naive [shared_memory]"]["transport_staging_bytes"] == staging_block(largest)
+    best = rows["pytorch-best 25M [shared_memory]"]
     if best["all_reduces"] == 1:  # one bucket: it holds every gradient
         assert best["transport_staging_bytes"] == staging_block(best["ddp_buffer_bytes"])
     else:
@@ -488,7 +492,7 @@ def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_se
     # Ours allocate their buffers in the arena: nothing staged, whatever a row before them on the same transport
     # object left (each row's block is released before its own is measured). Gloo stages nothing of ours.
     for label, row in rows.items():
-        if label not in ("naive [shm]", "pytorch-best 25M [shm]"):
+        if label not in ("naive [shared_memory]", "pytorch-best 25M [shared_memory]"):
             assert row["transport_staging_bytes"] == 0, label
 
 
@@ -504,7 +508,7 @@ def test_report_prints_every_row_and_the_targets(sweep):
                    "p50 / the same engine on torch", "p50 / no DDP", "exposed wait / naive's all-reduce time",
                    "p50 / the same sums in the backward hook"):
         assert target in printed
-    assert "[shm-thread]: the same on a communication thread" in printed  # the legend
+    assert "[shared_memory:thread]: the same on a communication thread" in printed  # the legend
 
 
 def trace_names(traces, label: str, rank: int = 0) -> list[str]:
@@ -518,7 +522,7 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
                 for label in LABELS for rank in range(WORLD)}
     expected.add("cnn-1ranks-no-ddp-rank0.json")
     assert {p.name for p in traces.iterdir()} == expected
-    names = trace_names(traces, "bucketed 25M [shm]")
+    names = trace_names(traces, "bucketed 25M [shared_memory]")
     for label in ("iteration 0", "iteration 2", "forward", "backward", "sync_gradients", "optimizer_step"):
         assert label in names
     # Each profiled iteration sums every bucket (or gradient) once, over the row's transport and no other:
@@ -526,7 +530,7 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
     # on a "dpkit" group, the backend's own range (its sums record none of gloo's or the transport's).
     for label, row in rows_at(doc, WORLD).items():
         names = trace_names(traces, label)
-        if row["transport"] == "dpkit":
+        if row["transport"] == "torch:dpkit":
             assert names.count("dpkit:all_reduce") == bench.PROFILE_ITERS * row["all_reduces"] > 0, label
             assert names.count("gloo:all_reduce") == names.count(SHM_ALL_REDUCE) == 0, label
             continue
@@ -550,20 +554,20 @@ def test_the_timeline_shows_where_each_transport_sums(sweep):
         on = lanes(label)
         assert on and all(lane.startswith("comm thread") for lane in on), (label, on)
         assert sum(map(len, on.values())) == rows[label]["all_reduces"]
-    for label in ("bucketed 25M [shm]", "pytorch-best 25M [shm]", "naive [shm]"):
+    for label in ("bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]", "naive [shared_memory]"):
         on = lanes(label)
         assert list(on) == ["sums in the compute thread"]
         assert len(on["sums in the compute thread"]) == rows[label]["all_reduces"]
-    on = lanes("bucketed 25M [shm-thread]")
+    on = lanes("bucketed 25M [shared_memory:thread]")
     assert list(on) == ["comm thread 1"]
-    assert len(on["comm thread 1"]) == rows["bucketed 25M [shm-thread]"]["all_reduces"]
+    assert len(on["comm thread 1"]) == rows["bucketed 25M [shared_memory:thread]"]["all_reduces"]
 
 
 # --------------------------------------------------------------------------- diff
 
 
-SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, bucketed 25M [shm] 20% faster
-QUICKER = "bucketed 25M [shm]"
+SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, bucketed 25M [shared_memory] 20% faster
+QUICKER = "bucketed 25M [shared_memory]"
 
 
 def changed_copy(doc: dict) -> dict:
@@ -675,7 +679,7 @@ def test_bad_flags_stop_with_a_usage_error(flags, capsys):
 
 def test_shared_memory_transports_are_refused_with_gpus(monkeypatch, capsys):
     monkeypatch.setattr(bench, "check_placement", lambda parser, args: "cuda")  # as with GPUs, without one
-    for transports_ in (["shm"], ["torch", "shm-thread"]):
+    for transports_ in (["shared_memory"], ["torch", "shared_memory:thread"]):
         with pytest.raises(SystemExit) as stop:
             bench.parse_args(["--transports", *transports_])
         assert stop.value.code == 2 and "take CPU tensors" in capsys.readouterr().err
@@ -706,9 +710,9 @@ def test_quick_fills_only_the_flags_not_given():
 def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(sweep):
     rows = rows_at(sweep[0], WORLD)
     profiled = [label for label, row in rows.items() if "breakdown" in row]
-    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shm]",
-                        "pytorch-best 25M [dpkit]", "bucketed 25M [torch]", "bucketed 25M [shm]",
-                        "bucketed 25M [shm-thread]"]
+    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]",
+                        "pytorch-best 25M [torch:dpkit]", "bucketed 25M [torch]", "bucketed 25M [shared_memory]",
+                        "bucketed 25M [shared_memory:thread]"]
     for label in profiled:
         breakdown = rows[label]["breakdown"]
         assert set(breakdown["ranges"]) == set(bench.PHASES), label

@@ -49,33 +49,35 @@ def test_a_trend_word_only_where_the_intervals_resolve_it():
 
 
 DDP_DOC = {"benchmark": "ddp_benchmark", "results": [
-    {"label": "bucketed 25M [shm]", "transport_staging_bytes": 0},
-    {"label": "pytorch-best 25M [shm]", "transport_staging_bytes": 29_057_472},
-    {"label": "naive [shm]", "transport_staging_bytes": 9_437_184}]}
+    {"label": "bucketed 25M [shared_memory]", "transport_staging_bytes": 0},
+    {"label": "pytorch-best 25M [shared_memory]", "transport_staging_bytes": 29_057_472},
+    {"label": "naive [shared_memory]", "transport_staging_bytes": 9_437_184}]}
 
 
 def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_its_engine():
-    assert paths.path("bucketed 25M [shm]", DDP_DOC) == "zero copy"
-    assert paths.path("pytorch-best 25M [shm]", DDP_DOC) == "staged"
-    assert paths.path("naive [shm]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
+    assert paths.path("bucketed 25M [shared_memory]", DDP_DOC) == "zero copy"
+    assert paths.path("pytorch-best 25M [shared_memory]", DDP_DOC) == "staged"
+    assert paths.path("naive [shared_memory]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
     assert paths.path("bucketed 25M [torch]", DDP_DOC) is None
     sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
-    assert paths.path("ddp pytorch [shm]", sharding) == "staged"  # through transport.ddp_comm_hook
-    assert paths.path("fsdp pytorch [shm]", sharding) == "zero copy"  # fully_shard's buffers from the transport
-    assert paths.path("zero ours [shm-thread]", sharding) == "zero copy"
-    assert paths.path("workers [shm]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
-    assert paths.path("shared_memory (staged)") == "staged" and paths.path("shared_memory (zero copy)") == "zero copy"
+    assert paths.path("ddp pytorch [shared_memory]", sharding) == "staged"  # through transport.ddp_comm_hook
+    assert paths.path("fsdp pytorch "
+                      "[shared_memory]", sharding) == "zero copy"  # fully_shard's buffers from the transport
+    assert paths.path("zero ours [shared_memory:thread]", sharding) == "zero copy"
+    assert paths.path("workers [shared_memory]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
+    assert paths.path("shared_memory:staged") == "staged" and paths.path("shared_memory") == "zero copy"
 
 
 def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the_transport_axis():
-    assert paths.label("bucketed 25M [shm] / pytorch-best 25M [shm]", DDP_DOC) == \
-        "bucketed 25M [shm, zero copy] / pytorch-best 25M [shm, staged]"
+    assert paths.label("bucketed 25M [shared_memory] / pytorch-best 25M [shared_memory]", DDP_DOC) == \
+        "bucketed 25M [shared_memory, zero copy] / pytorch-best 25M [shared_memory, staged]"
     assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
-    engine = {"axis": "engine", "label": "bucketed 25M [shm]", "reference": "pytorch-best 25M [shm]"}
+    engine = {"axis": "engine", "label": "bucketed 25M "
+                                         "[shared_memory]", "reference": "pytorch-best 25M [shared_memory]"}
     assert paths.axis(engine, DDP_DOC) == "transport"
     on_torch = {**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}
     assert paths.axis(on_torch, DDP_DOC) == "engine"
-    fsdp = {"axis": "engine", "numerator": "fsdp ours [shm]", "denominator": "fsdp pytorch [shm]"}
+    fsdp = {"axis": "engine", "numerator": "fsdp ours [shared_memory]", "denominator": "fsdp pytorch [shared_memory]"}
     assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "engine"  # both zero copy
 
 
@@ -141,7 +143,7 @@ def test_the_committed_readme_shows_both_runs_of_one_comparison_and_no_bare_shm(
         both = (f"{ours['bytes']}B: {ours['ratio']['median']:.2f}x", "another run of this comparison",
                 f"{other['ratio']['median']:.2f}x [{other['ratio']['ci_low']:.2f}, {other['ratio']['ci_high']:.2f}]")
         assert any(all(part in line for part in both) for line in block.splitlines()), both
-    assert "[shm]" not in block and "[shm-thread]" not in block
+    assert "[shared_memory]" not in block and "[shared_memory:thread]" not in block
 
 
 # --------------------------------------------------------------------------- the suite's times
@@ -171,13 +173,16 @@ def test_run_experiments_takes_its_flags(flag):
 
 
 def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
-    table = "| bucketed 25M [shm] | 0.1 |\n| pytorch-best 25M [shm-thread] | 0.2 |\n| fsdp pytorch [shm] | 0.3 |"
-    assert paths.label(table) == ("| bucketed 25M [shm, zero copy] | 0.1 |\n| pytorch-best 25M [shm-thread, staged] | "
-                                  "0.2 |\n| fsdp pytorch [shm, zero copy] | 0.3 |")
-    assert paths.label("ours [shm] / (BatchNorm1d + 2 all_reduce) [shm]", {"benchmark": "syncbn_benchmark"}) == \
-        "ours [shm, staged] / (BatchNorm1d + 2 all_reduce) [shm, staged]"
-    assert (paths.label("naive [shm] waits; ddp pytorch [shm] too")
-            == "naive [shm, staged] waits; ddp pytorch [shm, staged] too")
+    table = ("| bucketed 25M [shared_memory] | 0.1 |\n| pytorch-best 25M [shared_memory:thread] | 0.2 |\n"
+             "| fsdp pytorch [shared_memory] | 0.3 |")
+    assert paths.label(table) == ("| bucketed 25M [shared_memory, zero copy] | 0.1 |\n"
+                                  "| pytorch-best 25M [shared_memory:thread, staged] | 0.2 |\n"
+                                  "| fsdp pytorch [shared_memory, zero copy] | 0.3 |")
+    assert paths.label("ours [shared_memory] / (BatchNorm1d + 2 all_reduce) [shared_memory]",
+                       {"benchmark": "syncbn_benchmark"}) == \
+        "ours [shared_memory, staged] / (BatchNorm1d + 2 all_reduce) [shared_memory, staged]"
+    assert (paths.label("naive [shared_memory] waits; ddp pytorch [shared_memory] too")
+            == "naive [shared_memory, staged] waits; ddp pytorch [shared_memory, staged] too")
     assert paths.label("[torch] only") == "[torch] only"
 
 
@@ -219,8 +224,9 @@ def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
 
 def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
     env = {"cpus": 2, "device": "cpu"}
-    checks = [{"target": "ddp ours [shm] / ddp pytorch [shm]", "axis": "engine", "numerator": "ddp ours [shm]",
-               "denominator": "ddp pytorch [shm]", "world_size": world, "limit": 1.0, "verdict": "met",
+    checks = [{"target": "ddp ours [shared_memory] / ddp pytorch "
+                         "[shared_memory]", "axis": "engine", "numerator": "ddp ours [shared_memory]",
+               "denominator": "ddp pytorch [shared_memory]", "world_size": world, "limit": 1.0, "verdict": "met",
                "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
     text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
     assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left "

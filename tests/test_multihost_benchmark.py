@@ -23,7 +23,7 @@ PARAM_BYTES = 4_000_000
 def measured_rows(compute_s: float = 0.05) -> list[dict]:
     """What the workers would return if the job behaved exactly as the model of INSIDE and BETWEEN says."""
     c = Cluster(2, 2, INSIDE, BETWEEN)
-    model = {"inside [shm]": lambda b: cluster.flat_ring(Cluster(1, 2, INSIDE, BETWEEN), b),
+    model = {"inside [shared_memory]": lambda b: cluster.flat_ring(Cluster(1, 2, INSIDE, BETWEEN), b),
              "between [torch]": lambda b: cluster.flat_ring(Cluster(2, 1, INSIDE, BETWEEN), b),
              "flat [torch]": lambda b: cluster.flat_ring(c, b), "hierarchical": lambda b: cluster.hierarchical(c, b)}
     rows = [{"kind": "collective", "label": label, "bytes": size, "p50_s": f(size), "round_p50_s": [f(size)] * 3}
@@ -45,8 +45,8 @@ def completed(tmp_path_factory):
 def test_each_link_class_is_fitted_back_from_its_measurements(completed):
     rows, _ = completed
     links = {r["label"]: r for r in rows if r["kind"] == "link"}
-    assert links["inside [shm]"]["alpha_s"] == pytest.approx(INSIDE.alpha_s, rel=1e-6)
-    assert links["inside [shm]"]["beta_s_per_byte"] == pytest.approx(INSIDE.beta_s_per_byte, rel=1e-6)
+    assert links["inside [shared_memory]"]["alpha_s"] == pytest.approx(INSIDE.alpha_s, rel=1e-6)
+    assert links["inside [shared_memory]"]["beta_s_per_byte"] == pytest.approx(INSIDE.beta_s_per_byte, rel=1e-6)
     assert links["between [torch]"]["beta_s_per_byte"] == pytest.approx(BETWEEN.beta_s_per_byte, rel=1e-6)
     assert "simulated job" in links["memory (the model's inside a host)"]["source"], "no file: the job's own fit, said"
 

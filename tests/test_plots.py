@@ -140,22 +140,24 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
     assert f"ours / ({REFERENCE})" in legend_texts(figure)
 
 
-# ours [torch] / reference [torch] = 1.2 and ours [shm] / reference [shm] = 1.8; a ratio across transports
-# would read 0.9 (ours [shm] / reference [torch]) or 2.4 (ours [torch] / reference [shm]).
+# ours [torch] / reference [torch] = 1.2 and ours [shared_memory] / reference [shared_memory] = 1.8; a ratio across
+# transports
+# would read 0.9 (ours [shared_memory] / reference [torch]) or 2.4 (ours [torch] / reference [shared_memory]).
 BOTH = (syncbn_rows(transport="torch", ours=1.2e-3, reference=1e-3)
-        + syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3))
+        + syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3))
 
 
 def test_syncbn_ratios_pair_rows_on_one_transport():
-    for on, expected in (("torch", 1.2), ("shm", 1.8)):
+    for on, expected in (("torch", 1.2), ("shared_memory", 1.8)):
         ratios = plots.syncbn_ratios(doc(BOTH), transport=on)
         assert len(ratios) == 6 and {r["transport"] for r in ratios} == {on}
         assert [r["median"] for r in ratios] == pytest.approx([expected] * 6)
     assert plots.syncbn_ratios(doc(BOTH), transport=None) == []  # no row of this file lacks a transport
     old = plots.syncbn_ratios(doc(syncbn_rows()))  # a file without transports: its rows, transport None
     assert [r["median"] for r in old] == pytest.approx([1.2] * 6) and {r["transport"] for r in old} == {None}
-    one = plots.syncbn_ratios(doc(syncbn_rows(transport="shm", ours=0.9e-3, reference=0.5e-3)))  # its only transport
-    assert [r["median"] for r in one] == pytest.approx([1.8] * 6) and {r["transport"] for r in one} == {"shm"}
+    # its only transport
+    one = plots.syncbn_ratios(doc(syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3)))
+    assert [r["median"] for r in one] == pytest.approx([1.8] * 6) and {r["transport"] for r in one} == {"shared_memory"}
     with pytest.raises(ValueError, match="transports"):  # two: the caller must choose, never a mix
         plots.syncbn_ratios(doc(BOTH))
 
@@ -164,21 +166,24 @@ def test_syncbn_grid_draws_a_bar_per_transport_each_against_the_reference_on_it(
     figure = plots.syncbn_grid(doc(BOTH), target=1.3)
     assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2] * 3)  # per size: shm, then torch
     texts = legend_texts(figure)
-    assert {f"ours [shm] / ({REFERENCE}) [shm]", f"ours [torch] / ({REFERENCE}) [torch]"} <= set(texts)
+    assert {f"ours [shared_memory] / ({REFERENCE}) "
+            "[shared_memory]", f"ours [torch] / ({REFERENCE}) [torch]"} <= set(texts)
     assert not any(t.startswith("floor") for t in texts)  # the file has no floor rows
 
 
 def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only():
-    """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shm] / reference [shm], beside ours on each transport;
+    """The floor (syncbn_benchmark.FLOOR) is drawn as floor [shared_memory] / reference [shared_memory], beside ours
+    on each transport;
     a floor timed on torch is not drawn."""
     floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1,
                "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
               for r in BOTH if r["impl"] == REFERENCE]  # floor [t] / reference [t] = 1.1 on both transports
     figure = plots.syncbn_grid(doc(BOTH + floors), target=1.3)
-    # ours [shm], ours [torch], floor [shm]
+    # ours [shared_memory], ours [torch], floor [shared_memory]
     assert [h for _, h in panel_bars(figure)] == pytest.approx([1.8, 1.2, 1.1] * 3)
     texts = legend_texts(figure)
-    assert f"floor [shm] / ({REFERENCE}) [shm]" in texts and f"floor [torch] / ({REFERENCE}) [torch]" not in texts
+    assert f"floor [shared_memory] / ({REFERENCE}) [shared_memory]" in texts
+    assert f"floor [torch] / ({REFERENCE}) [torch]" not in texts
 
 
 def test_syncbn_grid_says_when_the_file_has_no_intervals():
@@ -250,7 +255,7 @@ def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_
 
 def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport():
     rows = [ddp_row("no ddp", "no_ddp", None, 0.10)]
-    for on, factor in (("torch", 1.0), ("shm", 0.8)):
+    for on, factor in (("torch", 1.0), ("shared_memory", 0.8)):
         rows += [ddp_row(f"pytorch-best 25M [{on}]", "pytorch-best", 25.0, 0.14 * factor, transport=on),
                  ddp_row(f"bucketed 1M [{on}]", "bucketed", 1.0, 0.15 * factor, transport=on),
                  ddp_row(f"bucketed 25M [{on}]", "bucketed", 25.0, 0.14 * factor, transport=on)]
@@ -258,15 +263,17 @@ def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport
     sweep, bars = figure.axes[:2]
     series = {c.get_label(): c.lines[0] for c in sweep.containers if isinstance(c, ErrorbarContainer)}
     # on shared memory each series names its path: PyTorch's DDP through the hook is staged, ours zero copy
-    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shm, staged]",
-                            "bucketed [shm, zero copy]"]
-    shm = series["bucketed [shm, zero copy]"]
+    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shared_memory, staged]",
+                            "bucketed [shared_memory, zero copy]"]
+    shm = series["bucketed [shared_memory, zero copy]"]
     assert list(shm.get_ydata()) == pytest.approx([0.12, 0.112])  # 1M, then 25M: one transport
     assert list(series["bucketed [torch]"].get_ydata()) == pytest.approx([0.15, 0.14])
     assert shm.get_color() == series["bucketed [torch]"].get_color()  # the implementation's
     assert {series["bucketed [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
     assert [t.get_text() for t in bars.get_yticklabels()] == [
-        r["label"].replace("[shm]", "[shm, staged]" if r["variant"] == "pytorch-best" else "[shm, zero copy]")
+        r["label"].replace("[shared_memory]", "[shared_memory, "
+                                              "staged]" if r["variant"] == "pytorch-best" else "[shared_memory, zero "
+                                                                                               "copy]")
         for r in rows]
 
 
@@ -340,7 +347,7 @@ def test_timeline_events_put_sums_made_by_the_compute_thread_on_a_lane_of_their_
     only_inline["traceEvents"].append({"ph": "X", "name": SHM_ALL_REDUCE, "ts": 45000.0, "dur": 5000.0, "tid": 1,
                                        "pid": 1})
     assert plots.timeline_events(only_inline)["comm"] == {"sums in the compute thread": [(45, 5)]}
-    figure = plots.overlap_timeline({"bucketed 25M [shm]": only_inline})
+    figure = plots.overlap_timeline({"bucketed 25M [shared_memory]": only_inline})
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["compute", "sums in the compute thread"]
 
 

@@ -61,7 +61,8 @@ def fresh() -> dict:
 
 def test_every_built_in_name_exists_at_the_first_import_of_the_package_whatever_was_imported_before(fresh):
     assert fresh["root scripts imported"] == [], "the package must not import a script at the root"
-    assert fresh["names"] == ["auto", "torch", "shared_memory", "hierarchical", "p2p", "p2p:ring", "p2p:butterfly",
+    assert fresh["names"] == ["auto", "torch", "torch:dpkit", "shared_memory", "shared_memory:thread",
+                              "shared_memory:staged", "hierarchical", "p2p", "p2p:ring", "p2p:butterfly",
                               "p2p:halving_doubling", "p2p:recursive_doubling", "p2p:tree"]
 
 

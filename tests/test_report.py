@@ -179,11 +179,12 @@ def test_syncbn_extra_is_the_median_time_ours_adds_to_the_reference_on_one_trans
     doc = {"results": [syncbn_time("ours", "torch", 32, 4.0), syncbn_time(ref, "torch", 32, 3.0),
                        syncbn_time("ours", "torch", 64, 6.0), syncbn_time(ref, "torch", 64, 3.0),
                        syncbn_time("ours", "torch", 128, 9.0),  # no reference at this size: left out
-                       syncbn_time("ours", "shm", 32, 1.5), syncbn_time(ref, "shm", 32, 1.0),
-                       syncbn_time("ours", "shm", 64, 1.5, dtype="float16"),
-                       syncbn_time(ref, "shm", 64, 0.1, dtype="float16")]}
+                       syncbn_time("ours", "shared_memory", 32, 1.5), syncbn_time(ref, "shared_memory", 32, 1.0),
+                       syncbn_time("ours", "shared_memory", 64, 1.5, dtype="float16"),
+                       syncbn_time(ref, "shared_memory", 64, 0.1, dtype="float16")]}
     assert findings.syncbn_extra(doc, "torch") == {"extra_s": 2.0, "reference_s": 3.0, "sizes": 2}
-    assert findings.syncbn_extra(doc, "shm") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}  # float32 only
+    # float32 only
+    assert findings.syncbn_extra(doc, "shared_memory") == {"extra_s": 0.5, "reference_s": 1.0, "sizes": 1}
     assert findings.syncbn_extra(doc, "nccl") is None
 
 
@@ -196,5 +197,5 @@ def test_compute_gap_sums_the_compute_phases_outside_the_collectives():
     doc = {"results": [phases("ours", "torch", 2.0, 3.0, 1.0, 9.0),
                        phases(findings.SYNCBN_REFERENCE, "torch", 1.0, 1.0, 0.5, 1.0)]}
     assert findings.compute_gap(doc, 32, 128, "torch") == pytest.approx(3.5)  # 6.0 - 2.5: the waits do not count
-    assert findings.compute_gap(doc, 32, 128, "shm") is None
+    assert findings.compute_gap(doc, 32, 128, "shared_memory") is None
     assert findings.compute_gap(doc, 64, 128, "torch") is None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common import run_workers
+from dpkit.bench import transports as bench_transports
 from dpkit.comm import transport as transports
 from dpkit.engines import zero
 from dpkit.models import build_model
@@ -17,7 +18,9 @@ import sharding_benchmark as bench
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
-        "--variants", "ddp ours [torch]", "ddp ours [shm]", "ddp pytorch", "zero ours [torch]", "zero ours [shm]",
+        "--variants", "ddp ours "
+                      "[torch]", "ddp ours "
+                                 "[shared_memory]", "ddp pytorch", "zero ours [torch]", "zero ours [shared_memory]",
         "zero ours tensor [torch]", "zero2 ours", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
 WORLD = 2
 
@@ -27,15 +30,16 @@ WORLD = 2
 
 def test_every_variant_is_an_engine_on_a_named_transport():
     for name, v in bench.VARIANTS.items():
-        assert name == f"{v.base} [{v.transport}]" and v.transport in bench.TRANSPORTS, name
+        assert name == f"{v.base} [{v.transport}]" and v.transport in bench_transports.choices(), name
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
     pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
     for base in ("ddp ours", "ddp pytorch", "zero ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep",
                  "fsdp pytorch bf16"):
-        assert {f"{base} [torch]", f"{base} [shm]"} <= set(bench.VARIANTS), base
-    threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shm-thread"}
-    assert threaded == {"ddp ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shm]
+        assert {f"{base} [torch]", f"{base} [shared_memory]"} <= set(bench.VARIANTS), base
+    threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shared_memory:thread"}
+    assert threaded == {"ddp "
+                        "ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shared_memory]
     assert not [n for n in bench.VARIANTS if "blocking" in n or "inline" in n]
 
 
@@ -57,28 +61,32 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
                 assert v.sharding in ("zero", "zero2") and other.sharding == "ddp"
                 assert v.base.split()[1] == other.base.split()[1], (v.name, t)
             limits[f"{v.name} / {t.other}"] = (t.axis, t.limit, t.scope)
-    for sharding, on in (("ddp", ("torch", "shm")), ("zero", ("torch",)), ("fsdp", ("torch", "shm"))):
+    for sharding, on in (("ddp", ("torch", "shared_memory")), ("zero", ("torch",)),
+                         ("fsdp", ("torch", "shared_memory"))):
         for t in on:
             assert limits[f"{sharding} ours [{t}] / {sharding} pytorch [{t}]"] == ("engine", 1.00, None)
-    for t in ("torch", "shm"):
+    for t in ("torch", "shared_memory"):
         assert limits[f"zero ours [{t}] / ddp ours [{t}]"] == ("sharding", 1.05, None)
         assert limits[f"zero2 ours [{t}] / zero ours [{t}]"] == ("option", None, None)  # stage 2 / stage 1
         assert limits[f"zero2 ours [{t}] / ddp ours [{t}]"] == ("sharding", None, None)
     assert limits["zero pytorch [torch] / ddp pytorch [torch]"] == ("sharding", 1.05, None)
-    assert limits["fsdp pytorch [shm] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
-    assert limits["ddp pytorch [shm] / ddp pytorch [torch]"] == ("transport", None, None)
-    assert limits["fsdp ours [shm-thread] / fsdp ours [shm]"] == ("transport", None, None)
+    assert limits["fsdp pytorch [shared_memory] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
+    assert limits["ddp pytorch [shared_memory] / ddp pytorch [torch]"] == ("transport", None, None)
+    assert limits["fsdp ours [shared_memory:thread] / fsdp ours [shared_memory]"] == ("transport", None, None)
     # PyTorch's engines unchanged on a "dpkit" process group against the same on gloo
-    assert limits["fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
-    assert limits["ddp pytorch [dpkit] / ddp pytorch [torch]"] == ("transport", None, None)
+    assert limits["fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
+    assert limits["ddp pytorch [torch:dpkit] / ddp pytorch [torch]"] == ("transport", None, None)
     assert [k for k, (axis, limit, _) in limits.items() if axis == "transport" and limit is not None] == [
-        "fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]"]
-    assert {v.base for v in bench.VARIANTS.values() if v.transport == "dpkit"} == {"ddp pytorch", "fsdp pytorch"}
+        "fsdp pytorch [shared_memory] / fsdp pytorch [torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]"]
+    assert {v.base for v in bench.VARIANTS.values() if v.transport == "torch:dpkit"} == {"ddp pytorch", "fsdp pytorch"}
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
-    assert bench.select(["fsdp pytorch", "zero ours [shm]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shm]",
-                                                                "fsdp pytorch [dpkit]", "zero ours [shm]"]
+    assert bench.select(["fsdp "
+                         "pytorch", "zero ours "
+                                    "[shared_memory]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shared_memory]",
+                                                                "fsdp pytorch "
+                                                                "[torch:dpkit]", "zero ours [shared_memory]"]
     with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
         bench.select(["zero ours blocking"])
     every = list(bench.VARIANTS)
@@ -98,29 +106,31 @@ def _targets_measured(names: list[str]) -> set[str]:
 
 
 def test_each_sharding_experiment_measures_the_targets_it_is_for():
-    """The quick sweep and resnet18: every engine target on [torch] and [shm], ZeRO / DDP, the transports;
+    """The quick sweep and resnet18: every engine target on [torch] and [shared_memory], ZeRO / DDP, the transports;
     sharding_gpt: fully_shard on shared memory and on a "dpkit" group against gloo at the GPT's default size (where
     its limit holds)."""
     for name in ("sharding", "sharding_resnet18"):
         measured = _targets_measured(_experiment_args(name).variants)
-        for t in ("torch", "shm"):
+        for t in ("torch", "shared_memory"):
             assert {f"ddp ours [{t}] / ddp pytorch [{t}]", f"fsdp ours [{t}] / fsdp pytorch [{t}]",
                     f"zero ours [{t}] / ddp ours [{t}]"} <= measured, (name, t)
         assert {"zero ours [torch] / zero pytorch [torch]", "zero pytorch [torch] / ddp pytorch [torch]",
-                "ddp pytorch [shm] / ddp pytorch [torch]",
-                "fsdp pytorch [shm] / fsdp pytorch [torch]"} <= measured, name
+                "ddp pytorch [shared_memory] / ddp pytorch [torch]",
+                "fsdp pytorch [shared_memory] / fsdp pytorch [torch]"} <= measured, name
     for quick in (True, False):
         args = _experiment_args("sharding_gpt", quick)
         measured = _targets_measured(args.variants)
-        assert {"fsdp pytorch [shm] / fsdp pytorch [torch]", "fsdp pytorch [dpkit] / fsdp pytorch [torch]",
-                "ddp ours [shm] / ddp pytorch [shm]", "zero ours [shm] / ddp ours [shm]"} <= measured
+        assert {"fsdp pytorch [shared_memory] / fsdp pytorch "
+                "[torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]",
+                "ddp ours [shared_memory] / ddp pytorch "
+                "[shared_memory]", "zero ours [shared_memory] / ddp ours [shared_memory]"} <= measured
         assert bench.SCOPES["gpt default"][1]("gpt", args)
     assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
 
 
 def test_a_scoped_limit_holds_only_in_its_scope():
     rows = [{"model": "gpt", "world_size": 2, "variant": v, "round_p50_s": [s] * 4, "state_vs_ideal": 1.0}
-            for v, s in (("fsdp pytorch [torch]", 1.0), ("fsdp pytorch [shm]", 0.5))]
+            for v, s in (("fsdp pytorch [torch]", 1.0), ("fsdp pytorch [shared_memory]", 0.5))]
     for args, limit, result in ((bench.parse_args([]), 0.85, "met"), (bench.parse_args(["--quick"]), None, "-")):
         (row,) = [t for t in bench.target_rows(rows, args) if t["axis"] == "transport"]
         assert row["limit"] == limit and row["verdict"] == result and row["ratio"]["median"] == pytest.approx(0.5)
@@ -168,27 +178,27 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
         assert 0 < row["p50_s"] <= row["p95_s"] and len(row["round_p50_s"]) == 2
         assert row["activation_bytes"] > 0 and row["peak_bytes"] >= row["params_bytes"] + row["state_bytes"]
         assert row["transport"] == bench.VARIANTS[name].transport
-        assert row["transport_detail"] == {"torch": "torch (gloo)", "shm": "shared_memory",
-                                           "shm-thread": "shared_memory",
-                                           "dpkit": "torch (dpkit)"}[row["transport"]], name
+        assert row["transport_detail"] == {"torch": "torch (gloo)", "shared_memory": "shared_memory",
+                                           "shared_memory:thread": "shared_memory",
+                                           "torch:dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
-    assert measured["zero ours [shm]"]["exposed_comm_s"] > 0
+    assert measured["zero ours [shared_memory]"]["exposed_comm_s"] > 0
 
 
 def test_pytorchs_engines_train_on_a_dpkit_process_group_beside_gloo_with_the_transport_ratio(rows):
-    """The tiny run's "ddp pytorch" and "fsdp pytorch" ran on [dpkit] too (the same builders, given that group):
+    """The tiny run's "ddp pytorch" and "fsdp pytorch" ran on [torch:dpkit] too (the same builders, given that group):
     each has its times and the same model-state bytes as on [torch], and a target row against [torch] (the
     0.85 limit of fully_shard holds at the GPT's default size only: here for information)."""
     m = measured_rows(rows)
     for base in ("ddp pytorch", "fsdp pytorch"):
-        backed, gloo = m[f"{base} [dpkit]"], m[f"{base} [torch]"]
+        backed, gloo = m[f"{base} [torch:dpkit]"], m[f"{base} [torch]"]
         assert 0 < backed["p50_s"] and backed["model_state_bytes"] == gloo["model_state_bytes"], base
-        (target,) = [r for r in rows if r.get("target") == f"{base} [dpkit] / {base} [torch]"]
+        (target,) = [r for r in rows if r.get("target") == f"{base} [torch:dpkit] / {base} [torch]"]
         assert target["axis"] == "transport" and target["limit"] is None and target["verdict"] == "-"
         assert target["ratio"]["median"] == pytest.approx(float(np.median(
             np.divide(backed["round_p50_s"], gloo["round_p50_s"]))))
     assert [r["scoped_limit"] for r in rows
-            if r.get("target") == "fsdp pytorch [dpkit] / fsdp pytorch [torch]"] == [0.85]
+            if r.get("target") == "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]"] == [0.85]
 
 
 def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
@@ -198,17 +208,20 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
     params = model_tensors()
     buffers = WORLD * -(-sum(p.numel() for p in params) // WORLD) * 4  # (n, largest share) float32, one bucket
     for name, row in m.items():
-        if row["transport"] in ("torch", "dpkit"):  # "dpkit": the backend's slots are its group's, not counted
+        if row["transport"] in ("torch", "torch:dpkit"):  # the backend "dpkit"'s slots are its group's, not counted
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
-    assert m["ddp ours [shm]"]["shared_peak_bytes"] >= m["ddp ours [shm]"]["grads_bytes"]  # the buckets hold them
-    assert m["zero ours [shm]"]["shared_peak_bytes"] >= m["zero ours [shm]"]["grads_bytes"] + buffers
+    assert m["ddp ours "
+             "[shared_memory]"]["shared_peak_bytes"] >= m["ddp ours "
+                                                          "[shared_memory]"]["grads_bytes"]  # the buckets hold them
+    assert m["zero ours "
+             "[shared_memory]"]["shared_peak_bytes"] >= m["zero ours [shared_memory]"]["grads_bytes"] + buffers
     # The peak counts them as it counts the same buffers in torch's allocator on [torch].
-    for name in ("ddp ours [shm]", "zero ours [shm]"):
+    for name in ("ddp ours [shared_memory]", "zero ours [shared_memory]"):
         assert m[name]["peak_bytes"] >= m[name]["params_bytes"] + m[name]["state_bytes"] + m[name]["shared_peak_bytes"]
     # PyTorch's DDP over our hook stages its buckets: at least one MiB (the smallest staging block) in /dev/shm.
-    assert m["ddp pytorch [shm]"]["shared_peak_bytes"] >= 2 ** 20
+    assert m["ddp pytorch [shared_memory]"]["shared_peak_bytes"] >= 2 ** 20
 
 
 def flat_shares(params: list[torch.Tensor]) -> tuple[list[int], list[int]]:
@@ -273,7 +286,7 @@ def test_zero_stage2_keeps_one_nth_of_the_gradients_per_rank(rows):
     slot = min((WORLD + 1) * share, max(zero.POOL_MIN_BYTES, total // zero.POOL_FRACTION))
     pool = zero.POOL_SLOTS * -(-slot // zero.POOL_ALIGN) * zero.POOL_ALIGN
     measured = measured_rows(rows)
-    for t in ("torch", "shm"):
+    for t in ("torch", "shared_memory"):
         row, stage1 = measured[f"zero2 ours [{t}]"], measured[f"zero ours [{t}]"]
         slack = 0 if t == "torch" else transports.ALIGN - 1  # one buffer on shared memory: whole cache lines
         assert len(row["grads_bytes_per_rank"]) == WORLD, t
@@ -309,40 +322,48 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
             replicated += [p.numel() * 4 for p in own]
     held = sum(shards) + sum(replicated)
     measured = measured_rows(rows)
-    for name in ("fsdp ours [torch]", "fsdp ours [shm]", "fsdp ours [shm-thread]", "fsdp ours bf16 [torch]"):
+    for name in ("fsdp ours "
+                 "[torch]", "fsdp ours [shared_memory]", "fsdp ours [shared_memory:thread]", "fsdp ours bf16 [torch]"):
         row = measured[name]
         assert row["params_bytes"] == held and bucket_bytes(row, held + 4 * len(replicated), len(replicated)), name
         assert row["state_bytes_per_rank"] == [2 * held + 4 * (len(shards) + len(replicated))] * WORLD, name
     for name in ("fsdp ours [torch]", "fsdp pytorch [torch]"):
         assert measured[name]["state_vs_ideal"] <= bench.TARGET_STATE_VS_IDEAL, name
         assert measured[name]["model_state_bytes"] < 0.6 * measured["ddp ours [torch]"]["model_state_bytes"], name
-    for name in ("fsdp ours [shm]", "fsdp pytorch [shm]"):  # the arena's pages count (a staging block: 1 MiB at least)
-        row, on_torch = measured[name], measured[name.replace("[shm]", "[torch]")]
+    for name in ("fsdp ours "
+                 "[shared_memory]", "fsdp pytorch "
+                                    "[shared_memory]"):  # the arena's pages count (a staging block: 1 MiB at least)
+        row, on_torch = measured[name], measured[name.replace("[shared_memory]", "[torch]")]
         assert row["shared_peak_bytes"] <= row["model_state_bytes"], name
         assert row["model_state_bytes"] <= on_torch["model_state_bytes"] + row["shared_peak_bytes"], name
 
 
 def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     targets = {row["target"]: row for row in rows if "target" in row}
-    expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine", "ddp ours [shm] / ddp pytorch [shm]": "engine",
-                "zero ours [torch] / zero pytorch [torch]": "engine", "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
-                "zero ours [shm] / ddp ours [shm]": "sharding",
+    expected = {"ddp ours [torch] / ddp pytorch "
+                "[torch]": "engine", "ddp ours [shared_memory] / ddp pytorch [shared_memory]": "engine",
+                "zero ours [torch] / zero pytorch "
+                "[torch]": "engine", "fsdp ours [shared_memory] / fsdp pytorch [shared_memory]": "engine",
+                "zero ours [shared_memory] / ddp ours [shared_memory]": "sharding",
                 "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
-                "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport",
-                "fsdp ours [shm-thread] / fsdp ours [shm]": "transport",
-                "zero ours tensor [torch] / zero ours [torch]": "option", "zero ours [shm] state / ideal": "memory",
-                "zero2 ours [shm] / zero ours [shm]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
+                "fsdp pytorch [shared_memory] / fsdp pytorch [torch]": "transport",
+                "fsdp ours [shared_memory:thread] / fsdp ours [shared_memory]": "transport",
+                "zero ours tensor [torch] / zero ours "
+                "[torch]": "option", "zero ours [shared_memory] state / ideal": "memory",
+                "zero2 ours [shared_memory] / zero ours "
+                "[shared_memory]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
     assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
-    assert not [name for name in targets if "[shm" in name.split(" / ")[0] and "[torch]" in name.split(" / ")[-1]
-                and targets[name]["axis"] != "transport"], "an engine credited with a transport's gain"
+    assert not [name for name in targets if "[shared_memory" in name.split(" / ")[0]
+                and "[torch]" in name.split(" / ")[-1] and targets[name]["axis"] != "transport"], \
+        "an engine credited with a transport's gain"
     for name, row in targets.items():
         assert row["verdict"] in ("met", "missed", "inconclusive", "-"), name
         if row["ratio"] is not None:
             assert row["ratio"]["rounds"] == 2
             assert row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
-    assert targets["fsdp pytorch [shm] / fsdp pytorch [torch]"]["limit"] is None, "a toy GPT: for information"
+    assert targets["fsdp pytorch [shared_memory] / fsdp pytorch [torch]"]["limit"] is None, "a toy GPT: for information"
     assert targets["zero ours [torch] state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
     text = bench.report(rows)
-    assert "targets by axis" in text and "zero ours [shm] / ddp ours [shm]" in text
+    assert "targets by axis" in text and "zero ours [shared_memory] / ddp ours [shared_memory]" in text
     assert all(f"  {axis} (" in text for axis in bench.AXES)

@@ -86,19 +86,26 @@ CHECKS = [
     check("engine", TIME, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0, "missed"),
     check("engine", MEMORY, "bucketed 25M [torch]", "pytorch-best 25M [torch]",
           ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
-    check("engine", TIME, "bucketed 25M [shm]", "pytorch-best 25M [shm]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
-    check("engine", MEMORY, "bucketed 25M [shm]", "pytorch-best 25M [shm]",
+    check("engine", TIME, "bucketed 25M "
+                          "[shared_memory]", "pytorch-best 25M "
+                                             "[shared_memory]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
+    check("engine", MEMORY, "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]",
           ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
-    check("transport", "p50 / the same engine on torch", "pytorch-best 25M [shm]", "pytorch-best 25M [torch]",
+    check("transport", "p50 / the same engine on torch", "pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch]",
           ratio(0.80, 0.75, 0.85), 0.95, "met"),
-    check("overhead", "p50 / no DDP", "bucketed 25M [shm]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
+    check("overhead", "p50 / no "
+                      "DDP", "bucketed 25M [shared_memory]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
     check("overlap", HIDDEN, "bucketed 25M [torch]", "naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
-    check("overlap", HIDDEN, "bucketed 25M [shm-thread]", "naive [shm]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
+    check("overlap", HIDDEN, "bucketed 25M "
+                             "[shared_memory:thread]", "naive "
+                                                       "[shared_memory]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
     # information: a thread against the same sums inline, slower, faster, and an interval that holds 1 (its low end)
-    check("overlap", THREAD, "bucketed 25M [shm-thread]", "bucketed 25M [shm]",
+    check("overlap", THREAD, "bucketed 25M [shared_memory:thread]", "bucketed 25M [shared_memory]",
           ratio(1.20, 1.10, 1.30), None, "information"),
-    check("overlap", THREAD, "overlap [shm-thread]", "overlap [shm]", ratio(0.80, 0.70, 0.90), None, "information"),
-    check("overlap", THREAD, "bucketed 1M [shm-thread]", "bucketed 1M [shm]",
+    check("overlap", THREAD, "overlap "
+                             "[shared_memory:thread]", "overlap "
+                                                       "[shared_memory]", ratio(0.80, 0.70, 0.90), None, "information"),
+    check("overlap", THREAD, "bucketed 1M [shared_memory:thread]", "bucketed 1M [shared_memory]",
           ratio(1.05, 1.00, 1.10), None, "information"),
     # not the headline's setting: another model, and an oversubscribed run
     check("engine", TIME, "bucketed 25M [cnn-only]", "pytorch 25M [torch]",
@@ -109,9 +116,11 @@ CHECKS = [
 
 
 # (label, peak bytes, staging bytes): the staged rows hold a staging block, the zero-copy ones none.
-ROWS = [("no ddp", 5000, 0), ("pytorch-best 25M [torch]", 6000, 0), ("pytorch-best 25M [shm]", 6000, 1000),
-        ("bucketed 25M [torch]", 5000, 0), ("bucketed 25M [shm]", 5000, 0), ("bucketed 25M [shm-thread]", 5000, 0),
-        ("naive [torch]", 5000, 0), ("naive [shm]", 5500, 500)]
+ROWS = [("no ddp", 5000, 0), ("pytorch-best 25M [torch]", 6000, 0), ("pytorch-best 25M [shared_memory]", 6000, 1000),
+        ("bucketed 25M "
+         "[torch]", 5000, 0), ("bucketed 25M "
+                               "[shared_memory]", 5000, 0), ("bucketed 25M [shared_memory:thread]", 5000, 0),
+        ("naive [torch]", 5000, 0), ("naive [shared_memory]", 5500, 500)]
 
 
 def headline_doc(checks=CHECKS):
@@ -133,23 +142,25 @@ def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_ro
     # our DDP's buckets are the transport's (zero copy), PyTorch's DDP is copied in through the hook (staged):
     # a comparison of the two paths, on the transport axis, its memory ratio holding the staging block
     assert lines_of(lines, "  - transport and engine (zero copy / staged): ") == [
-        "  - transport and engine (zero copy / staged): bucketed 25M [shm, zero copy] / "
-        "pytorch-best 25M [shm, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
+        "  - transport and engine (zero copy / staged): bucketed 25M [shared_memory, zero copy] / "
+        "pytorch-best 25M [shared_memory, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
         "peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**), the reference's peak holding "
         "the staged path's copy (1,000 B: the whole difference)"]
     assert lines_of(lines, "  - transport, one engine: ") == [
-        "  - transport, one engine: pytorch-best 25M [shm, staged] / pytorch-best 25M [torch]: 0.80x [0.75, 0.85] "
+        "  - transport, one engine: pytorch-best 25M [shared_memory, staged] / pytorch-best 25M [torch]: 0.80x [0.75, "
+        "0.85] "
         "(target <= 0.95x): **met**"]
     assert lines_of(lines, "  - overhead, ") == [
-        "  - overhead, against no DDP at all: bucketed 25M [shm, zero copy] / no ddp: 1.30x [1.20, 1.40] "
+        "  - overhead, against no DDP at all: bucketed 25M [shared_memory, zero copy] / no ddp: 1.30x [1.20, 1.40] "
         "(target <= 1.15x): **missed**"]
     assert lines_of(lines, "  - overlap, asynchronous transports: ") == [
         "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: bucketed 25M [torch] / "
-        "naive [torch] 0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shm-thread, zero copy] / "
-        "naive [shm, staged] 0.40x [0.30, 0.60] (target <= 0.50x: **inconclusive**)"]
+        "naive [torch] 0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shared_memory:thread, zero copy] / "
+        "naive [shared_memory, staged] 0.40x [0.30, 0.60] (target <= 0.50x: **inconclusive**)"]
     text = "\n".join(lines)
     assert "cnn-only" not in text and "[oversubscribed]" not in text  # only resnet18, 2 ranks, not oversubscribed
-    assert "[shm]" not in text and "[shm-thread]" not in text, "every shared-memory row names its path"
+    assert "[shared_memory]" not in text and "[shared_memory:thread]" not in text, \
+        "every shared-memory row names its path"
     assert len(lines) == 1 + 1 + 1 + 1 + 1 + 3 + 1  # header, one per comparison, 3 thread lines, the exposed waits
 
 
@@ -157,12 +168,15 @@ def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says
     lines = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")
     assert len(lines) == 3
     slower, faster, neither = lines
-    assert slower.startswith("  - overlap: bucketed 25M [shm-thread, zero copy] / bucketed 25M [shm, zero copy]: "
+    assert slower.startswith("  - overlap: bucketed 25M [shared_memory:thread, zero copy] / bucketed 25M "
+                             "[shared_memory, zero copy]: "
                              "1.20x [1.10, 1.30], slower:")
-    assert faster.startswith("  - overlap: overlap [shm-thread, zero copy] / overlap [shm, zero copy]: "
+    assert faster.startswith("  - overlap: overlap [shared_memory:thread, zero copy] / overlap [shared_memory, zero "
+                             "copy]: "
                              "0.80x [0.70, 0.90], faster:")
     # [1.00, 1.10] holds 1: neither, however the median leans
-    assert neither.startswith("  - overlap: bucketed 1M [shm-thread, zero copy] / bucketed 1M [shm, zero copy]: "
+    assert neither.startswith("  - overlap: bucketed 1M [shared_memory:thread, zero copy] / bucketed 1M "
+                              "[shared_memory, zero copy]: "
                               "1.05x [1.00, 1.10], neither faster nor slower")
     # the same checks, the data reversed: the sentences follow
     flipped = [{**c, "ratio": ratio(1 / c["ratio"]["median"], 1 / c["ratio"]["ci_high"], 1 / c["ratio"]["ci_low"])}
@@ -221,7 +235,7 @@ def test_collectives_lines_state_each_stored_check_by_collective_and_axis_and_le
     allreduce = {"targets": [collective_check("allreduce", "algorithm", "ring", 2, "met"),
                              collective_check("allreduce", "algorithm", "auto", 2, "missed"),
                              collective_check("allreduce", "algorithm", "auto", 4, "met", oversubscribed=True),
-                             collective_check("allreduce", "transport", "shared_memory (zero copy)", 2, "met")]}
+                             collective_check("allreduce", "transport", "shared_memory", 2, "met")]}
     scatter = {"targets": [collective_check("reduce_scatter", "transport", "p2p", 2, "met")]}
     gather = {"targets": [collective_check("all_gather", "transport", "p2p", 2, "inconclusive")]}
     lines = summary.collectives_lines(allreduce, scatter, gather)
@@ -246,7 +260,8 @@ def test_collectives_results_without_stored_checks_name_the_command():
 
 
 def syncbn_ratio(dtype, peak, saved, target, batch=32, hidden=128):
-    return {"kind": "ratio", "impl": "ours", "versus": "BatchNorm1d (local)", "setting": "workers", "transport": "shm",
+    return {"kind": "ratio", "impl": "ours", "versus": "BatchNorm1d "
+                                                       "(local)", "setting": "workers", "transport": "shared_memory",
             "dtype": dtype, "batch": batch, "hidden": hidden, "peak_ratio": peak, "saved_ratio": saved,
             "target": target}
 
@@ -257,14 +272,17 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
         time, {**time, "hidden": 256},
         syncbn_ratio("float32", 0.72, 0.90, 1.3), syncbn_ratio("float32", 0.72, 0.90, 1.3, hidden=256),
         syncbn_ratio("bfloat16", 2.10, 0.85, None), syncbn_ratio("float16", 2.06, 0.90, None, hidden=256),
-        {"kind": "target", "name": "workers [shm]: peak_bytes of ours <= BatchNorm1d's at every size", "verdict": "met",
+        {"kind": "target", "name": "workers [shared_memory]: peak_bytes of ours <= BatchNorm1d's at every "
+                                   "size", "verdict": "met",
          "sizes": 2, "sizes_met": 2}]}
     header, target, memory = summary.syncbn_lines(doc)
     assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32; "
-                           "[shm, staged]: this host's shared memory, each sum's small tensor copied in and out):")
-    assert target == ("  - workers [shm, staged]: peak_bytes of ours <= BatchNorm1d's at every size: "
+                           "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied in and "
+                           "out):")
+    assert target == ("  - workers [shared_memory, staged]: peak_bytes of ours <= BatchNorm1d's at every size: "
                       "2 of 2 sizes met, **met**")
-    assert memory == ("  - workers [shm, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d (local) 2.06x to "
+    assert memory == ("  - workers [shared_memory, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d "
+                      "(local) 2.06x to "
                       "2.10x, saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
 
 

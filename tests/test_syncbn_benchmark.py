@@ -141,7 +141,7 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
 
 def test_each_transport_has_its_engine_targets_against_the_reference_on_that_transport():
     """torch: ours 1.1x its reference (met); shm: 1.5x its own (missed), though 0.6x torch's reference, which no
-    target may credit it with. The transport axis, ours [shm] / ours [torch], is a ratio without a target."""
+    target may credit it with. The transport axis, ours [shared_memory] / ours [torch], is a ratio without a target."""
     load = [1.0, 1.2] * 4
     rows = []
     for hidden in (128, 256):
@@ -212,7 +212,7 @@ def test_a_missed_engine_target_says_per_size_what_is_left_and_why():
     assert "compute_excess_s" not in engine[256]  # no phases at that size
     assert "why" not in engine[512]
     why = engine[128]["why"]
-    assert why.startswith("32x128 [shm]: ours 1.50x [1.50, 1.50] the reference, missed; "
+    assert why.startswith("32x128 [shared_memory]: ours 1.50x [1.50, 1.50] the reference, missed; "
                           "it must lose 20 us of its 50 us")
     assert "+40 us (80 %) is that frame" in why and "+10 us (20 %) ours beyond the floor" in why
     assert "The floor alone is above 1.3x" in why and engine[128]["floor_verdict"] == "missed"
@@ -228,7 +228,7 @@ def test_a_missed_engine_target_says_per_size_what_is_left_and_why():
     assert "ours computes 45 us more than the reference per iteration and waits 10 us less in the sums" in why
     assert "The floor is within it: ours beyond the floor (40 us) must shrink by 20 us." in engine[256]["why"]
     lines = "\n".join(attribution_lines(ratios(rows)))
-    assert engine[128]["why"] in lines and engine[256]["why"] in lines and "32x512 [shm]: ours" not in lines
+    assert engine[128]["why"] in lines and engine[256]["why"] in lines and "32x512 [shared_memory]: ours" not in lines
     found = {t["name"]: t for t in targets(ratios(rows), rows)}
     grid = found[f"{WORKERS} [{SHM}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
     assert grid["verdict"] == "missed"

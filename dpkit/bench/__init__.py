@@ -1,5 +1,6 @@
 """Layer 3, measurement: ``measure`` (timing over ranks, interleaved rounds, bootstrap intervals, verdicts,
 memory, profiles), ``results`` (the environment header and the one JSON layout every benchmark writes),
-``harness`` (the one driver every benchmark shares), ``collectives`` (what a row of a collectives results file
+``harness`` (the one driver every benchmark shares), ``transports`` (the registry's transports as every
+benchmark's ``--transports``, and old names read as new), ``collectives`` (what a row of a collectives results file
 means), ``cluster`` (a latency-bandwidth model of data parallelism on a cluster) and ``backend_latency``
 (the "dpkit" backend's per-call latency and what sets its floor)."""

@@ -17,9 +17,9 @@ import re
 UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 
 
-# --transports name -> the label of its rows. The same shared-memory transport serves both of its rows.
-TRANSPORTS = {"torch": "torch", "zero_copy": "shared_memory (zero copy)", "staged": "shared_memory (staged)",
-              "p2p": "p2p"}
+# The transport axis by default, by the registry's names, which are its rows' labels: "shared_memory" works on the
+# buffers it allocates (zero copy), "shared_memory:staged" on plain tensors, copied in and out.
+TRANSPORTS = ("torch", "shared_memory", "shared_memory:staged", "p2p")
 # The backend axis: rows of torch.distributed's calls on a group of the backend "dpkit", against the same on gloo.
 BACKEND = "dpkit backend"
 
@@ -65,15 +65,15 @@ def labelled(row: dict) -> dict:
         return row
     name, backend = row["algorithm"], row.get("backend", "gloo")
     if name == "shared_memory":
-        fields = ("transport", "shared_memory", "direct", TRANSPORTS["staged"])
+        fields = ("transport", "shared_memory", "direct", "shared_memory:staged")
     elif name == "auto" and row.get("choice") == "shared_memory":
         fields = ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)")
     elif row.get("collective", "allreduce") == "allreduce":
         fields = ("algorithm", backend, name, name)
     elif name == "ring":
-        fields = ("transport", "p2p (ring)", "ring", TRANSPORTS["p2p"])
+        fields = ("transport", "p2p (ring)", "ring", "p2p")
     else:
-        fields = ("transport", f"torch ({backend})", "torch", TRANSPORTS["torch"])
+        fields = ("transport", f"torch ({backend})", "torch", "torch")
     return {**row, **dict(zip(("axis", "transport", "algorithm", "label"), fields))}
 
 

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from dpkit.bench.transports import current_names
+
 RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
 
 
@@ -154,7 +156,8 @@ def _jsonable(value):
 
 def read_results(path: str) -> dict:
     """Read a file written by ``write_results``, refusing other layouts. Complete or not, it is returned with
-    ``complete`` set: a file written before that field existed was written whole, at the end of its run."""
+    ``complete`` set: a file written before that field existed was written whole, at the end of its run; one
+    written with the old transport names reads with the registry's (``transports.current_names``)."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
@@ -162,7 +165,7 @@ def read_results(path: str) -> dict:
                          f"(it says schema={doc.get('schema')!r}): re-run the command that wrote it "
                          "(results/manifest.json lists each file's command)")
     doc.setdefault("complete", True)
-    return doc
+    return current_names(doc)
 
 
 def incomplete_note(doc: dict) -> str:

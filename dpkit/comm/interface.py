@@ -283,6 +283,17 @@ class Wrapped(Transport):
         self.group = None
 
 
+class Staged(Wrapped):
+    """``inner`` handed tensors it did not allocate: ``allocate`` gives plain ones, so an engine's buffers lie
+    outside ``inner``'s memory and each collective copies them in and out (the path PyTorch's DDP takes through
+    ``ddp_comm_hook``). ``resolve("shared_memory:staged")`` makes one over shared memory."""
+
+    name = "staged"
+
+    def allocate(self, shape, *, dtype, device=None):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
 # --------------------------------------------------------------------------- memory a transport owns
 
 

@@ -3,16 +3,21 @@ names in which every transport, built in or not, is registered alike (``register
 
     t = resolve("auto", group, device)     # shared memory on one CPU host, hierarchical across hosts, else torch
     t = resolve("p2p:ring", group)         # by name: ``names()`` lists them
-    register("mine", lambda group, option: Mine(group))   # then resolve("mine") makes it
+    register("mine", lambda group, option: Mine(group))   # then resolve("mine") makes it, and every benchmark
+    unregister("mine")                                     # a test's toy, once the test is done
 
 ``resolve`` is a collective: every rank learns every rank's choice first, so ranks that ask for
 different transports, or an unknown name, all raise the same ValueError before any data moves.
-The built-in names ("torch", "shared_memory", "hierarchical", "p2p" and "p2p:<algorithm>") are
-registered when this module is imported, so they exist as soon as ``resolve`` can be called.
+The built-in names are registered when this module is imported, so they exist as soon as ``resolve`` can
+be called: "torch" ("torch:dpkit": on a new group of the torch.distributed backend "dpkit"), "shared_memory"
+(":thread": on a communication thread; ":staged": handed plain tensors, copied in), "hierarchical", "p2p"
+("p2p:<algorithm>"). ``canonical`` reads a name a user typed: old spellings (``DEPRECATED``) warn.
 """
 
 from __future__ import annotations
 
+import datetime
+import warnings
 import weakref
 from typing import Callable, NamedTuple, Sequence
 
@@ -21,7 +26,8 @@ import torch.distributed as dist
 
 from dpkit.comm.hierarchical import Hierarchical
 from dpkit.comm.hosts import host_indices
-from dpkit.comm.interface import Transport
+from dpkit.comm.comm_thread import group_timeout
+from dpkit.comm.interface import Staged, Transport
 from dpkit.comm.message_passing import SUMS, MessagePassing
 from dpkit.comm.shared_memory import NotOneHost, SharedMemory
 from dpkit.comm.torch_transport import Torch
@@ -49,10 +55,33 @@ def register(name: str, factory: Callable[..., Transport], options: Sequence[str
     _REGISTERED[name] = Entry(factory, tuple(options), None if devices is None else tuple(devices))
 
 
+def unregister(name: str) -> None:
+    """Forget a name ``register`` added (not a built-in one): a test's toy transport, once the test is done."""
+    if name in BUILT_IN or name not in _REGISTERED:
+        raise ValueError(f"cannot unregister {name!r}: a built-in name, or one not registered")
+    del _REGISTERED[name]
+
+
 def names() -> tuple[str, ...]:
     """Every name ``resolve`` takes now: "auto", then the registered ones with their options."""
     return ("auto", *(n for name, entry in _REGISTERED.items()
                       for n in (name, *(f"{name}:{option}" for option in entry.options))))
+
+
+# Spellings of the benchmarks before the names were one (kept for one release): old -> the registry's.
+DEPRECATED = {"shm": "shared_memory", "shm-thread": "shared_memory:thread", "zero_copy": "shared_memory",
+              "staged": "shared_memory:staged", "dpkit": "torch:dpkit"}
+
+
+def canonical(name: str) -> str:
+    """``name`` as ``names()`` spells it: an old spelling warns (DeprecationWarning, naming the new one) and
+    gives the new one; an unknown name raises ValueError listing the known ones."""
+    if name in DEPRECATED:
+        warnings.warn(f"transport {name!r} is deprecated: say {DEPRECATED[name]!r}", DeprecationWarning, stacklevel=2)
+        name = DEPRECATED[name]
+    if name not in names():
+        raise ValueError(f"unknown transport {name!r}: choose one of {', '.join(names())}")
+    return name
 
 
 def factory(name: str, engine: str = "Hierarchical") -> Callable[..., Transport]:
@@ -68,7 +97,7 @@ def factory(name: str, engine: str = "Hierarchical") -> Callable[..., Transport]
 _CHOSEN: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine") -> Transport:
+def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine", shared: bool = True) -> Transport:
     """The transport ``spec`` names for ``group`` and tensors on ``device`` (a collective: every rank calls it).
 
     ``spec``: ``"auto"`` (for tensors on the CPU: shared memory when every rank of the group is on
@@ -79,12 +108,12 @@ def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine"
     their tensors on different device types, ``"shared_memory"`` or ``"hierarchical"`` for GPU
     tensors, ``"shared_memory"`` for a group that spans hosts, or a transport over other ranks.
     Transports chosen by name are made once per group and shared by the engines of this process
-    (they run in the caller's thread, in turn).
+    (they run in the caller's thread, in turn); ``shared=False`` makes a new one (memory of its own).
     """
     device = torch.device("cpu" if device is None else device)
     group = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(group)
-    key = (id(group), spec, device.type) if isinstance(spec, str) else None
+    key = (id(group), spec, device.type) if isinstance(spec, str) and shared else None
     cached = _CHOSEN.get(key) if key is not None else None
     if cached is not None and (cached.ranks != ranks or _group_of(cached) is not group or cached._closed):
         cached = None
@@ -102,6 +131,8 @@ def resolve(spec="auto", group=None, device=None, *, engine: str = "this engine"
         if spec.world_size > 1 and not spec.supports(device):
             raise ValueError(f"{engine}: {spec!r} cannot serve tensors on {device}: use transport 'torch' for GPUs")
         return spec
+    if key is None:
+        return _make(spec, group, device, engine)
     if cached is None or not all(entry[3] for entry in everyone):
         cached = _CHOSEN[key] = _make(spec, group, device, engine)
     return cached
@@ -157,7 +188,24 @@ def _automatic(group, device: torch.device) -> Transport:
     return Torch(group)
 
 
-register("torch", lambda group, option: Torch(group))
-register("shared_memory", lambda group, option: SharedMemory(group), devices=("cpu",))
+def _torch(group, backend: str) -> Torch:
+    """torch.distributed's collectives on ``group`` ("torch"), or on a new group of ``backend`` over the same ranks
+    with its timeout ("torch:dpkit": what PyTorch's own engines are given as their process group there)."""
+    if not backend:
+        return Torch(group)
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"transport 'torch:{backend}' is made over the whole world (dist.new_group), not a subgroup")
+    seconds = group_timeout(group, torch.device("cpu"))
+    timeout = None if seconds is None else datetime.timedelta(seconds=seconds)
+    return Torch(dist.new_group(backend=backend, timeout=timeout))
+
+
+def _shared_memory(group, option: str) -> Transport:
+    made = SharedMemory(group, background=option == "thread")
+    return Staged(made) if option == "staged" else made
+
+
+register("torch", _torch, options=("dpkit",))
+register("shared_memory", _shared_memory, options=("thread", "staged"), devices=("cpu",))
 register("hierarchical", lambda group, option: Hierarchical(group), devices=("cpu",))
 register("p2p", lambda group, algorithm: MessagePassing(group, algorithm or "auto"), options=tuple(SUMS))

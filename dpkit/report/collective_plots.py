@@ -39,7 +39,7 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
         errors = [(0.0, 0.0) if span is None else (y - span[0] * scale, span[1] * scale - y)
                   for y, span in zip(ys, spans)]
         ax.errorbar(xs, ys, yerr=np.array(errors).T, marker="o", markersize=4, capsize=2, color=plots.colour(label),
-                    label=label.replace("_", " "))
+                    label=label if axis == "transport" else label.replace("_", " "))  # transports: registry names
     chosen = [(a["bytes"], r[key] * scale) for a in mine if a["label"] == "auto" and a.get("choice")
               for r in mine if r["label"] == a["choice"] and r["bytes"] == a["bytes"]]
     if chosen:

@@ -15,6 +15,7 @@ imports matplotlib: README's block is rendered from these functions too.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 
@@ -87,7 +88,8 @@ ITEM_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 def kind(check: dict) -> str:
     """What a check measures: "bytes bookkeeping" (model-state bytes against their ideal: sizes added up, nothing
     timed), "memory" (a peak, or bytes saved or held, measured once), or "time"."""
-    text = check.get("target") or check.get("name") or ""
+    # Transport names in brackets are not what is measured ("[shared_memory]" says where, not "memory").
+    text = re.sub(r"\[[^\]]*\]", "", check.get("target") or check.get("name") or "")
     if "/ ideal" in text:
         return "bytes bookkeeping"
     return "memory" if "memory" in text or "_bytes" in text else "time"

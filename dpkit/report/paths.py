@@ -1,18 +1,19 @@
-"""Which path a shared-memory row took, so that no label says only [shm]: the transport's own buffers, summed
-where they lie ("zero copy"), or tensors the caller allocated, copied into the arena and back ("staged").
+"""Which path a shared-memory row took, so that no label says only [shared_memory]: the transport's own buffers,
+summed where they lie ("zero copy"), or tensors the caller allocated, copied into the arena and back ("staged").
 
     from dpkit.report import paths
-    paths.label("pytorch-best 25M [shm]", doc)     # "pytorch-best 25M [shm, staged]"
-    paths.axis(check, doc)                          # "transport" when the two rows took different paths
+    paths.label("pytorch-best 25M [shared_memory]", doc)   # "pytorch-best 25M [shared_memory, staged]"
+    paths.axis(check, doc)                                 # "transport" when the two rows took different paths
 
-The benchmarks' labels name the transport ([shm], [shm-thread]); the path is read from the row where it says
-(ddp_benchmark.py's ``transport_staging_bytes``: a staging block means the tensors were copied in), else from
-who allocates the tensors a collective is handed, which the code fixes per engine:
+The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]); the
+path is read from the row where it says (ddp_benchmark.py's ``transport_staging_bytes``: a staging block means
+the tensors were copied in), else from who allocates the tensors a collective is handed, which the code fixes
+per engine:
 - our DDP, ZeRO and FSDP allocate buckets, shards and gathered tensors through the transport: zero copy;
 - PyTorch's DDP reaches a transport only through ``transport.ddp_comm_hook``, handed PyTorch's bucket: staged;
 - ``fully_shard`` through ``transport.use_with_fully_shard`` has the transport allocate its buffers: zero copy;
 - SyncBatchNorm (ours, and the reference's two sums) sums small tensors it makes itself: staged;
-- collectives_benchmark.py's labels already say "zero copy" or "staged".
+- collectives_benchmark.py's rows are "shared_memory" (its buffers: zero copy) or "shared_memory:staged".
 A comparison of a zero-copy row with a staged row compares transports, whatever engines it names.
 """
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 import re
 
 ZERO_COPY, STAGED = "zero copy", "staged"
-SHM = re.compile(r"\[(shm(?:-thread)?)\]")
+SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # A bracket with up to three words before it: the label it closes, in a table cell or a sentence.
-LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shm(?:-thread)?)\]")
+LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shared_memory(?::thread)?)\]")
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # every sum of a SyncBatchNorm row is of a tensor the layer made
 ZERO_COPY_PYTORCH = ("fsdp", "zero", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
 
@@ -50,8 +51,8 @@ def _row_path(words: list[str], bracket: str, doc: dict | None) -> str | None:
 
 def path(label: str, doc: dict | None = None) -> str | None:
     """"zero copy", "staged", or None for a label on no shared memory."""
-    if ZERO_COPY in label or STAGED in label:
-        return ZERO_COPY if ZERO_COPY in label else STAGED
+    if label == "shared_memory" or STAGED in label:  # collectives_benchmark.py's rows say it
+        return ZERO_COPY if label == "shared_memory" else STAGED
     found = SHM.search(label)
     if not found:
         return None
@@ -62,7 +63,7 @@ def path(label: str, doc: dict | None = None) -> str | None:
 
 
 def label(text: str, doc: dict | None = None) -> str:
-    """``text`` (a label, a table, a sentence) with each [shm] or [shm-thread] naming its path."""
+    """``text`` (a label, a table, a sentence) with each [shared_memory] or [shared_memory:thread] naming its path."""
     def named(m):
         return f"{m.group(1)}[{m.group(2)}, {path(m.group(0), doc)}]"
 

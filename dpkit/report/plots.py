@@ -43,7 +43,7 @@ COLOURS = {
     "naive": "#56B4E9", "tree": "#56B4E9",
     "recursive_doubling": "#882255", "shared_memory": "#999933", "auto": "#000000",
     # The transports of collectives_benchmark.py (rows labelled by transport, not by algorithm).
-    "shared_memory (zero copy)": "#999933", "shared_memory (staged)": "#DDCC77", "p2p": "#332288",
+    "shared_memory:staged": "#DDCC77", "p2p": "#332288",
     "no ddp": "#000000", "no_ddp": "#000000",
     "BatchNorm1d (local)": "#999999", "BatchNorm1d + 2 all_reduce": "#000000",
     "BatchNorm1d + 2 shared-memory all_reduce": "#555555",
@@ -292,8 +292,8 @@ def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
     no bar divides a time on one transport by a time on another."""
     transports = sorted({r.get("transport") for r in doc["results"] if r.get("kind", "time") == "time"
                          and r.get("impl") == "ours" and r.get("setting", "workers") == "workers"}, key=str)
-    pairs = [("ours", t, colour("shared_memory") if t == "shm" else colour("ours")) for t in transports]
-    pairs += [(SYNCBN_FLOOR, t, "#BBBBBB") for t in transports if t == "shm"]
+    pairs = [("ours", t, colour("shared_memory") if t == "shared_memory" else colour("ours")) for t in transports]
+    pairs += [(SYNCBN_FLOOR, t, "#BBBBBB") for t in transports if t == "shared_memory"]
     series = [(impl, t, bar, syncbn_ratios(doc, SYNCBN_REFERENCE, impl, t)) for impl, t, bar in pairs]
     series = [s for s in series if s[-1]] or series[:1] or [("ours", None, colour("ours"), [])]
     batches = sorted({r["batch"] for r in series[0][-1]})
@@ -375,7 +375,7 @@ def _is_transport(row: dict) -> bool:
 
 
 # One line style per transport of ddp_benchmark.py's rows (the colour is the implementation's).
-TRANSPORT_LINES = {"torch": "-", "shm": "--", "shm-thread": ":"}
+TRANSPORT_LINES = {"torch": "-", "shared_memory": "--", "shared_memory:thread": ":", "torch:dpkit": "-."}
 
 
 def _models(rows):
@@ -416,7 +416,8 @@ def ddp_variants(doc: dict) -> Figure:
 
 
 def _series_label(name: str, on: str | None, row: dict, doc: dict) -> str:
-    """"bucketed [shm, zero copy]": an implementation, its transport and, on shared memory, its path (``row``'s)."""
+    """"bucketed [shared_memory, zero copy]": an implementation, its transport and, on shared memory, its path
+    (``row``'s)."""
     if not on:
         return name
     path = paths.path(row["label"], doc)
@@ -424,7 +425,7 @@ def _series_label(name: str, on: str | None, row: dict, doc: dict) -> str:
 
 
 def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
-    labels = [paths.label(r["label"], {"results": rows}) for r in rows]  # each [shm] names its path
+    labels = [paths.label(r["label"], {"results": rows}) for r in rows]  # each [shared_memory] names its path
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
         over = oversubscribed(r, env)
@@ -639,11 +640,11 @@ SHARDINGS = ("ddp", "zero", "zero2", "fsdp")  # zero2: ZeRO stage 2 (gradients s
 
 
 def our_variant(rows: list[dict], sharding: str) -> str | None:
-    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours [shm]' (memory does not depend on the
-    transport but for its buffers, which this variant's rows count), else '<sharding> ours' (files written before
-    transports were named), else the first of ours."""
+    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours [shared_memory]' (memory does not
+    depend on the transport but for its buffers, which this variant's rows count), else '<sharding> ours' (files
+    written before transports were named), else the first of ours."""
     names = list(dict.fromkeys(r["variant"] for r in rows if r.get("sharding") == sharding and " ours" in r["variant"]))
-    preferred = next((n for n in (f"{sharding} ours [shm]", f"{sharding} ours") if n in names), None)
+    preferred = next((n for n in (f"{sharding} ours [shared_memory]", f"{sharding} ours") if n in names), None)
     return preferred or (names[0] if names else None)
 
 

@@ -68,9 +68,10 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
     any_row = next(iter(rows.values()))
     lines = [f"- **DDP** (`ddp_benchmark.py`, resnet18, batch {any_row['batch_size']} per rank, 2 processes, "
              f"{headline['config']['rounds']} rounds; [torch] = gloo's loopback TCP, PyTorch's DDP with its own "
-             "communication; [shm, zero copy] = this host's shared memory, buckets the transport allocated and sums "
-             "where they lie (our DDP); [shm, staged] = the same transport handed tensors it copies in and out "
-             "(PyTorch's DDP through `transport.ddp_comm_hook`, and our naive DDP's per-parameter gradients)):"]
+             "communication; [shared_memory, zero copy] = this host's shared memory, buckets the transport allocated "
+             "and sums where they lie (our DDP); [shared_memory, staged] = the same transport handed tensors it "
+             "copies in and out (PyTorch's DDP through `transport.ddp_comm_hook`, and our naive DDP's per-parameter "
+             "gradients)):"]
     for c in checks:
         if c["target"].startswith("p50") and c["axis"] in ("engine", "transport"):
             axis = paths.axis(c, headline)
@@ -88,7 +89,7 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
 
 
 def _pair(check: dict, doc: dict) -> str:
-    """"label / reference", each [shm] naming its path."""
+    """"label / reference", each [shared_memory] naming its path."""
     return paths.label(f"{check['label']} / {check['reference']}", doc)
 
 
@@ -146,8 +147,8 @@ def syncbn_lines(doc: dict) -> list[str]:
     parts += _other_dtype_memory(doc, judged)
     return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
             f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
-            f"times of forward + backward; targets checked in {' and '.join(judged) or 'no dtype'}; [shm, staged]: "
-            "this host's shared memory, each sum's small tensor copied in and out):",
+            f"times of forward + backward; targets checked in {' and '.join(judged) or 'no dtype'}; "
+            "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied in and out):",
             *[f"  - {p}" for p in parts]]
 
 
@@ -229,8 +230,9 @@ def sharding_lines(doc: dict) -> list[str]:
     states = [t for t in targets if t["ratio"] is None]
     worst_state = max(states, key=lambda t: t["value"])
     lines = [f"- **Sharded data parallelism** (`sharding_benchmark.py`, {_sharding_models(doc['config'])}, AdamW, "
-             f"{world} processes, {doc['config']['rounds']} rounds; [shm, zero copy]: our engines' and `fully_shard`'s "
-             "buffers allocated by the transport; [shm, staged]: PyTorch's DDP through `transport.ddp_comm_hook`): "
+             f"{world} processes, {doc['config']['rounds']} rounds; [shared_memory, zero copy]: our engines' and "
+             "`fully_shard`'s buffers allocated by the transport; [shared_memory, staged]: PyTorch's DDP through "
+             "`transport.ddp_comm_hook`): "
              f"bytes bookkeeping, model-state bytes per rank within {states[0]['limit']:.2f}x the ideal for "
              f"{sum(t['verdict'] == 'met' for t in states)} of {len(states)} rows, one measurement each (largest "
              f"{worst_state['value']:.2f}x, {paths.label(worst_state['target'].split(' state')[0], doc)}); time:"]

@@ -1,0 +1,151 @@
+"""One vocabulary of transports: a transport registered once (``registry.register``) is a choice of every
+benchmark and runs there; old spellings still work, with a deprecation message naming the new one; an unknown
+name lists the known ones; results files written with the old names read with the new ones.
+
+One group of 2 spawned ranks runs each benchmark's own ``worker`` on the toy (a few iterations each); the
+rest runs in this process without a process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from common import run_workers
+import collectives_benchmark
+import ddp_benchmark
+import sharding_benchmark
+import syncbn_benchmark
+from dpkit.bench import transports as bench_transports
+from dpkit.bench.results import read_results
+from dpkit.comm import registry, transport
+
+TOY = "toy"
+
+
+class Toy(transport.Wrapped):
+    """torch.distributed's collectives under another name: what a user's own transport is to the benchmarks."""
+
+    name = TOY
+
+
+def register_toy() -> None:
+    registry.register(TOY, lambda group, option: Toy(transport.Torch(group)), devices=("cpu",))
+
+
+@pytest.fixture
+def toy():
+    register_toy()
+    yield TOY
+    registry.unregister(TOY)
+
+
+# Each benchmark's flags for a tiny run on the toy (and torch, the reference where the benchmark needs one).
+TINY = {
+    "ddp_benchmark": ["--models", "cnn", "--variants", "bucketed", "pytorch-best", "--transports", TOY,
+                      "--bucket-sizes", "25", "--batch-size", "2", "--iters", "2", "--rounds", "1", "--warmup", "0",
+                      "--no-breakdown"],
+    "sharding_benchmark": ["--quick", "--models", "gpt", "--variants", f"ddp ours [{TOY}]", f"fsdp ours [{TOY}]",
+                           "--iters", "2", "--rounds", "1", "--warmup", "0"],
+    "syncbn_benchmark": ["--transports", "torch", TOY, "--batch", "4", "--hidden", "8", "--dtypes", "float32",
+                         "--iters", "2", "--rounds", "1", "--warmup", "0", "--settings", "workers"],
+    "collectives_benchmark": ["--axis", "transports", "--transports", "torch", TOY, "--sizes", "4096",
+                              "--iters", "2", "--warmup", "0"],
+}
+MODULES = {m.__name__: m for m in (ddp_benchmark, sharding_benchmark, syncbn_benchmark, collectives_benchmark)}
+
+
+def _every_benchmark_on_the_toy(ctx) -> dict:
+    """Each benchmark's worker on the toy, on this rank: {benchmark: [(label or variant, transport), ...]}."""
+    register_toy()  # a fresh process: registered as a user's start-up code would
+    out = {}
+    for name, flags in TINY.items():
+        rows = MODULES[name].worker(ctx, MODULES[name].parse_args(flags))
+        out[name] = sorted({(r.get("label") or r.get("variant") or r.get("impl"), r.get("transport"),
+                             r.get("correct")) for r in rows if TOY in str(r.get("transport") or r.get("variant"))},
+                           key=str)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_workers(_every_benchmark_on_the_toy, 2)
+
+
+def test_a_registered_transport_runs_in_every_benchmark(runs):
+    for rank in runs:
+        assert rank == runs[0]
+    ran = runs[0]
+    assert ("bucketed 25M [toy]", TOY, None) in ran["ddp_benchmark"]
+    assert ("pytorch-best 25M [toy]", TOY, None) in ran["ddp_benchmark"]  # PyTorch's DDP through the comm hook
+    assert {label for label, _, _ in ran["sharding_benchmark"]} == {"ddp ours [toy]", "fsdp ours [toy]"}
+    assert any(t == TOY for _, t, _ in ran["syncbn_benchmark"])
+    # the row labelled by the registry's name, its transport field what ran (describe()), exact on the pattern
+    assert ran["collectives_benchmark"] == [(TOY, "toy torch (gloo)", True)]
+
+
+def test_a_registered_transport_is_a_choice_of_every_benchmark_and_named_in_its_help(toy, capsys):
+    for name, module in MODULES.items():
+        args = module.parse_args(TINY[name])
+        chosen = args.variants if name == "sharding_benchmark" else args.transports
+        assert any(TOY in c for c in chosen), name
+    for module, flags in ((ddp_benchmark, ["run", "--help"]), (syncbn_benchmark, ["--help"]),
+                          (collectives_benchmark, ["--help"]), (sharding_benchmark, ["--help"])):
+        with pytest.raises(SystemExit):
+            module.parse_args(flags)
+        assert TOY in capsys.readouterr().out, module.__name__
+    assert TOY in bench_transports.choices()
+    registry.unregister(TOY)
+    assert TOY not in bench_transports.choices()
+    register_toy()  # for the fixture's teardown
+
+
+@pytest.mark.parametrize("old, new", sorted(registry.DEPRECATED.items()))
+def test_an_old_spelling_still_works_saying_its_new_one(old, new, capsys):
+    with pytest.warns(DeprecationWarning, match=f"transport '{old}' is deprecated: say '{new}'"):
+        assert bench_transports.argument(old) == new
+    assert f"say '{new}'" in capsys.readouterr().err
+    with pytest.warns(DeprecationWarning):
+        assert collectives_benchmark.parse_args(["--transports", "torch", old]).transports == ["torch", new]
+    with pytest.warns(DeprecationWarning):  # a bracket of a sharding variant too
+        assert sharding_benchmark.select([f"ddp ours [{old}]"]) == [f"ddp ours [{new}]"]
+
+
+def test_an_unknown_transport_lists_the_known_ones(capsys):
+    known = ", ".join(registry.names())
+    with pytest.raises(argparse.ArgumentTypeError, match=f"unknown transport 'gloo': choose one of {known}"):
+        bench_transports.argument("gloo")
+    for module in (ddp_benchmark, syncbn_benchmark, collectives_benchmark):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--transports", "gloo"])
+        assert f"unknown transport 'gloo': choose one of {known}" in capsys.readouterr().err, module.__name__
+    with pytest.raises(ValueError, match=f"unknown transport 'gloo': choose one of {known}"):
+        sharding_benchmark.select(["ddp ours [gloo]"])
+    with pytest.raises(argparse.ArgumentTypeError, match="not 'auto'"):
+        bench_transports.argument("auto")  # a row names what it ran on
+
+
+def test_results_written_with_the_old_names_read_with_the_new_ones(tmp_path):
+    doc = {"schema": "dp-kit-results/2", "benchmark": "ddp_benchmark", "config": {"transports": ["torch", "shm"]},
+           "results": [{"label": "bucketed 25M [shm-thread]", "transport": "shm-thread"},
+                       {"label": "pytorch-best 25M [dpkit]", "transport": "dpkit"}],
+           "targets": [{"label": "bucketed 25M [shm]", "reference": "pytorch-best 25M [shm]"}]}
+    renamed = bench_transports.current_names(doc)
+    assert renamed["config"]["transports"] == ["torch", "shared_memory"]
+    assert renamed["results"] == [{"label": "bucketed 25M [shared_memory:thread]", "transport": "shared_memory:thread"},
+                                  {"label": "pytorch-best 25M [torch:dpkit]", "transport": "torch:dpkit"}]
+    assert renamed["targets"] == [{"label": "bucketed 25M [shared_memory]",
+                                   "reference": "pytorch-best 25M [shared_memory]"}]
+    collectives = {"benchmark": "collectives_benchmark", "config": {"transports": ["zero_copy", "staged"]},
+                   "results": [{"label": "shared_memory (zero copy)", "transport": "shared_memory"},
+                               {"label": "dist.all_reduce [dpkit]", "transport": "dpkit"}]}
+    assert bench_transports.current_names(collectives)["results"] == [
+        {"label": "shared_memory", "transport": "shared_memory"},
+        {"label": "dist.all_reduce [dpkit]", "transport": "dpkit"}]  # the backend "dpkit", not a transport
+    assert bench_transports.current_names(collectives)["config"]["transports"] == ["shared_memory",
+                                                                                   "shared_memory:staged"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    assert read_results(str(path))["results"] == renamed["results"]  # every reader reads through it
