@@ -147,7 +147,7 @@ def test_syncbn_table_states_each_sizes_time_and_memory_from_the_file(syncbn):
              and r["dtype"] == "float32"]
     local = {(r["batch"], r["hidden"]): r for r in times if r["impl"] == "BatchNorm1d (local)"}
     assert [(r["batch"], r["hidden"]) for r in rows] == sorted(local)
-    for t in ("torch", "shm"):
+    for t in ("torch", "shared_memory"):
         ours = {(r["batch"], r["hidden"]): r for r in times if r["impl"] == "ours" and r["transport"] == t}
         for row in rows:
             size = row["batch"], row["hidden"]
@@ -159,7 +159,7 @@ def test_syncbn_commentary_counts_the_sizes_the_benchmark_judged_met(syncbn):
     """The benchmark stored how many sizes met the every-size target per transport: the sentence agrees."""
     stored = {t["transport"]: t for t in syncbn["results"] if t.get("kind") == "target" and t["setting"] == "workers"
               and t.get("versus") == "BatchNorm1d + 2 all_reduce" and "every size" in t["name"]}
-    assert set(stored) == {"torch", "shm"}
+    assert set(stored) == {"torch", "shared_memory"}
     for transport, target in stored.items():
         sentence = syncbn_section.transport_sentence(syncbn, transport)
         assert f"met on {target['sizes_met']}," in sentence and f"of the {target['sizes']} sizes" in sentence

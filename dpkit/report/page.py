@@ -94,7 +94,8 @@ class Page:
         return self.env["cpus"]
 
     def say(self, text: str, doc: dict | None = None, label: bool = True) -> None:
-        """Markdown; each [shm] in it names its path, zero copy or staged (``paths.label``; ``doc``: its file)."""
+        """Markdown; each [shared_memory] in it names its path, zero copy or staged (``paths.label``; ``doc``:
+        its file)."""
         self.emit("markdown", paths.label(text, doc) if label else text)
 
     def show(self, rows, columns, doc: dict | None = None, label: bool = True) -> None:

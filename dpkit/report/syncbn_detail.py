@@ -17,7 +17,7 @@ from dpkit.report.syncbn_section import transports
 # The file's labels of the settings and implementations the cold-cache sentence compares.
 COLD, LOCAL, SINGLE = "1 process, cold caches", "BatchNorm1d (local)", "1 process"
 SYNC_PATH, WORKERS = "ours, synchronized path without collectives", "workers"
-WIRE = {"torch": "torch.distributed (gloo)", "shm": "shared memory"}
+WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory"}
 RATIO_COLUMNS = [("setting", "setting", "s"), ("on", "transport", "s"), ("dtype", "dtype", "s"),
                  ("batch", "batch", "d"), ("hidden", "hidden", "d"), ("ratio", "time ratio", "s"),
                  ("target", "target", "s"), ("verdict", "verdict", "s"), ("saved_ratio", "saved bytes ratio", ".2f"),
@@ -33,13 +33,14 @@ def fmt(r: dict) -> str:
 
 
 def named(name: str, on: list) -> str:
-    """``name [shm]`` when every row of a table has that one transport on this side, else the bare name."""
+    """``name [shared_memory]`` when every row of a table has that one transport on this side, else the bare name."""
     on = set(on)
     return f"{name} [{on.pop()}]" if len(on) == 1 and None not in on else name
 
 
 def on_text(r: dict) -> str:
-    """The transports of one ratio row: [shm] when both sides share it, [shm] / [torch] when they differ."""
+    """The transports of one ratio row: [shared_memory] when both sides share it, [shared_memory] / [torch]
+    when they differ."""
     ours, theirs = r.get("transport"), r.get("versus_transport")
     if ours == theirs:
         return "-" if ours is None else f"[{ours}]"

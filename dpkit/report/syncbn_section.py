@@ -19,8 +19,8 @@ from dpkit.report.page import SYNCBN_DOC
 from dpkit.report.wording import ratio_text, span, verdict_text
 
 LOCAL = "BatchNorm1d (local)"
-TRANSPORT_ORDER = ["torch", "shm"]
-WIRE = {"torch": "torch.distributed (gloo)", "shm": "shared memory (staged: the sums copied in and out)"}
+TRANSPORT_ORDER = ["torch", "shared_memory"]
+WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory (staged: the sums copied in and out)"}
 
 
 def test_outcomes(results: Path) -> tuple[dict, list[dict]]:
@@ -156,15 +156,16 @@ def targets_text(doc: dict) -> str:
 def extra_text(doc: dict) -> str:
     """The time ours adds per transport, beside the reference's own time: why the ratios differ."""
     extra = {t: findings.syncbn_extra(doc, t) for t in transports(doc)}
-    if set(extra) != {"torch", "shm"} or not all(extra.values()):
+    if set(extra) != {"torch", "shared_memory"} or not all(extra.values()):
         return ""
     cheaper = {t: statistics.median(r["median"] for r in ratios(doc, t).values()) for t in extra}
-    g, m = extra["torch"], extra["shm"]
+    g, m = extra["torch"], extra["shared_memory"]
     text = (f"Per size, ours adds a median of {1e6 * g['extra_s']:.0f} us to the reference through gloo and "
             f"{1e6 * m['extra_s']:.0f} us through shared memory, where the reference itself takes a median of "
             f"{1e6 * g['reference_s']:.0f} us and {1e6 * m['reference_s']:.0f} us (median ratio "
-            f"{cheaper['torch']:.2f} and {cheaper['shm']:.2f}): ")
-    smaller = cheaper["shm"] > cheaper["torch"] and m["reference_s"] < g["reference_s"] and m["extra_s"] <= g["extra_s"]
+            f"{cheaper['torch']:.2f} and {cheaper['shared_memory']:.2f}): ")
+    smaller = (cheaper["shared_memory"] > cheaper["torch"] and m["reference_s"] < g["reference_s"]
+               and m["extra_s"] <= g["extra_s"])
     return text + ("the ratio is larger on shared memory because the reference is smaller there, not because ours "
                    "adds more. " if smaller else "compare the time added, not the ratios, across transports. ")
 
