@@ -14,6 +14,7 @@ when a trainer builds the optimizer or saves the state.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -47,8 +48,8 @@ def named(kind: str):
                 return registry.canonical(text, kind)
             except ValueError as error:
                 raise argparse.ArgumentTypeError(str(error)) from None
-            finally:  # a command line's deprecation as one plain line, not a warning's source excerpt
-                for warning in caught:
+            finally:  # a command line's deprecation as one plain line, not a warning's source excerpt, on rank 0
+                for warning in caught if os.environ.get("RANK", "0") == "0" else ():
                     print(f"deprecated: {warning.message}", file=sys.stderr)
     parse.__name__ = kind
     return parse
