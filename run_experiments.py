@@ -62,7 +62,7 @@ _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
 # memory) and the transport under one engine (fully_shard on shared memory, and on a "dpkit" process group, / on
 # gloo: its target is for this size).
-SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero ours [shm]", "fsdp pytorch [torch]",
+SHARDING_GPT_VARIANTS = ("ddp ours [shm]", "ddp pytorch [shm]", "zero1 ours [shm]", "fsdp pytorch [torch]",
                          "fsdp pytorch [shm]", "fsdp pytorch [dpkit]", "fsdp ours [torch]", "fsdp ours [shm]")
 
 EXPERIMENTS = (
