@@ -9,16 +9,15 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
     python sharding_benchmark.py --procs 2 --variants "zero1 ours [shm]" "zero2 ours [shm]"   # ZeRO stages 1 and 2
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
-A variant is an engine on a transport, "<engine> <ours|pytorch>[ option] [<transport>]" (without the
-brackets in --variants: every transport it is registered on); the engines are ``dpkit.engines.registry``'s,
-and one registered there without a builder here runs through the registry's (opt-in). [torch] is torch.distributed's collectives
-(PyTorch's engines as they come); [shm] is ``transport.SharedMemory``, for PyTorch's DDP through
-``transport.ddp_comm_hook`` and for ``fully_shard`` through ``transport.use_with_fully_shard``;
-[shm-thread] the same on a communication thread; [dpkit] PyTorch's DDP and ``fully_shard`` unchanged on a
-process group of the backend "dpkit". ``ZeroRedundancyOptimizer`` takes no transport: "zero1
-pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one axis
-only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
-transport's gain. With one process there is no communication: only [torch] runs.
+A variant is a registered engine (``dpkit.engines.registry``; without a builder here, the registry's, opt-in) on a
+transport, "<engine> <ours|pytorch>[ option] [<transport>]" (no brackets: every transport). [torch] is
+torch.distributed's collectives (PyTorch's engines as they come); [shm] is ``transport.SharedMemory``, for
+PyTorch's DDP through ``transport.ddp_comm_hook`` and for ``fully_shard`` through
+``transport.use_with_fully_shard``; [shm-thread] the same on a communication thread; [dpkit] PyTorch's DDP and
+``fully_shard`` unchanged on a process group of the backend "dpkit". ``ZeroRedundancyOptimizer`` takes no
+transport: "zero1 pytorch" runs on [torch] only. Each target divides the times of two variants that differ on one
+axis only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a transport's
+gain. With one process there is no communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then

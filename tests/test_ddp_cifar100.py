@@ -35,6 +35,7 @@ from dpkit.engines import registry
 from dpkit.train.parallel import resolve_sync_bn
 from dpkit.train.step import micro_batch_plan
 from dpkit.train.validation import validation_sums
+import toy_engine
 
 SCRIPT = "ddp_cifar100.py"
 IMPLS = registry.IMPLS
@@ -368,6 +369,8 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
     results["sharding"] = {(impl, sharding): _sharding_case(ctx, impl, sharding, checkpoint_dir)
                            for impl, sharding in [*((impl, "ddp") for impl in IMPLS), *SHARDED_RUNS]}
+    with toy_engine.registered():  # an engine registered in one place is a --sharding choice the trainer runs
+        results["toy"] = _sharding_case(ctx, "ours", toy_engine.NAME, checkpoint_dir)
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
@@ -461,6 +464,16 @@ def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_ch
             assert a["steps"] == b["steps"] == 2 * a["epoch"]
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_a_registered_toy_engine_trains_as_the_ddp_it_wraps_and_resumes(in_process):
+    """tests/toy_engine.py: our DDP registered under another name; the trainer runs it by that name."""
+    for result in in_process.results:
+        ddp, toy = result["sharding"]["ours", "ddp"]["whole"], result["toy"]
+        for key, value in ddp["state"].items():
+            assert torch.equal(toy["whole"]["state"][key], value), key
+            assert torch.equal(toy["resumed"]["state"][key], value), key
+        assert toy["resumed"]["resumed_from"].endswith("epoch-0001.pt")
 
 
 def test_no_wrapper_or_optimizer_keeps_the_process_group_alive_after_teardown(in_process):

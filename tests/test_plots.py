@@ -413,8 +413,8 @@ MIB = plots.MIB
 
 
 def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
-    parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, state_bytes=8 * MIB // (world if sharding == "zero1" else 1),
-                 activation_bytes=mib * MIB)
+    parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, activation_bytes=mib * MIB,
+                 state_bytes=8 * MIB // (world if sharding == "zero1" else 1))
     return {"model": "gpt", "variant": variant, "sharding": sharding, "world_size": world, **parts,
             "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"],
             "oversubscribed": oversubscribed}

@@ -19,7 +19,8 @@ import toy_engine
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
         "--variants", "ddp ours [torch]", "ddp ours [shm]", "ddp pytorch", "zero1 ours [torch]", "zero1 ours [shm]",
-        "zero1 ours tensor [torch]", "zero2 ours", "zero1 pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
+        "zero1 ours tensor [torch]", "zero2 ours", "zero1 pytorch", "fsdp ours", "fsdp pytorch",
+        "fsdp ours bf16 [torch]"]
 WORLD = 2
 
 
@@ -345,7 +346,8 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
 def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     targets = {row["target"]: row for row in rows if "target" in row}
     expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine", "ddp ours [shm] / ddp pytorch [shm]": "engine",
-                "zero1 ours [torch] / zero1 pytorch [torch]": "engine", "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
+                "zero1 ours [torch] / zero1 pytorch [torch]": "engine",
+                "fsdp ours [shm] / fsdp pytorch [shm]": "engine",
                 "zero1 ours [shm] / ddp ours [shm]": "sharding",
                 "zero1 pytorch [torch] / ddp pytorch [torch]": "sharding",
                 "fsdp pytorch [shm] / fsdp pytorch [torch]": "transport",
