@@ -66,6 +66,14 @@ def test_old_labels_are_respelled_word_by_word_and_nothing_else():
                                                "label": "zero copy"}]}
 
 
+def test_a_checkpoint_identity_of_the_old_spellings_is_todays():
+    """What Checkpoints compares before resuming: a run started as --distributed-impl selfmade --sharding none
+    resumes as ours / ddp."""
+    old = {"distributed_impl": "selfmade", "sharding": "none", "sync_bn": "none", "lr": 0.01, "model": "cnn"}
+    assert {k: registry.current_field(k, v) for k, v in old.items()} == {
+        "distributed_impl": "ours", "sharding": "ddp", "sync_bn": "none", "lr": 0.01, "model": "cnn"}
+
+
 def test_committed_files_written_with_the_old_names_are_read_in_todays():
     ours = read_results(str(results_file(RESULTS, "train_ours")))
     assert (ours["config"]["distributed_impl"], ours["config"]["sharding"]) == ("ours", "ddp")

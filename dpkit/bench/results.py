@@ -178,17 +178,12 @@ OLD_FILE_NAMES = {"train_ours": "train_selfmade"}
 
 
 def current_names(doc: dict) -> dict:
-    """``doc`` with every engine name in ``ENGINE_FIELDS`` respelled by ``registry.current_label`` (the trainer's
-    old ``"sharding": "none"`` as "ddp", a manifest's old experiment names as today's), in place; a file of today's
-    names is unchanged."""
+    """``doc`` with every engine name in ``ENGINE_FIELDS`` respelled by ``registry.current_field`` (a manifest's
+    old experiment names as today's), in place; a file of today's names is unchanged."""
     def respelled(key, value):
-        if isinstance(value, list):
-            return [respelled(key, v) for v in value]
-        if key == "sharding" and value == "none":
-            return "ddp"
         if key == "experiment":  # the manifest's: named as its file
             return {old: new for new, old in OLD_FILE_NAMES.items()}.get(value, value)
-        return registry.current_label(value) if isinstance(value, str) else value
+        return registry.current_field(key, value)
 
     for part in (doc.get("config") or {}, *doc.get("results", []), *(doc.get("targets") or [])):
         for key in ENGINE_FIELDS:

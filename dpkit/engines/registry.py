@@ -110,6 +110,16 @@ def label(name: str, impl_name: str | None = None) -> str:
     return text if impl_name is None else f"{text} ({IMPL_LABELS.get(impl_name, impl_name)})"
 
 
+def current_field(key: str, value):
+    """A field of a results file or checkpoint written before the names were unified, in today's names:
+    ``current_label`` on strings (and lists of them), and the trainer's old ``sharding`` "none" as "ddp"."""
+    if isinstance(value, list):
+        return [current_field(key, v) for v in value]
+    if key == "sharding" and value == "none":
+        return "ddp"
+    return current_label(value) if isinstance(value, str) else value
+
+
 # A whole word; "zero copy" (a shared-memory path) is not an engine.
 _OLD_WORD = re.compile(r"\b(zero|selfmade)\b(?![-\w]| copy)")
 
