@@ -10,6 +10,7 @@ import pytest
 
 from common import REPO
 import ddp_cifar100 as trainer
+import run_experiments
 import sharding_benchmark
 import toy_engine
 from dpkit.bench import cluster
@@ -74,7 +75,9 @@ def test_a_checkpoint_identity_of_the_old_spellings_is_todays():
         "distributed_impl": "ours", "sharding": "ddp", "sync_bn": "none", "lr": 0.01, "model": "cnn"}
 
 
-def test_committed_files_written_with_the_old_names_are_read_in_todays():
+def test_committed_files_written_with_the_old_names_are_read_in_todays(capsys):
+    assert run_experiments.parse_args(["--only", "train_selfmade"]).only == ["train_ours"]
+    assert "deprecated: experiment 'train_selfmade' is now 'train_ours'" in capsys.readouterr().err
     ours = read_results(str(results_file(RESULTS, "train_ours")))
     assert (ours["config"]["distributed_impl"], ours["config"]["sharding"]) == ("ours", "ddp")
     sharding = read_results(str(RESULTS / "sharding.json"))
