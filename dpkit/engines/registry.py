@@ -11,7 +11,9 @@ takes its names from here, and a benchmark that compares engines lists ``names()
 ``shards`` is the engine's ZeRO stage (0: nothing, 1: the optimizer state, 2: and the gradients, 3: and the
 parameters); ``hybrid``: sharded inside a host, replicated across hosts. Old spellings (``selfmade``,
 ``none``, ``zero``) are read as the new ones with a FutureWarning for one release
-(``canonical``); ``current_label`` renames the labels of results files written before.
+(``canonical``); ``current_label`` renames the labels of results files written before. DDP's algorithms
+(``ddp.make_ddp``'s bucketed, which "ddp ours" is, and its overlap, flat and naive baselines) are options of
+"ddp ours", not engines (``ddp_benchmark.py`` labels its rows by the algorithm alone).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def register(engine: Engine) -> Engine:
 
 
 def unregister(name: str) -> None:
+    """Forget ``name`` (a test's toy engine); nothing if it is not registered."""
     _ENGINES.pop(name, None)
 
 
@@ -130,7 +133,6 @@ def current_label(text: str) -> str:
     the reader's to respell)."""
     old = {**OLD_IMPLS, "zero": "zero1"}
     return _OLD_WORD.sub(lambda m: old[m.group(1)], text)
-
 
 
 for _engine in (
