@@ -3,9 +3,9 @@
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 \
         --num-epochs 2
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 \
-        --distributed-impl selfmade    # the homework solution's run
+        --distributed-impl ours    # the homework solution's run ("selfmade" before: still read, deprecated)
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
-    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero
+    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero1, zero2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
         ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json    # survives killed workers (pytorch#135712)
 
@@ -32,11 +32,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from dpkit.bench.results import environment, format_environment, write_results
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, distributed, parse_checked, print0, progress
+from dpkit.engines import registry
 from dpkit.models import build_model
 from dpkit.train.checkpoint import Checkpoints, save_atomically
 from dpkit.train.data import build_datasets, choose_dataset, train_loader
 from dpkit.train.metrics import StepMeter, print_summary, summarize
-from dpkit.train.parallel import IMPLS, SHARDINGS, Parallel, resolve_sync_bn
+from dpkit.train.parallel import Parallel, named, resolve_sync_bn, shardings
 from dpkit.train.step import autocast, epoch_seed, forward_backward, micro_batch_plan, optimizer_step
 from dpkit.train.validation import rank0_model, validation_sums
 from syncbn import convert_sync_batchnorm
@@ -52,12 +53,14 @@ CHECKPOINT_WAIT_S = 1800.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--distributed-impl", choices=IMPLS, default="selfmade",
-                   help="selfmade: ddp.DDP; pytorch: torch.nn.parallel.DistributedDataParallel (default: %(default)s)")
-    p.add_argument("--sharding", choices=SHARDINGS, default="none",
-                   help="none: DDP; zero: DDP + optimizer state sharded (ZeRO stage 1); fsdp: parameters, gradients "
-                        "and optimizer state sharded (FSDP), ours or PyTorch's per --distributed-impl "
-                        "(default: %(default)s)")
+    p.add_argument("--distributed-impl", type=named("impl"), default="ours", metavar="{ours,pytorch}",
+                   help="ours: dpkit's engines (ddp.DDP, ...); pytorch: PyTorch's (DistributedDataParallel, ...); "
+                        "'selfmade' is read as ours, deprecated (default: %(default)s)")
+    p.add_argument("--sharding", type=named("engine"), default="ddp", metavar=f"{{{','.join(shardings())}}}",
+                   help=f"the engine, one of {', '.join(shardings())}: ddp; zero1: DDP + optimizer state sharded; "
+                        "zero2: gradients too; fsdp: parameters, gradients and optimizer state sharded; hsdp: FSDP "
+                        "inside each host; ours or PyTorch's per --distributed-impl. 'none' and 'zero' are read as "
+                        "ddp and zero1, deprecated (default: %(default)s)")
     p.add_argument("--num-epochs", type=int, default=10, help="epochs; the homework template's (default: %(default)s)")
     p.add_argument("--grad-accum-steps", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are communicated only on the last "
@@ -70,9 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="initial weights, data order, dropout (default: %(default)s)")
     p.add_argument("--model", choices=("cnn", "resnet18"), default="cnn",
                    help="cnn: the homework's small CNN; resnet18: torchvision's, 100 classes (default: %(default)s)")
-    p.add_argument("--sync-bn", choices=("auto", "selfmade", "pytorch", "none"), default="auto",
-                   help="BatchNorm: selfmade = syncbn.py; pytorch = torch.nn.SyncBatchNorm (CUDA only); none = per "
-                        "rank; auto = the implementation's own, ours on CPU (default: %(default)s)")
+    p.add_argument("--sync-bn", type=named("sync_bn"), default="auto", metavar="{auto,ours,pytorch,none}",
+                   help="BatchNorm: ours = syncbn.py ('selfmade', deprecated); pytorch = torch.nn.SyncBatchNorm "
+                        "(CUDA only); none = per rank; auto = the implementation's own, ours on CPU "
+                        "(default: %(default)s)")
     p.add_argument("--dataset", choices=("auto", "cifar100", "synthetic"), default="auto",
                    help="auto: CIFAR-100 if on disk or downloadable, else synthetic (announced); cifar100: never falls "
                         "back; synthetic: CIFAR-shaped, learnable, no files (default: %(default)s)")
@@ -125,6 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--checkpoint-timeout must be positive (seconds), got {args.checkpoint_timeout:g}")
     if args.json and args.metrics_json and args.json != args.metrics_json:
         p.error("--json and --metrics-json name different files; give one")
+    if args.distributed_impl not in registry.get(args.sharding).impls:
+        p.error(f"--sharding {args.sharding} has no {args.distributed_impl!r} implementation: "
+                f"--distributed-impl {' or '.join(registry.get(args.sharding).impls)}")
     return args
 
 
@@ -133,7 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def convert_batchnorm(model: nn.Module, sync_bn: str, transport: str = "auto") -> nn.Module:
     """The model with its BatchNorm layers as ``sync_bn`` says (``resolve_sync_bn``): ours, PyTorch's, or as built."""
-    if sync_bn == "selfmade":
+    if sync_bn == "ours":
         return convert_sync_batchnorm(model, transport=transport)
     if sync_bn == "pytorch":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -222,7 +229,7 @@ class Trainer:
 
     def _validate(self) -> dict:
         start = time.perf_counter()
-        evaluated = rank0_model(self.model, self.module, sharded=self.args.sharding == "fsdp")
+        evaluated = rank0_model(self.model, self.module, sharded=self.parallel.shards == 3)
         with autocast(self.ctx.device, self.autocast_dtype):
             loss, correct, count = validation_sums(evaluated, self.val_set, self.args.val_batch_size, self.ctx,
                                                    self.args.num_workers).tolist()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dpkit.bench import harness
-from dpkit.bench.cluster import ENGINES, Cluster, Link, communication_seconds, flat_ring, hierarchical
+from dpkit.bench.cluster import Cluster, Link, communication_seconds, engines, flat_ring, hierarchical
 from dpkit.bench.collectives import format_size, parse_size
 from dpkit.bench.measure import oversubscribed, paired_ratio, percentile, round_p50s, time_interleaved
 from dpkit.bench.results import markdown_table, read_results
@@ -39,6 +39,7 @@ from dpkit.comm import transport as transports
 from dpkit.comm.hierarchical import Plan, host_subgroups
 from dpkit.comm.hosts import HOSTS_ENV, host_indices, layout_value, ranks_by_host
 from dpkit.comm.process_groups import add_common_args, parse_checked
+from dpkit.engines import registry
 from dpkit.engines.ddp import DDP
 from dpkit.engines.fsdp import FSDP
 from dpkit.engines.zero import ShardedOptimizer
@@ -198,7 +199,8 @@ def _predicted(row: dict, c: Cluster, rows: list[dict]) -> dict:
 def step_communication(engine: str, c: Cluster, param_bytes: float, pieces: dict[str, int]) -> float:
     """``cluster.communication_seconds``, with "ddp flat" and "fsdp flat": the same over one ring of all ranks.
     ``pieces``: the collectives each kind of engine cuts its bytes into ("buckets", "units")."""
-    count = pieces["units"] if "sdp" in engine else pieces["buckets"]
+    sharded = engine == "fsdp flat" or (engine != "ddp flat" and registry.get(engine).shards == 3)
+    count = pieces["units"] if sharded else pieces["buckets"]
     if engine == "ddp flat":
         return count * flat_ring(c, param_bytes / count, 2)
     if engine == "fsdp flat":
@@ -233,7 +235,7 @@ def cluster_rows(inside: Link, network: Link, ranks_per_host: int, hosts: list[i
         param_bytes, pieces = sum(p.numel() * 4 for p in net.parameters()), pieces_of(net, (torch.nn.Module,))
         for h in hosts:
             c = Cluster(h, ranks_per_host, inside, network)
-            for engine in ("ddp flat", *ENGINES):
+            for engine in ("ddp flat", *engines()):
                 rows.append({"kind": "cluster", "model": model, "param_bytes": param_bytes, "hosts": h,
                              "ranks_per_host": ranks_per_host, "engine": engine, **pieces,
                              "communication_s": step_communication(engine, c, param_bytes, pieces)})

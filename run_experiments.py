@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpkit.bench.results import (environment, format_environment, markdown_table, read_results, write_durably,
-                                 write_results)
+from dpkit.bench.results import (OLD_FILE_NAMES, environment, format_environment, markdown_table, read_results,
+                                 write_durably, write_results)
 from dpkit.report import summary
 
 REPO = Path(__file__).resolve().parent
@@ -62,7 +62,7 @@ _FULL_TRAIN = ("--num-epochs", "16", "--grad-accum-steps", "4")
 # The GPT at its default size: the engine on one transport (ours / PyTorch's DDP, ZeRO / DDP, all on shared
 # memory) and the transport under one engine (fully_shard on shared memory, and on a "dpkit" process group, / on
 # gloo: its target is for this size).
-SHARDING_GPT_VARIANTS = ("ddp ours [shared_memory]", "ddp pytorch [shared_memory]", "zero ours [shared_memory]",
+SHARDING_GPT_VARIANTS = ("ddp ours [shared_memory]", "ddp pytorch [shared_memory]", "zero1 ours [shared_memory]",
                          "fsdp pytorch [torch]", "fsdp pytorch [shared_memory]", "fsdp pytorch [torch:dpkit]",
                          "fsdp ours [torch]", "fsdp ours [shared_memory]")
 
@@ -75,11 +75,11 @@ EXPERIMENTS = (
     Experiment("syncbn", "SyncBatchNorm time and memory, ours vs PyTorch",
                ("syncbn_benchmark.py", "--quick", "--json", "{out}/syncbn.json"),
                ("syncbn_benchmark.py", "--json", "{out}/syncbn.json")),
-    Experiment("train_selfmade", "CIFAR-100 training, our DDP + SyncBatchNorm",
-               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_QUICK_TRAIN,
-                "--metrics-json", "{out}/train_selfmade.json"),
-               ("ddp_cifar100.py", "--distributed-impl", "selfmade", *_FULL_TRAIN,
-                "--metrics-json", "{out}/train_selfmade.json"),
+    Experiment("train_ours", "CIFAR-100 training, our DDP + SyncBatchNorm",
+               ("ddp_cifar100.py", "--distributed-impl", "ours", *_QUICK_TRAIN,
+                "--metrics-json", "{out}/train_ours.json"),
+               ("ddp_cifar100.py", "--distributed-impl", "ours", *_FULL_TRAIN,
+                "--metrics-json", "{out}/train_ours.json"),
                nproc=2),
     Experiment("train_pytorch", "CIFAR-100 training, PyTorch's DDP (+ its SyncBatchNorm on GPU)",
                ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_QUICK_TRAIN,
@@ -268,12 +268,21 @@ def time_suite(out: Path, timeout_s: float) -> int:
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
 
 
+def _experiment_name(name: str) -> str:
+    """An experiment's name; one renamed with the engines (``results.OLD_FILE_NAMES``) as today's, announced."""
+    renamed = {old: new for new, old in OLD_FILE_NAMES.items()}
+    if name in renamed:
+        print(f"deprecated: experiment {name!r} is now {renamed[name]!r}", file=sys.stderr)
+    return renamed.get(name, name)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="small settings: minutes, not hours (README gives the time per CPU) (default: off)")
-    parser.add_argument("--only", nargs="+", choices=NAMES, default=list(NAMES), metavar="NAME",
-                        help=f"run only these experiments, of: {', '.join(NAMES)} (default: all)")
+    parser.add_argument("--only", nargs="+", type=_experiment_name, choices=NAMES, default=list(NAMES), metavar="NAME",
+                        help=f"run only these experiments, of: {', '.join(NAMES)}; train_selfmade is read as "
+                             "train_ours, deprecated (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / "results", help="where results go (default: results/)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds one experiment may take before it is killed (default: 900 with --quick, "

@@ -5,18 +5,19 @@ ours and PyTorch's, each on a named transport, on resnet18 and the GPT model, wi
     python sharding_benchmark.py --quick --json results/sharding.json
     python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp pytorch"   # [torch], [shared_memory]
     python sharding_benchmark.py --procs 2 --models gpt --variants "fsdp ours"      # and [shared_memory:thread]
-    python sharding_benchmark.py --procs 2 --variants "zero ours [shared_memory]" "zero ours in step [shared_memory]"
-    python sharding_benchmark.py --procs 2 --variants "zero ours [shared_memory]" "zero2 ours [shared_memory]"
+    python sharding_benchmark.py --procs 2 --variants "zero1 ours [shared_memory]" \
+        "zero1 ours in step [shared_memory]"
+    python sharding_benchmark.py --procs 2 --variants "zero1 ours [shared_memory]" "zero2 ours [shared_memory]"
     torchrun --standalone --nproc_per_node 2 sharding_benchmark.py   # the world torchrun starts
 
-A variant is an engine on a transport, "<sharding> <ours|pytorch>[ option] [<transport>]" (without the
-brackets: every transport it is registered on), by the registry's names: [torch] (PyTorch's engines as they
-come), [shared_memory] (PyTorch's DDP through ``ddp_comm_hook``, ``fully_shard`` through ``use_with_fully_shard``),
-[shared_memory:thread], [torch:dpkit] (PyTorch's engines unchanged on a "dpkit" process group), and any registered
-transport on request ("ddp ours [mine]"). "zero pytorch" (``ZeroRedundancyOptimizer``) runs on [torch] only.
-Each target divides the times of two variants that differ on one axis only (engine, sharding, transport or an
-option: ``AXES``), so no ratio credits an engine with a transport's gain. With one process there is no
-communication: only [torch] runs.
+A variant is a registered engine (``dpkit.engines.registry``) on a transport, "<engine> <ours|pytorch>[ option]
+[<transport>]" (without the brackets: every transport it is registered on), by the registries' names: [torch]
+(PyTorch's engines as they come), [shared_memory] (PyTorch's DDP through ``ddp_comm_hook``, ``fully_shard``
+through ``use_with_fully_shard``), [shared_memory:thread], [torch:dpkit] (PyTorch's engines unchanged on a
+"dpkit" process group), and any registered transport on request ("ddp ours [mine]"). "zero1 pytorch"
+(``ZeroRedundancyOptimizer``) runs on [torch] only. Each target divides the times of two variants that differ
+on one axis only (engine, sharding, transport or an option: ``AXES``), so no ratio credits an engine with a
+transport's gain. With one process there is no communication: only [torch] runs.
 
 An iteration: forward, cross-entropy, backward, gradient synchronisation, ``AdamW.step``,
 ``zero_grad(set_to_none=True)``. Every variant is built once per model (same seed), warmed up, then
@@ -49,7 +50,7 @@ from dpkit.bench import transports as bench_transports
 from dpkit.bench.results import markdown_table
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
-from dpkit.engines import zero
+from dpkit.engines import registry, zero
 from dpkit.engines.ddp import DDP, sync_gradients
 from dpkit.engines.fsdp import FSDP
 from dpkit.models import NUM_CLASSES, GPTConfig, build_model
@@ -63,8 +64,8 @@ DEFAULTS = dict(procs=[1, 2, 4], models=list(MODELS), batch_size=16, image_size=
 QUICK = dict(procs=[1, 2, 4], models=["gpt"], batch_size=4, image_size=32, gpt_vocab=2048, gpt_seq_len=32,
              gpt_width=128, gpt_depth=2, gpt_heads=4, iters=20, rounds=10, warmup=1,
              variants=["ddp ours [torch]", "ddp ours [shared_memory]", "ddp pytorch [torch]",
-                       "ddp pytorch [shared_memory]", "zero ours [torch]", "zero ours [shared_memory]",
-                       "zero2 ours [torch]", "zero2 ours [shared_memory]", "zero pytorch [torch]",
+                       "ddp pytorch [shared_memory]", "zero1 ours [torch]", "zero1 ours [shared_memory]",
+                       "zero2 ours [torch]", "zero2 ours [shared_memory]", "zero1 pytorch [torch]",
                        "fsdp ours [torch]", "fsdp ours [shared_memory]", "fsdp pytorch [torch]",
                        "fsdp pytorch [shared_memory]", "ddp pytorch [torch:dpkit]", "fsdp pytorch [torch:dpkit]"])
 GPT_SIZE = ("gpt_vocab", "gpt_seq_len", "gpt_width", "gpt_depth", "gpt_heads")  # the GPT's "default size"
@@ -130,8 +131,8 @@ class Target:
 @dataclass(frozen=True)
 class Variant:
     name: str  # "<base> [<transport>]"
-    base: str  # "zero ours", "fsdp pytorch keep", ...
-    sharding: str  # "ddp", "zero" or "fsdp" (see ideal_bytes)
+    base: str  # "zero1 ours", "fsdp pytorch keep", ...
+    sharding: str  # the engine's name in dpkit.engines.registry: "ddp", "zero1", "zero2", "fsdp", ...
     transport: str  # a registry name (``bench_transports.choices()``)
     build: Callable[[nn.Module, transports.Transport], Setup]
     targets: tuple[Target, ...] = ()  # with full names
@@ -177,8 +178,11 @@ def _add(base: str, sharding: str, t: str, build, targets: tuple[Target, ...], o
 
 def select(names: list[str]) -> list[str]:
     """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has.
-    A bracket takes any name of the registry (an old spelling, deprecated, says its new one)."""
+    A bracket takes any name of the transport registry (an old spelling, deprecated, says its new one); an old
+    engine spelling ("zero ours") is read as today's ("zero1 ours") with a FutureWarning."""
+    from_registry()
     out, made = [], []
+    names = [_respelled(name) for name in names]
     for name in names:
         base, bracket, t = name.rstrip("]").partition(" [")
         if bracket:
@@ -199,6 +203,12 @@ def select(names: list[str]) -> list[str]:
         kept = tuple(t for t in VARIANTS[name].targets if t.other in VARIANTS)
         VARIANTS[name] = replace(VARIANTS[name], targets=kept)
     return out
+
+
+def _respelled(name: str) -> str:
+    """"zero ours [torch]" -> "zero1 ours [torch]" (with the registry's FutureWarning); other names as they are."""
+    engine, _, rest = name.partition(" ")
+    return f"{registry.canonical(engine, 'engine')} {rest}" if engine in registry.OLD_ENGINES else name
 
 
 def runnable(names: list[str], world_size: int, device: torch.device) -> list[str]:
@@ -261,20 +271,20 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
                  settle=optimizer.wait_for_parameters)  # overlap_with_forward: all-gathers still on their way
 
 
-@variant("zero ours", "zero", on=("torch", SHARED, THREAD),
-         targets=(Target("zero pytorch", "engine", TARGET_VS_PYTORCH),
+@variant("zero1 ours", "zero", on=("torch", SHARED, THREAD),
+         targets=(Target("zero1 pytorch", "engine", TARGET_VS_PYTORCH),
                   Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     return _zero_ours(module, transport)
 
 
-@variant("zero ours in step", "zero", targets=(Target("zero ours", "option"),), default=())
+@variant("zero1 ours in step", "zero1", targets=(Target("zero1 ours", "option"),), default=())
 def zero_ours_in_step(module: nn.Module, transport: transports.Transport) -> Setup:
     """The default ShardedOptimizer: step() waits (only the update of later buckets overlaps the all-gathers)."""
     return _zero_ours(module, transport, overlap_forward=False)
 
 
-@variant("zero ours broadcast", "zero", on=("torch",), targets=(Target("zero ours", "option"),), default=())
+@variant("zero1 ours broadcast", "zero1", on=("torch",), targets=(Target("zero1 ours", "option"),), default=())
 def zero_ours_broadcast(module: nn.Module, transport: transports.Transport) -> Setup:
     """The alternative update: one torch.distributed broadcast per owner instead of the all-gather (measured, not
     chosen). The broadcasts bypass the transport: only [torch] compares them with the default alone."""
@@ -283,13 +293,13 @@ def zero_ours_broadcast(module: nn.Module, transport: transports.Transport) -> S
     return setup
 
 
-@variant("zero ours tensor", "zero", targets=(Target("zero ours", "option"),), default=())
+@variant("zero1 ours tensor", "zero1", targets=(Target("zero1 ours", "option"),), default=())
 def zero_ours_tensor(module: nn.Module, transport: transports.Transport) -> Setup:
     """Whole tensors per rank (exact for per-tensor optimizers): uneven when one tensor is a large part of the model."""
     return _zero_ours(module, transport, partition="tensor")
 
 
-@variant("zero2 ours", "zero2", targets=(Target("zero ours", "option"), Target("ddp ours", "sharding")))
+@variant("zero2 ours", "zero2", targets=(Target("zero1 ours", "option"), Target("ddp ours", "sharding")))
 def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
     """ZeRO stage 2: no DDP; the optimizer's hooks reduce-scatter each bucket's gradients to their owners during
     backward (each rank keeps 1/n of them), its step all-gathers the parameters, overlapping the next forward."""
@@ -300,7 +310,7 @@ def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
                  settle=optimizer.wait_for_parameters, grads=optimizer.gradient_shares)
 
 
-@variant("zero pytorch", "zero", on=("torch",), targets=(Target("ddp pytorch", "sharding", TARGET_ZERO_VS_DDP),),
+@variant("zero1 pytorch", "zero1", on=("torch",), targets=(Target("ddp pytorch", "sharding", TARGET_ZERO_VS_DDP),),
          default=("torch",))
 def zero_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
     """ZeroRedundancyOptimizer over PyTorch's DDP: it broadcasts the updated parameters through torch.distributed
@@ -382,23 +392,44 @@ for _name, _options in (("", {}), (" keep", dict(reshard_after_forward=False)),
             targets=((Target("fsdp pytorch [torch]", "transport", TARGET_SHM_VS_TORCH, "gpt default"),)
                      if not _name else ())
             )(functools.partial(_fsdp_pytorch, **_options))
-# A target on a transport its other variant does not run on (no "zero pytorch [shared_memory]") is dropped.
+# A target on a transport its other variant does not run on (no "zero1 pytorch [shared_memory]") is dropped.
 VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other in VARIANTS))
                  for name, v in VARIANTS.items()})
 
 
+def _registered(engine: str, impl: str, module: nn.Module, transport: transports.Transport) -> Setup:
+    """An engine of the registry that has no builder above: its own wrap and optimizer, nothing more measured."""
+    model = registry.wrap(engine, impl, module, transport, registry.Options(shard_types=FSDP_SHARD_TYPES))
+    return Setup(model, registry.optimizer(engine, impl, model, torch.optim.AdamW, transport, lr=LR))
+
+
+def from_registry() -> None:
+    """Add "<engine> <impl>" on [torch] and [shared_memory] (opt-in) for every registered engine and implementation that
+    no builder above covers; called again where names are read, so an engine registered later appears."""
+    for name in [n for n, v in VARIANTS.items() if v.sharding not in registry.names()]:
+        del VARIANTS[name]  # an engine unregistered since
+    built = {v.base for v in VARIANTS.values()}
+    for engine in registry.names():
+        for impl in registry.get(engine).impls:
+            if f"{engine} {impl}" not in built:
+                variant(f"{engine} {impl}", engine, default=())(functools.partial(_registered, engine, impl))
+
+
+from_registry()
+
+
 def ideal_bytes(sharding: str, full: dict, n: int) -> int:
-    """Model-state bytes one rank must hold: parameters, gradients and optimizer state of the whole model (``full``)."""
+    """Model-state bytes one rank must hold: parameters, gradients and optimizer state of the whole model (``full``),
+    by what the engine ``sharding`` shards (its ZeRO stage in the registry)."""
     p, g, s = full["params"], full["grads"], full["state"]
-    if sharding == "ddp":
+    shards = registry.get(sharding).shards
+    if shards == 0:  # DDP
         return p + g + s
-    if sharding == "zero":  # stage 1: the optimizer state sharded
+    if shards == 1:  # the optimizer state sharded
         return p + g + s // n
-    if sharding == "zero2":  # stage 2: the gradients too
+    if shards == 2:  # the gradients too
         return p + (g + s) // n
-    if sharding == "fsdp":  # stage 3: everything sharded, one unit gathered at a time
-        return (p + g + s) // n + full["largest_unit"]
-    raise ValueError(f"no ideal for sharding {sharding!r}")
+    return (p + g + s) // n + full["largest_unit"]  # everything sharded, one unit gathered at a time
 
 
 # --------------------------------------------------------------------------- models and data
@@ -604,6 +635,7 @@ def target_rows(rows: list[dict], args) -> list[dict]:
 
 
 def worker(ctx, args) -> list[dict]:
+    from_registry()  # engines registered in this process since the import
     rows = []
     for name in progress(args.models, desc=f"{ctx.world_size} processes"):
         rows += benchmark_model(ctx, args, name, args.variants)
@@ -683,6 +715,7 @@ def report(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from_registry()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--procs", type=int, nargs="+", help=f"process counts to spawn in turn; ignored under torchrun "
                         f"(default: {DEFAULTS['procs']}, quick {QUICK['procs']})")
@@ -693,7 +726,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="each 'name [transport]' (quoted), or a name alone for every transport it runs on; names: "
                              f"{', '.join(dict.fromkeys(v.base for v in VARIANTS.values()))}; transports: "
                              f"{', '.join(bench_transports.choices())} (the registry's; not with one process, nor on "
-                             "GPUs). Default: every name on [torch] and [shared_memory] (zero pytorch on [torch] "
+                             "GPUs). Default: every name on [torch] and [shared_memory] (zero1 pytorch on [torch] "
                              "only), but the opt-in "
                              f"{', '.join(v.name for v in VARIANTS.values() if not v.default)}; quick: "
                              f"{', '.join(QUICK['variants'])}")

@@ -84,7 +84,7 @@ def test_a_flat_ring_across_hosts_is_paced_by_its_slower_hop():
     assert cluster.flat_ring(c, 80 * MiB) == pytest.approx(2 * 7 * 10 * MiB * slow_memory.beta_s_per_byte)
 
 
-@pytest.mark.parametrize("engine", cluster.ENGINES)
+@pytest.mark.parametrize("engine", cluster.engines())
 def test_cutting_an_engines_bytes_into_pieces_adds_only_latency(engine):
     c = Cluster(4, 8, INSIDE, NETWORK)
     bandwidth_only = Cluster(4, 8, Link(0.0, INSIDE.beta_s_per_byte), Link(0.0, NETWORK.beta_s_per_byte))

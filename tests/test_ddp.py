@@ -736,7 +736,7 @@ def test_ddp_on_a_subgroup_broadcasts_from_its_first_rank_and_divides_by_its_siz
         assert_trains_like(three[rank]["subgroup"], oracle("big", 2, world=2, seed=31))
 
 
-def test_selfmade_equals_pytorch_ddp_with_accumulation(two):
+def test_ours_equals_pytorch_ddp_with_accumulation(two):
     """float32 CNN, 4 steps of 3 micro-batches, no_sync in both: equal up to float32 round-off.
 
     (With 2 ranks they are in fact bitwise equal: PyTorch halves before the sum, we after it,

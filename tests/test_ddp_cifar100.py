@@ -31,12 +31,17 @@ from dpkit.models import Net
 from dpkit.train.checkpoint import CheckpointError, checkpoint_epochs, checkpoint_path, choose_checkpoint
 from dpkit.train.data import (CIFAR100_MEAN, CIFAR100_STD, SyntheticCIFAR100, build_datasets, choose_dataset,
                               load_cifar100, train_loader)
-from dpkit.train.parallel import SHARDINGS, resolve_sync_bn
+from dpkit.engines import registry
+from dpkit.train.parallel import resolve_sync_bn
 from dpkit.train.step import micro_batch_plan
 from dpkit.train.validation import validation_sums
+import toy_engine
 
 SCRIPT = "ddp_cifar100.py"
-IMPLS = ("selfmade", "pytorch")
+IMPLS = registry.IMPLS
+# Every engine the trainer runs on one host, with each implementation it has (hsdp on one host is fsdp).
+SHARDED_RUNS = [(impl, engine) for engine in ("zero1", "zero2", "fsdp") for impl in IMPLS
+                if impl in registry.get(engine).impls]
 # 256 images over 2 ranks = 8 micro-batches of 16 per rank and epoch; 3 per optimizer step
 # gives windows of 3, 3 and 2 micro-batches: 3 optimizer steps per epoch, 9 in 3 epochs.
 TINY_RUN = ("--dataset", "synthetic", "--train-size", "256", "--val-size", "101", "--batch-size", "16",
@@ -111,15 +116,16 @@ def runs(tmp_path_factory, tiny_cifar):
     """Two torchrun jobs at once (each starts with seconds of importing torch per process): the synthetic run
     with checkpoints, and the real CIFAR-100 loading path on tiny files."""
     out = tmp_path_factory.mktemp("runs")
-    paths = {name: _paths(out, name) for name in ("selfmade", "cifar")}
+    paths = {name: _paths(out, name) for name in ("homework", "cifar")}
 
     def outputs(name):
         return ("--save-model", str(paths[name]["model"]), "--metrics-json", str(paths[name]["json"]))
 
     jobs = {
         # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
-        "selfmade": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
-                               str(paths["selfmade"]["ckpt"]), *outputs("selfmade")), torchrun_args=("--tee", "3")),
+        # The homework's command as written before the engines' names were unified: "selfmade" is read as "ours".
+        "homework": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
+                               str(paths["homework"]["ckpt"]), *outputs("homework")), torchrun_args=("--tee", "3")),
         "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
                             "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs",
                             "1", *outputs("cifar"))),
@@ -144,7 +150,7 @@ def _initial_state(seed=0):
 def resumed(tmp_path_factory):
     """The synthetic run again, a worker killed at step CRASH_STEP and restarted by torchrun."""
     paths = _paths(tmp_path_factory.mktemp("resumed"), "resumed")
-    process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
+    process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--distributed-impl", "ours", "--checkpoint-dir",
                            str(paths["ckpt"]), "--save-model", str(paths["model"]), "--metrics-json",
                            str(paths["json"]), torchrun_args=("--max-restarts", "1"),
                            env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"})
@@ -158,10 +164,10 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(
         in resumed.process.stderr
     resumed_line = f"resumed from {resumed.ckpt / 'epoch-0002.pt'}: 2 epoch(s), 6 optimizer step(s) done"
     assert resumed_line in resumed.process.stdout
-    uninterrupted, after_crash = _state(runs["selfmade"].model), _state(resumed.model)
+    uninterrupted, after_crash = _state(runs["homework"].model), _state(resumed.model)
     assert all(torch.equal(uninterrupted[k], after_crash[k]) for k in uninterrupted)
     epochs = [[row for row in read_results(run.json)["results"] if row["kind"] == "epoch"]
-              for run in (runs["selfmade"], resumed)]
+              for run in (runs["homework"], resumed)]
     keys = ("epoch", "steps", "train_loss", "val_loss", "val_acc", "val_count")
     assert [[row[k] for k in keys] for row in epochs[0]] == [[row[k] for k in keys] for row in epochs[1]]
 
@@ -169,17 +175,17 @@ def test_resume_after_a_killed_worker_gives_the_uninterrupted_model_bit_for_bit(
 @pytest.mark.slow
 def test_two_runs_with_the_same_seed_are_bit_identical(runs, resumed):
     """Epochs 1 and 2 of the crashed job ran in fresh processes before the crash, like the uninterrupted job's."""
-    first, second = (_state(run.ckpt / "epoch-0002.pt") for run in (runs["selfmade"], resumed))
+    first, second = (_state(run.ckpt / "epoch-0002.pt") for run in (runs["homework"], resumed))
     assert first["step"] == second["step"] == 2 * STEPS_PER_EPOCH
     assert all(torch.equal(first["model"][k], second["model"][k]) for k in first["model"])
     momentum = [(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(first["optimizer"]["state"].values(),
                                                                            second["optimizer"]["state"].values())]
     assert momentum and all(torch.equal(a, b) for a, b in momentum)
-    assert sorted(os.listdir(runs["selfmade"].ckpt)) == ["epoch-0002.pt", "epoch-0003.pt"], "the two newest are kept"
+    assert sorted(os.listdir(runs["homework"].ckpt)) == ["epoch-0002.pt", "epoch-0003.pt"], "the two newest are kept"
 
 
 def test_only_rank_0_logs_one_line_per_epoch(runs):
-    process = runs["selfmade"].process
+    process = runs["homework"].process
     assert not [line for line in process.stdout.splitlines() if not line.startswith("[default0]:")]
     assert not [line for line in process.stderr.splitlines() if line.startswith("[default1]:")]
     summaries = [line for line in process.stdout.splitlines() if line.startswith("[default0]:epoch ")]
@@ -188,11 +194,12 @@ def test_only_rank_0_logs_one_line_per_epoch(runs):
 
 
 def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
-    doc = read_results(runs["selfmade"].json)
+    doc = read_results(runs["homework"].json)
     assert doc["benchmark"] == "ddp_cifar100" and doc["env"]["world_size"] == 2
     config = doc["config"]
-    used = (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"])
-    assert used == ("synthetic", "selfmade", "selfmade")
+    used = (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"], config["sharding"])
+    assert used == ("synthetic", "ours", "ours", "ddp"), "today's names, from the old spelling on the command line"
+    assert "deprecated: impl 'selfmade' is now spelled 'ours'" in runs["homework"].process.stderr
     assert (config["global_batch"], config["steps_per_epoch"], config["notices"]) == (16 * 3 * 2, STEPS_PER_EPOCH, [])
     rows = doc["results"]
     assert [row["kind"] for row in rows] == ["epoch"] * EPOCHS + ["final", "rank", "rank"]
@@ -210,7 +217,7 @@ def test_end_to_end_with_pytorch_ddp_on_cifar100_files_and_the_cpu_sync_bn_notic
     assert (doc["config"]["dataset_used"], doc["config"]["distributed_impl"]) == ("cifar100", "pytorch")
     assert _state(runs["cifar"].model).keys() == _initial_state().keys()
     assert doc["results"][0]["val_count"] == 13, "every test image counted once"
-    assert doc["config"]["sync_bn_used"] == "selfmade"
+    assert doc["config"]["sync_bn_used"] == "ours"
     assert any("torch.nn.SyncBatchNorm cannot run on CPU" in notice for notice in doc["config"]["notices"])
     assert "NOTICE: --sync-bn auto" in runs["cifar"].process.stdout
 
@@ -304,13 +311,13 @@ def _checkpoint_cases(ctx, checkpoint_dir):
         args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/unreadable-{name}", *extra])
         train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
         try:
-            run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
+            run = trainer.build_trainer(args, ctx, "ours", train_set, val_set, identity={})
             run.train()
             out[name] = {"epochs": run.epoch}
         except CheckpointError as error:
             out[name] = {"error": str(error)}
     args = trainer.parse_args([*TINY_RUN, "--checkpoint-dir", f"{checkpoint_dir}/save-fails"])
-    run = trainer.build_trainer(args, ctx, "selfmade", train_set, val_set, identity={})
+    run = trainer.build_trainer(args, ctx, "ours", train_set, val_set, identity={})
     log_epoch = run._log_epoch
 
     def log_an_unpicklable_value_in_epoch_2(row):
@@ -333,7 +340,7 @@ SHARDING_RUN = ("--dataset", "synthetic", "--train-size", "192", "--val-size", "
 
 def _sharding_case(ctx, impl, sharding, checkpoint_dir):
     """Two epochs in one run, and a run resumed from its first epoch's checkpoint (sharded states);
-    the final full model state of each. ``sharding="none"`` is the DDP trajectory to follow."""
+    the final full model state of each. ``sharding="ddp"`` is the trajectory to follow."""
     def run(epochs, directory):
         flags = [*SHARDING_RUN, "--distributed-impl", impl, "--sharding", sharding, "--num-epochs", str(epochs),
                  "--checkpoint-dir", f"{checkpoint_dir}/{impl}-{sharding}-{directory}"]
@@ -347,7 +354,7 @@ def _sharding_case(ctx, impl, sharding, checkpoint_dir):
                 "resumed_from": job.resumed_from}
 
     out = {"whole": run(2, "whole")}
-    if sharding != "none":
+    if sharding != "ddp":
         if ctx.is_master:  # a directory holding only the first epoch's checkpoint
             os.makedirs(f"{checkpoint_dir}/{impl}-{sharding}-resumed")
             shutil.copy(checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-whole", 1),
@@ -361,7 +368,9 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results["bf16"] = {impl: _accumulation_case(ctx, impl, train, val, autocast="bf16") for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
     results["sharding"] = {(impl, sharding): _sharding_case(ctx, impl, sharding, checkpoint_dir)
-                           for impl in IMPLS for sharding in SHARDINGS}
+                           for impl, sharding in [*((impl, "ddp") for impl in IMPLS), *SHARDED_RUNS]}
+    with toy_engine.registered():  # an engine registered in one place is a --sharding choice the trainer runs
+        results["toy"] = _sharding_case(ctx, "ours", toy_engine.NAME, checkpoint_dir)
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
@@ -422,8 +431,8 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
     on CPU) end with the same weights; 3 ranks, so averaging rounds differently in each."""
     initial = _initial_state()
     for rank, result in enumerate(in_process.results):
-        ours, theirs = result["training"]["selfmade"], result["training"]["pytorch"]
-        assert ours["sync_bn"] == theirs["sync_bn"] == "selfmade"
+        ours, theirs = result["training"]["ours"], result["training"]["pytorch"]
+        assert ours["sync_bn"] == theirs["sync_bn"] == "ours"
         assert ours["state"].keys() == theirs["state"].keys() == initial.keys(), "unwrapped, the same keys"
         assert not torch.equal(ours["state"]["fc1.weight"], initial["fc1.weight"]), "it trained"
         for key in ours["state"]:
@@ -433,21 +442,20 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
         assert torch.equal(ours["state"]["fc1.weight"],
-                           in_process.results[0]["training"]["selfmade"]["state"]["fc1.weight"])
+                           in_process.results[0]["training"]["ours"]["state"]["fc1.weight"])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("sharding", ("zero", "fsdp"))
+@pytest.mark.parametrize("impl, sharding", SHARDED_RUNS)
 def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_checkpoints(in_process, impl, sharding):
     for rank, result in enumerate(in_process.results):
-        ddp, sharded = result["sharding"][impl, "none"]["whole"], result["sharding"][impl, sharding]
+        ddp, sharded = result["sharding"][impl, "ddp"]["whole"], result["sharding"][impl, sharding]
         whole, resumed = sharded["whole"], sharded["resumed"]
         if rank == 0:  # only rank 0 holds PyTorch's full state (cpu_offload); ours is everywhere
             assert whole["state"].keys() == ddp["state"].keys() == _initial_state().keys()
             assert not torch.equal(ddp["state"]["fc1.weight"], _initial_state()["fc1.weight"]), "it trained"
             for key, value in ddp["state"].items():
                 torch.testing.assert_close(whole["state"][key], value, msg=f"{impl} {sharding}: {key}")
-                if impl == "selfmade":
+                if impl == "ours":
                     assert torch.equal(resumed["state"][key], whole["state"][key]), f"resumed {sharding}: {key}"
                 else:  # PyTorch's DDP re-buckets after its first step, so a resumed run adds in other orders
                     torch.testing.assert_close(resumed["state"][key], whole["state"][key], msg=f"resumed {key}")
@@ -456,6 +464,16 @@ def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_ch
             assert a["steps"] == b["steps"] == 2 * a["epoch"]
             assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
             assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_a_registered_toy_engine_trains_as_the_ddp_it_wraps_and_resumes(in_process):
+    """tests/toy_engine.py: our DDP registered under another name; the trainer runs it by that name."""
+    for result in in_process.results:
+        ddp, toy = result["sharding"]["ours", "ddp"]["whole"], result["toy"]
+        for key, value in ddp["state"].items():
+            assert torch.equal(toy["whole"]["state"][key], value), key
+            assert torch.equal(toy["resumed"]["state"][key], value), key
+        assert toy["resumed"]["resumed_from"].endswith("epoch-0001.pt")
 
 
 def test_no_wrapper_or_optimizer_keeps_the_process_group_alive_after_teardown(in_process):
@@ -559,7 +577,7 @@ def test_under_bf16_autocast_the_step_gradient_is_the_global_mean_to_bfloat16_pr
             for grad, want in zip(grads, oracle):
                 assert grad.dtype == torch.float32 and not torch.equal(grad, want), "bfloat16 rounding shows"
                 torch.testing.assert_close(grad, want, rtol=0, atol=2**-7 * want.abs().max().item())
-        for (_, a), (_, b) in zip(ours["steps"], result["bf16"]["selfmade"]["steps"]):
+        for (_, a), (_, b) in zip(ours["steps"], result["bf16"]["ours"]["steps"]):
             for x, y in zip(a, b):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: both DDPs agree")
 
@@ -652,9 +670,9 @@ def test_synthetic_data_is_cifar_shaped_and_a_pure_function_of_the_index():
 
 def test_sync_bn_choice_on_cpu():
     cpu = torch.device("cpu")
-    assert resolve_sync_bn("auto", "selfmade", cpu) == ("selfmade", [])
+    assert resolve_sync_bn("auto", "ours", cpu) == ("ours", [])
     used, notices = resolve_sync_bn("auto", "pytorch", cpu)
-    assert used == "selfmade" and "cannot run on CPU" in notices[0]
+    assert used == "ours" and "cannot run on CPU" in notices[0]
     assert resolve_sync_bn("none", "pytorch", cpu) == ("none", [])
     with pytest.raises(RuntimeError, match="torch.nn.SyncBatchNorm only runs on CUDA"):
         resolve_sync_bn("pytorch", "pytorch", cpu)
@@ -664,7 +682,7 @@ def test_sync_bn_choice_on_cpu():
 #
 # torchrun jobs with --max-restarts whose workers are SIGKILLed at chosen points, and damaged,
 # slow or read-only checkpoint directories. Each ends with the uninterrupted job's model
-# (runs["selfmade"]) or fails with a clear error and every earlier checkpoint intact.
+# (runs["homework"]) or fails with a clear error and every earlier checkpoint intact.
 
 SLOW_SAVE_S, SHORT_PG_TIMEOUT_S = 20, 8  # a save that outlasts the process-group timeout
 # One job, five attempts: the i-th fault fires in attempt i (see tests/faulty_ddp_cifar100.py).
@@ -683,19 +701,19 @@ def _copy_checkpoints(source, target, truncate=()):
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory, runs):
     out = tmp_path_factory.mktemp("faults")
-    reference = runs["selfmade"].ckpt
+    reference = runs["homework"].ckpt
     ckpt = {"chain": out / "chain", "slow": out / "slow",
             "truncated": _copy_checkpoints(reference, out / "truncated", truncate=("epoch-0003.pt",)),
             "readonly": _copy_checkpoints(reference, out / "readonly")}
     before = {name: {p.name: p.read_bytes() for p in ckpt[name].iterdir()} for name in ("truncated", "readonly")}
-    selfmade = (*TINY_RUN, "--distributed-impl", "selfmade")
+    homework = (*TINY_RUN, "--distributed-impl", "ours")
     jobs = {
-        "chain": dict(args=selfmade, torchrun_args=("--max-restarts", str(len(CHAIN))),
+        "chain": dict(args=homework, torchrun_args=("--max-restarts", str(len(CHAIN))),
                       env={"DP_FAULTS": ",".join(CHAIN)}),
-        "slow": dict(args=(*selfmade, "--timeout", str(SHORT_PG_TIMEOUT_S)),
+        "slow": dict(args=(*homework, "--timeout", str(SHORT_PG_TIMEOUT_S)),
                      env={"DP_FAULTS": "slow-checkpoint@1", "DP_SLOW_S": str(SLOW_SAVE_S)}),
-        "truncated": dict(args=selfmade),
-        "readonly": dict(args=(*selfmade, "--num-epochs", "4"), env={"DP_FAULTS": "readonly@0"}, check=False,
+        "truncated": dict(args=homework),
+        "readonly": dict(args=(*homework, "--num-epochs", "4"), env={"DP_FAULTS": "readonly@0"}, check=False,
                          torchrun_args=("--tee", "3")),
     }
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -704,7 +722,7 @@ def faults(tmp_path_factory, runs):
                                      torchrun_args=job.get("torchrun_args", ()), env=job.get("env"),
                                      check=job.get("check", True))
                    for name, job in jobs.items()}
-        return SimpleNamespace(out=out, ckpt=ckpt, before=before, reference=_state(runs["selfmade"].model),
+        return SimpleNamespace(out=out, ckpt=ckpt, before=before, reference=_state(runs["homework"].model),
                                process={name: f.result() for name, f in futures.items()})
 
 

@@ -313,8 +313,8 @@ def test_point_to_point_algorithms_sum_cuda_tensors_exactly(layout):
 ON_ONE_GPU = ("--device", "cuda", "--backend", "gloo")  # two processes share GPU 0
 
 
-@pytest.mark.parametrize("impl", ("selfmade", "pytorch"))
-@pytest.mark.parametrize("sharding", ("none", "zero", "fsdp"))
+@pytest.mark.parametrize("impl", ("ours", "pytorch"))
+@pytest.mark.parametrize("sharding", ("ddp", "zero1", "fsdp"))
 def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, sharding):
     metrics = tmp_path / "metrics.json"
     run_torchrun("ddp_cifar100.py", 2, *ON_ONE_GPU, "--distributed-impl", impl, "--sharding", sharding,

@@ -68,7 +68,7 @@ def test_the_cluster_rows_cover_every_model_host_count_and_engine_with_the_state
     rows, args = completed
     got = [r for r in rows if r["kind"] == "cluster"]
     assert {(r["model"], r["hosts"], r["engine"]) for r in got} == {
-        (m, h, e) for m in bench.CLUSTER_MODELS for h in (2, 8) for e in ("ddp flat", *cluster.ENGINES)}
+        (m, h, e) for m in bench.CLUSTER_MODELS for h in (2, 8) for e in ("ddp flat", *cluster.engines())}
     assert all(r["ranks_per_host"] == args.ranks_per_host == 8 for r in got)
     resnet = next(r for r in got if r["model"] == "resnet18")
     assert resnet["param_bytes"] == 4 * 11_227_812  # torchvision's resnet18 with a 100-class head (dpkit.models)

@@ -97,7 +97,7 @@ def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
     per_step = step.get_lines()[0].get_ydata()
     assert list(per_step) == pytest.approx([0.5, 0.5, 0.5])  # steps count from the start: 5 s over 10 steps each epoch
     assert accuracy.get_lines()[0].get_ydata()[-1] == pytest.approx(15.0)
-    assert {"selfmade", "pytorch"} <= set(legend_texts(figure))
+    assert {"ours", "pytorch"} <= set(legend_texts(figure)), "an old key ('selfmade') is shown in today's name"
 
 
 REFERENCE = plots.SYNCBN_REFERENCE
@@ -420,8 +420,8 @@ MIB = plots.MIB
 
 
 def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
-    parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, state_bytes=8 * MIB // (world if sharding == "zero" else 1),
-                 activation_bytes=mib * MIB)
+    parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, activation_bytes=mib * MIB,
+                 state_bytes=8 * MIB // (world if sharding == "zero1" else 1))
     return {"model": "gpt", "variant": variant, "sharding": sharding, "world_size": world, **parts,
             "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"],
             "oversubscribed": oversubscribed}
@@ -429,25 +429,25 @@ def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
 
 def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_ideal():
     rows = [_sharding_row(v, s, w, 1, oversubscribed=w == 4) for v, s in (("ddp ours", "ddp"), ("ddp pytorch", "ddp"),
-                                                                           ("zero ours", "zero")) for w in (1, 2, 4)]
-    rows.append({"target": "zero ours / ddp ours", "ratio": None})  # target rows are not drawn
+                                                                           ("zero1 ours", "zero1")) for w in (1, 2, 4)]
+    rows.append({"target": "zero1 ours / ddp ours", "ratio": None})  # target rows are not drawn
     figure = plots.sharding_memory({"results": rows, "env": {"cpus": 2}})
     ax = figure.axes[0]
-    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp ours"] * 3 + ["zero ours"] * 3
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp ours"] * 3 + ["zero1 ours"] * 3
     assert len(ax.patches) == 6 * len(plots.MEMORY_PARTS) + 1  # four stacked parts per bar, and the legend's hatch
     tops = [p.get_y() + p.get_height() for p in ax.patches[:-1]]
     # 4+4+8+1; 4+4+2+1 at 4 ranks
     assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)
     ideals = sorted({line.get_ydata()[0] for line in ax.lines})
     assert ideals == [10, 12, 16]
-    assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero") == "zero ours"
+    assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero1") == "zero1 ours"
 
 
 def test_a_run_with_more_processes_than_cores_is_oversubscribed_whatever_its_flag_says():
     env = {"cpus": 2, "device": "cpu"}
     assert plots.oversubscribed({"world_size": 4, "oversubscribed": False}, env)  # a stale or missing flag
     assert not plots.oversubscribed({"world_size": 2, "oversubscribed": False}, env)
-    assert plots.oversubscribed({"world_size": 4, "target": "zero ours / ddp ours"}, env)  # a target check, no flag
+    assert plots.oversubscribed({"world_size": 4, "target": "zero1 ours / ddp ours"}, env)  # a target check, no flag
     assert not plots.oversubscribed({"world_size": 4, "oversubscribed": False}, {"cpus": 2, "device": "cuda"})
 
 

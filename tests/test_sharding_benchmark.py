@@ -15,13 +15,14 @@ from dpkit.engines import zero
 from dpkit.models import build_model
 import run_experiments
 import sharding_benchmark as bench
+import toy_engine
 
 ARGS = ["--models", "gpt", "--gpt-vocab", "64", "--gpt-seq-len", "8", "--gpt-width", "16", "--gpt-depth", "1",
         "--gpt-heads", "2", "--batch-size", "2", "--iters", "4", "--rounds", "2", "--warmup", "1",
-        "--variants", "ddp ours "
-                      "[torch]", "ddp ours "
-                                 "[shared_memory]", "ddp pytorch", "zero ours [torch]", "zero ours [shared_memory]",
-        "zero ours tensor [torch]", "zero2 ours", "zero pytorch", "fsdp ours", "fsdp pytorch", "fsdp ours bf16 [torch]"]
+        "--variants", "ddp ours [torch]", "ddp ours [shared_memory]", "ddp pytorch", "zero1 ours [torch]",
+        "zero1 ours [shared_memory]",
+        "zero1 ours tensor [torch]", "zero2 ours", "zero1 pytorch", "fsdp ours", "fsdp pytorch",
+        "fsdp ours bf16 [torch]"]
 WORLD = 2
 
 
@@ -32,14 +33,14 @@ def test_every_variant_is_an_engine_on_a_named_transport():
     for name, v in bench.VARIANTS.items():
         assert name == f"{v.base} [{v.transport}]" and v.transport in bench_transports.choices(), name
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
-    pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero pytorch"]
+    pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero1 pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
-    for base in ("ddp ours", "ddp pytorch", "zero ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep",
+    for base in ("ddp ours", "ddp pytorch", "zero1 ours", "fsdp ours", "fsdp pytorch", "fsdp ours keep",
                  "fsdp pytorch bf16"):
         assert {f"{base} [torch]", f"{base} [shared_memory]"} <= set(bench.VARIANTS), base
     threaded = {v.base for v in bench.VARIANTS.values() if v.transport == "shared_memory:thread"}
-    assert threaded == {"ddp "
-                        "ours", "zero ours", "fsdp ours"}  # what replaced comm_thread=False: inline is [shared_memory]
+    # what replaced comm_thread=False: inline is [shared_memory]
+    assert threaded == {"ddp ours", "zero1 ours", "fsdp ours"}
     assert not [n for n in bench.VARIANTS if "blocking" in n or "inline" in n]
 
 
@@ -58,18 +59,18 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
             if t.axis == "engine":
                 assert v.base.replace(" ours", " pytorch") == other.base, (v.name, t)
             if t.axis == "sharding":
-                assert v.sharding in ("zero", "zero2") and other.sharding == "ddp"
+                assert v.sharding in ("zero1", "zero2") and other.sharding == "ddp"
                 assert v.base.split()[1] == other.base.split()[1], (v.name, t)
             limits[f"{v.name} / {t.other}"] = (t.axis, t.limit, t.scope)
-    for sharding, on in (("ddp", ("torch", "shared_memory")), ("zero", ("torch",)),
+    for sharding, on in (("ddp", ("torch", "shared_memory")), ("zero1", ("torch",)),
                          ("fsdp", ("torch", "shared_memory"))):
         for t in on:
             assert limits[f"{sharding} ours [{t}] / {sharding} pytorch [{t}]"] == ("engine", 1.00, None)
     for t in ("torch", "shared_memory"):
-        assert limits[f"zero ours [{t}] / ddp ours [{t}]"] == ("sharding", 1.05, None)
-        assert limits[f"zero2 ours [{t}] / zero ours [{t}]"] == ("option", None, None)  # stage 2 / stage 1
+        assert limits[f"zero1 ours [{t}] / ddp ours [{t}]"] == ("sharding", 1.05, None)
+        assert limits[f"zero2 ours [{t}] / zero1 ours [{t}]"] == ("option", None, None)  # stage 2 / stage 1
         assert limits[f"zero2 ours [{t}] / ddp ours [{t}]"] == ("sharding", None, None)
-    assert limits["zero pytorch [torch] / ddp pytorch [torch]"] == ("sharding", 1.05, None)
+    assert limits["zero1 pytorch [torch] / ddp pytorch [torch]"] == ("sharding", 1.05, None)
     assert limits["fsdp pytorch [shared_memory] / fsdp pytorch [torch]"] == ("transport", 0.85, "gpt default")
     assert limits["ddp pytorch [shared_memory] / ddp pytorch [torch]"] == ("transport", None, None)
     assert limits["fsdp ours [shared_memory:thread] / fsdp ours [shared_memory]"] == ("transport", None, None)
@@ -82,13 +83,11 @@ def test_targets_change_one_axis_and_carry_the_issue_limits():
 
 
 def test_names_without_a_transport_expand_and_one_process_runs_torch_only():
-    assert bench.select(["fsdp "
-                         "pytorch", "zero ours "
-                                    "[shared_memory]"]) == ["fsdp pytorch [torch]", "fsdp pytorch [shared_memory]",
-                                                                "fsdp pytorch "
-                                                                "[torch:dpkit]", "zero ours [shared_memory]"]
-    with pytest.raises(ValueError, match="unknown variant 'zero ours blocking'"):
-        bench.select(["zero ours blocking"])
+    assert bench.select(["fsdp pytorch", "zero1 ours [shared_memory]"]) == [
+        "fsdp pytorch [torch]", "fsdp pytorch [shared_memory]", "fsdp pytorch [torch:dpkit]",
+        "zero1 ours [shared_memory]"]
+    with pytest.raises(ValueError, match="unknown variant 'zero1 ours blocking'"):
+        bench.select(["zero1 ours blocking"])
     every = list(bench.VARIANTS)
     assert bench.runnable(every, 1, torch.device("cpu")) == [n for n in every if n.endswith("[torch]")]
     assert bench.runnable(every, 2, torch.device("cpu")) == every
@@ -113,17 +112,17 @@ def test_each_sharding_experiment_measures_the_targets_it_is_for():
         measured = _targets_measured(_experiment_args(name).variants)
         for t in ("torch", "shared_memory"):
             assert {f"ddp ours [{t}] / ddp pytorch [{t}]", f"fsdp ours [{t}] / fsdp pytorch [{t}]",
-                    f"zero ours [{t}] / ddp ours [{t}]"} <= measured, (name, t)
-        assert {"zero ours [torch] / zero pytorch [torch]", "zero pytorch [torch] / ddp pytorch [torch]",
+                    f"zero1 ours [{t}] / ddp ours [{t}]"} <= measured, (name, t)
+        assert {"zero1 ours [torch] / zero1 pytorch [torch]", "zero1 pytorch [torch] / ddp pytorch [torch]",
                 "ddp pytorch [shared_memory] / ddp pytorch [torch]",
                 "fsdp pytorch [shared_memory] / fsdp pytorch [torch]"} <= measured, name
     for quick in (True, False):
         args = _experiment_args("sharding_gpt", quick)
         measured = _targets_measured(args.variants)
-        assert {"fsdp pytorch [shared_memory] / fsdp pytorch "
-                "[torch]", "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]",
-                "ddp ours [shared_memory] / ddp pytorch "
-                "[shared_memory]", "zero ours [shared_memory] / ddp ours [shared_memory]"} <= measured
+        assert {"fsdp pytorch [shared_memory] / fsdp pytorch [torch]",
+                "fsdp pytorch [torch:dpkit] / fsdp pytorch [torch]",
+                "ddp ours [shared_memory] / ddp pytorch [shared_memory]",
+                "zero1 ours [shared_memory] / ddp ours [shared_memory]"} <= measured
         assert bench.SCOPES["gpt default"][1]("gpt", args)
     assert not bench.SCOPES["gpt default"][1]("gpt", _experiment_args("sharding"))
 
@@ -150,10 +149,20 @@ def test_quick_settings_yield_to_explicit_flags():
 # --------------------------------------------------------------------------- a tiny run
 
 
+def tiny_args():
+    """ARGS and the toy engine (tests/toy_engine.py, our DDP under another name) on both transports."""
+    with toy_engine.registered():
+        return bench.parse_args([*ARGS, "toy ours"])
+
+
+def _worker_with_the_toy(ctx, args):
+    with toy_engine.registered():  # in each spawned rank: the registry is per process
+        return bench.worker(ctx, args)
+
+
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
-    args = bench.parse_args(ARGS)
-    return run_workers(bench.worker, WORLD, args)[0]
+    return run_workers(_worker_with_the_toy, WORLD, tiny_args())[0]
 
 
 def model_tensors() -> list[torch.Tensor]:
@@ -173,7 +182,7 @@ def bucket_bytes(row: dict, exact: int, buckets: int) -> bool:
 
 def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
     measured = measured_rows(rows)
-    assert list(measured) == bench.parse_args(ARGS).variants
+    assert list(measured) == tiny_args().variants
     for name, row in measured.items():
         assert 0 < row["p50_s"] <= row["p95_s"] and len(row["round_p50_s"]) == 2
         assert row["activation_bytes"] > 0 and row["peak_bytes"] >= row["params_bytes"] + row["state_bytes"]
@@ -182,7 +191,23 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
                                            "shared_memory:thread": "shared_memory",
                                            "torch:dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
-    assert measured["zero ours [shared_memory]"]["exposed_comm_s"] > 0
+    assert measured["zero1 ours [shared_memory]"]["exposed_comm_s"] > 0
+
+
+def test_a_registered_engine_is_a_variant_on_each_transport_and_runs_as_the_engine_it_wraps(rows):
+    """The toy (our DDP under another name, registered in one place) is offered, measured and counted like
+    "ddp ours"; unregistered, it is gone."""
+    with toy_engine.registered():
+        assert bench.select(["toy ours"]) == ["toy ours [torch]", "toy ours [shared_memory]"]
+        assert bench.VARIANTS["toy ours [shared_memory]"].targets == (bench.Target("toy ours [torch]", "transport"),)
+    measured = measured_rows(rows)
+    for t in ("torch", "shared_memory"):
+        toy, ddp = measured[f"toy ours [{t}]"], measured[f"ddp ours [{t}]"]
+        assert toy["p50_s"] > 0 and toy["sharding"] == "toy"
+        for key in ("params_bytes", "grads_bytes", "state_bytes", "ideal_bytes"):
+            assert toy[key] == ddp[key], (t, key)
+    with pytest.raises(ValueError, match="unknown variant 'toy ours'"):
+        bench.select(["toy ours"])
 
 
 def test_pytorchs_engines_train_on_a_dpkit_process_group_beside_gloo_with_the_transport_ratio(rows):
@@ -212,13 +237,11 @@ def test_what_the_transport_holds_in_shared_memory_is_counted(rows):
             assert row["shared_peak_bytes"] == 0, name
         else:
             assert row["shared_peak_bytes"] > 0, name
-    assert m["ddp ours "
-             "[shared_memory]"]["shared_peak_bytes"] >= m["ddp ours "
-                                                          "[shared_memory]"]["grads_bytes"]  # the buckets hold them
-    assert m["zero ours "
-             "[shared_memory]"]["shared_peak_bytes"] >= m["zero ours [shared_memory]"]["grads_bytes"] + buffers
+    ddp, zero1 = m["ddp ours [shared_memory]"], m["zero1 ours [shared_memory]"]
+    assert ddp["shared_peak_bytes"] >= ddp["grads_bytes"]  # the buckets hold them
+    assert zero1["shared_peak_bytes"] >= zero1["grads_bytes"] + buffers
     # The peak counts them as it counts the same buffers in torch's allocator on [torch].
-    for name in ("ddp ours [shared_memory]", "zero ours [shared_memory]"):
+    for name in ("ddp ours [shared_memory]", "zero1 ours [shared_memory]"):
         assert m[name]["peak_bytes"] >= m[name]["params_bytes"] + m[name]["state_bytes"] + m[name]["shared_peak_bytes"]
     # PyTorch's DDP over our hook stages its buckets: at least one MiB (the smallest staging block) in /dev/shm.
     assert m["ddp pytorch [shared_memory]"]["shared_peak_bytes"] >= 2 ** 20
@@ -247,7 +270,7 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
     whole_tensors = [sum(state[id(p)] for p, o in zip(params, owners) if o == r) for r in range(WORLD)]
     largest_whole = max(sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(WORLD))
     elements, pieces = flat_shares(params)
-    gathered = {"zero ours [": WORLD * max(elements) * 4, "zero ours tensor [": WORLD * largest_whole * 4}
+    gathered = {"zero1 ours [": WORLD * max(elements) * 4, "zero1 ours tensor [": WORLD * largest_whole * 4}
     flat = [8 * elements[r] + 4 * pieces[r] for r in range(WORLD)]
     for name, row in measured_rows(rows).items():
         if row["sharding"] in ("fsdp", "zero2"):  # (stage 2's gradients: the test below)
@@ -258,16 +281,16 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
         slack = transports.ALIGN - 1 if row["transport"] != "torch" and in_buffer != total else 0  # whole cache lines
         assert in_buffer <= row["params_bytes"] <= in_buffer + slack, name
         assert bucket_bytes(row, total + flags, len(params)), name
-        if row["sharding"] == "ddp":
+        if row["sharding"] in ("ddp", toy_engine.NAME):  # nothing sharded
             assert row["state_bytes_per_rank"] == [sum(state.values())] * WORLD
         else:
             split = sum(pieces) - len(params)  # a tensor cut between two ranks has a step count on each
-            flat_partition = name.startswith("zero ours [")
+            flat_partition = name.startswith("zero1 ours [")
             assert sum(row["state_bytes_per_rank"]) == sum(state.values()) + 4 * split * flat_partition, name
             assert row["ideal_bytes"] == 2 * total + sum(state.values()) // WORLD
-        if name.startswith("zero ours ["):
+        if name.startswith("zero1 ours ["):
             assert row["state_bytes_per_rank"] == flat, name
-        if name.startswith("zero ours tensor"):
+        if name.startswith("zero1 ours tensor"):
             assert row["state_bytes_per_rank"] == whole_tensors, name
 
 
@@ -287,7 +310,7 @@ def test_zero_stage2_keeps_one_nth_of_the_gradients_per_rank(rows):
     pool = zero.POOL_SLOTS * -(-slot // zero.POOL_ALIGN) * zero.POOL_ALIGN
     measured = measured_rows(rows)
     for t in ("torch", "shared_memory"):
-        row, stage1 = measured[f"zero2 ours [{t}]"], measured[f"zero ours [{t}]"]
+        row, stage1 = measured[f"zero2 ours [{t}]"], measured[f"zero1 ours [{t}]"]
         slack = 0 if t == "torch" else transports.ALIGN - 1  # one buffer on shared memory: whole cache lines
         assert len(row["grads_bytes_per_rank"]) == WORLD, t
         assert gathered <= row["params_bytes"] <= gathered + slack, t
@@ -340,18 +363,18 @@ def test_fsdp_byte_counts_equal_a_count_from_the_shapes(rows):
 
 def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
     targets = {row["target"]: row for row in rows if "target" in row}
-    expected = {"ddp ours [torch] / ddp pytorch "
-                "[torch]": "engine", "ddp ours [shared_memory] / ddp pytorch [shared_memory]": "engine",
-                "zero ours [torch] / zero pytorch "
-                "[torch]": "engine", "fsdp ours [shared_memory] / fsdp pytorch [shared_memory]": "engine",
-                "zero ours [shared_memory] / ddp ours [shared_memory]": "sharding",
-                "zero pytorch [torch] / ddp pytorch [torch]": "sharding",
+    expected = {"ddp ours [torch] / ddp pytorch [torch]": "engine",
+                "ddp ours [shared_memory] / ddp pytorch [shared_memory]": "engine",
+                "zero1 ours [torch] / zero1 pytorch [torch]": "engine",
+                "fsdp ours [shared_memory] / fsdp pytorch [shared_memory]": "engine",
+                "zero1 ours [shared_memory] / ddp ours [shared_memory]": "sharding",
+                "zero1 pytorch [torch] / ddp pytorch [torch]": "sharding",
                 "fsdp pytorch [shared_memory] / fsdp pytorch [torch]": "transport",
                 "fsdp ours [shared_memory:thread] / fsdp ours [shared_memory]": "transport",
-                "zero ours tensor [torch] / zero ours "
-                "[torch]": "option", "zero ours [shared_memory] state / ideal": "memory",
-                "zero2 ours [shared_memory] / zero ours "
-                "[shared_memory]": "option", "zero2 ours [torch] / ddp ours [torch]": "sharding"}
+                "zero1 ours tensor [torch] / zero1 ours [torch]": "option",
+                "zero1 ours [shared_memory] state / ideal": "memory",
+                "zero2 ours [shared_memory] / zero1 ours [shared_memory]": "option",
+                "zero2 ours [torch] / ddp ours [torch]": "sharding"}
     assert {name: targets[name]["axis"] for name in expected} == expected
     assert all("variant" not in row and row["target"].startswith(row["numerator"]) for row in targets.values())
     assert not [name for name in targets if "[shared_memory" in name.split(" / ")[0]
@@ -363,7 +386,7 @@ def test_each_target_is_a_paired_ratio_with_an_axis_and_a_verdict(rows):
             assert row["ratio"]["rounds"] == 2
             assert row["ratio"]["ci_low"] <= row["ratio"]["median"] <= row["ratio"]["ci_high"]
     assert targets["fsdp pytorch [shared_memory] / fsdp pytorch [torch]"]["limit"] is None, "a toy GPT: for information"
-    assert targets["zero ours [torch] state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
+    assert targets["zero1 ours [torch] state / ideal"]["value"] <= bench.TARGET_STATE_VS_IDEAL
     text = bench.report(rows)
-    assert "targets by axis" in text and "zero ours [shared_memory] / ddp ours [shared_memory]" in text
+    assert "targets by axis" in text and "zero1 ours [shared_memory] / ddp ours [shared_memory]" in text
     assert all(f"  {axis} (" in text for axis in bench.AXES)

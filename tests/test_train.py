@@ -77,13 +77,23 @@ def test_epoch_seed_is_a_pure_function_of_seed_epoch_and_rank():
 
 
 def test_parallel_is_named_values_that_refuse_unknown_engines():
-    parallel = Parallel("pytorch", "zero", 4.0, "torch")
+    parallel = Parallel("pytorch", "zero1", 4.0, "torch")
     with pytest.raises(dataclasses.FrozenInstanceError):
         parallel.sharding = "fsdp"
-    with pytest.raises(ValueError, match="impl must be one of"):
+    with pytest.raises(ValueError, match="unknown impl 'mine': choose one of ours, pytorch"):
         Parallel("mine")
-    with pytest.raises(ValueError, match="sharding one of"):
+    with pytest.raises(ValueError, match="unknown engine 'zero3': choose one of ddp, zero1, zero2, fsdp, hsdp"):
         Parallel(sharding="zero3")
+    with pytest.raises(ValueError, match="'zero2' has no 'pytorch' implementation: it has ours"):
+        Parallel("pytorch", "zero2")
+
+
+@pytest.mark.parametrize("impl, sharding, spelled", [("selfmade", "ddp", "'ours'"), ("ours", "none", "'ddp'"),
+                                                     ("pytorch", "zero", "'zero1'")])
+def test_parallel_reads_the_old_spellings_with_a_deprecation_naming_the_new(impl, sharding, spelled):
+    with pytest.warns(FutureWarning, match=f"is now spelled {spelled}"):
+        parallel = Parallel(impl, sharding)
+    assert spelled.strip("'") in (parallel.impl, parallel.sharding)
 
 
 def test_step_meter_measures_memory_through_the_probe_steps_then_times_each_step():

@@ -1,6 +1,6 @@
 """A latency-bandwidth model of data parallelism on a cluster: two link classes, inside a host and between hosts.
 
-    from dpkit.bench.cluster import Link, Cluster, step_seconds, ENGINES
+    from dpkit.bench.cluster import Link, Cluster, step_seconds, engines
     inside = Link.fit(sizes, seconds, ranks=2)          # e.g. this host's shared-memory all-reduce, measured
     network = Link.from_network(gbit_per_s=100, latency_s=10e-6)
     cluster = Cluster(hosts=16, ranks_per_host=8, inside=inside, between=network)
@@ -16,7 +16,8 @@ ranks share: when all of them send at once, each gets 1/ranks_per_host of it. So
 * hierarchical: a reduce-scatter inside the host, an all-reduce of each 1/L shard between hosts (all L
   shards at once, sharing the link), an all-gather inside the host.
 
-Engines, per step, from the bytes of the parameters P and of the gradients G (= P): DDP all-reduces G;
+Engines (``engines()``: every one in ``dpkit.engines.registry``, costed by what it shards), per step, from
+the bytes of the parameters P and of the gradients G (= P): DDP all-reduces G;
 ZeRO stage 1 all-reduces G then all-gathers P; stage 2 reduce-scatters G then all-gathers P (one all-reduce's
 bytes); FSDP all-gathers P twice (forward, backward) and reduce-scatters G over all ranks; HSDP does those
 inside a host and all-reduces each rank's 1/L of G between hosts. Collectives of an engine use the
@@ -31,7 +32,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ENGINES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+from dpkit.engines import registry
+
+
+def engines() -> tuple[str, ...]:
+    """Every registered engine's name (``registry.names()``), read when called: a registered one appears."""
+    return registry.names()
 
 
 @dataclass(frozen=True)
@@ -107,20 +113,19 @@ def communication_seconds(engine: str, c: Cluster, param_bytes: float, pieces: i
     into ``pieces`` collectives of each kind (DDP's and ZeRO's buckets, FSDP's units), each paying its
     latency."""
     grads, each = param_bytes / pieces, param_bytes / pieces
-    if engine == "ddp":
-        return pieces * collective(c, grads, 2)
-    if engine == "zero1":
-        return pieces * (collective(c, grads, 2) + collective(c, each, 1))
-    if engine == "zero2":
-        return pieces * (collective(c, grads, 1) + collective(c, each, 1))
-    if engine == "fsdp":
-        return pieces * (2 * collective(c, each, 1) + collective(c, grads, 1))
-    if engine == "hsdp":
+    found = registry.get(engine)  # an unknown name: a ValueError listing the registered ones
+    if found.hybrid:
         one_host = Cluster(1, c.ranks_per_host, c.inside, c.between)
         inside = 2 * flat_ring(one_host, each, 1) + flat_ring(one_host, grads, 1)
         between = 2 * _ring_half(c.hosts, grads / c.ranks_per_host, c.between, sharing=c.ranks_per_host)
         return pieces * (inside + between)
-    raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if found.shards == 0:  # DDP
+        return pieces * collective(c, grads, 2)
+    if found.shards == 1:
+        return pieces * (collective(c, grads, 2) + collective(c, each, 1))
+    if found.shards == 2:
+        return pieces * (collective(c, grads, 1) + collective(c, each, 1))
+    return pieces * (2 * collective(c, each, 1) + collective(c, grads, 1))  # 3: FSDP
 
 
 def step_seconds(engine: str, c: Cluster, param_bytes: float, compute_s: float, pieces: int = 1) -> float:

@@ -29,13 +29,14 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
+from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
 from dpkit.report import paths
 from dpkit.report.findings import MIN_BOOTSTRAP_ROUNDS, interval_name, oversubscribed  # noqa: F401
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {
-    "ours": "#0072B2", "bucketed": "#0072B2", "selfmade": "#0072B2", "ring": "#0072B2",
+    "ours": "#0072B2", "bucketed": "#0072B2", "ring": "#0072B2",  # bucketed: ddp_benchmark's name of our DDP
     "pytorch": "#E69F00", "torch": "#E69F00",
     "pytorch-best": "#D55E00",
     "overlap": "#009E73", "butterfly": "#009E73",
@@ -76,7 +77,7 @@ def kind(row_or_name) -> str:
                 or row_or_name.get("label", ""))
     else:
         name = row_or_name
-    name = str(name)
+    name = registry.current_label(str(name))  # a file's old spelling: "selfmade" is "ours"
     if name in COLOURS:
         return name
     return re.sub(r"[ _-]?\d+(\.\d+)?M$", "", name.strip())  # drop a bucket-size suffix
@@ -196,7 +197,8 @@ def _yerr(centre: float, bounds: tuple[float, float] | None) -> list[list[float]
 
 def training_curves(runs: dict[str, dict]) -> Figure:
     """Loss and accuracy against epoch, and the time per optimizer step, for each training run
-    (``{"selfmade": doc, "pytorch": doc}`` of ``ddp_cifar100.py --metrics-json``)."""
+    (``{"ours": doc, "pytorch": doc}`` of ``ddp_cifar100.py --metrics-json``; old keys such as "selfmade" are
+    shown in today's names)."""
     figure, axes = _figure(1, 3, height=3.4)
     loss_ax, acc_ax, time_ax = axes[0]
     markers = ("o", "x", "s", "^")
@@ -206,7 +208,8 @@ def training_curves(runs: dict[str, dict]) -> Figure:
         c = colour(name)
         # Dashes on the second run let identical curves both show.
         dash = "-" if marker == "o" else "--"
-        loss_ax.plot(x, [r["train_loss"] for r in epochs], dash, color=c, marker=marker, label=name)
+        loss_ax.plot(x, [r["train_loss"] for r in epochs], dash, color=c, marker=marker,
+                     label=registry.current_label(name))
         loss_ax.plot(x, [r["val_loss"] for r in epochs], dash, color=c, marker=marker, alpha=0.45)
         acc_ax.plot(x, [100 * r["val_acc"] for r in epochs], dash, color=c, marker=marker)
         if all("epoch_time_s" in r and r.get("steps") for r in epochs):
@@ -636,7 +639,6 @@ SERIES_MARKERS = ("o", "s", "^", "v", "D", "x")
 # The parts of what a rank holds, stacked bottom to top (sharding_benchmark.py's byte fields).
 MEMORY_PARTS = (("params_bytes", "parameters", "#56B4E9"), ("grads_bytes", "gradients", "#009E73"),
                 ("state_bytes", "optimizer state", "#CC79A7"), ("activation_bytes", "activations", "#F0E442"))
-SHARDINGS = ("ddp", "zero", "zero2", "fsdp")  # zero2: ZeRO stage 2 (gradients sharded too)
 
 
 def our_variant(rows: list[dict], sharding: str) -> str | None:
@@ -650,15 +652,15 @@ def our_variant(rows: list[dict], sharding: str) -> str | None:
 
 def sharding_memory(doc: dict) -> Figure:
     """What one rank holds (the largest rank), per model: parameters, gradients, optimizer state and
-    activations stacked, for our DDP, ZeRO (stages 1 and 2) and FSDP at every world size measured; a dash at the
-    ideal model-state bytes of that sharding; oversubscribed runs hatched."""
+    activations stacked, for our variant of every registered engine (DDP, ZeRO stages 1 and 2, FSDP, ...) at every
+    world size measured; a dash at the ideal model-state bytes of that engine; oversubscribed runs hatched."""
     rows, env = [r for r in doc["results"] if "variant" in r], doc.get("env", {})
     models = _models(rows) or [""]
     figure, axes = _figure(len(models), 1, width=11, height=3.8)
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         cell = {(r["variant"], r["world_size"]): r for r in mine}
-        bars = [(s, cell[v, w]) for s in SHARDINGS if (v := our_variant(mine, s))
+        bars = [(s, cell[v, w]) for s in registry.names() if (v := our_variant(mine, s))
                 for w in sorted({r["world_size"] for r in mine}) if (v, w) in cell]
         for x, (sharding, r) in enumerate(bars):
             bottom = 0.0

@@ -1,96 +1,112 @@
-"""Which engine makes the model data-parallel, named once: ours or PyTorch's, DDP, ZeRO (stage 1) or FSDP,
-on one transport; and what differs between them when a trainer builds the optimizer or saves the state.
+"""Which engine makes the model data-parallel, by its registered name (``dpkit.engines.registry``: ddp, zero1,
+zero2, fsdp, hsdp, each ours or PyTorch's where it exists), on one transport; and what differs between them
+when a trainer builds the optimizer or saves the state.
 
-    parallel = Parallel(impl="selfmade", sharding="fsdp", transport="auto")
+    parallel = Parallel(impl="ours", sharding="fsdp", transport="auto")
     model = parallel.wrap(net)                                   # rank 0's parameters on every rank
     optimizer = parallel.optimizer(model, lr=0.01, momentum=0.5)
     state = parallel.full_model_state(model, net)                # a collective when sharded
 
-``resolve_sync_bn`` picks the BatchNorm that goes with the engine (the trainer converts the model to it).
+``resolve_sync_bn`` picks the BatchNorm that goes with the engine (the trainer converts the model to it);
+``named`` reads a flag's value in today's spelling (old ones with a deprecation message).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
-# At the top, before the process group exists (half a second per process): imported after it, one of its
-# functions would keep the default group as a default argument after teardown (see process_groups.teardown).
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dpkit.comm import transport as transports
-from dpkit.engines.ddp import broadcast_module_state, make_ddp
-from dpkit.engines.fsdp import FSDP
-from dpkit.engines.zero import ShardedOptimizer
+from dpkit.engines import registry
 
-IMPLS = ("selfmade", "pytorch")
-SHARDINGS = ("none", "zero", "fsdp")
-# What sharding "fsdp" shards (ours and PyTorch's): nearly all of the CNN's and resnet18's parameters.
+IMPLS = registry.IMPLS
+SYNC_BNS = ("auto", "ours", "pytorch", "none")
+# What an FSDP shards (ours and PyTorch's): nearly all of the CNN's and resnet18's parameters.
 FSDP_SHARD_TYPES = (nn.Conv2d, nn.Linear)
+
+
+def shardings() -> tuple[str, ...]:
+    """The engines a trainer can run: every registered one with an implementation."""
+    return tuple(n for n in registry.names() if registry.get(n).impls)
+
+
+def named(kind: str):
+    """An argparse ``type`` for an "engine", "impl" or "sync_bn" flag: today's spelling of the value, an old one
+    with a FutureWarning, an unknown one refused with the known ones."""
+    def parse(text: str) -> str:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FutureWarning)
+            try:
+                if kind == "sync_bn":
+                    return registry.respell(text, "sync-bn", SYNC_BNS, registry.OLD_IMPLS)
+                return registry.canonical(text, kind)
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
+            finally:  # a command line's deprecation as one plain line, not a warning's source excerpt, on rank 0
+                for warning in caught if os.environ.get("RANK", "0") == "0" else ():
+                    print(f"deprecated: {warning.message}", file=sys.stderr)
+    parse.__name__ = kind
+    return parse
 
 
 @dataclass(frozen=True)
 class Parallel:
     """The data-parallel engine of a run.
 
-    ``impl``: "selfmade" (dpkit's engines) or "pytorch" (PyTorch's). ``sharding``: "none" (DDP),
-    "zero" (DDP, optimizer state sharded) or "fsdp" (parameters, gradients and optimizer state
-    sharded). ``bucket_cap_mb``: the DDPs' gradient buckets. ``transport``: how every engine's
-    tensors travel (``transport.resolve``), PyTorch's through its comm hook or fully_shard's
-    custom collectives, unless it is "torch" (their own).
+    ``impl``: "ours" (dpkit's engines) or "pytorch" (PyTorch's). ``sharding``: an engine's name (``shardings()``):
+    "ddp", "zero1" (DDP, optimizer state sharded), "zero2" (gradients too), "fsdp" (parameters, gradients and
+    optimizer state sharded), "hsdp" (FSDP inside a host). Old spellings ("selfmade", "none", "zero") are read
+    as the new ones. ``bucket_cap_mb``: the DDPs' gradient buckets. ``transport``: how every engine's tensors
+    travel (``transport.resolve``), PyTorch's through its comm hook or fully_shard's custom collectives,
+    unless it is "torch" (their own).
     """
 
-    impl: str = "selfmade"
-    sharding: str = "none"
+    impl: str = "ours"
+    sharding: str = "ddp"
     bucket_cap_mb: float = 25.0
     transport: str = "auto"
 
     def __post_init__(self):
-        if self.impl not in IMPLS or self.sharding not in SHARDINGS:
-            raise ValueError(f"Parallel: impl must be one of {IMPLS} and sharding one of {SHARDINGS}, "
-                             f"got {self.impl!r} and {self.sharding!r}")
+        try:
+            object.__setattr__(self, "impl", registry.canonical(self.impl, "impl"))
+            object.__setattr__(self, "sharding", registry.canonical(self.sharding, "engine"))
+            registry.impl(self.sharding, self.impl)
+        except ValueError as error:
+            raise ValueError(f"Parallel: {error}") from None
+
+    @property
+    def shards(self) -> int:
+        """The engine's ZeRO stage: 0 (nothing sharded) to 3 (parameters sharded)."""
+        return registry.get(self.sharding).shards
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Our DDP or PyTorch's (also for "zero", which shards only the optimizer); for "fsdp" our ``FSDP``
-        or PyTorch's ``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer and the root. All take rank 0's
-        parameters. PyTorch's DDP gets ``forward_sync_buffers=False`` (from ``make_ddp``), like ours:
-        BatchNorm buffers are kept equal by SyncBatchNorm or per rank by choice, and a trainer hands every
-        rank rank 0's buffers before validating; the default would add a broadcast per optimizer step.
+        """The engine's wrapper (``registry.wrap``), from rank 0's parameters; FSDPs shard each
+        ``FSDP_SHARD_TYPES`` layer and the root. PyTorch's DDP gets ``forward_sync_buffers=False`` (from
+        ``make_ddp``), like ours: BatchNorm buffers are kept equal by SyncBatchNorm or per rank by choice, and
+        a trainer hands every rank rank 0's buffers before validating; the default would add a broadcast per
+        optimizer step.
         """
-        if self.sharding != "fsdp":
-            kind = "bucketed" if self.impl == "selfmade" else "pytorch"
-            return make_ddp(kind, model, self.bucket_cap_mb, transport=self.transport)
-        if self.impl == "selfmade":
-            return FSDP(model, shard_types=FSDP_SHARD_TYPES, transport=self.transport)
-        broadcast_module_state(model)  # fully_shard shards what each rank holds: make it rank 0's first
-        for layer in model.modules():
-            if isinstance(layer, FSDP_SHARD_TYPES):
-                fully_shard(layer)
-        model = fully_shard(model)
-        chosen = transports.resolve(self.transport, None, next(model.parameters()).device, engine="fully_shard")
-        if not isinstance(chosen, transports.Torch):
-            transports.use_with_fully_shard(model, chosen)
-        return model
+        options = registry.Options(bucket_cap_mb=self.bucket_cap_mb, shard_types=FSDP_SHARD_TYPES)
+        return registry.wrap(self.sharding, self.impl, model, self.transport, options)
 
     def optimizer(self, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
-        """SGD over what this rank updates of the wrapped ``model``; "zero" shards its state:
-        ``ShardedOptimizer`` (ours) or ``ZeroRedundancyOptimizer`` (PyTorch's)."""
-        options = dict(lr=lr, momentum=momentum)
-        if self.sharding != "zero":
-            return torch.optim.SGD(model.parameters(), **options)
-        if self.impl == "selfmade":
-            return ShardedOptimizer(model.parameters(), torch.optim.SGD, transport=self.transport, **options)
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **options)
+        """SGD over what this rank updates of the wrapped ``model``: sharded by ZeRO engines
+        (``ShardedOptimizer``, ours, or ``ZeroRedundancyOptimizer``, PyTorch's)."""
+        return registry.optimizer(self.sharding, self.impl, model, torch.optim.SGD, self.transport,
+                                  lr=lr, momentum=momentum)
 
     def full_model_state(self, model: nn.Module, module: nn.Module) -> dict:
         """The unwrapped ``module``'s ``state_dict`` (full tensors, plain keys) for rank 0 to save, from the
-        wrapped ``model``. A collective for "fsdp": every rank must call it."""
-        if self.sharding != "fsdp":
+        wrapped ``model``. A collective when the parameters are sharded: every rank must call it."""
+        if self.shards < 3:
             return module.state_dict()
-        if self.impl == "selfmade":
+        if self.impl == "ours":
             return model.full_state_dict()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -101,9 +117,9 @@ class Parallel:
 
         Consolidated where the engine offers it (ours and PyTorch's ZeRO, PyTorch's FSDP); for our FSDP,
         whose optimizer holds the state of this rank's flat shards, the list of every rank's."""
-        if self.sharding == "none" or (self.sharding == "zero" and self.impl == "selfmade"):
+        if self.shards == 0 or (self.shards < 3 and self.impl == "ours"):
             return optimizer.state_dict()  # ShardedOptimizer.state_dict() consolidates on every rank
-        if self.sharding == "zero":
+        if self.shards < 3:
             optimizer.consolidate_state_dict(to=0)
             return optimizer.state_dict() if dist.get_rank() == 0 else None
         if self.impl == "pytorch":
@@ -116,11 +132,11 @@ class Parallel:
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, state) -> None:
         """Load what ``full_optimizer_state`` saved, on every rank (each keeps its own part)."""
-        if self.sharding == "fsdp" and self.impl == "pytorch":
+        if self.shards == 3 and self.impl == "pytorch":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
             set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-        elif self.sharding == "fsdp":
+        elif self.shards == 3:
             optimizer.load_state_dict(state[dist.get_rank()])
         else:
             optimizer.load_state_dict(state)
@@ -136,12 +152,12 @@ def resolve_sync_bn(requested: str, impl: str, device: torch.device) -> tuple[st
     """The BatchNorm flavour to use, and notices. PyTorch's SyncBatchNorm needs CUDA tensors."""
     if requested == "pytorch" and device.type != "cuda":
         raise RuntimeError("--sync-bn pytorch: torch.nn.SyncBatchNorm only runs on CUDA tensors and this job runs on "
-                           f"{device.type}. Use --sync-bn selfmade (syncbn.py, runs on CPU), none, or auto.")
+                           f"{device.type}. Use --sync-bn ours (syncbn.py, runs on CPU), none, or auto.")
     if requested != "auto":
         return requested, []
-    if impl == "selfmade":
-        return "selfmade", []
+    if impl == "ours":
+        return "ours", []
     if device.type == "cuda":
         return "pytorch", []
-    return "selfmade", ["--sync-bn auto with --distributed-impl pytorch on CPU: torch.nn.SyncBatchNorm cannot run "
+    return "ours", ["--sync-bn auto with --distributed-impl pytorch on CPU: torch.nn.SyncBatchNorm cannot run "
                         "on CPU tensors, so BatchNorm is synchronised by syncbn.py (ours) instead"]
