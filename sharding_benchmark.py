@@ -271,7 +271,7 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
                  settle=optimizer.wait_for_parameters)  # overlap_with_forward: all-gathers still on their way
 
 
-@variant("zero1 ours", "zero", on=("torch", SHARED, THREAD),
+@variant("zero1 ours", "zero1", on=("torch", SHARED, THREAD),
          targets=(Target("zero1 pytorch", "engine", TARGET_VS_PYTORCH),
                   Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
 def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:

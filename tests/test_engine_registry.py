@@ -14,7 +14,7 @@ import run_experiments
 import sharding_benchmark
 import toy_engine
 from dpkit.bench import cluster
-from dpkit.bench.results import current_names, read_results, results_file
+from dpkit.bench.results import current_engine_names as current_names, read_results, results_file
 from dpkit.engines import registry
 from dpkit.report import plots
 
@@ -92,12 +92,12 @@ def test_a_registered_engine_appears_wherever_engines_are_compared():
         c = cluster.Cluster(2, 2, cluster.Link(1e-5, 1e-9), cluster.Link(1e-5, 1e-9))
         assert cluster.communication_seconds("toy", c, 2**20) == cluster.communication_seconds("ddp", c, 2**20)
         assert trainer.parse_args(["--sharding", "toy"]).sharding == "toy"
-        assert sharding_benchmark.select(["toy ours"]) == ["toy ours [torch]", "toy ours [shm]"]
-        row = {"model": "gpt", "variant": "toy ours [shm]", "sharding": "toy", "world_size": 2, "params_bytes": 4,
-               "grads_bytes": 4, "state_bytes": 8, "activation_bytes": 1, "ideal_bytes": 16}
+        assert sharding_benchmark.select(["toy ours"]) == ["toy ours [torch]", "toy ours [shared_memory]"]
+        row = {"model": "gpt", "variant": "toy ours [shared_memory]", "sharding": "toy", "world_size": 2,
+               "params_bytes": 4, "grads_bytes": 4, "state_bytes": 8, "activation_bytes": 1, "ideal_bytes": 16}
         ax = plots.sharding_memory({"results": [row], "env": {"cpus": 2}}).axes[0]
         (tick,) = [t.get_text() for t in ax.get_xticklabels()]
-        assert tick.startswith("toy ours [shm"), tick
+        assert tick.startswith("toy ours [shared_memory"), tick
     assert "toy" not in cluster.engines()
     with pytest.raises(SystemExit):
         trainer.parse_args(["--sharding", "toy"])
