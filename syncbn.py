@@ -20,9 +20,10 @@ The sums go through the layer's ``transport`` (``transport.resolve``, made at th
 forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
 on the CPU, else ``torch.distributed``). The synchronisation is written here; every per-element pass
 is one of BatchNorm's own kernels, the same on CPU and CUDA, and the per-channel arithmetic a few
-operations on reused buffers (``_Workspace``), the summed ones allocated by the transport (on shared
-memory summed where they lie, with no copy in or out). float16/bfloat16 inputs compute statistics in float32,
-as BatchNorm does. With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
+operations on reused buffers (``_Workspace``), the summed ones allocated by the transport (shared
+memory sums them where they lie, with no copy in or out). float16/bfloat16 inputs compute statistics
+in float32, as BatchNorm does, and dx in float32 a slice of rows at a time (``_half_input_grad``).
+With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ class _Workspace:
     fills it (what backward needs is saved in fresh tensors), and one thread runs one pass at a time.
 
     ``packed`` (2C + 1, float64, the transport's): the forward's sums, blocks ``sum_x``, ``sum_square``,
-    ``counted``. ``rows`` (3, C, the transport's): [-a, -b, 1]
-    in backward, its first two rows ``sums`` summed across ranks. ``coefficients`` (3, C): [gamma, alpha', s]
-    computed from ``rows`` (``_input_grad``); ``scaled`` (3, C) the same times invstd, for half inputs.
+    ``counted``. ``rows`` (3, C, the transport's): [-a, -b, 1] in backward, its first two rows ``sums``
+    summed across ranks. ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows``
+    (``_input_grad``); ``scaled`` (3, C) the same times invstd, for half inputs.
     """
 
     def __init__(self, channels: int, dtype: torch.dtype, device: torch.device, transport):
