@@ -130,7 +130,8 @@ class _Workspace:
     """
 
     def __init__(self, channels: int, dtype: torch.dtype, device: torch.device, transport):
-        allocate = transport.allocate if transport is not None else _plain_allocate
+        # A transport that cannot take this device (shared memory, a GPU tensor) refuses it at its first sum.
+        allocate = transport.allocate if transport is not None and transport.supports(device) else _plain_allocate
         self.packed = allocate(2 * channels + 1, dtype=torch.float64, device=device).zero_()
         self.sum_x, self.sum_square, self.counted = self.packed.split_with_sizes((channels, channels, 1))
         self.rows = allocate((3, channels), dtype=dtype, device=device).fill_(1)
