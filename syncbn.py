@@ -196,8 +196,9 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
     if total < 2:
         return None, None, total
     work.sum_square.addcmul_(work.sum_x, work.sum_x, value=-1.0 / total).clamp_(min=0)  # M2 (float64)
-    # [m, M2 / N, 1], divided in float64 and rounded once into local's (2C + 1) ``dtype`` values: one operation.
-    torch.div(work.packed, _constant(total, torch.float64, device), out=local)
+    # [m, M2 / N, 1], divided in float64, then rounded once into local's (2C + 1) ``dtype`` values. (Two
+    # operations: one ``torch.div(..., out=local)`` rounds through a float64 temporary, and takes longer.)
+    local.copy_(work.packed.div_(_constant(total, torch.float64, device)))
     mean, var, _ = local.split_with_sizes((channels, channels, 1))
     return mean, var, total
 
