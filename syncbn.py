@@ -20,8 +20,10 @@ The sums go through the layer's ``transport`` (``transport.resolve``, made at th
 forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
 on the CPU, else ``torch.distributed``). The synchronisation is written here; every per-element pass
 is one of BatchNorm's own kernels, the same on CPU and CUDA, and the per-channel arithmetic a few
-operations on reused buffers (``_Workspace``). float16/bfloat16 inputs compute statistics in float32,
-as BatchNorm does. With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
+operations on reused buffers (``_Workspace``), the summed ones allocated by the transport (shared
+memory sums them where they lie, with no copy in or out). float16/bfloat16 inputs compute statistics
+in float32, as BatchNorm does, and dx in float32 a slice of rows at a time (``_half_input_grad``).
+With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
 """
 
 from __future__ import annotations
@@ -115,21 +117,24 @@ def _scratch(channels: int, dtype: torch.dtype, device: torch.device) -> tuple[t
 
 
 class _Workspace:
-    """The per-channel buffers of one layer size, made once per (C, dtype, device, thread) and reused by every
-    call: each operation on them is in place or writes ``out=``, one dispatch with no allocation. Nothing in
-    them outlives the pass that fills it (what backward needs is saved in fresh tensors), and one thread runs
-    one pass at a time.
+    """The per-channel buffers of one layer size and transport, made once per (transport, C, dtype, device,
+    thread) and reused by every call: each operation on them is in place or writes ``out=``, one dispatch with
+    no allocation. What the transport sums lies in memory it allocated (``Transport.allocate``: on shared
+    memory its arena, summed where it lies, with no copy in or out). Nothing in them outlives the pass that
+    fills it (what backward needs is saved in fresh tensors), and one thread runs one pass at a time.
 
-    ``packed`` (2C + 1, float64): the forward's sums, blocks ``sum_x``, ``sum_square``, ``counted``.
-    ``rows`` (3, C): [-a, -b, 1] in backward, its first two rows ``sums`` summed across ranks.
-    ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows`` (``_input_grad``); ``scaled`` (3, C)
-    the same times invstd, for half inputs.
+    ``packed`` (2C + 1, float64, the transport's): the forward's sums, blocks ``sum_x``, ``sum_square``,
+    ``counted``. ``rows`` (3, C, the transport's): [-a, -b, 1] in backward, its first two rows ``sums``
+    summed across ranks. ``coefficients`` (3, C): [gamma, alpha', s] computed from ``rows``
+    (``_input_grad``); ``scaled`` (3, C) the same times invstd, for half inputs.
     """
 
-    def __init__(self, channels: int, dtype: torch.dtype, device: torch.device):
-        self.packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=device)
+    def __init__(self, channels: int, dtype: torch.dtype, device: torch.device, transport):
+        # A transport that cannot take this device (shared memory, a GPU tensor) refuses it at its first sum.
+        allocate = transport.allocate if transport is not None and transport.supports(device) else _plain_allocate
+        self.packed = allocate(2 * channels + 1, dtype=torch.float64, device=device).zero_()
         self.sum_x, self.sum_square, self.counted = self.packed.split_with_sizes((channels, channels, 1))
-        self.rows = torch.ones(3, channels, dtype=dtype, device=device)
+        self.rows = allocate((3, channels), dtype=dtype, device=device).fill_(1)
         self.sums = self.rows[:2]
         self.coefficients = torch.empty(3, channels, dtype=dtype, device=device)
         self.gamma, self.alpha_prime, self.scale = self.coefficients.unbind()
@@ -139,13 +144,27 @@ class _Workspace:
         self.zeros = torch.zeros(channels, dtype=dtype, device=device)
 
 
-@functools.lru_cache(maxsize=64)
-def _workspace(channels: int, dtype: torch.dtype, device: torch.device, thread: int) -> _Workspace:
-    return _Workspace(channels, dtype, device)
+def _plain_allocate(shape, *, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _workspace_for(mean: torch.Tensor) -> _Workspace:
-    return _workspace(mean.size(-1), mean.dtype, mean.device, threading.get_ident())
+# transport (weakly: a closed one goes with its buffers) -> {(C, dtype, device, thread): workspace}; None: no
+# transport (one process, the benchmark's synchronized path without collectives).
+_WORKSPACES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+_UNSHARED: dict[tuple, _Workspace] = {}
+
+
+def _workspace(channels: int, dtype: torch.dtype, device: torch.device, transport) -> _Workspace:
+    key = (channels, dtype, device, threading.get_ident())
+    known = _UNSHARED if transport is None else _WORKSPACES.get(transport)
+    if known is None:
+        known = _WORKSPACES[transport] = {}
+    work = known.get(key)
+    if work is None:
+        if len(known) > 64:  # threads and sizes come and go: forget the old ones
+            known.clear()
+        work = known[key] = _Workspace(channels, dtype, device, transport)
+    return work
 
 
 def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
@@ -161,7 +180,7 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
     still joins. The mean and variance returned are views of one fresh (2C + 1) tensor.
     """
     channels, device = x.size(1), x.device
-    work = _workspace(channels, dtype, device, threading.get_ident())
+    work = _workspace(channels, dtype, device, transport)
     if count:
         mean, var = _local_moments(x, dtype)
         local = torch.cat((mean, var, _constant(1.0, dtype, device)))  # [m_r, v_r, 1]
@@ -172,12 +191,13 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
         local = torch.empty(2 * channels + 1, dtype=dtype, device=device)
         work.packed.zero_()
     if transport is not None:
-        transport.all_reduce(work.packed)  # now the global sums
+        transport.all_reduce(work.packed)  # now the global sums, where they lie
     total = int(work.counted)  # the same on every rank: all raise or none do
     if total < 2:
         return None, None, total
     work.sum_square.addcmul_(work.sum_x, work.sum_x, value=-1.0 / total).clamp_(min=0)  # M2 (float64)
-    # [m, M2 / N, 1], divided in float64, then rounded once into local's (2C + 1) ``dtype`` values.
+    # [m, M2 / N, 1], divided in float64, then rounded once into local's (2C + 1) ``dtype`` values. (Two
+    # operations: one ``torch.div(..., out=local)`` rounds through a float64 temporary, and takes longer.)
     local.copy_(work.packed.div_(_constant(total, torch.float64, device)))
     mean, var, _ = local.split_with_sizes((channels, channels, 1))
     return mean, var, total
@@ -202,13 +222,18 @@ def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.T
     return sum_dy, sum_dy_xhat
 
 
-def _minus_means(sum_dy, sum_dy_xhat, mean, total: int) -> _Workspace:
+def _minus_means(sum_dy, sum_dy_xhat, mean, total: int, transport) -> _Workspace:
     """The workspace (of ``mean``'s dtype) whose ``rows`` hold [-sum(dy) / N, -sum(dy * x_hat) / N, 1] of this
     rank's sums: its ``sums`` (C, C -> 2C) summed across ranks make them -[a, b], the global means."""
-    work = _workspace_for(mean)
+    work = _workspace(mean.size(-1), mean.dtype, mean.device, transport)
     torch.stack((sum_dy, sum_dy_xhat), out=work.sums)
     work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))
     return work
+
+
+# float16/bfloat16: dx is made in float32 in this many slices of rows (``_half_input_grad``), a sixth of
+# the batch, so that the float32 temporary is a fraction of dx's own size and peak memory stays BatchNorm's.
+HALF_CHUNKS = 6
 
 
 def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor:
@@ -218,7 +243,7 @@ def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor
     and variance var, multiplies each row by s = w * invstd: [gamma, alpha', s] with gamma = -s a,
     alpha' = -s b, in one operation. Then dx = (x - mean) * invstd * alpha' + gamma + s * dy: the
     inference kernel again (x in, the first term a new tensor) and one addcmul_, two passes.
-    float16/bfloat16: the same sum in float32, rounded once to x's dtype.
+    float16/bfloat16: ``_half_input_grad``.
     """
     if not x.numel():
         return torch.zeros_like(x)
@@ -227,14 +252,24 @@ def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor
     if x.dtype == mean.dtype:
         grad = torch.native_batch_norm(x, work.alpha_prime, work.gamma, mean, var, False, 0.0, eps)[0]
         return grad.addcmul_(dy, _per_channel(work.scale, x))
-    # Half input: the inference kernel would round its term to x's dtype before the second is added. The kernel
-    # once more, without weight, multiplies the coefficients by invstd: alpha = alpha' * invstd in its second row.
+    return _half_input_grad(dy, x, mean, var, eps, work)
+
+
+def _half_input_grad(dy, x, mean, var, eps, work: _Workspace) -> torch.Tensor:
+    """dx for a float16/bfloat16 x: dx = alpha * x + beta + s * dy summed in float32 and rounded once to x's dtype
+    (the inference kernel would round its term before the second is added), a sixth of the rows at a time
+    (``HALF_CHUNKS``) into dx itself: the float32 temporaries (the slice's terms, and the float32 copies of its
+    half slices that the CPU's mixed-dtype arithmetic makes) are a fraction of dx's size, not twice it."""
+    # The kernel once more, without weight, multiplies the coefficients by invstd: alpha = alpha' * invstd.
     torch.native_batch_norm(work.coefficients, None, None, work.zeros, var, False, 0.0, eps,
                             out=(work.scaled, *work.unused))
-    alpha = work.alpha
-    beta = torch.addcmul(work.gamma, alpha, mean, value=-1)  # dx = alpha * x + beta + s * dy
-    grad = torch.addcmul(_per_channel(beta, x), x, _per_channel(alpha, x))
-    return grad.addcmul_(dy, _per_channel(work.scale, x)).to(x.dtype)
+    alpha, scale = _per_channel(work.alpha, x), _per_channel(work.scale, x)
+    beta = _per_channel(torch.addcmul(work.gamma, work.alpha, mean, value=-1), x)
+    grad = torch.empty_like(x)  # x's memory format; its slices along dimension 0 keep it
+    step = -(-x.size(0) // HALF_CHUNKS)
+    for rows, x_rows, dy_rows in zip(grad.split(step), x.split(step), dy.split(step)):
+        rows.copy_(torch.addcmul(beta, x_rows, alpha).addcmul_(dy_rows, scale))
+    return grad
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -289,7 +324,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
-            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total)
+            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport)
             if ctx.transport is not None:
                 ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
             grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
@@ -339,7 +374,7 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.transport = transport
         # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
-        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport]] = {}
+        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport | None]] = {}
 
     def reset_parameters(self) -> None:
         # BatchNorm's own, but for a bias that is None (``bias=False``), which releases without ``bias=`` reset too.
@@ -377,14 +412,14 @@ class SyncBatchNorm(_BatchNorm):
         if not (dist.is_available() and dist.is_initialized()):
             return None
         group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if dist.get_world_size(group) == 1:
-            return None
         key = (id(group), x.device.type)
         known, chosen = self._resolved.get(key, (None, None))
         if known is None or known() is not group:  # never resolved, or a freed group's id reused
-            # Parameters of a dtype BatchNorm refuses for x raise here, before the collective (as they do later).
-            _check_dtypes(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
-            chosen = transports.resolve(self.transport, group, x.device, engine="SyncBatchNorm")
+            chosen = None  # a group of one: nobody to synchronise with, remembered like a transport
+            if dist.get_world_size(group) > 1:
+                # Parameters of a dtype BatchNorm refuses for x raise here, before the collective (as they do later).
+                _check_dtypes(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+                chosen = transports.resolve(self.transport, group, x.device, engine="SyncBatchNorm")
             self._resolved[key] = (weakref.ref(group), chosen)
         return chosen
 

@@ -10,8 +10,9 @@ Two axes, never mixed. Every synchronized implementation sums through each trans
 (the registry's names), made once per run: "torch" (``transport.Torch``, rows ``[torch]``) and "shared_memory"
 when the workers share a CPU host (rows ``[shared_memory]``) by default. The engine: ours [t] against
 ``BatchNorm1d + 2 all_reduce`` [t], BatchNorm1d plus the two sums of 2C + 1 values any synchronized BatchNorm
-makes, on the same transport t; the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid)
-hold per transport. The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
+makes, on the same transport t, each in buffers t allocates (as ours: on shared memory summed where they lie,
+zero copy); the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per
+transport. The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
 (``_FloorFunction``: BatchNorm's kernels in a Python autograd.Function making the same two sums) bounds what a
 layer of this design costs.
 ``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm`` [torch] is timed too.
@@ -196,8 +197,8 @@ class _FloorFunction(torch.autograd.Function):
     statistics, and its backward), with a sum across ranks through ``transport`` of 2C + 1 float64 values
     inside forward and of 2C inside backward, where a synchronized layer must make them: before the output
     exists, and before the input gradient does. It normalizes with the local batch's statistics and sends
-    zeros (buffers made once, outside the timed region). Ours does this and the synchronisation's own
-    arithmetic (packing, the float64 combination, the global terms of dx): ours / floor is that
+    zeros (buffers the transport allocated, made once, outside the timed region). Ours does this and the
+    synchronisation's own arithmetic (packing, the float64 combination, the global terms of dx): ours / floor is that
     arithmetic's price; floor / (BatchNorm1d + 2 all_reduce) on the same transport is what the Function and
     the sums' place in the graph cost, which no layer of this design goes below.
     """
@@ -223,10 +224,10 @@ class _FloorFunction(torch.autograd.Function):
 class Floor(torch.nn.BatchNorm1d):
     """BatchNorm1d's parameters and buffers through ``_FloorFunction``, summing through ``transport``."""
 
-    def __init__(self, hidden: int, transport: transports.Transport):
+    def __init__(self, hidden: int, transport: transports.Transport, device: torch.device | None = None):
         super().__init__(hidden)
         self.transport = transport
-        self.sums = (torch.zeros(2 * hidden + 1, dtype=torch.float64), torch.zeros(2 * hidden, dtype=torch.float64))
+        self.sums = tuple(_sum_buffer(transport, n, torch.float64, device) for n in (2 * hidden + 1, 2 * hidden))
 
     def forward(self, x):
         return _FloorFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
@@ -237,7 +238,7 @@ def _make_layer(impl: str, hidden: int, device: torch.device, transport: transpo
                 baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
     if impl == FLOOR:
-        layer = Floor(hidden, transport)
+        layer = Floor(hidden, transport, device)
     elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
@@ -249,6 +250,11 @@ def _make_layer(impl: str, hidden: int, device: torch.device, transport: transpo
     return layer.to(device).train()
 
 
+def _sum_buffer(transport: transports.Transport, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros in memory ``transport`` allocated (``Transport.allocate``), made once, outside the timed region."""
+    return transport.allocate(numel, dtype=dtype, device=device).zero_()
+
+
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
                transport: transports.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
@@ -258,9 +264,11 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
             layer(x)[:loss_rows].sum().backward()
         return step
 
-    # BatchNorm's own work plus the two sums a synchronized BatchNorm cannot avoid (plain tensors, as ours sends).
+    # BatchNorm's own work plus the two sums a synchronized BatchNorm cannot avoid, in buffers the transport
+    # allocates, as ours sums its statistics (on shared memory: where they lie, no copy in or out).
     channels = x.size(1)
-    forward_stats, backward_stats = (torch.zeros(2 * channels + 1, device=x.device) for _ in range(2))
+    forward_stats, backward_stats = (_sum_buffer(transport, 2 * channels + 1, torch.float32, x.device)
+                                     for _ in range(2))
 
     def reference_step():
         x.grad = None

@@ -430,6 +430,7 @@ def _run_cases(ctx, cases: list[Case]) -> dict:
     out = {"transport": counting.describe()}
     for case in cases:
         out[case.name] = KINDS[case.kind](ctx, case, counting)
+    out["staging_bytes"] = getattr(counting.inner, "staging_bytes", None)  # shared memory's copy-in block
     return out
 
 
@@ -734,6 +735,16 @@ def test_auto_is_this_hosts_shared_memory_and_every_transport_carries_the_sums(r
         assert any(k in POINT_TO_POINT for k in calls) == (case.transport == "p2p"), name
 
 
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1])
+def test_the_sums_lie_in_the_transports_own_memory_and_are_never_staged(results, world):
+    """On shared memory every sum of every case given the Transport object (forward and backward: grids, steps,
+    half inputs, an empty rank, a deep copy, a converted model) is of a buffer the transport allocated, summed
+    where it lies: the transport never takes the staging block it copies other tensors through."""
+    for rank in range(world):
+        assert results[world][rank]["transport"] == "counting shared_memory", results[world][rank]["transport"]
+        assert results[world][rank]["staging_bytes"] == 0, (rank, results[world][rank]["staging_bytes"])
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("spec", BY_NAME)
 def test_every_transport_by_name_equals_batchnorm_on_the_global_batch(results, world, spec):
@@ -1023,6 +1034,33 @@ def test_channels_last_input_is_never_copied_and_peak_memory_is_no_more_than_bat
         both[name] = peak.bytes
     assert forward["ours"] < x.numel() * x.element_size() + 64 * 1024, forward
     assert both["ours"] <= both["BatchNorm2d"], both
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_peak_memory_and_saved_bytes_are_no_more_than_batchnorm(dtype):
+    """float16/bfloat16 inputs with float32 parameters, at the homework's local sizes and 4-D channels_last:
+    forward + backward peak and bytes saved for backward no more than BatchNorm's on the same input (dx is
+    summed in float32 a slice of rows at a time, not in a full-size float32 temporary)."""
+    for shape in ((16, 128), (32, 1024), (12, 16, 8, 8)):
+        x = torch.randn(*shape).to(dtype).contiguous(memory_format=_layout(len(shape))).requires_grad_()
+        dy = torch.randn_like(x)
+        channels = shape[1]
+        weight, bias = torch.rand(channels, requires_grad=True), torch.rand(channels, requires_grad=True)
+        batchnorm = (torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d)(channels)
+        layers = {"ours": lambda x: _function(x, weight, bias, torch.zeros(channels), torch.ones(channels), 0.1),
+                  "BatchNorm": batchnorm}
+        peaks, saved = {}, {}
+        for name, layer in layers.items():
+            layer(x).backward(dy)  # warm: first calls may cache
+            with PeakMemory() as peak:
+                layer(x).backward(dy)
+            peaks[name], saved[name] = peak.bytes, saved_tensor_bytes(lambda: layer(x))
+        assert peaks["ours"] <= peaks["BatchNorm"], (shape, peaks)
+        assert saved["ours"] <= saved["BatchNorm"], (shape, saved)
+
+
+def _layout(dims: int) -> torch.memory_format:
+    return torch.channels_last if dims == 4 else torch.contiguous_format
 
 
 def _model_with_batchnorms() -> torch.nn.Module:
