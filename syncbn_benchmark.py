@@ -831,6 +831,14 @@ def header(env: dict, args) -> str:
             + ("; OVERSUBSCRIBED (more processes than cores): timings say little" if oversub else ""))
 
 
+# What the peak column counts, and what every implementation holds outside it alike.
+PEAK_LEGEND = ("peak: the bytes torch's allocator held during one iteration above the level before it (no "
+               "implementation takes shared memory during an iteration: each sums in buffers made before it); what "
+               "each keeps between iterations (parameters, running statistics, the 2C + 1 and 3C values it sums, on "
+               "shared memory in the transport's arena, gloo's own buffers on torch) is held before it and not "
+               "counted, for any of them")
+
+
 def report(rows: list[dict]) -> str:
     """Times and peak memory per setting and dtype, the ratios, where the time goes, the bounds, the targets."""
     lines = []
@@ -838,7 +846,7 @@ def report(rows: list[dict]) -> str:
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
                 lines.append(f"\n{setting}, {dtype}: median time per iteration, peak memory, operators dispatched "
-                             "per iteration (CUDA: kernels launched; -1: not counted)\n"
+                             f"per iteration (CUDA: kernels launched; -1: not counted)\n{PEAK_LEGEND}\n"
                              f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]
