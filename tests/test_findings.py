@@ -65,6 +65,8 @@ def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_
                       "[shared_memory]", sharding) == "zero copy"  # fully_shard's buffers from the transport
     assert paths.path("zero1 ours [shared_memory:thread]", sharding) == "zero copy"
     assert paths.path("workers [shared_memory]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
+    zero_copy_sums = {"benchmark": "syncbn_benchmark", "config": {"sums": "zero copy"}}  # the file says so
+    assert paths.path("workers [shared_memory]: every size", zero_copy_sums) == "zero copy"
     assert paths.path("shared_memory:staged") == "staged" and paths.path("shared_memory") == "zero copy"
 
 

@@ -12,7 +12,8 @@ per engine:
 - our DDP, ZeRO and FSDP allocate buckets, shards and gathered tensors through the transport: zero copy;
 - PyTorch's DDP reaches a transport only through ``transport.ddp_comm_hook``, handed PyTorch's bucket: staged;
 - ``fully_shard`` through ``transport.use_with_fully_shard`` has the transport allocate its buffers: zero copy;
-- SyncBatchNorm (ours, and the reference's two sums) sums small tensors it makes itself: staged;
+- SyncBatchNorm (ours, and the reference's two sums) sums in the transport's buffers where its results file
+  says so (``config["sums"]``: zero copy), else small tensors it made itself: staged;
 - collectives_benchmark.py's rows are "shared_memory" (its buffers: zero copy) or "shared_memory:staged".
 A comparison of a zero-copy row with a staged row compares transports, whatever engines it names.
 """
@@ -25,7 +26,7 @@ ZERO_COPY, STAGED = "zero copy", "staged"
 SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # A bracket with up to three words before it: the label it closes, in a table cell or a sentence.
 LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shared_memory(?::thread)?)\]")
-STAGED_BENCHMARKS = ("syncbn_benchmark",)  # every sum of a SyncBatchNorm row is of a tensor the layer made
+STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
 ZERO_COPY_PYTORCH = ("fsdp", "zero", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
 
 
@@ -57,7 +58,7 @@ def path(label: str, doc: dict | None = None) -> str | None:
     if not found:
         return None
     if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
-        return STAGED
+        return (doc.get("config") or {}).get("sums", STAGED)
     words = label[:found.start()].split()[-3:]
     return _row_path(words, found.group(1), doc) or _engine_path(words)
 
