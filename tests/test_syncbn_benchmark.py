@@ -404,7 +404,8 @@ def test_the_workers_time_every_engine_on_both_transports_and_leave_nothing_in_d
 def test_one_process_alone_is_measured_here_then_completed_printed_and_written_as_the_readers_expect(tmp_path, capsys):
     """--settings single spawns nothing: this process times one size, warm and with cold caches; the harness adds
     the ratios, targets and bounds after the measured rows, prints the environment and the timing line before the
-    report, and writes every flag (--json too) and where it summed as the config and an environment without spawned process counts."""
+    report, and writes every flag (--json too) and where it summed as the config and an environment without
+    spawned process counts."""
     path = str(tmp_path / "single.json")
     args = parse_args(["--settings", "single", "--batch", "8", "--hidden", "4", "--iters", "2", "--rounds", "1",
                        "--warmup", "0", "--json", path])
@@ -418,7 +419,8 @@ def test_one_process_alone_is_measured_here_then_completed_printed_and_written_a
     doc = read_results(path)
     assert doc["benchmark"] == "syncbn_benchmark" and doc["targets"] == []
     assert [r["kind"] for r in doc["results"]] == kinds
-    assert doc["config"] == {**vars(args), "sums": "zero copy"} and "procs" not in doc["env"] and doc["env"]["threads"] == 1
+    assert doc["config"] == {**vars(args), "sums": "zero copy"}
+    assert "procs" not in doc["env"] and doc["env"]["threads"] == 1
     out = capsys.readouterr().out
     assert out.startswith(format_environment(doc["env"]) + "\n* 2 iterations per implementation and size")
     assert out.endswith(f"{report(rows)}\n\nwrote {path}\n")
