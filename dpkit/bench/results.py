@@ -7,10 +7,9 @@ the benchmark computed where it measured, which the README and the report read a
 ``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
 ``read_results`` refuses any other layout, naming the schema it expected, and gives engine names in today's
 spelling (``current_names``: "zero" -> "zero1", "selfmade" -> "ours", DDP's "bucketed 25M" -> "ddp ours 25M");
-``results_file`` finds a file under the
-name it had before (``train_selfmade`` for ``train_ours``). ``write_durably`` is how every
-file we produce is written (results, checkpoints, the executed notebook): whole or not at all, flushed to
-the disk.
+``results_file`` finds a file under the name it had before (``train_selfmade`` for ``train_ours``).
+``write_durably`` is how every file we produce is written (results, checkpoints, the executed notebook): whole or
+not at all, flushed to the disk.
 """
 
 from __future__ import annotations

@@ -125,8 +125,7 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
     """How time per iteration grows with the processes: PyTorch's on GPUs, ours with DDP and without it."""
     ddp_seed = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50" and r["label"] != "no ddp"]
     seed_growth, top = ddp_seed[-1]["p50_s"] / ddp_seed[0]["p50_s"] - 1, max(within_cores(rows))
-    label = next((x for x in dict.fromkeys(r["label"] for r in rows) if x.startswith("ddp ours ")
-                  and plots.kind(x) == "ddp ours"), None)
+    label = next((r["label"] for r in rows if r["variant"] == "ddp ours"), None)  # our DDP, bucketed
     ours = findings.growth(rows, label, 1, top) if label else None
     no_ddp = findings.growth(rows, "no ddp", 1, top)
     text = (f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "
