@@ -7,13 +7,14 @@ r"""Time per training iteration of every data-parallel variant of ddp.py against
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --profile traces/
 
     torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --transports torch shared_memory shared_memory:thread
-    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants pytorch-best \
+    torchrun --standalone --nproc_per_node 2 ddp_benchmark.py --models resnet18 --variants "ddp pytorch best" \
         --transports torch torch:dpkit
 
 An iteration is forward, cross-entropy, backward, gradient synchronisation, SGD with momentum
-and ``zero_grad(set_to_none=True)`` on random inputs made once per rank. Every variant (no DDP,
-PyTorch's DDP at its defaults and at its best settings, our naive, flat, overlap and bucketed
-at each bucket size) runs on each transport of ``--transports`` (the registry's names: gloo, this host's
+and ``zero_grad(set_to_none=True)`` on random inputs made once per rank. Every variant, named as the engine
+registry names rows ("no ddp"; "ddp pytorch" at its defaults, "ddp pytorch best" at its best settings; "ddp ours",
+bucketed, at each bucket size, and its baselines "ddp ours overlap", "ddp ours flat", "ddp ours naive") runs on
+each transport of ``--transports`` (the registry's names: gloo, this host's
 shared memory, any registered; PyTorch's DDP reaches it through its communication hook), so that every
 comparison is of one thing: engine against engine on one transport, or transport against transport under
 one engine. Each is rebuilt from the same weights in each of ``--rounds`` rounds, the order
@@ -44,12 +45,17 @@ from dpkit.bench.results import format_environment, read_results, write_durably
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
+from dpkit.engines import registry
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
 
-NO_DDP = "no_ddp"
-DDP_KINDS = ("pytorch", "pytorch-best", "naive", "flat", "overlap", "bucketed")  # also the order of the rows
-PYTORCH_KINDS = ("pytorch", "pytorch-best")
+NO_DDP = "no_ddp"  # the model alone: its row's variant field (its label: "no ddp")
+# The engine registry's names ("ddp", an implementation, an option: registry's docstring), also the row order.
+# "ddp ours" is ddp.make_ddp's "ours" (bucketed); "ddp pytorch best", PyTorch's DDP at PYTORCH_BEST.
+OURS, PYTORCH, PYTORCH_BEST_KIND, NAIVE = "ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours naive"
+DDP_KINDS = (PYTORCH, PYTORCH_BEST_KIND, NAIVE, "ddp ours flat", "ddp ours overlap", OURS)
+PYTORCH_KINDS = (PYTORCH, PYTORCH_BEST_KIND)
+SIZED_KINDS = (*PYTORCH_KINDS, OURS)  # labelled with their bucket cap: "ddp ours 25M [torch]"
 # PyTorch's DDP at its best documented settings: gradients are views of its buckets (no copy, no second
 # gradient-sized buffer) and the graph is declared static (no per-iteration search for unused parameters,
 # buckets rebuilt once in the order gradients actually arrive). Valid for every model here: each uses all
@@ -69,11 +75,11 @@ QUICK = {"batch_size": 16, "iters": 8, "rounds": 4, "warmup": 1}
 BUCKET_SIZES = {"cpu": [1.0, 10.0, 25.0, 100.0, 1000.0], "cuda": [PYTORCH_DEFAULT_BUCKET_MB]}
 BUDGET_S = {"cpu": 0.0, "cuda": 60.0}  # --budget: seconds of timed and warm-up iterations per model; 0: none
 PROBE_ITERS = 2  # no-DDP iterations timed (after one warm-up) to size a model's iterations within the budget
-TARGET_VS_PYTORCH = 1.00  # engine: bucketed 25M p50 / the faster PyTorch 25M p50 on the same transport
-TARGET_MEMORY = 1.00  # bucketed 25M peak memory / the same PyTorch row's
-TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for overlap and bucketed on asynchronous transports
+TARGET_VS_PYTORCH = 1.00  # engine: ddp ours 25M p50 / the faster PyTorch 25M p50 on the same transport
+TARGET_MEMORY = 1.00  # ddp ours 25M peak memory / the same PyTorch row's
+TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for ddp ours (overlap too) on asynchronous transports
 TARGET_HOOK = 0.95  # transport: PyTorch's DDP summing through our shared memory (its comm hook) / through gloo
-TARGET_VS_NO_DDP = 1.15  # bucketed 25M on the default transport / no DDP at all
+TARGET_VS_NO_DDP = 1.15  # ddp ours 25M on the default transport / no DDP at all
 TARGET_BACKEND = 0.93  # transport: PyTorch's DDP (best settings), unchanged, on a "dpkit" process group / on gloo
 # How the gradients travel (a column of every row), by the registry's names (``bench_transports.choices()``):
 # "torch", torch.distributed's collectives on the process group's backend (gloo here, NCCL on GPUs);
@@ -91,18 +97,18 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of a benchmark block: a kind (``no_ddp`` or one of ddp.VARIANTS), its bucket size in MiB and
+    """One row of a benchmark block: a kind (``NO_DDP`` or one of ``DDP_KINDS``), its bucket size in MiB and
     the transport its gradients travel through (a registry name; None for no_ddp)."""
 
     kind: str
-    bucket_mb: float | None = None  # pytorch and bucketed; 0 for overlap; None otherwise
+    bucket_mb: float | None = None  # SIZED_KINDS; 0 for ddp ours overlap; None otherwise
     transport: str | None = None
 
     @property
     def label(self) -> str:
         if self.kind == NO_DDP:
             return "no ddp"
-        name = f"{self.kind} {self.bucket_mb:g}M" if self.kind in (*PYTORCH_KINDS, "bucketed") else self.kind
+        name = f"{self.kind} {self.bucket_mb:g}M" if self.kind in SIZED_KINDS else self.kind
         return f"{name} [{self.transport}]"
 
     @property
@@ -116,22 +122,24 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
     PyTorch's DDP at its defaults runs at every bucket size (and its default 25) with its own communication
     (transport torch): seed 004's rows. At its best settings it runs at 25 only, the reference of the
     targets, on every transport (shared memory through ``transport.ddp_comm_hook``; "torch:dpkit": its process
-    group) but the communication thread, which its hook cannot use. Naive and flat sum after backward: a thread
-    adds nothing to them. Only PyTorch's DDP runs on "torch:dpkit": it is for engines that take a process group."""
+    group) but the communication thread, which its hook cannot use. Ours naive and flat sum after backward: a
+    thread adds nothing to them. Only PyTorch's DDP runs on "torch:dpkit": it is for engines that take a process
+    group."""
     variants = [Variant(NO_DDP)]
     for kind in DDP_KINDS:
         if kind not in kinds:
             continue
         inline = [t for t in transports if t not in (THREAD, ON_DPKIT)]
-        if kind == "pytorch":
+        if kind == PYTORCH:
             variants += [Variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
-        elif kind == "pytorch-best":
+        elif kind == PYTORCH_BEST_KIND:
             variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, ON_DPKIT] if t in transports]
-        elif kind == "bucketed":
+        elif kind == OURS:
             variants += [Variant(kind, mb, t) for t in transports if t != ON_DPKIT for mb in bucket_sizes]
         else:
-            variants += [Variant(kind, 0.0 if kind == "overlap" else None, t)
-                         for t in (transports if kind == "overlap" else inline) if t != ON_DPKIT]
+            overlap = kind == "ddp ours overlap"
+            variants += [Variant(kind, 0.0 if overlap else None, t)
+                         for t in (transports if overlap else inline) if t != ON_DPKIT]
     return variants
 
 
@@ -223,7 +231,7 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         model = module
     else:
         bucket_mb = PYTORCH_DEFAULT_BUCKET_MB if variant.bucket_mb is None else variant.bucket_mb
-        options = PYTORCH_BEST if variant.kind == "pytorch-best" else {}
+        options = PYTORCH_BEST if variant.kind == PYTORCH_BEST_KIND else {}
         # Every model here uses all its parameters: like both PyTorch rows (find_unused_parameters=False,
         # PyTorch's default), ours then needs no used-flags in its buckets. PyTorch's DDP on "torch" keeps
         # its own built-in communication (no hook).
@@ -232,8 +240,9 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         own = pytorch and isinstance(made[variant.transport], transports.Torch)
         transport = None if own else made[variant.transport]
         group = made[variant.transport].group if own else None
-        model = make_ddp("pytorch" if pytorch else variant.kind, module, bucket_mb, process_group=group,
-                         find_unused_parameters=False, transport=transport, **options)
+        name = "pytorch" if pytorch else variant.kind.removeprefix("ddp ")  # make_ddp's: "ours", "ours naive", ...
+        model = make_ddp(name, module, bucket_mb, process_group=group, find_unused_parameters=False,
+                         transport=transport, **options)
     return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
 
 
@@ -477,7 +486,7 @@ def relate(rows: list[dict]) -> None:
             row["overhead_s"] = row["p50_s"] - base["p50_s"] if base else None
             row["overhead_frac"] = row["overhead_s"] / base["p50_s"] if base else None
             row["vs_no_ddp"] = paired_ratio(row["round_p50_s"], base["round_p50_s"]) if base else None
-            for kind, key in (("pytorch", "vs_pytorch"), ("pytorch-best", "vs_pytorch_best")):
+            for kind, key in ((PYTORCH, "vs_pytorch"), (PYTORCH_BEST_KIND, "vs_pytorch_best")):
                 reference = by_label.get(Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, row.get("transport")).label)
                 row[key] = paired_ratio(row["round_p50_s"], reference["round_p50_s"]) if reference else None
 
@@ -501,11 +510,11 @@ def _exact(value: float) -> dict:
 def target_checks(rows: list[dict]) -> list[dict]:
     """The targets, evaluated on every block with at least 2 ranks that has the rows they need.
 
-    Two axes, never mixed. Engine (one transport): bucketed 25M against the faster of PyTorch's 25M rows
+    Two axes, never mixed. Engine (one transport): ddp ours 25M against the faster of PyTorch's 25M rows
     on the same transport, time and memory. Transport (one engine): PyTorch's DDP at its best settings
     through our shared memory (its comm hook) against its own gloo; and our DDP on shared memory against
-    no DDP at all. Overlap: on the asynchronous transports, the exposed wait of overlap and of every
-    bucketed size against naive's all-reduce time on the same transport, paired by round. They are set
+    no DDP at all. Overlap: on the asynchronous transports, the exposed wait of ours overlap and of ours at every
+    bucket size against ours naive's all-reduce time on the same transport, paired by round. They are set
     for CPU, 2 ranks, resnet18; elsewhere they are reported for information.
     """
     checks = []
@@ -514,7 +523,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
             continue
         oversub = any(r["oversubscribed"] for r in by_label.values())
         for transport in dict.fromkeys(r["transport"] for r in by_label.values() if r.get("transport")):
-            ours, theirs = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, transport).label), \
+            ours, theirs = by_label.get(Variant(OURS, PYTORCH_DEFAULT_BUCKET_MB, transport).label), \
                 faster_pytorch(by_label, transport)
             if ours and theirs:
                 checks.append(_check(block, world, "p50 / faster pytorch p50, same transport", ours["label"],
@@ -524,7 +533,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
                     checks.append(_check(block, world, "peak memory / same pytorch row", ours["label"],
                                          theirs["label"], _exact(ours["peak_bytes"] / theirs["peak_bytes"]),
                                          TARGET_MEMORY, oversub))
-        hooked, own, backed = (by_label.get(Variant("pytorch-best", PYTORCH_DEFAULT_BUCKET_MB, t).label)
+        hooked, own, backed = (by_label.get(Variant(PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB, t).label)
                                for t in (SHARED, "torch", ON_DPKIT))
         if hooked and own:
             checks.append(_check(block, world, "p50 / the same engine on torch", hooked["label"], own["label"],
@@ -534,7 +543,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
             checks.append(_check(block, world, "p50 / the same engine on torch", backed["label"], own["label"],
                                  paired_ratio(backed["round_p50_s"], own["round_p50_s"]), TARGET_BACKEND, oversub,
                                  axis="transport"))
-        ours, base = by_label.get(Variant("bucketed", PYTORCH_DEFAULT_BUCKET_MB, SHARED).label), by_label.get("no ddp")
+        ours, base = by_label.get(Variant(OURS, PYTORCH_DEFAULT_BUCKET_MB, SHARED).label), by_label.get("no ddp")
         if ours and base:
             checks.append(_check(block, world, "p50 / no DDP", ours["label"], base["label"], ours["vs_no_ddp"]
                                  or paired_ratio(ours["round_p50_s"], base["round_p50_s"]), TARGET_VS_NO_DDP, oversub,
@@ -562,11 +571,11 @@ def _overlap_checks(block: tuple, world: int, by_label: dict[str, dict], oversub
     checks = []
     for transport in ASYNCHRONOUS:
         # naive's sums on the same wire (it sums after backward: a thread would change nothing for it)
-        naive = by_label.get(Variant("naive", None, SHARED if transport == THREAD else transport).label)
+        naive = by_label.get(Variant(NAIVE, None, SHARED if transport == THREAD else transport).label)
         if not naive or not naive["comm_wait_s"]:
             continue
         for row in by_label.values():
-            if row["variant"] in ("overlap", "bucketed") and row["transport"] == transport:
+            if row["variant"] in ("ddp ours overlap", OURS) and row["transport"] == transport:
                 ratio = paired_ratio(row["round_comm_wait_s"], naive["round_comm_wait_s"])
                 note = ("one bucket holds every gradient: it is complete only when backward ends, so nothing can "
                         "overlap" if row["all_reduces"] == 1 and ratio["median"] > TARGET_HIDDEN else "")
@@ -594,13 +603,13 @@ def _ratio(value: dict | None, width: int) -> str:
     return f"{'-' if value is None else format_ratio(value):>{width}s}"
 
 
-COMM_COLUMNS = ("p50 sec/iter", "comm wait", "of iter", "DDP overhead", "vs pytorch 25M [95% CI]",
-                "vs pytorch-best 25M", "all-reduces", "peak memory")  # vs columns: PyTorch on the row's transport
+COMM_COLUMNS = ("p50 sec/iter", "comm wait", "of iter", "DDP overhead", "vs ddp pytorch 25M [95% CI]",
+                "vs pytorch best 25M", "all-reduces", "peak memory")  # vs columns: PyTorch on the row's transport
 
 
 def comm_table(rows: list[dict]) -> list[str]:
     """Communication, overhead, ratios against PyTorch and memory of each row."""
-    widths = (13, 11, 9, 19, 25, 22, 12, 13)
+    widths = (13, 11, 9, 19, 29, 22, 12, 13)
     lines = [" " * len(row_prefix(rows[0])) + "".join(f"{h:>{w}s}" for h, w in zip(COMM_COLUMNS, widths))]
     for row in rows:
         overhead = "-" if row.get("overhead_s") is None or row["variant"] == NO_DDP else (
@@ -628,14 +637,14 @@ def breakdown_table(rows: list[dict]) -> list[str]:
 
 
 def targets_text(checks: list[dict]) -> list[str]:
-    lines = ["Targets (set for CPU, 2 ranks, resnet18), each on one axis. Engine, on one transport: bucketed 25M p50 "
+    lines = ["Targets (set for CPU, 2 ranks, resnet18), each on one axis. Engine, on one transport: ddp ours 25M p50 "
              f"<= {TARGET_VS_PYTORCH:.2f} x the faster PyTorch 25M row, peak memory <= {TARGET_MEMORY:.2f} x that "
              f"row's. Transport, under one engine: PyTorch's DDP (best settings) through our shared memory <= "
              f"{TARGET_HOOK:.2f} x through its own gloo, on a \"dpkit\" process group <= {TARGET_BACKEND:.2f} x on "
-             f"gloo; our bucketed 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
-             f"no DDP. Overlap, on asynchronous transports: exposed wait <= {TARGET_HIDDEN:.2f} x naive's all-reduce "
-             "time. Ratios paired by round within one run, [95 % bootstrap interval over rounds]: met (interval at or "
-             "below), missed (above), inconclusive (straddles)."]
+             f"gloo; ddp ours 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
+             f"no DDP. Overlap, on asynchronous transports: exposed wait <= {TARGET_HIDDEN:.2f} x ours naive's "
+             "all-reduce time. Ratios paired by round within one run, [95 % bootstrap interval over rounds]: met "
+             "(interval at or below), missed (above), inconclusive (straddles)."]
     if not checks:
         return lines + ["  not evaluated: needs at least 2 ranks and the rows each target compares"]
     for c in checks:
@@ -644,7 +653,7 @@ def targets_text(checks: list[dict]) -> list[str]:
             " (oversubscribed: information)" if c["oversubscribed"] else " (information)"))
         note = f"  [{c['note']}]" if c["note"] else ""
         limit = "(information)" if c["limit"] is None else f"<= {c['limit']:.2f}: {c['verdict'].upper()}"
-        lines.append(f"  {c['axis']:<9s} {where:<36s} {c['label']:>26s} {c['target']:<42s} vs {c['reference']:<26s} "
+        lines.append(f"  {c['axis']:<9s} {where:<36s} {c['label']:>36s} {c['target']:<42s} vs {c['reference']:<36s} "
                      f"{format_ratio(c['ratio']):>20s} {limit}{note}")
     return lines
 
@@ -660,7 +669,7 @@ def legend(config: dict) -> list[str]:
         "* comm wait: median per-iteration exposed communication wait (time in finish_gradient_synchronization, "
         "mean over ranks); of iter: total wait / total iteration time. PyTorch's DDP waits inside backward: "
         "compare all variants by DDP overhead = p50 - the no-ddp p50 of the same run",
-        f"* pytorch-best: PyTorch's DDP with {', '.join(f'{k}={v}' for k, v in PYTORCH_BEST.items())}; "
+        f"* ddp pytorch best: PyTorch's DDP with {', '.join(f'{k}={v}' for k, v in PYTORCH_BEST.items())}; "
         "ours and both PyTorch rows run with find_unused_parameters=False (no used-flags); "
         "vs columns: median of the per-round p50 ratios [95 % bootstrap interval over rounds]",
         f"* peak memory: the least over {MEMORY_ITERS} untimed iterations of the most tensor bytes above the level "
@@ -772,6 +781,18 @@ def check_sweep(args: argparse.Namespace) -> None:
         sys.exit(f"error: world size {largest} needs {largest} GPUs with nccl; {torch.cuda.device_count()} visible")
 
 
+def variant_argument(text: str) -> str:
+    """A --variants name in the engine registry's words; an old one ("bucketed") read as its new one with a note
+    on stderr (argparse hides warnings); an unknown one a usage error listing the known."""
+    if text in registry.OLD_DDP_VARIANTS:
+        print(f"note: DDP variant {text!r} is deprecated, say {registry.OLD_DDP_VARIANTS[text]!r}", file=sys.stderr)
+        text = registry.OLD_DDP_VARIANTS[text]
+    if text not in DDP_KINDS:
+        raise argparse.ArgumentTypeError(f"unknown DDP variant {text!r}: choose among "
+                                         + ", ".join(f"'{k}'" for k in DDP_KINDS))
+    return text
+
+
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
@@ -784,8 +805,10 @@ def _positive(kind):
 def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
                         help=f"models to benchmark (default: {' '.join(CPU_MODELS)} on CPU; {' '.join(MODELS)} on GPU)")
-    parser.add_argument("--variants", nargs="+", choices=DDP_KINDS, default=list(DDP_KINDS),
-                        help="DDP variants; the no-ddp baseline is always measured (default: %(default)s)")
+    parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(DDP_KINDS), metavar="NAME",
+                        help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in DDP_KINDS) + " (old names "
+                             "such as bucketed or pytorch-best are read as these, with a note); the no-ddp baseline "
+                             "is always measured (default: all)")
     parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
                         default=None, metavar="NAME",
                         help="how the gradients travel, by the registry's names ("
@@ -796,8 +819,8 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
                              "backend \"dpkit\": its rows only); every DDP row runs on each (default: "
                              f"{' '.join(CPU_TRANSPORTS)} on CPU, torch on GPU)")
     parser.add_argument("--bucket-sizes", nargs="+", type=_positive(float), default=None,
-                        metavar="MIB", help="bucket caps in MiB for bucketed and pytorch; pytorch also runs at its "
-                                            f"default 25 (default: {BUCKET_SIZES['cpu']} on CPU, "
+                        metavar="MIB", help="bucket caps in MiB for ddp ours and ddp pytorch; ddp pytorch also runs "
+                                            f"at its default 25 (default: {BUCKET_SIZES['cpu']} on CPU, "
                                             f"{BUCKET_SIZES['cuda']} on GPU)")
     parser.add_argument("--batch-size", type=_positive(int), default=None,
                         help="examples (images or sequences) per rank per iteration "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -109,33 +110,33 @@ EXPERIMENTS = (
                ("ddp_benchmark.py", "--bucket-sizes", "1", "25", "100", "--batch-size", "16", "--iters", "12",
                 "--rounds", "6", "--warmup", "1", "--json", "{out}/ddp_benchmark.json"),
                ("ddp_benchmark.py", "--json", "{out}/ddp_benchmark.json"), nproc=2),
-    Experiment("ddp_headline", "bucketed DDP against PyTorch's on each transport (gloo, shared memory), the "
+    Experiment("ddp_headline", "our DDP (ddp ours) against PyTorch's on each transport (gloo, shared memory), the "
                "transports under each engine (PyTorch's DDP on a \"dpkit\" process group too), and a communication "
                "thread against summing in the backward hook; "
-               "resnet18, many rounds (the targets; naive for the exposed wait)",
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
+               "resnet18, many rounds (the targets; ddp ours naive for the exposed wait)",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "ddp pytorch", "ddp pytorch best", "ddp ours",
+                "ddp ours naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
                 "--bucket-sizes", "25",
                 "--batch-size", "16", "--iters", "60", "--rounds", "15", "--warmup", "1", "--no-breakdown",
                 "--json", "{out}/ddp_headline.json"),
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch", "pytorch-best", "bucketed",
-                "naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "ddp pytorch", "ddp pytorch best", "ddp ours",
+                "ddp ours naive", "--transports", "torch", "shared_memory", "shared_memory:thread", "torch:dpkit",
                 "--bucket-sizes", "25",
                 "--iters", "320", "--rounds", "80", "--no-breakdown", "--json", "{out}/ddp_headline.json"), nproc=2),
     Experiment("ddp_traces", "Chrome traces of one resnet18 iteration per variant, for the overlap timeline",
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "ddp pytorch best", "ddp ours",
                 "--transports", "torch", "shared_memory", "shared_memory:thread", "--bucket-sizes", "25",
                 "--batch-size", "16",
                 "--iters", "2", "--rounds", "1", "--warmup", "2", "--no-breakdown", "--profile", "{out}/traces",
                 "--trim-traces"),
-               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "pytorch-best", "bucketed",
+               ("ddp_benchmark.py", "--models", "resnet18", "--variants", "ddp pytorch best", "ddp ours",
                 "--transports", "torch", "shared_memory", "shared_memory:thread", "--bucket-sizes", "25",
                 "--iters", "2", "--rounds", "1",
                 "--no-breakdown", "--profile", "{out}/traces", "--trim-traces"), nproc=2),
     Experiment("ddp_sweep", "DDP world-size sweep with the no-DDP row (seed 004's rows)",
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--models", "resnet18", "--variants",
-                "pytorch", "bucketed", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6", "--rounds", "2",
-                "--warmup", "1", "--json", "{out}/ddp_sweep.json"),
+                "ddp pytorch", "ddp ours", "--bucket-sizes", "25", "--batch-size", "16", "--iters", "6",
+                "--rounds", "2", "--warmup", "1", "--json", "{out}/ddp_sweep.json"),
                ("ddp_benchmark.py", "sweep", "--world-sizes", "1", "2", "4", "--json", "{out}/ddp_sweep.json")),
     Experiment("sharding", "sharded data parallelism: DDP, ZeRO and FSDP, ours and PyTorch's, time and per-rank "
                "memory at 1, 2, 4 ranks",
@@ -166,7 +167,7 @@ NAMES = tuple(e.name for e in EXPERIMENTS)
 
 def shown(command: list[str]) -> str:
     """The command as a reader would type it: ``python`` for this interpreter, no absolute path of this machine."""
-    return " ".join(["python" if command[0] == sys.executable else command[0], *command[1:]])
+    return shlex.join(["python" if command[0] == sys.executable else command[0], *command[1:]])  # quoted names
 
 
 def rounds_of(path: Path) -> int | None:

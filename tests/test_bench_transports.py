@@ -44,7 +44,7 @@ def toy():
 
 # Each benchmark's flags for a tiny run on the toy (and torch, the reference where the benchmark needs one).
 TINY = {
-    "ddp_benchmark": ["--models", "cnn", "--variants", "bucketed", "pytorch-best", "--transports", TOY,
+    "ddp_benchmark": ["--models", "cnn", "--variants", "ddp ours", "ddp pytorch best", "--transports", TOY,
                       "--bucket-sizes", "25", "--batch-size", "2", "--iters", "2", "--rounds", "1", "--warmup", "0",
                       "--no-breakdown"],
     "sharding_benchmark": ["--quick", "--models", "gpt", "--variants", f"ddp ours [{TOY}]", f"fsdp ours [{TOY}]",
@@ -78,8 +78,8 @@ def test_a_registered_transport_runs_in_every_benchmark(runs):
     for rank in runs:
         assert rank == runs[0]
     ran = runs[0]
-    assert ("bucketed 25M [toy]", TOY, None) in ran["ddp_benchmark"]
-    assert ("pytorch-best 25M [toy]", TOY, None) in ran["ddp_benchmark"]  # PyTorch's DDP through the comm hook
+    assert ("ddp ours 25M [toy]", TOY, None) in ran["ddp_benchmark"]
+    assert ("ddp pytorch best 25M [toy]", TOY, None) in ran["ddp_benchmark"]  # PyTorch's DDP through the comm hook
     assert {label for label, _, _ in ran["sharding_benchmark"]} == {"ddp ours [toy]", "fsdp ours [toy]"}
     assert any(t == TOY for _, t, _ in ran["syncbn_benchmark"])
     # the row labelled by the registry's name, its transport field what ran (describe()), exact on the pattern
@@ -148,4 +148,6 @@ def test_results_written_with_the_old_names_read_with_the_new_ones(tmp_path):
                                                                                    "shared_memory:staged"]
     path = tmp_path / "old.json"
     path.write_text(json.dumps(doc))
-    assert read_results(str(path))["results"] == renamed["results"]  # every reader reads through it
+    assert read_results(str(path))["results"] == [  # every reader reads through it, and DDP's engine names too
+        {"label": "ddp ours 25M [shared_memory:thread]", "transport": "shared_memory:thread"},
+        {"label": "ddp pytorch best 25M [torch:dpkit]", "transport": "torch:dpkit"}]

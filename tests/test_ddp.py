@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
+from common import PG_TIMEOUT_S, POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
 from dpkit.comm import shared_memory
+from dpkit.comm.process_groups import distributed
 from dpkit.comm import transport as transports
 from dpkit.engines.ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets,
                                guard_optimizer_step, make_ddp, sync_gradients)
@@ -485,7 +486,7 @@ def _against_pytorch(ctx):
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        for variant, cap in (("pytorch", 25.0), ("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)):
+        for variant, cap in (("pytorch", 25.0), ("ours", 25.0), ("ours", 4 * KIB), ("ours overlap", 0.0)):
             # Rank-dependent initial weights: both wrappers must broadcast rank 0's.
             model = make_ddp(variant, build(conv_net, seed=20 + ctx.rank, dtype=dtype), bucket_cap_mb=cap)
             key = (variant, cap) if dtype == torch.float32 else (variant, cap, "bf16")
@@ -493,7 +494,8 @@ def _against_pytorch(ctx):
     return out
 
 
-TRANSPORT_VARIANTS = ("bucketed", "overlap", "naive", "flat")  # make_ddp's names for DDP (4 KiB buckets), DDP
+# make_ddp's names for DDP (4 KiB buckets), DDP
+TRANSPORT_VARIANTS = ("ours", "ours overlap", "ours naive", "ours flat")
 # (one bucket per parameter), NaiveDDP and FlatDDP
 NAMED = ("auto", "torch", "p2p")
 # The cases of _over_transports: each name as given, and a Transport object that counts the sums, around a
@@ -744,7 +746,7 @@ def test_ours_equals_pytorch_ddp_with_accumulation(two):
     for rank in range(2):
         runs = two[rank]["pytorch"]
         reference = runs["pytorch", 25.0]
-        for key in [("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)]:
+        for key in [("ours", 25.0), ("ours", 4 * KIB), ("ours overlap", 0.0)]:
             assert_trains_like(runs[key], reference, rtol=1e-6, atol=1e-7)
     assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0]["state"]["module.0.weight"],
                            build(conv_net, seed=20, dtype=torch.float32).state_dict()["0.weight"]), "training moved"
@@ -757,7 +759,7 @@ def test_a_bfloat16_model_trains_like_under_pytorch_ddp(two):
         runs = two[rank]["pytorch"]
         reference = runs["pytorch", 25.0, "bf16"]
         assert all(v.dtype == torch.bfloat16 for v in reference["state"].values() if v.is_floating_point())
-        for key in [("bucketed", 25.0), ("bucketed", 4 * KIB), ("overlap", 0.0)]:
+        for key in [("ours", 25.0), ("ours", 4 * KIB), ("ours overlap", 0.0)]:
             assert_trains_like(runs[(*key, "bf16")], reference, rtol=2**-8, atol=2**-8)
     assert not torch.equal(two[0]["pytorch"]["pytorch", 25.0, "bf16"]["state"]["module.0.weight"],
                            build(conv_net, seed=20, dtype=torch.bfloat16).state_dict()["0.weight"]), "training moved"
@@ -851,8 +853,8 @@ def sums_per_step(variant: str) -> tuple[int, int]:
     """(sums made by the end of the synchronised backward, sums in all) in one step of ``variant`` on ``big``
     (the bucketed one with 4 KiB buckets): every variant finishes when backward ends."""
     trainable = sum(p.requires_grad for p in build(big, 0).parameters())
-    return {"bucketed": (len(BIG_LAYOUTS["4KiB"]),) * 2, "overlap": (trainable, trainable),
-            "naive": (trainable, trainable), "flat": (1, 1)}[variant]
+    return {"ours": (len(BIG_LAYOUTS["4KiB"]),) * 2, "ours overlap": (trainable, trainable),
+            "ours naive": (trainable, trainable), "ours flat": (1, 1)}[variant]
 
 
 @pytest.mark.parametrize("variant", TRANSPORT_VARIANTS)
@@ -897,7 +899,7 @@ def test_on_shared_memory_the_transport_owns_the_buffers_it_sums_and_elsewhere_n
     DDP's param.grad are views of its buckets: ``test_grads_are_views_of_the_buckets_after_synchronisation``)."""
     for rank in range(2):
         runs = two[rank]["transports"]
-        for variant in ("bucketed", "overlap", "flat"):
+        for variant in ("ours", "ours overlap", "ours flat"):
             for spec in ("auto", "counting threaded shared_memory"):
                 assert runs[spec, variant]["owned"] and all(runs[spec, variant]["owned"]), (spec, variant)
             for spec in ("torch", "p2p"):
@@ -912,7 +914,7 @@ def test_an_inline_transport_sums_each_bucket_in_backward_an_asynchronous_one_ha
     summing."""
     for rank in range(2):
         runs = two[rank]["transports"]
-        for variant in ("bucketed", "overlap"):
+        for variant in ("ours", "ours overlap"):
             buckets = sums_per_step(variant)[1]
             for spec in ("auto", "p2p"):
                 assert runs[spec, variant]["summed"] == [(True, True)] * buckets, (spec, variant)
@@ -950,6 +952,25 @@ def test_ddp_built_while_dev_shm_is_full_warns_once_and_still_trains_like_one_pr
         assert full["torch_calls"] == {"all_reduce": TRANSPORT_STEPS * buckets}
         assert staged["transport"] == "shared_memory"
         assert staged["torch_calls"] == {} or not transports.POLLS
+
+
+def test_make_ddp_reads_its_old_names_with_a_deprecation_warning_naming_the_new():
+    """make_ddp is public: "bucketed", "overlap", "flat", "naive" still build what "ours", "ours overlap", ...
+    build (a world of one in this process), with a DeprecationWarning; an unknown name lists the known ones."""
+    with distributed("gloo", PG_TIMEOUT_S, "cpu"):
+        for old, new, kind, cap in (("bucketed", "ours", DDP, 25.0), ("overlap", "ours overlap", DDP, 0.0),
+                                    ("flat", "ours flat", FlatDDP, None), ("naive", "ours naive", NaiveDDP, None)):
+            with pytest.warns(DeprecationWarning, match=rf"make_ddp\('{old}'\) is now make_ddp\('{new}'\)"):
+                model = make_ddp(old, nn.Linear(3, 2), transport="torch")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # today's name: no warning
+                same = make_ddp(new, nn.Linear(3, 2), transport="torch")
+            assert type(model) is type(same) is kind and getattr(model, "bucket_cap_mb", None) == cap
+            for m in (model, same):
+                m.remove_hooks()
+        with pytest.raises(ValueError, match="unknown DDP variant 'pytorch-best': choose one of ours, ours overlap, "
+                                             "ours flat, ours naive, pytorch"):
+            make_ddp("pytorch-best", nn.Linear(3, 2))
 
 
 @pytest.mark.parametrize("wrapper", ["DDP", "NaiveDDP"])

@@ -43,14 +43,14 @@ BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
 BUCKETS = (25.0,)  # PyTorch's default, the targets' size: other sizes only add rows (variants_for is tested alone)
 SWEEP_TRANSPORTS = ("torch", "shared_memory", "shared_memory:thread", "torch:dpkit")
 # The rows of the sweep, in the order they are printed: PyTorch's DDP at its defaults with its own gloo only,
-# at its best settings on both inline transports (shared memory through its comm hook); naive and flat sum
-# after backward, so a thread would change nothing for them; overlap and bucketed on every transport but
+# at its best settings on both inline transports (shared memory through its comm hook); ours naive and flat sum
+# after backward, so a thread would change nothing for them; ours overlap and bucketed on every transport but
 # "torch:dpkit", a process group of the backend "dpkit", which only PyTorch's DDP takes.
-LABELS = ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]",
-          "pytorch-best 25M [torch:dpkit]", "naive [torch]", "naive [shared_memory]", "flat [torch]",
-          "flat [shared_memory]",
-          "overlap [torch]", "overlap [shared_memory]", "overlap [shared_memory:thread]",
-          "bucketed 25M [torch]", "bucketed 25M [shared_memory]", "bucketed 25M [shared_memory:thread]"]
+LABELS = ["no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]",
+          "ddp pytorch best 25M [shared_memory]", "ddp pytorch best 25M [torch:dpkit]", "ddp ours naive [torch]",
+          "ddp ours naive [shared_memory]", "ddp ours flat [torch]", "ddp ours flat [shared_memory]",
+          "ddp ours overlap [torch]", "ddp ours overlap [shared_memory]", "ddp ours overlap [shared_memory:thread]",
+          "ddp ours 25M [torch]", "ddp ours 25M [shared_memory]", "ddp ours 25M [shared_memory:thread]"]
 SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
 
 
@@ -73,12 +73,13 @@ def rows_at(doc: dict, world: int) -> dict[str, dict]:
 
 
 def transport_of(label: str) -> str | None:
-    """The transport a label names in brackets ("naive [shared_memory]" -> "shared_memory"); None for "no ddp"."""
+    """The transport a label names in brackets ("ddp ours naive [shared_memory]" -> "shared_memory"); None for
+    "no ddp"."""
     return label[label.index("[") + 1:-1] if label.endswith("]") else None
 
 
 def engine_of(label: str) -> str:
-    """A label without its transport ("pytorch-best 25M [shared_memory]" -> "pytorch-best 25M")."""
+    """A label without its transport ("ddp pytorch best 25M [shared_memory]" -> "ddp pytorch best 25M")."""
     return label.split(" [")[0]
 
 
@@ -90,11 +91,11 @@ def cnn_parameters() -> list[torch.Tensor]:
 
 
 # The default rows on a CPU (transports torch and shared_memory), at the default bucket sizes the issue lists.
-DEFAULT_LABELS = (["no ddp"] + [f"pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
-                  + ["pytorch-best 25M "
-                     "[torch]", "pytorch-best 25M [shared_memory]", "naive [torch]", "naive [shared_memory]",
-                     "flat [torch]", "flat [shared_memory]", "overlap [torch]", "overlap [shared_memory]"]
-                  + [f"bucketed {mb}M [{t}]" for t in ("torch", "shared_memory") for mb in (1, 10, 25, 100, 1000)])
+DEFAULT_LABELS = (["no ddp"] + [f"ddp pytorch {mb}M [torch]" for mb in (1, 10, 25, 100, 1000)]
+                  + ["ddp pytorch best 25M [torch]", "ddp pytorch best 25M [shared_memory]", "ddp ours naive [torch]",
+                     "ddp ours naive [shared_memory]", "ddp ours flat [torch]", "ddp ours flat [shared_memory]",
+                     "ddp ours overlap [torch]", "ddp ours overlap [shared_memory]"]
+                  + [f"ddp ours {mb}M [{t}]" for t in ("torch", "shared_memory") for mb in (1, 10, 25, 100, 1000)])
 
 
 def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on_torch_alone_on_gpus():
@@ -109,14 +110,15 @@ def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on
 
 def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
     variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shared_memory", "shared_memory:thread"])
-    assert [v.label for v in variants if v.transport == "shared_memory:thread"] == ["overlap [shared_memory:thread]",
-                                                                          "bucketed 1M [shared_memory:thread]"]
+    assert [v.label for v in variants if v.transport == "shared_memory:thread"] == [
+        "ddp ours overlap [shared_memory:thread]", "ddp ours 1M [shared_memory:thread]"]
     # PyTorch's DDP at its defaults keeps its own gloo, and also runs at its default bucket size (25 MiB)
-    assert [v.label for v in variants if v.kind == "pytorch"] == ["pytorch 1M [torch]", "pytorch 25M [torch]"]
-    assert [v.label for v in variants if v.kind == "pytorch-best"] == ["pytorch-best 25M [torch]",
-                                                                       "pytorch-best 25M [shared_memory]"]
+    assert [v.label for v in variants if v.kind == "ddp pytorch"] == ["ddp pytorch 1M [torch]",
+                                                                      "ddp pytorch 25M [torch]"]
+    assert [v.label for v in variants if v.kind == "ddp pytorch best"] == ["ddp pytorch best 25M [torch]",
+                                                                       "ddp pytorch best 25M [shared_memory]"]
     assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
-    assert bench.Variant("bucketed", 25.0, "shared_memory:thread").slug == "bucketed-25M-[shared_memory:thread]"
+    assert bench.Variant("ddp ours", 25.0, "shared_memory:thread").slug == "ddp-ours-25M-[shared_memory:thread]"
 
 
 def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monkeypatch):
@@ -157,8 +159,8 @@ def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep
     rows = rows_at(doc, WORLD)
     assert all(r["transport"] == transport_of(label) for label, r in rows.items())
     buckets = {label: r["bucket_cap_mb"] for label, r in rows.items()}
-    assert buckets["overlap "
-                   "[shared_memory]"] == 0 and buckets["naive [torch]"] is None and buckets["pytorch 25M [torch]"] == 25
+    assert buckets["ddp ours overlap [shared_memory]"] == 0 and buckets["ddp ours naive [torch]"] is None
+    assert buckets["ddp pytorch 25M [torch]"] == 25
 
 
 def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
@@ -173,22 +175,24 @@ def test_each_check_compares_along_one_axis(sweep):
     information only, the communication thread against the same sums made inline."""
     doc, _, _ = sweep
     rows = rows_at(doc, WORLD)
-    faster_on_torch = min(("pytorch 25M [torch]", "pytorch-best 25M [torch]"), key=lambda label: rows[label]["p50_s"])
+    faster_on_torch = min(("ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]"),
+                          key=lambda label: rows[label]["p50_s"])
     expected = {
-        ("engine", "p50 / faster pytorch p50, same transport", "bucketed 25M [torch]", faster_on_torch),
-        ("engine", "peak memory / same pytorch row", "bucketed 25M [torch]", faster_on_torch),
+        ("engine", "p50 / faster pytorch p50, same transport", "ddp ours 25M [torch]", faster_on_torch),
+        ("engine", "peak memory / same pytorch row", "ddp ours 25M [torch]", faster_on_torch),
         ("engine", "p50 / faster pytorch p50, same "
-                   "transport", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
+                   "transport", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
         ("engine", "peak memory / same pytorch "
-                   "row", "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]"),
-        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch]"),
-        ("transport", "p50 / the same engine on torch", "pytorch-best 25M [torch:dpkit]", "pytorch-best 25M [torch]"),
-        ("overhead", "p50 / no DDP", "bucketed 25M [shared_memory]", "no ddp"),
+                   "row", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
+        *(("transport", "p50 / the same engine on torch", f"ddp pytorch best 25M [{t}]", "ddp pytorch best 25M [torch]")
+          for t in ("shared_memory", "torch:dpkit")),
+        ("overhead", "p50 / no DDP", "ddp ours 25M [shared_memory]", "no ddp"),
         *(("overlap", "exposed wait / naive's all-reduce time", f"{v} [{t}]", naive)
-          for t, naive in (("torch", "naive [torch]"), ("shared_memory:thread", "naive [shared_memory]"))
-          for v in ("overlap", "bucketed 25M")),
+          for t, naive in (("torch", "ddp ours naive [torch]"),
+                           ("shared_memory:thread", "ddp ours naive [shared_memory]"))
+          for v in ("ddp ours overlap", "ddp ours 25M")),
         *(("overlap", "p50 / the same sums in the backward hook", f"{v} [shared_memory:thread]", f"{v} [shared_memory]")
-          for v in ("overlap", "bucketed 25M")),
+          for v in ("ddp ours overlap", "ddp ours 25M")),
     }
     checks = doc["targets"]
     assert {(c["axis"], c["target"], c["label"], c["reference"]) for c in checks} == expected
@@ -214,14 +218,14 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
     rows = rows_at(sweep[0], WORLD)
     for label, row in rows.items():
         assert row["vs_no_ddp"] == measure.paired_ratio(row["round_p50_s"], rows["no ddp"]["round_p50_s"])
-        for kind, key in (("pytorch", "vs_pytorch"), ("pytorch-best", "vs_pytorch_best")):
+        for kind, key in (("ddp pytorch", "vs_pytorch"), ("ddp pytorch best", "vs_pytorch_best")):
             reference = rows.get(f"{kind} 25M [{transport_of(label)}]")
             assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
     # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
-    assert rows["bucketed 25M "
-                "[shared_memory]"]["vs_pytorch"] is None and rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"]
-    assert (rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch"] is None
-            is rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"])
+    assert rows["ddp ours 25M "
+                "[shared_memory]"]["vs_pytorch"] is None and rows["ddp ours 25M [shared_memory]"]["vs_pytorch_best"]
+    assert (rows["ddp ours 25M [shared_memory:thread]"]["vs_pytorch"] is None
+            is rows["ddp ours 25M [shared_memory:thread]"]["vs_pytorch_best"])
 
 
 # --------------------------------------------------------------------------- the statistics, against a scripted clock
@@ -229,16 +233,17 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
 
 # Seconds per iteration of each variant in a world of one, and the exposed wait ours report.
 # The oracle: every figure below follows from these numbers by hand, not from the benchmark's code.
-SCRIPT = {"no ddp": (0.100, 0.0), "pytorch 25M [torch]": (0.150, 0.0), "pytorch-best 25M [torch]": (0.120, 0.0),
-          "pytorch-best 25M [shared_memory]": (0.108, 0.0), "pytorch-best 25M [torch:dpkit]": (0.111, 0.0),
-          "naive [torch]": (0.200, 0.080), "naive [shared_memory]": (0.180, 0.060),
-          "bucketed 25M [torch]": (0.132, 0.004), "bucketed 25M [shared_memory]": (0.104, 0.001),
-          "bucketed 25M [shared_memory:thread]": (0.1144, 0.036)}
+SCRIPT = {"no ddp": (0.100, 0.0), "ddp pytorch 25M [torch]": (0.150, 0.0), "ddp pytorch best 25M [torch]": (0.120, 0.0),
+          "ddp pytorch best 25M [shared_memory]": (0.108, 0.0), "ddp pytorch best 25M [torch:dpkit]": (0.111, 0.0),
+          "ddp ours naive [torch]": (0.200, 0.080), "ddp ours naive [shared_memory]": (0.180, 0.060),
+          "ddp ours 25M [torch]": (0.132, 0.004), "ddp ours 25M [shared_memory]": (0.104, 0.001),
+          "ddp ours 25M [shared_memory:thread]": (0.1144, 0.036)}
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
 SCRIPTED_ITERS = 8  # 2 per round
 # The engine each kind must be built as (in a world of one every transport is torch's: nothing travels).
-ENGINES = {"no_ddp": Net, "pytorch": torch.nn.parallel.DistributedDataParallel,
-           "pytorch-best": torch.nn.parallel.DistributedDataParallel, "bucketed": ddp.DDP, "naive": ddp.NaiveDDP}
+ENGINES = {"no_ddp": Net, "ddp pytorch": torch.nn.parallel.DistributedDataParallel,
+           "ddp pytorch best": torch.nn.parallel.DistributedDataParallel, "ddp ours": ddp.DDP,
+           "ddp ours naive": ddp.NaiveDDP}
 
 
 class ScriptedClock:
@@ -253,7 +258,7 @@ class ScriptedClock:
 
 @pytest.fixture(scope="module")
 def scripted():
-    """A world-of-one run of no ddp, both PyTorch rows, bucketed 25M and naive on every transport, timed by the
+    """A world-of-one run of no ddp, both PyTorch rows, ddp ours 25M and ours naive on every transport, timed by the
     scripted clock; also what make_replica built for each variant."""
     clock = ScriptedClock()
     variants = len(SCRIPT)
@@ -278,7 +283,8 @@ def scripted():
     patch.setattr(bench.Replica, "step", step)
     patch.setattr(measure, "time", clock)
     try:
-        args = bench.parse_args(["--models", "cnn", "--variants", "pytorch", "pytorch-best", "bucketed", "naive",
+        args = bench.parse_args(["--models", "cnn", "--variants", "ddp pytorch", "ddp pytorch best", "ddp ours",
+                                 "ddp ours naive",
                                  "--transports", *SWEEP_TRANSPORTS, "--bucket-sizes", "25", "--batch-size", str(BATCH),
                                  "--iters", str(SCRIPTED_ITERS), "--rounds", str(len(DRIFT)), "--warmup", "1",
                                  "--no-breakdown"])
@@ -296,8 +302,8 @@ def test_each_variant_is_built_as_its_engine(scripted):
     assert len(built) == len(SCRIPT) * len(DRIFT)
     for variant, model in built:
         assert type(model) is ENGINES[variant.kind], variant
-        if variant.kind.startswith("pytorch"):
-            assert model.gradient_as_bucket_view == (variant.kind == "pytorch-best")
+        if variant.kind.startswith("ddp pytorch"):
+            assert model.gradient_as_bucket_view == (variant.kind == "ddp pytorch best")
 
 
 def test_percentiles_pool_the_scripted_times_of_every_round(scripted):
@@ -318,41 +324,42 @@ def exact(ratio: dict, expected: float) -> bool:
 
 
 def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_transport(scripted):
-    # Every round, bucketed [torch] takes 0.132 / 0.150 = 0.88 of pytorch [torch]'s time and 1.10 of
-    # pytorch-best [torch]'s, whatever the drift; bucketed [shared_memory] 0.104 / 0.108 of
-    # pytorch-best [shared_memory]'s.
+    # Every round, ddp ours [torch] takes 0.132 / 0.150 = 0.88 of ddp pytorch [torch]'s time and 1.10 of
+    # ddp pytorch best [torch]'s, whatever the drift; ddp ours [shared_memory] 0.104 / 0.108 of
+    # ddp pytorch best [shared_memory]'s.
     rows, _ = scripted
-    assert exact(rows["bucketed 25M [torch]"]["vs_pytorch"], 0.88)
-    assert exact(rows["bucketed 25M [torch]"]["vs_pytorch_best"], 1.10)
-    assert rows["bucketed 25M [torch]"]["vs_pytorch"]["rounds"] == len(DRIFT)
-    assert rows["bucketed 25M "
+    assert exact(rows["ddp ours 25M [torch]"]["vs_pytorch"], 0.88)
+    assert exact(rows["ddp ours 25M [torch]"]["vs_pytorch_best"], 1.10)
+    assert rows["ddp ours 25M [torch]"]["vs_pytorch"]["rounds"] == len(DRIFT)
+    assert rows["ddp ours 25M "
                 "[shared_memory]"]["vs_pytorch"] is None  # PyTorch at its defaults runs on its own gloo only
-    assert exact(rows["bucketed 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
-    assert rows["bucketed 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
-    assert exact(rows["naive [shared_memory]"]["vs_no_ddp"], 1.8)
-    assert bench.faster_pytorch(rows, "torch")["label"] == "pytorch-best 25M [torch]"
-    assert bench.faster_pytorch(rows, "shared_memory")["label"] == "pytorch-best 25M [shared_memory]"
+    assert exact(rows["ddp ours 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
+    assert rows["ddp ours 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
+    assert exact(rows["ddp ours naive [shared_memory]"]["vs_no_ddp"], 1.8)
+    assert bench.faster_pytorch(rows, "torch")["label"] == "ddp pytorch best 25M [torch]"
+    assert bench.faster_pytorch(rows, "shared_memory")["label"] == "ddp pytorch best 25M [shared_memory]"
     assert bench.faster_pytorch(rows, "shared_memory:thread") is None
 
 
 def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
     rows, _ = scripted
     p50_drift = float(np.median([d for d in DRIFT for _ in range(SCRIPTED_ITERS // len(DRIFT))]))  # 1.75
-    assert rows["naive [torch]"]["overhead_s"] == pytest.approx((0.200 - 0.100) * p50_drift)
-    assert rows["naive [torch]"]["overhead_frac"] == pytest.approx(1.0)
-    assert rows["naive [shared_memory]"]["overhead_frac"] == pytest.approx(0.8)
+    assert rows["ddp ours naive [torch]"]["overhead_s"] == pytest.approx((0.200 - 0.100) * p50_drift)
+    assert rows["ddp ours naive [torch]"]["overhead_frac"] == pytest.approx(1.0)
+    assert rows["ddp ours naive [shared_memory]"]["overhead_frac"] == pytest.approx(0.8)
 
 
 def test_exposed_wait_and_its_share_of_the_iteration(scripted):
     rows, _ = scripted
     drift_sum = sum(DRIFT) * (SCRIPTED_ITERS // len(DRIFT))
-    for label in ("bucketed 25M "
-                  "[torch]", "bucketed 25M [shared_memory:thread]", "naive [torch]", "naive [shared_memory]"):
+    for label in ("ddp ours 25M [torch]", "ddp ours 25M [shared_memory:thread]", "ddp ours naive [torch]",
+                  "ddp ours naive [shared_memory]"):
         seconds, wait = SCRIPT[label]
         row = rows[label]
         assert row["comm_share"] == pytest.approx(wait * drift_sum / (seconds * drift_sum))
         assert row["round_comm_wait_s"] == pytest.approx([wait * d for d in DRIFT])
-    for label in ("no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]"):
+    for label in ("no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]",
+                  "ddp pytorch best 25M [shared_memory]"):
         assert rows[label]["comm_wait_s"] is None and rows[label]["comm_share"] is None  # nothing a host clock isolates
 
 
@@ -367,13 +374,13 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
     engine = [c for c in checks if c["axis"] == "engine"]
     assert all(transport_of(c["label"]) == transport_of(c["reference"]) for c in engine)
     time = {c["label"]: c for c in engine if c["target"] == "p50 / faster pytorch p50, same transport"}
-    assert set(time) == {"bucketed 25M "
-                         "[torch]", "bucketed 25M [shared_memory]"}  # no PyTorch row on the thread: no check
-    assert time["bucketed 25M [torch]"]["reference"] == "pytorch-best 25M [torch]"
-    assert exact(time["bucketed 25M [torch]"]["ratio"], 1.10) and time["bucketed 25M [torch]"]["verdict"] == "missed"
-    assert time["bucketed 25M [shared_memory]"]["reference"] == "pytorch-best 25M [shared_memory]"
-    assert exact(time["bucketed 25M "
-                      "[shared_memory]"]["ratio"], 0.104 / 0.108) and time["bucketed 25M "
+    assert set(time) == {"ddp ours 25M "
+                         "[torch]", "ddp ours 25M [shared_memory]"}  # no PyTorch row on the thread: no check
+    assert time["ddp ours 25M [torch]"]["reference"] == "ddp pytorch best 25M [torch]"
+    assert exact(time["ddp ours 25M [torch]"]["ratio"], 1.10) and time["ddp ours 25M [torch]"]["verdict"] == "missed"
+    assert time["ddp ours 25M [shared_memory]"]["reference"] == "ddp pytorch best 25M [shared_memory]"
+    assert exact(time["ddp ours 25M "
+                      "[shared_memory]"]["ratio"], 0.104 / 0.108) and time["ddp ours 25M "
                                                                            "[shared_memory]"]["verdict"] == "met"
     by_label = {r["label"]: r for r in rows}
     for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
@@ -384,18 +391,18 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
 def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):
     _, checks = scripted_checks(scripted)
     transport = {c["label"]: c for c in checks if c["axis"] in ("transport", "overhead")}
-    assert set(transport) == {"pytorch-best 25M "
-                              "[shared_memory]", "pytorch-best 25M [torch:dpkit]", "bucketed 25M [shared_memory]"}
-    assert transport["bucketed 25M "
+    assert set(transport) == {"ddp pytorch best 25M "
+                              "[shared_memory]", "ddp pytorch best 25M [torch:dpkit]", "ddp ours 25M [shared_memory]"}
+    assert transport["ddp ours 25M "
                      "[shared_memory]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
-    hook = transport["pytorch-best 25M [shared_memory]"]
-    assert hook["reference"] == "pytorch-best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
+    hook = transport["ddp pytorch best 25M [shared_memory]"]
+    assert hook["reference"] == "ddp pytorch best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
     assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
-    backed = transport["pytorch-best 25M [torch:dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
-    assert (backed["axis"], backed["reference"], backed["limit"]) == ("transport", "pytorch-best 25M [torch]",
+    backed = transport["ddp pytorch best 25M [torch:dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
+    assert (backed["axis"], backed["reference"], backed["limit"]) == ("transport", "ddp pytorch best 25M [torch]",
                                                                       bench.TARGET_BACKEND)
     assert exact(backed["ratio"], 0.111 / 0.120) and backed["verdict"] == "met"  # 0.925 <= 0.93
-    alone = transport["bucketed 25M [shared_memory]"]
+    alone = transport["ddp ours 25M [shared_memory]"]
     assert alone["reference"] == "no ddp" and alone["limit"] == bench.TARGET_VS_NO_DDP
     assert exact(alone["ratio"], 1.04) and alone["verdict"] == "met"  # 1.04 <= 1.15
 
@@ -403,15 +410,15 @@ def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_
 def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the_same_wire(scripted):
     _, checks = scripted_checks(scripted)
     hidden = {c["label"]: c for c in checks if c["axis"] == "overlap" and c["limit"] is not None}
-    # bucketed 25M [shared_memory] waits 0.001 / 0.060 of naive [shared_memory]: inline, its sums are inside
+    # ddp ours 25M [shared_memory] waits 0.001 / 0.060 of ours naive [shared_memory]: inline, its sums are inside
     # backward: not checked
-    assert set(hidden) == {"bucketed 25M [torch]", "bucketed 25M [shared_memory:thread]"}
-    assert hidden["bucketed 25M [torch]"]["reference"] == "naive [torch]"
-    assert exact(hidden["bucketed 25M [torch]"]["ratio"], 0.004 / 0.080)
-    assert hidden["bucketed 25M [torch]"]["verdict"] == "met"
-    assert hidden["bucketed 25M [shared_memory:thread]"]["reference"] == "naive [shared_memory]"
-    assert exact(hidden["bucketed 25M [shared_memory:thread]"]["ratio"], 0.6)
-    assert hidden["bucketed 25M [shared_memory:thread]"]["verdict"] == "missed"
+    assert set(hidden) == {"ddp ours 25M [torch]", "ddp ours 25M [shared_memory:thread]"}
+    assert hidden["ddp ours 25M [torch]"]["reference"] == "ddp ours naive [torch]"
+    assert exact(hidden["ddp ours 25M [torch]"]["ratio"], 0.004 / 0.080)
+    assert hidden["ddp ours 25M [torch]"]["verdict"] == "met"
+    assert hidden["ddp ours 25M [shared_memory:thread]"]["reference"] == "ddp ours naive [shared_memory]"
+    assert exact(hidden["ddp ours 25M [shared_memory:thread]"]["ratio"], 0.6)
+    assert hidden["ddp ours 25M [shared_memory:thread]"]["verdict"] == "missed"
     assert all(c["limit"] == bench.TARGET_HIDDEN for c in hidden.values())
 
 
@@ -420,8 +427,8 @@ def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_inform
     information = [c for c in checks if c["limit"] is None]
     assert len(information) == 1
     thread = information[0]
-    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "bucketed 25M [shared_memory:thread]",
-                                                                      "bucketed 25M [shared_memory]")
+    assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "ddp ours 25M [shared_memory:thread]",
+                                                                      "ddp ours 25M [shared_memory]")
     assert exact(thread["ratio"], 1.10) and thread["verdict"] == "information"
     text = "\n".join(bench.targets_text(checks))
     assert "1.10x [1.10, 1.10] (information)" in text
@@ -453,16 +460,19 @@ def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     for t in ("torch", "shared_memory"):
         # one per parameter
-        assert rows[f"naive [{t}]"]["all_reduces"] == rows[f"overlap [{t}]"]["all_reduces"] == len(params)
-        assert rows[f"flat [{t}]"]["all_reduces"] == 1  # 3.2 MiB in one piece
+        naive, overlap = rows[f"ddp ours naive [{t}]"], rows[f"ddp ours overlap [{t}]"]
+        assert naive["all_reduces"] == overlap["all_reduces"] == len(params)
+        assert rows[f"ddp ours flat [{t}]"]["all_reduces"] == 1  # 3.2 MiB in one piece
     # ours: everything in one bucket but the first layers' gradients, up to LAST_BUCKET_CAP_MB, in a last one
     first_bytes = np.cumsum([p.numel() * p.element_size() for p in params])
     assert 0 < first_bytes[0] <= LAST_BUCKET_CAP_MB * 2**20 < grad_bytes < 25 * 2**20
     for t in SWEEP_TRANSPORTS[:-1]:  # the same buckets whatever carries them; overlap: a bucket per parameter
-        assert rows[f"bucketed 25M [{t}]"]["all_reduces"] == 2 and rows[f"overlap [{t}]"]["all_reduces"] == len(params)
+        assert rows[f"ddp ours 25M [{t}]"]["all_reduces"] == 2
+        assert rows[f"ddp ours overlap [{t}]"]["all_reduces"] == len(params)
     for label, row in rows.items():
         assert row["grad_bytes"] == grad_bytes
-        if row["variant"] in ("bucketed", "overlap", "flat", "pytorch", "pytorch-best"):  # buffers kept between steps
+        # buffers kept between steps
+        if row["variant"] in ("ddp ours", "ddp ours overlap", "ddp ours flat", "ddp pytorch", "ddp pytorch best"):
             assert row["ddp_buffer_bytes"] >= grad_bytes, label
         else:
             assert row["ddp_buffer_bytes"] == 0, label
@@ -482,8 +492,8 @@ def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_se
     # Staged: what the transport did not allocate. Naive hands it each gradient (the largest sets the block);
     # PyTorch's DDP, through its hook, its buckets.
     largest = max(p.numel() * p.element_size() for p in cnn_parameters())
-    assert rows["naive [shared_memory]"]["transport_staging_bytes"] == staging_block(largest)
-    best = rows["pytorch-best 25M [shared_memory]"]
+    assert rows["ddp ours naive [shared_memory]"]["transport_staging_bytes"] == staging_block(largest)
+    best = rows["ddp pytorch best 25M [shared_memory]"]
     if best["all_reduces"] == 1:  # one bucket: it holds every gradient
         assert best["transport_staging_bytes"] == staging_block(best["ddp_buffer_bytes"])
     else:
@@ -492,7 +502,7 @@ def test_peak_memory_adds_the_shared_memory_staging_block_the_profiler_cannot_se
     # Ours allocate their buffers in the arena: nothing staged, whatever a row before them on the same transport
     # object left (each row's block is released before its own is measured). Gloo stages nothing of ours.
     for label, row in rows.items():
-        if label not in ("naive [shared_memory]", "pytorch-best 25M [shared_memory]"):
+        if label not in ("ddp ours naive [shared_memory]", "ddp pytorch best 25M [shared_memory]"):
             assert row["transport_staging_bytes"] == 0, label
 
 
@@ -522,7 +532,7 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
                 for label in LABELS for rank in range(WORLD)}
     expected.add("cnn-1ranks-no-ddp-rank0.json")
     assert {p.name for p in traces.iterdir()} == expected
-    names = trace_names(traces, "bucketed 25M [shared_memory]")
+    names = trace_names(traces, "ddp ours 25M [shared_memory]")
     for label in ("iteration 0", "iteration 2", "forward", "backward", "sync_gradients", "optimizer_step"):
         assert label in names
     # Each profiled iteration sums every bucket (or gradient) once, over the row's transport and no other:
@@ -550,24 +560,25 @@ def test_the_timeline_shows_where_each_transport_sums(sweep):
         trace = json.loads((traces / f"cnn-{WORLD}ranks-{label.replace(' ', '-')}-rank0.json").read_text())
         return plots.timeline_events(trace)["comm"]
 
-    for label in ("bucketed 25M [torch]", "pytorch-best 25M [torch]"):
+    for label in ("ddp ours 25M [torch]", "ddp pytorch best 25M [torch]"):
         on = lanes(label)
         assert on and all(lane.startswith("comm thread") for lane in on), (label, on)
         assert sum(map(len, on.values())) == rows[label]["all_reduces"]
-    for label in ("bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]", "naive [shared_memory]"):
+    for label in ("ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]",
+                  "ddp ours naive [shared_memory]"):
         on = lanes(label)
         assert list(on) == ["sums in the compute thread"]
         assert len(on["sums in the compute thread"]) == rows[label]["all_reduces"]
-    on = lanes("bucketed 25M [shared_memory:thread]")
+    on = lanes("ddp ours 25M [shared_memory:thread]")
     assert list(on) == ["comm thread 1"]
-    assert len(on["comm thread 1"]) == rows["bucketed 25M [shared_memory:thread]"]["all_reduces"]
+    assert len(on["comm thread 1"]) == rows["ddp ours 25M [shared_memory:thread]"]["all_reduces"]
 
 
 # --------------------------------------------------------------------------- diff
 
 
-SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, bucketed 25M [shared_memory] 20% faster
-QUICKER = "bucketed 25M [shared_memory]"
+SCALE, FASTER = 1.25, 0.8  # every row of the test file 25% slower, ddp ours 25M [shared_memory] 20% faster
+QUICKER = "ddp ours 25M [shared_memory]"
 
 
 def changed_copy(doc: dict) -> dict:
@@ -576,7 +587,7 @@ def changed_copy(doc: dict) -> dict:
     for row in test["results"]:
         factor = FASTER if row["label"] == QUICKER else SCALE
         row["samples_s"] = [factor * s for s in row["samples_s"]]
-    test["results"] = [r for r in test["results"] if r["label"] != "flat [torch]"]
+    test["results"] = [r for r in test["results"] if r["label"] != "ddp ours flat [torch]"]
     return test
 
 
@@ -588,7 +599,7 @@ def test_diff_gives_the_percent_change_of_each_row(sweep, tmp_path):
     write_results(str(test_path), test["benchmark"], test["env"], test["config"], test["results"])
     diffs, unmatched = ddp_tables.diff_rows(read_results(str(base_path)), read_results(str(test_path)))
     assert len(diffs) == len(doc["results"]) - 1
-    assert unmatched == [f"only in baseline: cnn (batch {BATCH}, 3x32x32), {WORLD} ranks, flat [torch]"]
+    assert unmatched == [f"only in baseline: cnn (batch {BATCH}, 3x32x32), {WORLD} ranks, ddp ours flat [torch]"]
     base_rows = {(r["world_size"], r["label"]): r for r in doc["results"]}
     for d in diffs:
         factor = FASTER if d["label"] == QUICKER else SCALE
@@ -623,10 +634,10 @@ def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
 
 
 def test_rounds_rotate_the_order_and_split_the_iterations():
-    variants = bench.variants_for(("naive", "flat", "overlap"), [], ["torch"])  # no ddp, naive, flat, overlap
+    variants = bench.variants_for(("ddp ours naive", "ddp ours flat", "ddp ours overlap"), [], ["torch"])
     order = [v.label for _, v in bench.schedule(variants, 2)]
-    assert order == ["no ddp", "naive [torch]", "flat [torch]", "overlap [torch]",
-                     "flat [torch]", "overlap [torch]", "no ddp", "naive [torch]"]
+    assert order == ["no ddp", "ddp ours naive [torch]", "ddp ours flat [torch]", "ddp ours overlap [torch]",
+                     "ddp ours flat [torch]", "ddp ours overlap [torch]", "no ddp", "ddp ours naive [torch]"]
     assert [bench.round_iters(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
 
 
@@ -677,6 +688,21 @@ def test_bad_flags_stop_with_a_usage_error(flags, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_variants_take_the_registry_names_and_the_old_ones_with_a_note(capsys):
+    assert bench.parse_args(["--variants", "ddp ours", "ddp pytorch best"]).variants == ["ddp ours", "ddp pytorch best"]
+    old = bench.parse_args(["--variants", "bucketed", "pytorch-best", "pytorch", "naive", "flat", "overlap"])
+    assert old.variants == ["ddp ours", "ddp pytorch best", "ddp pytorch", "ddp ours naive", "ddp ours flat",
+                            "ddp ours overlap"]
+    err = capsys.readouterr().err
+    assert "DDP variant 'bucketed' is deprecated, say 'ddp ours'" in err
+    assert "'pytorch-best' is deprecated, say 'ddp pytorch best'" in err
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--variants", "ours"])
+    assert stop.value.code == 2
+    assert ("unknown DDP variant 'ours': choose among 'ddp pytorch', 'ddp pytorch best', 'ddp ours naive', "
+            "'ddp ours flat', 'ddp ours overlap', 'ddp ours'") in capsys.readouterr().err
+
+
 def test_shared_memory_transports_are_refused_with_gpus(monkeypatch, capsys):
     monkeypatch.setattr(bench, "check_placement", lambda parser, args: "cuda")  # as with GPUs, without one
     for transports_ in (["shared_memory"], ["torch", "shared_memory:thread"]):
@@ -710,9 +736,10 @@ def test_quick_fills_only_the_flags_not_given():
 def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(sweep):
     rows = rows_at(sweep[0], WORLD)
     profiled = [label for label, row in rows.items() if "breakdown" in row]
-    assert profiled == ["pytorch 25M [torch]", "pytorch-best 25M [torch]", "pytorch-best 25M [shared_memory]",
-                        "pytorch-best 25M [torch:dpkit]", "bucketed 25M [torch]", "bucketed 25M [shared_memory]",
-                        "bucketed 25M [shared_memory:thread]"]
+    assert profiled == ["ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]",
+                        "ddp pytorch best 25M [shared_memory]",
+                        "ddp pytorch best 25M [torch:dpkit]", "ddp ours 25M [torch]", "ddp ours 25M [shared_memory]",
+                        "ddp ours 25M [shared_memory:thread]"]
     for label in profiled:
         breakdown = rows[label]["breakdown"]
         assert set(breakdown["ranges"]) == set(bench.PHASES), label
@@ -756,8 +783,8 @@ def test_on_a_gpu_the_defaults_take_one_bucket_size_and_a_budget_measured_on_a_n
     on_gpu = bench.parse_args([])
     assert on_gpu.bucket_sizes == [bench.PYTORCH_DEFAULT_BUCKET_MB]
     assert [v.label for v in bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])] == \
-        ["no ddp", "pytorch 25M [torch]", "pytorch-best 25M [torch]", "naive [torch]", "flat [torch]",
-         "overlap [torch]", "bucketed 25M [torch]"]
+        ["no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]", "ddp ours naive [torch]",
+         "ddp ours flat [torch]", "ddp ours overlap [torch]", "ddp ours 25M [torch]"]
     variants = bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])
     measured = []
     monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: measured.append(name) or 0.5)
@@ -773,11 +800,11 @@ def test_a_run_within_a_budget_times_the_iterations_it_fits_and_each_row_says_ho
     monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: 1.0)  # every model: 1 s an iteration
     path = tmp_path / "budget.json"
     with redirect_stdout(io.StringIO()) as out:
-        bench.main(["--models", "cnn", "--variants", "pytorch", "--bucket-sizes", "25", "--transports", "torch",
+        bench.main(["--models", "cnn", "--variants", "ddp pytorch", "--bucket-sizes", "25", "--transports", "torch",
                     "--iters", "12", "--rounds", "2", "--warmup", "0", "--budget", "1", "--batch-size", "2",
                     "--no-breakdown", "--json", str(path)])
     doc = read_results(str(path))
     assert doc["complete"] and doc["config"]["budget"] == 1.0
-    assert [(r["label"], r["iters"]) for r in doc["results"]] == [("no ddp", 2), ("pytorch 25M [torch]", 2)], \
+    assert [(r["label"], r["iters"]) for r in doc["results"]] == [("no ddp", 2), ("ddp pytorch 25M [torch]", 2)], \
         "1 s hold half an iteration of each of 2 variants: one per round"
     assert "12 timed iterations per variant at most (each row says how many" in out.getvalue()

@@ -141,17 +141,17 @@ def test_the_profile_counts_one_copy_per_parameter_for_ours_and_writes_the_share
                            "--rounds", "1", "--warmup", "1", "--batch-size", "2", "--json", str(path)])
     doc = read_results(str(path))
     rows = {r["variant"]: r for r in doc["results"]}
-    assert list(rows) == ["no ddp", "pytorch", "pytorch-best", "ours@HEAD", "ours"]
+    assert list(rows) == ["no ddp", "ddp pytorch", "ddp pytorch best", "ddp ours@HEAD", "ddp ours"]
     parameters = sum(1 for p in Net().parameters() if p.requires_grad)
-    ours = rows["ours"]
+    ours = rows["ddp ours"]
     added = (ours["ops_over_no_ddp"], ours["copies_over_no_ddp"], ours["allocations_over_no_ddp"])
     assert added == (parameters,) * 2 + (0,)
-    assert ours["collectives"] == 0 and rows["pytorch"]["collectives"] > 0
+    assert ours["collectives"] == 0 and rows["ddp pytorch"]["collectives"] > 0
     assert all(r["step_s"] > 0 for r in rows.values())
     if rows["no ddp"]["hooks_s"] is not None:  # None: this torch's profiler records no Python frames
         assert ours["hooks_s"] > 0 and rows["no ddp"]["hooks_s"] == 0
     assert [t["verdict"] for t in doc["targets"]] == ["met"] and doc["env"]["world_size"] == 1
-    assert "ours@HEAD" in capsys.readouterr().out
+    assert "ddp ours@HEAD" in capsys.readouterr().out
 
 
 def test_help_gives_the_defaults(capsys):

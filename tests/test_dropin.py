@@ -36,7 +36,7 @@ STEPS = 3
 ACCUMS = (1, 3)
 KIB = 1 / 1024  # in MiB, the unit of bucket_cap_mb
 # Our variants (make_ddp's names, bucket_cap_mb): 25 MiB (one bucket and a tail), 256 bytes (several).
-OURS = (("bucketed", 25.0), ("bucketed", KIB / 4), ("overlap", 0.0), ("flat", 25.0), ("naive", 25.0))
+OURS = (("ours", 25.0), ("ours", KIB / 4), ("ours overlap", 0.0), ("ours flat", 25.0), ("ours naive", 25.0))
 TRANSPORTS = ("auto", "torch", "threaded")  # "threaded": SharedMemory(background=True)
 RTOL, ATOL = 1e-5, 1e-6  # float32 round-off of a few steps, on values of order 1
 
@@ -154,7 +154,7 @@ def _explicit_finish(ctx):
 def _backward_reaching_no_parameter(ctx):
     """Rank 1's backward reaches no parameter, so only rank 0's ends with a finish; rank 1 finishes by hand
     (a no-op on rank 0), which pairs with rank 0's end of backward: the gradients it returns, on each rank."""
-    model = make_ddp("bucketed", build(0, partial=False))
+    model = make_ddp("ours", build(0, partial=False))
     x, y = batch(0, 0, ctx.rank)
     loss = F.mse_loss(model(x), y)
     (loss if ctx.rank == 0 else torch.ones((), requires_grad=True)).backward()
@@ -172,7 +172,7 @@ def _zero_cases(ctx):
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01, weight_decay=0.1)
         out["zero pytorch", accum] = trained(model, net, zero, ctx.rank, accum)
         net = build(ctx.rank, partial=False)
-        model = make_ddp("bucketed", net)
+        model = make_ddp("ours", net)
         out["stage 1", accum] = trained(model, net, ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01,
                                                                      weight_decay=0.1), ctx.rank, accum)
         net = build(0, partial=False)
@@ -241,7 +241,7 @@ def test_our_ddp_trains_what_pytorch_ddp_trains_in_the_same_loop(ranks, variant,
         runs = ranks[rank]["ddp"]
         reference = runs["pytorch", partial, accum]
         assert_same(runs[variant, cap, name, partial, accum], reference, (rank, variant, cap, name),
-                    zeros_for_none=variant in ("flat", "naive"))
+                    zeros_for_none=variant in ("ours flat", "ours naive"))
     assert_moved(ranks[0]["ddp"]["pytorch", partial, accum]["state"], build(0, partial=partial).state_dict())
     if partial:
         grads = ranks[0]["ddp"]["pytorch", partial, accum]["grads"]

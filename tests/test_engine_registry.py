@@ -84,6 +84,28 @@ def test_committed_files_written_with_the_old_names_are_read_in_todays(capsys):
     engines = {r["sharding"] for r in sharding["results"] if "variant" in r}
     assert engines <= set(registry.names()) and "zero1" in engines
     assert not [t["target"] for t in sharding["targets"] if t["target"].startswith("zero ")]
+    ddp = read_results(str(RESULTS / "ddp_benchmark.json"))  # written as "bucketed 25M [shm]", "pytorch-best", ...
+    kinds = {r["variant"] for r in ddp["results"]}
+    assert kinds == {"no_ddp", "ddp pytorch", "ddp pytorch best", "ddp ours naive", "ddp ours flat",
+                     "ddp ours overlap", "ddp ours"}
+    labels = [r["label"] for r in ddp["results"]] + ddp["config"]["variants"] \
+        + [t[k] for t in ddp["targets"] for k in ("label", "reference")]
+    assert all(x == "no ddp" or x.startswith("ddp ") for x in labels) and "ddp ours 25M [shared_memory]" in labels
+    assert ddp["config"]["variants"] == [r["label"] for r in ddp["results"] if r["model"] == "cnn"]
+
+
+def test_old_ddp_labels_are_respelled_in_the_ddp_benchmarks_files_only():
+    old = ["bucketed 25M [shm]", "pytorch-best 25M [torch]", "pytorch 1M [torch]", "naive [torch]", "flat", "overlap",
+           "no ddp", "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]"]
+    assert [registry.current_ddp_label(x) for x in old] == [
+        "ddp ours 25M [shm]", "ddp pytorch best 25M [torch]", "ddp pytorch 1M [torch]", "ddp ours naive [torch]",
+        "ddp ours flat", "ddp ours overlap", "no ddp", "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]"]
+    assert registry.current_ddp_label("pytorch-bestish") == "pytorch-bestish"  # whole words only
+    row = {"variant": "pytorch", "label": "pytorch 25M [torch]", "distributed_impl": "pytorch"}
+    assert current_names({"benchmark": "ddp_benchmark", "results": [dict(row)]})["results"] == [
+        {"variant": "ddp pytorch", "label": "ddp pytorch 25M [torch]", "distributed_impl": "pytorch"}]
+    # elsewhere "pytorch" alone is an implementation: a training run's, a SyncBatchNorm row's
+    assert current_names({"benchmark": "ddp_cifar100", "results": [dict(row)]})["results"] == [row]
 
 
 def test_a_registered_engine_appears_wherever_engines_are_compared():

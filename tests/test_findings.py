@@ -49,16 +49,16 @@ def test_a_trend_word_only_where_the_intervals_resolve_it():
 
 
 DDP_DOC = {"benchmark": "ddp_benchmark", "results": [
-    {"label": "bucketed 25M [shared_memory]", "transport_staging_bytes": 0},
-    {"label": "pytorch-best 25M [shared_memory]", "transport_staging_bytes": 29_057_472},
-    {"label": "naive [shared_memory]", "transport_staging_bytes": 9_437_184}]}
+    {"label": "ddp ours 25M [shared_memory]", "transport_staging_bytes": 0},
+    {"label": "ddp pytorch best 25M [shared_memory]", "transport_staging_bytes": 29_057_472},
+    {"label": "ddp ours naive [shared_memory]", "transport_staging_bytes": 9_437_184}]}
 
 
 def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_its_engine():
-    assert paths.path("bucketed 25M [shared_memory]", DDP_DOC) == "zero copy"
-    assert paths.path("pytorch-best 25M [shared_memory]", DDP_DOC) == "staged"
-    assert paths.path("naive [shared_memory]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
-    assert paths.path("bucketed 25M [torch]", DDP_DOC) is None
+    assert paths.path("ddp ours 25M [shared_memory]", DDP_DOC) == "zero copy"
+    assert paths.path("ddp pytorch best 25M [shared_memory]", DDP_DOC) == "staged"
+    assert paths.path("ddp ours naive [shared_memory]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
+    assert paths.path("ddp ours 25M [torch]", DDP_DOC) is None
     sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
     assert paths.path("ddp pytorch [shared_memory]", sharding) == "staged"  # through transport.ddp_comm_hook
     assert paths.path("fsdp pytorch "
@@ -71,13 +71,13 @@ def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_
 
 
 def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the_transport_axis():
-    assert paths.label("bucketed 25M [shared_memory] / pytorch-best 25M [shared_memory]", DDP_DOC) == \
-        "bucketed 25M [shared_memory, zero copy] / pytorch-best 25M [shared_memory, staged]"
+    assert paths.label("ddp ours 25M [shared_memory] / ddp pytorch best 25M [shared_memory]", DDP_DOC) == \
+        "ddp ours 25M [shared_memory, zero copy] / ddp pytorch best 25M [shared_memory, staged]"
     assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
-    engine = {"axis": "engine", "label": "bucketed 25M "
-                                         "[shared_memory]", "reference": "pytorch-best 25M [shared_memory]"}
+    engine = {"axis": "engine", "label": "ddp ours 25M "
+                                         "[shared_memory]", "reference": "ddp pytorch best 25M [shared_memory]"}
     assert paths.axis(engine, DDP_DOC) == "transport"
-    on_torch = {**engine, "label": "bucketed 25M [torch]", "reference": "pytorch 25M [torch]"}
+    on_torch = {**engine, "label": "ddp ours 25M [torch]", "reference": "ddp pytorch 25M [torch]"}
     assert paths.axis(on_torch, DDP_DOC) == "engine"
     fsdp = {"axis": "engine", "numerator": "fsdp ours [shared_memory]", "denominator": "fsdp pytorch [shared_memory]"}
     assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "engine"  # both zero copy
@@ -175,16 +175,16 @@ def test_run_experiments_takes_its_flags(flag):
 
 
 def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
-    table = ("| bucketed 25M [shared_memory] | 0.1 |\n| pytorch-best 25M [shared_memory:thread] | 0.2 |\n"
+    table = ("| ddp ours 25M [shared_memory] | 0.1 |\n| ddp pytorch best 25M [shared_memory:thread] | 0.2 |\n"
              "| fsdp pytorch [shared_memory] | 0.3 |")
-    assert paths.label(table) == ("| bucketed 25M [shared_memory, zero copy] | 0.1 |\n"
-                                  "| pytorch-best 25M [shared_memory:thread, staged] | 0.2 |\n"
+    assert paths.label(table) == ("| ddp ours 25M [shared_memory, zero copy] | 0.1 |\n"
+                                  "| ddp pytorch best 25M [shared_memory:thread, staged] | 0.2 |\n"
                                   "| fsdp pytorch [shared_memory, zero copy] | 0.3 |")
     assert paths.label("ours [shared_memory] / (BatchNorm1d + 2 all_reduce) [shared_memory]",
                        {"benchmark": "syncbn_benchmark"}) == \
         "ours [shared_memory, staged] / (BatchNorm1d + 2 all_reduce) [shared_memory, staged]"
-    assert (paths.label("naive [shared_memory] waits; ddp pytorch [shared_memory] too")
-            == "naive [shared_memory, staged] waits; ddp pytorch [shared_memory, staged] too")
+    assert (paths.label("ddp ours naive [shared_memory] waits; ddp pytorch [shared_memory] too")
+            == "ddp ours naive [shared_memory, staged] waits; ddp pytorch [shared_memory, staged] too")
     assert paths.label("[torch] only") == "[torch] only"
 
 

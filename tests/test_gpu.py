@@ -331,7 +331,7 @@ def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, sharding):
 BENCHMARKS = {
     "syncbn_benchmark.py": ("--quick", "--settings", "workers", "--dtypes", "float32", "--batch", "64", "--hidden",
                             "128", "--iters", "8", "--rounds", "2"),
-    "ddp_benchmark.py": ("--quick", "--models", "cnn", "--variants", "pytorch-best", "bucketed", "--iters", "6",
+    "ddp_benchmark.py": ("--quick", "--models", "cnn", "--variants", "ddp pytorch best", "ddp ours", "--iters", "6",
                          "--rounds", "2", "--warmup", "1", "--no-breakdown"),
     "collectives_benchmark.py": ("--quick", "--procs", "2", "--sizes", "4000", "1MB", "--iters", "4", "--warmup", "1"),
     "sharding_benchmark.py": ("--quick", "--procs", "2", "--iters", "4", "--rounds", "2", "--warmup", "1"),

@@ -49,13 +49,13 @@ def test_sizes_are_written_in_binary_units():
 
 
 def test_one_colour_per_implementation_whatever_the_bucket_size_or_field():
-    assert plots.colour("bucketed 25M") == plots.colour("bucketed 1000M") == plots.colour({"variant": "bucketed"})
-    assert plots.colour({"label": "pytorch 25M", "variant": "pytorch"}) == plots.colour("torch")
-    best = {"label": "pytorch 25M best", "variant": "pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
-    assert plots.kind(best) == "pytorch-best" and plots.colour(best) != plots.colour("pytorch")
-    assert plots.kind({"label": "pytorch-best 25M", "variant": "pytorch-best"}) == "pytorch-best"
-    assert len({plots.colour(k)
-                for k in ("bucketed", "pytorch", "pytorch-best", "overlap", "flat", "naive", "no ddp")}) == 7
+    assert plots.colour("ddp ours 25M") == plots.colour("ddp ours 1000M") == plots.colour({"variant": "ddp ours"})
+    assert plots.colour({"label": "ddp pytorch 25M", "variant": "ddp pytorch"}) == plots.colour("torch")
+    best = {"label": "ddp pytorch 25M", "variant": "ddp pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
+    assert plots.kind(best) == "ddp pytorch best" and plots.colour(best) != plots.colour("ddp pytorch")
+    assert plots.kind({"label": "ddp pytorch best 25M", "variant": "ddp pytorch best"}) == "ddp pytorch best"
+    assert len({plots.colour(k) for k in ("ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours overlap",
+                                          "ddp ours flat", "ddp ours naive", "no ddp")}) == 7
 
 
 def test_a_row_is_oversubscribed_by_its_own_flag_or_by_more_processes_than_cores():
@@ -232,12 +232,12 @@ def ddp_row(label, variant, cap, p50, world=2, **extra):
 
 
 def ddp_rows():
-    return [ddp_row("no ddp", "no_ddp", None, 0.10), ddp_row("pytorch 1M", "pytorch", 1.0, 0.16),
-            ddp_row("pytorch 25M", "pytorch", 25.0, 0.15),
-            ddp_row("pytorch-best 25M", "pytorch-best", 25.0, 0.14),
-            ddp_row("naive", "naive", None, 0.25, comm_wait_s=0.1),
-            ddp_row("bucketed 1M", "bucketed", 1.0, 0.15, comm_wait_s=0.01),
-            ddp_row("bucketed 25M", "bucketed", 25.0, 0.14, comm_wait_s=0.02)]
+    return [ddp_row("no ddp", "no_ddp", None, 0.10), ddp_row("ddp pytorch 1M", "ddp pytorch", 1.0, 0.16),
+            ddp_row("ddp pytorch 25M", "ddp pytorch", 25.0, 0.15),
+            ddp_row("ddp pytorch best 25M", "ddp pytorch best", 25.0, 0.14),
+            ddp_row("ddp ours naive", "ddp ours naive", None, 0.25, comm_wait_s=0.1),
+            ddp_row("ddp ours 1M", "ddp ours", 1.0, 0.15, comm_wait_s=0.01),
+            ddp_row("ddp ours 25M", "ddp ours", 25.0, 0.14, comm_wait_s=0.02)]
 
 
 def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_intervals():
@@ -245,7 +245,7 @@ def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_
     sweep, bars = figure.axes[:2]
     assert sweep.get_xscale() == "log" and sweep.get_xlabel() == "bucket cap (MiB)" and "(s" in sweep.get_ylabel()
     series = [c for c in sweep.containers if isinstance(c, ErrorbarContainer)]
-    assert [c.get_label() for c in series] == ["pytorch", "pytorch-best", "bucketed"]
+    assert [c.get_label() for c in series] == ["ddp pytorch", "ddp pytorch best", "ddp ours"]
     assert len({c.lines[0].get_color() for c in series}) == 3
     assert [t.get_text() for t in bars.get_yticklabels()] == [r["label"] for r in ddp_rows()]  # top to bottom
     assert sum(isinstance(c, ErrorbarContainer) for c in bars.containers) == len(ddp_rows())
@@ -256,29 +256,28 @@ def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_
 def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport():
     rows = [ddp_row("no ddp", "no_ddp", None, 0.10)]
     for on, factor in (("torch", 1.0), ("shared_memory", 0.8)):
-        rows += [ddp_row(f"pytorch-best 25M [{on}]", "pytorch-best", 25.0, 0.14 * factor, transport=on),
-                 ddp_row(f"bucketed 1M [{on}]", "bucketed", 1.0, 0.15 * factor, transport=on),
-                 ddp_row(f"bucketed 25M [{on}]", "bucketed", 25.0, 0.14 * factor, transport=on)]
+        rows += [ddp_row(f"ddp pytorch best 25M [{on}]", "ddp pytorch best", 25.0, 0.14 * factor, transport=on),
+                 ddp_row(f"ddp ours 1M [{on}]", "ddp ours", 1.0, 0.15 * factor, transport=on),
+                 ddp_row(f"ddp ours 25M [{on}]", "ddp ours", 25.0, 0.14 * factor, transport=on)]
     figure = plots.ddp_variants(doc(rows))
     sweep, bars = figure.axes[:2]
     series = {c.get_label(): c.lines[0] for c in sweep.containers if isinstance(c, ErrorbarContainer)}
     # on shared memory each series names its path: PyTorch's DDP through the hook is staged, ours zero copy
-    assert list(series) == ["pytorch-best [torch]", "bucketed [torch]", "pytorch-best [shared_memory, staged]",
-                            "bucketed [shared_memory, zero copy]"]
-    shm = series["bucketed [shared_memory, zero copy]"]
+    assert list(series) == ["ddp pytorch best [torch]", "ddp ours [torch]",
+                            "ddp pytorch best [shared_memory, staged]", "ddp ours [shared_memory, zero copy]"]
+    shm = series["ddp ours [shared_memory, zero copy]"]
     assert list(shm.get_ydata()) == pytest.approx([0.12, 0.112])  # 1M, then 25M: one transport
-    assert list(series["bucketed [torch]"].get_ydata()) == pytest.approx([0.15, 0.14])
-    assert shm.get_color() == series["bucketed [torch]"].get_color()  # the implementation's
-    assert {series["bucketed [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
+    assert list(series["ddp ours [torch]"].get_ydata()) == pytest.approx([0.15, 0.14])
+    assert shm.get_color() == series["ddp ours [torch]"].get_color()  # the implementation's
+    assert {series["ddp ours [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
     assert [t.get_text() for t in bars.get_yticklabels()] == [
-        r["label"].replace("[shared_memory]", "[shared_memory, "
-                                              "staged]" if r["variant"] == "pytorch-best" else "[shared_memory, zero "
-                                                                                               "copy]")
+        r["label"].replace("[shared_memory]", "[shared_memory, staged]" if r["variant"] == "ddp pytorch best"
+                           else "[shared_memory, zero copy]")
         for r in rows]
 
 
 def test_ddp_variants_mark_oversubscribed_rows():
-    rows = [{**r, "oversubscribed": True} if r["label"] == "naive" else r for r in ddp_rows()]
+    rows = [{**r, "oversubscribed": True} if r["label"] == "ddp ours naive" else r for r in ddp_rows()]
     figure = plots.ddp_variants(doc(rows))
     bars = figure.axes[1]
     hatched = [p for p in bars.patches if p.get_hatch()]
@@ -288,7 +287,7 @@ def test_ddp_variants_mark_oversubscribed_rows():
 def test_ddp_sweep_plots_time_and_throughput_with_oversubscribed_worlds_marked():
     rows = [ddp_row(label, variant, 25.0 if variant != "no_ddp" else None, 0.1 * w + base, world=w)
             for w in (1, 2, 4)
-            for label, variant, base in (("no ddp", "no_ddp", 0.0), ("bucketed 25M", "bucketed", 0.02))]
+            for label, variant, base in (("no ddp", "no_ddp", 0.0), ("ddp ours 25M", "ddp ours", 0.02))]
     figure = plots.ddp_sweep(doc(rows, cpus=2, world_size=[1, 2, 4]))
     time_ax, throughput_ax = figure.axes[:2]
     assert time_ax.get_xscale() == throughput_ax.get_xscale() == "log"
@@ -347,7 +346,7 @@ def test_timeline_events_put_sums_made_by_the_compute_thread_on_a_lane_of_their_
     only_inline["traceEvents"].append({"ph": "X", "name": SHM_ALL_REDUCE, "ts": 45000.0, "dur": 5000.0, "tid": 1,
                                        "pid": 1})
     assert plots.timeline_events(only_inline)["comm"] == {"sums in the compute thread": [(45, 5)]}
-    figure = plots.overlap_timeline({"bucketed 25M [shared_memory]": only_inline})
+    figure = plots.overlap_timeline({"ddp ours 25M [shared_memory]": only_inline})
     assert [t.get_text() for t in figure.axes[0].get_yticklabels()] == ["compute", "sums in the compute thread"]
 
 
@@ -366,27 +365,32 @@ def test_trim_trace_keeps_the_shared_memory_ranges():
 
 
 def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_lane_per_variant():
-    figure = plots.overlap_timeline({"bucketed 25M": chrome_trace(), "pytorch 25M": chrome_trace(buckets=((50, 45),))})
+    figure = plots.overlap_timeline({"ddp ours 25M": chrome_trace(),
+                                     "ddp pytorch 25M": chrome_trace(buckets=((50, 45),))})
     ours, theirs = figure.axes[:2]
     assert [t.get_text() for t in ours.get_yticklabels()] == ["compute", "comm thread 1", "comm thread 2"]
     assert [t.get_text() for t in theirs.get_yticklabels()] == ["compute", "comm thread 1"]
     bars = [c for c in ours.collections if isinstance(c, PolyCollection)]
     assert len(bars) == 4 + 2  # four compute phases, two buckets
     title = ours.get_title(loc="left")
-    assert title.startswith("bucketed 25M") and "2 all-reduce calls" in title
+    assert title.startswith("ddp ours 25M") and "2 all-reduce calls" in title
     assert "(ms)" in theirs.get_xlabel()
     texts = legend_texts(figure)
-    assert "all-reduce of a bucket (bucketed)" in texts and "all-reduce of a bucket (pytorch)" in texts
+    assert "all-reduce of a bucket (ddp ours)" in texts and "all-reduce of a bucket (ddp pytorch)" in texts
 
 
 def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
     import json
+    # Files written before the names were unified ("bucketed", "[shm]") are found under today's labels.
     for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json",
-                 "cnn-2ranks-overlap-rank0.json"):
+                 "cnn-2ranks-overlap-rank0.json", "resnet18-2ranks-naive-[shm]-rank0.json",
+                 "resnet18-4ranks-ddp-ours-flat-[shared_memory]-rank0.json"):
         (tmp_path / name).write_text(json.dumps(chrome_trace()))
-    found = plots.load_traces(str(tmp_path), "resnet18", ["bucketed 25M", "overlap"])
-    assert list(found) == ["bucketed 25M"]
-    assert plots.load_traces(str(tmp_path / "missing"), "resnet18", ["overlap"]) == {}
+    found = plots.load_traces(str(tmp_path), "resnet18", ["ddp ours 25M", "ddp ours overlap",
+                                                          "ddp ours naive [shared_memory]",
+                                                          "ddp ours flat [shared_memory]"])
+    assert list(found) == ["ddp ours 25M", "ddp ours naive [shared_memory]", "ddp ours flat [shared_memory]"]
+    assert plots.load_traces(str(tmp_path / "missing"), "resnet18", ["ddp ours overlap"]) == {}
 
 
 def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
@@ -406,10 +410,11 @@ def test_beside_seed_draws_ours_and_the_seeds_with_the_hardware_in_the_titles():
 def test_time_breakdown_stacks_each_profiled_variants_phases():
     breakdown = {"ranges": {"forward": 0.1, "backward": 0.2, "sync_gradients": 0.05, "optimizer_step": 0.01}, "ops": [],
                  "iters": 3}
-    rows = [{**r, "breakdown": breakdown} if r["label"] in ("pytorch 25M", "bucketed 25M") else r for r in ddp_rows()]
+    rows = [{**r, "breakdown": breakdown} if r["label"] in ("ddp pytorch 25M", "ddp ours 25M") else r
+            for r in ddp_rows()]
     figure = plots.time_breakdown(doc(rows))
     ax = figure.axes[0]
-    assert [t.get_text() for t in ax.get_yticklabels()] == ["pytorch 25M", "bucketed 25M"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["ddp pytorch 25M", "ddp ours 25M"]
     segments = [p for p in ax.patches if isinstance(p, Rectangle)]
     assert len(segments) == 8 and max(p.get_x() + p.get_width() for p in segments) == pytest.approx(360.0)
     assert "(ms)" in ax.get_xlabel()

@@ -201,10 +201,11 @@ def test_zero_balance_is_the_worst_rank_over_every_rank_count():
 
 def test_the_bucket_sentence_names_the_sweeps_fastest_cap_per_transport():
     doc = read_results(str(RESULTS / "ddp_benchmark.json"))
-    bucketed = [r for r in doc["results"] if r["variant"] == "bucketed" and r["model"] == "resnet18"]
+    ours = [r for r in doc["results"] if r["variant"] == "ddp ours" and r["model"] == "resnet18"]
+    assert ours, "the committed file's bucketed rows read as ddp ours"
     text = ddp_section.caps_text(doc["results"])
-    for transport in {r["transport"] for r in bucketed}:
-        best = min((r for r in bucketed if r["transport"] == transport), key=lambda r: r["p50_s"])
+    for transport in {r["transport"] for r in ours}:
+        best = min((r for r in ours if r["transport"] == transport), key=lambda r: r["p50_s"])
         assert f"[{transport}] the lowest p50 is {best['label']}" in text
 
 
@@ -234,3 +235,11 @@ def test_the_report_words_a_ratio_with_its_interval_and_a_range_of_values():
     assert wording.verdict_text({"median": 1.0, "ci_low": 0.9, "ci_high": 1.05}, 1.1) == "met"
     assert wording.verdict_text({"median": 1.3, "ci_low": 1.2, "ci_high": 1.4}, 1.1) == "missed"
     assert wording.interval_text(None) == "-" and wording.interval_text((0.1, 0.2)) == "[0.1000, 0.2000]"
+
+
+def test_the_sweep_growth_names_our_ddp_beside_no_ddp_and_the_seed():
+    doc = read_results(str(RESULTS / "ddp_sweep.json"))  # our rows written as "bucketed 25M [...]"
+    seed = json.loads((REPO / "seeds.json").read_text())["pytorch_ddp_benchmark"]
+    text = ddp_formats.growth_text(ddp_formats.marked(doc), seed, doc["env"])
+    ours = next(r["label"] for r in doc["results"] if r["variant"] == "ddp ours")
+    assert f"Ours ({ours}) grows by " in text and "without DDP (no communication at all)" in text

@@ -83,44 +83,44 @@ def check(axis, target, label, reference, value, limit, verdict, model="resnet18
 TIME, MEMORY = "p50 / faster pytorch p50, same transport", "peak memory / same pytorch row"
 HIDDEN, THREAD = "exposed wait / naive's all-reduce time", "p50 / the same sums in the backward hook"
 CHECKS = [
-    check("engine", TIME, "bucketed 25M [torch]", "pytorch-best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0, "missed"),
-    check("engine", MEMORY, "bucketed 25M [torch]", "pytorch-best 25M [torch]",
+    check("engine", TIME, "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0,
+          "missed"),
+    check("engine", MEMORY, "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]",
           ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
-    check("engine", TIME, "bucketed 25M "
-                          "[shared_memory]", "pytorch-best 25M "
+    check("engine", TIME, "ddp ours 25M "
+                          "[shared_memory]", "ddp pytorch best 25M "
                                              "[shared_memory]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
-    check("engine", MEMORY, "bucketed 25M [shared_memory]", "pytorch-best 25M [shared_memory]",
+    check("engine", MEMORY, "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]",
           ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
-    check("transport", "p50 / the same engine on torch", "pytorch-best 25M [shared_memory]", "pytorch-best 25M [torch]",
-          ratio(0.80, 0.75, 0.85), 0.95, "met"),
+    check("transport", "p50 / the same engine on torch", "ddp pytorch best 25M [shared_memory]",
+          "ddp pytorch best 25M [torch]", ratio(0.80, 0.75, 0.85), 0.95, "met"),
     check("overhead", "p50 / no "
-                      "DDP", "bucketed 25M [shared_memory]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
-    check("overlap", HIDDEN, "bucketed 25M [torch]", "naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
-    check("overlap", HIDDEN, "bucketed 25M "
-                             "[shared_memory:thread]", "naive "
+                      "DDP", "ddp ours 25M [shared_memory]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
+    check("overlap", HIDDEN, "ddp ours 25M [torch]", "ddp ours naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
+    check("overlap", HIDDEN, "ddp ours 25M "
+                             "[shared_memory:thread]", "ddp ours naive "
                                                        "[shared_memory]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
     # information: a thread against the same sums inline, slower, faster, and an interval that holds 1 (its low end)
-    check("overlap", THREAD, "bucketed 25M [shared_memory:thread]", "bucketed 25M [shared_memory]",
+    check("overlap", THREAD, "ddp ours 25M [shared_memory:thread]", "ddp ours 25M [shared_memory]",
           ratio(1.20, 1.10, 1.30), None, "information"),
-    check("overlap", THREAD, "overlap "
-                             "[shared_memory:thread]", "overlap "
+    check("overlap", THREAD, "ddp ours overlap "
+                             "[shared_memory:thread]", "ddp ours overlap "
                                                        "[shared_memory]", ratio(0.80, 0.70, 0.90), None, "information"),
-    check("overlap", THREAD, "bucketed 1M [shared_memory:thread]", "bucketed 1M [shared_memory]",
+    check("overlap", THREAD, "ddp ours 1M [shared_memory:thread]", "ddp ours 1M [shared_memory]",
           ratio(1.05, 1.00, 1.10), None, "information"),
     # not the headline's setting: another model, and an oversubscribed run
-    check("engine", TIME, "bucketed 25M [cnn-only]", "pytorch 25M [torch]",
+    check("engine", TIME, "ddp ours 25M [cnn-only]", "ddp pytorch 25M [torch]",
           ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
-    check("engine", TIME, "bucketed 25M [oversubscribed]", "pytorch 25M [torch]",
+    check("engine", TIME, "ddp ours 25M [oversubscribed]", "ddp pytorch 25M [torch]",
           ratio(0.5, 0.4, 0.6), 1.0, "met", oversubscribed=True),
 ]
 
 
 # (label, peak bytes, staging bytes): the staged rows hold a staging block, the zero-copy ones none.
-ROWS = [("no ddp", 5000, 0), ("pytorch-best 25M [torch]", 6000, 0), ("pytorch-best 25M [shared_memory]", 6000, 1000),
-        ("bucketed 25M "
-         "[torch]", 5000, 0), ("bucketed 25M "
-                               "[shared_memory]", 5000, 0), ("bucketed 25M [shared_memory:thread]", 5000, 0),
-        ("naive [torch]", 5000, 0), ("naive [shared_memory]", 5500, 500)]
+ROWS = [("no ddp", 5000, 0), ("ddp pytorch best 25M [torch]", 6000, 0),
+        ("ddp pytorch best 25M [shared_memory]", 6000, 1000), ("ddp ours 25M [torch]", 5000, 0),
+        ("ddp ours 25M [shared_memory]", 5000, 0), ("ddp ours 25M [shared_memory:thread]", 5000, 0),
+        ("ddp ours naive [torch]", 5000, 0), ("ddp ours naive [shared_memory]", 5500, 500)]
 
 
 def headline_doc(checks=CHECKS):
@@ -137,26 +137,27 @@ def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_ro
     lines = summary.ddp_lines(headline_doc(), {})
     assert lines[0].startswith("- **DDP** (`ddp_benchmark.py`, resnet18, batch 16 per rank, 2 processes, 15 rounds;")
     assert lines_of(lines, "  - engine, one path: ") == [
-        "  - engine, one path: bucketed 25M [torch] / pytorch-best 25M [torch]: 1.10x [1.05, 1.15] "
+        "  - engine, one path: ddp ours 25M [torch] / ddp pytorch best 25M [torch]: 1.10x [1.05, 1.15] "
         "(target <= 1.00x): **missed**; peak memory 0.9000x (one measurement) (target <= 1.00x: **met**)"]
     # our DDP's buckets are the transport's (zero copy), PyTorch's DDP is copied in through the hook (staged):
     # a comparison of the two paths, on the transport axis, its memory ratio holding the staging block
     assert lines_of(lines, "  - transport and engine (zero copy / staged): ") == [
-        "  - transport and engine (zero copy / staged): bucketed 25M [shared_memory, zero copy] / "
-        "pytorch-best 25M [shared_memory, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
+        "  - transport and engine (zero copy / staged): ddp ours 25M [shared_memory, zero copy] / "
+        "ddp pytorch best 25M [shared_memory, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
         "peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**), the reference's peak holding "
         "the staged path's copy (1,000 B: the whole difference)"]
     assert lines_of(lines, "  - transport, one engine: ") == [
-        "  - transport, one engine: pytorch-best 25M [shared_memory, staged] / pytorch-best 25M [torch]: 0.80x [0.75, "
-        "0.85] "
+        "  - transport, one engine: ddp pytorch best 25M [shared_memory, staged] / ddp pytorch best 25M [torch]: "
+        "0.80x [0.75, 0.85] "
         "(target <= 0.95x): **met**"]
     assert lines_of(lines, "  - overhead, ") == [
-        "  - overhead, against no DDP at all: bucketed 25M [shared_memory, zero copy] / no ddp: 1.30x [1.20, 1.40] "
+        "  - overhead, against no DDP at all: ddp ours 25M [shared_memory, zero copy] / no ddp: 1.30x [1.20, 1.40] "
         "(target <= 1.15x): **missed**"]
     assert lines_of(lines, "  - overlap, asynchronous transports: ") == [
-        "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: bucketed 25M [torch] / "
-        "naive [torch] 0.10x [0.05, 0.15] (target <= 0.50x: **met**); bucketed 25M [shared_memory:thread, zero copy] / "
-        "naive [shared_memory, staged] 0.40x [0.30, 0.60] (target <= 0.50x: **inconclusive**)"]
+        "  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: ddp ours 25M [torch] / "
+        "ddp ours naive [torch] 0.10x [0.05, 0.15] (target <= 0.50x: **met**); "
+        "ddp ours 25M [shared_memory:thread, zero copy] / "
+        "ddp ours naive [shared_memory, staged] 0.40x [0.30, 0.60] (target <= 0.50x: **inconclusive**)"]
     text = "\n".join(lines)
     assert "cnn-only" not in text and "[oversubscribed]" not in text  # only resnet18, 2 ranks, not oversubscribed
     assert "[shared_memory]" not in text and "[shared_memory:thread]" not in text, \
@@ -168,14 +169,14 @@ def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says
     lines = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")
     assert len(lines) == 3
     slower, faster, neither = lines
-    assert slower.startswith("  - overlap: bucketed 25M [shared_memory:thread, zero copy] / bucketed 25M "
+    assert slower.startswith("  - overlap: ddp ours 25M [shared_memory:thread, zero copy] / ddp ours 25M "
                              "[shared_memory, zero copy]: "
                              "1.20x [1.10, 1.30], slower:")
-    assert faster.startswith("  - overlap: overlap [shared_memory:thread, zero copy] / overlap [shared_memory, zero "
-                             "copy]: "
+    assert faster.startswith("  - overlap: ddp ours overlap [shared_memory:thread, zero copy] / "
+                             "ddp ours overlap [shared_memory, zero copy]: "
                              "0.80x [0.70, 0.90], faster:")
     # [1.00, 1.10] holds 1: neither, however the median leans
-    assert neither.startswith("  - overlap: bucketed 1M [shared_memory:thread, zero copy] / bucketed 1M "
+    assert neither.startswith("  - overlap: ddp ours 1M [shared_memory:thread, zero copy] / ddp ours 1M "
                               "[shared_memory, zero copy]: "
                               "1.05x [1.00, 1.10], neither faster nor slower")
     # the same checks, the data reversed: the sentences follow

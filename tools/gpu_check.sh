@@ -38,7 +38,7 @@ step pytest-gpu 200 python -m pytest -m gpu -p no:cacheprovider -q
 step syncbn 120 python syncbn_benchmark.py --quick --settings workers --dtypes float32 bfloat16 \
     --device "$device" --backend gloo --json "$out/syncbn_benchmark.$device.json"
 step ddp-world1 150 torchrun --standalone --nproc_per_node 1 ddp_benchmark.py --models resnet18 cnn \
-    --variants pytorch pytorch-best bucketed --bucket-sizes 25 --iters 60 --rounds 8 \
+    --variants "ddp pytorch" "ddp pytorch best" "ddp ours" --bucket-sizes 25 --iters 60 --rounds 8 \
     --device "$device" --backend "$ddp_backend" --json "$out/ddp_benchmark.$device-world1.json"
 echo "=== $failed step(s) failed; logs and results in $out"
 exit "$failed"

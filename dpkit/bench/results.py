@@ -6,10 +6,10 @@ Every script prints ``format_environment(environment(...))`` before it measures,
 the benchmark computed where it measured, which the README and the report read as they are;
 ``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
 ``read_results`` refuses any other layout, naming the schema it expected, and gives engine names in today's
-spelling (``current_names``: "zero" -> "zero1", "selfmade" -> "ours"); ``results_file`` finds a file under the
-name it had before (``train_selfmade`` for ``train_ours``). ``write_durably`` is how every
-file we produce is written (results, checkpoints, the executed notebook): whole or not at all, flushed to
-the disk.
+spelling (``current_names``: "zero" -> "zero1", "selfmade" -> "ours", DDP's "bucketed 25M" -> "ddp ours 25M");
+``results_file`` finds a file under the name it had before (``train_selfmade`` for ``train_ours``).
+``write_durably`` is how every file we produce is written (results, checkpoints, the executed notebook): whole or
+not at all, flushed to the disk.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ def read_results(path: str) -> dict:
 ENGINE_FIELDS = ("variant", "sharding", "target", "text", "numerator", "denominator", "variants", "distributed_impl",
                  "distributed_impl_used", "sync_bn", "sync_bn_used", "experiment")
 OLD_FILE_NAMES = {"train_ours": "train_selfmade"}
+# ... and those of the DDP benchmark's, whose old labels began with the algorithm's word ("bucketed 25M [shm]").
+DDP_FIELDS = ("variant", "label", "reference", "variants")
 
 
 def current_engine_names(doc: dict) -> dict:
@@ -188,11 +190,20 @@ def current_engine_names(doc: dict) -> dict:
             return {old: new for new, old in OLD_FILE_NAMES.items()}.get(value, value)
         return registry.current_field(key, value)
 
+    ddp = doc.get("benchmark") == "ddp_benchmark"
     for part in (doc.get("config") or {}, *doc.get("results", []), *(doc.get("targets") or [])):
         for key in ENGINE_FIELDS:
             if key in part:
                 part[key] = respelled(key, part[key])
+        for key in DDP_FIELDS if ddp else ():
+            if isinstance(part.get(key), (str, list)):
+                part[key] = _ddp_labels(part[key])
     return doc
+
+
+def _ddp_labels(value):
+    """A DDP row's label, or a list of them, respelled by ``registry.current_ddp_label``."""
+    return [_ddp_labels(v) for v in value] if isinstance(value, list) else registry.current_ddp_label(value)
 
 
 def results_file(results_dir, name: str) -> Path:

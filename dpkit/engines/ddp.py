@@ -8,16 +8,17 @@ A drop-in for ``torch.nn.parallel.DistributedDataParallel``, inside an initialis
     loss_fn(model(x1), y1).backward()               # buckets summed as they fill; at its end (autograd
     optimizer.step(); optimizer.zero_grad()         # calls back, as PyTorch's) every .grad is averaged
 
-The variants the benchmark compares, all with that interface (``make_ddp`` selects by name):
+The variants the benchmark compares ("ddp" and these names: the engine registry's vocabulary), all with that
+interface (``make_ddp`` selects by name):
 
-=========  ==============================================================================
-bucketed   ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each summed as soon
-           as it is complete, while the rest of backward goes on.
-overlap    ``DDP(module, bucket_cap_mb=0)``: the same, one bucket per parameter.
-flat       ``FlatDDP``: when backward ends, all gradients copied into one flat tensor, one all-reduce.
-naive      ``NaiveDDP``: when backward ends, one blocking all-reduce per parameter.
-pytorch    ``torch.nn.parallel.DistributedDataParallel``, the reference.
-=========  ==============================================================================
+============  ===========================================================================
+ours          ``DDP(module, bucket_cap_mb)``: gradients packed into buckets, each summed as soon
+              as it is complete, while the rest of backward goes on.
+ours overlap  ``DDP(module, bucket_cap_mb=0)``: the same, one bucket per parameter.
+ours flat     ``FlatDDP``: when backward ends, all gradients copied into one flat tensor, one all-reduce.
+ours naive    ``NaiveDDP``: when backward ends, one blocking all-reduce per parameter.
+pytorch       ``torch.nn.parallel.DistributedDataParallel``, the reference.
+============  ===========================================================================
 
 Each sums through the transport its ``transport=`` names (``transport.resolve``; "auto", the
 default: this host's shared memory when every rank is on it and the gradients are on the CPU,
@@ -27,6 +28,7 @@ else torch.distributed's collectives), in buffers the transport allocates.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,14 +51,16 @@ BROADCAST_CHUNK_BYTES = 250 * MIB
 # The most gradient bytes of the last bucket(s), the first layers' (see ``assign_buckets``): their
 # all-reduce cannot overlap backward. PyTorch's DDP caps its first bucket at 1 MiB so communication
 # starts early; this cap is for the other end. Measured on resnet18 by ``ddp_benchmark.py`` (the
-# ``bucketed`` rows against PyTorch's and against ``last_bucket_cap_mb=0``).
+# "ddp ours" rows against PyTorch's and against ``last_bucket_cap_mb=0``).
 LAST_BUCKET_CAP_MB = 2.0
 # ... and at most this share of the model's gradient bytes: a small model whose first parameters need
 # almost no backward compute (the GPT's token embedding) has nothing to hide a separate tail behind, while
 # a CNN's full-resolution convolutions do. Compare with ``sharding_benchmark.py`` rows rebuilt with other
 # ``last_bucket_cap_mb`` values.
 TAIL_SHARE = 4
-VARIANTS = ("bucketed", "overlap", "flat", "naive", "pytorch")
+VARIANTS = ("ours", "ours overlap", "ours flat", "ours naive", "pytorch")
+# The names ``make_ddp`` took before the engine registry's vocabulary; accepted with a DeprecationWarning.
+OLD_VARIANTS = {"bucketed": "ours", "overlap": "ours overlap", "flat": "ours flat", "naive": "ours naive"}
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -740,8 +744,9 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
              find_unused_parameters: bool = True, transport=None, **pytorch_kwargs) -> nn.Module:
     """Wrap ``module`` in the data-parallel variant named ``variant`` (one of ``VARIANTS``).
 
-    ``bucket_cap_mb`` (MiB, default 25) applies to ``bucketed`` and ``pytorch``;
-    ``find_unused_parameters`` to ``bucketed`` and ``overlap`` (see ``DDP``).
+    ``bucket_cap_mb`` (MiB, default 25) applies to ``ours`` and ``pytorch``;
+    ``find_unused_parameters`` to ``ours`` and ``ours overlap`` (see ``DDP``). The old names (``bucketed``,
+    ``overlap``, ``flat``, ``naive``) still work, with a DeprecationWarning naming the new one.
     ``pytorch`` is ``torch.nn.parallel.DistributedDataParallel`` with
     ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before it; ``compat.NO_BUFFER_SYNC``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
@@ -757,14 +762,18 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     that only accumulate; each synchronised backward ends averaged (``sync_gradients(model)``
     before the step is harmless, and needed only with ``finish_in_backward=False``).
     """
+    if variant in OLD_VARIANTS:
+        warnings.warn(f"make_ddp({variant!r}) is now make_ddp({OLD_VARIANTS[variant]!r}); the old name goes in "
+                      "the next release", DeprecationWarning, stacklevel=2)
+        variant = OLD_VARIANTS[variant]
     ours = "auto" if transport is None else transport
-    if variant == "bucketed":
+    if variant == "ours":
         return DDP(module, bucket_cap_mb, process_group, find_unused_parameters, transport=ours)
-    if variant == "overlap":
+    if variant == "ours overlap":
         return DDP(module, 0.0, process_group, find_unused_parameters, transport=ours)
-    if variant == "flat":
+    if variant == "ours flat":
         return FlatDDP(module, process_group, transport=ours)
-    if variant == "naive":
+    if variant == "ours naive":
         return NaiveDDP(module, process_group, transport=ours)
     if variant == "pytorch":
         device = next(module.parameters()).device

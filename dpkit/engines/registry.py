@@ -11,9 +11,11 @@ takes its names from here, and a benchmark that compares engines lists ``names()
 ``shards`` is the engine's ZeRO stage (0: nothing, 1: the optimizer state, 2: and the gradients, 3: and the
 parameters); ``hybrid``: sharded inside a host, replicated across hosts. Old spellings (``selfmade``,
 ``none``, ``zero``) are read as the new ones with a FutureWarning for one release
-(``canonical``); ``current_label`` renames the labels of results files written before. DDP's algorithms
-(``ddp.make_ddp``'s bucketed, which "ddp ours" is, and its overlap, flat and naive baselines) are options of
-"ddp ours", not engines (``ddp_benchmark.py`` labels its rows by the algorithm alone).
+(``canonical``); ``current_label`` and ``current_ddp_label`` rename the labels of results files written before.
+A benchmark row is "<engine> <ours|pytorch>[ option][ <cap>M] [<transport>]": "zero1 ours [shared_memory]",
+"fsdp pytorch bf16 [torch]", "ddp ours 25M [torch]" (bucketed, 25 MiB buckets), "ddp ours overlap|flat|naive
+[torch]" (DDP's baselines: options of "ddp ours", named as ``ddp.make_ddp`` names them), "ddp pytorch best 25M
+[torch]" (PyTorch's DDP at its best settings); "no ddp" is the model alone.
 """
 
 from __future__ import annotations
@@ -133,6 +135,19 @@ def current_label(text: str) -> str:
     the reader's to respell)."""
     old = {**OLD_IMPLS, "zero": "zero1"}
     return _OLD_WORD.sub(lambda m: old[m.group(1)], text)
+
+
+# DDP benchmark rows written before: the algorithm's word, now "ddp" and ``ddp.make_ddp``'s name for it.
+OLD_DDP_VARIANTS = {"pytorch": "ddp pytorch", "pytorch-best": "ddp pytorch best", "naive": "ddp ours naive",
+                    "flat": "ddp ours flat", "overlap": "ddp ours overlap", "bucketed": "ddp ours"}
+_OLD_DDP_WORD = re.compile(r"^(pytorch-best|pytorch|naive|flat|overlap|bucketed)(?= |$)")
+
+
+def current_ddp_label(text: str) -> str:
+    """A label or variant of a DDP benchmark file written before, in today's names: "bucketed 25M [shm]" ->
+    "ddp ours 25M [shm]", "pytorch-best" -> "ddp pytorch best"; today's labels and "no ddp" as they are. Only
+    for that benchmark's rows: elsewhere "pytorch" alone is an implementation."""
+    return _OLD_DDP_WORD.sub(lambda m: OLD_DDP_VARIANTS[m.group(1)], text)
 
 
 for _engine in (

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dpkit.report import ddp_tables, findings, paths, plots
 from dpkit.report.wording import interval_text, ratio_text, span
 
-ONE, TWENTY_FIVE = "pytorch 1M [torch]", "pytorch 25M [torch]"  # the rows of PyTorch's DDP at two bucket caps
+ONE, TWENTY_FIVE = "ddp pytorch 1M [torch]", "ddp pytorch 25M [torch]"  # the rows of PyTorch's DDP at two bucket caps
 SWEEP_COLUMNS = [("world_size", "processes", "d"), ("over", "oversubscribed", "s"), ("label", "variant", "s"),
                  ("p50_s", "p50 s/iter", ".4f"), ("p50_ci", "interval", "s"), ("p50_ex_per_s", "ex/s (p50)", ".0f"),
                  ("p95_s", "p95 s/iter", ".4f")]
@@ -27,7 +27,7 @@ def resnet18(doc: dict) -> list[dict]:
 
 def as_run(doc: dict, row: dict, cap: float) -> dict:
     """One row as a file of its own at one bucket size, the way PyTorch's diff reads two runs."""
-    return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]}, "results": [{**row, "label": "pytorch"}]}
+    return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]}, "results": [{**row, "label": "ddp pytorch"}]}
 
 
 def direction(ratio: dict) -> str:
@@ -61,7 +61,7 @@ def percentiles(page) -> None:
     page.say(f"PyTorch's benchmark ({seed['hardware']}):\n\n" + fenced(seed["benchmark"]["format_excerpt"])
              + f"\n\nOurs (ddp_benchmark.json, {rows[0]['model']}):\n\n"
              + fenced(paths.label("\n".join(ddp_tables.percentile_table(rows)), doc)), label=False)
-    pytorch = {r["label"]: r for r in rows if r["variant"] == "pytorch" and not plots.is_pytorch_best(r)}
+    pytorch = {r["label"]: r for r in rows if r["variant"] == "ddp pytorch" and not plots.is_pytorch_best(r)}
     if ONE in pytorch and TWENTY_FIVE in pytorch:
         diff(page, doc, pytorch, seed)
     else:
@@ -125,7 +125,7 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
     """How time per iteration grows with the processes: PyTorch's on GPUs, ours with DDP and without it."""
     ddp_seed = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50" and r["label"] != "no ddp"]
     seed_growth, top = ddp_seed[-1]["p50_s"] / ddp_seed[0]["p50_s"] - 1, max(within_cores(rows))
-    label = next((x for x in dict.fromkeys(r["label"] for r in rows) if x.startswith("bucketed")), None)
+    label = next((r["label"] for r in rows if r["variant"] == "ddp ours"), None)  # our DDP, bucketed
     ours = findings.growth(rows, label, 1, top) if label else None
     no_ddp = findings.growth(rows, "no ddp", 1, top)
     text = (f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "

@@ -88,9 +88,9 @@ def separated(a: dict, b: dict) -> bool:
 def caps_text(rows: list[dict]) -> str:
     """Per transport, the bucket cap with the lowest p50 in the sweep (resnet18), and which others it does not beat."""
     texts = []
-    bucketed = [r for r in rows if r["variant"] == "bucketed" and r["model"] == "resnet18"]
-    for transport in dict.fromkeys(r["transport"] for r in bucketed):
-        caps = sorted((r for r in bucketed if r["transport"] == transport), key=lambda r: r["bucket_cap_mb"])
+    ours = [r for r in rows if r["variant"] == "ddp ours" and r["model"] == "resnet18"]
+    for transport in dict.fromkeys(r["transport"] for r in ours):
+        caps = sorted((r for r in ours if r["transport"] == transport), key=lambda r: r["bucket_cap_mb"])
         best = min(caps, key=lambda r: r["p50_s"])
         overlapping = [r["label"] for r in caps if r is not best
                        and plots.interval(best, "p50_s") and plots.interval(r, "p50_s")
@@ -146,11 +146,11 @@ def traces(page) -> None:
 
 
 def bucket_series(rows: list[dict]) -> dict[str, list[dict]]:
-    """Per model and transport, the bucketed rows by bucket cap."""
-    bucketed = [r for r in rows if r["variant"] == "bucketed"]
-    return {f"{m}, bucketed [{t}]": sorted((r for r in bucketed if (r["model"], r["transport"]) == (m, t)),
+    """Per model and transport, the rows of our DDP ("ddp ours", bucketed) by bucket cap."""
+    ours = [r for r in rows if r["variant"] == "ddp ours"]
+    return {f"{m}, ddp ours [{t}]": sorted((r for r in ours if (r["model"], r["transport"]) == (m, t)),
                                            key=lambda r: r["bucket_cap_mb"])
-            for m, t in dict.fromkeys((r["model"], r["transport"]) for r in bucketed)}
+            for m, t in dict.fromkeys((r["model"], r["transport"]) for r in ours)}
 
 
 def seed_groups(seed: dict) -> dict[tuple, list[dict]]:
@@ -162,7 +162,7 @@ def seed_groups(seed: dict) -> dict[tuple, list[dict]]:
 
 def buckets_figure(doc: dict, seed: dict, env: dict):
     """Time per iteration against the bucket cap, relative to the smallest cap, ours beside the seed's."""
-    ours = {name: ([r["bucket_cap_mb"] for r in rs], [r["p50_s"] / rs[0]["p50_s"] for r in rs], "bucketed")
+    ours = {name: ([r["bucket_cap_mb"] for r in rs], [r["p50_s"] / rs[0]["p50_s"] for r in rs], "ddp ours")
             for name, rs in bucket_series(doc["results"]).items()}
     theirs = {f"batch {b}, seq {s}": ([r["bucket_size_mb"] for r in g],
                                       [r["train_time_s"] / g[0]["train_time_s"] for r in g])

@@ -22,7 +22,7 @@ def block_key(row: dict) -> tuple:
 
 def row_prefix(row: dict) -> str:
     mark = "*" if row.get("oversubscribed") else " "
-    return f"{row['world_size']:4d}{mark}ranks -- {row['label']:>28s}:"
+    return f"{row['world_size']:4d}{mark}ranks -- {row['label']:>39s}:"  # 39: "ddp ours overlap [shared_memory:thread]"
 
 
 def percentile_table(rows: list[dict]) -> list[str]:

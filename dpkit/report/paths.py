@@ -2,7 +2,7 @@
 summed where they lie ("zero copy"), or tensors the caller allocated, copied into the arena and back ("staged").
 
     from dpkit.report import paths
-    paths.label("pytorch-best 25M [shared_memory]", doc)   # "pytorch-best 25M [shared_memory, staged]"
+    paths.label("ddp pytorch best 25M [shared_memory]", doc)   # "ddp pytorch best 25M [shared_memory, staged]"
     paths.axis(check, doc)                                 # "transport" when the two rows took different paths
 
 The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]); the
@@ -24,16 +24,18 @@ import re
 
 ZERO_COPY, STAGED = "zero copy", "staged"
 SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
-# A bracket with up to three words before it: the label it closes, in a table cell or a sentence.
-LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,3})\[(shared_memory(?::thread)?)\]")
+# A bracket with up to four words before it ("ddp pytorch best 25M [shared_memory]"): the label it closes, in a
+# table cell or a sentence.
+LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,4})\[(shared_memory(?::thread)?)\]")
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
-ZERO_COPY_PYTORCH = ("fsdp", "zero", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
+ZERO_COPY_PYTORCH = ("fsdp", "zero1", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
 
 
 def _engine_path(words: list[str]) -> str:
-    """The path the code fixes for a label's words: PyTorch's DDP ("pytorch", "pytorch-best 25M", "ddp pytorch")
-    and our naive DDP (each gradient as it is) are staged; every other engine allocates through the transport."""
-    for i in range(len(words) - 1, max(-1, len(words) - 3), -1):
+    """The path the code fixes for a label's last three words: PyTorch's DDP ("ddp pytorch 25M", "ddp pytorch best
+    25M") and our naive DDP ("ddp ours naive": each gradient as it is) are staged; every other engine allocates
+    through the transport."""
+    for i in range(len(words) - 1, max(-1, len(words) - 4), -1):
         if words[i] == "naive" or (words[i].startswith("pytorch")
                                    and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
             return STAGED
@@ -59,7 +61,7 @@ def path(label: str, doc: dict | None = None) -> str | None:
         return None
     if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
         return (doc.get("config") or {}).get("sums", STAGED)
-    words = label[:found.start()].split()[-3:]
+    words = label[:found.start()].split()[-4:]
     return _row_path(words, found.group(1), doc) or _engine_path(words)
 
 

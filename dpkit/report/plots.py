@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
+from dpkit.bench.transports import current_names as transport_names
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
 from dpkit.report import paths
@@ -36,12 +37,12 @@ from dpkit.report.findings import MIN_BOOTSTRAP_ROUNDS, interval_name, oversubsc
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
 COLOURS = {
-    "ours": "#0072B2", "bucketed": "#0072B2", "ring": "#0072B2",  # bucketed: ddp_benchmark's name of our DDP
-    "pytorch": "#E69F00", "torch": "#E69F00",
-    "pytorch-best": "#D55E00",
-    "overlap": "#009E73", "butterfly": "#009E73",
-    "flat": "#CC79A7", "halving_doubling": "#CC79A7",
-    "naive": "#56B4E9", "tree": "#56B4E9",
+    "ours": "#0072B2", "ddp ours": "#0072B2", "ring": "#0072B2",  # "ddp ours": ddp_benchmark's rows of our DDP
+    "pytorch": "#E69F00", "ddp pytorch": "#E69F00", "torch": "#E69F00",
+    "ddp pytorch best": "#D55E00",
+    "ddp ours overlap": "#009E73", "butterfly": "#009E73",
+    "ddp ours flat": "#CC79A7", "halving_doubling": "#CC79A7",
+    "ddp ours naive": "#56B4E9", "tree": "#56B4E9",
     "recursive_doubling": "#882255", "shared_memory": "#999933", "auto": "#000000",
     # The transports of collectives_benchmark.py (rows labelled by transport, not by algorithm).
     "shared_memory:staged": "#DDCC77", "p2p": "#332288",
@@ -60,19 +61,19 @@ SEED_STYLE = dict(color="#555555")  # a seed's numbers, drawn beside ours
 
 
 def is_pytorch_best(row: dict) -> bool:
-    """PyTorch's DDP at its best documented settings: variant 'pytorch-best', or a 'pytorch...' row
+    """PyTorch's DDP at its best documented settings: variant 'ddp pytorch best', or a 'ddp pytorch...' row
     whose configuration sets gradient_as_bucket_view."""
-    if row.get("variant") == "pytorch-best":
+    if row.get("variant") == "ddp pytorch best":
         return True
-    return str(row.get("label", "")).startswith("pytorch") and "gradient_as_bucket_view" in json.dumps(row)
+    return str(row.get("label", "")).startswith("ddp pytorch") and "gradient_as_bucket_view" in json.dumps(row)
 
 
 def kind(row_or_name) -> str:
-    """The implementation a row or name belongs to: 'bucketed 25M' -> 'bucketed', a best-settings PyTorch row ->
-    'pytorch-best'."""
+    """The implementation a row or name belongs to: 'ddp ours 25M' -> 'ddp ours', a best-settings PyTorch row ->
+    'ddp pytorch best'."""
     if isinstance(row_or_name, dict):
         if is_pytorch_best(row_or_name):
-            return "pytorch-best"
+            return "ddp pytorch best"
         name = (row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl")
                 or row_or_name.get("label", ""))
     else:
@@ -419,7 +420,7 @@ def ddp_variants(doc: dict) -> Figure:
 
 
 def _series_label(name: str, on: str | None, row: dict, doc: dict) -> str:
-    """"bucketed [shared_memory, zero copy]": an implementation, its transport and, on shared memory, its path
+    """"ddp ours [shared_memory, zero copy]": an implementation, its transport and, on shared memory, its path
     (``row``'s)."""
     if not on:
         return name
@@ -590,14 +591,24 @@ def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0
     """``{label: trace}`` of the traces ``ddp_benchmark.py --profile DIR`` wrote for ``model`` (any world
     size) and this rank; labels without a trace are left out."""
     found = {}
-    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    names = {_current_trace_name(n): n for n in sorted(os.listdir(directory))} if os.path.isdir(directory) else {}
     for label in labels:
         slug = label.replace(" ", "-")
         match = next((n for n in names if n.startswith(f"{model}-") and n.endswith(f"-{slug}-rank{rank}.json")), None)
         if match:
-            with open(os.path.join(directory, match)) as f:
+            with open(os.path.join(directory, names[match])) as f:
                 found[label] = json.load(f)
     return found
+
+
+_OLD_TRACE = re.compile(r"(?<=ranks-)(" + "|".join(map(re.escape, registry.OLD_DDP_VARIANTS)) + r")(?=-|$)")
+
+
+def _current_trace_name(name: str) -> str:
+    """A trace file's name as written today: one written before the names were unified
+    ("resnet18-2ranks-bucketed-25M-[shm]-rank0.json") as "resnet18-2ranks-ddp-ours-25M-[shared_memory]-rank0.json"."""
+    name = _OLD_TRACE.sub(lambda m: registry.OLD_DDP_VARIANTS[m.group(1)].replace(" ", "-"), name)
+    return transport_names(name)
 
 
 # --------------------------------------------------------------------------- beside a seed
