@@ -146,6 +146,7 @@ COMPARED_WITH = {SHARED: "torch", THREAD: SHARED, ON_DPKIT: "torch"}
 # Bases that take any transport object (those registered on shared memory): "base [t]" for any registry name t is
 # made on request (``select``), so a transport registered anywhere runs under every such engine.
 OPEN: dict[str, tuple] = {}
+ON_REQUEST: set[str] = set()  # the "base [t]" variants ``select`` made for a transport asked for by name
 
 
 def variant(base: str, sharding: str, on: tuple[str, ...] = ("torch", SHARED), targets: tuple[Target, ...] = (),
@@ -192,7 +193,10 @@ def select(names: list[str]) -> list[str]:
                 _add(base, sharding, name.rstrip("]").partition(" [")[2], build,
                      tuple(x for x in targets if not x.other.endswith("]")), on, False)
                 made.append(name)
-        matches = [name] if name in VARIANTS else [v.name for v in VARIANTS.values() if v.base == name]
+                ON_REQUEST.add(name)
+        # A name alone: its built-in transports; one made on request is this call's (its transport may be gone)
+        matches = [name] if name in VARIANTS else [v.name for v in VARIANTS.values()
+                                                   if v.base == name and v.name not in ON_REQUEST]
         if not matches:
             bases = ", ".join(dict.fromkeys(v.base for v in VARIANTS.values()))
             raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on its transports, e.g. "
@@ -404,10 +408,14 @@ def _registered(engine: str, impl: str, module: nn.Module, transport: transports
 
 
 def from_registry() -> None:
-    """Add "<engine> <impl>" on [torch] and [shared_memory] (opt-in) for every registered engine and implementation that
-    no builder above covers; called again where names are read, so an engine registered later appears."""
-    for name in [n for n, v in VARIANTS.items() if v.sharding not in registry.names()]:
-        del VARIANTS[name]  # an engine unregistered since
+    """Add "<engine> <impl>" on [torch] and [shared_memory] (opt-in) for every registered engine and implementation
+    that no builder above covers, and drop the variants made on request and those of an engine or transport no
+    longer registered; called again where names are read, so an engine registered later appears."""
+    gone = [n for n, v in VARIANTS.items() if n in ON_REQUEST or v.sharding not in registry.names()
+            or v.transport not in bench_transports.choices()]
+    for name in gone:  # made on request (``select`` makes them again), or an engine or transport unregistered since
+        del VARIANTS[name]
+        ON_REQUEST.discard(name)
     built = {v.base for v in VARIANTS.values()}
     for engine in registry.names():
         for impl in registry.get(engine).impls:
@@ -635,7 +643,7 @@ def target_rows(rows: list[dict], args) -> list[dict]:
 
 
 def worker(ctx, args) -> list[dict]:
-    from_registry()  # engines registered in this process since the import
+    select(args.variants)  # in this process: engines registered since the import, variants made on request
     rows = []
     for name in progress(args.models, desc=f"{ctx.world_size} processes"):
         rows += benchmark_model(ctx, args, name, args.variants)

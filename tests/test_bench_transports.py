@@ -40,6 +40,7 @@ def toy():
     register_toy()
     yield TOY
     registry.unregister(TOY)
+    sharding_benchmark.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
 
 
 # Each benchmark's flags for a tiny run on the toy (and torch, the reference where the benchmark needs one).
