@@ -269,7 +269,7 @@ def syncbn_ratio(dtype, peak, saved, target, batch=32, hidden=128):
 
 def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_without_a_target():
     time = {"kind": "time", "impl": "ours", "workers": 2, "batch": 32, "hidden": 128}
-    doc = {"config": {"rounds": 12}, "results": [
+    doc = {"benchmark": "syncbn_benchmark", "config": {"rounds": 12}, "results": [  # a file that summed staged
         time, {**time, "hidden": 256},
         syncbn_ratio("float32", 0.72, 0.90, 1.3), syncbn_ratio("float32", 0.72, 0.90, 1.3, hidden=256),
         syncbn_ratio("bfloat16", 2.10, 0.85, None), syncbn_ratio("float16", 2.06, 0.90, None, hidden=256),
@@ -285,6 +285,11 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
     assert memory == ("  - workers [shared_memory, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d "
                       "(local) 2.06x to "
                       "2.10x, saved_bytes 0.85x to 0.90x, over 2 sizes (no target)")
+    zero_copy = {**doc, "config": {"rounds": 12, "sums": "zero copy"}}  # a file that says it summed in place
+    header, target, _ = summary.syncbn_lines(zero_copy)
+    assert header.endswith("[shared_memory, zero copy]: this host's shared memory, each sum in the transport's own "
+                           "buffer, summed where it lies):")
+    assert target.startswith("  - workers [shared_memory, zero copy]: peak_bytes")
 
 
 def test_the_overlap_line_states_what_was_measured_not_a_cause():

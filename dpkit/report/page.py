@@ -24,7 +24,6 @@ from dpkit.report import paths
 
 DPI = 72  # pixels per inch of an embedded figure
 MAX_WIDTH = 1000  # pixels: wider images (files written at a higher dpi) are scaled down
-SYNCBN_DOC = {"benchmark": "syncbn_benchmark"}  # SyncBatchNorm's sums are of tensors the layer made: staged
 
 
 def compact_png(data: bytes, max_width: int = MAX_WIDTH) -> bytes:

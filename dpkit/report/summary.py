@@ -140,20 +140,24 @@ def syncbn_lines(doc: dict) -> list[str]:
     parts = []
     for t in targets:
         measured = format_ratio(t) if "median" in t else f"{t['sizes_met']} of {t['sizes']} sizes met"
-        parts.append(f"{paths.label(t['name'], SYNCBN)}: {measured}, **{t['verdict']}**")
+        parts.append(f"{paths.label(t['name'], doc)}: {measured}, **{t['verdict']}**")
     # The floor (syncbn_benchmark.FLOOR): what any layer written as a Python autograd.Function pays with these sums.
-    parts += [f"{paths.label(b['name'], SYNCBN)}: {format_ratio(b)} (a bound, no target)" for b in doc["results"]
+    parts += [f"{paths.label(b['name'], doc)}: {format_ratio(b)} (a bound, no target)" for b in doc["results"]
               if b.get("kind") == "bound"]
     parts += _other_dtype_memory(doc, judged)
     return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
             f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
             f"times of forward + backward; targets checked in {' and '.join(judged) or 'no dtype'}; "
-            "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied in and out):",
+            f"{SYNCBN_PATHS[paths.path('[shared_memory]', doc)]}):",
             *[f"  - {p}" for p in parts]]
 
 
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
-SYNCBN = {"benchmark": "syncbn_benchmark"}  # what paths.label needs to know of these rows: whose they are
+# How a SyncBatchNorm file's [shared_memory] rows summed, as its config says (``paths.path``).
+SYNCBN_PATHS = {paths.STAGED: "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied "
+                              "in and out",
+                paths.ZERO_COPY: "[shared_memory, zero copy]: this host's shared memory, each sum in the transport's "
+                                 "own buffer, summed where it lies"}
 
 
 def _other_dtype_memory(doc: dict, judged: list[str]) -> list[str]:
@@ -166,7 +170,7 @@ def _other_dtype_memory(doc: dict, judged: list[str]) -> list[str]:
         mine = [r for r in rows if (r["setting"], r.get("transport")) == (setting, transport)]
         order = lambda d: DTYPE_ORDER.index(d) if d in DTYPE_ORDER else len(DTYPE_ORDER)  # noqa: E731
         dtypes = "/".join(sorted({r["dtype"] for r in mine}, key=order))
-        lines.append(f"{paths.label(f'{setting} [{transport}]', SYNCBN) if transport else setting}, {dtypes}: "
+        lines.append(f"{paths.label(f'{setting} [{transport}]', doc) if transport else setting}, {dtypes}: "
                      f"peak_bytes of ours / BatchNorm1d (local) {_span(r['peak_ratio'] for r in mine)}, saved_bytes "
                      f"{_span(r['saved_ratio'] for r in mine)}, over {len({(r['batch'], r['hidden']) for r in mine})} "
                      "sizes (no target)")

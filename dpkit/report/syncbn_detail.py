@@ -11,7 +11,6 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from dpkit.report import findings, plots, sentences
-from dpkit.report.page import SYNCBN_DOC
 from dpkit.report.syncbn_section import transports
 
 # The file's labels of the settings and implementations the cold-cache sentence compares.
@@ -53,9 +52,9 @@ def ratio_tables(page, doc: dict) -> None:
         group = [r for r in kind(doc, "ratio") if (r["impl"], r["versus"]) == (mine, versus)]
         page.say(f"{named(mine, [r.get('transport') for r in group])} / "
                  f"{named(versus, [r.get('versus_transport') for r in group])} "
-                 "(median of per-round ratios [95 % bootstrap interval over rounds])", SYNCBN_DOC)
+                 "(median of per-round ratios [95 % bootstrap interval over rounds])", doc)
         page.show([{**r, "ratio": fmt(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
-                    "on": on_text(r), "verdict": r["verdict"] or "-"} for r in group], RATIO_COLUMNS, SYNCBN_DOC)
+                    "on": on_text(r), "verdict": r["verdict"] or "-"} for r in group], RATIO_COLUMNS, doc)
 
 
 def targets(page) -> None:
@@ -64,13 +63,13 @@ def targets(page) -> None:
     ratio_tables(page, doc)
     page.show([{**t, "value": fmt(t) if "median" in t else f"{t['sizes_met']} of {t['sizes']} sizes"}
                for t in kind(doc, "target")], [("name", "target", "s"), ("value", "measured", "s"),
-                                               ("verdict", "verdict", "s")], SYNCBN_DOC)
+                                               ("verdict", "verdict", "s")], doc)
     if kind(doc, "bound"):  # the floor (workers on one CPU host): bounds without a target
         page.show([{**b, "value": fmt(b)} for b in kind(doc, "bound")],
-                  [("name", "bound (no target)", "s"), ("value", "measured", "s")], SYNCBN_DOC)
+                  [("name", "bound (no target)", "s"), ("value", "measured", "s")], doc)
     whys = [sentences.syncbn_why(doc, r) for r in kind(doc, "ratio") if r.get("why")]
     if whys:
-        page.say("**Sizes that miss their target, and why**\n\n" + "\n".join(f"* {w}" for w in whys), SYNCBN_DOC)
+        page.say("**Sizes that miss their target, and why**\n\n" + "\n".join(f"* {w}" for w in whys), doc)
     page.draw(ratio_figure(doc))
 
 
@@ -109,17 +108,17 @@ def profiles(page) -> None:
     doc = page.load("syncbn")
     for r in kind(doc, "breakdown"):
         page.say(f"{r['setting']}, {r['batch']}x{r['hidden']}, {r['impl']}: {1e6 * r['top_self_s']:.0f} us in the "
-                 "top operators", SYNCBN_DOC)
+                 "top operators", doc)
         page.show([{**o, "us": 1e6 * o["self_s"]} for o in r["ops"][:8]],
                   [("op", "operator", "s"), ("us", "self CPU (us/iter)", ".1f"), ("calls", "calls/iter", "g")],
-                  SYNCBN_DOC)
+                  doc)
     phases = list(dict.fromkeys(p for r in kind(doc, "phases") for p in r["phases_s"]))
     page.say("2 workers: one iteration cut at its collectives (median per phase, slowest rank)")
     page.show([{"size": f"{r['batch']}x{r['hidden']}", "impl": f"{r['impl']} [{r.get('transport')}]",
                 **{p: 1e6 * s for p, s in r["phases_s"].items()}, "iteration": 1e6 * r["iteration_s"]}
                for r in kind(doc, "phases")],
               [("size", "size", "s"), ("impl", "implementation", "s")] + [(p, f"{p} (us)", ".0f") for p in phases]
-              + [("iteration", "median iteration (us)", ".0f")], SYNCBN_DOC)
+              + [("iteration", "median iteration (us)", ".0f")], doc)
 
 
 def cold_caches_text(doc: dict, batch: int, hidden: int) -> str:
@@ -155,6 +154,6 @@ def cold_caches(page) -> None:
     doc = page.load("syncbn")
     cold = sorted({(r["batch"], r["hidden"]) for r in kind(doc, "time") if r["setting"] == COLD})
     if cold:
-        page.say(cold_caches_text(doc, *cold[0]), SYNCBN_DOC)
+        page.say(cold_caches_text(doc, *cold[0]), doc)
     else:
         page.missing("rows of the setting '1 process, cold caches' (python syncbn_benchmark.py --settings single)")

@@ -14,13 +14,14 @@ import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from dpkit.report import findings, plots, summary
-from dpkit.report.page import SYNCBN_DOC
+from dpkit.report import findings, paths, plots, summary
 from dpkit.report.wording import ratio_text, span, verdict_text
 
 LOCAL = "BatchNorm1d (local)"
 TRANSPORT_ORDER = ["torch", "shared_memory"]
-WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory (staged: the sums copied in and out)"}
+WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory"}
+# How the file's [shared_memory] rows summed (its config says: ``paths.path``).
+SUMMED = {paths.STAGED: "staged: the sums copied in and out", paths.ZERO_COPY: "zero copy: the sums in its buffers"}
 
 
 def test_outcomes(results: Path) -> tuple[dict, list[dict]]:
@@ -118,7 +119,7 @@ def speed(page) -> None:
     """The table of every size, a line when the file has no intervals, and the grid figure."""
     doc = page.load("syncbn")
     rows, columns = speed_table(doc)
-    page.show(rows, columns, SYNCBN_DOC)
+    page.show(rows, columns, doc)
     if all(r.get("ci_low") is None for t in transports(doc) for r in ratios(doc, t).values()):
         page.missing("per-round SyncBN times or ci_low/ci_high (no confidence intervals for these ratios)")
     page.draw(plots.syncbn_grid(doc, target(doc)))
@@ -139,7 +140,8 @@ def transport_sentence(doc: dict, transport: str) -> str:
     """Ours against the reference through one transport: the span, the verdicts, the floor."""
     rs, limit = list(ratios(doc, transport).values()), target(doc)
     counts = {v: sum(verdict_text(r, limit) == v for r in rs) for v in ("met", "missed", "inconclusive")}
-    text = (f"through {WIRE[transport]} ours takes {span([r['median'] for r in rs])} times BatchNorm plus the same "
+    wire = WIRE[transport] + (f" ({SUMMED[paths.path('[shared_memory]', doc)]})" if transport != "torch" else "")
+    text = (f"through {wire} ours takes {span([r['median'] for r in rs])} times BatchNorm plus the same "
             f"two sums: the target <= {limit}x is met on {counts['met']}, missed on {counts['missed']} and "
             f"inconclusive on {counts['inconclusive']} of the {len(rs)} sizes")
     floor, over = floor_ratios(doc, transport), over_floor(doc, transport)
@@ -181,7 +183,7 @@ def commentary(page) -> None:
     page.say(f"*Commentary.* On {page.env['device_model']} ({page.cpus} cores), {doc['config']['workers']} workers, "
              f"over the {len(speed_table(doc)[0])} sizes, {targets_text(doc)}. " + extra_text(doc)
              + f"Memory: ours peaks at {memory_span(doc)} times `BatchNorm1d`'s memory in float32 and keeps no more "
-               "bytes for backward, because it saves the input and a few per-channel vectors.", SYNCBN_DOC)
+               "bytes for backward, because it saves the input and a few per-channel vectors.", doc)
 
 
 def seed_rows(doc: dict, seed: dict) -> list[dict]:
