@@ -30,7 +30,7 @@ class MissingResults(FileNotFoundError):
 def _load(results_dir: Path, name: str, producers: dict[str, str]) -> dict:
     """A results file the headlines need, refused (naming the command that writes it) when it is missing or is
     the partial file of a stopped run: a headline never rests on the configurations a run happened to finish."""
-    path = results_file(results_dir, name)  # train_ours: train_selfmade.json until the results are rerun
+    path = results_file(results_dir, name)  # or under the name it had (train_selfmade for train_ours)
     command = producers.get(name, "the script that writes it")
     if not path.exists():
         raise MissingResults(f"{path} is missing: the headline results need it. Produce it with\n    {command}")

@@ -43,7 +43,7 @@ class SyntheticCIFAR100(Dataset):
     Everything is a function of (seed, split, index): identical on every rank and in every
     run, and a smaller set is a prefix of a bigger one. Train and validation share the
     prototypes, not the samples. The homework's CNN learns it well above chance (1 %) within a few
-    epochs: ``results/train_ours.json`` holds the committed run (``train_selfmade.json`` until it is rerun).
+    epochs: ``results/train_ours.json`` holds the committed run.
     """
 
     SHIFT = 4        # pixels, each way
