@@ -28,6 +28,9 @@ SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # table cell or a sentence.
 LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,4})\[(shared_memory(?::thread)?)\]")
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
+# How a SyncBatchNorm row on shared memory summed, in words (``path`` says which, from its file).
+SYNCBN_SUMS = {STAGED: "each sum's small tensor copied in and out",
+               ZERO_COPY: "each sum in the transport's own buffer, summed where it lies"}
 ZERO_COPY_PYTORCH = ("fsdp", "zero1", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
 
 

@@ -137,6 +137,7 @@ def syncbn_lines(doc: dict) -> list[str]:
     time_rows = [r for r in doc["results"] if r.get("kind") == "time"]
     judged = sorted({r["dtype"] for r in doc["results"] if r.get("kind") == "ratio" and r.get("target") is not None})
     workers = max(r["workers"] for r in time_rows)
+    shm = paths.path("[shared_memory]", doc)  # zero copy or staged, as the file says
     parts = []
     for t in targets:
         measured = format_ratio(t) if "median" in t else f"{t['sizes_met']} of {t['sizes']} sizes met"
@@ -148,16 +149,11 @@ def syncbn_lines(doc: dict) -> list[str]:
     return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
             f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
             f"times of forward + backward; targets checked in {' and '.join(judged) or 'no dtype'}; "
-            f"{SYNCBN_PATHS[paths.path('[shared_memory]', doc)]}):",
+            f"[shared_memory, {shm}]: this host's shared memory, {paths.SYNCBN_SUMS[shm]}):",
             *[f"  - {p}" for p in parts]]
 
 
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
-# How a SyncBatchNorm file's [shared_memory] rows summed, as its config says (``paths.path``).
-SYNCBN_PATHS = {paths.STAGED: "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied "
-                              "in and out",
-                paths.ZERO_COPY: "[shared_memory, zero copy]: this host's shared memory, each sum in the transport's "
-                                 "own buffer, summed where it lies"}
 
 
 def _other_dtype_memory(doc: dict, judged: list[str]) -> list[str]:

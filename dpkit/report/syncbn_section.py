@@ -20,8 +20,6 @@ from dpkit.report.wording import ratio_text, span, verdict_text
 LOCAL = "BatchNorm1d (local)"
 TRANSPORT_ORDER = ["torch", "shared_memory"]
 WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory"}
-# How the file's [shared_memory] rows summed (its config says: ``paths.path``).
-SUMMED = {paths.STAGED: "staged: the sums copied in and out", paths.ZERO_COPY: "zero copy: the sums in its buffers"}
 
 
 def test_outcomes(results: Path) -> tuple[dict, list[dict]]:
@@ -140,7 +138,8 @@ def transport_sentence(doc: dict, transport: str) -> str:
     """Ours against the reference through one transport: the span, the verdicts, the floor."""
     rs, limit = list(ratios(doc, transport).values()), target(doc)
     counts = {v: sum(verdict_text(r, limit) == v for r in rs) for v in ("met", "missed", "inconclusive")}
-    wire = WIRE[transport] + (f" ({SUMMED[paths.path('[shared_memory]', doc)]})" if transport != "torch" else "")
+    shm = paths.path("[shared_memory]", doc)  # zero copy or staged, as the file says
+    wire = WIRE[transport] + (f" ({shm}: {paths.SYNCBN_SUMS[shm]})" if transport == "shared_memory" else "")
     text = (f"through {wire} ours takes {span([r['median'] for r in rs])} times BatchNorm plus the same "
             f"two sums: the target <= {limit}x is met on {counts['met']}, missed on {counts['missed']} and "
             f"inconclusive on {counts['inconclusive']} of the {len(rs)} sizes")
