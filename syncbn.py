@@ -16,14 +16,13 @@ stays exact at any offset (no E[x^2] - E[x]^2 in the input's precision). Backwar
 [sum(dy), sum(dy * x_hat)] gives dx (``_input_grad``); dweight and dbias stay local sums, as in
 PyTorch, for DDP to average.
 
-The sums go through the layer's ``transport`` (``transport.resolve``, made at the first synchronized
-forward: "auto" is this host's shared memory when every rank of the group is on it and the input is
-on the CPU, else ``torch.distributed``). The synchronisation is written here; every per-element pass
-is one of BatchNorm's own kernels, the same on CPU and CUDA, and the per-channel arithmetic a few
-operations on reused buffers (``_Workspace``), the summed ones allocated by the transport (shared
-memory sums them where they lie, with no copy in or out). float16/bfloat16 inputs compute statistics
-in float32, as BatchNorm does, and dx in float32 a slice of rows at a time (``_half_input_grad``).
-With nobody to synchronise with (eval, one process) the layer is ``F.batch_norm``.
+The sums go through the layer's ``transport`` ("auto": this host's shared memory when every rank is
+on it and the input on the CPU, else ``torch.distributed``), in buffers it allocated (``_Workspace``):
+summed where they lie. Every operation costs a dispatch, as much as a pass over x at these sizes, so
+on the CPU the per-channel arithmetic is one C call per step (``syncbn_channels.c`` of ``dpkit.native``,
+compiled at first use), and on a contiguous float32/float64 (N, C) input the passes too: two calls
+around each sum. Elsewhere (CUDA, no compiler, other shapes) each pass is a BatchNorm kernel and the
+arithmetic PyTorch operations: the same formulas. Half inputs: statistics in float32, as BatchNorm.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpkit import compat
 from dpkit.comm import transport as transports
+from dpkit.native import syncbn_channels
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
 
@@ -72,10 +72,11 @@ def _constant(value: float, dtype: torch.dtype, device: torch.device, channels: 
 
 def _check_dtypes(x, weight, bias, running_mean, running_var, eps) -> None:
     """Parameters of a dtype BatchNorm refuses for ``x`` raise BatchNorm's own error, before any communication."""
-    if all(t is None or t.dtype == x.dtype for t in (weight, bias, running_mean, running_var)):
-        return
-    _probe_dtypes(x.device, x.dtype, *(None if t is None else t.dtype
-                                       for t in (weight, bias, running_mean, running_var)))
+    for tensor in (weight, bias, running_mean, running_var):  # a loop: the common case costs no generator
+        if tensor is not None and tensor.dtype != x.dtype:
+            _probe_dtypes(x.device, x.dtype, *(None if t is None else t.dtype
+                                               for t in (weight, bias, running_mean, running_var)))
+            return
 
 
 @functools.lru_cache(maxsize=64)
@@ -90,10 +91,11 @@ def _probe_dtypes(device, x, weight, bias, running_mean, running_var) -> None:
 
 
 # --------------------------------------------------------------------------- BatchNorm's kernels, CPU and CUDA alike
-# Every per-element pass is one of BatchNorm's own kernels, which exist on both devices (batch_norm_stats,
-# batch_norm_elemt and batch_norm_backward_reduce do not exist on the CPU): the CPU tests run the CUDA code.
-# The per-channel arithmetic is a handful of operations on (C) vectors, each a dispatch (a kernel launch on
-# CUDA): ``python syncbn_benchmark.py --quick`` counts them per iteration ("operators").
+# Outside the C path every per-element pass is one of BatchNorm's own kernels, which exist on both devices
+# (batch_norm_stats, batch_norm_elemt and batch_norm_backward_reduce do not exist on the CPU): the CPU tests run
+# the CUDA code (tests/test_syncbn.py runs every case with the C functions and without). The per-channel
+# arithmetic is then a handful of operations on (C) vectors, each a dispatch (a kernel launch on CUDA):
+# ``python syncbn_benchmark.py --quick`` counts them per iteration ("operators"), and the C calls beside them.
 
 
 def _local_moments(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +142,9 @@ class _Workspace:
         self.gamma, self.alpha_prime, self.scale = self.coefficients.unbind()
         self.scaled = torch.empty(3, channels, dtype=dtype, device=device)  # half inputs: coefficients * invstd
         self.alpha = self.scaled[1]
+        # Where the C functions (``syncbn_channels``) read and write them: the buffers never move.
+        self.packed_at, self.rows_at, self.coefficients_at = (t.data_ptr() for t in (self.packed, self.rows,
+                                                                                     self.coefficients))
         self.unused = (torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device))
         self.zeros = torch.zeros(channels, dtype=dtype, device=device)
 
@@ -150,15 +155,16 @@ def _plain_allocate(shape, *, dtype, device):
 
 # transport (weakly: a closed one goes with its buffers) -> {(C, dtype, device, thread): workspace}; None: no
 # transport (one process, the benchmark's synchronized path without collectives).
-_WORKSPACES: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-_UNSHARED: dict[tuple, _Workspace] = {}
+_WORKSPACES: dict[int, dict] = {}
 
 
 def _workspace(channels: int, dtype: torch.dtype, device: torch.device, transport) -> _Workspace:
     key = (channels, dtype, device, threading.get_ident())
-    known = _UNSHARED if transport is None else _WORKSPACES.get(transport)
+    known = _WORKSPACES.get(id(transport))  # by id, a plain dict's lookup: a WeakKeyDictionary's costs more
     if known is None:
-        known = _WORKSPACES[transport] = {}
+        known = _WORKSPACES[id(transport)] = {}
+        if transport is not None:  # its workspaces go with it, before its id can be reused
+            weakref.finalize(transport, _WORKSPACES.pop, id(transport), None)
     work = known.get(key)
     if work is None:
         if len(known) > 64:  # threads and sizes come and go: forget the old ones
@@ -167,9 +173,72 @@ def _workspace(channels: int, dtype: torch.dtype, device: torch.device, transpor
     return work
 
 
-def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
-                    transport) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _channel_functions(x: torch.Tensor, dtype: torch.dtype, *tensors: torch.Tensor | None):
+    """``syncbn_channels``' C functions where they serve this call (x on the CPU, statistics in float32 or float64,
+    every given per-channel tensor contiguous in that dtype), else None: PyTorch's operations do their work."""
+    if x.device.type != "cpu":
+        return None
+    functions = syncbn_channels.for_dtype(dtype)
+    for tensor in tensors:
+        if tensor is not None and (tensor.dtype != dtype or not tensor.is_contiguous()):
+            return None
+    return functions
+
+
+# The C functions make BatchNorm's per-element passes too (``_normalize_in_c``, ``_grad_sums_in_c``,
+# ``_input_grad_in_c``) on a contiguous float32/float64 x of shape (N, C): at any size on one intra-op thread (their
+# loops, built for this CPU, keep up with BatchNorm's kernels), with more threads up to this many elements, where
+# PyTorch's kernels gain little from them. ``python syncbn_benchmark.py --threads 2`` times the layer either way.
+C_PASSES_ELEMENTS = 32768
+
+
+def _passes_in_c(x: torch.Tensor, dtype: torch.dtype, functions) -> bool:
+    return (functions is not None and x.dim() == 2 and x.dtype == dtype and x.is_contiguous()
+            and (x.numel() <= C_PASSES_ELEMENTS or torch.get_num_threads() == 1))
+
+
+def _normalize_in_c(x, weight, bias, eps: float, transport, running: tuple | None, functions):
+    """The forward where ``syncbn_channels`` makes every pass (``_passes_in_c``): y and ``_global_moments``'s
+    (mean, var, N), from two C calls around the sum. Its sums are those of ``_global_moments``, with S_r = n_r m_r
+    summed in float64 from x rather than from m_r rounded to x's dtype."""
+    batch, channels = x.shape
+    work = _workspace(channels, x.dtype, x.device, transport)
+    syncbn_channels.checked(functions.local_sums(x.data_ptr(), batch, channels, work.packed_at))
+    if transport is not None:
+        transport.all_reduce(work.packed)  # now the global sums, where they lie
+    mean, var, y = torch.empty(channels, dtype=x.dtype), torch.empty(channels, dtype=x.dtype), torch.empty_like(x)
+    running_mean, running_var, momentum = running or (None, None, 0.0)
+    total = syncbn_channels.checked(functions.normalize(
+        work.packed_at, channels, mean.data_ptr(), var.data_ptr(), _address(running_mean), _address(running_var),
+        momentum, _address(weight), _address(bias), eps, x.data_ptr(), batch, y.data_ptr()))
+    return y, mean, var, total
+
+
+def _grad_sums_in_c(dy, x, mean, var, eps: float, total: int, transport, functions):
+    """``_backward_sums`` and ``_minus_means`` in one C call (``_passes_in_c``): sum(dy), sum(dy * x_hat), and the
+    workspace whose rows hold them times -1/N."""
+    batch, channels = x.shape
+    work = _workspace(channels, x.dtype, x.device, transport)
+    sum_dy, sum_dy_xhat = torch.empty(channels, dtype=x.dtype), torch.empty(channels, dtype=x.dtype)
+    syncbn_channels.checked(functions.backward_sums(
+        dy.data_ptr(), x.data_ptr(), mean.data_ptr(), var.data_ptr(), eps, batch, channels, total,
+        sum_dy.data_ptr(), sum_dy_xhat.data_ptr(), work.rows_at))
+    return sum_dy, sum_dy_xhat, work
+
+
+def _input_grad_in_c(dy, x, weight, mean, var, eps: float, work: _Workspace, functions) -> torch.Tensor:
+    """``_coefficients`` and ``_input_grad`` in one C call (``_passes_in_c``)."""
+    grad = torch.empty_like(x)
+    syncbn_channels.checked(functions.input_grad(
+        dy.data_ptr(), x.data_ptr(), work.rows_at, _address(weight), mean.data_ptr(), var.data_ptr(), eps,
+        x.size(0), x.size(1), grad.data_ptr()))
+    return grad
+
+
+def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype, transport, running: tuple | None,
+                    functions) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The global batch's per-channel mean and biased variance (in ``dtype``) and its count N: one sum across ranks.
+    ``running`` (running_mean, running_var, momentum): the running statistics to update with them, or None.
 
     Chan's parallel variance, rank r holding n_r values with mean m_r and M2_r = sum (x - m_r)^2:
         m = sum n_r m_r / N,    M2 = sum M2_r + sum n_r m_r^2 - N m^2.
@@ -177,19 +246,38 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
     between-rank term is a difference; in float64 it stays exact to float32's resolution for
     |m| / std up to about 1e4. The one input-precision rounding left is each m_r's, which moves the
     variance by at most 2 |m_r - m| u |m_r| (u the unit roundoff). An empty rank sends zeros and
-    still joins. The mean and variance returned are views of one fresh (2C + 1) tensor.
+    still joins. The mean and variance returned are fresh tensors (backward keeps them); N < 2: None, None, N.
+    ``functions`` (``syncbn_channels``, or None for PyTorch's operations) do the per-channel arithmetic.
     """
-    channels, device = x.size(1), x.device
-    work = _workspace(channels, dtype, device, transport)
+    channels = x.size(1)
+    work = _workspace(channels, dtype, x.device, transport)
     if count:
         mean, var = _local_moments(x, dtype)
-        local = torch.cat((mean, var, _constant(1.0, dtype, device)))  # [m_r, v_r, 1]
-        # A float64 factor: the product is float64, so n_r m_r is exact.
-        torch.mul(local, _constant(count, torch.float64, device), out=work.packed)  # [n_r m_r, M2_r, n_r]
-        work.sum_square.addcmul_(work.sum_x, work.sum_x, value=1.0 / count)  # M2_r + (n_r m_r)^2 / n_r
     else:
-        local = torch.empty(2 * channels + 1, dtype=dtype, device=device)
-        work.packed.zero_()
+        mean, var = torch.zeros(2, channels, dtype=dtype, device=x.device).unbind()
+    if functions is None:
+        return _moments_in_torch(mean, var, count, transport, running, work)
+    functions.pack(mean.data_ptr(), var.data_ptr(), channels, count, work.packed_at)  # [n_r m_r, M2_r + .., n_r]
+    if transport is not None:
+        transport.all_reduce(work.packed)  # now the global sums, where they lie
+    running_mean, running_var, momentum = running or (None, None, 0.0)
+    # The global [m, M2 / N] into mean and var, where they lie, and the running statistics updated: one call.
+    total = functions.combine(work.packed_at, channels, mean.data_ptr(), var.data_ptr(), _address(running_mean),
+                              _address(running_var), momentum)
+    return (mean, var, total) if total >= 2 else (None, None, total)
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def _moments_in_torch(mean, var, count: int, transport, running: tuple | None, work: _Workspace):
+    """``_global_moments`` in PyTorch's operations on the workspace, for where ``syncbn_channels`` does not serve."""
+    channels, dtype, device = mean.size(0), mean.dtype, mean.device
+    local = torch.cat((mean, var, _constant(1.0, dtype, device)))  # [m_r, v_r, 1]
+    # A float64 factor: the product is float64, so n_r m_r is exact.
+    torch.mul(local, _constant(count, torch.float64, device), out=work.packed)  # [n_r m_r, M2_r, n_r]
+    work.sum_square.addcmul_(work.sum_x, work.sum_x, value=1.0 / count if count else 0.0)  # M2_r + (n_r m_r)^2 / n_r
     if transport is not None:
         transport.all_reduce(work.packed)  # now the global sums, where they lie
     total = int(work.counted)  # the same on every rank: all raise or none do
@@ -200,6 +288,8 @@ def _global_moments(x: torch.Tensor, count: int, dtype: torch.dtype,
     # operations: one ``torch.div(..., out=local)`` rounds through a float64 temporary, and takes longer.)
     local.copy_(work.packed.div_(_constant(total, torch.float64, device)))
     mean, var, _ = local.split_with_sizes((channels, channels, 1))
+    if running is not None:
+        _update_running_stats(*running[:2], mean, var, total, running[2])
     return mean, var, total
 
 
@@ -210,6 +300,9 @@ def _update_running_stats(running_mean, running_var, mean, var, total: int, mome
     running_var.add_(var, alpha=momentum * total / (total - 1))
 
 
+_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default  # the overload: no lookup per call
+
+
 def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's sum(dy) and sum(dy * x_hat) (C each, x_hat with the global statistics)."""
     if not x.numel():  # an empty rank still joins the collective
@@ -217,18 +310,33 @@ def _backward_sums(dy, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.T
         return zeros, zeros
     # In eval form (train=False) BatchNorm's backward kernel normalizes with the given statistics: its
     # weight gradient is sum(dy * (x - mean) * invstd), its bias gradient sum(dy).
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+    _, sum_dy_xhat, sum_dy = _BATCH_NORM_BACKWARD(
         dy, x, weight, mean, var, None, None, False, eps, [False, True, True])
     return sum_dy, sum_dy_xhat
 
 
-def _minus_means(sum_dy, sum_dy_xhat, mean, total: int, transport) -> _Workspace:
+def _minus_means(sum_dy, sum_dy_xhat, mean, total: int, transport, functions) -> _Workspace:
     """The workspace (of ``mean``'s dtype) whose ``rows`` hold [-sum(dy) / N, -sum(dy * x_hat) / N, 1] of this
     rank's sums: its ``sums`` (C, C -> 2C) summed across ranks make them -[a, b], the global means."""
-    work = _workspace(mean.size(-1), mean.dtype, mean.device, transport)
-    torch.stack((sum_dy, sum_dy_xhat), out=work.sums)
-    work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))
+    channels = mean.size(-1)
+    work = _workspace(channels, mean.dtype, mean.device, transport)
+    if functions is not None:
+        functions.stage(sum_dy.data_ptr(), sum_dy_xhat.data_ptr(), channels, total, work.rows_at)
+    else:
+        torch.stack((sum_dy, sum_dy_xhat), out=work.sums)
+        work.sums.mul_(_constant(-1.0 / total, mean.dtype, mean.device))
     return work
+
+
+def _coefficients(work: _Workspace, weight, var, eps: float, functions) -> None:
+    """``work.coefficients`` = [gamma, alpha', s] from ``work.rows`` = [-a, -b, 1] (the global sums): each row
+    times s = weight * invstd (``_input_grad``). PyTorch: BatchNorm's inference kernel on the rows, with weight w,
+    mean 0 and variance var, in one operation."""
+    if functions is not None:
+        functions.coefficients(work.rows_at, _address(weight), var.data_ptr(), eps, var.size(0), work.coefficients_at)
+    else:
+        torch.native_batch_norm(work.rows, weight, None, work.zeros, var, False, 0.0, eps,
+                                out=(work.coefficients, *work.unused))
 
 
 # float16/bfloat16: dx is made in float32 in this many slices of rows (``_half_input_grad``), a sixth of
@@ -239,16 +347,12 @@ HALF_CHUNKS = 6
 def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor:
     """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
 
-    ``work.rows`` (3, C) holds [-a, -b, 1]. BatchNorm's inference kernel on it, with weight w, mean 0
-    and variance var, multiplies each row by s = w * invstd: [gamma, alpha', s] with gamma = -s a,
-    alpha' = -s b, in one operation. Then dx = (x - mean) * invstd * alpha' + gamma + s * dy: the
-    inference kernel again (x in, the first term a new tensor) and one addcmul_, two passes.
-    float16/bfloat16: ``_half_input_grad``.
+    ``work.coefficients`` holds [gamma, alpha', s] (``_coefficients``): s = w * invstd, gamma = -s a,
+    alpha' = -s b. Then dx = (x - mean) * invstd * alpha' + gamma + s * dy: BatchNorm's inference kernel
+    (x in, the first term a new tensor) and one addcmul_, two passes. float16/bfloat16: ``_half_input_grad``.
     """
     if not x.numel():
         return torch.zeros_like(x)
-    torch.native_batch_norm(work.rows, weight, None, work.zeros, var, False, 0.0, eps,
-                            out=(work.coefficients, *work.unused))
     if x.dtype == mean.dtype:
         grad = torch.native_batch_norm(x, work.alpha_prime, work.gamma, mean, var, False, 0.0, eps)[0]
         return grad.addcmul_(dy, _per_channel(work.scale, x))
@@ -293,19 +397,25 @@ class SyncBatchNormFunction(torch.autograd.Function):
         channels = x.size(1)
         count = x.numel() // channels if channels else 0  # local values per channel
         dtype = _compute_dtype(x.dtype)
-        mean, var, total = _global_moments(x, count, dtype, transport)
+        weight = _as(weight, dtype)  # the kernels take half inputs with float32 parameters
+        running = (running_mean, running_var, momentum) if running_mean is not None and momentum else None
+        functions = _channel_functions(x, dtype, weight, bias, *(running or ())[:2])
+        in_c = _passes_in_c(x, dtype, functions)
+        if in_c:
+            y, mean, var, total = _normalize_in_c(x, weight, bias, eps, transport, running, functions)
+        else:
+            mean, var, total = _global_moments(x, count, dtype, transport, running, functions)
         if total == 1:
             where = " on this rank, and 1 value per channel over all ranks" if transport is not None else ""
             raise ValueError(f"{_TOO_FEW_VALUES}, got input size {x.shape}{where}")
-        ctx.transport, ctx.total, ctx.eps = transport, total, eps
+        ctx.transport, ctx.total, ctx.eps, ctx.functions, ctx.in_c = transport, total, eps, functions, in_c
         ctx.dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.empty_channels = channels if total == 0 else None
         if total == 0:  # an empty global batch, as BatchNorm: empty output, statistics untouched
             return x.clone()
-        if running_mean is not None and momentum:
-            _update_running_stats(running_mean, running_var, mean, var, total, momentum)
-        weight = _as(weight, dtype)  # the kernels take half inputs with float32 parameters
         ctx.save_for_backward(x, weight, mean, var)
+        if in_c:
+            return y
         # (x - mean) / sqrt(var + eps) * weight + bias in x's dtype and memory format: BatchNorm's inference kernel.
         return torch.native_batch_norm(x, weight, _as(bias, dtype), mean, var, False, 0.0, eps)[0]
 
@@ -319,15 +429,24 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
-        sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
+        functions, in_c = ctx.functions, ctx.in_c and dy.dtype == x.dtype and dy.is_contiguous()
+        if in_c:
+            sum_dy, sum_dy_xhat, work = _grad_sums_in_c(dy, x, mean, var, ctx.eps, ctx.total, ctx.transport, functions)
+        else:
+            sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
         grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
-            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport)
+            if not in_c:
+                work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport, functions)
             if ctx.transport is not None:
                 ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
-            grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
+            if in_c:
+                grad_x = _input_grad_in_c(dy, x, weight, mean, var, ctx.eps, work, functions)
+            else:
+                _coefficients(work, weight, var, ctx.eps, functions)
+                grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 

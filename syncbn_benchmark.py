@@ -14,21 +14,22 @@ makes, on the same transport t, each in buffers t allocates (as ours: on shared 
 zero copy); the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per
 transport. The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
 (``_FloorFunction``: BatchNorm's kernels in a Python autograd.Function making the same two sums) bounds what a
-layer of this design costs.
-``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm`` [torch] is timed too.
+layer of this design costs. ``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm``.
 
 The homework's setup: a global batch of B samples split evenly over the workers, H channels, standard
 normal inputs, loss = sum of the outputs over the first B/2 samples of the global batch. One iteration
 = forward + backward after a barrier, as long as its slowest rank, implementations interleaved in
 rounds; a ratio is the median of per-round ratios with a 95 % bootstrap interval, judged met / missed /
 inconclusive. With one process the layer is ``F.batch_norm``, timed also with cold caches (``COLD``).
-Peak memory, bytes saved for backward, operators dispatched per iteration (``operators``; CUDA: kernels
-launched), a per-operator profile and one iteration cut at its two sums (``phases``): separate passes.
+Peak memory, bytes saved for backward, operators dispatched per iteration (``operators``: with the calls into
+``syncbn_channels.c``; CUDA: kernels launched), a per-operator profile and one iteration cut at its two sums
+(``phases``): separate passes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -52,6 +53,7 @@ from dpkit.bench.results import format_environment, markdown_table
 from dpkit.comm import transport as transports
 from dpkit.comm import process_groups
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
+from dpkit.native import syncbn_channels
 import syncbn
 from syncbn import SyncBatchNorm
 
@@ -335,20 +337,40 @@ def _kernel_launches(step: Callable[[], None], iters: int) -> float:
     return sum("LaunchKernel" in e.name for e in profiler.events()) / iters
 
 
+@contextlib.contextmanager
+def _counting_c_calls():
+    """Counts the calls into syncbn_channels.c (``dpkit.native``) while it is open: ``yield``s a list whose one
+    element is the count. Each call is one step of the layer done in C where PyTorch would dispatch several."""
+    counted, originals = [0], []
+    for functions in filter(None, map(syncbn_channels.for_dtype, (torch.float32, torch.float64))):
+        for name, function in list(vars(functions).items()):
+            def counting(*args, _function=function):
+                counted[0] += 1
+                return _function(*args)
+            originals.append((functions, name, function))
+            setattr(functions, name, counting)
+    try:
+        yield counted
+    finally:
+        for functions, name, function in originals:
+            setattr(functions, name, function)
+
+
 def operators(step: Callable[[], None], device: torch.device, iters: int = OPERATOR_ITERS) -> float:
     """What one iteration dispatches: on the CPU the aten operators called on this thread (the autograd
-    engine runs the CPU backward here too; a transport's own threads are not counted), on CUDA the kernels
-    launched. -1 where it cannot be counted (a warning says why): the count is information, not a verdict."""
+    engine runs the CPU backward here too; a transport's own threads are not counted) plus the calls into
+    syncbn_channels.c, on CUDA the kernels launched. -1 where it cannot be counted (a warning says why): the
+    count is information, not a verdict."""
     try:
         if device.type == "cuda":
             return _kernel_launches(step, iters)
         counter = dispatch_counter()
         if counter is None:
             return -1.0
-        with counter() as mode:
+        with counter() as mode, _counting_c_calls() as c_calls:
             for _ in range(iters):
                 step()
-        return mode.count / iters
+        return (mode.count + c_calls[0]) / iters
     except Exception as error:  # a profiler or dispatch mode this torch refuses: no count, the run goes on
         warnings.warn(f"syncbn_benchmark: operators not counted ({type(error).__name__}: {error})")
         return -1.0
@@ -846,7 +868,8 @@ def report(rows: list[dict]) -> str:
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
                 lines.append(f"\n{setting}, {dtype}: median time per iteration, peak memory, operators dispatched "
-                             f"per iteration (CUDA: kernels launched; -1: not counted)\n{PEAK_LEGEND}\n"
+                             f"per iteration (with ours' calls into syncbn_channels.c; CUDA: kernels launched; -1: "
+                             f"not counted)\n{PEAK_LEGEND}\n"
                              f"{_time_table(rows, setting, dtype)}")
     ratio_rows = [{**r, "text": format_ratio(r), "target": "-" if r["target"] is None else f"<= {r['target']}",
                    "verdict": r["verdict"] or "-"} for r in rows if r["kind"] == "ratio"]

@@ -3,6 +3,7 @@
 The layers, each importing only the ones before it:
 
     dpkit.compat    the torch releases the kit runs on (refused at import where older) and their names
+    dpkit.native    C helpers compiled at first use where a C compiler is, each beside a PyTorch path
     dpkit.comm      process groups, the checks every collective makes, and transports: how ranks move and
                     sum tensors (torch.distributed; shared memory on one host; others registered by name)
     dpkit.engines   the data-parallel engines: DDP (and its naive and flat baselines), ZeRO stages 1 and 2, FSDP

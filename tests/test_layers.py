@@ -9,8 +9,8 @@ import pytest
 
 from common import REPO
 
-LAYERS = {"dpkit.compat": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2, "dpkit.bench": 3, "dpkit.train": 4,
-          "dpkit.report": 5}
+LAYERS = {"dpkit.compat": 0, "dpkit.native": 0, "dpkit.comm": 1, "dpkit.engines": 2, "dpkit.models": 2,
+          "dpkit.bench": 3, "dpkit.train": 4, "dpkit.report": 5}
 PACKAGE = sorted((REPO / "dpkit").rglob("*.py"))
 EVERY_MODULE = sorted([*REPO.glob("*.py"), *(REPO / "tests").glob("*.py"), *PACKAGE])
 

@@ -36,7 +36,10 @@ import torch.distributed as dist
 from common import (POINT_TO_POINT, CollectiveCounter, CountingTransport, launch_expecting_peer_failure,
                     run_workers)
 from dpkit.bench.measure import PeakMemory, saved_tensor_bytes
+from dpkit import native
 from dpkit.comm import transport as transports
+from dpkit.native import syncbn_channels
+import syncbn
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
 
 WORLD_SIZES = (1, 2, 4)
@@ -422,10 +425,11 @@ KINDS = {"step": _run_step, "steps": _run_steps, "deepcopy": _run_deepcopy, "con
          "diverged": _run_diverged, "mismatch": _run_mismatch}
 
 
-def _run_cases(ctx, cases: list[Case]) -> dict:
-    """Every case, in order, on this rank. Bad input comes first: the cases after it prove no rank was left waiting.
-    The Transport object the "object" cases share is made first (it sets up the shared memory, a collective),
-    as a training run would before its first step."""
+def _run_cases(ctx, cases: list[Case], path: str) -> dict:
+    """Every case, in order, on this rank, the layer's arithmetic made by ``path`` (see ``path``). Bad input comes
+    first: the cases after it prove no rank was left waiting. The Transport object the "object" cases share is made
+    first (it sets up the shared memory, a collective), as a training run would before its first step."""
+    _take(path, pytest.MonkeyPatch())  # this worker process ends with its cases: nothing to undo
     counting = CountingTransport("auto")
     out = {"transport": counting.describe()}
     for case in cases:
@@ -434,11 +438,30 @@ def _run_cases(ctx, cases: list[Case]) -> dict:
     return out
 
 
+def _take(path: str, patch: pytest.MonkeyPatch) -> None:
+    """Make this process's layers do their arithmetic by ``path``: "c" (syncbn_channels.c, which must have loaded
+    where there is a C compiler) or "pytorch" (PyTorch's operations, the fallback where there is none)."""
+    if path == "pytorch":
+        patch.setattr(syncbn, "_channel_functions", lambda *args: None)
+    else:
+        assert native.compiler() is None or syncbn_channels.for_dtype(torch.float32) is not None, \
+            f"a C compiler ({native.compiler()}) is here, but syncbn_channels.c did not load"
+
+
+@pytest.fixture(scope="module", params=["c", "pytorch"], autouse=True)
+def path(request):
+    """Every test of this file runs twice: with the per-channel arithmetic (and on small (N, C) inputs the passes
+    over x) in syncbn_channels.c, compiled where a C compiler is, and in PyTorch's operations, its fallback."""
+    with pytest.MonkeyPatch.context() as patch:
+        _take(request.param, patch)
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def results() -> dict[int, list[dict]]:
+def results(path) -> dict[int, list[dict]]:
     """{world size: [rank 0's results, rank 1's, ...]}, the world sizes run side by side."""
     with ThreadPoolExecutor(max_workers=len(WORLD_SIZES)) as pool:
-        futures = {world: pool.submit(run_workers, _run_cases, world, list(CASES[world].values()))
+        futures = {world: pool.submit(run_workers, _run_cases, world, list(CASES[world].values()), path)
                    for world in WORLD_SIZES}
         return {world: future.result() for world, future in futures.items()}
 

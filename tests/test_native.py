@@ -1,0 +1,95 @@
+"""dpkit.native: C helpers compiled at first use, cached, and None (the pure-PyTorch paths) where they cannot be.
+
+What the helpers compute is tested where they are used (tests/test_syncbn.py runs every case with syncbn_channels.c
+and with PyTorch's operations); here, when ``load`` compiles, when it reuses the cache and when it gives None.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from dpkit import native
+from dpkit.native import syncbn_channels
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler on PATH: load gives None")
+
+
+def _load(name: str = "syncbn_channels"):
+    return native.load.__wrapped__(name)  # past the per-process cache: each call compiles or reads the folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPKIT_CACHE", str(tmp_path))
+    monkeypatch.delenv("DPKIT_NATIVE", raising=False)
+    return tmp_path
+
+
+@needs_compiler
+def test_the_first_load_compiles_into_the_cache_and_later_ones_reuse_it(cache):
+    assert _load() is not None
+    built = list(cache.glob("syncbn_channels-*.so"))
+    assert len(built) == 1 and not list(cache.glob(".*")), "one library, and no partial file left behind"
+    modified = built[0].stat().st_mtime_ns
+    assert _load() is not None and built[0].stat().st_mtime_ns == modified
+
+
+def test_dpkit_native_0_gives_none_without_compiling(cache, monkeypatch):
+    monkeypatch.setenv("DPKIT_NATIVE", "0")
+    assert _load() is None and not list(cache.iterdir())
+
+
+def test_no_compiler_gives_none(cache, monkeypatch):
+    monkeypatch.setenv("CC", str(cache / "no-such-compiler"))
+    assert native.compiler() is None and _load() is None
+
+
+def test_a_compiler_that_fails_gives_none_with_a_warning_naming_it(cache, monkeypatch):
+    failing = cache / "failing-cc"
+    failing.write_text("#!/bin/sh\necho 'cc: fatal error: no input' >&2\nexit 1\n")
+    failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(failing))
+    with pytest.warns(RuntimeWarning, match="could not build syncbn_channels.c with .*failing-cc.*no input"):
+        assert _load() is None
+    assert not [p for p in cache.iterdir() if p.suffix == ".so"], "nothing half-built is left in the cache"
+
+
+@needs_compiler
+def test_the_functions_exist_for_float32_and_float64_only():
+    assert syncbn_channels.for_dtype(torch.float32) is not None
+    assert syncbn_channels.for_dtype(torch.float64) is not None
+    assert syncbn_channels.for_dtype(torch.bfloat16) is None and syncbn_channels.for_dtype(torch.float16) is None
+
+
+@needs_compiler
+def test_pack_and_combine_give_chans_global_moments_in_float64():
+    """Two ranks' halves of one batch, packed and summed by hand: the combination gives the whole batch's mean and
+    biased variance, and the running statistics BatchNorm's update would (unbiased over N)."""
+    functions = syncbn_channels.for_dtype(torch.float64)
+    x = torch.randn(10, 3, dtype=torch.float64) * 3 + 1e4
+    packed = torch.zeros(7, dtype=torch.float64)
+    for half in x.split(5):
+        mine, (mean, var) = torch.empty(7, dtype=torch.float64), (half.mean(0), half.var(0, unbiased=False))
+        functions.pack(mean.data_ptr(), var.data_ptr(), 3, 5, mine.data_ptr())  # pointers: the tensors held
+        packed += mine
+    mean, var = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
+    running_mean, running_var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    total = functions.combine(packed.data_ptr(), 3, mean.data_ptr(), var.data_ptr(), running_mean.data_ptr(),
+                              running_var.data_ptr(), 0.1)
+    assert total == 10
+    torch.testing.assert_close(mean, x.mean(0), rtol=0, atol=1e-9)
+    torch.testing.assert_close(var, x.var(0, unbiased=False), rtol=1e-7, atol=0)  # float32 would be off by ~1
+    torch.testing.assert_close(running_mean, 0.1 * x.mean(0), rtol=1e-12, atol=0)
+    torch.testing.assert_close(running_var, 0.9 + 0.1 * x.var(0), rtol=1e-7, atol=0)
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("DPKIT_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native.cache_folder() == tmp_path / "dpkit"
+    monkeypatch.setenv("DPKIT_CACHE", os.fspath(tmp_path / "mine"))
+    assert native.cache_folder() == tmp_path / "mine"
