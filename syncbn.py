@@ -186,50 +186,53 @@ def _channel_functions(x: torch.Tensor, dtype: torch.dtype, *tensors: torch.Tens
 
 
 # The C functions make BatchNorm's per-element passes too (``_normalize_in_c``, ``_grad_sums_in_c``,
-# ``_input_grad_in_c``) on a contiguous float32/float64 x of shape (N, C): at any size on one intra-op thread (their
-# loops, built for this CPU, keep up with BatchNorm's kernels), with more threads up to this many elements, where
-# PyTorch's kernels gain little from them. ``python syncbn_benchmark.py --threads 2`` times the layer either way.
+# ``_input_grad_in_c``) on a contiguous float32/float64/bfloat16 x of shape (N, C): at any size on one intra-op
+# thread (their loops, built for this CPU, keep up with BatchNorm's kernels), with more threads up to this many
+# elements, where PyTorch's kernels gain little from them. ``python syncbn_benchmark.py --threads 2`` times both.
 C_PASSES_ELEMENTS = 32768
 
 
-def _passes_in_c(x: torch.Tensor, dtype: torch.dtype, functions) -> bool:
-    return (functions is not None and x.dim() == 2 and x.dtype == dtype and x.is_contiguous()
-            and (x.numel() <= C_PASSES_ELEMENTS or torch.get_num_threads() == 1))
+def _passes_in_c(x: torch.Tensor, functions):
+    """``syncbn_channels.Passes`` for x where the C functions make the passes over it too, else None."""
+    if (functions is None or x.dim() != 2 or not x.is_contiguous()
+            or (x.numel() > C_PASSES_ELEMENTS and torch.get_num_threads() > 1)):
+        return None
+    return syncbn_channels.passes_for(x.dtype)
 
 
-def _normalize_in_c(x, weight, bias, eps: float, transport, running: tuple | None, functions):
+def _normalize_in_c(x, dtype: torch.dtype, weight, bias, eps: float, transport, running: tuple | None, passes):
     """The forward where ``syncbn_channels`` makes every pass (``_passes_in_c``): y and ``_global_moments``'s
     (mean, var, N), from two C calls around the sum. Its sums are those of ``_global_moments``, with S_r = n_r m_r
     summed in float64 from x rather than from m_r rounded to x's dtype."""
     batch, channels = x.shape
-    work = _workspace(channels, x.dtype, x.device, transport)
-    syncbn_channels.checked(functions.local_sums(x.data_ptr(), batch, channels, work.packed_at))
+    work = _workspace(channels, dtype, x.device, transport)
+    syncbn_channels.checked(passes.local_sums(x.data_ptr(), batch, channels, work.packed_at))
     if transport is not None:
         transport.all_reduce(work.packed)  # now the global sums, where they lie
-    mean, var, y = torch.empty(channels, dtype=x.dtype), torch.empty(channels, dtype=x.dtype), torch.empty_like(x)
+    mean, var, y = torch.empty(channels, dtype=dtype), torch.empty(channels, dtype=dtype), torch.empty_like(x)
     running_mean, running_var, momentum = running or (None, None, 0.0)
-    total = syncbn_channels.checked(functions.normalize(
+    total = syncbn_channels.checked(passes.normalize(
         work.packed_at, channels, mean.data_ptr(), var.data_ptr(), _address(running_mean), _address(running_var),
         momentum, _address(weight), _address(bias), eps, x.data_ptr(), batch, y.data_ptr()))
     return y, mean, var, total
 
 
-def _grad_sums_in_c(dy, x, mean, var, eps: float, total: int, transport, functions):
+def _grad_sums_in_c(dy, x, mean, var, eps: float, total: int, transport, passes):
     """``_backward_sums`` and ``_minus_means`` in one C call (``_passes_in_c``): sum(dy), sum(dy * x_hat), and the
     workspace whose rows hold them times -1/N."""
     batch, channels = x.shape
-    work = _workspace(channels, x.dtype, x.device, transport)
-    sum_dy, sum_dy_xhat = torch.empty(channels, dtype=x.dtype), torch.empty(channels, dtype=x.dtype)
-    syncbn_channels.checked(functions.backward_sums(
+    work = _workspace(channels, mean.dtype, x.device, transport)
+    sum_dy, sum_dy_xhat = torch.empty(channels, dtype=mean.dtype), torch.empty(channels, dtype=mean.dtype)
+    syncbn_channels.checked(passes.backward_sums(
         dy.data_ptr(), x.data_ptr(), mean.data_ptr(), var.data_ptr(), eps, batch, channels, total,
         sum_dy.data_ptr(), sum_dy_xhat.data_ptr(), work.rows_at))
     return sum_dy, sum_dy_xhat, work
 
 
-def _input_grad_in_c(dy, x, weight, mean, var, eps: float, work: _Workspace, functions) -> torch.Tensor:
+def _input_grad_in_c(dy, x, weight, mean, var, eps: float, work: _Workspace, passes) -> torch.Tensor:
     """``_coefficients`` and ``_input_grad`` in one C call (``_passes_in_c``)."""
     grad = torch.empty_like(x)
-    syncbn_channels.checked(functions.input_grad(
+    syncbn_channels.checked(passes.input_grad(
         dy.data_ptr(), x.data_ptr(), work.rows_at, _address(weight), mean.data_ptr(), var.data_ptr(), eps,
         x.size(0), x.size(1), grad.data_ptr()))
     return grad
@@ -400,21 +403,21 @@ class SyncBatchNormFunction(torch.autograd.Function):
         weight = _as(weight, dtype)  # the kernels take half inputs with float32 parameters
         running = (running_mean, running_var, momentum) if running_mean is not None and momentum else None
         functions = _channel_functions(x, dtype, weight, bias, *(running or ())[:2])
-        in_c = _passes_in_c(x, dtype, functions)
-        if in_c:
-            y, mean, var, total = _normalize_in_c(x, weight, bias, eps, transport, running, functions)
+        passes = _passes_in_c(x, functions)
+        if passes is not None:
+            y, mean, var, total = _normalize_in_c(x, dtype, weight, bias, eps, transport, running, passes)
         else:
             mean, var, total = _global_moments(x, count, dtype, transport, running, functions)
         if total == 1:
             where = " on this rank, and 1 value per channel over all ranks" if transport is not None else ""
             raise ValueError(f"{_TOO_FEW_VALUES}, got input size {x.shape}{where}")
-        ctx.transport, ctx.total, ctx.eps, ctx.functions, ctx.in_c = transport, total, eps, functions, in_c
+        ctx.transport, ctx.total, ctx.eps, ctx.functions, ctx.passes = transport, total, eps, functions, passes
         ctx.dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.empty_channels = channels if total == 0 else None
         if total == 0:  # an empty global batch, as BatchNorm: empty output, statistics untouched
             return x.clone()
         ctx.save_for_backward(x, weight, mean, var)
-        if in_c:
+        if passes is not None:
             return y
         # (x - mean) / sqrt(var + eps) * weight + bias in x's dtype and memory format: BatchNorm's inference kernel.
         return torch.native_batch_norm(x, weight, _as(bias, dtype), mean, var, False, 0.0, eps)[0]
@@ -429,21 +432,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
-        functions, in_c = ctx.functions, ctx.in_c and dy.dtype == x.dtype and dy.is_contiguous()
-        if in_c:
-            sum_dy, sum_dy_xhat, work = _grad_sums_in_c(dy, x, mean, var, ctx.eps, ctx.total, ctx.transport, functions)
+        functions = ctx.functions
+        passes = ctx.passes if dy.dtype == x.dtype and dy.is_contiguous() else None
+        if passes is not None:
+            sum_dy, sum_dy_xhat, work = _grad_sums_in_c(dy, x, mean, var, ctx.eps, ctx.total, ctx.transport, passes)
         else:
             sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
         grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
-            if not in_c:
+            if passes is None:
                 work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport, functions)
             if ctx.transport is not None:
                 ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
-            if in_c:
-                grad_x = _input_grad_in_c(dy, x, weight, mean, var, ctx.eps, work, functions)
+            if passes is not None:
+                grad_x = _input_grad_in_c(dy, x, weight, mean, var, ctx.eps, work, passes)
             else:
                 _coefficients(work, weight, var, ctx.eps, functions)
                 grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)

@@ -11,8 +11,8 @@ Two axes, never mixed. Every synchronized implementation sums through each trans
 when the workers share a CPU host (rows ``[shared_memory]``) by default. The engine: ours [t] against
 ``BatchNorm1d + 2 all_reduce`` [t], BatchNorm1d plus the two sums of 2C + 1 values any synchronized BatchNorm
 makes, on the same transport t, each in buffers t allocates (as ours: on shared memory summed where they lie,
-zero copy); the float32 targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per
-transport. The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
+zero copy); the targets (``CPU_TARGET`` at every size, ``TARGET_GRID`` over the grid) hold per transport and
+judged dtype (``JUDGED``). The transport: ours [shared_memory] / ours [torch], for information. The floor [t]
 (``_FloorFunction``: BatchNorm's kernels in a Python autograd.Function making the same two sums) bounds what a
 layer of this design costs. ``BatchNorm1d (local)`` has no communication; on CUDA ``torch.nn.SyncBatchNorm``.
 
@@ -69,12 +69,15 @@ WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one
 COLD = "1 process, cold caches"
 EVICT_BYTES = 16 << 20  # written before each COLD iteration: several times a core's own caches (L1 and L2)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = tuple(DTYPES)
 # The ``transport`` field of a row: what carries its sums (None: no sum across ranks, e.g. BatchNorm1d (local)).
 TORCH, SHM = "torch", "shared_memory"
 TRANSPORTS = (TORCH, SHM)  # the default --transports (shared memory where it can serve)
-# CPU targets (float32, 2 workers), per transport t: ours [t] / (BatchNorm1d + 2 all_reduce) [t] per size and as the
-# median over the grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
+# CPU targets (2 workers), per transport t and judged dtype: ours [t] / (BatchNorm1d + 2 all_reduce) [t] per size and
+# as the median over the grid; ours / BatchNorm1d with one process. CUDA: ours / torch.nn.SyncBatchNorm.
 CPU_TARGET, TARGET_GRID, TARGET_SINGLE, TARGET_CUDA = 1.3, 1.15, 1.2, 1.0
+# The dtypes the time targets judge (float16 is timed for information); bfloat16 on the transport "auto" picks.
+JUDGED = ("float32", "bfloat16")
 # Bounds on each transport, printed as medians over the grid without targets: what ours costs beyond the floor,
 # and what the floor costs beyond BatchNorm1d and the same two sums made outside autograd.
 BOUNDS = ((OURS, FLOOR), (FLOOR, REFERENCE))
@@ -289,7 +292,7 @@ def contenders(device: torch.device, transport_names, baseline: str | None, dtyp
     names = list(transport_names)
     out: list[Contender] = []
     for t in names if dtype == "float32" else names[-1:]:
-        out += [(OURS, t), (REFERENCE, t)] + ([(FLOOR, t)] if dtype == "float32" else [])
+        out += [(OURS, t), (REFERENCE, t)] + ([(FLOOR, t)] if dtype in JUDGED else [])
         out += [(f"{OURS}@{baseline}", t)] if baseline else []
     out.append((LOCAL, None))
     return out + ([(TORCH_SYNC, TORCH)] if device.type == "cuda" else [])
@@ -596,7 +599,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             floors = _times(rows, FLOOR, t_mine, setting, dtype) if versus == REFERENCE and mine == OURS else {}
             for key in sorted(set(ours) & set(theirs)):
                 ratio = paired_ratio(ours[key]["round_p50_s"], theirs[key]["round_p50_s"])
-                target = limit if dtype == "float32" else None
+                target = limit if dtype in JUDGED else None
                 row = {"kind": "ratio", "impl": mine, "versus": versus, "transport": t_mine,
                        "versus_transport": t_versus, "axis": axis, "setting": setting, "dtype": dtype,
                        "device": device, "batch": key[0], "hidden": key[1], **ratio, "target": target,
@@ -604,17 +607,18 @@ def ratios(rows: list[dict]) -> list[dict]:
                        "saved_ratio": ours[key]["saved_bytes"] / theirs[key]["saved_bytes"],
                        "peak_ratio": ours[key]["peak_bytes"] / max(1, theirs[key]["peak_bytes"])}
                 if target is not None and key in floors:
-                    row.update(_attribution(ours[key], theirs[key], floors[key], target, _phases_of(rows, t_mine, key)))
+                    row.update(_attribution(ours[key], theirs[key], floors[key], target,
+                                            _phases_of(rows, t_mine, key, dtype)))
                     if row["verdict"] != "met":
                         row["why"] = _why(row)
                 out.append(row)
     return out
 
 
-def _phases_of(rows: list[dict], transport: str, key: tuple[int, int]) -> dict[str, dict]:
-    """impl -> its phases row at this size on this transport (phases are cut at the profiled sizes only)."""
+def _phases_of(rows: list[dict], transport: str, key: tuple[int, int], dtype: str) -> dict[str, dict]:
+    """impl -> its phases row at this size on this transport (phases are cut at the profiled sizes, float32, only)."""
     return {r["impl"]: r for r in rows if r["kind"] == "phases" and r.get("transport") == transport
-            and (r["batch"], r["hidden"]) == key}
+            and (r["batch"], r["hidden"]) == key and r["dtype"] == dtype}
 
 
 def _attribution(ours: dict, reference: dict, floor: dict, limit: float, cut: dict[str, dict]) -> dict:
@@ -691,8 +695,9 @@ def _grid_ratio(entries: list[dict]) -> dict:
     return {**ratio, "sizes": len(entries)}
 
 
-def _tag(transport: str | None) -> str:
-    return "" if transport is None else f" [{transport}]"
+def _tag(transport: str | None, dtype: str = "float32") -> str:
+    """How a target's name says its transport and, other than float32, its dtype: " [shared_memory], bfloat16"."""
+    return ("" if transport is None else f" [{transport}]") + ("" if dtype == "float32" else f", {dtype}")
 
 
 def _grid_why(entries: list[dict]) -> str:
@@ -714,17 +719,19 @@ def _grid_why(entries: list[dict]) -> str:
 
 
 def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with its verdict (float32), per transport; a missed engine target says why."""
+    """The issue's targets, each with its verdict, per transport and dtype (``JUDGED``; memory: every dtype timed);
+    a missed engine target says why."""
     out = []
-    groups = dict.fromkeys((r["setting"], r["versus"], r["transport"]) for r in ratio_rows if r["target"] is not None)
-    for setting, versus, t in groups:
-        entries = [r for r in ratio_rows if (r["setting"], r["versus"], r["transport"]) == (setting, versus, t)
-                   and r["target"] and r["impl"] == OURS]
+    groups = dict.fromkeys((r["setting"], r["versus"], r["transport"], r["dtype"]) for r in ratio_rows
+                           if r["target"] is not None)
+    for setting, versus, t, dtype in groups:
+        entries = [r for r in ratio_rows if (r["setting"], r["versus"], r["transport"], r["dtype"]) ==
+                   (setting, versus, t, dtype) and r["target"] and r["impl"] == OURS]
         limit = entries[0]["target"]
         verdicts = [e["verdict"] for e in entries]
         worst = "missed" if "missed" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "met")
-        row = {"kind": "target", "name": f"{setting}{_tag(t)}: every size, ours / ({versus}) <= {limit}",
-               "setting": setting, "versus": versus, "transport": t, "limit": limit, "verdict": worst,
+        row = {"kind": "target", "name": f"{setting}{_tag(t, dtype)}: every size, ours / ({versus}) <= {limit}",
+               "setting": setting, "versus": versus, "transport": t, "dtype": dtype, "limit": limit, "verdict": worst,
                "sizes_met": verdicts.count("met"), "sizes": len(entries)}
         if worst != "met":
             missed = ", ".join(f"{e['batch']}x{e['hidden']} {e['verdict']}" for e in entries if e["verdict"] != "met")
@@ -734,24 +741,26 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
         out.append(row)
         if setting == WORKERS and versus == REFERENCE:
             grid = _grid_ratio(entries)
-            name = f"{setting}{_tag(t)}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"
+            name = f"{setting}{_tag(t, dtype)}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"
             row = {"kind": "target", "name": name, "setting": setting, "versus": versus, "transport": t,
-                   "limit": TARGET_GRID, **grid, "verdict": verdict(grid, TARGET_GRID)}
+                   "dtype": dtype, "limit": TARGET_GRID, **grid, "verdict": verdict(grid, TARGET_GRID)}
             if row["verdict"] != "met":
                 row["why"] = _grid_why(entries)
             out.append(row)
+    timed = dict.fromkeys((r["setting"], r["dtype"]) for r in time_rows if r["kind"] == "time")
     for what in ("saved_bytes", "peak_bytes"):
-        for setting in sorted({r["setting"] for r in time_rows if r["kind"] == "time"}):
-            local = _times(time_rows, LOCAL, None, setting, "float32")
+        for setting, dtype in sorted(timed, key=lambda pair: (pair[0], DTYPE_NAMES.index(pair[1]))):
+            local = _times(time_rows, LOCAL, None, setting, dtype)
             for t in (_transports_in(time_rows) if setting == WORKERS else [None]):
-                ours = _times(time_rows, OURS, t, setting, "float32")
-                if not ours:  # COLD times the synchronized path only
+                ours = _times(time_rows, OURS, t, setting, dtype)
+                if not ours:  # COLD times the synchronized path only; half dtypes run on one transport
                     continue
                 worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
                 out.append({"kind": "target",
-                            "name": f"{setting}{_tag(t)}: {what} of ours <= BatchNorm1d's at every size",
-                            "setting": setting, "transport": t, "limit": 1.0, "verdict": "missed" if worse else "met",
-                            "sizes": len(ours), "sizes_met": len(ours) - len(worse)})
+                            "name": f"{setting}{_tag(t, dtype)}: {what} of ours <= BatchNorm1d's at every size",
+                            "setting": setting, "transport": t, "dtype": dtype, "limit": 1.0,
+                            "verdict": "missed" if worse else "met", "sizes": len(ours),
+                            "sizes_met": len(ours) - len(worse)})
     return out
 
 

@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define CHANNEL_FUNCTIONS(T, NAME, SQRT)                                                                          \
                                                                                                                   \
@@ -78,36 +79,59 @@ CHANNEL_FUNCTIONS(float, float32, sqrtf)
 CHANNEL_FUNCTIONS(double, float64, sqrt)
 
 /* ---------------------------------------------------------------------------------------------------------------
- * The whole layer on a contiguous x of shape (N, C), for where its passes are small enough that a C loop beats a
- * PyTorch dispatch (syncbn.py decides): the same formulas, with the passes over x here, so that a forward and a
- * backward are two calls each around their sums. Sums over x are float64, four rows per update of a channel's
- * sum (the rows' terms added first), so that the loops over c vectorize. Scratch of C values comes from malloc;
- * a failed malloc returns -1 and writes nothing.
+ * The whole layer on a contiguous x of shape (N, C), for where a C loop beats a PyTorch dispatch (syncbn.py
+ * decides): the same formulas, with the passes over x here, so that a forward and a backward are two calls each
+ * around their sums. x, y, dy and dx are of the input's dtype S (float, double, or bfloat16 as its 16 bits), the
+ * per-channel values of the statistics' dtype T (float for bfloat16, as BatchNorm). Sums over x are float64, four
+ * rows per update of a channel's sum, so that the loops over c vectorize; an output element is computed in T and
+ * rounded once to S. Scratch of C values comes from malloc; a failed malloc returns -1 and writes nothing.
  */
 
-/* For each channel c: ACC[c] += TERM(k) over the elements k = i C + c of every row i, in float64. */
+static inline float load_float32(float v) { return v; }
+static inline float store_float32(float v) { return v; }
+static inline double load_float64(double v) { return v; }
+static inline double store_float64(double v) { return v; }
+/* bfloat16 is float's upper 16 bits; rounding to it is to nearest, ties to even, NaN kept NaN (as c10::BFloat16). */
+static inline float load_bfloat16(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+static inline uint16_t store_bfloat16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* For each channel c: ACC[c] += TERM over the elements k = i C + c of every row i (TERM reads k and c), in float64,
+ * the terms of four rows added before they meet the sum. */
 #define SUM_ROWS(ACC, TERM)                                                                                       \
     {                                                                                                             \
         int64_t i = 0;                                                                                            \
         for (; i + 4 <= batch; i += 4)                                                                            \
-            for (int64_t c = 0, k = i * channels; c < channels; ++c, ++k)                                         \
-                ACC[c] += ((TERM(k)) + (TERM(k + channels))) + ((TERM(k + 2 * channels)) + (TERM(k + 3 * channels))); \
+            for (int64_t c = 0; c < channels; ++c) {                                                              \
+                double rows = 0;                                                                                  \
+                for (int64_t r = 0; r < 4; ++r) { const int64_t k = (i + r) * channels + c; rows += TERM; }       \
+                ACC[c] += rows;                                                                                   \
+            }                                                                                                     \
         for (; i < batch; ++i)                                                                                    \
-            for (int64_t c = 0, k = i * channels; c < channels; ++c, ++k) ACC[c] += TERM(k);                     \
+            for (int64_t c = 0; c < channels; ++c) { const int64_t k = i * channels + c; ACC[c] += TERM; }        \
     }
 
-#define WHOLE_FUNCTIONS(T, NAME, SQRT)                                                                            \
+#define WHOLE_FUNCTIONS(S, T, NAME, COMPUTE, SQRT)                                                                \
                                                                                                                   \
 /* Forward before the sum: x's per-channel sum S_r and squares about its mean M2_r (two passes) -> packed =       \
  * [S_r, M2_r + S_r^2 / n, n], n = N (syncbn_pack's, without rounding the mean to T). */                         \
-int64_t syncbn_local_sums_##NAME(const T *x, int64_t batch, int64_t channels, double *packed) {                   \
+int64_t syncbn_local_sums_##NAME(const S *x, int64_t batch, int64_t channels, double *packed) {                   \
     double *sum = packed, *square = packed + channels, *mean = malloc(channels * sizeof(double));                  \
     if (!mean) return -1;                                                                                         \
     const double n = (double)batch;                                                                               \
     for (int64_t c = 0; c < channels; ++c) sum[c] = square[c] = 0;                                                \
-    SUM_ROWS(sum, X_AT)                                                                                           \
+    SUM_ROWS(sum, (double)load_##NAME(x[k]))                                                                      \
     for (int64_t c = 0; c < channels; ++c) mean[c] = batch ? sum[c] / n : 0;                                      \
-    SUM_ROWS(square, SQUARE_ABOUT_MEAN)                                                                           \
+    SUM_ROWS(square, ((double)load_##NAME(x[k]) - mean[c]) * ((double)load_##NAME(x[k]) - mean[c]))             \
     for (int64_t c = 0; c < channels; ++c) square[c] += batch ? sum[c] * sum[c] / n : 0;                          \
     packed[2 * channels] = n;                                                                                     \
     free(mean);                                                                                                   \
@@ -118,8 +142,9 @@ int64_t syncbn_local_sums_##NAME(const T *x, int64_t batch, int64_t channels, do
  * mean alpha (BatchNorm's inference kernel; weight, bias NULL: 1, 0). Returns N; N < 2 writes nothing. */       \
 int64_t syncbn_normalize_##NAME(const double *packed, int64_t channels, T *mean, T *var, T *running_mean,        \
                                 T *running_var, double momentum, const T *weight, const T *bias, double eps,      \
-                                const T *x, int64_t batch, T *y) {                                                \
-    const int64_t total = syncbn_combine_##NAME(packed, channels, mean, var, running_mean, running_var, momentum); \
+                                const S *x, int64_t batch, S *y) {                                                \
+    const int64_t total = syncbn_combine_##COMPUTE(packed, channels, mean, var, running_mean, running_var,        \
+                                                   momentum);                                                     \
     if (total < 2) return total;                                                                                  \
     T *alpha = malloc(2 * channels * sizeof(T)), *beta = alpha + channels;                                        \
     if (!alpha) return -1;                                                                                        \
@@ -129,37 +154,38 @@ int64_t syncbn_normalize_##NAME(const double *packed, int64_t channels, T *mean,
         beta[c] = (bias ? bias[c] : (T)0) - mean[c] * alpha[c];                                                   \
     }                                                                                                             \
     for (int64_t i = 0; i < batch; ++i)                                                                           \
-        for (int64_t c = 0, k = i * channels; c < channels; ++c, ++k) y[k] = x[k] * alpha[c] + beta[c];           \
+        for (int64_t c = 0, k = i * channels; c < channels; ++c, ++k)                                             \
+            y[k] = store_##NAME(load_##NAME(x[k]) * alpha[c] + beta[c]);                                          \
     free(alpha);                                                                                                  \
     return total;                                                                                                 \
 }                                                                                                                 \
                                                                                                                   \
 /* Backward before the sum: this rank's sum(dy) and sum(dy x_hat) = invstd sum(dy (x - mean)) into sum_dy and     \
  * sum_dy_xhat (C each: the local gradients of bias and weight), and syncbn_stage_'s rows. */                    \
-int64_t syncbn_backward_sums_##NAME(const T *dy, const T *x, const T *mean, const T *var, double eps,            \
+int64_t syncbn_backward_sums_##NAME(const S *dy, const S *x, const T *mean, const T *var, double eps,            \
                                     int64_t batch, int64_t channels, int64_t total, T *sum_dy, T *sum_dy_xhat,    \
                                     T *rows) {                                                                    \
     double *dy_sum = malloc(2 * channels * sizeof(double)), *dot = dy_sum + channels;                             \
     if (!dy_sum) return -1;                                                                                       \
     for (int64_t c = 0; c < channels; ++c) dy_sum[c] = dot[c] = 0;                                                \
-    SUM_ROWS(dy_sum, DY_AT)                                                                                       \
-    SUM_ROWS(dot, DY_TIMES_CENTERED)                                                                              \
+    SUM_ROWS(dy_sum, (double)load_##NAME(dy[k]))                                                                  \
+    SUM_ROWS(dot, (double)load_##NAME(dy[k]) * ((double)load_##NAME(x[k]) - (double)mean[c]))                     \
     for (int64_t c = 0; c < channels; ++c) {                                                                      \
         sum_dy[c] = (T)dy_sum[c];                                                                                 \
         sum_dy_xhat[c] = (T)(dot[c] * (double)((T)1 / SQRT(var[c] + (T)eps)));                                    \
     }                                                                                                             \
     free(dy_sum);                                                                                                 \
-    syncbn_stage_##NAME(sum_dy, sum_dy_xhat, channels, total, rows);                                              \
+    syncbn_stage_##COMPUTE(sum_dy, sum_dy_xhat, channels, total, rows);                                           \
     return 0;                                                                                                     \
 }                                                                                                                 \
                                                                                                                   \
 /* Backward after the sum: syncbn_coefficients_'s [gamma, alpha', s], then dx = x alpha + beta + s dy with alpha = \
  * alpha' invstd, beta = gamma - mean alpha (BatchNorm's inference kernel with weight alpha', bias gamma). */     \
-int64_t syncbn_input_grad_##NAME(const T *dy, const T *x, const T *rows, const T *weight, const T *mean,         \
-                                 const T *var, double eps, int64_t batch, int64_t channels, T *dx) {              \
+int64_t syncbn_input_grad_##NAME(const S *dy, const S *x, const T *rows, const T *weight, const T *mean,         \
+                                 const T *var, double eps, int64_t batch, int64_t channels, S *dx) {              \
     T *coefficients = malloc(3 * channels * sizeof(T));                                                           \
     if (!coefficients) return -1;                                                                                 \
-    syncbn_coefficients_##NAME(rows, weight, var, eps, channels, coefficients);                                   \
+    syncbn_coefficients_##COMPUTE(rows, weight, var, eps, channels, coefficients);                                \
     T *beta = coefficients, *alpha = coefficients + channels, *scale = coefficients + 2 * channels;               \
     for (int64_t c = 0; c < channels; ++c) {                                                                      \
         alpha[c] = alpha[c] * ((T)1 / SQRT(var[c] + (T)eps));                                                     \
@@ -167,16 +193,11 @@ int64_t syncbn_input_grad_##NAME(const T *dy, const T *x, const T *rows, const T
     }                                                                                                             \
     for (int64_t i = 0; i < batch; ++i)                                                                           \
         for (int64_t c = 0, k = i * channels; c < channels; ++c, ++k)                                             \
-            dx[k] = (x[k] * alpha[c] + beta[c]) + dy[k] * scale[c];                                               \
+            dx[k] = store_##NAME((load_##NAME(x[k]) * alpha[c] + beta[c]) + load_##NAME(dy[k]) * scale[c]);       \
     free(coefficients);                                                                                           \
     return 0;                                                                                                     \
 }
 
-/* The terms SUM_ROWS adds, in float64, for the element k of channel c: x, dy, (x - mean)^2 and dy (x - mean). */
-#define X_AT(k) ((double)x[k])
-#define DY_AT(k) ((double)dy[k])
-#define SQUARE_ABOUT_MEAN(k) (((double)x[k] - mean[c]) * ((double)x[k] - mean[c]))
-#define DY_TIMES_CENTERED(k) ((double)dy[k] * ((double)x[k] - (double)mean[c]))
-
-WHOLE_FUNCTIONS(float, float32, sqrtf)
-WHOLE_FUNCTIONS(double, float64, sqrt)
+WHOLE_FUNCTIONS(float, float, float32, float32, sqrtf)
+WHOLE_FUNCTIONS(double, double, float64, float64, sqrt)
+WHOLE_FUNCTIONS(uint16_t, float, bfloat16, float32, sqrtf)

@@ -4,6 +4,7 @@ on a small contiguous (N, C) input the per-element passes too.
     from dpkit.native import syncbn_channels
     functions = syncbn_channels.for_dtype(torch.float32)   # None: no C compiler (syncbn.py's PyTorch path serves)
     functions.pack(mean.data_ptr(), var.data_ptr(), channels, count, packed.data_ptr())
+    passes = syncbn_channels.passes_for(torch.bfloat16)    # the whole layer on a bfloat16 (N, C) input
 
 The arguments are data pointers of contiguous CPU tensors (ints; None for an absent one), sizes and scalars; the
 C file says what each function computes and which function of syncbn.py it stands for.
@@ -19,10 +20,11 @@ import torch
 from dpkit import native
 
 _SUFFIXES = {torch.float32: "float32", torch.float64: "float64"}
+_INPUTS = {**_SUFFIXES, torch.bfloat16: "bfloat16"}  # the dtypes of x the passes take (bfloat16: statistics float32)
 
 
 class Functions:
-    """The functions of syncbn_channels.c for one dtype (``suffix``), typed for ctypes."""
+    """The per-channel functions of syncbn_channels.c for statistics of one dtype (``suffix``), typed for ctypes."""
 
     def __init__(self, library: ctypes.CDLL, suffix: str):
         pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -32,7 +34,14 @@ class Functions:
         self.stage = _typed(library, f"syncbn_stage_{suffix}", [pointer, pointer, size, size, pointer], None)
         self.coefficients = _typed(library, f"syncbn_coefficients_{suffix}",
                                    [pointer, pointer, pointer, real, size, pointer], None)
-        # The whole layer on a contiguous (N, C) x: a return of -1 is a failed malloc (``checked``).
+
+
+class Passes:
+    """The functions of syncbn_channels.c that make the whole layer on a contiguous (N, C) x of one dtype
+    (``suffix``), typed for ctypes. A return of -1 is a failed malloc (``checked``)."""
+
+    def __init__(self, library: ctypes.CDLL, suffix: str):
+        pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
         self.local_sums = _typed(library, f"syncbn_local_sums_{suffix}", [pointer, size, size, pointer], size)
         self.normalize = _typed(library, f"syncbn_normalize_{suffix}", [pointer, size, pointer, pointer, pointer,
                                 pointer, real, pointer, pointer, real, pointer, size, pointer], size)
@@ -61,3 +70,11 @@ def for_dtype(dtype: torch.dtype) -> Functions | None:
     ``native.load`` gives no library."""
     library = native.load("syncbn_channels") if dtype in _SUFFIXES else None
     return None if library is None else Functions(library, _SUFFIXES[dtype])
+
+
+@functools.lru_cache(maxsize=None)
+def passes_for(dtype: torch.dtype) -> Passes | None:
+    """The whole layer's functions for an x of ``dtype`` (float32, float64 or bfloat16; its statistics in
+    float32 or float64); None for another dtype or where ``native.load`` gives no library."""
+    library = native.load("syncbn_channels") if dtype in _INPUTS else None
+    return None if library is None else Passes(library, _INPUTS[dtype])
