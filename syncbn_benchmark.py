@@ -942,7 +942,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="numbers of channels (default: %(default)s)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
                         help="input dtypes timed with the workers: float32 on every transport, the others on the one "
-                             "'auto' picks; parameters stay float32 (default: %(default)s)")
+                             f"'auto' picks; targets judge {' and '.join(JUDGED)}; parameters stay float32 (default: "
+                             "%(default)s)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per implementation, transport and "
                         f"size, {SINGLE_ITERS_FACTOR}x as many with one process (default: {NORMAL['iters']}; "
                         f"{QUICK['iters']} with --quick)")
