@@ -153,8 +153,8 @@ def _plain_allocate(shape, *, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# transport (weakly: a closed one goes with its buffers) -> {(C, dtype, device, thread): workspace}; None: no
-# transport (one process, the benchmark's synchronized path without collectives).
+# id(transport) -> {(C, dtype, device, thread): workspace}, dropped when the transport is collected (a closed one
+# goes with its buffers); id(None): no transport (one process, the benchmark's synchronized path without collectives).
 _WORKSPACES: dict[int, dict] = {}
 
 
@@ -347,7 +347,7 @@ def _coefficients(work: _Workspace, weight, var, eps: float, functions) -> None:
 HALF_CHUNKS = 6
 
 
-def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor:
+def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace, functions) -> torch.Tensor:
     """dx = weight * invstd * (dy - a - x_hat * b) with the global a = sum(dy) / N, b = sum(dy * x_hat) / N.
 
     ``work.coefficients`` holds [gamma, alpha', s] (``_coefficients``): s = w * invstd, gamma = -s a,
@@ -356,6 +356,7 @@ def _input_grad(dy, x, weight, mean, var, eps, work: _Workspace) -> torch.Tensor
     """
     if not x.numel():
         return torch.zeros_like(x)
+    _coefficients(work, weight, var, eps, functions)
     if x.dtype == mean.dtype:
         grad = torch.native_batch_norm(x, work.alpha_prime, work.gamma, mean, var, False, 0.0, eps)[0]
         return grad.addcmul_(dy, _per_channel(work.scale, x))
@@ -432,25 +433,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
             return (torch.zeros_like(dy) if need_x else None, _as(zeros, weight_dtype) if need_weight else None,
                     _as(zeros, bias_dtype) if need_bias else None, None, None, None, None, None)
         x, weight, mean, var = ctx.saved_tensors
-        functions = ctx.functions
-        passes = ctx.passes if dy.dtype == x.dtype and dy.is_contiguous() else None
+        passes = ctx.passes if dy.dtype == x.dtype and dy.is_contiguous() else None  # (N, C) in C: dy as x
         if passes is not None:
             sum_dy, sum_dy_xhat, work = _grad_sums_in_c(dy, x, mean, var, ctx.eps, ctx.total, ctx.transport, passes)
         else:
             sum_dy, sum_dy_xhat = _backward_sums(dy, x, weight, mean, var, ctx.eps)  # local
+            work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport, ctx.functions) if need_x else None
         grad_weight = _as(sum_dy_xhat, weight_dtype) if need_weight else None  # the local sums
         grad_bias = _as(sum_dy, bias_dtype) if need_bias else None
         grad_x = None
         if need_x:
-            if passes is None:
-                work = _minus_means(sum_dy, sum_dy_xhat, mean, ctx.total, ctx.transport, functions)
             if ctx.transport is not None:
                 ctx.transport.all_reduce(work.sums)  # rows becomes [-a, -b, 1] with the global a and b
             if passes is not None:
                 grad_x = _input_grad_in_c(dy, x, weight, mean, var, ctx.eps, work, passes)
             else:
-                _coefficients(work, weight, var, ctx.eps, functions)
-                grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work)
+                grad_x = _input_grad(dy, x, weight, mean, var, ctx.eps, work, ctx.functions)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
