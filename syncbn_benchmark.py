@@ -91,7 +91,7 @@ PHASE_ITERS = 200
 PHASES = ("compute before", "forward all_reduce", "compute between", "backward all_reduce", "compute after")
 COMPUTE_PHASES, SUM_PHASES = PHASES[0::2], PHASES[1::2]
 NORMAL = {"iters": 2000, "rounds": 40, "warmup": 20}
-QUICK = {"iters": 240, "rounds": 24, "warmup": 5}  # enough rounds that an interval can decide a 1.3x target
+QUICK = {"iters": 240, "rounds": 24, "warmup": 5}  # enough rounds that an interval can decide CPU_TARGET
 
 Contender = tuple[str, "str | None"]  # (impl, transport name or None)
 
