@@ -20,7 +20,7 @@ The sums go through the layer's ``transport`` ("auto": this host's shared memory
 on it and the input on the CPU, else ``torch.distributed``), in buffers it allocated (``_Workspace``):
 summed where they lie. Every operation costs a dispatch, as much as a pass over x at these sizes, so
 on the CPU the per-channel arithmetic is one C call per step (``syncbn_channels.c`` of ``dpkit.native``,
-compiled at first use), and on a contiguous float32/float64 (N, C) input the passes too: two calls
+compiled at first use), and on a contiguous (N, C) input the passes too: two calls
 around each sum. Elsewhere (CUDA, no compiler, other shapes) each pass is a BatchNorm kernel and the
 arithmetic PyTorch operations: the same formulas. Half inputs: statistics in float32, as BatchNorm.
 """
@@ -186,7 +186,7 @@ def _channel_functions(x: torch.Tensor, dtype: torch.dtype, *tensors: torch.Tens
 
 
 # The C functions make BatchNorm's per-element passes too (``_normalize_in_c``, ``_grad_sums_in_c``,
-# ``_input_grad_in_c``) on a contiguous float32/float64/bfloat16 x of shape (N, C): at any size on one intra-op
+# ``_input_grad_in_c``) on a contiguous x of shape (N, C), any float dtype: at any size on one intra-op
 # thread (their loops, built for this CPU, keep up with BatchNorm's kernels), with more threads up to this many
 # elements, where PyTorch's kernels gain little from them. ``python syncbn_benchmark.py --threads 2`` times both.
 C_PASSES_ELEMENTS = 32768

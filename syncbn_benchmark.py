@@ -669,12 +669,13 @@ def _why(row: dict) -> str:
         left = (f"its median is {_us(-row['left_s'])} within <= {limit} but the interval reaches above it: "
                 "more rounds would decide")
     shares = floor >= 0 and own >= 0 and excess > 0  # parts of the excess only when both are
-    text = (f"{row['batch']}x{row['hidden']} [{row['transport']}]: ours {format_ratio(row)} the reference, "
-            f"{row['verdict']}; {left}. The floor (a Python autograd.Function around BatchNorm's kernels, the sums "
-            f"inside it) takes {row['floor_ratio']:.2f}x the reference: {_signed(floor)}"
+    size = f"{row['batch']}x{row['hidden']}{_tag(row['transport'], row['dtype'])}"
+    text = (f"{size}: ours {format_ratio(row)} the reference, {row['verdict']}; {left}. The floor (a Python "
+            f"autograd.Function around BatchNorm's kernels, the sums inside it) takes {row['floor_ratio']:.2f}x the "
+            f"reference: {_signed(floor)}"
             f"{_share(floor, excess) if shares else ''} is that frame and the sums' place in the graph, "
             f"{_signed(own)}{_share(own, excess) if shares else ''} ours beyond the floor (packing, the float64 "
-            "combination, dx's global terms).")
+            "combination, dx's global terms: on the CPU its C calls).")
     if row["floor_verdict"] == "missed":  # the floor's whole interval above the target, not its median alone
         text += f" The floor alone is above {limit}x: no layer written as a Python autograd.Function meets it here."
     elif row["floor_ratio"] > limit:

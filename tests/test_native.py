@@ -59,10 +59,14 @@ def test_a_compiler_that_fails_gives_none_with_a_warning_naming_it(cache, monkey
 
 
 @needs_compiler
-def test_the_functions_exist_for_float32_and_float64_only():
+def test_statistics_are_float32_or_float64_and_the_passes_take_those_inputs_and_bfloat16():
+    """float16 inputs take the passes only where the compiler has _Float16; no dtype without a function does."""
     assert syncbn_channels.for_dtype(torch.float32) is not None
     assert syncbn_channels.for_dtype(torch.float64) is not None
     assert syncbn_channels.for_dtype(torch.bfloat16) is None and syncbn_channels.for_dtype(torch.float16) is None
+    assert all(syncbn_channels.passes_for(dtype) is not None for dtype in (torch.float32, torch.float64,
+                                                                          torch.bfloat16))
+    assert syncbn_channels.passes_for(torch.int32) is None and syncbn_channels.passes_for(torch.complex64) is None
 
 
 @needs_compiler

@@ -201,3 +201,9 @@ int64_t syncbn_input_grad_##NAME(const S *dy, const S *x, const T *rows, const T
 WHOLE_FUNCTIONS(float, float, float32, float32, sqrtf)
 WHOLE_FUNCTIONS(double, double, float64, float64, sqrt)
 WHOLE_FUNCTIONS(uint16_t, float, bfloat16, float32, sqrtf)
+
+#ifdef __FLT16_MAX__ /* a compiler with _Float16 (gcc 12, clang 15 on x86-64 and ARM): float16 inputs too */
+static inline float load_float16(_Float16 v) { return (float)v; }
+static inline _Float16 store_float16(float v) { return (_Float16)v; }
+WHOLE_FUNCTIONS(_Float16, float, float16, float32, sqrtf)
+#endif
