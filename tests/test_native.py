@@ -6,6 +6,7 @@ and with PyTorch's operations); here, when ``load`` compiles, when it reuses the
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 
@@ -59,13 +60,12 @@ def test_a_compiler_that_fails_gives_none_with_a_warning_naming_it(cache, monkey
 
 
 @needs_compiler
-def test_statistics_are_float32_or_float64_and_the_passes_take_those_inputs_and_bfloat16():
-    """float16 inputs take the passes only where the compiler has _Float16; no dtype without a function does."""
+def test_statistics_are_float32_or_float64_and_the_passes_take_every_float_input():
     assert syncbn_channels.for_dtype(torch.float32) is not None
     assert syncbn_channels.for_dtype(torch.float64) is not None
     assert syncbn_channels.for_dtype(torch.bfloat16) is None and syncbn_channels.for_dtype(torch.float16) is None
     assert all(syncbn_channels.passes_for(dtype) is not None for dtype in (torch.float32, torch.float64,
-                                                                          torch.bfloat16))
+                                                                          torch.bfloat16, torch.float16))
     assert syncbn_channels.passes_for(torch.int32) is None and syncbn_channels.passes_for(torch.complex64) is None
 
 
@@ -97,3 +97,27 @@ def test_the_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert native.cache_folder() == tmp_path / "dpkit"
     monkeypatch.setenv("DPKIT_CACHE", os.fspath(tmp_path / "mine"))
     assert native.cache_folder() == tmp_path / "mine"
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_half_conversions_are_pytorchs_on_every_value(dtype):
+    """Every one of the 65,536 bit patterns read as PyTorch reads it (NaN as NaN); every value of the dtype, every
+    midpoint between neighbours (ties go to even) and a million floats from 1e-9 to 1e5 rounded as ``.to(dtype)``."""
+    library, name = native.load("syncbn_channels"), {torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype]
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    read = torch.empty(65536)
+    library[f"syncbn_from_{name}"](ctypes.c_void_p(patterns.data_ptr()), ctypes.c_void_p(read.data_ptr()),
+                                   ctypes.c_int64(65536))
+    expected = patterns.view(dtype).float()
+    assert torch.equal(read.isnan(), expected.isnan()) and torch.equal(read[~read.isnan()], expected[~read.isnan()])
+    values = expected[expected.isfinite()].unique().double()
+    floats = torch.cat([expected, ((values[1:] + values[:-1]) / 2).float(),
+                        torch.randn(1_000_000, generator=torch.Generator().manual_seed(0)) *
+                        torch.logspace(-9, 5, 1_000_000)])
+    written = torch.empty(floats.numel(), dtype=torch.int16)
+    library[f"syncbn_to_{name}"](ctypes.c_void_p(floats.data_ptr()), ctypes.c_void_p(written.data_ptr()),
+                                 ctypes.c_int64(floats.numel()))
+    rounded = floats.to(dtype)
+    same = (written == rounded.view(torch.int16)) | (written.view(dtype).isnan() & rounded.isnan())
+    assert same.all(), f"{int((~same).sum())} of {floats.numel()} values rounded otherwise, e.g. {floats[~same][:4]}"

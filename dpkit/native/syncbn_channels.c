@@ -202,8 +202,35 @@ WHOLE_FUNCTIONS(float, float, float32, float32, sqrtf)
 WHOLE_FUNCTIONS(double, double, float64, float64, sqrt)
 WHOLE_FUNCTIONS(uint16_t, float, bfloat16, float32, sqrtf)
 
-#ifdef __FLT16_MAX__ /* a compiler with _Float16 (gcc 12, clang 15 on x86-64 and ARM): float16 inputs too */
-static inline float load_float16(_Float16 v) { return (float)v; }
-static inline _Float16 store_float16(float v) { return (_Float16)v; }
-WHOLE_FUNCTIONS(_Float16, float, float16, float32, sqrtf)
-#endif
+/* float16 in integer and float operations that vectorize (the conversions of the FP16 library, as c10::Half's):
+ * exact both ways, rounding to nearest, ties to even; subnormals, infinities and NaN kept. */
+static inline float bits_to_float(uint32_t bits) { float f; memcpy(&f, &bits, sizeof f); return f; }
+static inline uint32_t float_to_bits(float f) { uint32_t bits; memcpy(&bits, &f, sizeof bits); return bits; }
+static inline float load_float16(uint16_t v) {
+    const uint32_t w = (uint32_t)v << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normalized = bits_to_float((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    return bits_to_float(sign | float_to_bits(two_w < (1u << 27) ? denormalized : normalized));
+}
+static inline uint16_t store_float16(float f) {
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    const uint32_t w = float_to_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = float_to_bits(base), nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+WHOLE_FUNCTIONS(uint16_t, float, float16, float32, sqrtf)
+
+/* The conversions above over n values, for the tests that hold them to PyTorch's on every 16-bit pattern. */
+#define CONVERSIONS(NAME)                                                                                         \
+void syncbn_from_##NAME(const uint16_t *in, float *out, int64_t n) {                                              \
+    for (int64_t i = 0; i < n; ++i) out[i] = load_##NAME(in[i]);                                                  \
+}                                                                                                                 \
+void syncbn_to_##NAME(const float *in, uint16_t *out, int64_t n) {                                                \
+    for (int64_t i = 0; i < n; ++i) out[i] = store_##NAME(in[i]);                                                 \
+}
+CONVERSIONS(float16)
+CONVERSIONS(bfloat16)

@@ -20,7 +20,7 @@ import torch
 from dpkit import native
 
 _SUFFIXES = {torch.float32: "float32", torch.float64: "float64"}
-# The dtypes of x the passes take (half ones: statistics in float32); float16 where the compiler has _Float16.
+# The dtypes of x the passes take (half ones: statistics in float32).
 _INPUTS = {**_SUFFIXES, torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -76,9 +76,6 @@ def for_dtype(dtype: torch.dtype) -> Functions | None:
 @functools.lru_cache(maxsize=None)
 def passes_for(dtype: torch.dtype) -> Passes | None:
     """The whole layer's functions for an x of ``dtype`` (float32, float64, bfloat16 or float16; its statistics
-    in float32 or float64); None for another dtype, for float16 where the compiler had no _Float16, or where
-    ``native.load`` gives no library."""
+    in float32 or float64); None for another dtype or where ``native.load`` gives no library."""
     library = native.load("syncbn_channels") if dtype in _INPUTS else None
-    if library is None or not hasattr(library, f"syncbn_local_sums_{_INPUTS[dtype]}"):
-        return None
-    return Passes(library, _INPUTS[dtype])
+    return None if library is None else Passes(library, _INPUTS[dtype])
