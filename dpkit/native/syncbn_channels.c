@@ -1,6 +1,7 @@
 /* The per-channel arithmetic of syncbn.py's SyncBatchNorm on the CPU, one C call where PyTorch would dispatch
  * several operations on (C) vectors: each dispatch costs as much as a pass over x at the homework's sizes.
- * Every per-element pass stays one of BatchNorm's kernels, in syncbn.py; these loops touch C values each.
+ * The first functions touch C values each, beside BatchNorm's kernels for the passes over x; the second half of
+ * the file (the whole layer) makes those passes too, on a contiguous (N, C) x.
  *
  * The formulas, and their order of rounding, are those of syncbn.py's pure-PyTorch path (its fallback where no C
  * compiler is found), line for line: see the function of syncbn.py named in each comment. T is float or double,

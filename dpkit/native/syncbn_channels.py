@@ -1,5 +1,5 @@
 """syncbn_channels.c from Python: SyncBatchNorm's per-channel arithmetic, one C call each, on CPU tensors;
-on a small contiguous (N, C) input the per-element passes too.
+on a contiguous (N, C) input the per-element passes too (``passes_for``).
 
     from dpkit.native import syncbn_channels
     functions = syncbn_channels.for_dtype(torch.float32)   # None: no C compiler (syncbn.py's PyTorch path serves)
