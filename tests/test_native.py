@@ -72,7 +72,8 @@ def test_statistics_are_float32_or_float64_and_the_passes_take_every_float_input
 @needs_compiler
 def test_pack_and_combine_give_chans_global_moments_in_float64():
     """Two ranks' halves of one batch, packed and summed by hand: the combination gives the whole batch's mean and
-    biased variance, and the running statistics BatchNorm's update would (unbiased over N)."""
+    biased variance, and the running statistics BatchNorm's update would (unbiased over N). An empty rank packs
+    zeros."""
     functions = syncbn_channels.for_dtype(torch.float64)
     x = torch.randn(10, 3, dtype=torch.float64) * 3 + 1e4
     packed = torch.zeros(7, dtype=torch.float64)
@@ -80,6 +81,9 @@ def test_pack_and_combine_give_chans_global_moments_in_float64():
         mine, (mean, var) = torch.empty(7, dtype=torch.float64), (half.mean(0), half.var(0, unbiased=False))
         functions.pack(mean.data_ptr(), var.data_ptr(), 3, 5, mine.data_ptr())  # pointers: the tensors held
         packed += mine
+    empty = torch.full((7,), float("nan"), dtype=torch.float64)  # a rank with no values sends zeros and still joins
+    functions.pack(mean.data_ptr(), var.data_ptr(), 3, 0, empty.data_ptr())
+    assert torch.equal(empty, torch.zeros(7, dtype=torch.float64))
     mean, var = torch.empty(3, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
     running_mean, running_var = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     total = functions.combine(packed.data_ptr(), 3, mean.data_ptr(), var.data_ptr(), running_mean.data_ptr(),

@@ -18,9 +18,12 @@
 /* _global_moments, before the sum: this rank's mean m and biased variance v (C each) of n values per channel   \
  * -> packed (2C + 1 doubles) = [n m, n v + (n m)^2 / n, n]; an empty rank (n = 0) sends zeros. */              \
 void syncbn_pack_##NAME(const T *mean, const T *var, int64_t channels, int64_t count, double *packed) {           \
-    const double n = (double)count, inverse = count ? 1.0 / n : 0.0;                                              \
+    if (!count) {                                                                                                 \
+        memset(packed, 0, (2 * channels + 1) * sizeof(double));                                                   \
+        return;                                                                                                   \
+    }                                                                                                             \
+    const double n = (double)count, inverse = 1.0 / n;                                                            \
     for (int64_t c = 0; c < channels; ++c) {                                                                      \
-        if (!count) { packed[c] = packed[channels + c] = 0; continue; }                                           \
         const double sum = (double)mean[c] * n;                                                                   \
         packed[c] = sum;                                                                                          \
         packed[channels + c] = (double)var[c] * n + inverse * sum * sum;                                          \
