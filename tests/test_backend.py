@@ -295,14 +295,17 @@ def bad_input_worker(ctx) -> dict:
     out = {}
     rank = ctx.rank
     for name, x in (("size", torch.ones(4 + rank)), ("dtype", torch.ones(4, dtype=(torch.float32, torch.int32)[rank]))):
+        group = dist.new_group(backend="dpkit")
         try:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
             out[name] = "no error"
         except ValueError as error:
             out[name] = str(error)
+        out[f"{name} after"] = refusal(lambda: dist.all_reduce(torch.ones(3), group=group))
+        dist.destroy_process_group(group)
     y = torch.ones(3)
     dist.all_reduce(y)
-    out["after"] = y  # the group still works
+    out["after"] = y  # the other groups still work
     try:
         backend.check_cpu([torch.empty(2, device="meta")])
     except ValueError as error:
@@ -313,6 +316,15 @@ def bad_input_worker(ctx) -> dict:
     out["per device"] = per_device(rank)
     out["pid"] = os.getpid()
     return out
+
+
+def refusal(call) -> str:
+    """What ``call`` raised (type: message), or "no error"."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001  (the test names the type it expects)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
 
 def per_device(rank: int) -> tuple:
@@ -375,12 +387,14 @@ def bad(two_ranks):
 
 
 @pytest.mark.parametrize("what", ("size", "dtype"))
-def test_ranks_that_disagree_all_raise_naming_both(bad, what):
+def test_ranks_that_disagree_all_raise_naming_both_and_the_group_refuses_every_later_call(bad, what):
     for found in bad:
         message = found[what]
         assert "rank 0:" in message and "rank 1:" in message, message
         assert ("4 torch.float32" in message and "5 torch.float32" in message) if what == "size" else \
             ("torch.int32" in message and "torch.float32" in message), message
+        later = found[f"{what} after"]
+        assert later.startswith("BrokenGroupError") and "broken" in later and message in later, later
         assert torch.equal(found["after"], torch.full((3,), 2.0))
 
 

@@ -1,22 +1,28 @@
 """The torch.distributed backend "dpkit": unchanged PyTorch code gets this host's shared memory.
 
     import dpkit                                              # registers "dpkit" (as does dpkit.comm.backend)
-    dist.init_process_group("dpkit")                          # or "cpu:dpkit,cuda:nccl" (torch with Python backends)
+    dist.init_process_group("dpkit")                          # or "cpu:dpkit,cuda:nccl"
     dist.new_group(ranks, backend="dpkit")                    # DDP, fully_shard, ZeroRedundancyOptimizer run on it
 
-On one host, all-reduce, broadcast, all-gather, reduce-scatter and barrier go through ``Slots``
-(two shared-memory slots per rank, one wait per piece, the reduction straight into the output).
-Across hosts (real, or simulated by ``DPKIT_HOSTS``) an all-reduce is hierarchical: through the
-slots inside each host, gloo between one leader per host, the slots again to hand the result out.
-Everything else, and whatever the slots cannot take (CUDA-free but odd dtypes, uneven lists), goes
-to a gloo backend the group keeps on the same store; bfloat16, which gloo lacks, is moved as float16
-bits or reduced in float32 there. When /dev/shm has no room, every call goes to gloo, warned once;
-on CPUs that may reorder stores (not x86) too, without the slots.
+On one host, all-reduce, broadcast, all-gather, reduce-scatter and barrier go through ``Slots`` (two
+shared-memory slots per rank, one wait per piece, the reduction straight into the output). Across hosts (real,
+or simulated by ``DPKIT_HOSTS``) an all-reduce is hierarchical: the slots inside each host, gloo between one
+leader per host, the slots again to hand the result out. Everything else (point-to-point, reduce, gather,
+scatter, all-to-all, sparse tensors, what the slots cannot take) goes to a gloo backend the group keeps on the
+same store; bfloat16, which gloo lacks, is moved as float16 bits or reduced in float32 there, and the mean, which
+gloo refuses, is the sum divided (integers truncated toward zero, as NCCL's). When /dev/shm has no room, every
+call goes to gloo, warned once; on CPUs that may reorder stores (not x86) too.
 
-Where torch builds Python backends (``Backend`` has a Python constructor) the class is a ``Backend``,
-so one process group may hold "dpkit" for CPU beside "nccl" for CUDA; elsewhere it is a whole
-``ProcessGroup`` (and then "cpu:dpkit,cuda:nccl" serves CPU tensors only). Latency:
-``python -m dpkit.bench.backend_latency``.
+Each call checks its arguments on the caller's thread (a refusal before any message leaves the group as it was),
+then queues its communication in the group's ``CallQueue`` (``backend_work``): run by the caller when it waits,
+by the queue's thread when it does not (``async_op=True`` goes on meanwhile). Once a call fails on a rank
+(timeout, a dead peer, ranks that disagree), the group is broken: every later call raises at once, there and,
+through the slots' headers, on every peer.
+
+torch reaches the implementation (``DpkitBackend``) through ``dpkit/native/c10d_backend.cpp``, built at first
+use: a C++ ``Backend`` whose works answer every question torch asks of a work. Where it cannot be built (no C++
+compiler, ``DPKIT_NATIVE=0``), ``PythonBackend`` takes torch's Python-backend route, which forwards only ``wait``
+and ``get_future`` of a work. Latency: ``python -m dpkit.bench.backend_latency``.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from dpkit import native
+from dpkit.comm.backend_work import CallQueue, Delegated, Work
 from dpkit.comm.hosts import HOSTS_ENV, number_hosts, ranks_by_host, real_host
 from dpkit.comm.interface import profiler_range
 from dpkit.comm.slots import DTYPES, Slots
-from dpkit.comm.transport import POLLS
+from dpkit.comm.shared_memory import POLLS
 
 NAME = "dpkit"
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
@@ -75,21 +83,22 @@ def profiled(kind: str):
     return wrap
 
 
-def done(result=None) -> dist.Work:
-    """A Work that has completed (the slots finish before the call returns); its future holds ``result``, the
-    tensors, as gloo's does (DDP's reducer reads them there)."""
-    future = torch.futures.Future()
-    future.set_result(result)
-    return c10d._create_work_from_future(future)
-
-
 def computes(dtype: torch.dtype, op: str | None) -> bool:
-    """Whether the slots compute ``op`` on ``dtype`` as gloo would (else gloo decides, or refuses)."""
+    """Whether the slots compute ``op`` on ``dtype`` (an integer mean as the sum, then divided; else gloo decides)."""
     if op is None or dtype not in DTYPES:
         return False
     floating, boolean = dtype.is_floating_point, dtype == torch.bool
-    return not ((op in _BITWISE and floating) or (op == "avg" and not floating)
-                or (boolean and op in ("sum", "avg", "product")))
+    return not ((op in _BITWISE and floating) or (boolean and op in ("sum", "avg", "product")))
+
+
+def check_op(op: str | None, dtype: torch.dtype) -> None:
+    """ValueError for a reduction no rank computes (as gloo refuses it), before anything is sent."""
+    if op is None:
+        raise ValueError(f"backend {NAME!r} computes SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR, not this op")
+    if op in _BITWISE and dtype.is_floating_point:
+        raise ValueError(f"backend {NAME!r}: ReduceOp.{op.upper()} takes integer tensors, not {dtype}")
+    if op == "avg" and dtype == torch.bool:
+        raise ValueError(f"backend {NAME!r}: ReduceOp.AVG is not defined on torch.bool")
 
 
 def check_cpu(tensors) -> None:
@@ -100,90 +109,102 @@ def check_cpu(tensors) -> None:
                              f"init_process_group('cpu:{NAME},cuda:nccl') or a CUDA backend for GPU tensors")
 
 
-class DpkitBackend(BASE):
-    """A process group's backend (see the module docstring); made by torch through ``register_backend``."""
+class DpkitBackend:
+    """The implementation of a group's backend (see the module docstring): every method checks its arguments on
+    the caller's thread (a refusal before any message, as gloo's), then queues the communication in the group's
+    ``CallQueue`` and returns its ``Work``. torch reaches it through ``c10d_backend.cpp`` (or ``PythonBackend``)."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, global_ranks: list[int]):
-        super().__init__(rank, size)
-        self._rank, self._size, self.timeout_s = rank, size, timeout.total_seconds()
-        self._names = ("", "")
-        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{NAME}/gloo", store), rank, size, timeout)
+        self.rank, self.size, self.timeout_s = rank, size, timeout.total_seconds()
+        store = _incarnation(store, size)
+        self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         self.slots: Slots | None = None  # this host's ranks (all of the group's when it is one host)
         self.leaders = None  # gloo among one rank per host, on those ranks, when the group spans hosts
         self.spans_hosts = False
+        self.calls = CallQueue(f"backend {NAME!r} (rank {rank} of {size})", on_failure=self._tell_peers)
         if size > 1:
             self._connect(store, global_ranks, timeout)
 
     def _connect(self, store, global_ranks, timeout) -> None:
-        hosts = ranks_by_host(_host_indices(store, self._rank, self._size, global_ranks, timeout))
-        mine = next(h for h, members in enumerate(hosts) if self._rank in members)
+        hosts = ranks_by_host(_host_indices(store, self.rank, self.size, global_ranks, timeout))
+        mine = next(h for h, members in enumerate(hosts) if self.rank in members)
         members = hosts[mine]
         self.spans_hosts = len(hosts) > 1
-        self._local = members.index(self._rank)
+        self._local = members.index(self.rank)
         if len(members) > 1 and POLLS:  # elsewhere a peer may see the counter before the data: gloo carries all
-            self.slots = Slots.open(dist.PrefixStore(f"{NAME}/host{mine}", store), self._local, len(members),
+            self.slots = Slots.open(dist.PrefixStore(f"host{mine}", store), self._local, len(members),
                                     self.timeout_s)
         if self.spans_hosts and self._local == 0:
-            self.leaders = dist.ProcessGroupGloo(dist.PrefixStore(f"{NAME}/leaders", store), mine, len(hosts),
-                                                 timeout)
-        roomy = _everyone(store, self._rank, self._size, "room", self.slots is not None or len(members) == 1, timeout)
+            self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders", store), mine, len(hosts), timeout)
+        roomy = _everyone(store, self.rank, self.size, "room", self.slots is not None or len(members) == 1, timeout)
         if not all(roomy):
             if self.slots is not None:
                 self.slots.close()
             self.slots = None
             self.spans_hosts = False
-            if self._rank == 0:
+            if self.rank == 0:
                 warnings.warn(f"backend {NAME!r}: /dev/shm has no room for the shared-memory slots: every "
                               "collective of this group goes through gloo", RuntimeWarning, stacklevel=2)
 
-    # ---- names torch asks a backend or a Python process group for
-
-    def getBackendName(self) -> str:
-        return NAME
-
-    def name(self) -> str:
-        return NAME
-
-    def setGroupName(self, name: str) -> None:
-        self._names = (name, self._names[1])
-
-    def getGroupName(self) -> str:
-        return self._names[0]
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._names = (self._names[0], desc)
-
-    def getGroupDesc(self) -> str:
-        return self._names[1]
+    def _tell_peers(self, error: BaseException) -> None:
+        """A call failed here: mark the slots broken, so that every peer's next wait raises at once."""
+        if self.slots is not None and hasattr(self.slots, "break_group"):
+            self.slots.break_group(f"{type(error).__name__}: {error}")
 
     def shutdown(self) -> None:
+        self.calls.close()
         if self.slots is not None:
             self.slots.close()
             self.slots = None
 
-    # ---- what the slots serve
-
     def _native(self, tensors, op: str | None = "sum") -> bool:
-        """Whether the slots take this call: one host with room, CPU tensors of their dtypes, an op they compute."""
-        check_cpu(tensors)
+        """Whether the slots take this call: one host with room, dense CPU tensors of one of their dtypes, an op
+        they compute."""
         dtype = tensors[0].dtype
-        return (self.slots is not None and not self.spans_hosts and all(t.dtype == dtype for t in tensors)
-                and computes(dtype, op))
+        return (self.slots is not None and not self.spans_hosts and computes(dtype, op)
+                and all(t.dtype == dtype and t.layout == torch.strided for t in tensors))
+
+    def _submit(self, run, result=None) -> Work:
+        if self.size == 1:  # nobody to wait for: run on the spot, no queue
+            work = Work(run, result, None)
+            work.execute()
+            return work
+        return self.calls.submit(run, result)
+
+    # ---- the reductions
 
     @profiled("all_reduce")
     def allreduce(self, tensors, opts=None):
         opts = opts or c10d.AllreduceOptions()
         op = op_name(opts.reduceOp)
-        if self._size == 1 and op is not None:
-            check_cpu(tensors)
-            return done(tensors)
-        if len(tensors) == 1 and self._native(tensors, op):
-            _in_place(tensors[0], lambda flat: self.slots.all_reduce(flat, op))
-            return done(tensors)
-        if len(tensors) == 1 and self.spans_hosts and computes(tensors[0].dtype, op):
-            self._hierarchical_all_reduce(tensors[0], op)
-            return done(tensors)
-        return _reduce_through_gloo(tensors, lambda ts: self.gloo.allreduce(ts, opts))
+        check_cpu(tensors)
+        self.calls.refuse_if_broken()
+        if any(t.layout != torch.strided for t in tensors):  # sparse: gloo sums them, as on gloo
+            return self._submit(lambda: self.gloo.allreduce(tensors, opts).wait(), tensors)
+        check_op(op, tensors[0].dtype)
+        if len(tensors) == 1:
+            return self._submit(lambda: self._all_reduce_now(tensors[0], op), tensors)
+        return self._submit(lambda: _reduce_through_gloo(tensors, op, self.size, self.gloo.allreduce,
+                                                         c10d.AllreduceOptions), tensors)
+
+    allreduce_sparse = allreduce
+
+    def _all_reduce_now(self, tensor: torch.Tensor, op: str) -> None:
+        if self.size == 1:
+            return
+        if self._native([tensor], op):
+            _in_place(tensor, lambda flat: self._slots_all_reduce(flat, op))
+        elif self.spans_hosts and computes(tensor.dtype, op):
+            self._hierarchical_all_reduce(tensor, op)
+        else:
+            _reduce_through_gloo([tensor], op, self.size, self.gloo.allreduce, c10d.AllreduceOptions)
+
+    def _slots_all_reduce(self, flat: torch.Tensor, op: str) -> None:
+        if op == "avg" and not flat.dtype.is_floating_point:  # NCCL's integer mean: the sum, then divided
+            self.slots.all_reduce(flat, "sum")
+            flat.div_(self.size, rounding_mode="trunc")
+        else:
+            self.slots.all_reduce(flat, op)
 
     def _hierarchical_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         """Inside the host through the slots, between hosts through gloo among the leaders, then the slots again."""
@@ -192,152 +213,223 @@ class DpkitBackend(BASE):
         if self.slots is not None:
             self.slots.all_reduce(flat, inner)
         if self.leaders is not None:
-            options = c10d.AllreduceOptions()
-            options.reduceOp = _OPS[inner]
-            _reduce_through_gloo([flat], lambda ts: self.leaders.allreduce(ts, options)).wait()
+            _reduce_through_gloo([flat], inner, self.size, self.leaders.allreduce, c10d.AllreduceOptions)
         if self.slots is not None:
             self.slots.broadcast(flat, 0)
         if op == "avg":
-            flat.div_(self._size)
+            _divide(flat, self.size)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
 
-    @profiled("broadcast")
-    def broadcast(self, tensors, opts=None):
-        opts = opts or c10d.BroadcastOptions()
-        if len(tensors) == 1 and self._native(tensors, "sum"):
-            _in_place(tensors[0], lambda flat: self.slots.broadcast(flat, opts.rootRank))
-            return done(tensors)
+    @profiled("reduce")
+    def reduce(self, tensors, opts=None):
+        opts = opts or c10d.ReduceOptions()
+        op = op_name(opts.reduceOp)
         check_cpu(tensors)
-        return self.gloo.broadcast([_bits(t) for t in tensors], opts)
+        check_op(op, tensors[0].dtype)
+        self.calls.refuse_if_broken()
+        root = opts.rootRank
 
-    @profiled("all_gather")
-    def allgather(self, output_lists, inputs, opts=None):
-        opts = opts or c10d.AllgatherOptions()
-        if len(inputs) == 1 and self._native([*output_lists[0], inputs[0]], "sum") \
-                and all(o.numel() == inputs[0].numel() for o in output_lists[0]):
-            gathered = torch.empty(self._size * inputs[0].numel(), dtype=inputs[0].dtype)
-            self.slots.all_gather(gathered, inputs[0].contiguous().view(-1))
-            for r, out in enumerate(output_lists[0]):
-                out.copy_(gathered.view(self._size, -1)[r].view_as(out))
-            return done(output_lists)
-        return _move_through_gloo(self.gloo.allgather, output_lists, inputs, opts)
-
-    @profiled("all_gather")
-    def all_gather_single(self, output, input, opts=None):
-        if self._native([output, input], "sum") and output.numel() == self._size * input.numel():
-            _in_place(output, lambda flat: self.slots.all_gather(flat, input.contiguous().view(-1)))
-            return done([output])
-        outputs = list(output.view(self._size, -1).unbind(0)) if output.is_contiguous() else None
-        if outputs is None:
-            raise ValueError(f"backend {NAME!r}: all_gather's output must be contiguous")
-        return self.allgather([outputs], [input.view(-1)], opts)
-
-    _allgather_base = all_gather_single  # the name torch's ProcessGroup calls where it predates the new one
+        def run():
+            _reduce_through_gloo(tensors, op, self.size, self.gloo.reduce, c10d.ReduceOptions, root=root,
+                                 divide=self.rank == root)
+        return self._submit(run, tensors)
 
     @profiled("reduce_scatter")
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        opts = opts or c10d.ReduceScatterOptions()
-        flat = torch.cat([t.reshape(-1) for t in input_lists[0]])
-        if outputs[0].numel() * self._size != flat.numel():
-            raise ValueError(f"backend {NAME!r}: reduce_scatter of uneven pieces "
-                             f"({[t.numel() for t in input_lists[0]]})")
-        return self.reduce_scatter_single(outputs[0], flat, opts)
+        pieces = input_lists[0]
+        check_cpu([*outputs, *pieces])
+        if len(outputs) != 1 or len(pieces) != self.size or any(p.numel() != outputs[0].numel() for p in pieces):
+            raise ValueError(f"backend {NAME!r}: reduce_scatter takes one output and {self.size} inputs of its size "
+                             f"({outputs[0].numel()} elements), not inputs of {[p.numel() for p in pieces]}")
+        return self.reduce_scatter_single(outputs[0], torch.cat([p.reshape(-1) for p in pieces]), opts)
 
     @profiled("reduce_scatter")
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
         op = op_name(opts.reduceOp)
-        if self._native([output, input], op) and input.numel() == self._size * output.numel():
-            _in_place(output, lambda flat: self.slots.reduce_scatter(flat, input.contiguous().view(-1), op))
-            return done([output])
+        check_cpu([output, input])
+        check_op(op, input.dtype)
+        if input.numel() != self.size * output.numel() or input.dtype != output.dtype:
+            raise ValueError(f"backend {NAME!r}: reduce_scatter's input must hold {self.size} x the output's "
+                             f"{output.numel()} elements of {output.dtype}, not {input.numel()} of {input.dtype}")
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: self._reduce_scatter_now(output, input, op), [output])
+
+    def _reduce_scatter_now(self, output, input, op) -> None:
+        if self._native([output, input], op):
+            inner = "sum" if op == "avg" and not output.dtype.is_floating_point else op
+            _in_place(output, lambda flat: self.slots.reduce_scatter(flat, input.contiguous().view(-1), inner))
+            if inner != op:
+                _divide(output, self.size)
+            return
         # gloo's own reduce-scatter takes fewer dtypes and names than its all-reduce: sum a copy, keep my slice
         whole = input.contiguous().view(-1).clone()
-        options = c10d.AllreduceOptions()
-        options.reduceOp = opts.reduceOp
-        self.allreduce([whole], options).wait()
+        self._all_reduce_now(whole, op)
         m = output.numel()
-        output.copy_(whole[self._rank * m:(self._rank + 1) * m].view_as(output))
-        return done([output])
+        output.copy_(whole[self.rank * m:(self.rank + 1) * m].view_as(output))
 
-    _reduce_scatter_base = reduce_scatter_single
+    # ---- the collectives that move data
 
-    @profiled("barrier")
-    def barrier(self, opts=None):
-        if self._size == 1:
-            return done()
-        if self.slots is not None and not self.spans_hosts:
-            self.slots.barrier()
-            return done()
-        return self.gloo.barrier(opts or c10d.BarrierOptions())
+    @profiled("broadcast")
+    def broadcast(self, tensors, opts=None):
+        opts = opts or c10d.BroadcastOptions()
+        check_cpu(tensors)
+        self.calls.refuse_if_broken()
+        if len(tensors) == 1 and self._native(tensors, "sum"):
+            return self._submit(lambda: _in_place(tensors[0], lambda flat: self.slots.broadcast(flat, opts.rootRank)),
+                                tensors)
+        return self._submit(lambda: self.gloo.broadcast([_bits(t) for t in tensors], opts).wait(), tensors)
 
-    # ---- handed to gloo (bfloat16 moved as int16 bits; reduced in float32)
+    @profiled("all_gather")
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts or c10d.AllgatherOptions()
+        check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
+        self.calls.refuse_if_broken()
+        if len(inputs) == 1 and len(output_lists[0]) == self.size \
+                and all(o.numel() == inputs[0].numel() and o.dtype == inputs[0].dtype for o in output_lists[0]):
+            return self._submit(lambda: self._all_gather_now(output_lists[0], inputs[0]), output_lists)
+        return self._submit(lambda: _move_through_gloo(self.gloo.allgather, output_lists, inputs, opts).wait(),
+                            output_lists)
 
-    def reduce(self, tensors, opts=None):
-        return _reduce_through_gloo(tensors, lambda ts: self.gloo.reduce(ts, opts or c10d.ReduceOptions()))
+    def _all_gather_now(self, outputs: list, input: torch.Tensor) -> None:
+        """``outputs[r]`` <- rank r's ``input`` (each the size of ``input``)."""
+        if not self._native([*outputs, input], "sum"):
+            _move_through_gloo(self.gloo.allgather, [outputs], [input], c10d.AllgatherOptions()).wait()
+            return
+        gathered = torch.empty(self.size * input.numel(), dtype=input.dtype)
+        self.slots.all_gather(gathered, input.contiguous().view(-1))
+        for r, out in enumerate(outputs):
+            out.copy_(gathered.view(self.size, -1)[r].view_as(out))
+
+    @profiled("all_gather")
+    def all_gather_single(self, output, input, opts=None):
+        check_cpu([output, input])
+        if output.numel() != self.size * input.numel() or output.dtype != input.dtype:
+            raise ValueError(f"backend {NAME!r}: all_gather's output must hold {self.size} x the input's "
+                             f"{input.numel()} elements of {input.dtype}, not {output.numel()} of {output.dtype}")
+        if not output.is_contiguous():
+            raise ValueError(f"backend {NAME!r}: all_gather's output must be contiguous")
+        self.calls.refuse_if_broken()
+        if self._native([output, input], "sum"):
+            return self._submit(lambda: self.slots.all_gather(output.view(-1), input.contiguous().view(-1)), [output])
+        rows = list(output.view(self.size, -1).unbind(0))
+        return self._submit(lambda: self._all_gather_now(rows, input.reshape(-1)), [output])
+
+    _allgather_base = all_gather_single  # the name torch's ProcessGroup calls where it predates the new one
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        """``output_lists[r][j]`` <- rank r's ``inputs[j]`` (torch's layout: one list per rank)."""
+        check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
+        if len(output_lists) != self.size or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(f"backend {NAME!r}: all_gather_coalesced takes one output list per rank "
+                             f"({self.size}), each as long as the inputs ({len(inputs)})")
+        self.calls.refuse_if_broken()
+
+        def run():
+            for j, input in enumerate(inputs):
+                self._all_gather_now([outs[j] for outs in output_lists], input)
+        return self._submit(run, output_lists)
 
     def gather(self, output_lists, inputs, opts=None):
-        return _move_through_gloo(self.gloo.gather, output_lists, inputs, opts or c10d.GatherOptions())
+        opts = opts or c10d.GatherOptions()
+        check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: _move_through_gloo(self.gloo.gather, output_lists, inputs, opts).wait(),
+                            output_lists)
 
     def scatter(self, outputs, input_lists, opts=None):
-        return _move_through_gloo(self.gloo.scatter, outputs, input_lists, opts or c10d.ScatterOptions())
+        opts = opts or c10d.ScatterOptions()
+        check_cpu([*outputs, *[t for ins in input_lists for t in ins]])
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: _move_through_gloo(self.gloo.scatter, outputs, input_lists, opts).wait(),
+                            outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         check_cpu([output, input])
+        self.calls.refuse_if_broken()
         call = getattr(self.gloo, "all_to_all_single", None) or self.gloo.alltoall_base
-        return call(_bits(output), _bits(input), output_splits, input_splits, opts or c10d.AllToAllOptions())
+        options = opts or c10d.AllToAllOptions()
+        return self._submit(lambda: call(_bits(output), _bits(input), output_splits, input_splits, options).wait(),
+                            [output])
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
-        """Through ``all_to_all_single`` on the pieces laid end to end (gloo has no list form)."""
-        send = torch.cat([t.reshape(-1) for t in inputs])
-        receive = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
-        self.all_to_all_single(receive, send, [t.numel() for t in outputs], [t.numel() for t in inputs], opts).wait()
-        for piece, out in zip(receive.split([t.numel() for t in outputs]), outputs):
-            out.copy_(piece.view_as(out))
-        return done()
+        """Through gloo's ``all_to_all_single`` on the pieces laid end to end (gloo has no list form)."""
+        check_cpu([*outputs, *inputs])
+        self.calls.refuse_if_broken()
+        call = getattr(self.gloo, "all_to_all_single", None) or self.gloo.alltoall_base
 
-    def send(self, tensors, dst: int, tag: int):
-        check_cpu(tensors)
-        return self.gloo.send([_bits(t) for t in tensors], dst, tag)
+        def run():
+            send = torch.cat([t.reshape(-1) for t in inputs])
+            receive = torch.empty(sum(t.numel() for t in outputs), dtype=outputs[0].dtype)
+            call(_bits(receive), _bits(send), [t.numel() for t in outputs], [t.numel() for t in inputs],
+                 opts or c10d.AllToAllOptions()).wait()
+            for piece, out in zip(receive.split([t.numel() for t in outputs]), outputs):
+                out.copy_(piece.view_as(out))
+        return self._submit(run, outputs)
 
-    def recv(self, tensors, src: int, tag: int):
-        check_cpu(tensors)
-        return self.gloo.recv([_bits(t) for t in tensors], src, tag)
-
-    def recv_anysource(self, tensors, tag: int):
-        check_cpu(tensors)
-        return self.gloo.recv_anysource([_bits(t) for t in tensors], tag)
+    # ---- coalesced calls: one work for several collectives, run in order
 
     def allreduce_coalesced(self, tensors, opts=None):
+        op = op_name((opts or c10d.AllreduceCoalescedOptions()).reduceOp)
+        check_cpu(tensors)
         for t in tensors:
-            options = c10d.AllreduceOptions()
-            options.reduceOp = (opts or c10d.AllreduceCoalescedOptions()).reduceOp
-            self.allreduce([t], options).wait()
-        return done()
+            check_op(op, t.dtype)
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: [self._all_reduce_now(t, op) for t in tensors], tensors)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self.all_gather_single(output, input, opts).wait()
-        return done(outputs)
+        check_cpu([*outputs, *inputs])
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: [self._all_gather_now(list(o.view(self.size, -1).unbind(0)), i.reshape(-1))
+                                     for o, i in zip(outputs, inputs)], outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # the older name
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self.reduce_scatter_single(output, input, opts).wait()
-        return done(outputs)
+        op = op_name((opts or c10d.ReduceScatterOptions()).reduceOp)
+        check_cpu([*outputs, *inputs])
+        self.calls.refuse_if_broken()
+        return self._submit(lambda: [self._reduce_scatter_now(o, i, op) for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        for outputs, input in zip(output_lists, inputs):
-            self.allgather([outputs], [input], opts).wait()
-        return done(output_lists)
+    # ---- barriers
 
-    def monitored_barrier(self, *args):
-        return self.gloo.monitored_barrier(*args)
+    @profiled("barrier")
+    def barrier(self, opts=None):
+        self.calls.refuse_if_broken()
+        if self.size == 1:
+            return self._submit(lambda: None)
+        if self.slots is not None and not self.spans_hosts:
+            return self._submit(self.slots.barrier)
+        options = opts or c10d.BarrierOptions()
+        return self._submit(lambda: self.gloo.barrier(options).wait())
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier (it names the ranks that did not arrive), after every call queued before it."""
+        self._submit(lambda: None).wait()
+        self.gloo.monitored_barrier(timeout, wait_all_ranks) if timeout is not None \
+            else self.gloo.monitored_barrier(wait_all_ranks=wait_all_ranks)
+
+    # ---- point to point: gloo's own works (not queued: a receive may wait for a peer's later collective)
+
+    def send(self, tensors, dst: int, tag: int):
+        check_cpu(tensors)
+        self.calls.refuse_if_broken()
+        return Delegated(self.gloo.send([_bits(t) for t in tensors], dst, tag))
+
+    def recv(self, tensors, src: int, tag: int):
+        check_cpu(tensors)
+        self.calls.refuse_if_broken()
+        return Delegated(self.gloo.recv([_bits(t) for t in tensors], src, tag))
+
+    def recv_anysource(self, tensors, tag: int):
+        check_cpu(tensors)
+        self.calls.refuse_if_broken()
+        return Delegated(self.gloo.recv_anysource([_bits(t) for t in tensors], tag))
 
 
 def _in_place(tensor: torch.Tensor, run) -> None:
@@ -359,21 +451,41 @@ def _move_through_gloo(call, outputs, inputs, opts):
     """A gloo collective that only moves data, on tensors or lists of tensors, bfloat16 as its bits."""
     def bits(x):
         return [bits(t) for t in x] if isinstance(x, list) else _bits(x)
-    check_cpu([t for x in (*outputs, *inputs) for t in (x if isinstance(x, list) else [x])])
-    return call(bits(outputs), bits(inputs), opts) if opts is not None else call(bits(outputs), bits(inputs))
+    return call(bits(outputs), bits(inputs), opts)
 
 
-def _reduce_through_gloo(tensors, call):
-    """A gloo reduction; bfloat16 tensors are reduced as float32 copies and rounded back."""
-    check_cpu(tensors)
-    if not any(t.dtype == torch.bfloat16 for t in tensors):
-        return call(tensors)
+def _reduce_through_gloo(tensors, op: str, size: int, call, options_type, root: int | None = None,
+                         divide: bool = True) -> None:
+    """A gloo reduction (an all-reduce, or a reduce to ``root``), waited for. bfloat16, which gloo lacks, is
+    reduced as float32 copies and rounded back; the mean, which gloo refuses, is the sum divided by ``size``
+    (on the ranks where ``divide``: the root of a reduce)."""
+    options = options_type()
+    options.reduceOp = _OPS["sum" if op == "avg" else op]
+    if root is not None:
+        options.rootRank = root
     wide = [t.float() if t.dtype == torch.bfloat16 else t for t in tensors]
-    call(wide).wait()
+    call(wide, options).wait()
     for t, w in zip(tensors, wide):
+        if op == "avg" and divide:
+            _divide(w, size)
         if w is not t:
             t.copy_(w)
-    return done(tensors)
+
+
+def _divide(tensor: torch.Tensor, size: int) -> None:
+    """The sum of ``size`` ranks into their mean; integers truncated toward zero, as NCCL's integer mean."""
+    if tensor.dtype.is_floating_point:
+        tensor.div_(size)
+    else:
+        tensor.div_(size, rounding_mode="trunc")
+
+
+def _incarnation(store, size: int):
+    """``store`` under a prefix of this group's own: a group made again on the same store (torch gives it the
+    prefix of the one destroyed before it) reads none of the keys an earlier one left. Every rank of one group
+    counts itself in before any rank of the next can (making a group is a collective)."""
+    arrivals = store.add(f"{NAME}/arrivals", 1)
+    return dist.PrefixStore(f"{NAME}/{(arrivals - 1) // size}", store)
 
 
 def _everyone(store, rank: int, size: int, key: str, value, timeout) -> list:
@@ -391,17 +503,104 @@ def _host_indices(store, rank: int, size: int, global_ranks: list[int], timeout)
     return number_hosts([tuple(v) for v in views], list(global_ranks) or list(range(size)), world)
 
 
+def implementation(group=None) -> DpkitBackend | None:
+    """The "dpkit" implementation behind ``group``'s CPU backend (None: another backend)."""
+    group = group or dist.group.WORLD
+    backend = group if hasattr(group, "impl") else group._get_backend(torch.device("cpu"))
+    impl = getattr(backend, "impl", None)
+    return impl if isinstance(impl, DpkitBackend) else None
+
+
 def slots_of(group=None) -> Slots | None:
     """The slots a "dpkit" group's backend exchanges through on this host (None: gloo, or across hosts)."""
-    group = group or dist.group.WORLD
-    backend = group if isinstance(group, DpkitBackend) else group._get_backend(torch.device("cpu"))
-    return backend.slots if isinstance(backend, DpkitBackend) and not backend.spans_hosts else None
+    impl = implementation(group)
+    return impl.slots if impl is not None and not impl.spans_hosts else None
 
 
-def create(options, _backend_options=None) -> DpkitBackend:
-    """What torch calls to make the backend of a group (``register_backend(..., extended_api=True)``)."""
-    return DpkitBackend(options.store, options.group_rank, options.group_size, options.timeout,
+class TorchWork(dist.Work):
+    """A ``Work`` as torch's Python-backend route takes one: it forwards only ``wait`` and ``get_future``."""
+
+    def __init__(self, work):
+        super().__init__()
+        self.work = work
+
+    def wait(self, timeout=None):
+        return self.work.wait(int(timeout.total_seconds() * 1000) if timeout else 0)
+
+    def get_future(self):
+        return self.work.get_future()
+
+
+class PythonBackend(BASE):
+    """The same implementation through torch's Python-backend route, where ``c10d_backend.cpp`` cannot be built
+    (no C++ compiler). There torch forwards only ``wait`` and ``get_future`` of a work: ``is_completed()`` stays
+    False, ``result()`` raises, a receive from any source cannot name its sender, and
+    TORCH_DISTRIBUTED_DEBUG=DETAIL is refused (README, "PyTorch's test base")."""
+
+    def __init__(self, impl: DpkitBackend):
+        super().__init__(impl.rank, impl.size)
+        self.impl = impl
+        self._names = ("", "")
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._names = (name, self._names[1])
+
+    def getGroupName(self) -> str:
+        return self._names[0]
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._names = (self._names[0], desc)
+
+    def getGroupDesc(self) -> str:
+        return self._names[1]
+
+    def shutdown(self) -> None:
+        self.impl.shutdown()
+
+    # torch reads these as properties; left to the base class, its C++ asks Python back, without end
+    supports_splitting = property(lambda self: False)
+    supports_coalescing = property(lambda self: False)
+    options = property(lambda self: c10d.Backend.Options(NAME, datetime.timedelta(seconds=self.impl.timeout_s)))
+
+    def monitored_barrier(self, *args) -> None:
+        timeout = getattr(args[0], "timeout", args[0]) if args else None
+        self.impl.monitored_barrier(timeout, *args[1:])
+
+
+def _forwarded(name: str):
+    def call(self, *args):
+        return TorchWork(getattr(self.impl, name)(*args))
+    call.__name__ = name
+    return call
+
+
+for _name in ("allreduce", "allreduce_sparse", "reduce", "reduce_scatter", "reduce_scatter_single",
+              "_reduce_scatter_base", "broadcast", "allgather", "all_gather_single", "_allgather_base",
+              "allgather_coalesced", "gather", "scatter", "all_to_all_single", "alltoall_base", "alltoall",
+              "allreduce_coalesced", "all_gather_single_coalesced", "allgather_into_tensor_coalesced",
+              "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "barrier", "send", "recv",
+              "recv_anysource"):
+    setattr(PythonBackend, _name, _forwarded(_name))
+
+
+def compiled():
+    """The module of ``c10d_backend.cpp``, built at first use (None: no C++ compiler, or DPKIT_NATIVE=0)."""
+    return native.load_extension("c10d_backend")
+
+
+def create(options, _backend_options=None):
+    """What torch calls to make the backend of a group (``register_backend(..., extended_api=True)``). The C++
+    face is built (or found in the cache) before any rank waits for a peer, so no peer times out meanwhile."""
+    face = compiled()
+    impl = DpkitBackend(options.store, options.group_rank, options.group_size, options.timeout,
                         list(options.global_ranks_in_group))
+    return face.Backend(impl.rank, impl.size, impl) if face is not None else PythonBackend(impl)
 
 
 def register() -> None:
