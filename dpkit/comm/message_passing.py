@@ -9,8 +9,9 @@ Every algorithm has the contract of ``torch.distributed.all_reduce``, ``f(tensor
 before the first message. ``ring_allreduce``, ``butterfly_allreduce``, ``halving_doubling_allreduce``
 (Rabenseifner), ``recursive_doubling_allreduce``, ``tree_allreduce`` (pipelined); ``allreduce`` runs
 one by name, or "auto": the one ``CROSSOVER`` names for the size and world size (results/crossover.json,
-which ``collectives_benchmark.py --tune`` writes, over ``DEFAULT_CROSSOVER``). ``reduce_scatter`` and
-``all_gather`` are the ring's two halves. The homework's script, ``allreduce.py``, compares them.
+which ``collectives_benchmark.py --tune`` writes, over ``DEFAULT_CROSSOVER``; read at auto's first use, not at
+import). ``reduce_scatter`` and ``all_gather`` are the ring's two halves. The homework's script,
+``allreduce.py``, compares them.
 """
 
 from __future__ import annotations
@@ -565,7 +566,8 @@ def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segmen
 # so it lives in a results file: ``python collectives_benchmark.py --tune`` writes results/crossover.json on the
 # machine it times (runs with more processes than cores order the algorithms under contention, not as they
 # would on a cluster). A world size the file lacks, or a missing file, takes the row of DEFAULT_CROSSOVER,
-# which an earlier --tune run on a 2-core machine gave.
+# which an earlier --tune run on a 2-core machine gave. Read when auto first needs it (``crossover_for``), not at
+# import: importing the package reads no results file.
 # The checkout's results/ (beside the package), where the benchmark writes it.
 CROSSOVER_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "results", "crossover.json")
@@ -643,7 +645,7 @@ def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None, wa
     the last bound None. A world size it lacks uses the nearest measured one, with a warning once
     per process (``allreduce`` lets only group rank 0 warn).
     """
-    table = CROSSOVER if table is None else table
+    table = crossover_for("cpu") if table is None else table
     for bound, name in table[_nearest_world_size(world_size, table, warn)]:
         if bound is None or nbytes <= bound:
             return name
@@ -693,16 +695,31 @@ def auto_algorithm(tensor: torch.Tensor, group=None) -> str:
     return choose_algorithm(nbytes, n, table, warn=rank == 0)
 
 
-_CROSSOVERS: dict[str, dict] = {}  # device type -> its table, read once
+_CROSSOVERS: dict[str, dict] = {}  # device type other than the CPU -> its table, read at first use
+_CROSSOVER_READ = threading.Lock()  # two threads' first auto calls read the file once
 
 
 def crossover_for(device: str) -> dict[int, tuple]:
-    """auto's table for tensors on ``device`` (a device type): ``CROSSOVER`` on the CPU, else read once."""
-    if device == "cpu":
-        return CROSSOVER
-    if device not in _CROSSOVERS:
-        _CROSSOVERS[device] = load_crossover(CROSSOVER_FILE, device)
-    return _CROSSOVERS[device]
+    """auto's table for tensors on ``device`` (a device type), read from ``CROSSOVER_FILE`` the first time it is
+    needed and kept: on the CPU it is ``CROSSOVER`` (which a test may set to its own table), else ``_CROSSOVERS``."""
+    global CROSSOVER
+    with _CROSSOVER_READ:
+        if device != "cpu":
+            if device not in _CROSSOVERS:
+                _CROSSOVERS[device] = load_crossover(CROSSOVER_FILE, device)
+            return _CROSSOVERS[device]
+        try:
+            return CROSSOVER
+        except NameError:  # auto's first use on the CPU
+            CROSSOVER = load_crossover(CROSSOVER_FILE)
+            return CROSSOVER
+
+
+def __getattr__(name: str):
+    """``CROSSOVER`` (what auto uses on the CPU), read at its first use, ``from ... import CROSSOVER`` included."""
+    if name == "CROSSOVER":
+        return crossover_for("cpu")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --------------------------------------------------------------------------- reference
@@ -729,7 +746,6 @@ ALGORITHMS: dict[str, Callable[..., torch.Tensor]] = {
 # The point-to-point algorithms as ``allreduce(algorithm=...)`` runs them: f(flat, rank, n, group) sums in place.
 SUMS: dict[str, Callable[..., None]] = {"ring": _ring, "butterfly": _butterfly, "halving_doubling": _halving_doubling,
                                           "recursive_doubling": _recursive_doubling, "tree": _tree}
-CROSSOVER = load_crossover()  # what auto uses
 
 
 # --------------------------------------------------------------------------- sharded collectives
