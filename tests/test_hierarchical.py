@@ -194,11 +194,12 @@ def bad_layouts(fresh: list) -> dict:
 
 
 def blind_rank_1() -> contextlib.AbstractContextManager:
-    """On global rank 1, the shared-memory files the others made are invisible (as on another machine)."""
+    """On global rank 1, the shared-memory files the others made cannot be opened (as on another machine: they are
+    reached through the maker's /proc/<pid>/fd)."""
     real_open = os.open
 
     def blind(path, flags, *args, **kwargs):
-        if os.path.basename(str(path)).startswith("dp-kit-") and not flags & os.O_CREAT:
+        if str(path).startswith("/proc/") and "/fd/" in str(path):
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
         return real_open(path, flags, *args, **kwargs)
     return mock.patch.object(shared_memory.os, "open", blind) if dist.get_rank() == 1 else contextlib.nullcontext()

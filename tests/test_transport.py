@@ -37,7 +37,7 @@ from torch import nn
 import allreduce
 from common import CollectiveCounter, launch_expecting_peer_failure, refused, run_in_subgroups
 from dpkit import compat
-from dpkit.comm import process_groups, shared_memory
+from dpkit.comm import process_groups, shared_file, shared_memory
 from dpkit.comm import transport
 from dpkit.comm.process_groups import PeerFailedError
 
@@ -563,35 +563,44 @@ def _without_room(group) -> dict:
     return out
 
 
+def _made(make) -> str | tuple[str, str]:
+    """The class of what ``make()`` returned (closed at once, if a transport), or (the ValueError's class, message)."""
+    try:
+        made = make()
+    except ValueError as error:
+        return type(error).__name__, str(error)
+    if isinstance(made, transport.Transport):
+        made.close()
+    return type(made).__name__
+
+
 def _apart(group) -> dict:
-    """Ranks that cannot see each other's files: each in a directory of its own, or rank 1 blind to the others'."""
+    """Ranks that cannot map each other's files: rank 1 in another PID namespace (simulated), or blind to the
+    others' (it cannot open another process's /proc/<pid>/fd); and each rank in a directory of its own, which
+    is not apart: the files have no name there, a peer reaches them through /proc."""
     rank = dist.get_rank(group)
     ranks = dist.get_process_group_ranks(group)
-    out = {}
     directory = tempfile.mkdtemp(prefix="dp-kit-test-")
-    try:
-        transport.SharedMemory(group, directory=directory)
-        out["directories"] = None
-    except ValueError as error:
-        out["directories"] = (type(error).__name__, str(error))
+    out = {"directories": _made(lambda: transport.SharedMemory(group, directory=directory))}
     out["directory left"] = os.listdir(directory)
     shutil.rmtree(directory, ignore_errors=True)
 
+    elsewhere = shared_file.pid_namespace() + 1
+    with mock.patch.object(shared_file, "pid_namespace", lambda: elsewhere) if rank == 1 else contextlib.nullcontext():
+        out["namespaces"] = _made(lambda: transport.SharedMemory(group))
+
     real_open = os.open
 
-    def blind(path, flags, *args, **kwargs):  # this rank sees no file of /dev/shm it did not create
-        if os.path.basename(path).startswith("dp-kit-") and not flags & os.O_CREAT:
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+    def blind(path, flags, *args, **kwargs):  # this rank may not open another process's descriptors
+        if path.startswith("/proc/") and "/fd/" in path:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
         return real_open(path, flags, *args, **kwargs)
     fresh = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(2)]  # resolve caches per group
     with mock.patch.object(shared_memory.os, "open", blind) if rank == 1 else contextlib.nullcontext():
         for case, call in (("constructor", lambda: transport.SharedMemory(group)),
                            ("auto", lambda: transport.resolve("auto", fresh[0])),
                            ("shared_memory", lambda: transport.resolve("shared_memory", fresh[1]))):
-            try:
-                out[case] = type(call()).__name__
-            except ValueError as error:
-                out[case] = (type(error).__name__, str(error))
+            out[case] = _made(call)
     return out
 
 
@@ -1111,21 +1120,23 @@ def test_a_rank_without_room_to_stage_sends_that_call_through_torch_on_every_ran
 
 @pytest.mark.parametrize("n", SIZES_N)
 def test_ranks_that_cannot_see_each_others_files_raise_not_one_host_on_every_rank(grids, n):
-    """Each rank in a directory of its own, or rank 1 blind to the files the others made: the
-    constructor raises NotOneHost (a ValueError) on every rank, and leaves no file behind; resolve
-    "auto" falls back to torch, resolve "shared_memory" raises."""
+    """Rank 1 in another PID namespace, or blind to the files the others made: the constructor raises
+    NotOneHost (a ValueError) on every rank, saying why; resolve "auto" falls back to torch, resolve
+    "shared_memory" raises. A directory of its own for each rank is no obstacle, and holds nothing after."""
     for out in grids[n]:
         got = out["apart"]
-        for case in ("directories", "constructor", "shared_memory"):
+        for case in ("namespaces", "constructor", "shared_memory"):
             assert got[case] is not None and got[case][0] == "NotOneHost", (case, got[case])
             assert "needs every rank of the group on this host" in got[case][1], case
-        assert got["directory left"] == []
+        assert "ranks in different PID namespaces cannot open each other's shared file" in got["namespaces"][1]
+        assert "rank 1 cannot map rank 0's control file: cannot open /proc/" in got["constructor"][1]
         assert got["auto"] == "Torch"
+        assert got["directories"] == "SharedMemory" and got["directory left"] == []
 
 
 def test_nothing_is_left_in_dev_shm(grids):
-    """The files are unlinked once every rank mapped them (or failed to): whatever happened, nothing
-    named after a worker of this run stays in /dev/shm."""
+    """The files never have a name (``shared_file``): whatever happened, nothing named after a worker of this
+    run is in /dev/shm."""
     pids = {out["pid"] for outs in grids.values() for out in outs}
     assert [path for pid in pids for path in glob.glob(f"{transport.SHM_DIRECTORY}/dp-kit-{pid}-*")] == []
 
@@ -1230,8 +1241,8 @@ def _killed_between_the_synchronisations(ctx, victim: int):
 def test_a_rank_killed_in_the_middle_of_a_shared_memory_all_reduce_fails_the_others_naming_it():
     """Rank 1 of 3 dies (SIGKILL) between the call's two synchronisations: ranks 0 and 2 raise
     PeerFailedError naming rank 1 within the group's timeout (before it runs out, here: the peer's
-    process is gone, which they can see), and no file is left in /dev/shm (the files were unlinked
-    at set-up, so not even a killed process can leave one)."""
+    process is gone, which they can see), and no file is left in /dev/shm (the files never had a
+    name, so not even a killed process can leave one)."""
     pg_timeout_s = 5.0
     codes, results, pids = launch_to_the_end(_killed_between_the_synchronisations, 3, 1, pg_timeout_s=pg_timeout_s)
     assert codes == [0, -signal.SIGKILL, 0], codes

@@ -5,4 +5,5 @@ transport's collectives in the background), and the transports: ``interface`` (w
 place a transport is chosen, by name or "auto"), ``pytorch_adapters`` (PyTorch's DDP and fully_shard over a
 transport) and ``transport``, which names all of them in one place; ``backend`` (the torch.distributed
 backend "dpkit": unchanged PyTorch code over this host's shared memory) and ``slots`` (its shared-memory
-engine for small messages)."""
+engine for small messages); ``shared_file`` (the file one rank makes and its peers map, with no name, and
+the wait in it) under both ``slots`` and ``shared_memory``."""

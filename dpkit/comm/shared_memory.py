@@ -7,18 +7,21 @@
 Every rank owns an arena that every other rank maps; a tensor ``allocate`` returned lives there, so
 a sum reads each rank's buffer where it lies, with no copy in or out. Any other tensor is staged
 through the arena. Ranks meet through a control file (counters and descriptors of the call in
-progress); a peer that dies or stops answering fails the call on every rank, naming it. Without room
-in /dev/shm every collective goes through ``torch_transport``'s.
+progress). The files are ``shared_file``'s: anonymous, made in /dev/shm, reached through the maker's
+/proc/<pid>/fd and checked before they are mapped (``NotOneHost`` on every rank, saying why, when a
+rank cannot); no kill leaves one behind. A peer that dies, breaks or stops answering fails the call on
+every rank, naming it, and the transport refuses every later call. Without room in /dev/shm every
+collective goes through ``torch_transport``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import platform
 import threading
-import time
 import warnings
 import weakref
 from typing import Callable
@@ -27,26 +30,25 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dpkit.comm import torch_transport
+from dpkit.comm import shared_file, torch_transport
 from dpkit.comm.checks import bounds
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
-from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError, start_time
+from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
+from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "mean")
 # Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
 SHARED_MEMORY_RANGE = "shared_memory:{}"
-SHM_DIRECTORY = "/dev/shm"
 
-# Every rank owns an arena: a sparse file of /dev/shm as large as /dev/shm itself, mapped by every rank
-# of the group (virtual memory only: a page exists once it is allocated). ``allocate`` hands out pieces
+# Every rank owns an arena: a sparse anonymous file of /dev/shm as large as /dev/shm itself, mapped by every
+# rank of the group (virtual memory only: a page exists once it is allocated). ``allocate`` hands out pieces
 # of the caller's arena, allocating their pages first (posix_fallocate: a full /dev/shm says ENOSPC there,
-# not SIGBUS at the first write). A control file holds one 64-byte record per rank: a counter of the
-# synchronisations it reached and the descriptor of its part of the call in progress (which collective,
-# dtype, bytes, where its data lies in its arena). The files are unlinked as soon as every rank mapped
-# them: nothing stays in /dev/shm, whatever happens to the processes later.
+# not SIGBUS at the first write). A control file (group rank 0's) holds one 128-byte record per rank: a
+# counter of the synchronisations it reached, the descriptor of its part of the call in progress (which
+# collective, dtype, bytes, where its data lies in its arena), and ``shared_file``'s identity and broken words.
 
 # x86 keeps a core's stores in order, so a peer that sees a rank's counter also sees the data written
 # before it: ranks wait for each other by polling counters. Elsewhere they synchronise with a message.
@@ -54,8 +56,8 @@ POLLS = platform.machine().lower() in ("x86_64", "amd64")
 ALIGN = 64  # bytes: every allocation starts on a cache line
 # A chunk is summed and copied to the peers block by block, so the copies read the sum from the cache.
 BLOCK_BYTES = 1 << 20
-_RECORD = 16  # int64 words per rank in the control file: two cache lines
-_COUNTER, _KIND, _DTYPE, _NBYTES, _OP, _STATUS, _OFFSET, _PID, _STARTED = range(9)  # [_KIND, _OP] must agree
+_RECORD = shared_file.RECORD_WORDS  # int64 words per rank in the control file
+_KIND, _DTYPE, _NBYTES, _OP, _STATUS, _OFFSET = range(1, 7)  # after the counter; [_KIND, _OP] must agree
 _KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 _OK, _NO_ROOM = 0, 1
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
@@ -140,7 +142,6 @@ class SharedMemory(Transport):
         self._fallback: Torch | None = None
         self._warned = False
         self._syncs = 0
-        self._peers_visible: bool | None = None  # known after the first meeting (``_see_peers``)
         self._peer_views: dict[tuple, torch.Tensor] = {}  # (rank, offset, bytes, dtype) -> view (``_peer``)
         self._chunk_views: dict[tuple, tuple] = {}  # (offsets, bytes, dtype) -> this rank's chunks (``_chunks``)
         self._staging: tuple[int, torch.Tensor] | None = None  # (offset, uint8 block) kept for later calls
@@ -152,46 +153,44 @@ class SharedMemory(Transport):
 
     def _map(self, directory: str) -> None:
         n, rank = self.world_size, self.rank
-        prefix = self._file_prefix(directory)
-        size = _arena_size(directory)
-        names = [f"{prefix}-{r}" for r in range(n)]
-        control_name, control_size = f"{prefix}-control", 8 * _RECORD * (n + 1)
-        status, fds = 0, []
+        size, control_size = _arena_size(directory), 8 * _RECORD * (n + 1)
+        status, why, made = _make_files(size, control_size if rank == 0 else 0, directory)
+        mappings, whys = [], []
         try:
-            status = _make_files(names[rank], size, control_name if rank == 0 else None, control_size)
-            status = _agree(status, self.group)  # every file exists, or every rank knows why not
-            if status == 0:
-                status, fds = _open_all(names, control_name)
-            status = _agree(status, self.group)  # every rank mapped every file (or failed): they can go
+            everyone = _gather((status, [shared_file.describe(fd) for fd in made]), self.group)
+            status = max(theirs for theirs, _ in everyone)
+            if status == _SETUP_OK:
+                mappings, why = _attach_all([words for _, words in everyone], made, rank, size, control_size)
+            if mappings:
+                shared_file.sign(_records(mappings[0], n)[rank])  # before any peer can wait for this rank
+            whys = _gather(why, self.group)  # every rank mapped every file, or failed: the makers may let go
         finally:
-            for name in (names[rank], control_name if rank == 0 else None):
-                if name is not None and os.path.exists(name):
-                    os.unlink(name)
+            used = status == _SETUP_OK and bool(whys) and not any(whys)
+            for fd in made[1 if used else 0:]:  # the mappings keep the files; a used arena's fd allocates pages
+                os.close(fd)
+        if used:
+            self._install(mappings, made[0], size)
+            return
+        for mapping in mappings:
+            mapping.close()
         if status == _SETUP_NO_ROOM:
             self._fall_back(f"/dev/shm has no room for the control file of {n} ranks")
             return
-        if status != 0:
-            for fd in fds:
-                os.close(fd)
-            raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host, sharing "
-                             f"{directory}: some rank of {self.ranks} cannot open the files the others made; "
-                             "use transport 'torch' (or 'auto') for a group that spans hosts")
-        control_fd, arena_fds = fds[0], fds[1:]
-        control = mmap.mmap(control_fd, control_size)
-        os.close(control_fd)
-        self._control = np.frombuffer(control, np.int64)[_RECORD:].reshape(n, _RECORD)  # record per rank
-        self._control[rank, _PID], self._control[rank, _STARTED] = os.getpid(), start_time(os.getpid())
-        mappings = [mmap.mmap(fd, size) for fd in arena_fds]
-        self._arena = _Arena(arena_fds[rank], size, mappings[rank])
-        for r, fd in enumerate(arena_fds):
-            if r != rank:
-                os.close(fd)
-        self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in mappings]  # every rank's arena, bytes
-        self._base = self._views[rank].data_ptr()
+        raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host, able to map the "
+                         f"files the others made: {'; '.join(w for w in whys if w)}; use transport 'torch' "
+                         "(or 'auto') for a group that spans hosts")
+
+    def _install(self, mappings: list[mmap.mmap], arena_fd: int, size: int) -> None:
+        """Use the mapped files: [control, arena of rank 0, ..., of rank n-1]; ``arena_fd``: this rank's arena."""
+        control, arenas = mappings[0], mappings[1:]
+        self._control = _records(control, self.world_size)  # record per rank
+        self._arena = _Arena(arena_fd, size, arenas[self.rank])
+        self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in arenas]  # every rank's arena, bytes
+        self._base = self._views[self.rank].data_ptr()
         self._size = size
         for view in self._views:
             claim_memory(view.data_ptr(), size, self)
-        weakref.finalize(self, _forget_arenas, [view.data_ptr() for view in self._views], os.close, arena_fds[rank])
+        weakref.finalize(self, _forget_arenas, [view.data_ptr() for view in self._views], os.close, arena_fd)
 
     def _check_one_host(self) -> None:
         """NotOneHost on every rank when the group's ranks are on several (real or simulated) hosts."""
@@ -201,14 +200,6 @@ class SharedMemory(Transport):
             raise NotOneHost(f"transport 'shared_memory' needs every rank of the group on this host: ranks "
                              f"{self.ranks} are on {len(set(spread))} hosts{simulated}; use transport 'auto' "
                              "or 'hierarchical' (or 'torch') for a group that spans hosts")
-
-    def _file_prefix(self, directory: str) -> str:
-        name = torch.zeros(2, dtype=torch.int64)
-        if self.rank == 0:
-            name[:] = torch.tensor([os.getpid(), int.from_bytes(os.urandom(7), "little")])
-        dist.broadcast(name, group_src=0, group=self.group)
-        pid, token = name.tolist()
-        return os.path.join(directory, f"dp-kit-{pid}-{token:x}")
 
     def _collective_group(self):
         """The group a fallback through torch uses: the communication thread's own when there is one, so that
@@ -358,56 +349,19 @@ class SharedMemory(Transport):
         return table
 
     def _meet(self) -> None:
-        """Returns on every rank once every rank has called it as often; a rank that has not within the
-        group's timeout fails the call with ``PeerFailedError`` naming it."""
+        """Returns on every rank once every rank has called it as often. Else ``PeerFailedError`` naming the ranks
+        that hold it up (``shared_file.wait_for``: one that broke, one whose process is gone, one late past the
+        group's timeout), and the transport refuses every later call: the ranks' meetings no longer pair up."""
         self._syncs += 1
         if not POLLS:
             dist.all_reduce(torch.zeros(1), group=self._comm.group if self._comm is not None else self.group)
             return
-        counters = self._control[:, _COUNTER]
-        counters[self.rank] = self._syncs
-        deadline, polls, look = None, 0, 0.0
-        while counters.min() < self._syncs:
-            polls += 1
-            if polls < 1000:
-                os.sched_yield()  # an oversubscribed peer needs this core
-                continue
-            time.sleep(1e-4)
-            now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
-            if now > look:  # a peer's process that is gone will never count: say so now, not at the timeout
-                look = now + 0.1
-                self._fail_if_a_late_peer_died(counters)
-            if now > deadline:
-                late = [r for r in range(self.world_size) if counters[r] < self._syncs]
-                self._fail(f"a peer failed, diverged or stopped answering: rank(s) {late} did not reach the "
-                           f"shared-memory collective within the {self.timeout_s:g} s process-group timeout")
-        if self._peers_visible is None:
-            self._see_peers()
-
-    def _fail_if_a_late_peer_died(self, counters: np.ndarray) -> None:
-        """PeerFailedError naming the late ranks whose process no longer exists: only where the peers' processes
-        are this process's to see (``_peers_visible``: same PID namespace)."""
-        if not self._peers_visible:
-            return
-        records = self._control
-        dead = [r for r in range(self.world_size) if counters[r] < self._syncs
-                and start_time(int(records[r, _PID])) != int(records[r, _STARTED])]
-        if dead:
-            self._fail(f"a peer failed: rank(s) {dead} did not reach the shared-memory collective: their process "
-                       "is gone (killed or crashed)")
-
-    def _fail(self, why: str) -> None:
-        """Raise PeerFailedError; the transport refuses every later call (the ranks' meetings no longer pair up)."""
-        self._broken = why
-        raise PeerFailedError(f"rank {self.rank}/{self.world_size}: {why}")
-
-    def _see_peers(self) -> None:
-        """After the first meeting (every peer alive, its pid written): whether their pids and start times
-        are visible in this process's /proc, i.e. whether a dead peer can be told from a slow one."""
-        records = self._control
-        self._peers_visible = all(start_time(int(records[r, _PID])) == int(records[r, _STARTED])
-                                  for r in range(self.world_size))
+        self._control[self.rank, COUNTER] = self._syncs
+        try:
+            shared_file.wait_for(self._control, self._syncs, self.rank, self.timeout_s)
+        except PeerFailedError as error:
+            self._broken = str(error)
+            raise
 
     def _fall_back_for_call(self, table: np.ndarray, fallback: Callable[[], None]) -> bool:
         """After the first meet: True if the call went through ``Torch`` (a rank had no room to stage)."""
@@ -479,7 +433,7 @@ class SharedMemory(Transport):
             self._meet()  # no rank reads my input any more
 
 
-_SETUP_NO_ROOM, _SETUP_NOT_SHARED = 1, 2
+_SETUP_OK, _SETUP_NO_ROOM, _SETUP_NOT_SHARED = 0, 1, 2
 
 
 class NotOneHost(ValueError):
@@ -492,41 +446,54 @@ def _arena_size(directory: str) -> int:
     return max(1 << 20, stats.f_blocks * stats.f_frsize) // ALIGN * ALIGN
 
 
-def _make_files(arena: str, size: int, control: str | None, control_size: int) -> int:
-    """This rank's arena file (sparse) and, on group rank 0, the control file (allocated: it is written at once)."""
+def _make_files(size: int, control_size: int, directory: str) -> tuple[int, str | None, list[int]]:
+    """This rank's arena (sparse) and, when ``control_size`` (group rank 0), the control file (allocated: it is
+    written at once): (status, why not, their descriptors)."""
+    made = []
     try:
-        fd = os.open(arena, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(fd, size)
-        os.close(fd)
-        if control is not None:
-            fd = os.open(control, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, control_size)
-            finally:
-                os.close(fd)
+        made.append(shared_file.make(size, directory=directory))
+        if control_size:
+            made.append(shared_file.make(control_size, allocate=True, directory=directory))
     except OSError as error:
-        return _SETUP_NO_ROOM if error.errno == 28 else _SETUP_NOT_SHARED  # 28: ENOSPC
-    return 0
-
-
-def _open_all(names: list[str], control: str) -> tuple[int, list[int]]:
-    """File descriptors of the control file and of every rank's arena, or a failure status."""
-    fds = []
-    try:
-        for name in (control, *names):
-            fds.append(os.open(name, os.O_RDWR))
-    except OSError:
-        for fd in fds:
+        for fd in made:
             os.close(fd)
-        return _SETUP_NOT_SHARED, []
-    return 0, fds
+        if error.errno == errno.ENOSPC:
+            return _SETUP_NO_ROOM, "/dev/shm has no room", []
+        return _SETUP_NOT_SHARED, f"cannot make a file in {directory} ({error})", []
+    return _SETUP_OK, None, made
 
 
-def _agree(status: int, group) -> int:
-    """The largest status of any rank, on every rank (a collective)."""
-    value = torch.tensor([status], dtype=torch.int64)
-    dist.all_reduce(value, dist.ReduceOp.MAX, group=group)
-    return int(value.item())
+def _attach_all(words: list[list], made: list[int], rank: int, size: int,
+                control_size: int) -> tuple[list[mmap.mmap], str | None]:
+    """[the control file, the arena of rank 0, ..., of rank n-1] mapped, or ([], why this rank could not).
+    ``words[r]``: what rank r published for the files it made (its arena; on rank 0 then the control file)."""
+    wanted = [(0, 1, control_size, "control file")] + [(r, 0, size, "arena") for r in range(len(words))]
+    mappings = []
+    for maker, which, nbytes, what in wanted:
+        try:
+            fd = made[which] if maker == rank else shared_file.attach(words[maker][which], nbytes)
+            try:
+                mappings.append(mmap.mmap(fd, nbytes))
+            finally:
+                if maker != rank:
+                    os.close(fd)
+        except (shared_file.Refused, OSError) as error:
+            for mapping in mappings:
+                mapping.close()
+            return [], f"rank {rank} cannot map rank {maker}'s {what}: {error}"
+    return mappings, None
+
+
+def _records(control: mmap.mmap, n: int) -> np.ndarray:
+    """The control file's records, one row per rank (after a first record that stays unused)."""
+    return np.frombuffer(control, np.int64)[_RECORD:].reshape(n, _RECORD)
+
+
+def _gather(value, group) -> list:
+    """Every rank's ``value``, in group rank order, on every rank (a collective)."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
 
 
 def _forget_arenas(bases: list[int], close: Callable[[int], None], fd: int) -> None:

@@ -1,44 +1,56 @@
 """Slots: the ranks of one host exchange messages through two slots per rank in one shared file.
 
-    slots = Slots(store, rank, size, timeout_s)     # a collective over a c10d store; None without room
-    slots.all_reduce(t, "sum")                      # in place; also broadcast, all_gather, reduce_scatter
-    slots.buffer(n, torch.float32)                  # a tensor in this rank's next slot: no copy in
+    slots = Slots.open(store, rank, size, timeout_s)   # a collective over a c10d store; None without the file
+    slots.all_reduce(t, "sum")                         # in place; also broadcast, all_gather, reduce_scatter
+    slots.buffer(n, torch.float32)                     # a tensor in this rank's next slot: no copy in
+    slots.break_group("gloo failed")                   # a failure elsewhere: every peer's next wait raises
 
-The scheme is DeepSpeed's "symmetric naive" all-reduce. Every rank owns a header (an epoch counter
-and, per slot, the descriptor of the message in it) and two data slots. A call of E pieces is E
-epochs: a rank copies its piece into slot ``epoch % 2``, writes the descriptor, then its counter;
-it waits until every peer's counter reaches the epoch, checks the descriptors against its own, and
-reduces every rank's slot straight into its output, in rank order (so every rank gets the same bits).
-One wait per piece, no second one: a rank writes slot s again two epochs later, when every peer has
-posted the epoch between and so has finished reading it. A message longer than a slot goes piece by
-piece. x86 keeps a core's stores in order, so a peer that sees the counter sees the data.
+Set-up (``shared_file``): rank 0 makes an anonymous file in /dev/shm and publishes through the store
+only its pid, start time, PID namespace and descriptor; every rank maps it after checking it is that
+file. Nothing ever has a name, so no kill leaves a file behind. Without room in /dev/shm, or when a
+rank refuses the file (warned, saying why), ``open`` returns None on every rank.
 
-The wait is bounded: within the timeout, or at once when a late peer's process is gone, it raises
-``PeerFailedError`` naming the ranks. The file is unlinked as soon as every rank mapped it.
+The scheme is DeepSpeed's "symmetric naive" all-reduce. Every rank owns a header (a counter, per slot
+the descriptor of the message in it, who it is) and two data slots. A call of E pieces is E epochs: a rank
+copies its piece into slot ``epoch % 2``, writes the descriptor, then its counter; it waits until
+every peer's counter reaches the epoch, checks the descriptors, and reduces every rank's slot straight
+into its output, in rank order (so every rank gets the same bits). A rank writes slot s again two
+epochs later, when every peer has posted the epoch between and so has finished reading it. x86 keeps
+a core's stores in order, so a peer that sees the counter sees the data.
+
+The wait (``shared_file.wait_for``) raises ``PeerFailedError`` naming the ranks that hold it up: at once
+when one broke, within a tenth of a second when one's process is gone, at the timeout otherwise. Broken
+means broken: once a call raised on a rank, for whatever reason, its header says so (``broken`` word,
+with a code) and its every later call raises at once, naming the first failure, so no call can ever
+pair with another rank's call of another step.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import mmap
 import os
-import time
+import warnings
 from typing import Callable
 
 import numpy as np
 import torch
 
-from dpkit.comm.process_groups import PeerFailedError, start_time
+from dpkit.comm import shared_file
+from dpkit.comm.process_groups import PeerFailedError
+from dpkit.comm.shared_file import SHM_DIRECTORY
 
 SLOT_BYTES = 1 << 21  # one slot; a message longer than this goes piece by piece
-HEADER_WORDS = 16  # int64 words per rank: two cache lines
-_COUNTER, _PID, _STARTED = 0, 1, 2
-_DESCRIPTOR = 3  # the descriptor of slot p: words [3 + 5p, 8 + 5p): kind, dtype, numel, op, root
+HEADER_WORDS = shared_file.RECORD_WORDS  # int64 words per rank: counter, descriptors, identity, broken word
+_DESCRIPTOR = 1  # the descriptor of slot p: words [1 + 5p, 6 + 5p): kind, dtype, numel, op, root
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)
 KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
 OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none")
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
+FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
+_MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
 
 
 def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
@@ -60,44 +72,46 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
 class Slots:
     """The slots of ``size`` ranks of one host (see the module docstring). Make it with ``Slots.open``."""
 
-    def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float, label: str):
-        self.rank, self.size, self.timeout_s, self.label = rank, size, timeout_s, label
+    def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float):
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._mapping = mapping
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         words = np.frombuffer(mapping, np.int64, count=HEADER_WORDS * size)
         self._headers = words.reshape(size, HEADER_WORDS)  # live: peers write theirs
-        self._counters = self._headers[:, _COUNTER]
+        self._counters = self._headers[:, shared_file.COUNTER]
         self._mine = self._headers[rank]
-        self._mine[_PID], self._mine[_STARTED] = os.getpid(), start_time(os.getpid())
+        shared_file.sign(self._mine)
         self._epoch = 0
         self._views: dict[tuple, torch.Tensor] = {}
         self._spins = SPINS if size <= len(os.sched_getaffinity(0)) else 0  # oversubscribed: yield at once
-        self._peers_visible: bool | None = None
+        self._broken: str | None = None  # the first failure: every later call refuses, naming it
 
     @staticmethod
-    def open(store, rank: int, size: int, timeout_s: float, directory: str = "/dev/shm") -> "Slots | None":
-        """Make (rank 0), map (every rank) and unlink the shared file through ``store``; None on every rank
-        when /dev/shm has no room for it. A collective over the ranks of ``store``."""
+    def open(store, rank: int, size: int, timeout_s: float, directory: str = SHM_DIRECTORY) -> "Slots | None":
+        """Rank 0 makes the shared file and publishes its words through ``store``; every rank checks and maps it.
+        None on every rank when /dev/shm has no room for it or a rank refused it (warned on rank 0, saying why).
+        A collective over the ranks of ``store``."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        nbytes = 8 * HEADER_WORDS * size + 2 * SLOT_BYTES * size
-        if rank == 0:
-            store.set("slots/name", _make_file(directory, nbytes))
-        store.wait(["slots/name"], timeout)
-        name = store.get("slots/name").decode()
-        if not name:
-            return None
+        own, published = _make(file_bytes(size), directory) if rank == 0 else (None, "")
         try:
-            fd = os.open(name, os.O_RDWR)
-            try:
-                mapping = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            store.set(f"slots/mapped/{rank}", "1")
-            store.wait([f"slots/mapped/{r}" for r in range(size)], timeout)
+            if rank == 0:
+                store.set(FILE_KEY, published)  # rank 0 keeps its own words: it never reads them back
+            else:
+                store.wait([FILE_KEY], timeout)
+                published = store.get(FILE_KEY).decode()
+            if published == _NO_ROOM:
+                return None
+            slots, why = _map(published, own, rank, size, timeout_s)
+            store.set(f"{_MAPPED}{rank}", why)  # "": mapped
+            store.wait([f"{_MAPPED}{r}" for r in range(size)], timeout)
+            refusals = [(r, store.get(f"{_MAPPED}{r}").decode()) for r in range(size)]
         finally:
-            if rank == 0 and os.path.exists(name):
-                os.unlink(name)  # every rank mapped it (or one failed): nothing stays in /dev/shm
-        return Slots(mapping, rank, size, timeout_s, os.path.basename(name))
+            if own is not None:
+                os.close(own)  # every peer holds the file now, or gave up: the mappings keep it
+        if any(why for _, why in refusals):
+            _refused(slots, rank, [(r, why) for r, why in refusals if why])
+            return None
+        return slots
 
     # ---- one exchange: post a piece, wait for every rank's, use them
 
@@ -116,14 +130,24 @@ class Slots:
     def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This rank's slot of the next epoch, for a message of at most one slot written in place:
         ``all_reduce(slots.buffer(n, dtype), op, posted=True)`` skips the copy in."""
-        if numel * dtype.itemsize > SLOT_BYTES:
+        self._refuse_if_broken()
+        if numel * dtype.itemsize > SLOT_BYTES:  # a question asked here alone: nothing posted, nothing broken
             raise ValueError(f"a slot holds {SLOT_BYTES} bytes, not {numel} elements of {dtype}")
         return self.slot(self.rank, (self._epoch + 1) % 2, dtype, numel)
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
                  use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False) -> None:
         """For each piece [lo, hi) of ``flat`` (1-D, contiguous): copy it into this rank's slot (when ``post``),
-        wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked once."""
+        wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked once. Whatever
+        raises here breaks the slots (a peer may have posted its piece, or be waiting for this rank's)."""
+        self._refuse_if_broken()
+        try:
+            self._exchange(kind, flat, op, root, post, use, posted)
+        except BaseException as error:
+            self._break("other", f"{type(error).__name__}: {error}")
+            raise
+
+    def _exchange(self, kind, flat, op, root, post, use, posted) -> None:
         total = flat.numel()
         per = SLOT_BYTES // flat.element_size()
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
@@ -142,9 +166,9 @@ class Slots:
             parts[self.rank].copy_(piece)
         base = _DESCRIPTOR + 5 * parity
         self._mine[base:base + 5] = code
-        self._mine[_COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
-        if min(self._counters.tolist()) < epoch:
-            self.wait(epoch)
+        self._mine[shared_file.COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
+        if min(self._counters.tolist()) < epoch:  # a peer is late, or broke (its counter went negative)
+            shared_file.wait_for(self._headers, epoch, self.rank, self.timeout_s, self._spins)
         self._epoch = epoch
         if lo == 0:
             self._check(base)
@@ -159,50 +183,41 @@ class Slots:
             parts = self._views[key] = [self.slot(r, parity, dtype, numel) for r in range(self.size)]
         return parts
 
-    def wait(self, epoch: int) -> None:
-        """Returns once every rank posted ``epoch``; raises PeerFailedError naming the late ranks when the
-        timeout passes or when their process is gone."""
-        counters, polls, deadline, look = self._counters, 0, 0.0, 0.0
-        while min(counters.tolist()) < epoch:
-            polls += 1
-            if polls <= self._spins:
-                continue
-            if polls <= self._spins + 1000:
-                os.sched_yield()  # a peer may need this core
-                continue
-            time.sleep(5e-5)
-            now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
-            if now > look:
-                look = now + 0.1
-                self._fail_if_dead(epoch)
-            if now > deadline:
-                late = [r for r in range(self.size) if counters[r] < epoch]
-                raise PeerFailedError(f"rank {self.rank}/{self.size}: a peer failed, diverged or stopped answering: "
-                                      f"rank(s) {late} did not reach the shared-memory collective within the "
-                                      f"{self.timeout_s:g} s process-group timeout")
-
-    def _fail_if_dead(self, epoch: int) -> None:
-        if self._peers_visible is None:  # same PID namespace: a dead peer can be told from a slow one
-            self._peers_visible = all(start_time(int(h[_PID])) == int(h[_STARTED]) for h in self._headers
-                                      if h[_PID] > 0)
-        if not self._peers_visible:
-            return
-        dead = [r for r in range(self.size) if self._counters[r] < epoch and self._headers[r, _PID] > 0
-                and start_time(int(self._headers[r, _PID])) != int(self._headers[r, _STARTED])]
-        if dead:
-            raise PeerFailedError(f"rank {self.rank}/{self.size}: a peer failed: rank(s) {dead} did not reach the "
-                                  "shared-memory collective: their process is gone (killed or crashed)")
-
     def _check(self, base: int) -> None:
-        """ValueError on every rank when the ranks' descriptors of this call differ, naming each rank's."""
+        """ValueError on every rank when the ranks' descriptors of this call differ, naming each rank's (and the
+        slots break: every rank sees the same table, so every rank breaks)."""
         table = self._headers[:, base:base + 5].tolist()
         if all(row == table[self.rank] for row in table):
             return
         rows = "; ".join(f"rank {r}: {KINDS[k]} of {n} {DTYPES[d]} (op {OPS[o]}, root {root})"
                          for r, (k, d, n, o, root) in enumerate(table))
+        shared_file.mark_broken(self._mine, "mismatch", self._epoch)  # every peer posted it, and sees it too
         raise ValueError(f"rank {self.rank}/{self.size}: the ranks called different collectives or passed tensors "
                          f"that differ in size or dtype: {rows}")
+
+    # ---- broken means broken
+
+    def break_group(self, why: str) -> None:
+        """A call of this group failed outside the slots (in gloo, say): every later call here refuses, naming
+        ``why``, and every peer's next wait raises at once, naming this rank."""
+        self._break("other", why)
+
+    @property
+    def broken(self) -> str | None:
+        """The first failure of these slots on this rank (None while they work)."""
+        return self._broken
+
+    def _break(self, code: str, why: str) -> None:
+        if self._broken is None:
+            self._broken = why
+        if self._mine is not None:  # not closed
+            shared_file.mark_broken(self._mine, code, self._epoch)
+
+    def _refuse_if_broken(self) -> None:
+        if self._broken is not None:
+            raise PeerFailedError(f"rank {self.rank}/{self.size}: refused: these shared-memory slots broke in an "
+                                  f"earlier call ({self._broken}), so the ranks no longer agree on which call is "
+                                  "which; make a new group")
 
     # ---- the collectives, on contiguous 1-D tensors of a dtype in DTYPES
 
@@ -258,15 +273,40 @@ def _ignore(lo: int, hi: int, parts: list[torch.Tensor]) -> None:
     pass
 
 
-def _make_file(directory: str, nbytes: int) -> str:
-    """A new file of ``nbytes`` in ``directory`` with its pages allocated; "" when there is no room."""
-    name = os.path.join(directory, f"dp-kit-slots-{os.getpid()}-{os.urandom(6).hex()}")
-    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+def file_bytes(size: int) -> int:
+    """The bytes of the slots file of ``size`` ranks: every rank's header, then every rank's two slots."""
+    return 8 * HEADER_WORDS * size + 2 * SLOT_BYTES * size
+
+
+def _make(nbytes: int, directory: str) -> tuple[int | None, str]:
+    """Rank 0's file (pages allocated) and what it publishes: its words, or why there is none."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)  # a full /dev/shm says ENOSPC here, not SIGBUS at a first write
-    except OSError:
-        os.close(fd)
-        os.unlink(name)
-        return ""
-    os.close(fd)
-    return name
+        fd = shared_file.make(nbytes, allocate=True, directory=directory)
+    except OSError as error:
+        return None, _NO_ROOM if error.errno == errno.ENOSPC else f"{_FAILED}rank 0 cannot make it ({error})"
+    return fd, shared_file.to_text(shared_file.describe(fd))
+
+
+def _map(published: str, own: int | None, rank: int, size: int, timeout_s: float) -> tuple[Slots | None, str]:
+    """(the slots over the file, "") or (None, why this rank cannot use it). ``own``: rank 0's descriptor of it."""
+    if published.startswith(_FAILED):
+        return None, published
+    nbytes = file_bytes(size)
+    try:
+        fd = own if own is not None else shared_file.attach(shared_file.from_text(published), nbytes)
+    except shared_file.Refused as error:
+        return None, str(error)
+    try:
+        return Slots(mmap.mmap(fd, nbytes), rank, size, timeout_s), ""
+    finally:
+        if fd != own:
+            os.close(fd)
+
+
+def _refused(slots: Slots | None, rank: int, refusals: list[tuple[int, str]]) -> None:
+    """Let go of the file that some rank could not use; rank 0 says which and why."""
+    if slots is not None:
+        slots.close()
+    if rank == 0:
+        warnings.warn(f"shared-memory slots: not used: {'; '.join(f'rank {r}: {why}' for r, why in refusals)}",
+                      RuntimeWarning, stacklevel=3)
