@@ -179,15 +179,44 @@ def main() -> None:
         listing = [sys.executable, __file__, "--one", "--list", *[a for p in args.patterns for a in ("-k", p)]]
         subprocess.run(listing, env=suite_env("gloo", tempfile.gettempdir()), check=True)
         return
-    rows, started = [], time.monotonic()
+    rows = kept_rows(args.out, args.backends, args.patterns)
     for backend in args.backends:
+        started = time.monotonic()
         outcomes = run_backend(backend, args.patterns, args.timeout, Path(args.out).with_suffix(f".{backend}.log"))
-        rows += [{"backend": backend, "test": name, **o} for name, o in sorted(outcomes.items())]
-        print(f"{backend}: {counts(outcomes)}", flush=True)
-    config = {"world_size": WORLD_SIZE, "patterns": args.patterns, "backends": args.backends,
-              "seconds": round(time.monotonic() - started, 1)}
-    write_results(args.out, "pytorch_suite", env, config, rows, targets=[])
-    print(f"wrote {args.out}")
+        rows += [{"backend": backend, "test": name, "torch": torch_version(), **o} for name, o in outcomes.items()]
+        print(f"{backend}: {counts(outcomes)} in {time.monotonic() - started:.0f} s", flush=True)
+    config = {"world_size": WORLD_SIZE, "patterns": args.patterns, "redirected": "gloo -> dpkit"}
+    rows.sort(key=lambda r: (r["backend"], r["test"]))
+    write_results(args.out, "pytorch_suite", env, config, rows, targets=[parity(rows)])
+    print(f"{parity(rows)['verdict']}: {parity(rows)['target']}\nwrote {args.out}")
+
+
+def torch_version() -> str:
+    import torch
+    return torch.__version__
+
+
+def kept_rows(path: str, rerun: list[str], patterns: list[str]) -> list[dict]:
+    """The rows of the backends not run now, from an earlier run of the same tests on this torch (so that one
+    backend at a time fills one file)."""
+    from dpkit.bench.results import read_results
+    if not os.path.exists(path):
+        return []
+    doc = read_results(path)
+    if doc["config"].get("patterns") != patterns:
+        return []
+    return [r for r in doc["results"] if r["backend"] not in rerun and r.get("torch") == torch_version()]
+
+
+def parity(rows: list[dict]) -> dict:
+    """The target: every test that passes on gloo passes on dpkit (the counts of each backend beside it)."""
+    outcome = {(r["backend"], r["test"]): r["outcome"] for r in rows}
+    on_gloo = [t for (b, t), o in outcome.items() if b == "gloo" and o == "pass"]
+    missing = sorted(t for t in on_gloo if outcome.get(("dpkit", t)) != "pass")
+    counted = {b: counts({t: {"outcome": o} for (bb, t), o in outcome.items() if bb == b}) for b in ("gloo", "dpkit")}
+    both = all(counted[b]["pass"] + counted[b]["fail"] + counted[b]["error"] + counted[b]["skip"] for b in counted)
+    return {"target": "every test that passes on gloo passes on dpkit", "counts": counted, "not passed": missing,
+            "verdict": ("met" if not missing else "missed") if both else "not measured (run both backends)"}
 
 
 if __name__ == "__main__":

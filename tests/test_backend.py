@@ -165,20 +165,23 @@ def grid_worker(ctx) -> dict:
     return found | {"spans_hosts": backend.slots_of() is None, "pid": os.getpid()}
 
 
-def shm_files_of(pids) -> list[str]:
-    """The slots files in /dev/shm that processes ``pids`` made (a file is named after its maker)."""
-    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"dp-kit-slots-{pid}-") for pid in pids)]
+def shm_names() -> set[str]:
+    """The names in /dev/shm (the slots' file has none: a test compares the listing before and after)."""
+    return set(os.listdir("/dev/shm"))
 
 
 _GRIDS: dict = {}
 
 
 def grid(world: int) -> list[dict]:
-    """Every rank's grid at ``world`` ranks, launched once (a failed launch fails every test that needs it)."""
+    """Every rank's grid at ``world`` ranks, launched once (a failed launch fails every test that needs it), and
+    the names it left in /dev/shm."""
     if world not in _GRIDS:
+        before = shm_names()
         try:
             _GRIDS[world] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
                                    hosts=LAYOUTS[world])
+            _GRIDS[world][0]["left in /dev/shm"] = shm_names() - before
         except WorkerError as error:
             _GRIDS[world] = error
     if isinstance(_GRIDS[world], WorkerError):
@@ -218,7 +221,7 @@ def test_every_collective_matches_gloo(world, case):
 def test_one_host_uses_the_slots_two_hosts_go_hierarchical_and_no_file_stays(world):
     results = grid(world)
     assert all(r["spans_hosts"] == (world == 4) for r in results)
-    assert not shm_files_of([r["pid"] for r in results]), "a slots file outlived its group"
+    assert not results[0]["left in /dev/shm"], "a file outlived its group"
 
 
 # --------------------------------------------------------------------------- PyTorch's engines
@@ -272,7 +275,10 @@ def two_rank_worker(ctx) -> tuple[dict, dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(two_rank_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+    before = shm_names()
+    found = launch(two_rank_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
+    found[0][1]["left in /dev/shm"] = shm_names() - before
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +347,7 @@ def create_and_destroy(times: int) -> tuple:
     """(mappings, threads) before and after ``times`` groups made, used and destroyed."""
     def state():
         with open("/proc/self/maps") as f:
-            maps = sum("dp-kit-slots" in line for line in f)
+            maps = sum("/dev/shm/" in line or "memfd:" in line for line in f)  # the slots' file, unnamed
         return maps, len(os.listdir("/proc/self/task")), threading.active_count()
     def cycle():
         group = dist.new_group(backend="dpkit")
@@ -406,7 +412,7 @@ def test_a_hundred_groups_made_and_destroyed_leave_no_mapping_or_thread(bad):
     for found in bad:
         before, after = found["cycles"]
         assert after == before, f"(mappings of slots files, OS threads, Python threads): {found['cycles']}"
-    assert not shm_files_of([found["pid"] for found in bad]), "a slots file outlived its group"
+    assert not bad[0]["left in /dev/shm"], "a file outlived its group"
 
 
 def test_two_groups_on_the_same_ranks_do_not_talk_across(bad):
@@ -436,10 +442,10 @@ def killed_worker(ctx) -> None:
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_others_naming_it_and_leaves_nothing_in_dev_shm():
-    start = time.monotonic()
+    start, before = time.monotonic(), shm_names()
     with pytest.raises(WorkerError) as failure:
         launch(killed_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=20)
     text = str(failure.value)
     assert "rank 0 of 2 failed" in text and "PeerFailedError" in text and "rank(s) [1]" in text, text
     assert time.monotonic() - start < 20 + 15, "rank 0 did not fail within the group's timeout"
-    assert not shm_files_of(failure.value.pids)
+    assert not shm_names() - before

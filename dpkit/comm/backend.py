@@ -32,6 +32,7 @@ import functools
 import json
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -121,7 +122,9 @@ class DpkitBackend:
         self.slots: Slots | None = None  # this host's ranks (all of the group's when it is one host)
         self.leaders = None  # gloo among one rank per host, on those ranks, when the group spans hosts
         self.spans_hosts = False
-        self.calls = CallQueue(f"backend {NAME!r} (rank {rank} of {size})", on_failure=self._tell_peers)
+        tell = weakref.WeakMethod(self._tell_peers)  # the queue's thread must not keep this backend alive
+        self.calls = CallQueue(f"backend {NAME!r} (rank {rank} of {size})", on_failure=lambda e: tell() and tell()(e))
+        weakref.finalize(self, self.calls.close)  # torch calls no shutdown on destroy: the thread ends with us
         if size > 1:
             self._connect(store, global_ranks, timeout)
 
@@ -143,8 +146,9 @@ class DpkitBackend:
             self.slots = None
             self.spans_hosts = False
             if self.rank == 0:
-                warnings.warn(f"backend {NAME!r}: /dev/shm has no room for the shared-memory slots: every "
-                              "collective of this group goes through gloo", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"backend {NAME!r}: /dev/shm has no room for the shared-memory slots, or a rank could "
+                              "not open them: every collective of this group goes through gloo", RuntimeWarning,
+                              stacklevel=2)
 
     def _tell_peers(self, error: BaseException) -> None:
         """A call failed here: mark the slots broken, so that every peer's next wait raises at once."""
@@ -255,6 +259,8 @@ class DpkitBackend:
                              f"{output.numel()} elements of {output.dtype}, not {input.numel()} of {input.dtype}")
         self.calls.refuse_if_broken()
         return self._submit(lambda: self._reduce_scatter_now(output, input, op), [output])
+
+    _reduce_scatter_base = reduce_scatter_single  # the name torch's ProcessGroup calls where it predates the new one
 
     def _reduce_scatter_now(self, output, input, op) -> None:
         if self._native([output, input], op):
