@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,9 +115,9 @@ class Outcomes(unittest.TextTestResult):
 
 
 def names(patterns: list[str]) -> list[str]:
-    """The test names of the base, those containing any of ``patterns`` (all when none)."""
+    """The test names of the base, those any of ``patterns`` (regular expressions) finds in (all when none)."""
     found = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
-    return [n for n in found if not patterns or any(p in n for p in patterns)]
+    return [n for n in found if not patterns or any(re.search(p, n) for p in patterns)]
 
 
 def run_one_backend(patterns: list[str], out: str) -> None:
@@ -161,7 +162,8 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["gloo", "dpkit"], choices=["gloo", "dpkit"],
                         help="the backends whose groups the tests make (default: gloo dpkit)")
     parser.add_argument("-k", dest="patterns", action="append", default=[],
-                        help="run only tests whose name contains this (repeatable; default: every test)")
+                        help="run only tests in whose name this regular expression is found (repeatable; "
+                             "'name$' for one test; default: every test)")
     parser.add_argument("--out", default=str(REPO / "results" / "pytorch_suite.json"),
                         help="the JSON to write (default: results/pytorch_suite.json)")
     parser.add_argument("--timeout", type=float, default=3600.0,

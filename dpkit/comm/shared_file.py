@@ -201,7 +201,8 @@ def wait_for(records: np.ndarray, target: int, rank: int, timeout_s: float, spin
                   "shared-memory collective: their process is gone (killed or crashed)")
         if now > deadline and late:
             _fail(records, rank, target, "timeout", f"a peer failed, diverged or stopped answering: rank(s) {late} "
-                  f"did not reach the shared-memory collective within the {timeout_s:g} s process-group timeout")
+                  f"did not reach the shared-memory collective within the {timeout_s:g} s process-group timeout "
+                  "(this rank timed out waiting)")  # " timeout ": the words torch's own tests look for
 
 
 def _past_the_broken(records: np.ndarray, target: int, rank: int) -> bool:
