@@ -7,7 +7,9 @@
 
 The first call compiles into the cache folder (``$DPKIT_CACHE``, else ``$XDG_CACHE_HOME/dpkit``, else
 ``~/.cache/dpkit``); later calls load from there. A C++ extension compiles far longer than a C file, so
-``python -m dpkit.native`` does it ahead of time (CI, an image's build) and prints what it built or why not.
+``python -m dpkit.native`` (``__main__``) does it ahead of time (CI, an image's build) and prints what it built or
+why not. The helpers: ``syncbn_channels.c`` (SyncBatchNorm's arithmetic; ``syncbn_channels`` is its ctypes face)
+and ``c10d_backend.cpp`` (the C++ face of the backend "dpkit").
 Every user of a helper keeps a pure-PyTorch path, tested, for where these give None: no compiler (the GPU image may
 have none), a compile that fails, a cache that cannot be trusted (each with a RuntimeWarning saying why), or
 ``DPKIT_NATIVE=0``.
