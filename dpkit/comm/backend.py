@@ -152,8 +152,16 @@ class DpkitBackend:
 
     def _tell_peers(self, error: BaseException) -> None:
         """A call failed here: mark the slots broken, so that every peer's next wait raises at once."""
-        if self.slots is not None and hasattr(self.slots, "break_group"):
+        if self.slots is not None:
             self.slots.break_group(f"{type(error).__name__}: {error}")
+
+    def _refuse_if_broken(self) -> None:
+        """BrokenGroupError when a call of this group failed, here or on a peer whose header says so."""
+        if self.calls.broken is None and self.slots is not None:
+            why = self.slots.peer_broken()
+            if why is not None:
+                self.calls.break_(why)
+        self.calls.refuse_if_broken()
 
     def shutdown(self) -> None:
         self.calls.close()
@@ -182,7 +190,7 @@ class DpkitBackend:
         opts = opts or c10d.AllreduceOptions()
         op = op_name(opts.reduceOp)
         check_cpu(tensors)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         if any(t.layout != torch.strided for t in tensors):  # sparse: gloo sums them, as on gloo
             return self._submit(lambda: self.gloo.allreduce(tensors, opts).wait(), tensors)
         check_op(op, tensors[0].dtype)
@@ -231,7 +239,7 @@ class DpkitBackend:
         op = op_name(opts.reduceOp)
         check_cpu(tensors)
         check_op(op, tensors[0].dtype)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         root = opts.rootRank
 
         def run():
@@ -257,7 +265,7 @@ class DpkitBackend:
         if input.numel() != self.size * output.numel() or input.dtype != output.dtype:
             raise ValueError(f"backend {NAME!r}: reduce_scatter's input must hold {self.size} x the output's "
                              f"{output.numel()} elements of {output.dtype}, not {input.numel()} of {input.dtype}")
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: self._reduce_scatter_now(output, input, op), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # the name torch's ProcessGroup calls where it predates the new one
@@ -281,7 +289,7 @@ class DpkitBackend:
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
         check_cpu(tensors)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         if len(tensors) == 1 and self._native(tensors, "sum"):
             return self._submit(lambda: _in_place(tensors[0], lambda flat: self.slots.broadcast(flat, opts.rootRank)),
                                 tensors)
@@ -291,7 +299,7 @@ class DpkitBackend:
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
         check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         if len(inputs) == 1 and len(output_lists[0]) == self.size \
                 and all(o.numel() == inputs[0].numel() and o.dtype == inputs[0].dtype for o in output_lists[0]):
             return self._submit(lambda: self._all_gather_now(output_lists[0], inputs[0]), output_lists)
@@ -316,7 +324,7 @@ class DpkitBackend:
                              f"{input.numel()} elements of {input.dtype}, not {output.numel()} of {output.dtype}")
         if not output.is_contiguous():
             raise ValueError(f"backend {NAME!r}: all_gather's output must be contiguous")
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         if self._native([output, input], "sum"):
             return self._submit(lambda: self.slots.all_gather(output.view(-1), input.contiguous().view(-1)), [output])
         rows = list(output.view(self.size, -1).unbind(0))
@@ -330,7 +338,7 @@ class DpkitBackend:
         if len(output_lists) != self.size or any(len(outs) != len(inputs) for outs in output_lists):
             raise ValueError(f"backend {NAME!r}: all_gather_coalesced takes one output list per rank "
                              f"({self.size}), each as long as the inputs ({len(inputs)})")
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
 
         def run():
             for j, input in enumerate(inputs):
@@ -340,20 +348,20 @@ class DpkitBackend:
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: _move_through_gloo(self.gloo.gather, output_lists, inputs, opts).wait(),
                             output_lists)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         check_cpu([*outputs, *[t for ins in input_lists for t in ins]])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: _move_through_gloo(self.gloo.scatter, outputs, input_lists, opts).wait(),
                             outputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         check_cpu([output, input])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         call = getattr(self.gloo, "all_to_all_single", None) or self.gloo.alltoall_base
         options = opts or c10d.AllToAllOptions()
         return self._submit(lambda: call(_bits(output), _bits(input), output_splits, input_splits, options).wait(),
@@ -364,7 +372,7 @@ class DpkitBackend:
     def alltoall(self, outputs, inputs, opts=None):
         """Through gloo's ``all_to_all_single`` on the pieces laid end to end (gloo has no list form)."""
         check_cpu([*outputs, *inputs])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         call = getattr(self.gloo, "all_to_all_single", None) or self.gloo.alltoall_base
 
         def run():
@@ -383,12 +391,12 @@ class DpkitBackend:
         check_cpu(tensors)
         for t in tensors:
             check_op(op, t.dtype)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: [self._all_reduce_now(t, op) for t in tensors], tensors)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         check_cpu([*outputs, *inputs])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: [self._all_gather_now(list(o.view(self.size, -1).unbind(0)), i.reshape(-1))
                                      for o, i in zip(outputs, inputs)], outputs)
 
@@ -397,7 +405,7 @@ class DpkitBackend:
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         op = op_name((opts or c10d.ReduceScatterOptions()).reduceOp)
         check_cpu([*outputs, *inputs])
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return self._submit(lambda: [self._reduce_scatter_now(o, i, op) for o, i in zip(outputs, inputs)], outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
@@ -406,7 +414,7 @@ class DpkitBackend:
 
     @profiled("barrier")
     def barrier(self, opts=None):
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         if self.size == 1:
             return self._submit(lambda: None)
         if self.slots is not None and not self.spans_hosts:
@@ -424,17 +432,17 @@ class DpkitBackend:
 
     def send(self, tensors, dst: int, tag: int):
         check_cpu(tensors)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return Delegated(self.gloo.send([_bits(t) for t in tensors], dst, tag))
 
     def recv(self, tensors, src: int, tag: int):
         check_cpu(tensors)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return Delegated(self.gloo.recv([_bits(t) for t in tensors], src, tag))
 
     def recv_anysource(self, tensors, tag: int):
         check_cpu(tensors)
-        self.calls.refuse_if_broken()
+        self._refuse_if_broken()
         return Delegated(self.gloo.recv_anysource([_bits(t) for t in tensors], tag))
 
 

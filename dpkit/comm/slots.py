@@ -207,6 +207,17 @@ class Slots:
         """The first failure of these slots on this rank (None while they work)."""
         return self._broken
 
+    def peer_broken(self) -> str | None:
+        """Which peers' headers say they broke, and why (None while none did): a call that would not reach the
+        slots (one that goes to gloo) asks first, so that it too refuses at once."""
+        if self._headers is None:
+            return None
+        words = self._headers[:, shared_file.BROKEN]
+        if not words.any():
+            return None
+        codes = {r: shared_file.BREAKS[min(int(w), len(shared_file.BREAKS) - 1)] for r, w in enumerate(words) if w}
+        return "; ".join(f"rank {r} broke the group ({code})" for r, code in codes.items())
+
     def _break(self, code: str, why: str) -> None:
         if self._broken is None:
             self._broken = why
