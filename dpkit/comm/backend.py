@@ -179,7 +179,7 @@ class DpkitBackend:
     def _submit(self, run, result=None) -> Work:
         if self.size == 1:  # nobody to wait for: run on the spot, no queue
             work = Work(run, result, None)
-            work.execute()
+            work.finish(work.execute())
             return work
         return self.calls.submit(run, result)
 

@@ -40,29 +40,24 @@ class BrokenGroupError(PeerFailedError):
 class Work:
     """One call: run once by ``CallQueue``; its result, or its error, kept for whoever asks."""
 
-    def __init__(self, run: Callable[[], None] | None, result: list | None, queue: "CallQueue | None"):
+    def __init__(self, run: Callable[[], None], result: list | None, queue: "CallQueue | None"):
         self._run, self._result, self._queue = run, result if result is not None else [], queue
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._future: torch.futures.Future | None = None  # made when asked for (most calls never are)
         self._future_lock = threading.Lock()
-        if run is None:  # nothing to do: complete now
-            self._finish(None)
 
-    def execute(self) -> None:
-        """Run the call (on whichever thread the queue chose), then complete it."""
+    def execute(self) -> BaseException | None:
+        """Run the call (on whichever thread the queue chose); its error, if it raised. ``finish`` completes it."""
         try:
             with torch.no_grad():  # tensors that require grad (DDP under create_graph) are written in place
                 self._run()
-        except BaseException as error:  # noqa: BLE001  (kept for every waiter; the queue breaks)
-            self._finish(error)
-            return
-        self._finish(None)
+        except BaseException as error:  # noqa: BLE001  (kept for every waiter; the queue breaks first)
+            return error
+        return None
 
-    def fail(self, error: BaseException) -> None:
-        self._finish(error)
-
-    def _finish(self, error: BaseException | None) -> None:
+    def finish(self, error: BaseException | None) -> None:
+        """Complete the call: wake its waiters, complete its future (with ``error`` when it failed)."""
         self._error = error
         with self._future_lock:
             self._done.set()
@@ -162,12 +157,13 @@ class CallQueue:
 
     def _execute(self, work: Work) -> None:
         if self.broken is not None:
-            work.fail(BrokenGroupError(f"{self.name}: not run: the group broke before this call ({self.broken})"))
+            work.finish(BrokenGroupError(f"{self.name}: not run: the group broke before this call ({self.broken})"))
             return
-        work.execute()
-        if work.exception() is not None:
-            self.break_(f"{type(work.exception()).__name__}: {work.exception()}")
-            self._on_failure(work.exception())
+        error = work.execute()
+        if error is not None:  # broken before anyone hears of the failure, here or (told) on the peers
+            self.break_(f"{type(error).__name__}: {error}")
+            self._on_failure(error)
+        work.finish(error)
 
     def _start_thread(self) -> None:
         if self._thread is None:
@@ -202,7 +198,7 @@ class CallQueue:
             self._closed = True
             self._wake.notify_all()
         for work in pending:
-            work.fail(BrokenGroupError(f"{self.name}: not run: the group was shut down"))
+            work.finish(BrokenGroupError(f"{self.name}: not run: the group was shut down"))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
