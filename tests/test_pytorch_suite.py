@@ -23,7 +23,12 @@ RESULTS = REPO / "results" / "pytorch_suite.json"
 CANNOT = {
     "test_ddp_logging_data_cpu": "DDP's logger asks the process group, not its backend, for the backend's name, "
                                  "and a process group answers 'custom' for every backend torch does not build in",
+    "test_get_backend": "it compares dist.get_backend() with the variable BACKEND, 'gloo' in this run (for gloo's "
+                        "skip decisions); on the redirected groups it is rightly 'dpkit'",
 }
+# On torch 2.11 also: its monitored_barrier refuses every backend but gloo before it reaches one.
+CANNOT_ON_2_11 = {"test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup"}
+OLDEST = REPO / "results" / "pytorch_suite_torch2.11.json"
 SAMPLE = ("test_all_reduce_sum_async", "test_send_recv_any_source", "test_batch_isend_irecv_gloo",
           "test_monitored_barrier_gloo", "test_barrier_timeout_global", "test_sparse_all_reduce_sum",
           "test_ddp_create_graph")
@@ -59,9 +64,18 @@ def test_the_same_tests_are_skipped_on_both_and_none_fails_on_gloo(committed):
     assert not [t for t, o in gloo.items() if o in ("fail", "error")]
 
 
+def test_on_the_oldest_torch_the_tests_that_failed_before_pass_but_those_torch_2_11_refuses(committed):
+    oldest = read_results(str(OLDEST))
+    assert {r["torch"] for r in oldest["results"]} == {"2.11.0+cu130"} and oldest["config"]["patterns"]
+    gloo, dpkit = outcomes(oldest, "gloo"), outcomes(oldest, "dpkit")
+    assert gloo.keys() == dpkit.keys() and gloo.keys() <= outcomes(committed, "gloo").keys()
+    missing = {t for t, o in gloo.items() if o == "pass" and dpkit[t] != "pass"}
+    assert missing == (set(CANNOT) | CANNOT_ON_2_11) & gloo.keys(), sorted(missing)
+
+
 def test_readme_lists_each_test_that_cannot_pass():
     readme = (REPO / "README.md").read_text()
-    assert all(name in readme for name in CANNOT)
+    assert all(name in readme for name in (*CANNOT, *CANNOT_ON_2_11))
 
 
 @pytest.mark.slow
