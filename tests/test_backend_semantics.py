@@ -209,7 +209,7 @@ def semantics(path: str) -> list[dict]:
     return _RUNS[path]
 
 
-@pytest.fixture(params=list(PATHS))
+@pytest.fixture(params=["c++", pytest.param("python", marks=pytest.mark.slow)])  # the fallback: under -m slow
 def path(request):
     return request.param
 

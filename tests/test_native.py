@@ -289,6 +289,7 @@ def _together(count: int, environment: dict, folder: Path, timeout_s: float = 30
 
 
 @needs_cxx
+@pytest.mark.slow  # a C++ compile: CI's `python -m dpkit.native` builds the backend's before the suite
 def test_two_processes_asking_at_once_compile_the_extension_once_and_both_load_it(adder):
     folder, cache, _, compiles, printed = adder
     assert len(compiles) == 1, "the second process waits for the first one's build"
@@ -298,6 +299,7 @@ def test_two_processes_asking_at_once_compile_the_extension_once_and_both_load_i
 
 
 @needs_cxx
+@pytest.mark.slow  # a C++ compile: CI's `python -m dpkit.native` builds the backend's before the suite
 def test_a_built_extension_is_imported_from_the_cache_without_compiling(adder, monkeypatch):
     folder, cache, counting, _, _ = adder
     monkeypatch.setenv("DPKIT_CACHE", str(cache))
