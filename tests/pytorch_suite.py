@@ -1,7 +1,8 @@
 """PyTorch's own distributed test base, run on gloo and on "dpkit" with gloo's skip decisions.
 
     python tests/pytorch_suite.py                          # both backends, every test: results/pytorch_suite.json
-    python tests/pytorch_suite.py --backends dpkit -k test_all_reduce_sum   # some tests, one backend
+    python tests/pytorch_suite.py --backends gloo          # one backend: the other's rows in the file are kept
+    python tests/pytorch_suite.py --backends dpkit -k '^test_all_reduce_sum$' --out /tmp/one.json   # one test
     python tests/pytorch_suite.py --list                   # the test names, nothing run
 
 ``torch/testing/_internal/distributed/distributed_test.py`` ships in torch's wheel; its ``_DistTestBase`` is what
@@ -10,7 +11,8 @@ Here it runs with ``BACKEND=gloo`` (so every skip is gloo's) twice: as it is, an
 tests make created on "dpkit" instead (``_new_process_group_helper``, through which ``init_process_group``,
 ``new_group`` and device meshes all pass, is handed "dpkit" where it was handed "gloo"). Each test spawns its
 ranks afresh; a test's outcome is pass, fail, error or skip, as unittest says. The JSON (the shared layout) holds
-each test's outcome on each backend and the counts; README's "PyTorch's test base" section quotes them.
+each test's outcome on each backend and, as its target, gloo parity with the counts; README's section on the
+backend quotes them, and tests/test_pytorch_suite.py holds the committed file to them.
 """
 
 from __future__ import annotations

@@ -195,10 +195,7 @@ def wait_for(records: np.ndarray, target: int, rank: int, timeout_s: float, spin
             continue
         look = now + LOOK_S
         late = [r for r, c in enumerate(reached(counters.tolist())) if c < target]
-        dead = gone(records, late)
-        if dead:
-            _fail(records, rank, target, "dead peer", f"a peer failed: rank(s) {dead} did not reach the "
-                  "shared-memory collective: their process is gone (killed or crashed)")
+        _fail_if_dead(records, rank, target, late)
         if now > deadline and late:
             _fail(records, rank, target, "timeout", f"a peer failed, diverged or stopped answering: rank(s) {late} "
                   f"did not reach the shared-memory collective within the {timeout_s:g} s process-group timeout "
@@ -211,11 +208,19 @@ def _past_the_broken(records: np.ndarray, target: int, rank: int) -> bool:
     counters = records[:, COUNTER].tolist()
     stopped = [(r, BREAKS[min(int(records[r, BROKEN]), len(BREAKS) - 1)]) for r, c in enumerate(counters)
                if c < 0 and -1 - c < target]
-    if stopped:
+    if stopped:  # a peer that broke because another died: name the dead one, as that peer did
+        _fail_if_dead(records, rank, target, [r for r, c in enumerate(reached(counters)) if c < target])
         _fail(records, rank, target, "peer broken", "a peer failed: " + ", ".join(
             f"rank {r} broke off ({code})" for r, code in stopped)
             + ": a call of the shared-memory collective failed there, so no later call can pair with it")
     return min(reached(counters)) >= target
+
+
+def _fail_if_dead(records: np.ndarray, rank: int, target: int, late: list[int]) -> None:
+    dead = gone(records, late)
+    if dead:
+        _fail(records, rank, target, "dead peer", f"a peer failed: rank(s) {dead} did not reach the "
+              "shared-memory collective: their process is gone (killed or crashed)")
 
 
 def _fail(records: np.ndarray, rank: int, target: int, code: str, why: str) -> None:
