@@ -290,6 +290,7 @@ def _together(count: int, environment: dict, folder: Path, timeout_s: float = 30
 
 @needs_cxx
 @pytest.mark.slow  # a C++ compile: CI's `python -m dpkit.native` builds the backend's before the suite
+@pytest.mark.solo
 def test_two_processes_asking_at_once_compile_the_extension_once_and_both_load_it(adder):
     folder, cache, _, compiles, printed = adder
     assert len(compiles) == 1, "the second process waits for the first one's build"
@@ -300,6 +301,7 @@ def test_two_processes_asking_at_once_compile_the_extension_once_and_both_load_i
 
 @needs_cxx
 @pytest.mark.slow  # a C++ compile: CI's `python -m dpkit.native` builds the backend's before the suite
+@pytest.mark.solo
 def test_a_built_extension_is_imported_from_the_cache_without_compiling(adder, monkeypatch):
     folder, cache, counting, _, _ = adder
     monkeypatch.setenv("DPKIT_CACHE", str(cache))
@@ -312,6 +314,7 @@ def test_a_built_extension_is_imported_from_the_cache_without_compiling(adder, m
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 @needs_cxx
 def test_a_corrupt_extension_is_rebuilt_and_the_rebuild_imported(adder, tmp_path):
     folder, cache, counting, _, _ = adder

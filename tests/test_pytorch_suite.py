@@ -79,6 +79,7 @@ def test_readme_lists_each_test_that_cannot_pass():
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 def test_a_sample_of_the_base_passes_on_dpkit(tmp_path):
     out = tmp_path / "sample.json"
     command = [sys.executable, str(REPO / "tests" / "pytorch_suite.py"), "--backends", "dpkit", "--out", str(out),
