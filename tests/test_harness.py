@@ -173,7 +173,8 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM to the launcher",
-                                  pytest.param("SIGINT to its process group", marks=pytest.mark.slow)])
+                                  pytest.param("SIGINT to its process group",  # alone: in the full slow run
+                                               marks=(pytest.mark.slow, pytest.mark.solo))])  # it timed out twice
 def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked_incomplete(tmp_path, stop):
     """SIGTERM: ``kill``, a batch system; SIGINT to the group: Ctrl-C in a terminal, which reaches the workers too."""
     path, pids = tmp_path / "stopped.json", tmp_path / "pids"
