@@ -49,8 +49,8 @@ def cases() -> list[tuple]:
                                               "all_to_all_single", "gather", "scatter", "send_recv") for d in DTYPES]
     out += [(kind, d, op, 7) for kind in ("reduce", "reduce_scatter", "reduce_scatter_single")
             for d in DTYPES for op in ("sum", "max") if valid(op, d)]
-    out += [(kind, "float32", "sum", BIG) for kind in ("all_reduce", "broadcast", "all_gather_single",
-                                                       "reduce_scatter_single")]
+    out += [(kind, "float32", "sum", BIG) for kind in ("all_reduce", "reduce", "broadcast", "all_gather_single",
+                                                       "reduce_scatter_single", "all_to_all_single")]
     out += [("all_reduce_strided", "float32", "sum", 7), ("all_reduce_async", "float32", "sum", 7),
             ("objects", "float32", "sum", 7), ("barrier", "float32", "sum", 7)]
     return out

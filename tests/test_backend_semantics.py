@@ -180,9 +180,41 @@ def monitored(rank: int) -> dict:
     return {"passed": passed, "name": dist.get_backend()}
 
 
+def fast_path(rank: int, gloo) -> dict:
+    """Each collective the C++ face runs itself (small dense tensors, nothing queued), as gloo computes it, and
+    which calls it ran itself or handed to Python: here, one whose peer is far later than the hand-over time."""
+    face = dist.group.WORLD._get_backend(torch.device("cpu"))
+    counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
+    before = counted()
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(1000, generator=generator)
+    out = {}
+    for name, group in (("dpkit", None), ("gloo", gloo)):
+        summed, ints, shown = x.clone(), torch.arange(6, dtype=torch.int64) * (rank + 1), x.clone().double()
+        gathered, scattered = torch.empty(2 * 1000), torch.empty(3, dtype=torch.float64)
+        dist.all_reduce(summed, group=group)
+        dist.all_reduce(ints, group=group)
+        dist.broadcast(shown, 1, group=group)
+        dist.all_gather_into_tensor(gathered, x, group=group)
+        dist.reduce_scatter_tensor(scattered, torch.arange(6, dtype=torch.float64) * (rank + 1), group=group)
+        dist.barrier(group=group)
+        out[name] = [summed, ints, shown, gathered, scattered]
+    mean = x.clone()
+    dist.all_reduce(mean, dist.ReduceOp.AVG)
+    out["mean"], out["sum"] = mean, out["gloo"][0]
+    out["counted"] = [a - b for a, b in zip(counted(), before)]
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 posts, waits its hand-over time, and hands the call to Python
+    late = torch.full((4,), float(rank + 1))
+    dist.all_reduce(late)
+    out["late"], out["late counted"] = late, [a - b for a, b in zip(counted(), before)]
+    return out
+
+
 def semantics_worker(ctx) -> dict:
     gloo = dist.new_group(backend="gloo")
-    out = {"works": works(ctx.rank), "overlap": overlap(ctx.rank), "p2p": point_to_point(ctx.rank),
+    out = {"fast path": fast_path(ctx.rank, gloo), "works": works(ctx.rank), "overlap": overlap(ctx.rank),
+           "p2p": point_to_point(ctx.rank),
            "reductions": reductions(ctx.rank), "sparse": sparse(ctx.rank, gloo),
            "double backward": double_backward(ctx.rank, gloo), "monitored": monitored(ctx.rank),
            "native": backend.compiled() is not None}
@@ -216,6 +248,20 @@ def path(request):
 
 def test_each_path_is_the_one_asked_for(path):
     assert all(found["native"] == (path == "c++") for found in semantics(path))
+
+
+def test_small_collectives_give_gloo_s_bits_whoever_runs_them(path):
+    for rank, found in enumerate(semantics(path)):
+        fast = found["fast path"]
+        for ours, theirs in zip(fast["dpkit"], fast["gloo"]):
+            assert torch.equal(ours, theirs)
+        assert torch.equal(fast["mean"], fast["sum"] / 2)
+        assert torch.equal(fast["late"], torch.full((4,), 3.0))
+        if path == "c++":  # the 7 calls, each run by the C++ face itself or handed over; then the late one
+            ran, handed = fast["counted"]
+            assert ran + handed == 7 and ran > 0, fast["counted"]
+            first = rank == 0  # the rank that waited: it handed the call over; the late one found it posted
+            assert fast["late counted"] == [ran + (not first), handed + first], (rank, fast["late counted"])
 
 
 def test_a_waited_work_and_one_left_alone_both_complete(path):

@@ -4,14 +4,15 @@
     dist.init_process_group("dpkit")                          # or "cpu:dpkit,cuda:nccl"
     dist.new_group(ranks, backend="dpkit")                    # DDP, fully_shard, ZeroRedundancyOptimizer run on it
 
-On one host, all-reduce, broadcast, all-gather, reduce-scatter and barrier go through ``Slots`` (two
-shared-memory slots per rank, one wait per piece, the reduction straight into the output). Across hosts (real,
-or simulated by ``DPKIT_HOSTS``) an all-reduce is hierarchical: the slots inside each host, gloo between one
-leader per host, the slots again to hand the result out. Everything else (point-to-point, reduce, gather,
-scatter, all-to-all, sparse tensors, what the slots cannot take) goes to a gloo backend the group keeps on the
-same store; bfloat16, which gloo lacks, is moved as float16 bits or reduced in float32 there, and the mean, which
-gloo refuses, is the sum divided (integers truncated toward zero, as NCCL's). When /dev/shm has no room, every
-call goes to gloo, warned once; on CPUs that may reorder stores (not x86) too.
+On one host, all-reduce, reduce, broadcast, all-gather, reduce-scatter, all-to-all (even splits) and barrier go
+through ``Slots`` (two shared-memory slots per rank, one wait per piece, the reduction straight into the output);
+the C++ face runs the small ones itself (``fast_path``). Across hosts (real, or simulated by ``DPKIT_HOSTS``) an
+all-reduce is hierarchical: the slots inside each host, gloo between one leader per host, the slots again to hand
+the result out. Everything else (point-to-point, gather, scatter, uneven all-to-all, sparse tensors, what the
+slots cannot take) goes to a gloo backend the group keeps on the same store; bfloat16, which gloo lacks, is
+moved as float16 bits or reduced in float32 there, and the mean, which gloo refuses, is the sum divided (integers
+truncated toward zero, as NCCL's). When /dev/shm has no room, every call goes to gloo, warned once; on CPUs that
+may reorder stores (not x86) too.
 
 Each call checks its arguments on the caller's thread (a refusal before any message leaves the group as it was),
 then queues its communication in the group's ``CallQueue`` (``backend_work``): run by the caller when it waits,
@@ -34,6 +35,7 @@ import os
 import warnings
 import weakref
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
@@ -125,6 +127,7 @@ class DpkitBackend:
         tell = weakref.WeakMethod(self._tell_peers)  # the queue's thread must not keep this backend alive
         self.calls = CallQueue(f"backend {NAME!r} (rank {rank} of {size})", on_failure=lambda e: tell() and tell()(e))
         weakref.finalize(self, self.calls.close)  # torch calls no shutdown on destroy: the thread ends with us
+        self.fast_on = np.zeros(1, np.int64)  # 1 while the C++ fast path may use the slots (``fast_path``)
         if size > 1:
             self._connect(store, global_ranks, timeout)
 
@@ -163,7 +166,30 @@ class DpkitBackend:
                 self.calls.break_(why)
         self.calls.refuse_if_broken()
 
+    def fast_path(self) -> tuple | None:
+        """The words the C++ face's fast all-reduce reads (``c10d_backend.cpp``): the address of the queue's count
+        of calls not yet run, of ``fast_on``, then ``Slots.native_layout()``. None: no slots, or across hosts."""
+        if self.slots is None or self.spans_hosts:
+            return None
+        self.fast_on[0] = 1
+        return (self.calls.outstanding.ctypes.data, self.fast_on.ctypes.data, *self.slots.native_layout())
+
+    def finish_posted(self, kind: str, tensors: list, op: str, root: int) -> Work:
+        """The rest of a call ``kind`` (a slots kind) that the C++ fast path posted (data, descriptor, counter) on
+        contiguous ``tensors`` (all-gather and reduce-scatter: output, input) but whose peers did not all post
+        within its hand-over time: queued as any call, waited for as on the Python path (dead peers named, the
+        timeout, the descriptors checked)."""
+        flat = [t.view(-1) for t in tensors]
+        slots = self.slots
+        run = {"all_reduce": lambda: slots.all_reduce(flat[0], op, announced=True),
+               "broadcast": lambda: slots.broadcast(flat[0], root, announced=True),
+               "all_gather": lambda: slots.all_gather(flat[0], flat[1], announced=True),
+               "reduce_scatter": lambda: slots.reduce_scatter(flat[0], flat[1], op, announced=True),
+               "barrier": lambda: slots.barrier(announced=True)}[kind]
+        return self._submit(run, list(tensors[:1]))
+
     def shutdown(self) -> None:
+        self.fast_on[0] = 0  # before the slots are unmapped
         self.calls.close()
         if self.slots is not None:
             self.slots.close()
@@ -176,12 +202,14 @@ class DpkitBackend:
         return (self.slots is not None and not self.spans_hosts and computes(dtype, op)
                 and all(t.dtype == dtype and t.layout == torch.strided for t in tensors))
 
-    def _submit(self, run, result=None) -> Work:
+    def _submit(self, run, result=None, opts=None) -> Work:
+        """Queue ``run``; a caller that waits at once (``opts.asyncOp`` False: ``async_op=False``) runs it now, when
+        no call is queued before it, and no other thread is woken."""
         if self.size == 1:  # nobody to wait for: run on the spot, no queue
             work = Work(run, result, None)
             work.finish(work.execute())
             return work
-        return self.calls.submit(run, result)
+        return self.calls.submit(run, result, now=not getattr(opts, "asyncOp", True))
 
     # ---- the reductions
 
@@ -192,12 +220,12 @@ class DpkitBackend:
         check_cpu(tensors)
         self._refuse_if_broken()
         if any(t.layout != torch.strided for t in tensors):  # sparse: gloo sums them, as on gloo
-            return self._submit(lambda: self.gloo.allreduce(tensors, opts).wait(), tensors)
+            return self._submit(lambda: self.gloo.allreduce(tensors, opts).wait(), tensors, opts)
         check_op(op, tensors[0].dtype)
         if len(tensors) == 1:
-            return self._submit(lambda: self._all_reduce_now(tensors[0], op), tensors)
+            return self._submit(lambda: self._all_reduce_now(tensors[0], op), tensors, opts)
         return self._submit(lambda: _reduce_through_gloo(tensors, op, self.size, self.gloo.allreduce,
-                                                         c10d.AllreduceOptions), tensors)
+                                                         c10d.AllreduceOptions), tensors, opts)
 
     allreduce_sparse = allreduce
 
@@ -241,11 +269,19 @@ class DpkitBackend:
         check_op(op, tensors[0].dtype)
         self._refuse_if_broken()
         root = opts.rootRank
+        if len(tensors) == 1 and self._native(tensors, op):
+            return self._submit(lambda: self._reduce_now(tensors[0], op, root), tensors, opts)
 
         def run():
             _reduce_through_gloo(tensors, op, self.size, self.gloo.reduce, c10d.ReduceOptions, root=root,
                                  divide=self.rank == root)
-        return self._submit(run, tensors)
+        return self._submit(run, tensors, opts)
+
+    def _reduce_now(self, tensor: torch.Tensor, op: str, root: int) -> None:
+        inner = "sum" if op == "avg" and not tensor.dtype.is_floating_point else op
+        _in_place(tensor, lambda flat: self.slots.reduce(flat, inner, root))
+        if inner != op and self.rank == root:
+            _divide(tensor, self.size)
 
     @profiled("reduce_scatter")
     def reduce_scatter(self, outputs, input_lists, opts=None):
@@ -266,7 +302,7 @@ class DpkitBackend:
             raise ValueError(f"backend {NAME!r}: reduce_scatter's input must hold {self.size} x the output's "
                              f"{output.numel()} elements of {output.dtype}, not {input.numel()} of {input.dtype}")
         self._refuse_if_broken()
-        return self._submit(lambda: self._reduce_scatter_now(output, input, op), [output])
+        return self._submit(lambda: self._reduce_scatter_now(output, input, op), [output], opts)
 
     _reduce_scatter_base = reduce_scatter_single  # the name torch's ProcessGroup calls where it predates the new one
 
@@ -292,8 +328,8 @@ class DpkitBackend:
         self._refuse_if_broken()
         if len(tensors) == 1 and self._native(tensors, "sum"):
             return self._submit(lambda: _in_place(tensors[0], lambda flat: self.slots.broadcast(flat, opts.rootRank)),
-                                tensors)
-        return self._submit(lambda: self.gloo.broadcast([_bits(t) for t in tensors], opts).wait(), tensors)
+                                tensors, opts)
+        return self._submit(lambda: self.gloo.broadcast([_bits(t) for t in tensors], opts).wait(), tensors, opts)
 
     @profiled("all_gather")
     def allgather(self, output_lists, inputs, opts=None):
@@ -302,9 +338,9 @@ class DpkitBackend:
         self._refuse_if_broken()
         if len(inputs) == 1 and len(output_lists[0]) == self.size \
                 and all(o.numel() == inputs[0].numel() and o.dtype == inputs[0].dtype for o in output_lists[0]):
-            return self._submit(lambda: self._all_gather_now(output_lists[0], inputs[0]), output_lists)
+            return self._submit(lambda: self._all_gather_now(output_lists[0], inputs[0]), output_lists, opts)
         return self._submit(lambda: _move_through_gloo(self.gloo.allgather, output_lists, inputs, opts).wait(),
-                            output_lists)
+                            output_lists, opts)
 
     def _all_gather_now(self, outputs: list, input: torch.Tensor) -> None:
         """``outputs[r]`` <- rank r's ``input`` (each the size of ``input``)."""
@@ -326,9 +362,10 @@ class DpkitBackend:
             raise ValueError(f"backend {NAME!r}: all_gather's output must be contiguous")
         self._refuse_if_broken()
         if self._native([output, input], "sum"):
-            return self._submit(lambda: self.slots.all_gather(output.view(-1), input.contiguous().view(-1)), [output])
+            return self._submit(lambda: self.slots.all_gather(output.view(-1), input.contiguous().view(-1)), [output],
+                                opts)
         rows = list(output.view(self.size, -1).unbind(0))
-        return self._submit(lambda: self._all_gather_now(rows, input.reshape(-1)), [output])
+        return self._submit(lambda: self._all_gather_now(rows, input.reshape(-1)), [output], opts)
 
     _allgather_base = all_gather_single  # the name torch's ProcessGroup calls where it predates the new one
 
@@ -343,25 +380,30 @@ class DpkitBackend:
         def run():
             for j, input in enumerate(inputs):
                 self._all_gather_now([outs[j] for outs in output_lists], input)
-        return self._submit(run, output_lists)
+        return self._submit(run, output_lists, opts)
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         check_cpu([*inputs, *[t for outs in output_lists for t in outs]])
         self._refuse_if_broken()
         return self._submit(lambda: _move_through_gloo(self.gloo.gather, output_lists, inputs, opts).wait(),
-                            output_lists)
+                            output_lists, opts)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         check_cpu([*outputs, *[t for ins in input_lists for t in ins]])
         self._refuse_if_broken()
         return self._submit(lambda: _move_through_gloo(self.gloo.scatter, outputs, input_lists, opts).wait(),
-                            outputs)
+                            outputs, opts)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         check_cpu([output, input])
         self._refuse_if_broken()
+        even = output.numel() == input.numel() and output.numel() % self.size == 0 and all(
+            split == output.numel() // self.size for split in [*output_splits, *input_splits])
+        if even and output.dtype == input.dtype and output.is_contiguous() and self._native([output, input], "sum"):
+            return self._submit(lambda: self.slots.all_to_all(output.view(-1), input.contiguous().view(-1)), [output],
+                                opts)
         call = getattr(self.gloo, "all_to_all_single", None) or self.gloo.alltoall_base
         options = opts or c10d.AllToAllOptions()
         return self._submit(lambda: call(_bits(output), _bits(input), output_splits, input_splits, options).wait(),
@@ -382,7 +424,7 @@ class DpkitBackend:
                  opts or c10d.AllToAllOptions()).wait()
             for piece, out in zip(receive.split([t.numel() for t in outputs]), outputs):
                 out.copy_(piece.view_as(out))
-        return self._submit(run, outputs)
+        return self._submit(run, outputs, opts)
 
     # ---- coalesced calls: one work for several collectives, run in order
 
@@ -392,7 +434,7 @@ class DpkitBackend:
         for t in tensors:
             check_op(op, t.dtype)
         self._refuse_if_broken()
-        return self._submit(lambda: [self._all_reduce_now(t, op) for t in tensors], tensors)
+        return self._submit(lambda: [self._all_reduce_now(t, op) for t in tensors], tensors, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         check_cpu([*outputs, *inputs])
@@ -406,7 +448,8 @@ class DpkitBackend:
         op = op_name((opts or c10d.ReduceScatterOptions()).reduceOp)
         check_cpu([*outputs, *inputs])
         self._refuse_if_broken()
-        return self._submit(lambda: [self._reduce_scatter_now(o, i, op) for o, i in zip(outputs, inputs)], outputs)
+        return self._submit(lambda: [self._reduce_scatter_now(o, i, op) for o, i in zip(outputs, inputs)], outputs,
+                            opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the older name
 
@@ -418,9 +461,9 @@ class DpkitBackend:
         if self.size == 1:
             return self._submit(lambda: None)
         if self.slots is not None and not self.spans_hosts:
-            return self._submit(self.slots.barrier)
+            return self._submit(self.slots.barrier, None, opts)
         options = opts or c10d.BarrierOptions()
-        return self._submit(lambda: self.gloo.barrier(options).wait())
+        return self._submit(lambda: self.gloo.barrier(options).wait(), None, opts)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier (it names the ranks that did not arrive), after every call queued before it."""

@@ -6,8 +6,10 @@
 
 Every collective of a group goes into its ``CallQueue``, in the order the program calls them (so on every rank
 the same order, as gloo's one work queue per group keeps it). Who runs a call:
-- the caller, in ``wait()``: a call whose result is waited for at once (``async_op=False``, most calls) runs
-  on the caller's thread, with no hand-over to another thread;
+- the caller, in ``submit``: a call whose caller said it waits at once (``async_op=False``, most calls; torch
+  passes it as ``opts.asyncOp``) runs before ``submit`` returns when nothing is queued before it, and no other
+  thread is woken;
+- the caller, in ``wait()``: a queued call whose result is waited for at once;
 - the queue's thread, when nobody waits for it within ``HANDOVER_S``: an ``async_op=True`` call goes on while the
   caller does something else (computes, or receives from a peer that must first reach this collective).
 Either way a call runs once, after every call queued before it.
@@ -25,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from dpkit.comm.process_groups import PeerFailedError
@@ -124,12 +127,22 @@ class CallQueue:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.broken: str | None = None
+        self.outstanding = np.zeros(1, np.int64)  # calls submitted and not yet run: the C++ fast path reads it
+        # (it runs a call itself only when none is, so that calls run in program order)
 
-    def submit(self, run: Callable[[], None], result: list | None = None) -> Work:
-        """Queue ``run`` (a call's communication; its arguments already checked); a Work for it."""
+    def submit(self, run: Callable[[], None], result: list | None = None, now: bool = False) -> Work:
+        """Queue ``run`` (a call's communication; its arguments already checked); a Work for it. ``now``: its caller
+        waits for it at once, so when no call is queued before it, it runs here and now, and the queue's thread is
+        not woken (waking it costs more than a short call)."""
         self.refuse_if_broken()
         work = Work(run, result, self)
+        if now and self.outstanding[0] == 0:
+            with self._running:
+                self.outstanding[0] += 1
+                self._execute(work)
+            return work
         with self._wake:
+            self.outstanding[0] += 1
             self._pending.append((time.monotonic(), work))
             self._start_thread()
             self._wake.notify()
@@ -157,12 +170,14 @@ class CallQueue:
 
     def _execute(self, work: Work) -> None:
         if self.broken is not None:
+            self.outstanding[0] -= 1
             work.finish(BrokenGroupError(f"{self.name}: not run: the group broke before this call ({self.broken})"))
             return
         error = work.execute()
         if error is not None:  # broken before anyone hears of the failure, here or (told) on the peers
             self.break_(f"{type(error).__name__}: {error}")
             self._on_failure(error)
+        self.outstanding[0] -= 1  # before its waiter wakes: its next call may take the fast path
         work.finish(error)
 
     def _start_thread(self) -> None:

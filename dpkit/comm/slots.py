@@ -1,7 +1,8 @@
 """Slots: the ranks of one host exchange messages through two slots per rank in one shared file.
 
     slots = Slots.open(store, rank, size, timeout_s)   # a collective over a c10d store; None without the file
-    slots.all_reduce(t, "sum")                         # in place; also broadcast, all_gather, reduce_scatter
+    slots.all_reduce(t, "sum")                         # in place; also reduce, broadcast, all_gather,
+                                                       # reduce_scatter, all_to_all, barrier
     slots.buffer(n, torch.float32)                     # a tensor in this rank's next slot: no copy in
     slots.break_group("gloo failed")                   # a failure elsewhere: every peer's next wait raises
 
@@ -46,7 +47,7 @@ HEADER_WORDS = shared_file.RECORD_WORDS  # int64 words per rank: counter, descri
 _DESCRIPTOR = 1  # the descriptor of slot p: words [1 + 5p, 6 + 5p): kind, dtype, numel, op, root
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)
-KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier")
+KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce", "all_to_all")
 OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none")
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
@@ -81,7 +82,7 @@ class Slots:
         self._counters = self._headers[:, shared_file.COUNTER]
         self._mine = self._headers[rank]
         shared_file.sign(self._mine)
-        self._epoch = 0
+        self._epoch = 0  # the last call this rank completed; the C++ fast path completes some: read from the counter
         self._views: dict[tuple, torch.Tensor] = {}
         self._spins = SPINS if size <= len(os.sched_getaffinity(0)) else 0  # oversubscribed: yield at once
         self._broken: str | None = None  # the first failure: every later call refuses, naming it
@@ -133,40 +134,58 @@ class Slots:
         self._refuse_if_broken()
         if numel * dtype.itemsize > SLOT_BYTES:  # a question asked here alone: nothing posted, nothing broken
             raise ValueError(f"a slot holds {SLOT_BYTES} bytes, not {numel} elements of {dtype}")
-        return self.slot(self.rank, (self._epoch + 1) % 2, dtype, numel)
+        return self.slot(self.rank, (self._counted() + 1) % 2, dtype, numel)
+
+    def _counted(self) -> int:
+        """The last call this rank posted (its counter; the C++ fast path posts and completes calls too): between
+        two calls, also the last it completed."""
+        self._epoch = int(self._mine[shared_file.COUNTER])
+        return self._epoch
+
+    def native_layout(self) -> tuple:
+        """What the C++ fast path (dpkit/native/c10d_backend.cpp) needs to run the same protocol on these slots:
+        (the mapping's address, rank, ranks, words per record, the broken word, bytes per slot, whether to poll
+        before yielding the core)."""
+        return (self._bytes.data_ptr(), self.rank, self.size, HEADER_WORDS, shared_file.BROKEN, SLOT_BYTES,
+                self._spins > 0)
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
-                 use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False) -> None:
+                 use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False,
+                 announced: bool = False) -> None:
         """For each piece [lo, hi) of ``flat`` (1-D, contiguous): copy it into this rank's slot (when ``post``),
         wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked once. Whatever
-        raises here breaks the slots (a peer may have posted its piece, or be waiting for this rank's)."""
+        raises here breaks the slots (a peer may have posted its piece, or be waiting for this rank's).
+        ``posted``: the data of a one-piece message is in the slot already (``buffer``); ``announced``: its
+        descriptor and counter too (the C++ fast path posted it, then handed it over)."""
         self._refuse_if_broken()
         try:
-            self._exchange(kind, flat, op, root, post, use, posted)
+            self._exchange(kind, flat, op, root, post, use, posted, announced)
         except BaseException as error:
             self._break("other", f"{type(error).__name__}: {error}")
             raise
 
-    def _exchange(self, kind, flat, op, root, post, use, posted) -> None:
+    def _exchange(self, kind, flat, op, root, post, use, posted, announced) -> None:
         total = flat.numel()
         per = SLOT_BYTES // flat.element_size()
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
-            self._piece(code, flat, post and not posted, use, 0, total)
+            self._piece(code, flat, post and not posted, use, 0, total, announced)
             return
         for lo in range(0, total, per):
             hi = min(total, lo + per)
             self._piece(code, flat[lo:hi], post, use, lo, hi)
 
-    def _piece(self, code: tuple, piece: torch.Tensor, post: bool, use: Callable, lo: int, hi: int) -> None:
-        epoch = self._epoch + 1
+    def _piece(self, code: tuple, piece: torch.Tensor, post: bool, use: Callable, lo: int, hi: int,
+               announced: bool = False) -> None:
+        epoch = self._counted() + (0 if announced else 1)
         parity = epoch % 2
         parts = self._parts(parity, piece.dtype, hi - lo)
-        if post and hi > lo:
-            parts[self.rank].copy_(piece)
         base = _DESCRIPTOR + 5 * parity
-        self._mine[base:base + 5] = code
-        self._mine[shared_file.COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
+        if not announced:
+            if post and hi > lo:
+                parts[self.rank].copy_(piece)
+            self._mine[base:base + 5] = code
+            self._mine[shared_file.COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
         if min(self._counters.tolist()) < epoch:  # a peer is late, or broke (its counter went negative)
             shared_file.wait_for(self._headers, epoch, self.rank, self.timeout_s, self._spins)
         self._epoch = epoch
@@ -232,27 +251,27 @@ class Slots:
 
     # ---- the collectives, on contiguous 1-D tensors of a dtype in DTYPES
 
-    def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False) -> None:
+    def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False, announced: bool = False) -> None:
         def take(lo, hi, parts):
             reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
-        self.exchange("all_reduce", flat, op, 0, True, take, posted)
+        self.exchange("all_reduce", flat, op, 0, True, take, posted, announced)
 
-    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+    def broadcast(self, flat: torch.Tensor, root: int, announced: bool = False) -> None:
         def take(lo, hi, parts):
             if self.rank != root:
                 flat[lo:hi].copy_(parts[root])
-        self.exchange("broadcast", flat, "none", root, self.rank == root, take)
+        self.exchange("broadcast", flat, "none", root, self.rank == root, take, announced=announced)
 
-    def all_gather(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, flat: torch.Tensor, announced: bool = False) -> None:
         """``out`` (size * n) <- every rank's ``flat`` (n), in rank order."""
         rows = out.view(self.size, -1)
 
         def take(lo, hi, parts):
             for r, part in enumerate(parts):
                 rows[r, lo:hi].copy_(part)
-        self.exchange("all_gather", flat, "none", 0, True, take)
+        self.exchange("all_gather", flat, "none", 0, True, take, announced=announced)
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum") -> None:
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum", announced: bool = False) -> None:
         """``out`` (m) <- this rank's m-slice of ``op`` over every rank's ``flat`` (size * m)."""
         m = out.numel()
         start, end = self.rank * m, (self.rank + 1) * m
@@ -261,10 +280,31 @@ class Slots:
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 reduce_into(out[a - start:b - start], [p[a - lo:b - lo] for p in parts], op)
-        self.exchange("reduce_scatter", flat, op, 0, True, take)
+        self.exchange("reduce_scatter", flat, op, 0, True, take, announced=announced)
 
-    def barrier(self) -> None:
-        self.exchange("barrier", _NOTHING, "none", 0, False, _ignore)
+    def reduce(self, flat: torch.Tensor, op: str, root: int) -> None:
+        """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are)."""
+        def take(lo, hi, parts):
+            if self.rank == root:
+                reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
+        self.exchange("reduce", flat, op, root, True, take)
+
+    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        """``out`` (size * m): block j <- this rank's block of rank j's ``flat`` (size * m), as
+        ``all_to_all_single`` with even splits."""
+        m = out.numel() // self.size
+        start, end = self.rank * m, (self.rank + 1) * m
+        rows = out.view(self.size, m)
+
+        def take(lo, hi, parts):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                for j, part in enumerate(parts):
+                    rows[j, a - start:b - start].copy_(part[a - lo:b - lo])
+        self.exchange("all_to_all", flat, "none", 0, True, take)
+
+    def barrier(self, announced: bool = False) -> None:
+        self.exchange("barrier", _NOTHING, "none", 0, False, _ignore, announced=announced)
 
     def close(self) -> None:
         """Drop the mapping (later calls fail): the views go first, then the file's pages."""

@@ -7,6 +7,16 @@
 // source cannot say its source, and a Python backend has no sequence numbers, which
 // TORCH_DISTRIBUTED_DEBUG=DETAIL needs. Here each of those is forwarded, and the backend names itself "dpkit".
 //
+// The fast path: all-reduce, broadcast, all-gather and reduce-scatter (the tensor forms) of small dense
+// tensors, and the barrier, while none of the group's calls is queued in Python, run here, on the same
+// shared-memory slots and by the same protocol as dpkit/comm/slots.py (the Python path; see its docstring): post
+// the data into this rank's slot, its descriptor, then the counter; poll the peers' counters; read every rank's
+// slot into the output (sums left to right in rank order, so the bits equal the Python path's). No GIL, no
+// Python, no queue. When the peers have not all posted within HANDOVER_NS (an async_op=True call, whose caller
+// must go on) or WAITED_NS (a caller that waits at once), or their descriptors differ, the posted call is
+// handed to the Python implementation (finish_posted), whose queue completes it in order and whose wait names
+// dead peers, times out and breaks the group as on every path.
+//
 // Built at first use by dpkit.native.load_extension("c10d_backend") against the running torch. It overrides
 // the names every supported torch has (the old _allgather_base, _reduce_scatter_base, ..., to which the newer
 // *_single names forward), so one source builds for all of them.
@@ -17,7 +27,13 @@
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/chrono.h>
 
+#include <ATen/record_function.h>
+#include <sched.h>
+
+#include <array>
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 namespace py = pybind11;
@@ -70,10 +86,123 @@ class ForwardedWork : public Work {
   py::object work_;
 };
 
+// A call the fast path completed before returning it: success, its tensors as the result.
+class DoneWork : public Work {
+ public:
+  DoneWork(std::vector<at::Tensor> tensors, OpType type) : Work(-1, type), tensors_(std::move(tensors)) {
+    finish();
+  }
+
+  bool wait(std::chrono::milliseconds) override { return true; }
+  std::vector<at::Tensor> result() override { return tensors_; }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future->markCompleted(c10::IValue(tensors_));
+    return future;
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+};
+
+// The slots as dpkit/comm/slots.py lays them out: per rank a record of `record_words` int64 (counter first,
+// then per parity p the descriptor kind, dtype, numel, op, root at words 1 + 5p), then per rank two slots.
+struct Slots {
+  int64_t* queued = nullptr;  // calls queued in Python and not yet run (CallQueue.outstanding)
+  int64_t* on = nullptr;  // 1 while the slots are mapped (DpkitBackend turns it off before unmapping them)
+  char* base = nullptr;
+  int rank = 0, size = 0, record_words = 0, broken_word = 0;
+  int64_t slot_bytes = 0;
+  bool spin = true;  // a core per rank: poll; oversubscribed: yield the core at every poll
+
+  int64_t* record(int r) const { return reinterpret_cast<int64_t*>(base) + int64_t(r) * record_words; }
+  char* slot(int r, int parity) const {
+    return base + 8 * int64_t(record_words) * size + (2 * int64_t(r) + parity) * slot_bytes;
+  }
+  int64_t load(const int64_t* word) const { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+};
+
+constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HANDOVER_S
+// A call whose caller waits at once (async_op=False) holds no one up while it polls: it polls longer before
+// handing over to Python (whose wait tells a dead peer from a slow one).
+constexpr int64_t WAITED_NS = 20000000;
+constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
+// Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
+enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER };
+constexpr int64_t OP_SUM = 0, OP_AVG = 1, OP_NONE = 8;
+const char* const KIND_NAMES[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
+
+// slots.py's DTYPES index of `t`; -1 for one the slots do not move (bool: the Python path sends it to gloo).
+int64_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kDouble: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    case at::kByte: return 4;
+    case at::kChar: return 5;
+    case at::kShort: return 6;
+    case at::kInt: return 7;
+    case at::kLong: return 8;
+    default: return -1;
+  }
+}
+
+bool sums(at::ScalarType t) {  // the dtypes summed here; the others go to Python
+  return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong;
+}
+
+// out[0, n) <- the sum over ranks of elements [from, from + n) of their slot `parity`, left to right in rank
+// order (as torch.add, then add_, on the Python path), divided by the ranks when `mean`.
+template <typename T>
+void reduce_slots(const Slots& s, int parity, int64_t from, T* out, int64_t n, bool mean) {
+  const T* p0 = reinterpret_cast<const T*>(s.slot(0, parity)) + from;
+  const T* p1 = reinterpret_cast<const T*>(s.slot(1, parity)) + from;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = p0[i] + p1[i];
+  }
+  for (int r = 2; r < s.size; ++r) {
+    const T* p = reinterpret_cast<const T*>(s.slot(r, parity)) + from;
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] += p[i];
+    }
+  }
+  if (mean) {
+    const T ranks = T(s.size);
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] /= ranks;
+    }
+  }
+}
+
+void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean) {
+  switch (out.scalar_type()) {
+    case at::kFloat: return reduce_slots(s, parity, from, out.data_ptr<float>(), out.numel(), mean);
+    case at::kDouble: return reduce_slots(s, parity, from, out.data_ptr<double>(), out.numel(), mean);
+    case at::kInt: return reduce_slots(s, parity, from, out.data_ptr<int32_t>(), out.numel(), false);
+    default: return reduce_slots(s, parity, from, out.data_ptr<int64_t>(), out.numel(), false);
+  }
+}
+
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
 class Backend : public c10d::Backend {
  public:
-  Backend(int rank, int size, py::object impl) : c10d::Backend(rank, size), impl_(std::move(impl)) {}
+  Backend(int rank, int size, py::object impl) : c10d::Backend(rank, size), impl_(std::move(impl)) {
+    py::object fast = impl_.attr("fast_path")();  // None, or the words of the slots (DpkitBackend.fast_path)
+    if (!fast.is_none()) {
+      auto w = fast.cast<std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int64_t, bool>>();
+      slots_.queued = reinterpret_cast<int64_t*>(std::get<0>(w));
+      slots_.on = reinterpret_cast<int64_t*>(std::get<1>(w));
+      slots_.base = reinterpret_cast<char*>(std::get<2>(w));
+      slots_.rank = std::get<3>(w);
+      slots_.size = std::get<4>(w);
+      slots_.record_words = std::get<5>(w);
+      slots_.broken_word = std::get<6>(w);
+      slots_.slot_bytes = std::get<7>(w);
+      slots_.spin = std::get<8>(w);
+    }
+  }
 
   ~Backend() override {
     py::gil_scoped_acquire gil;
@@ -81,6 +210,8 @@ class Backend : public c10d::Backend {
   }
 
   py::object impl() const { return impl_; }
+  uint64_t fast_calls() const { return fast_calls_; }  // calls the fast path completed
+  uint64_t handed_over() const { return handed_over_; }  // calls it posted and handed to Python
 
   const std::string getBackendName() const override { return "dpkit"; }
   void setSequenceNumberForGroup() override {}
@@ -89,13 +220,36 @@ class Backend : public c10d::Backend {
   bool supportsSplitting() const override { return false; }
   bool supportsCoalescing() const override { return false; }
 
-  void shutdown() override { call_void("shutdown"); }
+  void shutdown() override { call_void("shutdown"); }  // the Python side turns the fast path off first
   void abort() override { call_void("shutdown"); }
 
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
+    if (t.size() == 1 && o.rootTensor == 0 && fast({t[0]}, dense_bytes(t[0]))) {
+      RECORD_USER_SCOPE("dpkit:broadcast");
+      const int root = int(o.rootRank);
+      const int parity = post({BROADCAST, dtype_code(t[0].scalar_type()), t[0].numel(), OP_NONE, root},
+                              root == slots_.rank ? t[0] : at::Tensor(), o.asyncOp);
+      if (parity < 0) {
+        return handed_over(BROADCAST, OpType::BROADCAST, t, OP_NONE, root);
+      }
+      if (root != slots_.rank) {
+        std::memcpy(t[0].data_ptr(), slots_.slot(root, parity), t[0].nbytes());
+      }
+      return c10::make_intrusive<DoneWork>(t, OpType::BROADCAST);
+    }
     return call(OpType::BROADCAST, "broadcast", t, o);
   }
   c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
+    const int64_t op = summing(o.reduceOp, t[0]);
+    if (t.size() == 1 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
+      RECORD_USER_SCOPE("dpkit:all_reduce");
+      const int parity = post({ALL_REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, 0}, t[0], o.asyncOp);
+      if (parity < 0) {
+        return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
+      }
+      reduce_slots(slots_, parity, 0, t[0], op == OP_AVG);
+      return c10::make_intrusive<DoneWork>(t, OpType::ALLREDUCE);
+    }
     return call(OpType::ALLREDUCE, "allreduce", t, o);
   }
   c10::intrusive_ptr<Work> allreduce_sparse(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
@@ -113,6 +267,19 @@ class Backend : public c10d::Backend {
     return call(OpType::ALLGATHER, "allgather", out, in, o);
   }
   c10::intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
+    if (out.numel() == in.numel() * slots_.size && out.scalar_type() == in.scalar_type() && fast({out, in}, dense_bytes(in))) {
+      RECORD_USER_SCOPE("dpkit:all_gather");
+      const int parity = post({ALL_GATHER, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
+      std::vector<at::Tensor> both{out, in};
+      if (parity < 0) {
+        return handed_over(ALL_GATHER, OpType::_ALLGATHER_BASE, both, OP_NONE, 0);
+      }
+      char* to = static_cast<char*>(out.data_ptr());
+      for (int r = 0; r < slots_.size; ++r) {
+        std::memcpy(to + r * in.nbytes(), slots_.slot(r, parity), in.nbytes());
+      }
+      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
+    }
     return call(OpType::_ALLGATHER_BASE, "all_gather_single", out, in, o);
   }
   c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
@@ -137,6 +304,18 @@ class Backend : public c10d::Backend {
   }
   c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                 const c10d::ReduceScatterOptions& o) override {
+    const int64_t op = summing(o.reduceOp, in);
+    if (op >= 0 && in.numel() == out.numel() * slots_.size && out.scalar_type() == in.scalar_type() &&
+        fast({out, in}, dense_bytes(in))) {
+      RECORD_USER_SCOPE("dpkit:reduce_scatter");
+      const int parity = post({REDUCE_SCATTER, dtype_code(in.scalar_type()), in.numel(), op, 0}, in, o.asyncOp);
+      std::vector<at::Tensor> both{out, in};
+      if (parity < 0) {
+        return handed_over(REDUCE_SCATTER, OpType::_REDUCE_SCATTER_BASE, both, op, 0);
+      }
+      reduce_slots(slots_, parity, slots_.rank * out.numel(), out, op == OP_AVG);
+      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
+    }
     return call(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", out, in, o);
   }
   c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -161,6 +340,14 @@ class Backend : public c10d::Backend {
     return call(OpType::RECVANYSOURCE, "recv_anysource", t, tag);
   }
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override {
+    if (fast({}, 0)) {
+      RECORD_USER_SCOPE("dpkit:barrier");
+      std::vector<at::Tensor> none;
+      if (post({BARRIER, 0, 0, OP_NONE, 0}, at::Tensor(), o.asyncOp) < 0) {
+        return handed_over(BARRIER, OpType::BARRIER, none, OP_NONE, 0);
+      }
+      return c10::make_intrusive<DoneWork>(none, OpType::BARRIER);
+    }
     return call(OpType::BARRIER, "barrier", o);
   }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
@@ -169,6 +356,108 @@ class Backend : public c10d::Backend {
   }
 
  private:
+  // OP_SUM or OP_AVG when the fast path sums `t` by `op` (AVG on floating dtypes only: the Python path
+  // truncates an integer mean), else -1.
+  static int64_t summing(c10d::ReduceOp op, const at::Tensor& t) {
+    if (!sums(t.scalar_type())) {
+      return -1;
+    }
+    return op == c10d::ReduceOp::SUM ? OP_SUM : op == c10d::ReduceOp::AVG && t.is_floating_point() ? OP_AVG : -1;
+  }
+
+  // The bytes of `t`, or more than any slot holds when it is not strided (sparse: no bytes to ask for).
+  static size_t dense_bytes(const at::Tensor& t) {
+    return t.layout() == at::kStrided ? t.nbytes() : SIZE_MAX;
+  }
+
+  // Whether the fast path takes a call on `tensors` posting `nbytes`: the slots are on, nothing is queued in
+  // Python (calls run in program order), no rank broke, and the tensors are contiguous CPU tensors of a dtype
+  // the slots move (the Python path's choice too: every rank takes the slots or none), the message one slot.
+  // Anything else goes to Python, which checks and refuses as on every path.
+  bool fast(std::initializer_list<at::Tensor> tensors, size_t nbytes) const {
+    const Slots& s = slots_;
+    if (s.on == nullptr || s.load(s.on) == 0 || s.load(s.queued) != 0 || nbytes > size_t(s.slot_bytes)) {
+      return false;
+    }
+    for (const at::Tensor& t : tensors) {
+      if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.numel() == 0 ||
+          dtype_code(t.scalar_type()) < 0) {
+        return false;
+      }
+    }
+    for (int r = 0; r < s.size; ++r) {
+      if (s.load(&s.record(r)[s.broken_word]) != 0 || s.load(&s.record(r)[0]) < 0) {
+        return false;  // Python raises BrokenGroupError naming the first failure
+      }
+    }
+    return true;
+  }
+
+  // One exchange: post `data` (undefined: nothing to post) into this rank's next slot, then the descriptor
+  // `code`, then the counter; wait for every rank's up to HANDOVER_NS (WAITED_NS when the caller waits at once:
+  // not `async_op`). The parity of the slots to read, or -1 when the call must be handed over (posted: Python
+  // waits for it, checks the descriptors, reads the slots).
+  int post(std::array<int64_t, 5> code, const at::Tensor& data, bool async_op) {
+    ++sequence_;
+    const Slots& s = slots_;
+    int64_t* mine = s.record(s.rank);
+    const int64_t epoch = mine[0] + 1;
+    const int parity = int(epoch % 2);
+    if (data.defined()) {
+      std::memcpy(s.slot(s.rank, parity), data.data_ptr(), data.nbytes());
+    }
+    std::memcpy(mine + 1 + 5 * parity, code.data(), sizeof code);
+    __atomic_store_n(&mine[0], epoch, __ATOMIC_RELEASE);  // after the data and the descriptor
+    if (arrived(epoch, async_op ? HANDOVER_NS : WAITED_NS) && agreed(parity, code.data())) {
+      ++fast_calls_;
+      return parity;
+    }
+    ++handed_over_;
+    return -1;
+  }
+
+  // The posted call `kind` on `tensors`, completed by the Python implementation (DpkitBackend.finish_posted).
+  c10::intrusive_ptr<Work> handed_over(Kind kind, OpType type, std::vector<at::Tensor>& tensors, int64_t op,
+                                       int64_t root) {
+    py::gil_scoped_acquire gil;
+    py::object work = impl_.attr("finish_posted")(KIND_NAMES[kind], tensors, op == OP_AVG ? "avg" : "sum", root);
+    return c10::make_intrusive<ForwardedWork>(std::move(work), type);
+  }
+
+  // Whether every rank posted `epoch` within `budget_ns` (polling; after SPINS polls, or at once when
+  // oversubscribed, yielding the core at each: a peer may need it). A rank that broke has a negative counter:
+  // never arrived here.
+  bool arrived(int64_t epoch, int64_t budget_ns) const {
+    const Slots& s = slots_;
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t polls = 0;; ++polls) {
+      int r = 0;
+      while (r < s.size && s.load(s.record(r)) >= epoch) {
+        ++r;
+      }
+      if (r == s.size) {
+        return true;
+      }
+      if (!s.spin || polls > SPINS) {
+        sched_yield();
+      }
+      if (polls % 64 == 63 && std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - start).count() > budget_ns) {
+        return false;
+      }
+    }
+  }
+
+  // Whether every rank's descriptor of slot `parity` is `code` (else Python's check raises on every rank).
+  bool agreed(int parity, const int64_t* code) const {
+    for (int r = 0; r < slots_.size; ++r) {
+      if (std::memcmp(slots_.record(r) + 1 + 5 * parity, code, 5 * sizeof(int64_t)) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   template <typename... Args>
   c10::intrusive_ptr<Work> call(OpType type, const char* method, Args&... args) {
     ++sequence_;  // every rank counts the same calls: what DETAIL's checks compare across ranks
@@ -184,7 +473,8 @@ class Backend : public c10d::Backend {
   }
 
   py::object impl_;
-  std::atomic<uint64_t> sequence_{0};
+  Slots slots_;
+  std::atomic<uint64_t> sequence_{0}, fast_calls_{0}, handed_over_{0};
 };
 
 }  // namespace
@@ -193,5 +483,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module::import("torch.distributed");  // c10d's Python types (Backend, the options) registered first
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init<int, int, py::object>(), py::arg("rank"), py::arg("size"), py::arg("impl"))
-      .def_property_readonly("impl", &Backend::impl);
+      .def_property_readonly("impl", &Backend::impl)
+      .def_property_readonly("fast_calls", [](const Backend& b) { return b.fast_calls(); })
+      .def_property_readonly("handed_over", [](const Backend& b) { return b.handed_over(); });
 }
