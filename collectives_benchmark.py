@@ -5,6 +5,7 @@
     python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
     python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
     python collectives_benchmark.py --axis backends --procs 2 4              # torch.distributed on "dpkit" / gloo
+    python collectives_benchmark.py --axis backends --procs 2 --anchors --json results/backend_anchors.json
     python collectives_benchmark.py --tune                                      # results/crossover.json (auto's)
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
     torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts
@@ -15,15 +16,14 @@
   against "shared_memory" on buffers from its ``allocate()`` (zero copy), "shared_memory:staged" (plain tensors,
   copied in and out), "p2p" (auto for the all-reduce, else the ring), and any transport registered: each on the
   buffers it allocates. Shared memory sums chunk r on rank r.
-* Backends: torch.distributed's own calls (``BACKEND_CALLS``) on a group of the backend "dpkit" against gloo,
-  and the all-reduce's latency floor (``dpkit.bench.backend_latency``: dispatch, the wait, the reduction).
+* Backends: torch.distributed's calls (``BACKEND_CALLS``) on a "dpkit" group against gloo, the latency floor
+  (``dpkit.bench.backend_latency``), and ``--anchors`` beside them: Open MPI under mpirun, DeepSpeed's shm.
 
 Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20
-bytes) and axis: one untimed call on a pattern whose result is exact in float32 (any error is a bug), then
-timed calls taking turns call by call, each as slow as its slowest rank, paired round by round with the
-axis's reference (torch's call; gloo's on the backend axis): the ratio is the median over rounds with its
-95 % bootstrap interval, judged against ``TARGETS`` and stored with the rows. busbw = algbw x ``bus_factor``
-(nccl-tests). The algorithms get a latency-bandwidth model T = steps x alpha + bytes x beta (``model_terms``).
+bytes) and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed calls in turns,
+each as slow as its slowest rank, paired round by round with the axis's reference (torch's call; gloo's on the
+backend axis): the median ratio with its 95 % bootstrap interval, judged against ``TARGETS``, stored with the
+rows. busbw = algbw x ``bus_factor`` (nccl-tests). Algorithms: T = steps x alpha + bytes x beta (``model_terms``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import argparse
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -42,7 +42,7 @@ import allreduce
 from dpkit.bench.collectives import (AXIS_TITLES, BACKEND, NAMES, TRANSPORTS, allreduce_rows, bus_factor, format_size,
                                      labelled, parse_size, ratio_of)
 from dpkit import compat
-from dpkit.bench import backend_latency, harness
+from dpkit.bench import anchors, backend_latency, harness
 from dpkit.bench import transports as bench_transports
 from dpkit.bench.measure import Timing, format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import incomplete_note, markdown_table, read_results, write_results
@@ -140,6 +140,7 @@ class Contender:
     choice: str | None = None
     inputs: tuple[torch.Tensor, ...] = ()  # the tensors it works on
     repeat: int = 1  # calls ``call`` makes back to back: its time is divided by it
+    fields: dict = field(default_factory=dict)  # added to its row as they are (an anchor's name and version)
 
 
 def _worst(ctx, error: float) -> float:
@@ -174,7 +175,7 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
                      "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one timed call per round
                      "calls_per_round": c.repeat,
                      "oversubscribed": oversubscribed(n, ctx.device), "choice": c.choice,
-                     "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0})
+                     "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0, **c.fields})
     return rows
 
 
@@ -375,10 +376,11 @@ def backend_error(ctx, collective: str, call, full: torch.Tensor, part: torch.Te
     return pattern_error(full, n)
 
 
-def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object]
+def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object], made: dict | None = None
                        ) -> tuple[list[Contender], Callable[[], object] | None, int]:
-    """The backend axis at one size: the same torch.distributed call on each group of ``groups``, on the same
-    tensors; (contenders, the refill before each timed call or None, bytes)."""
+    """The backend axis at one size: the same torch.distributed call on each group of ``groups``, then the
+    collective of each anchor of ``made`` that has it (``anchors.make``), on the same tensors; (contenders, the
+    refill before each timed call or None, bytes)."""
     n = ctx.world_size
     numel = _backend_numel(collective, nbytes, n)
     full = torch.empty(numel, dtype=torch.float32)
@@ -393,6 +395,13 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
                                     functools.partial(_repeated, call, repeat),
                                     functools.partial(backend_error, ctx, collective, call, full, part), None,
                                     (full, part), repeat))
+    for anchor in (made or {}).values():
+        call = anchor.call(collective, full, part)
+        if call is not None:
+            contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
+                                        functools.partial(_repeated, call, repeat),
+                                        functools.partial(backend_error, ctx, collective, call, full, part), None,
+                                        (full, part), repeat, anchor.fields))
     # All-reduce and reduce sum in place: zeros (refilled, untimed, before each timed batch) stay zeros.
     setup = full.zero_ if collective in ("allreduce", "reduce") else None
     return contenders, setup, numel * 4
@@ -404,19 +413,22 @@ def _repeated(call: Callable[[], object], times: int) -> None:
 
 
 def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, warmup: int, floor_calls: int,
-                   earlier: list[dict] = ()) -> list[dict]:
-    """The backend axis: every collective at every size (a barrier once, of no bytes), then the latency floor
-    of the backend's all-reduce at FLOOR_SIZES (``backend_latency.floor_rows``). CPU tensors only. ``earlier``:
-    the rows this world measured before, kept with these (``harness.keep``)."""
+                   earlier: list[dict] = (), anchor_names: list[str] = ()) -> list[dict]:
+    """The backend axis: every collective at every size (a barrier once, of no bytes), with the anchors of
+    ``anchor_names`` beside gloo and "dpkit", then the latency floor of the backend's all-reduce at FLOOR_SIZES
+    (``backend_latency.floor_rows``). CPU tensors only. ``earlier``: the rows this world measured before, kept
+    with these (``harness.keep``)."""
     if ctx.device.type != "cpu" or ctx.world_size < 2 or not collectives:
         print0(f"no backend rows: the backend {backend.NAME!r} compares CPU tensors between 2 or more processes")
         return []
-    groups, rows = backend_groups(), []
+    groups, made, rows = backend_groups(), {}, []
     try:
+        made = anchors.make(ctx, list(anchor_names))
         for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
             for nbytes in sizes[:1] if collective == "barrier" else sizes:
-                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups)
-                rows += measure(ctx, collective, "backend", contenders, size, iters, warmup, setup, reference="gloo")
+                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups, made)
+                rows += anchors.with_ratios(measure(ctx, collective, "backend", contenders, size, iters, warmup,
+                                                    setup, reference="gloo"), BACKEND)
                 harness.keep(ctx, [*earlier, *rows])
         for nbytes in FLOOR_SIZES if floor_calls else ():
             rows += [{**row, "backend": ctx.backend, "kind": "latency floor",
@@ -425,6 +437,8 @@ def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, wa
                                                            groups[BACKEND], groups["gloo"])]
             harness.keep(ctx, [*earlier, *rows])
     finally:  # the groups are this axis's alone: a sweep over worlds holds none of them afterwards
+        for anchor in made.values():
+            anchor.close()
         for group in groups.values():
             dist.destroy_process_group(group)
     return rows
@@ -606,7 +620,7 @@ def report(rows: list[dict], p2p: list[dict] | None = None) -> str:
                   markdown_table(shown, COLUMNS[axis]), ""]
     wrong = [row for row in rows if not row["correct"]]
     lines.append(f"correctness: {'all exact' if not wrong else f'{len(wrong)} WRONG results: ' + str(wrong)}")
-    lines += target_lines(rows)
+    lines += target_lines(rows) + anchors.ratio_lines(rows)
     fits = allreduce.fit_model(rows)
     if fits:
         lines += ["", "latency-bandwidth model T = steps x alpha + bytes x beta, fitted per algorithm (model_terms):",
@@ -650,6 +664,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: all)")
     parser.add_argument("--backend-sizes", type=parse_size, nargs="+", default=None,
                         help=f"the backend axis's message sizes (default: {' '.join(BACKEND_SIZES)})")
+    parser.add_argument("--anchors", nargs="*", choices=anchors.ANCHORS, default=None, metavar="NAME",
+                        help="the backend axis: other libraries' collectives timed beside gloo and \"dpkit\" in the "
+                             "same ranks: openmpi (Open MPI through mpi4py; each world is started by mpirun), "
+                             "deepspeed (DeepSpeed's shared-memory all-reduce); no name: both; one missing is "
+                             "skipped, saying why (default: none)")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
                         help="the backend axis: back-to-back calls per round of the latency floor "
                              f"(backend_latency.py) at {', '.join(map(format_size, FLOOR_SIZES))}; 0: none "
@@ -707,6 +726,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.transports = []
     if "backend" not in AXES[args.axis]:
         args.backend_collectives = []
+    args.anchors = [] if args.anchors is None else args.anchors or list(anchors.ANCHORS)
+    if args.anchors and not args.backend_collectives:
+        parser.error("--anchors are timed on the backend axis: add --axis backends (or all)")
     return args
 
 
@@ -721,7 +743,7 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
                             args.transports)
     if args.backend_collectives:
         rows += backend_worker(ctx, args.backend_collectives, args.backend_sizes, args.iters, args.warmup,
-                               args.floor_calls, rows)
+                               args.floor_calls, rows, args.anchors)
     steps = ctx.world_size == 2 and args.collective == "allreduce" and args.algorithms and not args.tune
     return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
 
@@ -752,8 +774,9 @@ def extra(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
 BENCHMARK = harness.Benchmark(
     "collectives_benchmark", worker, world_sizes=lambda args: args.procs,
     report=lambda rows: report(rows, [r for r in rows if "engine" in r]), targets=stored_targets, extra=extra,
-    describe=lambda args: f"{args.collective}, axis {args.axis}, process counts {args.procs}",
-    config_leaves_out=("json", "plot_dir", "from_json"))
+    describe=lambda args: f"{args.collective}, axis {args.axis}, process counts {args.procs}"
+                          + (f", anchors {' '.join(args.anchors)}" if args.anchors else ""),
+    config_leaves_out=("json", "plot_dir", "from_json"), launcher=lambda args: anchors.launcher(args.anchors))
 
 
 if __name__ == "__main__":
@@ -764,4 +787,8 @@ if __name__ == "__main__":
             print(incomplete_note(document), flush=True)
         harness.finish(BENCHMARK, document["results"], document["env"], arguments)
     else:
+        if arguments.anchors:  # which can run here (DeepSpeed's op compiled now, before any rank starts)
+            arguments.anchors, skipped = anchors.available(arguments.anchors, under_torchrun="RANK" in os.environ)
+            if skipped and os.environ.get("RANK", "0") == "0":  # under torchrun, once
+                print("\n".join(skipped), flush=True)
         harness.run(BENCHMARK, arguments)

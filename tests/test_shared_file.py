@@ -346,5 +346,6 @@ def test_break_group_makes_the_peers_next_call_raise_at_once_naming_the_rank_and
 def test_after_a_mismatch_every_later_call_refuses_naming_it(broken):
     for rank in (0, 1):
         first, second = broken[rank]["mismatch"]["first"][0], broken[rank]["mismatch"]["second"]
-        assert first.startswith("ValueError") and "rank 0: all_reduce of 4" in first, first
-        assert "refused" in second[0] and "rank 0: all_reduce of 4" in second[0] and second[1] < AT_ONCE_S, second
+        assert first.startswith("ValueError") and "rank 0: all_reduce of 16 bytes" in first, first
+        assert "refused" in second[0] and "rank 0: all_reduce of 16 bytes" in second[0] and second[1] < AT_ONCE_S, \
+            second

@@ -379,7 +379,7 @@ def _zero_copy(group) -> dict:
     want, bound = summed(n * 1003, "float32", "mean", n)
     out["reduce_scatter"] = mismatch(rs_out, want[rank * 1003:(rank + 1) * 1003], bound[rank * 1003:(rank + 1) * 1003])
     out["all_gather"] = torch.equal(ag_out.view(-1), gathered(1003, "float32", n))
-    t.all_reduce(torch.ones(8))
+    t.all_reduce(torch.ones(shared_memory.SLOTS_BYTES // 4 + 8))  # a short one goes through the slots, unstaged
     out["staged after a plain tensor"] = t.staging_bytes
     t.release_staging()
     out["staged after release_staging"] = t.staging_bytes
@@ -512,9 +512,11 @@ NO_ROOM_CASES = [(None, kind, dtype, op, 1003, placement, "contiguous", async_op
                  if kind != "all_gather" or op == "sum"
                  for placement in ("allocated", "mixed") for async_op in (False, True)]
 # Rank 1 (odd: plain under "mixed") finds no room to stage; the even ranks' buffers are allocated or plain.
-STAGING_CASES = [(None, "all_reduce", "float32", "sum", 1003, "mixed", "contiguous", False),
-                 (None, "all_reduce", "float32", "mean", 1003, "mixed", "contiguous", False),
-                 (None, "all_reduce", "float16", "mean", 1003, "plain", "contiguous", True),
+# An all-reduce stages only past the slots (``shared_memory.SLOTS_BYTES``).
+LONG = shared_memory.SLOTS_BYTES // 2 + 3
+STAGING_CASES = [(None, "all_reduce", "float32", "sum", LONG, "mixed", "contiguous", False),
+                 (None, "all_reduce", "float32", "mean", LONG, "mixed", "contiguous", False),
+                 (None, "all_reduce", "float16", "mean", LONG, "plain", "contiguous", True),
                  (None, "reduce_scatter", "float32", "mean", 1003, "plain", "contiguous", False),
                  (None, "reduce_scatter", "float32", "sum", 1003, "mixed", "in_place", False),
                  (None, "all_gather", "float32", "sum", 1003, "plain", "contiguous", False),

@@ -54,7 +54,8 @@ class Benchmark:
     from them (ratios, verdicts): what is printed and stored; ``header(env, args)``, the text printed before
     measuring (default: the environment, then ``describe(args)``); ``environment(env, args)``, the environment
     as stored (default: as measured, with ``procs``, the process counts spawned); ``config_adds(args)``,
-    settings stored in the config after the arguments (resolved defaults, constants of the run)."""
+    settings stored in the config after the arguments (resolved defaults, constants of the run);
+    ``launcher(args)``, what starts each world, with ``process_groups.launch``'s signature (default: that)."""
 
     name: str
     worker: Callable[[Any, argparse.Namespace], list[dict]]
@@ -72,6 +73,7 @@ class Benchmark:
     header: Callable[[dict, argparse.Namespace], str] | None = None
     environment: Callable[[dict, argparse.Namespace], dict] = field(default=lambda env, args: env)
     config_adds: Callable[[argparse.Namespace], dict] = field(default=lambda args: {})
+    launcher: Callable[[argparse.Namespace], Callable[..., list]] = field(default=lambda args: launch)
 
 
 def run(benchmark: Benchmark, args: argparse.Namespace) -> list[dict]:
@@ -195,8 +197,9 @@ def _world(benchmark: Benchmark, args: argparse.Namespace, world_size: int, back
     if world_size == 1 and benchmark.world_of_one_here:
         with distributed(backend, args.timeout, device) as ctx, _threads(threads):
             return benchmark.worker(ctx, args)
-    return launch(benchmark.worker, world_size, args, backend=backend, timeout_s=benchmark.timeout_s(args, world_size),
-                  pg_timeout_s=args.timeout, threads=threads, device=device)[0]
+    start = benchmark.launcher(args)
+    return start(benchmark.worker, world_size, args, backend=backend, timeout_s=benchmark.timeout_s(args, world_size),
+                 pg_timeout_s=args.timeout, threads=threads, device=device)[0]
 
 
 def _device_flag(args: argparse.Namespace) -> str:

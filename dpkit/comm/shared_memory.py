@@ -6,8 +6,9 @@
 
 Every rank owns an arena that every other rank maps; a tensor ``allocate`` returned lives there, so
 a sum reads each rank's buffer where it lies, with no copy in or out. Any other tensor is staged
-through the arena. Ranks meet through a control file (counters and descriptors of the call in
-progress). The files are ``shared_file``'s: anonymous, made in /dev/shm, reached through the maker's
+through the arena; ranks meet through a control file (counters and descriptors of the call in progress). An
+all-reduce of at most ``SLOTS_BYTES`` goes through ``Slots`` instead, the backend "dpkit"'s protocol: one wait
+instead of two. The files are ``shared_file``'s: anonymous, made in /dev/shm, reached through the maker's
 /proc/<pid>/fd and checked before they are mapped (``NotOneHost`` on every rank, saying why, when a
 rank cannot); no kill leaves one behind. A peer that dies, breaks or stops answering fails the call on
 every rank, naming it, and the transport refuses every later call. Without room in /dev/shm every
@@ -37,6 +38,8 @@ from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
+from dpkit.comm import slots as slots_file
+from dpkit.comm.slots import Slots
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "mean")
@@ -54,6 +57,10 @@ SHARED_MEMORY_RANGE = "shared_memory:{}"
 # before it: ranks wait for each other by polling counters. Elsewhere they synchronise with a message.
 POLLS = platform.machine().lower() in ("x86_64", "amd64")
 ALIGN = 64  # bytes: every allocation starts on a cache line
+# An all-reduce of at most this goes through ``Slots`` (the backend "dpkit"'s protocol: one wait, each rank sums
+# the whole message) rather than the control file (two waits, each rank sums a chunk): short messages cost
+# their synchronisations, not their sums. Its slots hold this much per rank, twice.
+SLOTS_BYTES = 64 << 10
 # A chunk is summed and copied to the peers block by block, so the copies read the sum from the cache.
 BLOCK_BYTES = 1 << 20
 _RECORD = shared_file.RECORD_WORDS  # int64 words per rank in the control file
@@ -145,6 +152,7 @@ class SharedMemory(Transport):
         self._peer_views: dict[tuple, torch.Tensor] = {}  # (rank, offset, bytes, dtype) -> view (``_peer``)
         self._chunk_views: dict[tuple, tuple] = {}  # (offsets, bytes, dtype) -> this rank's chunks (``_chunks``)
         self._staging: tuple[int, torch.Tensor] | None = None  # (offset, uint8 block) kept for later calls
+        self._slots: Slots | None = None  # the short all-reduces' (SLOTS_BYTES)
         if self.world_size > 1:
             self._check_one_host()
             self._map(directory)
@@ -154,13 +162,14 @@ class SharedMemory(Transport):
     def _map(self, directory: str) -> None:
         n, rank = self.world_size, self.rank
         size, control_size = _arena_size(directory), 8 * _RECORD * (n + 1)
-        status, why, made = _make_files(size, control_size if rank == 0 else 0, directory)
+        control_sizes = (control_size, slots_file.file_bytes(n, SLOTS_BYTES))  # rank 0's files
+        status, why, made = _make_files(size, control_sizes if rank == 0 else (), directory)
         mappings, whys = [], []
         try:
             everyone = _gather((status, [shared_file.describe(fd) for fd in made]), self.group)
             status = max(theirs for theirs, _ in everyone)
             if status == _SETUP_OK:
-                mappings, why = _attach_all([words for _, words in everyone], made, rank, size, control_size)
+                mappings, why = _attach_all([words for _, words in everyone], made, rank, size, control_sizes)
             if mappings:
                 shared_file.sign(_records(mappings[0], n)[rank])  # before any peer can wait for this rank
             whys = _gather(why, self.group)  # every rank mapped every file, or failed: the makers may let go
@@ -181,9 +190,12 @@ class SharedMemory(Transport):
                          "(or 'auto') for a group that spans hosts")
 
     def _install(self, mappings: list[mmap.mmap], arena_fd: int, size: int) -> None:
-        """Use the mapped files: [control, arena of rank 0, ..., of rank n-1]; ``arena_fd``: this rank's arena."""
-        control, arenas = mappings[0], mappings[1:]
+        """Use the mapped files: [control, slots, arena of rank 0, ..., of rank n-1]; ``arena_fd``: this rank's
+        arena."""
+        control, slots, arenas = mappings[0], mappings[1], mappings[2:]
         self._control = _records(control, self.world_size)  # record per rank
+        if POLLS:  # elsewhere a peer may see a slot's counter before its data
+            self._slots = Slots(slots, self.rank, self.world_size, self.timeout_s, SLOTS_BYTES, mismatch_breaks=False)
         self._arena = _Arena(arena_fd, size, arenas[self.rank])
         self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in arenas]  # every rank's arena, bytes
         self._base = self._views[self.rank].data_ptr()
@@ -242,7 +254,7 @@ class SharedMemory(Transport):
         see): every block taken so far, the buffers ``allocate`` returned and the staging block among them; a block
         given back keeps its pages for the next one."""
         arena = getattr(self, "_arena", None)  # none: one rank, or no room in /dev/shm at set-up
-        return 0 if arena is None else arena.allocated_to
+        return (0 if arena is None else arena.allocated_to) + (0 if self._slots is None else self._slots.held_bytes())
 
     @property
     def staging_bytes(self) -> int:
@@ -266,6 +278,12 @@ class SharedMemory(Transport):
             yield
         finally:
             self._arena.observers.remove(callback)
+
+    def close(self) -> None:
+        super().close()  # the communication thread first: no call of it is on the slots afterwards
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
     def supports(self, device):
         return (device.type if isinstance(device, torch.device) else torch.device(device).type) == "cpu"
@@ -363,6 +381,17 @@ class SharedMemory(Transport):
             self._broken = str(error)
             raise
 
+    def _through_slots(self, call: Callable[[], None]) -> None:
+        """``call`` on the slots; once it fails, the transport refuses every later call (the slots' waits name the
+        peer that failed, on every rank), unless the ranks called different collectives: then every rank raised,
+        and the next call pairs as on the control file."""
+        try:
+            call()
+        except BaseException as error:
+            if not getattr(error, "mismatch", False):
+                self._broken = f"{type(error).__name__}: {error}"
+            raise
+
     def _fall_back_for_call(self, table: np.ndarray, fallback: Callable[[], None]) -> bool:
         """After the first meet: True if the call went through ``Torch`` (a rank had no room to stage)."""
         if not table[:, _STATUS].any():
@@ -379,6 +408,10 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.all_reduce(flat, op)
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
+        if self._slots is not None and nbytes <= SLOTS_BYTES and (op == "sum" or flat.is_floating_point()):
+            with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
+                self._through_slots(lambda: self._slots.all_reduce(flat, op))
+            return
         with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
             staged = nbytes and self._offset(flat) is None
             status, offset = self._post(flat)
@@ -446,14 +479,14 @@ def _arena_size(directory: str) -> int:
     return max(1 << 20, stats.f_blocks * stats.f_frsize) // ALIGN * ALIGN
 
 
-def _make_files(size: int, control_size: int, directory: str) -> tuple[int, str | None, list[int]]:
-    """This rank's arena (sparse) and, when ``control_size`` (group rank 0), the control file (allocated: it is
-    written at once): (status, why not, their descriptors)."""
+def _make_files(size: int, control_sizes: tuple[int, ...], directory: str) -> tuple[int, str | None, list[int]]:
+    """This rank's arena (sparse) and, with ``control_sizes`` (group rank 0), the control file and the slots'
+    (allocated: they are written at once): (status, why not, their descriptors)."""
     made = []
     try:
         made.append(shared_file.make(size, directory=directory))
-        if control_size:
-            made.append(shared_file.make(control_size, allocate=True, directory=directory))
+        for nbytes in control_sizes:
+            made.append(shared_file.make(nbytes, allocate=True, directory=directory))
     except OSError as error:
         for fd in made:
             os.close(fd)
@@ -464,10 +497,12 @@ def _make_files(size: int, control_size: int, directory: str) -> tuple[int, str 
 
 
 def _attach_all(words: list[list], made: list[int], rank: int, size: int,
-                control_size: int) -> tuple[list[mmap.mmap], str | None]:
-    """[the control file, the arena of rank 0, ..., of rank n-1] mapped, or ([], why this rank could not).
-    ``words[r]``: what rank r published for the files it made (its arena; on rank 0 then the control file)."""
-    wanted = [(0, 1, control_size, "control file")] + [(r, 0, size, "arena") for r in range(len(words))]
+                control_sizes: tuple[int, int]) -> tuple[list[mmap.mmap], str | None]:
+    """[the control file, the slots' file, the arena of rank 0, ..., of rank n-1] mapped, or ([], why this rank
+    could not). ``words[r]``: what rank r published for the files it made (its arena; on rank 0 then the control
+    file and the slots')."""
+    wanted = [(0, 1, control_sizes[0], "control file"), (0, 2, control_sizes[1], "slots file")]
+    wanted += [(r, 0, size, "arena") for r in range(len(words))]
     mappings = []
     for maker, which, nbytes, what in wanted:
         try:

@@ -42,13 +42,14 @@ from dpkit.comm import shared_file
 from dpkit.comm.process_groups import PeerFailedError
 from dpkit.comm.shared_file import SHM_DIRECTORY
 
-SLOT_BYTES = 1 << 21  # one slot; a message longer than this goes piece by piece
+SLOT_BYTES = 1 << 21  # one slot (the backend's); a message longer than its slot goes piece by piece
 HEADER_WORDS = shared_file.RECORD_WORDS  # int64 words per rank: counter, descriptors, identity, broken word
 _DESCRIPTOR = 1  # the descriptor of slot p: words [1 + 5p, 6 + 5p): kind, dtype, numel, op, root
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)
 KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce", "all_to_all")
-OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none")
+OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "mean")  # avg: sum, then divide
+# (torch's AVG); mean: scale, then sum (the SharedMemory transport's: no sum of large values overflows)
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
@@ -56,6 +57,12 @@ _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
 
 def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
     """``out`` <- ``op`` over ``parts`` (every rank's piece), left to right in rank order."""
+    if op == "mean":
+        scale = 1.0 / len(parts)
+        torch.mul(parts[0], scale, out=out)
+        for part in parts[1:]:
+            out.add_(part, alpha=scale)
+        return
     if op in ("sum", "avg"):
         torch.add(parts[0], parts[1], out=out) if len(parts) > 1 else out.copy_(parts[0])
         for part in parts[2:]:
@@ -70,11 +77,20 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
         combine(out, part, out=out)
 
 
+def _described(kind: int, dtype: int, numel: int, op: int, root: int) -> str:
+    """A descriptor in words: "all_reduce of 16 bytes of torch.float32 (op 'sum')"."""
+    rooted = f", root {root}" if KINDS[kind] in ("broadcast", "reduce") else ""
+    return f"{KINDS[kind]} of {numel * DTYPES[dtype].itemsize} bytes of {DTYPES[dtype]} (op {OPS[op]!r}{rooted})"
+
+
 class Slots:
     """The slots of ``size`` ranks of one host (see the module docstring). Make it with ``Slots.open``."""
 
-    def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float):
-        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+    def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES,
+                 mismatch_breaks: bool = True):
+        self.rank, self.size, self.timeout_s, self.slot_bytes = rank, size, timeout_s, slot_bytes
+        self._mismatch_breaks = mismatch_breaks  # else ranks that called different collectives all raise, and the
+        # slots go on (every rank posted the call and read the same table: the next call pairs as it should)
         self._mapping = mapping
         self._bytes = torch.frombuffer(mapping, dtype=torch.uint8)
         words = np.frombuffer(mapping, np.int64, count=HEADER_WORDS * size)
@@ -91,7 +107,8 @@ class Slots:
     def open(store, rank: int, size: int, timeout_s: float, directory: str = SHM_DIRECTORY) -> "Slots | None":
         """Rank 0 makes the shared file and publishes its words through ``store``; every rank checks and maps it.
         None on every rank when /dev/shm has no room for it or a rank refused it (warned on rank 0, saying why).
-        A collective over the ranks of ``store``."""
+        A collective over the ranks of ``store``. (The ``SharedMemory`` transport maps its slots with its own
+        files, and makes ``Slots`` over that mapping.)"""
         timeout = datetime.timedelta(seconds=timeout_s)
         own, published = _make(file_bytes(size), directory) if rank == 0 else (None, "")
         try:
@@ -124,7 +141,7 @@ class Slots:
         if view is None:
             if len(self._views) > 1024:
                 self._views.clear()
-            start = 8 * HEADER_WORDS * self.size + (2 * rank + parity) * SLOT_BYTES
+            start = 8 * HEADER_WORDS * self.size + (2 * rank + parity) * self.slot_bytes
             view = self._views[key] = self._bytes[start:start + numel * dtype.itemsize].view(dtype)
         return view
 
@@ -132,8 +149,8 @@ class Slots:
         """This rank's slot of the next epoch, for a message of at most one slot written in place:
         ``all_reduce(slots.buffer(n, dtype), op, posted=True)`` skips the copy in."""
         self._refuse_if_broken()
-        if numel * dtype.itemsize > SLOT_BYTES:  # a question asked here alone: nothing posted, nothing broken
-            raise ValueError(f"a slot holds {SLOT_BYTES} bytes, not {numel} elements of {dtype}")
+        if numel * dtype.itemsize > self.slot_bytes:  # a question asked here alone: nothing posted, nothing broken
+            raise ValueError(f"a slot holds {self.slot_bytes} bytes, not {numel} elements of {dtype}")
         return self.slot(self.rank, (self._counted() + 1) % 2, dtype, numel)
 
     def _counted(self) -> int:
@@ -146,7 +163,7 @@ class Slots:
         """What the C++ fast path (dpkit/native/c10d_backend.cpp) needs to run the same protocol on these slots:
         (the mapping's address, rank, ranks, words per record, the broken word, bytes per slot, whether to poll
         before yielding the core)."""
-        return (self._bytes.data_ptr(), self.rank, self.size, HEADER_WORDS, shared_file.BROKEN, SLOT_BYTES,
+        return (self._bytes.data_ptr(), self.rank, self.size, HEADER_WORDS, shared_file.BROKEN, self.slot_bytes,
                 self._spins > 0)
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
@@ -161,12 +178,14 @@ class Slots:
         try:
             self._exchange(kind, flat, op, root, post, use, posted, announced)
         except BaseException as error:
-            self._break("other", f"{type(error).__name__}: {error}")
+            mismatch = getattr(error, "mismatch", False)
+            if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
+                self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
             raise
 
     def _exchange(self, kind, flat, op, root, post, use, posted, announced) -> None:
         total = flat.numel()
-        per = SLOT_BYTES // flat.element_size()
+        per = self.slot_bytes // flat.element_size()
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
             self._piece(code, flat, post and not posted, use, 0, total, announced)
@@ -203,16 +222,16 @@ class Slots:
         return parts
 
     def _check(self, base: int) -> None:
-        """ValueError on every rank when the ranks' descriptors of this call differ, naming each rank's (and the
-        slots break: every rank sees the same table, so every rank breaks)."""
+        """ValueError on every rank when the ranks' descriptors of this call differ, naming each rank's (its
+        ``mismatch`` attribute True)."""
         table = self._headers[:, base:base + 5].tolist()
         if all(row == table[self.rank] for row in table):
             return
-        rows = "; ".join(f"rank {r}: {KINDS[k]} of {n} {DTYPES[d]} (op {OPS[o]}, root {root})"
-                         for r, (k, d, n, o, root) in enumerate(table))
-        shared_file.mark_broken(self._mine, "mismatch", self._epoch)  # every peer posted it, and sees it too
-        raise ValueError(f"rank {self.rank}/{self.size}: the ranks called different collectives or passed tensors "
-                         f"that differ in size or dtype: {rows}")
+        rows = "; ".join(f"rank {r}: {_described(*row)}" for r, row in enumerate(table))
+        error = ValueError(f"rank {self.rank}/{self.size}: the ranks called different shared-memory collectives (a "
+                           f"peer diverged): {rows}")
+        error.mismatch = True
+        raise error
 
     # ---- broken means broken
 
@@ -306,6 +325,10 @@ class Slots:
     def barrier(self, announced: bool = False) -> None:
         self.exchange("barrier", _NOTHING, "none", 0, False, _ignore, announced=announced)
 
+    def held_bytes(self) -> int:
+        """This rank's share of the file's pages (all allocated at set-up): its header and its two slots."""
+        return file_bytes(self.size, self.slot_bytes) // self.size
+
     def close(self) -> None:
         """Drop the mapping (later calls fail): the views go first, then the file's pages."""
         self._views.clear()
@@ -324,9 +347,9 @@ def _ignore(lo: int, hi: int, parts: list[torch.Tensor]) -> None:
     pass
 
 
-def file_bytes(size: int) -> int:
+def file_bytes(size: int, slot_bytes: int = SLOT_BYTES) -> int:
     """The bytes of the slots file of ``size`` ranks: every rank's header, then every rank's two slots."""
-    return 8 * HEADER_WORDS * size + 2 * SLOT_BYTES * size
+    return 8 * HEADER_WORDS * size + 2 * slot_bytes * size
 
 
 def _make(nbytes: int, directory: str) -> tuple[int | None, str]:
