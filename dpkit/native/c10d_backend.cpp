@@ -155,15 +155,16 @@ bool sums(at::ScalarType t) {  // the dtypes summed here; the others go to Pytho
 
 // out[0, n) <- the sum over ranks of elements [from, from + n) of their slot `parity`, left to right in rank
 // order (as torch.add, then add_, on the Python path), divided by the ranks when `mean`.
+// The output is the caller's tensor, never a slot: no pointer aliases another (so the loops vectorize).
 template <typename T>
-void reduce_slots(const Slots& s, int parity, int64_t from, T* out, int64_t n, bool mean) {
-  const T* p0 = reinterpret_cast<const T*>(s.slot(0, parity)) + from;
-  const T* p1 = reinterpret_cast<const T*>(s.slot(1, parity)) + from;
+void reduce_slots(const Slots& s, int parity, int64_t from, T* __restrict__ out, int64_t n, bool mean) {
+  const T* __restrict__ p0 = reinterpret_cast<const T*>(s.slot(0, parity)) + from;
+  const T* __restrict__ p1 = reinterpret_cast<const T*>(s.slot(1, parity)) + from;
   for (int64_t i = 0; i < n; ++i) {
     out[i] = p0[i] + p1[i];
   }
   for (int r = 2; r < s.size; ++r) {
-    const T* p = reinterpret_cast<const T*>(s.slot(r, parity)) + from;
+    const T* __restrict__ p = reinterpret_cast<const T*>(s.slot(r, parity)) + from;
     for (int64_t i = 0; i < n; ++i) {
       out[i] += p[i];
     }
