@@ -185,7 +185,9 @@ class DpkitBackend:
                "broadcast": lambda: slots.broadcast(flat[0], root, announced=True),
                "all_gather": lambda: slots.all_gather(flat[0], flat[1], announced=True),
                "reduce_scatter": lambda: slots.reduce_scatter(flat[0], flat[1], op, announced=True),
-               "barrier": lambda: slots.barrier(announced=True)}[kind]
+               "barrier": lambda: slots.barrier(announced=True),
+               "reduce": lambda: slots.reduce(flat[0], op, root, announced=True),
+               "all_to_all": lambda: slots.all_to_all(flat[0], flat[1], announced=True)}[kind]
         return self._submit(run, list(tensors[:1]))
 
     def shutdown(self) -> None:

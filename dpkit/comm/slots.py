@@ -301,14 +301,14 @@ class Slots:
                 reduce_into(out[a - start:b - start], [p[a - lo:b - lo] for p in parts], op)
         self.exchange("reduce_scatter", flat, op, 0, True, take, announced=announced)
 
-    def reduce(self, flat: torch.Tensor, op: str, root: int) -> None:
+    def reduce(self, flat: torch.Tensor, op: str, root: int, announced: bool = False) -> None:
         """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are)."""
         def take(lo, hi, parts):
             if self.rank == root:
                 reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
-        self.exchange("reduce", flat, op, root, True, take)
+        self.exchange("reduce", flat, op, root, True, take, announced=announced)
 
-    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor, announced: bool = False) -> None:
         """``out`` (size * m): block j <- this rank's block of rank j's ``flat`` (size * m), as
         ``all_to_all_single`` with even splits."""
         m = out.numel() // self.size
@@ -320,7 +320,7 @@ class Slots:
             if a < b:
                 for j, part in enumerate(parts):
                     rows[j, a - start:b - start].copy_(part[a - lo:b - lo])
-        self.exchange("all_to_all", flat, "none", 0, True, take)
+        self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced)
 
     def barrier(self, announced: bool = False) -> None:
         self.exchange("barrier", _NOTHING, "none", 0, False, _ignore, announced=announced)

@@ -7,8 +7,8 @@
 // source cannot say its source, and a Python backend has no sequence numbers, which
 // TORCH_DISTRIBUTED_DEBUG=DETAIL needs. Here each of those is forwarded, and the backend names itself "dpkit".
 //
-// The fast path: all-reduce, broadcast, all-gather and reduce-scatter (the tensor forms) of small dense
-// tensors, and the barrier, while none of the group's calls is queued in Python, run here, on the same
+// The fast path: all-reduce, reduce, broadcast, all-gather, reduce-scatter and even all-to-all (the tensor
+// forms) of small dense tensors, and the barrier, while none of the group's calls is queued in Python, run here, on the same
 // shared-memory slots and by the same protocol as dpkit/comm/slots.py (the Python path; see its docstring): post
 // the data into this rank's slot, its descriptor, then the counter; poll the peers' counters; read every rank's
 // slot into the output (sums left to right in rank order, so the bits equal the Python path's). No GIL, no
@@ -129,9 +129,10 @@ constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HAND
 constexpr int64_t WAITED_NS = 20000000;
 constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
 // Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
-enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER };
+enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
 constexpr int64_t OP_SUM = 0, OP_AVG = 1, OP_NONE = 8;
-const char* const KIND_NAMES[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"};
+const char* const KIND_NAMES[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce",
+                                  "all_to_all"};
 
 // slots.py's DTYPES index of `t`; -1 for one the slots do not move (bool: the Python path sends it to gloo).
 int64_t dtype_code(at::ScalarType t) {
@@ -261,6 +262,19 @@ class Backend : public c10d::Backend {
     return call(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", t, o);
   }
   c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
+    const int64_t op = summing(o.reduceOp, t[0]);
+    if (t.size() == 1 && o.rootTensor == 0 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
+      RECORD_USER_SCOPE("dpkit:reduce");
+      const int root = int(o.rootRank);
+      const int parity = post({REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root}, t[0], o.asyncOp);
+      if (parity < 0) {
+        return handed_over(REDUCE, OpType::REDUCE, t, op, root);
+      }
+      if (root == slots_.rank) {
+        reduce_slots(slots_, parity, 0, t[0], op == OP_AVG);
+      }
+      return c10::make_intrusive<DoneWork>(t, OpType::REDUCE);
+    }
     return call(OpType::REDUCE, "reduce", t, o);
   }
   c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& out, std::vector<at::Tensor>& in,
@@ -325,6 +339,20 @@ class Backend : public c10d::Backend {
   }
   c10::intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& out_splits,
                                          std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
+    if (even(out, in, out_splits, in_splits) && fast({out, in}, dense_bytes(in))) {
+      RECORD_USER_SCOPE("dpkit:all_to_all");
+      const int parity = post({ALL_TO_ALL, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
+      std::vector<at::Tensor> both{out, in};
+      if (parity < 0) {
+        return handed_over(ALL_TO_ALL, OpType::ALLTOALL_BASE, both, OP_NONE, 0);
+      }
+      const size_t block = in.nbytes() / slots_.size;  // block j of `out` is this rank's block of rank j's input
+      char* to = static_cast<char*>(out.data_ptr());
+      for (int j = 0; j < slots_.size; ++j) {
+        std::memcpy(to + j * block, slots_.slot(j, parity) + slots_.rank * block, block);
+      }
+      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
+    }
     return call(OpType::ALLTOALL_BASE, "all_to_all_single", out, in, out_splits, in_splits, o);
   }
   c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -364,6 +392,23 @@ class Backend : public c10d::Backend {
       return -1;
     }
     return op == c10d::ReduceOp::SUM ? OP_SUM : op == c10d::ReduceOp::AVG && t.is_floating_point() ? OP_AVG : -1;
+  }
+
+  // Whether an all-to-all moves equal blocks (the splits empty, or each the block), as the slots do.
+  bool even(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
+            const std::vector<int64_t>& in_splits) const {
+    const int64_t n = slots_.size;
+    if (n == 0 || out.numel() != in.numel() || in.numel() % n != 0 || out.scalar_type() != in.scalar_type()) {
+      return false;
+    }
+    for (const auto* splits : {&out_splits, &in_splits}) {
+      for (int64_t split : *splits) {
+        if (split != in.numel() / n) {
+          return false;
+        }
+      }
+    }
+    return true;
   }
 
   // The bytes of `t`, or more than any slot holds when it is not strided (sparse: no bytes to ask for).
