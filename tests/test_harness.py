@@ -172,7 +172,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("stop", ["SIGTERM to the launcher",
+@pytest.mark.parametrize("stop", [pytest.param("SIGTERM to the launcher", marks=pytest.mark.slow),  # a minute
                                   pytest.param("SIGINT to its process group",  # alone: in the full slow run
                                                marks=(pytest.mark.slow, pytest.mark.solo))])  # it timed out twice
 def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked_incomplete(tmp_path, stop):

@@ -1264,7 +1264,7 @@ def _stops_answering(ctx, pid_file: str):
     t = transport.SharedMemory()
     silent = lambda *args, **kwargs: time.sleep(600)  # noqa: E731
     with mock.patch.object(shared_memory, "sum_chunk", silent if ctx.rank == 1 else shared_memory.sum_chunk):
-        t.all_reduce(torch.ones(1000))
+        t.all_reduce(torch.ones(LONG))  # past the slots: through the control file, whose sums it silences
 
 
 @pytest.mark.slow

@@ -167,8 +167,8 @@ class DpkitBackend:
         self.calls.refuse_if_broken()
 
     def fast_path(self) -> tuple | None:
-        """The words the C++ face's fast all-reduce reads (``c10d_backend.cpp``): the address of the queue's count
-        of calls not yet run, of ``fast_on``, then ``Slots.native_layout()``. None: no slots, or across hosts."""
+        """The words the C++ face's fast path reads (``c10d_backend.cpp``): the address of the queue's count of
+        calls not yet run, of ``fast_on``, then ``Slots.native_layout()``. None: no slots, or across hosts."""
         if self.slots is None or self.spans_hosts:
             return None
         self.fast_on[0] = 1

@@ -38,8 +38,7 @@ from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
-from dpkit.comm import slots as slots_file
-from dpkit.comm.slots import Slots
+from dpkit.comm.slots import Slots, file_bytes
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "mean")
@@ -162,7 +161,7 @@ class SharedMemory(Transport):
     def _map(self, directory: str) -> None:
         n, rank = self.world_size, self.rank
         size, control_size = _arena_size(directory), 8 * _RECORD * (n + 1)
-        control_sizes = (control_size, slots_file.file_bytes(n, SLOTS_BYTES))  # rank 0's files
+        control_sizes = (control_size, file_bytes(n, SLOTS_BYTES))  # rank 0's files
         status, why, made = _make_files(size, control_sizes if rank == 0 else (), directory)
         mappings, whys = [], []
         try:
