@@ -29,9 +29,8 @@ CANNOT = {
 # On torch 2.11 also: its monitored_barrier refuses every backend but gloo before it reaches one.
 CANNOT_ON_2_11 = {"test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup"}
 OLDEST = REPO / "results" / "pytorch_suite_torch2.11.json"
-SAMPLE = ("test_all_reduce_sum_async", "test_send_recv_any_source", "test_batch_isend_irecv_gloo",
-          "test_monitored_barrier_gloo", "test_barrier_timeout_full_group", "test_sparse_all_reduce_sum",
-          "test_ddp_create_graph")
+SAMPLE = ("test_all_reduce_sum_async", "test_send_recv_any_source", "test_monitored_barrier_gloo",
+          "test_sparse_all_reduce_sum")  # each launches its ranks afresh: CI's time holds four
 
 
 @pytest.fixture(scope="module")
