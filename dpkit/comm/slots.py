@@ -1,8 +1,7 @@
 """Slots: the ranks of one host exchange messages through two slots per rank in one shared file.
 
     slots = Slots.open(store, rank, size, timeout_s)   # a collective over a c10d store; None without the file
-    slots.all_reduce(t, "sum")                         # in place; also reduce, broadcast, all_gather,
-                                                       # reduce_scatter, all_to_all, barrier
+    slots.all_reduce(t, "sum")                         # in place; also every other kind of KINDS
     slots.buffer(n, torch.float32)                     # a tensor in this rank's next slot: no copy in
     slots.break_group("gloo failed")                   # a failure elsewhere: every peer's next wait raises
 
@@ -23,7 +22,8 @@ The wait (``shared_file.wait_for``) raises ``PeerFailedError`` naming the ranks 
 when one broke, within a tenth of a second when one's process is gone, at the timeout otherwise. Broken
 means broken: once a call raised on a rank, for whatever reason, its header says so (``broken`` word,
 with a code) and its every later call raises at once, naming the first failure, so no call can ever
-pair with another rank's call of another step.
+pair with another rank's call of another step (``mismatch_breaks=False``, the transport's: ranks that
+called different collectives all raise and go on). The C++ face runs this protocol too (``native_layout``).
 """
 
 from __future__ import annotations
