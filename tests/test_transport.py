@@ -1267,6 +1267,36 @@ def _stops_answering(ctx, pid_file: str):
         t.all_reduce(torch.ones(LONG))  # past the slots: through the control file, whose sums it silences
 
 
+def _broken_on_one_path_seen_on_the_other(ctx) -> dict:
+    """Rank 1's short all-reduce fails on the slots (a local error); rank 0 meanwhile starts a long one, through
+    the control file."""
+    t = transport.SharedMemory()
+    start = time.monotonic()
+    try:
+        if ctx.rank == 1:
+            def fail(*args, **kwargs):
+                raise RuntimeError("a local failure")
+            with mock.patch.object(t._slots, "all_reduce", fail):
+                t.all_reduce(torch.ones(4))
+        else:
+            t.all_reduce(torch.ones(LONG))
+    except Exception as error:  # noqa: BLE001  (what each rank raised is the result)
+        return {"error": f"{type(error).__name__}: {error}", "seconds": time.monotonic() - start}
+    finally:
+        t.close()
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_a_failure_on_the_slots_stops_a_peer_waiting_in_the_control_file_at_once_naming_it():
+    """The transport's two paths share its broken state: rank 0 does not wait out the 30 s timeout."""
+    found = process_groups.launch(_broken_on_one_path_seen_on_the_other, 2, timeout_s=120, pg_timeout_s=30)
+    assert found[1]["error"] == "RuntimeError: a local failure", found[1]
+    error, seconds = found[0]["error"], found[0]["seconds"]
+    assert error.startswith("PeerFailedError") and "rank 1 broke off" in error, error
+    assert seconds < 10, seconds
+
+
 @pytest.mark.slow
 def test_a_rank_that_stops_answering_fails_the_job_through_the_launcher_within_the_timeout(tmp_path):
     """The launcher reports rank 0's PeerFailedError (naming rank 1 and the timeout) instead of hanging,

@@ -377,7 +377,7 @@ class SharedMemory(Transport):
         try:
             shared_file.wait_for(self._control, self._syncs, self.rank, self.timeout_s)
         except PeerFailedError as error:
-            self._broken = str(error)
+            self._break(str(error))
             raise
 
     def _through_slots(self, call: Callable[[], None]) -> None:
@@ -388,8 +388,16 @@ class SharedMemory(Transport):
             call()
         except BaseException as error:
             if not getattr(error, "mismatch", False):
-                self._broken = f"{type(error).__name__}: {error}"
+                self._break(f"{type(error).__name__}: {error}")
             raise
+
+    def _break(self, why: str) -> None:
+        """Refuse every later call, naming ``why``, and mark this rank broken in the control file and in the slots:
+        a peer's next wait on either path stops at once, naming this rank (the first failure stays)."""
+        self._broken = why
+        shared_file.mark_broken(self._control[self.rank], "other", self._syncs)
+        if self._slots is not None:
+            self._slots.break_group(why)
 
     def _fall_back_for_call(self, table: np.ndarray, fallback: Callable[[], None]) -> bool:
         """After the first meet: True if the call went through ``Torch`` (a rank had no room to stage)."""
