@@ -33,11 +33,12 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.profiler import record_function
 
 from dpkit.bench import harness
+from dpkit.bench.ddp_step import (DDP_KINDS, LR, MOMENTUM, NAIVE, OURS, PYTORCH, PYTORCH_BEST, PYTORCH_BEST_KIND,
+                                   PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS, Replica, sgd)
 from dpkit.bench import transports as bench_transports
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
@@ -46,25 +47,12 @@ from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
 from dpkit.engines import registry
-from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp, sync_gradients
+from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
 
 NO_DDP = "no_ddp"  # the model alone: its row's variant field (its label: "no ddp")
-# The engine registry's names ("ddp", an implementation, an option: registry's docstring), also the row order.
-# "ddp ours" is ddp.make_ddp's "ours" (bucketed); "ddp pytorch best", PyTorch's DDP at PYTORCH_BEST.
-OURS, PYTORCH, PYTORCH_BEST_KIND, NAIVE = "ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours naive"
-DDP_KINDS = (PYTORCH, PYTORCH_BEST_KIND, NAIVE, "ddp ours flat", "ddp ours overlap", OURS)
-PYTORCH_KINDS = (PYTORCH, PYTORCH_BEST_KIND)
 SIZED_KINDS = (*PYTORCH_KINDS, OURS)  # labelled with their bucket cap: "ddp ours 25M [torch]"
-# PyTorch's DDP at its best documented settings: gradients are views of its buckets (no copy, no second
-# gradient-sized buffer) and the graph is declared static (no per-iteration search for unused parameters,
-# buckets rebuilt once in the order gradients actually arrive). Valid for every model here: each uses all
-# of its parameters in every iteration.
-PYTORCH_BEST = {"gradient_as_bucket_view": True, "static_graph": True}
-PYTORCH_DEFAULT_BUCKET_MB = 25.0  # torch.nn.parallel.DistributedDataParallel's default bucket_cap_mb
 CPU_MODELS = ("cnn", "resnet18")  # the default without a GPU; with one, all of MODELS
-# SGD with momentum, as seed 004. A small learning rate keeps many steps on random labels finite.
-LR, MOMENTUM = 0.01, 0.9
 PROFILE_ITERS = 3
 MEMORY_ITERS = 3
 # Defaults of the measurement flags, and of --quick (explicit flags win over both).
@@ -188,36 +176,7 @@ def make_batch(name: str, args: argparse.Namespace, rank: int,
     return inputs.to(device), targets.to(device)
 
 
-def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy: logits (N, classes) with targets (N,), or (B, T, vocab) with (B, T)."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-
-
 # --------------------------------------------------------------------------- one variant on this rank
-
-
-@dataclass
-class Replica:
-    """A variant's model, optimizer and batch on this rank; ``step()`` is one timed iteration."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    waits: list[float]  # each step's exposed communication wait (0 where there is none to read)
-
-    def step(self) -> None:
-        # The labels show in --profile traces; outside a profiler record_function costs about a microsecond.
-        with record_function("forward"):
-            loss = loss_of(self.model(self.inputs), self.targets)
-        with record_function("backward"):
-            loss.backward()
-        with record_function("sync_gradients"):
-            sync_gradients(self.model)
-        self.waits.append(getattr(self.model, "last_wait_s", 0.0))
-        with record_function("optimizer_step"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
 
 
 def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> nn.Module:
@@ -243,7 +202,7 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         name = "pytorch" if pytorch else variant.kind.removeprefix("ddp ")  # make_ddp's: "ours", "ours naive", ...
         model = make_ddp(name, module, bucket_mb, process_group=group, find_unused_parameters=False,
                          transport=transport, **options)
-    return Replica(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), *batch, waits=[])
+    return Replica(model, sgd(model), *batch, waits=[])
 
 
 def _pytorch_bucket_bytes(model: nn.parallel.DistributedDataParallel) -> list[int] | None:

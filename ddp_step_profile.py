@@ -5,10 +5,11 @@
         --json results/profiles/ddp_step_profile_world2.json
     python ddp_step_profile.py --models cnn --steps 2 --timed-steps 8                    # a quick look
 
-One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step (forward,
-cross-entropy, backward, SGD with momentum, ``zero_grad(set_to_none=True)``) for no DDP, PyTorch's DDP at its
-defaults and at its best settings, and ours (rows named as the benchmark's: "no ddp", "ddp pytorch", "ddp
-pytorch best", "ddp ours", bucketed at 25 MiB on the "torch" transport), also as of ``--baseline``.
+One process (or each rank under torchrun; rank 0's rows are kept) runs ``ddp_benchmark.py``'s step
+(``dpkit.bench.ddp_step``: forward, cross-entropy, backward, SGD with momentum, ``zero_grad(set_to_none=True)``)
+for no DDP, PyTorch's DDP at its defaults and at its best settings, and ours (rows named as the benchmark's:
+"no ddp", "ddp pytorch", "ddp pytorch best", "ddp ours", bucketed at 25 MiB on the "torch" transport), also as
+of ``--baseline``.
 Per step, counted by ``torch.profiler`` over ``--steps`` steps (deterministic: the evidence):
 * ``ops``: dispatched aten operators, nested ones included (on the CPU the stand-in for kernel launches);
   ``copies``: ``aten::copy_``; ``allocations``: ``aten::empty*``; ``scalar_reads``:
@@ -41,14 +42,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-import ddp_benchmark as bench
 from dpkit.bench import harness
+from dpkit.bench.ddp_step import OURS, PYTORCH, PYTORCH_BEST, PYTORCH_BEST_KIND, Replica, sgd
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, parse_checked, synchronize
 from dpkit.engines import ddp
 from dpkit.models import NUM_CLASSES, build_model
 
-NO_DDP, OURS = "no ddp", "ddp ours"
+NO_DDP = "no ddp"
 BUCKET_MB = 25.0  # the benchmark's rows: PyTorch's default cap, ours at the same
 # Frames and ranges that are an engine's own (Python files, PyTorch's reducer ranges); the baseline's
 # copy of ours is imported from a temporary file named ddp_baseline.py.
@@ -82,22 +83,21 @@ def engines(baseline_revision: str | None,
         return lambda m: engine_module.make_ddp(name, m, BUCKET_MB, find_unused_parameters=False, transport=transport)
 
     made = {NO_DDP: lambda m: m,
-            bench.PYTORCH: lambda m: ddp.make_ddp("pytorch", m, BUCKET_MB),
-            bench.PYTORCH_BEST_KIND: lambda m: ddp.make_ddp("pytorch", m, BUCKET_MB, **bench.PYTORCH_BEST)}
+            PYTORCH: lambda m: ddp.make_ddp("pytorch", m, BUCKET_MB),
+            PYTORCH_BEST_KIND: lambda m: ddp.make_ddp("pytorch", m, BUCKET_MB, **PYTORCH_BEST)}
     if baseline_revision:
         made[f"{OURS}@{baseline_revision}"] = ours(load_baseline(baseline_revision))
     made[OURS] = ours(ddp)
     return made
 
 
-def replica(name: str, wrap, args, device: torch.device) -> bench.Replica:
+def replica(name: str, wrap, args, device: torch.device) -> Replica:
     torch.manual_seed(args.seed)  # the same weights and batch for every row
     model = wrap(build_model(name).to(device).train())
     size = 32 if name == "cnn" else args.image_size
     inputs = torch.randn(args.batch_size, 3, size, size).to(device)
     targets = torch.randint(NUM_CLASSES, (args.batch_size,)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=bench.LR, momentum=bench.MOMENTUM)
-    return bench.Replica(model, optimizer, inputs, targets, waits=[])
+    return Replica(model, sgd(model), inputs, targets, waits=[])
 
 
 def count_events(events) -> dict:
@@ -129,7 +129,7 @@ def hooks_seconds(events) -> float | None:
     return total
 
 
-def profile(rep: bench.Replica, steps: int, device: torch.device) -> dict:
+def profile(rep: Replica, steps: int, device: torch.device) -> dict:
     """Per-step counts and hook seconds over ``steps`` profiled steps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -144,7 +144,7 @@ def profile(rep: bench.Replica, steps: int, device: torch.device) -> dict:
     return {**{k: v / steps for k, v in counts.items()}, "hooks_s": None if hooks is None else hooks / steps}
 
 
-def timed(replicas: dict[str, bench.Replica], args, device: torch.device) -> dict[str, float]:
+def timed(replicas: dict[str, Replica], args, device: torch.device) -> dict[str, float]:
     """Median host seconds per step of each replica: ``--rounds`` rounds, the order rotated each round."""
     samples = {name: [] for name in replicas}
     names = list(replicas)
@@ -187,7 +187,7 @@ def targets(rows: list[dict]) -> list[dict]:
     checks = []
     for model in dict.fromkeys(r["model"] for r in rows):
         by = {r["variant"]: r for r in rows if r["model"] == model}
-        ours, best = by[OURS]["ops_over_no_ddp"], by[bench.PYTORCH_BEST_KIND]["ops_over_no_ddp"]
+        ours, best = by[OURS]["ops_over_no_ddp"], by[PYTORCH_BEST_KIND]["ops_over_no_ddp"]
         checks.append({"target": f"{model}: ops ddp ours adds <= ops ddp pytorch best adds", "limit": 1.0,
                        "ours": ours, "reference": best, "ratio": ours / best if best else None,
                        "verdict": "met" if ours <= best else "missed"})

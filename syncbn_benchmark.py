@@ -573,8 +573,11 @@ def comparisons(rows: list[dict]) -> list[tuple]:
         out += [(WORKERS, (OURS, t), (REFERENCE, t), CPU_TARGET if device == "cpu" else None, "engine"),
                 (WORKERS, (OURS, t), (LOCAL, None), None, "engine"),
                 *((WORKERS, (mine, t), (versus, t), None, "engine") for mine, versus in BOUNDS)]
-    if TORCH in present and SHM in present:
-        out.append((WORKERS, (OURS, SHM), (OURS, TORCH), None, "transport"))
+    # The transport axis: each layer on every other transport against itself on torch's (gloo on a CPU), ours and
+    # PyTorch's alike (on "torch:dpkit", unchanged code on a process group of the backend "dpkit").
+    if TORCH in present:
+        out += [(WORKERS, (impl, t), (impl, TORCH), None, "transport")
+                for t in present if t != TORCH for impl in (OURS, REFERENCE)]
     if device == "cuda":
         out.append((WORKERS, (OURS, TORCH), (TORCH_SYNC, TORCH), TARGET_CUDA, "engine"))
     out += [(SINGLE, (OURS, None), (LOCAL, None), TARGET_SINGLE, "engine"),
@@ -767,7 +770,7 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
 
 def bounds(ratio_rows: list[dict]) -> list[dict]:
     """Medians over the grid without a target (float32): each of ``BOUNDS`` on each transport (kind "bound"), and
-    the transport axis, ours [shared_memory] / ours [torch] (kind "comparison")."""
+    the transport axis, each layer on each other transport / itself on torch's (kind "comparison")."""
     out = []
     float32 = [r for r in ratio_rows if r["dtype"] == "float32" and r["setting"] == WORKERS]
     for t in _ordered({r["transport"] for r in float32}):
@@ -777,11 +780,13 @@ def bounds(ratio_rows: list[dict]) -> list[dict]:
             if entries:
                 out.append({"kind": "bound", "name": f"{WORKERS}{_tag(t)}: median over the grid, {mine} / ({versus})",
                             "setting": WORKERS, "impl": mine, "versus": versus, "transport": t, **_grid_ratio(entries)})
-    entries = [r for r in float32 if r["axis"] == "transport" and r["impl"] == OURS]
-    if entries:
-        out.append({"kind": "comparison", "name": f"{WORKERS}: median over the grid, {label(OURS, SHM)} / "
-                    f"{label(OURS, TORCH)} (the transport alone, the same engine)", "setting": WORKERS, "impl": OURS,
-                    "versus": OURS, "transport": SHM, "versus_transport": TORCH, **_grid_ratio(entries)})
+    across = [r for r in float32 if r["axis"] == "transport"]
+    for impl, t, versus_t in dict.fromkeys((r["impl"], r["transport"], r["versus_transport"]) for r in across):
+        entries = [r for r in across if (r["impl"], r["transport"], r["versus_transport"]) == (impl, t, versus_t)]
+        out.append({"kind": "comparison", "name": f"{WORKERS}: median over the grid, {label(impl, t)} / "
+                    f"{label(impl, versus_t)} (the transport alone, the same layer)", "setting": WORKERS,
+                    "impl": impl, "versus": impl, "transport": t, "versus_transport": versus_t,
+                    **_grid_ratio(entries)})
     return out
 
 

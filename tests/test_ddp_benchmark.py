@@ -28,7 +28,7 @@ import torch
 
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
-from dpkit.bench import harness, measure
+from dpkit.bench import ddp_step, harness, measure
 from dpkit.bench import transports as bench_transports
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import registry
@@ -280,7 +280,7 @@ def scripted():
 
     patch = pytest.MonkeyPatch()
     patch.setattr(bench, "make_replica", make_replica)
-    patch.setattr(bench.Replica, "step", step)
+    patch.setattr(ddp_step.Replica, "step", step)
     patch.setattr(measure, "time", clock)
     try:
         args = bench.parse_args(["--models", "cnn", "--variants", "ddp pytorch", "ddp pytorch best", "ddp ours",
@@ -658,7 +658,7 @@ def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
     assert model.head.weight is model.tokens.weight
     logits = model(inputs)
     assert logits.shape == (3, 8, 50)
-    bench.loss_of(logits, targets).backward()
+    ddp_step.loss_of(logits, targets).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
     # Causal: the first position's logits do not depend on later tokens.
     changed = inputs.clone()
@@ -672,7 +672,7 @@ def test_a_fresh_gpt_predicts_every_token_about_equally_and_has_no_denormal_prob
     # normal range, whose denormal arithmetic slows this model's benchmarks (models.GPT._init_weights).
     model, inputs, targets = gpt_and_batch(batch=4, width=128, depth=2, heads=4, seq_len=32, vocab=2048)
     logits = model(inputs)
-    assert abs(bench.loss_of(logits, targets).item() - math.log(2048)) < 0.1
+    assert abs(ddp_step.loss_of(logits, targets).item() - math.log(2048)) < 0.1
     assert logits.softmax(-1).min() >= torch.finfo(torch.float32).tiny
     residual_std = model.blocks[0].proj.weight.std().item()
     assert 0.8 < residual_std / (0.02 / math.sqrt(2 * 2)) < 1.2  # scaled by 1/sqrt(2 * depth)

@@ -146,3 +146,26 @@ def test_pyproject_installs_every_subpackage_and_the_homework_modules_the_packag
     on_disk = {module_name(p.parent) for p in (REPO / "dpkit").rglob("__init__.py")}
     assert set(setup["packages"]) == on_disk, "pyproject.toml's packages must be every directory of dpkit/"
     assert set(setup["py-modules"]) == {"syncbn", "allreduce"}, "the homework modules another project imports"
+
+
+def _homework_modules() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"])
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_no_script_imports_another_script(path):
+    """A script is a command line over the package: what two scripts share lives in dpkit. The homework's modules
+    (pyproject's py-modules, installed beside the package) are the only root files a script may import."""
+    scripts = {p.stem for p in SCRIPTS} - _homework_modules()
+    imports = [(line, name) for line, name in imported(path) if name.split(".")[0] in scripts]
+    assert not imports, f"{path.name} imports another script: move what they share into dpkit ({imports})"
+
+
+def test_readmes_script_table_lists_every_script_at_the_root():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| script | what it does |"):]
+    table = table[:table.index("\n\n")]
+    listed = {line.split("`")[1] for line in table.splitlines()[2:]}
+    assert {p.name for p in SCRIPTS} <= listed, f"README's table lacks {sorted({p.name for p in SCRIPTS} - listed)}"

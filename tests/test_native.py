@@ -352,6 +352,8 @@ def test_an_extension_that_fails_to_compile_gives_none_with_a_warning_naming_the
 
 @needs_compiler
 @needs_cxx
+@pytest.mark.slow  # compiles a folder of helpers, C++ among them: seconds of both cores
+@pytest.mark.solo
 def test_python_m_dpkit_native_builds_every_helper_of_a_folder_and_says_why_not(cache):
     (cache / "one.c").write_text("int one(void) { return 1; }\n")
     (cache / "broken.cpp").write_text("#error not ready\n")

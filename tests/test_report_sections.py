@@ -101,6 +101,7 @@ def blocks():
     return per_cell
 
 
+@pytest.mark.slow  # every cell's blocks: seconds of figures (the default suite checks the sections' words below)
 def test_every_section_of_the_notebook_emits_on_the_committed_results(blocks):
     assert all(blocks[1:]), "every cell after the imports shows something"
     pictures = [value for cell in blocks for kind, value in cell if kind == "png"]

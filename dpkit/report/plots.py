@@ -517,7 +517,7 @@ def ddp_sweep(doc: dict) -> Figure:
 # --------------------------------------------------------------------------- overlap timeline (Chrome traces)
 
 
-# The record_function ranges of one benchmark iteration (ddp_benchmark.Replica.step), in order.
+# The record_function ranges of one benchmark iteration (dpkit.bench.ddp_step.Replica.step), in order.
 COMPUTE_PHASES = PHASES
 # The profiler ranges of a collective: gloo's and NCCL's own, and transport.SharedMemory's ("shared_memory:<kind>").
 COLLECTIVE_RANGES = ("gloo", "nccl", "shared_memory")
