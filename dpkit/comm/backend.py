@@ -6,7 +6,7 @@
 
 On one host, all-reduce, reduce, broadcast, all-gather, reduce-scatter, all-to-all (even splits) and barrier go
 through ``Slots`` (two shared-memory slots per rank, one wait per piece, the reduction straight into the output);
-the C++ face runs the small ones itself (``fast_path``). Across hosts (real, or simulated by ``DPKIT_HOSTS``) an
+the C++ face runs the small ones itself (``enable_fast_path``). Across hosts (real, or simulated by ``DPKIT_HOSTS``) an
 all-reduce is hierarchical: the slots inside each host, gloo between one leader per host, the slots again to hand
 the result out. Everything else (point-to-point, gather, scatter, uneven all-to-all, sparse tensors, what the
 slots cannot take) goes to a gloo backend the group keeps on the same store; bfloat16, which gloo lacks, is
@@ -127,7 +127,7 @@ class DpkitBackend:
         tell = weakref.WeakMethod(self._tell_peers)  # the queue's thread must not keep this backend alive
         self.calls = CallQueue(f"backend {NAME!r} (rank {rank} of {size})", on_failure=lambda e: tell() and tell()(e))
         weakref.finalize(self, self.calls.close)  # torch calls no shutdown on destroy: the thread ends with us
-        self.fast_on = np.zeros(1, np.int64)  # 1 while the C++ fast path may use the slots (``fast_path``)
+        self.fast_on = np.zeros(1, np.int64)  # 1 while the C++ fast path may use the slots (``enable_fast_path``)
         if size > 1:
             self._connect(store, global_ranks, timeout)
 
@@ -166,9 +166,10 @@ class DpkitBackend:
                 self.calls.break_(why)
         self.calls.refuse_if_broken()
 
-    def fast_path(self) -> tuple | None:
-        """The words the C++ face's fast path reads (``c10d_backend.cpp``): the address of the queue's count of
-        calls not yet run, of ``fast_on``, then ``Slots.native_layout()``. None: no slots, or across hosts."""
+    def enable_fast_path(self) -> tuple | None:
+        """Turns the C++ face's fast path on (``fast_on``; ``shutdown`` turns it off) and returns the words it reads
+        (``c10d_backend.cpp``): the address of the queue's count of calls not yet run, of ``fast_on``, then
+        ``Slots.native_layout()``. None, and the fast path stays off: no slots, or across hosts."""
         if self.slots is None or self.spans_hosts:
             return None
         self.fast_on[0] = 1

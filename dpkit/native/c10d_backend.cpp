@@ -191,7 +191,7 @@ void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, boo
 class Backend : public c10d::Backend {
  public:
   Backend(int rank, int size, py::object impl) : c10d::Backend(rank, size), impl_(std::move(impl)) {
-    py::object fast = impl_.attr("fast_path")();  // None, or the words of the slots (DpkitBackend.fast_path)
+    py::object fast = impl_.attr("enable_fast_path")();  // None, or the words of the slots (DpkitBackend)
     if (!fast.is_none()) {
       auto w = fast.cast<std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int64_t, bool>>();
       slots_.queued = reinterpret_cast<int64_t*>(std::get<0>(w));
