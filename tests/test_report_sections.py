@@ -244,3 +244,24 @@ def test_the_sweep_growth_names_our_ddp_beside_no_ddp_and_the_seed():
     text = ddp_formats.growth_text(ddp_formats.marked(doc), seed, doc["env"])
     ours = next(r["label"] for r in doc["results"] if r["variant"] == "ddp ours")
     assert f"Ours ({ours}) grows by " in text and "without DDP (no communication at all)" in text
+
+
+def test_every_syncbn_cell_reads_a_file_of_any_transport_and_names_it(tmp_path):
+    """The committed run of SyncBatchNorm on a "dpkit" group beside gloo (results/syncbn_backend.json), as the
+    report's syncbn.json, its second transport renamed to one the report has no words for (registered by the run
+    that wrote the file): every SyncBatchNorm cell shows it (none raises), the table has its columns, and the
+    commentary names it by its registry name."""
+    name = "toy"
+    text = (RESULTS / "syncbn_backend.json").read_text().replace('"torch:dpkit"', json.dumps(name))
+    (tmp_path / "syncbn.json").write_text(text)
+    (tmp_path / "syncbn_tests.xml").write_bytes((RESULTS / "syncbn_tests.xml").read_bytes())
+    report = page.Page(tmp_path, json.loads((REPO / "seeds.json").read_text()))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(page, "figure_png", lambda figure: plt.close(figure) or b"figure")
+        for cell in (syncbn_section.speed, syncbn_section.commentary, syncbn_section.beside_seed):
+            cell(report)
+    said = [value for kind, value in report.blocks if kind == "markdown"]
+    assert f"ours [{name}] (ms, median)" in said[0], "the speed table has a column per transport"
+    commentary = next(text for text in said if text.startswith("*Commentary.*"))
+    assert "through torch.distributed (gloo) ours takes" in commentary and f"through the transport {name} ours takes" \
+        in commentary

@@ -12,11 +12,11 @@ import matplotlib.pyplot as plt
 
 from dpkit.report import findings, plots, sentences
 from dpkit.report.syncbn_section import transports
+from dpkit.report.wording import wire
 
 # The file's labels of the settings and implementations the cold-cache sentence compares.
 COLD, LOCAL, SINGLE = "1 process, cold caches", "BatchNorm1d (local)", "1 process"
 SYNC_PATH, WORKERS = "ours, synchronized path without collectives", "workers"
-WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory"}
 RATIO_COLUMNS = [("setting", "setting", "s"), ("on", "transport", "s"), ("dtype", "dtype", "s"),
                  ("batch", "batch", "d"), ("hidden", "hidden", "d"), ("ratio", "time ratio", "s"),
                  ("target", "target", "s"), ("verdict", "verdict", "s"), ("saved_ratio", "saved bytes ratio", ".2f"),
@@ -142,7 +142,7 @@ def gap_text(doc: dict, batch: int, hidden: int, cold_us: float) -> str:
     if not gaps:
         return ""
     shares = {t: cold_us / g for t, g in gaps.items()}
-    text = "; ".join(f"through {WIRE[t]} ours computes {g:.0f} us more than the reference outside "
+    text = "; ".join(f"through {wire(t)} ours computes {g:.0f} us more than the reference outside "
                      f"its two collectives, of which the cold caches' {cold_us:.0f} us are {100 * shares[t]:.0f} %"
                      for t, g in gaps.items())
     return (f"In the 2-worker iteration at that size (the table above), {text}: "

@@ -15,11 +15,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from dpkit.report import findings, paths, plots, summary
-from dpkit.report.wording import ratio_text, span, verdict_text
+from dpkit.report.wording import in_registry_order, ratio_text, span, verdict_text, wire
 
 LOCAL = "BatchNorm1d (local)"
-TRANSPORT_ORDER = ["torch", "shared_memory"]
-WIRE = {"torch": "torch.distributed (gloo)", "shared_memory": "shared memory"}
 
 
 def test_outcomes(results: Path) -> tuple[dict, list[dict]]:
@@ -56,7 +54,7 @@ def target(doc: dict) -> float:
 
 
 def transports(doc: dict) -> list[str]:
-    return sorted({r["transport"] for r in timed(doc) if r.get("transport")}, key=TRANSPORT_ORDER.index)
+    return in_registry_order(r["transport"] for r in timed(doc) if r.get("transport"))
 
 
 def key(r: dict) -> tuple[int, int]:
@@ -85,10 +83,11 @@ def ours(doc: dict, transport: str) -> dict[tuple[int, int], dict]:
     return by_size(r for r in timed(doc) if r["impl"] == "ours" and r.get("transport") == transport)
 
 
-def speed_row(doc: dict, size: tuple[int, int], transport: str, limit: float) -> dict:
-    """One size's columns for one transport: time, ratio and verdict, the floor, memory against BatchNorm."""
+def speed_row(doc: dict, size: tuple[int, int], transport: str, limit: float, ratio: dict | None,
+              floor: dict | None) -> dict:
+    """One size's columns for one transport: time, ratio (``ratios``' of the size) and verdict, the floor
+    (``floor_ratios``'), memory against BatchNorm."""
     mine, local = ours(doc, transport)[size], by_size(r for r in timed(doc) if r["impl"] == LOCAL)[size]
-    ratio, floor = ratios(doc, transport).get(size), floor_ratios(doc, transport).get(size)
     t = transport
     return {f"ms_{t}": 1e3 * mine["time_s"], f"ratio_{t}": ratio_text(ratio),
             f"verdict_{t}": verdict_text(ratio, limit),
@@ -100,7 +99,10 @@ def speed_table(doc: dict) -> tuple[list[dict], list[tuple[str, str, str]]]:
     """One row per size, each transport's columns side by side."""
     limit, wires = target(doc), transports(doc)
     sizes = sorted(key(r) for r in timed(doc) if r["impl"] == LOCAL)
-    rows = [{"batch": b, "hidden": h} | {k: v for t in wires for k, v in speed_row(doc, (b, h), t, limit).items()}
+    # Each transport's ratios once (an interval is a bootstrap over rounds), then a row per size.
+    paired = {t: (ratios(doc, t), floor_ratios(doc, t)) for t in wires}
+    rows = [{"batch": b, "hidden": h} | {k: v for t in wires for k, v in speed_row(
+                doc, (b, h), t, limit, paired[t][0].get((b, h)), paired[t][1].get((b, h))).items()}
             for b, h in sizes]
     columns = [("batch", "batch", "d"), ("hidden", "hidden", "d")]
     for t in wires:
@@ -139,8 +141,8 @@ def transport_sentence(doc: dict, transport: str) -> str:
     rs, limit = list(ratios(doc, transport).values()), target(doc)
     counts = {v: sum(verdict_text(r, limit) == v for r in rs) for v in ("met", "missed", "inconclusive")}
     shm = paths.path("[shared_memory]", doc)  # zero copy or staged, as the file says
-    wire = WIRE[transport] + (f" ({shm}: {paths.SYNCBN_SUMS[shm]})" if transport == "shared_memory" else "")
-    text = (f"through {wire} ours takes {span([r['median'] for r in rs])} times BatchNorm plus the same "
+    named = wire(transport) + (f" ({shm}: {paths.SYNCBN_SUMS[shm]})" if transport == "shared_memory" else "")
+    text = (f"through {named} ours takes {span([r['median'] for r in rs])} times BatchNorm plus the same "
             f"two sums: the target <= {limit}x is met on {counts['met']}, missed on {counts['missed']} and "
             f"inconclusive on {counts['inconclusive']} of the {len(rs)} sizes")
     floor, over = floor_ratios(doc, transport), over_floor(doc, transport)

@@ -3,12 +3,31 @@
     from dpkit.report import wording
     wording.ratio_text(row)      # the median ratio [its 95 % interval], the interval's name below five rounds
     wording.span(values)         # "lowest to highest", or the one value
+    wording.wire("torch:dpkit")  # how a sentence names a transport: any registered one has a name
 """
 
 from __future__ import annotations
 
+from dpkit.bench import transports
 from dpkit.bench.measure import format_ratio, verdict
 from dpkit.report import findings
+
+# How a sentence names the built-in transports; one registered elsewhere is named by its registry name.
+WIRES = {"torch": "torch.distributed (gloo)", "torch:dpkit": 'torch.distributed on a "dpkit" group',
+         "shared_memory": "shared memory", "shared_memory:thread": "shared memory on a communication thread",
+         "shared_memory:staged": "shared memory, staged"}
+
+
+def wire(transport: str) -> str:
+    """The words for ``transport`` (a registry name) in a sentence."""
+    return WIRES.get(transport, f"the transport {transport}")
+
+
+def in_registry_order(names) -> list[str]:
+    """``names`` without repeats in the transport registry's order, names it does not know last (a results file may
+    hold a transport registered by the run that wrote it)."""
+    known = transports.choices()
+    return sorted(set(names), key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
 def ratio_text(r: dict | None) -> str:
