@@ -2,7 +2,7 @@
 
     python run_experiments.py --quick --report    # every experiment, small settings (README gives the time per CPU)
     python run_experiments.py --report            # the full settings (the homework solution's 16-epoch run,
-                                                  # 1 GB messages, ...): for GPU machines
+                                                  # messages up to 100 MB, ...): for GPU machines
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
     python run_experiments.py --summary           # rewrite README.md's headline block from results/
