@@ -179,7 +179,7 @@ def _add(base: str, sharding: str, t: str, build, targets: tuple[Target, ...], o
 
 def select(names: list[str]) -> list[str]:
     """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has.
-    A bracket takes any name of the transport registry (an old spelling, deprecated, says its new one); an old
+    A bracket takes any name of the transport registry (another is a ValueError that lists them); an old
     engine spelling ("zero ours") is read as today's ("zero1 ours") with a FutureWarning."""
     from_registry()
     out, made = [], []
@@ -187,7 +187,7 @@ def select(names: list[str]) -> list[str]:
     for name in names:
         base, bracket, t = name.rstrip("]").partition(" [")
         if bracket:
-            name = f"{base} [{bench_transports.canonical(t)}]"
+            name = f"{base} [{bench_transports.checked(t)}]"
             if name not in VARIANTS and base in OPEN:  # an open engine on a transport not built in here
                 sharding, build, targets, on = OPEN[base]
                 _add(base, sharding, name.rstrip("]").partition(" [")[2], build,

@@ -381,9 +381,9 @@ def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_
 
 def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
     import json
-    # Files written before the names were unified ("bucketed", "[shm]") are found under today's labels.
+    # Files written before the engines' names were unified ("bucketed") are found under today's labels.
     for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json",
-                 "cnn-2ranks-overlap-rank0.json", "resnet18-2ranks-naive-[shm]-rank0.json",
+                 "cnn-2ranks-overlap-rank0.json", "resnet18-2ranks-naive-[shared_memory]-rank0.json",
                  "resnet18-4ranks-ddp-ours-flat-[shared_memory]-rank0.json"):
         (tmp_path / name).write_text(json.dumps(chrome_trace()))
     found = plots.load_traces(str(tmp_path), "resnet18", ["ddp ours 25M", "ddp ours overlap",

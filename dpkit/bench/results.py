@@ -6,7 +6,7 @@ Every script prints ``format_environment(environment(...))`` before it measures,
 the benchmark computed where it measured, which the README and the report read as they are;
 ``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
 ``read_results`` refuses any other layout, naming the schema it expected, and gives engine names in today's
-spelling (``current_names``: "zero" -> "zero1", "selfmade" -> "ours", DDP's "bucketed 25M" -> "ddp ours 25M");
+spelling (``current_engine_names``: "zero" -> "zero1", "selfmade" -> "ours", DDP's "bucketed 25M" -> "ddp ours 25M");
 ``results_file`` finds a file under the name it had before (``train_selfmade`` for ``train_ours``).
 ``write_durably`` is how every file we produce is written (results, checkpoints, the executed notebook): whole or
 not at all, flushed to the disk.
@@ -26,7 +26,6 @@ from typing import Sequence
 
 import torch
 
-from dpkit.bench.transports import current_names
 from dpkit.engines import registry
 
 RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
@@ -161,8 +160,7 @@ def _jsonable(value):
 def read_results(path: str) -> dict:
     """Read a file written by ``write_results``, refusing other layouts. Complete or not, it is returned with
     ``complete`` set: a file written before that field existed was written whole, at the end of its run; one
-    written with the old transport or engine names reads with today's (``transports.current_names``,
-    ``current_engine_names``)."""
+    written with the old engine names reads with today's (``current_engine_names``)."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
@@ -170,7 +168,7 @@ def read_results(path: str) -> dict:
                          f"(it says schema={doc.get('schema')!r}): re-run the command that wrote it "
                          "(results/manifest.json lists each file's command)")
     doc.setdefault("complete", True)
-    return current_engine_names(current_names(doc))
+    return current_engine_names(doc)
 
 
 # Fields of the config, rows and targets that name engines or implementations, and results files renamed with

@@ -29,7 +29,6 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
-from dpkit.bench.transports import current_names as transport_names
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
 from dpkit.report import paths
@@ -606,9 +605,8 @@ _OLD_TRACE = re.compile(r"(?<=ranks-)(" + "|".join(map(re.escape, registry.OLD_D
 
 def _current_trace_name(name: str) -> str:
     """A trace file's name as written today: one written before the names were unified
-    ("resnet18-2ranks-bucketed-25M-[shm]-rank0.json") as "resnet18-2ranks-ddp-ours-25M-[shared_memory]-rank0.json"."""
-    name = _OLD_TRACE.sub(lambda m: registry.OLD_DDP_VARIANTS[m.group(1)].replace(" ", "-"), name)
-    return transport_names(name)
+    ("resnet18-2ranks-bucketed-25M-rank0.json") as "resnet18-2ranks-ddp-ours-25M-rank0.json"."""
+    return _OLD_TRACE.sub(lambda m: registry.OLD_DDP_VARIANTS[m.group(1)].replace(" ", "-"), name)
 
 
 # --------------------------------------------------------------------------- beside a seed
