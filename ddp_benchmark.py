@@ -46,7 +46,6 @@ from dpkit.bench.results import format_environment, read_results, write_durably
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
-from dpkit.engines import registry
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
 
@@ -741,11 +740,8 @@ def check_sweep(args: argparse.Namespace) -> None:
 
 
 def variant_argument(text: str) -> str:
-    """A --variants name in the engine registry's words; an old one ("bucketed") read as its new one with a note
-    on stderr (argparse hides warnings); an unknown one a usage error listing the known."""
-    if text in registry.OLD_DDP_VARIANTS:
-        print(f"note: DDP variant {text!r} is deprecated, say {registry.OLD_DDP_VARIANTS[text]!r}", file=sys.stderr)
-        text = registry.OLD_DDP_VARIANTS[text]
+    """A --variants name in the engine registry's words; another is a usage error listing them (quoted: they
+    hold spaces)."""
     if text not in DDP_KINDS:
         raise argparse.ArgumentTypeError(f"unknown DDP variant {text!r}: choose among "
                                          + ", ".join(f"'{k}'" for k in DDP_KINDS))
@@ -765,9 +761,8 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
                         help=f"models to benchmark (default: {' '.join(CPU_MODELS)} on CPU; {' '.join(MODELS)} on GPU)")
     parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(DDP_KINDS), metavar="NAME",
-                        help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in DDP_KINDS) + " (old names "
-                             "such as bucketed or pytorch-best are read as these, with a note); the no-ddp baseline "
-                             "is always measured (default: all)")
+                        help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in DDP_KINDS) + "; the no-ddp "
+                             "baseline is always measured (default: all)")
     parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
                         default=None, metavar="NAME",
                         help="how the gradients travel, by the registry's names ("

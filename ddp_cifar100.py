@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 \
         --num-epochs 2
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 \
-        --distributed-impl ours    # the homework solution's run ("selfmade" before: still read, deprecated)
+        --distributed-impl ours    # the homework solution's run
     torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero1, zero2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
@@ -54,13 +54,12 @@ CHECKPOINT_WAIT_S = 1800.0
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--distributed-impl", type=named("impl"), default="ours", metavar="{ours,pytorch}",
-                   help="ours: dpkit's engines (ddp.DDP, ...); pytorch: PyTorch's (DistributedDataParallel, ...); "
-                        "'selfmade' is read as ours, deprecated (default: %(default)s)")
+                   help="ours: dpkit's engines (ddp.DDP, ...); pytorch: PyTorch's (DistributedDataParallel, ...) "
+                        "(default: %(default)s)")
     p.add_argument("--sharding", type=named("engine"), default="ddp", metavar=f"{{{','.join(shardings())}}}",
                    help=f"the engine, one of {', '.join(shardings())}: ddp; zero1: DDP + optimizer state sharded; "
                         "zero2: gradients too; fsdp: parameters, gradients and optimizer state sharded; hsdp: FSDP "
-                        "inside each host; ours or PyTorch's per --distributed-impl. 'none' and 'zero' are read as "
-                        "ddp and zero1, deprecated (default: %(default)s)")
+                        "inside each host; ours or PyTorch's per --distributed-impl (default: %(default)s)")
     p.add_argument("--num-epochs", type=int, default=10, help="epochs; the homework template's (default: %(default)s)")
     p.add_argument("--grad-accum-steps", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are communicated only on the last "
@@ -74,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=("cnn", "resnet18"), default="cnn",
                    help="cnn: the homework's small CNN; resnet18: torchvision's, 100 classes (default: %(default)s)")
     p.add_argument("--sync-bn", type=named("sync_bn"), default="auto", metavar="{auto,ours,pytorch,none}",
-                   help="BatchNorm: ours = syncbn.py ('selfmade', deprecated); pytorch = torch.nn.SyncBatchNorm "
+                   help="BatchNorm: ours = syncbn.py; pytorch = torch.nn.SyncBatchNorm "
                         "(CUDA only); none = per rank; auto = the implementation's own, ours on CPU "
                         "(default: %(default)s)")
     p.add_argument("--dataset", choices=("auto", "cifar100", "synthetic"), default="auto",

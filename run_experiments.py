@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpkit.bench.results import (OLD_FILE_NAMES, environment, format_environment, markdown_table, read_results,
+from dpkit.bench.results import (environment, format_environment, markdown_table, read_results,
                                  write_durably, write_results)
 from dpkit.report import summary
 
@@ -269,21 +269,12 @@ def time_suite(out: Path, timeout_s: float) -> int:
     return 0 if all(r["exit_code"] == 0 for r in rows) else 1
 
 
-def _experiment_name(name: str) -> str:
-    """An experiment's name; one renamed with the engines (``results.OLD_FILE_NAMES``) as today's, announced."""
-    renamed = {old: new for new, old in OLD_FILE_NAMES.items()}
-    if name in renamed:
-        print(f"deprecated: experiment {name!r} is now {renamed[name]!r}", file=sys.stderr)
-    return renamed.get(name, name)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="small settings: minutes, not hours (README gives the time per CPU) (default: off)")
-    parser.add_argument("--only", nargs="+", type=_experiment_name, choices=NAMES, default=list(NAMES), metavar="NAME",
-                        help=f"run only these experiments, of: {', '.join(NAMES)}; train_selfmade is read as "
-                             "train_ours, deprecated (default: all)")
+    parser.add_argument("--only", nargs="+", choices=NAMES, default=list(NAMES), metavar="NAME",
+                        help=f"run only these experiments, of: {', '.join(NAMES)} (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / "results", help="where results go (default: results/)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds one experiment may take before it is killed (default: 900 with --quick, "

@@ -179,15 +179,13 @@ def _add(base: str, sharding: str, t: str, build, targets: tuple[Target, ...], o
 
 def select(names: list[str]) -> list[str]:
     """Variant names: each as given, or a name without "[transport]" as that variant on every transport it has.
-    A bracket takes any name of the transport registry (an old spelling, deprecated, says its new one); an old
-    engine spelling ("zero ours") is read as today's ("zero1 ours") with a FutureWarning."""
+    A bracket takes any name of the transport registry; an unknown one is a ValueError that lists them."""
     from_registry()
     out, made = [], []
-    names = [_respelled(name) for name in names]
     for name in names:
         base, bracket, t = name.rstrip("]").partition(" [")
         if bracket:
-            name = f"{base} [{bench_transports.canonical(t)}]"
+            name = f"{base} [{bench_transports.checked(t)}]"
             if name not in VARIANTS and base in OPEN:  # an open engine on a transport not built in here
                 sharding, build, targets, on = OPEN[base]
                 _add(base, sharding, name.rstrip("]").partition(" [")[2], build,
@@ -207,12 +205,6 @@ def select(names: list[str]) -> list[str]:
         kept = tuple(t for t in VARIANTS[name].targets if t.other in VARIANTS)
         VARIANTS[name] = replace(VARIANTS[name], targets=kept)
     return out
-
-
-def _respelled(name: str) -> str:
-    """"zero ours [torch]" -> "zero1 ours [torch]" (with the registry's FutureWarning); other names as they are."""
-    engine, _, rest = name.partition(" ")
-    return f"{registry.canonical(engine, 'engine')} {rest}" if engine in registry.OLD_ENGINES else name
 
 
 def runnable(names: list[str], world_size: int, device: torch.device) -> list[str]:

@@ -1,6 +1,5 @@
 """One vocabulary of transports: a transport registered once (``registry.register``) is a choice of every
-benchmark and runs there; old spellings still work, with a deprecation message naming the new one; an unknown
-name lists the known ones; results files written with the old names read with the new ones.
+benchmark and runs there; an unknown name (an old spelling too) is refused with one error listing the known ones.
 
 One group of 2 spawned ranks runs each benchmark's own ``worker`` on the toy (a few iterations each); the
 rest runs in this process without a process group.
@@ -9,7 +8,6 @@ rest runs in this process without a process group.
 from __future__ import annotations
 
 import argparse
-import json
 
 import pytest
 
@@ -19,7 +17,6 @@ import ddp_benchmark
 import sharding_benchmark
 import syncbn_benchmark
 from dpkit.bench import transports as bench_transports
-from dpkit.bench.results import read_results
 from dpkit.comm import registry, transport
 
 TOY = "toy"
@@ -103,52 +100,24 @@ def test_a_registered_transport_is_a_choice_of_every_benchmark_and_named_in_its_
     register_toy()  # for the fixture's teardown
 
 
-@pytest.mark.parametrize("old, new", sorted(registry.DEPRECATED.items()))
-def test_an_old_spelling_still_works_saying_its_new_one(old, new, capsys):
-    with pytest.warns(DeprecationWarning, match=f"transport '{old}' is deprecated: say '{new}'"):
-        assert bench_transports.argument(old) == new
-    assert f"say '{new}'" in capsys.readouterr().err
-    with pytest.warns(DeprecationWarning):
-        assert collectives_benchmark.parse_args(["--transports", "torch", old]).transports == ["torch", new]
-    with pytest.warns(DeprecationWarning):  # a bracket of a sharding variant too
-        assert sharding_benchmark.select([f"ddp ours [{old}]"]) == [f"ddp ours [{new}]"]
-
-
-def test_an_unknown_transport_lists_the_known_ones(capsys):
-    known = ", ".join(registry.names())
-    with pytest.raises(argparse.ArgumentTypeError, match=f"unknown transport 'gloo': choose one of {known}"):
-        bench_transports.argument("gloo")
+# The spellings of before the names were one: unknown names now, like any other.
+@pytest.mark.parametrize("name", ["gloo", "shm", "shm-thread", "zero_copy", "staged", "dpkit"])
+def test_an_unknown_transport_name_is_refused_listing_the_known_ones(name, capsys):
+    known = ", ".join(bench_transports.choices())
+    message = f"unknown transport '{name}': choose one of {known}"
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        bench_transports.argument(name)
     for module in (ddp_benchmark, syncbn_benchmark, collectives_benchmark):
         with pytest.raises(SystemExit):
-            module.parse_args(["--transports", "gloo"])
-        assert f"unknown transport 'gloo': choose one of {known}" in capsys.readouterr().err, module.__name__
-    with pytest.raises(ValueError, match=f"unknown transport 'gloo': choose one of {known}"):
-        sharding_benchmark.select(["ddp ours [gloo]"])
+            module.parse_args(["--transports", name])
+        err = capsys.readouterr().err
+        assert message in err and "deprecated" not in err and err.count("error:") == 1, module.__name__
+    with pytest.raises(ValueError, match=message):
+        sharding_benchmark.select([f"ddp ours [{name}]"])
+    with pytest.raises(ValueError, match=f"unknown transport '{name}': choose one of auto, "):
+        registry.checked(name)  # the registry's own list holds "auto"
+
+
+def test_a_benchmark_refuses_auto_a_row_names_what_it_ran_on():
     with pytest.raises(argparse.ArgumentTypeError, match="not 'auto'"):
-        bench_transports.argument("auto")  # a row names what it ran on
-
-
-def test_results_written_with_the_old_names_read_with_the_new_ones(tmp_path):
-    doc = {"schema": "dp-kit-results/2", "benchmark": "ddp_benchmark", "config": {"transports": ["torch", "shm"]},
-           "results": [{"label": "bucketed 25M [shm-thread]", "transport": "shm-thread"},
-                       {"label": "pytorch-best 25M [dpkit]", "transport": "dpkit"}],
-           "targets": [{"label": "bucketed 25M [shm]", "reference": "pytorch-best 25M [shm]"}]}
-    renamed = bench_transports.current_names(doc)
-    assert renamed["config"]["transports"] == ["torch", "shared_memory"]
-    assert renamed["results"] == [{"label": "bucketed 25M [shared_memory:thread]", "transport": "shared_memory:thread"},
-                                  {"label": "pytorch-best 25M [torch:dpkit]", "transport": "torch:dpkit"}]
-    assert renamed["targets"] == [{"label": "bucketed 25M [shared_memory]",
-                                   "reference": "pytorch-best 25M [shared_memory]"}]
-    collectives = {"benchmark": "collectives_benchmark", "config": {"transports": ["zero_copy", "staged"]},
-                   "results": [{"label": "shared_memory (zero copy)", "transport": "shared_memory"},
-                               {"label": "dist.all_reduce [dpkit]", "transport": "dpkit"}]}
-    assert bench_transports.current_names(collectives)["results"] == [
-        {"label": "shared_memory", "transport": "shared_memory"},
-        {"label": "dist.all_reduce [dpkit]", "transport": "dpkit"}]  # the backend "dpkit", not a transport
-    assert bench_transports.current_names(collectives)["config"]["transports"] == ["shared_memory",
-                                                                                   "shared_memory:staged"]
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps(doc))
-    assert read_results(str(path))["results"] == [  # every reader reads through it, and DDP's engine names too
-        {"label": "ddp ours 25M [shared_memory:thread]", "transport": "shared_memory:thread"},
-        {"label": "ddp pytorch best 25M [torch:dpkit]", "transport": "torch:dpkit"}]
+        bench_transports.argument("auto")

@@ -123,8 +123,7 @@ def runs(tmp_path_factory, tiny_cifar):
 
     jobs = {
         # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
-        # The homework's command as written before the engines' names were unified: "selfmade" is read as "ours".
-        "homework": dict(args=(*TINY_RUN, "--distributed-impl", "selfmade", "--checkpoint-dir",
+        "homework": dict(args=(*TINY_RUN, "--distributed-impl", "ours", "--checkpoint-dir",
                                str(paths["homework"]["ckpt"]), *outputs("homework")), torchrun_args=("--tee", "3")),
         "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
                             "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs",
@@ -198,8 +197,7 @@ def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
     assert doc["benchmark"] == "ddp_cifar100" and doc["env"]["world_size"] == 2
     config = doc["config"]
     used = (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"], config["sharding"])
-    assert used == ("synthetic", "ours", "ours", "ddp"), "today's names, from the old spelling on the command line"
-    assert "deprecated: impl 'selfmade' is now spelled 'ours'" in runs["homework"].process.stderr
+    assert used == ("synthetic", "ours", "ours", "ddp")
     assert (config["global_batch"], config["steps_per_epoch"], config["notices"]) == (16 * 3 * 2, STEPS_PER_EPOCH, [])
     rows = doc["results"]
     assert [row["kind"] for row in rows] == ["epoch"] * EPOCHS + ["final", "rank", "rank"]

@@ -1,5 +1,5 @@
-"""The engines' one vocabulary (dpkit.engines.registry): its names, labels and refusals; old spellings read with
-a deprecation naming the new one; committed results files read in today's names; and a toy engine registered in
+"""The engines' one vocabulary (dpkit.engines.registry): its names, labels and refusals (an old spelling is an
+unknown name like any other); committed results files in these names; and a toy engine registered in
 one place appearing where engines are compared (the cluster model, the trainer's choices, sharding_benchmark.py's
 variants, the memory figure). No process is spawned here: the toy runs in test_sharding_benchmark.py's and
 test_ddp_cifar100.py's groups."""
@@ -14,7 +14,7 @@ import run_experiments
 import sharding_benchmark
 import toy_engine
 from dpkit.bench import cluster
-from dpkit.bench.results import current_engine_names as current_names, read_results, results_file
+from dpkit.bench.results import read_results
 from dpkit.engines import registry
 from dpkit.report import plots
 
@@ -32,59 +32,45 @@ def test_one_name_per_engine_and_stage_with_what_it_shards_and_its_implementatio
         registry.register(registry.Engine("bad", shards=4, label="bad"))
 
 
-@pytest.mark.parametrize("kind, old, new", [("engine", "zero", "zero1"), ("engine", "none", "ddp"),
-                                            ("impl", "selfmade", "ours")])
-def test_an_old_spelling_is_read_with_a_deprecation_naming_the_new_one(kind, old, new):
-    with pytest.warns(FutureWarning, match=f"{kind} '{old}' is now spelled '{new}'"):
-        assert registry.canonical(old, kind) == new
+# The spellings of before the names were unified: unknown names now, like any other.
+@pytest.mark.parametrize("flag, old, kind, known", [
+    ("--sharding", "zero", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
+    ("--sharding", "none", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
+    ("--distributed-impl", "selfmade", "impl", "ours, pytorch"),
+    ("--sync-bn", "selfmade", "sync-bn", "auto, ours, pytorch, none")])
+def test_an_old_engine_name_is_an_unknown_name_refused_listing_the_known_ones(flag, old, kind, known, capsys):
+    message = f"unknown {kind} '{old}': choose one of {known}"
+    if kind != "sync-bn":
+        with pytest.raises(ValueError, match=message):
+            registry.checked(old, kind)
+    with pytest.raises(SystemExit):
+        trainer.parse_args([flag, old])
+    err = capsys.readouterr().err
+    assert message in err and "deprecated" not in err and err.count("error:") == 1
 
 
 def test_an_unknown_name_lists_the_known_ones_on_the_command_line_too(capsys):
     with pytest.raises(ValueError, match="unknown engine 'zero3': choose one of ddp, zero1, zero2, fsdp, hsdp"):
-        registry.canonical("zero3", "engine")
+        registry.checked("zero3", "engine")
     with pytest.raises(SystemExit):
         trainer.parse_args(["--distributed-impl", "mine"])
     assert "unknown impl 'mine': choose one of ours, pytorch" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         trainer.parse_args(["--sharding", "zero2", "--distributed-impl", "pytorch"])
     assert "--sharding zero2 has no 'pytorch' implementation" in capsys.readouterr().err
-    args = trainer.parse_args(["--sharding", "zero", "--sync-bn", "selfmade"])
-    assert (args.sharding, args.sync_bn, args.distributed_impl) == ("zero1", "ours", "ours")
-    err = capsys.readouterr().err
-    assert "deprecated: engine 'zero' is now spelled 'zero1'" in err and "sync-bn 'selfmade'" in err
+    with pytest.raises(SystemExit):  # the experiment's file before the engines' names were unified
+        run_experiments.parse_args(["--only", "train_selfmade"])
+    assert "invalid choice: 'train_selfmade'" in capsys.readouterr().err
 
 
-def test_old_labels_are_respelled_word_by_word_and_nothing_else():
-    assert registry.current_label("zero ours [shm, zero copy] / zero pytorch [torch]") == \
-        "zero1 ours [shm, zero copy] / zero1 pytorch [torch]"
-    for same in ("zero2 ours [shm]", "shared_memory (zero copy)", "zero_copy", "zero-copy", "ours", "bucketed 25M"):
-        assert registry.current_label(same) == same
-    assert registry.current_label("selfmade") == "ours"
-    doc = {"config": {"sharding": "none", "variants": ["zero ours [shm]"], "sync_bn": "none"},
-           "results": [{"variant": "zero ours [shm]", "sharding": "zero", "label": "zero copy"}]}
-    assert current_names(doc) == {"config": {"sharding": "ddp", "variants": ["zero1 ours [shm]"], "sync_bn": "none"},
-                                  "results": [{"variant": "zero1 ours [shm]", "sharding": "zero1",
-                                               "label": "zero copy"}]}
-
-
-def test_a_checkpoint_identity_of_the_old_spellings_is_todays():
-    """What Checkpoints compares before resuming: a run started as --distributed-impl selfmade --sharding none
-    resumes as ours / ddp."""
-    old = {"distributed_impl": "selfmade", "sharding": "none", "sync_bn": "none", "lr": 0.01, "model": "cnn"}
-    assert {k: registry.current_field(k, v) for k, v in old.items()} == {
-        "distributed_impl": "ours", "sharding": "ddp", "sync_bn": "none", "lr": 0.01, "model": "cnn"}
-
-
-def test_committed_files_written_with_the_old_names_are_read_in_todays(capsys):
-    assert run_experiments.parse_args(["--only", "train_selfmade"]).only == ["train_ours"]
-    assert "deprecated: experiment 'train_selfmade' is now 'train_ours'" in capsys.readouterr().err
-    ours = read_results(str(results_file(RESULTS, "train_ours")))
+def test_the_committed_results_files_name_engines_as_the_registry_does():
+    ours = read_results(str(RESULTS / "train_ours.json"))
     assert (ours["config"]["distributed_impl"], ours["config"]["sharding"]) == ("ours", "ddp")
     sharding = read_results(str(RESULTS / "sharding.json"))
     engines = {r["sharding"] for r in sharding["results"] if "variant" in r}
     assert engines <= set(registry.names()) and "zero1" in engines
     assert not [t["target"] for t in sharding["targets"] if t["target"].startswith("zero ")]
-    ddp = read_results(str(RESULTS / "ddp_benchmark.json"))  # written as "bucketed 25M [shm]", "pytorch-best", ...
+    ddp = read_results(str(RESULTS / "ddp_benchmark.json"))
     kinds = {r["variant"] for r in ddp["results"]}
     assert kinds == {"no_ddp", "ddp pytorch", "ddp pytorch best", "ddp ours naive", "ddp ours flat",
                      "ddp ours overlap", "ddp ours"}
@@ -92,20 +78,6 @@ def test_committed_files_written_with_the_old_names_are_read_in_todays(capsys):
         + [t[k] for t in ddp["targets"] for k in ("label", "reference")]
     assert all(x == "no ddp" or x.startswith("ddp ") for x in labels) and "ddp ours 25M [shared_memory]" in labels
     assert ddp["config"]["variants"] == [r["label"] for r in ddp["results"] if r["model"] == "cnn"]
-
-
-def test_old_ddp_labels_are_respelled_in_the_ddp_benchmarks_files_only():
-    old = ["bucketed 25M [shm]", "pytorch-best 25M [torch]", "pytorch 1M [torch]", "naive [torch]", "flat", "overlap",
-           "no ddp", "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]"]
-    assert [registry.current_ddp_label(x) for x in old] == [
-        "ddp ours 25M [shm]", "ddp pytorch best 25M [torch]", "ddp pytorch 1M [torch]", "ddp ours naive [torch]",
-        "ddp ours flat", "ddp ours overlap", "no ddp", "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]"]
-    assert registry.current_ddp_label("pytorch-bestish") == "pytorch-bestish"  # whole words only
-    row = {"variant": "pytorch", "label": "pytorch 25M [torch]", "distributed_impl": "pytorch"}
-    assert current_names({"benchmark": "ddp_benchmark", "results": [dict(row)]})["results"] == [
-        {"variant": "ddp pytorch", "label": "ddp pytorch 25M [torch]", "distributed_impl": "pytorch"}]
-    # elsewhere "pytorch" alone is an implementation: a training run's, a SyncBatchNorm row's
-    assert current_names({"benchmark": "ddp_cifar100", "results": [dict(row)]})["results"] == [row]
 
 
 def test_a_registered_engine_appears_wherever_engines_are_compared():

@@ -88,7 +88,7 @@ def training_doc(loss_shift=0.0):
 
 
 def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
-    figure = plots.training_curves({"selfmade": training_doc(), "pytorch": training_doc(0.01)})
+    figure = plots.training_curves({"ours": training_doc(), "pytorch": training_doc(0.01)})
     loss, accuracy, step = figure.axes[:3]
     # train + validation per run; validation per run
     assert len(loss.get_lines()) == 4 and len(accuracy.get_lines()) == 2
@@ -97,7 +97,7 @@ def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
     per_step = step.get_lines()[0].get_ydata()
     assert list(per_step) == pytest.approx([0.5, 0.5, 0.5])  # steps count from the start: 5 s over 10 steps each epoch
     assert accuracy.get_lines()[0].get_ydata()[-1] == pytest.approx(15.0)
-    assert {"ours", "pytorch"} <= set(legend_texts(figure)), "an old key ('selfmade') is shown in today's name"
+    assert {"ours", "pytorch"} <= set(legend_texts(figure))
 
 
 REFERENCE = plots.SYNCBN_REFERENCE
@@ -381,9 +381,10 @@ def test_overlap_timeline_puts_compute_and_each_communication_thread_on_its_own_
 
 def test_load_traces_finds_rank_0_files_of_ddp_benchmark_by_variant(tmp_path):
     import json
-    # Files written before the names were unified ("bucketed", "[shm]") are found under today's labels.
-    for name in ("resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-bucketed-25M-rank1.json",
-                 "cnn-2ranks-overlap-rank0.json", "resnet18-2ranks-naive-[shm]-rank0.json",
+    # A file of another model, or of before the names were unified ("bucketed", "[shm]"), is not found.
+    for name in ("resnet18-2ranks-ddp-ours-25M-rank0.json", "resnet18-2ranks-ddp-ours-25M-rank1.json",
+                 "cnn-2ranks-ddp-ours-overlap-rank0.json", "resnet18-2ranks-ddp-ours-naive-[shared_memory]-rank0.json",
+                 "resnet18-2ranks-bucketed-25M-rank0.json", "resnet18-2ranks-naive-[shm]-rank0.json",
                  "resnet18-4ranks-ddp-ours-flat-[shared_memory]-rank0.json"):
         (tmp_path / name).write_text(json.dumps(chrome_trace()))
     found = plots.load_traces(str(tmp_path), "resnet18", ["ddp ours 25M", "ddp ours overlap",

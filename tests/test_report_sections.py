@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from common import REPO
-from dpkit.bench.results import read_results, results_file
+from dpkit.bench.results import read_results
 from dpkit.report import (allreduce_section, ddp_formats, ddp_section, multihost_section, overview, page,
                           sharding_section, summary, syncbn_section, training_section, wording)
 
@@ -176,7 +176,7 @@ def test_syncbn_test_outcomes_add_up_to_the_junit_file():
 
 
 def test_training_difference_is_the_largest_gap_between_the_two_runs_epochs():
-    runs = {impl: read_results(str(results_file(RESULTS, f"train_{impl}"))) for impl in ("ours", "pytorch")}
+    runs = {impl: read_results(str(RESULTS / f"train_{impl}.json")) for impl in ("ours", "pytorch")}
     epochs = [[r for r in runs[impl]["results"] if r["kind"] == "epoch"] for impl in ("ours", "pytorch")]
     expected = max(abs(a[k] - b[k]) for a, b in zip(*epochs) for k in ("train_loss", "val_loss", "val_acc"))
     assert training_section.largest_difference(runs) == expected
@@ -203,7 +203,7 @@ def test_zero_balance_is_the_worst_rank_over_every_rank_count():
 def test_the_bucket_sentence_names_the_sweeps_fastest_cap_per_transport():
     doc = read_results(str(RESULTS / "ddp_benchmark.json"))
     ours = [r for r in doc["results"] if r["variant"] == "ddp ours" and r["model"] == "resnet18"]
-    assert ours, "the committed file's bucketed rows read as ddp ours"
+    assert ours, "the committed file has our DDP's rows"
     text = ddp_section.caps_text(doc["results"])
     for transport in {r["transport"] for r in ours}:
         best = min((r for r in ours if r["transport"] == transport), key=lambda r: r["p50_s"])
@@ -239,7 +239,7 @@ def test_the_report_words_a_ratio_with_its_interval_and_a_range_of_values():
 
 
 def test_the_sweep_growth_names_our_ddp_beside_no_ddp_and_the_seed():
-    doc = read_results(str(RESULTS / "ddp_sweep.json"))  # our rows written as "bucketed 25M [...]"
+    doc = read_results(str(RESULTS / "ddp_sweep.json"))
     seed = json.loads((REPO / "seeds.json").read_text())["pytorch_ddp_benchmark"]
     text = ddp_formats.growth_text(ddp_formats.marked(doc), seed, doc["env"])
     ours = next(r["label"] for r in doc["results"] if r["variant"] == "ddp ours")

@@ -88,12 +88,14 @@ def test_parallel_is_named_values_that_refuse_unknown_engines():
         Parallel("pytorch", "zero2")
 
 
-@pytest.mark.parametrize("impl, sharding, spelled", [("selfmade", "ddp", "'ours'"), ("ours", "none", "'ddp'"),
-                                                     ("pytorch", "zero", "'zero1'")])
-def test_parallel_reads_the_old_spellings_with_a_deprecation_naming_the_new(impl, sharding, spelled):
-    with pytest.warns(FutureWarning, match=f"is now spelled {spelled}"):
-        parallel = Parallel(impl, sharding)
-    assert spelled.strip("'") in (parallel.impl, parallel.sharding)
+# The spellings of before the names were unified: unknown names now, like any other.
+@pytest.mark.parametrize("impl, sharding, refused", [
+    ("selfmade", "ddp", "unknown impl 'selfmade': choose one of ours, pytorch"),
+    ("ours", "none", "unknown engine 'none': choose one of ddp, zero1, zero2, fsdp, hsdp"),
+    ("pytorch", "zero", "unknown engine 'zero': choose one of ddp, zero1, zero2, fsdp, hsdp")])
+def test_parallel_refuses_an_old_spelling_as_an_unknown_name_listing_the_known_ones(impl, sharding, refused):
+    with pytest.raises(ValueError, match=f"Parallel: {refused}"):
+        Parallel(impl, sharding)
 
 
 def test_step_meter_measures_memory_through_the_probe_steps_then_times_each_step():

@@ -5,9 +5,7 @@ Every script prints ``format_environment(environment(...))`` before it measures,
 ``write_results`` (times in seconds, memory in bytes, rows flat; ``targets`` holds the verdicts
 the benchmark computed where it measured, which the README and the report read as they are;
 ``complete`` is false while a run is under way, or after one was stopped: the rows it finished).
-``read_results`` refuses any other layout, naming the schema it expected, and gives engine names in today's
-spelling (``current_names``: "zero" -> "zero1", "selfmade" -> "ours", DDP's "bucketed 25M" -> "ddp ours 25M");
-``results_file`` finds a file under the name it had before (``train_selfmade`` for ``train_ours``).
+``read_results`` refuses any other layout, naming the schema it expected.
 ``write_durably`` is how every file we produce is written (results, checkpoints, the executed notebook): whole or
 not at all, flushed to the disk.
 """
@@ -21,13 +19,9 @@ import platform
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Sequence
 
 import torch
-
-from dpkit.bench.transports import current_names
-from dpkit.engines import registry
 
 RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
 
@@ -160,9 +154,7 @@ def _jsonable(value):
 
 def read_results(path: str) -> dict:
     """Read a file written by ``write_results``, refusing other layouts. Complete or not, it is returned with
-    ``complete`` set: a file written before that field existed was written whole, at the end of its run; one
-    written with the old transport or engine names reads with today's (``transports.current_names``,
-    ``current_engine_names``)."""
+    ``complete`` set: a file written before that field existed was written whole, at the end of its run."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
@@ -170,47 +162,7 @@ def read_results(path: str) -> dict:
                          f"(it says schema={doc.get('schema')!r}): re-run the command that wrote it "
                          "(results/manifest.json lists each file's command)")
     doc.setdefault("complete", True)
-    return current_engine_names(current_names(doc))
-
-
-# Fields of the config, rows and targets that name engines or implementations, and results files renamed with
-# them (new name -> old): files written before the names were unified are read in today's.
-ENGINE_FIELDS = ("variant", "sharding", "target", "text", "numerator", "denominator", "variants", "distributed_impl",
-                 "distributed_impl_used", "sync_bn", "sync_bn_used", "experiment")
-OLD_FILE_NAMES = {"train_ours": "train_selfmade"}
-# ... and those of the DDP benchmark's, whose old labels began with the algorithm's word ("bucketed 25M [shm]").
-DDP_FIELDS = ("variant", "label", "reference", "variants")
-
-
-def current_engine_names(doc: dict) -> dict:
-    """``doc`` with every engine name in ``ENGINE_FIELDS`` respelled by ``registry.current_field`` (a manifest's
-    old experiment names as today's), in place; a file of today's names is unchanged."""
-    def respelled(key, value):
-        if key == "experiment":  # the manifest's: named as its file
-            return {old: new for new, old in OLD_FILE_NAMES.items()}.get(value, value)
-        return registry.current_field(key, value)
-
-    ddp = doc.get("benchmark") == "ddp_benchmark"
-    for part in (doc.get("config") or {}, *doc.get("results", []), *(doc.get("targets") or [])):
-        for key in ENGINE_FIELDS:
-            if key in part:
-                part[key] = respelled(key, part[key])
-        for key in DDP_FIELDS if ddp else ():
-            if isinstance(part.get(key), (str, list)):
-                part[key] = _ddp_labels(part[key])
     return doc
-
-
-def _ddp_labels(value):
-    """A DDP row's label, or a list of them, respelled by ``registry.current_ddp_label``."""
-    return [_ddp_labels(v) for v in value] if isinstance(value, list) else registry.current_ddp_label(value)
-
-
-def results_file(results_dir, name: str) -> Path:
-    """``results_dir/name.json``, or the file of the name it had (``OLD_FILE_NAMES``) where only that exists."""
-    path = Path(results_dir) / f"{name}.json"
-    old = Path(results_dir) / f"{OLD_FILE_NAMES.get(name, name)}.json"
-    return old if not path.exists() and old.exists() else path
 
 
 def incomplete_note(doc: dict) -> str:

@@ -11,13 +11,12 @@ different transports, or an unknown name, all raise the same ValueError before a
 The built-in names are registered when this module is imported, so they exist as soon as ``resolve`` can
 be called: "torch" ("torch:dpkit": on a new group of the torch.distributed backend "dpkit"), "shared_memory"
 (":thread": on a communication thread; ":staged": handed plain tensors, copied in), "hierarchical", "p2p"
-("p2p:<algorithm>"). ``canonical`` reads a name a user typed: old spellings (``DEPRECATED``) warn.
+("p2p:<algorithm>"). ``checked`` reads a name a user typed: one not in ``names()`` is refused, listing them.
 """
 
 from __future__ import annotations
 
 import datetime
-import warnings
 import weakref
 from typing import Callable, NamedTuple, Sequence
 
@@ -68,17 +67,8 @@ def names() -> tuple[str, ...]:
                       for n in (name, *(f"{name}:{option}" for option in entry.options))))
 
 
-# Spellings of the benchmarks before the names were one (kept for one release): old -> the registry's.
-DEPRECATED = {"shm": "shared_memory", "shm-thread": "shared_memory:thread", "zero_copy": "shared_memory",
-              "staged": "shared_memory:staged", "dpkit": "torch:dpkit"}
-
-
-def canonical(name: str) -> str:
-    """``name`` as ``names()`` spells it: an old spelling warns (DeprecationWarning, naming the new one) and
-    gives the new one; an unknown name raises ValueError listing the known ones."""
-    if name in DEPRECATED:
-        warnings.warn(f"transport {name!r} is deprecated: say {DEPRECATED[name]!r}", DeprecationWarning, stacklevel=2)
-        name = DEPRECATED[name]
+def checked(name: str) -> str:
+    """``name`` if ``names()`` has it; else a ValueError that lists the known names."""
     if name not in names():
         raise ValueError(f"unknown transport {name!r}: choose one of {', '.join(names())}")
     return name

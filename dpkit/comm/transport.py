@@ -15,7 +15,7 @@ This module is their public face: it names what the modules below define, and de
 * ``message_passing``: ``MessagePassing`` ("p2p"), the homework's point-to-point algorithms.
 * ``hierarchical``: ``Hierarchical``, shared memory inside each host, another transport between hosts.
 * ``registry``: ``resolve``, the one place a transport is chosen; ``register``, ``unregister``, ``names``,
-  ``canonical``.
+  ``checked``.
 * ``pytorch_adapters``: ``ddp_comm_hook``, ``use_with_fully_shard``, ``fully_shard_comms``.
 """
 
@@ -23,11 +23,11 @@ from dpkit.comm.hierarchical import Hierarchical
 from dpkit.comm.interface import Staged, Transport, Work, Wrapped
 from dpkit.comm.message_passing import MessagePassing
 from dpkit.comm.pytorch_adapters import ddp_comm_hook, fully_shard_comms, use_with_fully_shard
-from dpkit.comm.registry import DEPRECATED, canonical, factory, names, register, resolve, unregister
+from dpkit.comm.registry import checked, factory, names, register, resolve, unregister
 from dpkit.comm.shared_memory import ALIGN, POLLS, SHARED_MEMORY_RANGE, SHM_DIRECTORY, NotOneHost, SharedMemory
 from dpkit.comm.torch_transport import Torch, TorchWork
 
-__all__ = ["ALIGN", "DEPRECATED", "POLLS", "SHARED_MEMORY_RANGE", "SHM_DIRECTORY", "Hierarchical", "MessagePassing",
-           "NotOneHost", "SharedMemory", "Staged", "Torch", "TorchWork", "Transport", "Work", "Wrapped", "canonical",
+__all__ = ["ALIGN", "POLLS", "SHARED_MEMORY_RANGE", "SHM_DIRECTORY", "Hierarchical", "MessagePassing",
+           "NotOneHost", "SharedMemory", "Staged", "Torch", "TorchWork", "Transport", "Work", "Wrapped", "checked",
            "ddp_comm_hook", "factory",
            "fully_shard_comms", "names", "register", "resolve", "unregister", "use_with_fully_shard"]

@@ -28,7 +28,6 @@ else torch.distributed's collectives), in buffers the transport allocates.
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,8 +58,6 @@ LAST_BUCKET_CAP_MB = 2.0
 # ``last_bucket_cap_mb`` values.
 TAIL_SHARE = 4
 VARIANTS = ("ours", "ours overlap", "ours flat", "ours naive", "pytorch")
-# The names ``make_ddp`` took before the engine registry's vocabulary; accepted with a DeprecationWarning.
-OLD_VARIANTS = {"bucketed": "ours", "overlap": "ours overlap", "flat": "ours flat", "naive": "ours naive"}
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -745,8 +742,8 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     """Wrap ``module`` in the data-parallel variant named ``variant`` (one of ``VARIANTS``).
 
     ``bucket_cap_mb`` (MiB, default 25) applies to ``ours`` and ``pytorch``;
-    ``find_unused_parameters`` to ``ours`` and ``ours overlap`` (see ``DDP``). The old names (``bucketed``,
-    ``overlap``, ``flat``, ``naive``) still work, with a DeprecationWarning naming the new one.
+    ``find_unused_parameters`` to ``ours`` and ``ours overlap`` (see ``DDP``); another name is a ValueError that
+    lists ``VARIANTS``.
     ``pytorch`` is ``torch.nn.parallel.DistributedDataParallel`` with
     ``forward_sync_buffers=False`` (``broadcast_buffers=False`` before it; ``compat.NO_BUFFER_SYNC``),
     so it behaves like ours (buffers broadcast once, at construction) and pays no extra
@@ -762,10 +759,6 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
     that only accumulate; each synchronised backward ends averaged (``sync_gradients(model)``
     before the step is harmless, and needed only with ``finish_in_backward=False``).
     """
-    if variant in OLD_VARIANTS:
-        warnings.warn(f"make_ddp({variant!r}) is now make_ddp({OLD_VARIANTS[variant]!r}); the old name goes in "
-                      "the next release", DeprecationWarning, stacklevel=2)
-        variant = OLD_VARIANTS[variant]
     ours = "auto" if transport is None else transport
     if variant == "ours":
         return DDP(module, bucket_cap_mb, process_group, find_unused_parameters, transport=ours)

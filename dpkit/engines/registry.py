@@ -9,9 +9,8 @@ takes its names from here, and a benchmark that compares engines lists ``names()
     registry.register(registry.Engine("mine", shards=0, label="my DDP", impls={"ours": registry.Impl(wrap_mine)}))
 
 ``shards`` is the engine's ZeRO stage (0: nothing, 1: the optimizer state, 2: and the gradients, 3: and the
-parameters); ``hybrid``: sharded inside a host, replicated across hosts. Old spellings (``selfmade``,
-``none``, ``zero``) are read as the new ones with a FutureWarning for one release
-(``canonical``); ``current_label`` and ``current_ddp_label`` rename the labels of results files written before.
+parameters); ``hybrid``: sharded inside a host, replicated across hosts. A name that is not registered is a
+ValueError that lists the registered ones (``checked``).
 A benchmark row is "<engine> <ours|pytorch>[ option][ <cap>M] [<transport>]": "zero1 ours [shared_memory]",
 "fsdp pytorch bf16 [torch]", "ddp ours 25M [torch]" (bucketed, 25 MiB buckets), "ddp ours overlap|flat|naive
 [torch]" (DDP's baselines: options of "ddp ours", named as ``ddp.make_ddp`` names them), "ddp pytorch best 25M
@@ -20,8 +19,6 @@ A benchmark row is "<engine> <ours|pytorch>[ option][ <cap>M] [<transport>]": "z
 
 from __future__ import annotations
 
-import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -33,9 +30,6 @@ from dpkit.engines.makers import Impl, Options
 
 IMPLS = ("ours", "pytorch")
 IMPL_LABELS = {"ours": "ours", "pytorch": "PyTorch's"}
-# Old spelling -> new, accepted with a FutureWarning until the release after this one.
-OLD_IMPLS = {"selfmade": "ours"}
-OLD_ENGINES = {"none": "ddp", "zero": "zero1"}
 
 
 @dataclass(frozen=True)
@@ -69,29 +63,24 @@ def names(impl: str | None = None) -> tuple[str, ...]:
 
 
 def get(name: str) -> Engine:
-    return _ENGINES[canonical(name, "engine")]
+    return _ENGINES[checked(name, "engine")]
 
 
-def canonical(name: str, kind: str) -> str:
-    """The current spelling of an engine (``kind`` "engine") or an implementation ("impl"): an old spelling
-    with a FutureWarning, an unknown one a ValueError that lists the known ones."""
-    known, old = (names(), OLD_ENGINES) if kind == "engine" else (IMPLS, OLD_IMPLS)
-    return respell(name, kind, known, old)
+def checked(name: str, kind: str) -> str:
+    """``name`` if it is a registered engine (``kind`` "engine") or an implementation ("impl"); else a
+    ValueError that lists the known ones."""
+    return one_of(name, kind, names() if kind == "engine" else IMPLS)
 
 
-def respell(name: str, kind: str, known, old: Mapping[str, str]) -> str:
-    """``name`` if ``known``; ``old[name]`` with a FutureWarning; else a ValueError listing ``known``."""
-    if name in old:
-        warnings.warn(f"{kind} {name!r} is now spelled {old[name]!r}; the old spelling goes in the next release",
-                      FutureWarning, stacklevel=3)
-        name = old[name]
+def one_of(name: str, kind: str, known) -> str:
+    """``name`` if ``known`` has it; else a ValueError that lists ``known``."""
     if name not in known:
         raise ValueError(f"unknown {kind} {name!r}: choose one of {', '.join(known)}")
     return name
 
 
 def impl(name: str, impl_name: str) -> Impl:
-    engine, impl_name = get(name), canonical(impl_name, "impl")
+    engine, impl_name = get(name), checked(impl_name, "impl")
     if impl_name not in engine.impls:
         raise ValueError(f"engine {engine.name!r} has no {impl_name!r} implementation: it has "
                          f"{', '.join(engine.impls) or 'none (cluster model only)'}")
@@ -113,41 +102,6 @@ def label(name: str, impl_name: str | None = None) -> str:
     """"ZeRO-1", or with an implementation "ZeRO-1 (ours)" / "ZeRO-1 (PyTorch's)"."""
     text = get(name).label
     return text if impl_name is None else f"{text} ({IMPL_LABELS.get(impl_name, impl_name)})"
-
-
-def current_field(key: str, value):
-    """A field of a results file or checkpoint written before the names were unified, in today's names:
-    ``current_label`` on strings (and lists of them), and the trainer's old ``sharding`` "none" as "ddp"."""
-    if isinstance(value, list):
-        return [current_field(key, v) for v in value]
-    if key == "sharding" and value == "none":
-        return "ddp"
-    return current_label(value) if isinstance(value, str) else value
-
-
-# A whole word; "zero copy" (a shared-memory path) is not an engine.
-_OLD_WORD = re.compile(r"\b(zero|selfmade)\b(?![-\w]| copy)")
-
-
-def current_label(text: str) -> str:
-    """A label or field of a results file written before the names were unified, in today's names:
-    "zero ours [shm]" -> "zero1 ours [shm]", "selfmade" -> "ours" (without a warning: the file is not
-    the reader's to respell)."""
-    old = {**OLD_IMPLS, "zero": "zero1"}
-    return _OLD_WORD.sub(lambda m: old[m.group(1)], text)
-
-
-# DDP benchmark rows written before: the algorithm's word, now "ddp" and ``ddp.make_ddp``'s name for it.
-OLD_DDP_VARIANTS = {"pytorch": "ddp pytorch", "pytorch-best": "ddp pytorch best", "naive": "ddp ours naive",
-                    "flat": "ddp ours flat", "overlap": "ddp ours overlap", "bucketed": "ddp ours"}
-_OLD_DDP_WORD = re.compile(r"^(pytorch-best|pytorch|naive|flat|overlap|bucketed)(?= |$)")
-
-
-def current_ddp_label(text: str) -> str:
-    """A label or variant of a DDP benchmark file written before, in today's names: "bucketed 25M [shm]" ->
-    "ddp ours 25M [shm]", "pytorch-best" -> "ddp pytorch best"; today's labels and "no ddp" as they are. Only
-    for that benchmark's rows: elsewhere "pytorch" alone is an implementation."""
-    return _OLD_DDP_WORD.sub(lambda m: OLD_DDP_VARIANTS[m.group(1)], text)
 
 
 for _engine in (

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from dpkit.bench.results import markdown_table, read_results, results_file
+from dpkit.bench.results import markdown_table, read_results
 from dpkit.report import paths
 
 DPI = 72  # pixels per inch of an embedded figure
@@ -74,10 +74,9 @@ class Page:
         return cls.open(root, notebook_display)
 
     def load(self, name: str) -> dict | None:
-        """``results/<name>.json`` (or the file of the name it had: ``results.results_file``), or None with a line
-        saying which command writes it (said once)."""
+        """``results/<name>.json``, or None with a line saying which command writes it (said once)."""
         if name not in self.cache:
-            path = results_file(self.results, name)
+            path = self.results / f"{name}.json"
             self.cache[name] = read_results(str(path)) if path.exists() else None
             if self.cache[name] is None:
                 self.say(f"*`{name}.json` is not in this results directory: `python run_experiments.py --only {name}` "

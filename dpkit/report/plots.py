@@ -29,7 +29,6 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
-from dpkit.bench.transports import current_names as transport_names
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
 from dpkit.report import paths
@@ -78,7 +77,7 @@ def kind(row_or_name) -> str:
                 or row_or_name.get("label", ""))
     else:
         name = row_or_name
-    name = registry.current_label(str(name))  # a file's old spelling: "selfmade" is "ours"
+    name = str(name)
     if name in COLOURS:
         return name
     return re.sub(r"[ _-]?\d+(\.\d+)?M$", "", name.strip())  # drop a bucket-size suffix
@@ -198,8 +197,7 @@ def _yerr(centre: float, bounds: tuple[float, float] | None) -> list[list[float]
 
 def training_curves(runs: dict[str, dict]) -> Figure:
     """Loss and accuracy against epoch, and the time per optimizer step, for each training run
-    (``{"ours": doc, "pytorch": doc}`` of ``ddp_cifar100.py --metrics-json``; old keys such as "selfmade" are
-    shown in today's names)."""
+    (``{"ours": doc, "pytorch": doc}`` of ``ddp_cifar100.py --metrics-json``)."""
     figure, axes = _figure(1, 3, height=3.4)
     loss_ax, acc_ax, time_ax = axes[0]
     markers = ("o", "x", "s", "^")
@@ -209,8 +207,7 @@ def training_curves(runs: dict[str, dict]) -> Figure:
         c = colour(name)
         # Dashes on the second run let identical curves both show.
         dash = "-" if marker == "o" else "--"
-        loss_ax.plot(x, [r["train_loss"] for r in epochs], dash, color=c, marker=marker,
-                     label=registry.current_label(name))
+        loss_ax.plot(x, [r["train_loss"] for r in epochs], dash, color=c, marker=marker, label=name)
         loss_ax.plot(x, [r["val_loss"] for r in epochs], dash, color=c, marker=marker, alpha=0.45)
         acc_ax.plot(x, [100 * r["val_acc"] for r in epochs], dash, color=c, marker=marker)
         if all("epoch_time_s" in r and r.get("steps") for r in epochs):
@@ -591,24 +588,14 @@ def load_traces(directory: str, model: str, labels: Iterable[str], rank: int = 0
     """``{label: trace}`` of the traces ``ddp_benchmark.py --profile DIR`` wrote for ``model`` (any world
     size) and this rank; labels without a trace are left out."""
     found = {}
-    names = {_current_trace_name(n): n for n in sorted(os.listdir(directory))} if os.path.isdir(directory) else {}
+    names = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     for label in labels:
         slug = label.replace(" ", "-")
         match = next((n for n in names if n.startswith(f"{model}-") and n.endswith(f"-{slug}-rank{rank}.json")), None)
         if match:
-            with open(os.path.join(directory, names[match])) as f:
+            with open(os.path.join(directory, match)) as f:
                 found[label] = json.load(f)
     return found
-
-
-_OLD_TRACE = re.compile(r"(?<=ranks-)(" + "|".join(map(re.escape, registry.OLD_DDP_VARIANTS)) + r")(?=-|$)")
-
-
-def _current_trace_name(name: str) -> str:
-    """A trace file's name as written today: one written before the names were unified
-    ("resnet18-2ranks-bucketed-25M-[shm]-rank0.json") as "resnet18-2ranks-ddp-ours-25M-[shared_memory]-rank0.json"."""
-    name = _OLD_TRACE.sub(lambda m: registry.OLD_DDP_VARIANTS[m.group(1)].replace(" ", "-"), name)
-    return transport_names(name)
 
 
 # --------------------------------------------------------------------------- beside a seed

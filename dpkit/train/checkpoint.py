@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from dpkit.bench.results import write_durably
 from dpkit.comm.process_groups import print0
-from dpkit.engines import registry
 
 CHECKPOINTS_KEPT = 2
 
@@ -121,7 +120,7 @@ class Checkpoints:
             return None
         state = torch.load(path, map_location=device, weights_only=True)
         dist.barrier(group=self.group)  # the slowest rank's load
-        saved = {k: registry.current_field(k, v) for k, v in state["identity"].items()}  # "selfmade": "ours"
+        saved = state["identity"]
         different = {k for k in self.identity.keys() | saved.keys() if self.identity.get(k) != saved.get(k)}
         if different:
             raise ValueError(f"checkpoint {path} belongs to a different run ({', '.join(sorted(different))} differ): "

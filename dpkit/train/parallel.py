@@ -8,15 +8,12 @@ when a trainer builds the optimizer or saves the state.
     state = parallel.full_model_state(model, net)                # a collective when sharded
 
 ``resolve_sync_bn`` picks the BatchNorm that goes with the engine (the trainer converts the model to it);
-``named`` reads a flag's value in today's spelling (old ones with a deprecation message).
+``named`` reads a flag's value: a known name, else a usage error that lists the known ones.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,20 +34,15 @@ def shardings() -> tuple[str, ...]:
 
 
 def named(kind: str):
-    """An argparse ``type`` for an "engine", "impl" or "sync_bn" flag: today's spelling of the value, an old one
-    with a FutureWarning, an unknown one refused with the known ones."""
+    """An argparse ``type`` for an "engine", "impl" or "sync_bn" flag: the value if it is a known name, else a
+    usage error that lists the known ones (the engines are those registered when the flag is read)."""
     def parse(text: str) -> str:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", FutureWarning)
-            try:
-                if kind == "sync_bn":
-                    return registry.respell(text, "sync-bn", SYNC_BNS, registry.OLD_IMPLS)
-                return registry.canonical(text, kind)
-            except ValueError as error:
-                raise argparse.ArgumentTypeError(str(error)) from None
-            finally:  # a command line's deprecation as one plain line, not a warning's source excerpt, on rank 0
-                for warning in caught if os.environ.get("RANK", "0") == "0" else ():
-                    print(f"deprecated: {warning.message}", file=sys.stderr)
+        try:
+            if kind == "sync_bn":
+                return registry.one_of(text, "sync-bn", SYNC_BNS)
+            return registry.checked(text, kind)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
     parse.__name__ = kind
     return parse
 
@@ -61,8 +53,8 @@ class Parallel:
 
     ``impl``: "ours" (dpkit's engines) or "pytorch" (PyTorch's). ``sharding``: an engine's name (``shardings()``):
     "ddp", "zero1" (DDP, optimizer state sharded), "zero2" (gradients too), "fsdp" (parameters, gradients and
-    optimizer state sharded), "hsdp" (FSDP inside a host). Old spellings ("selfmade", "none", "zero") are read
-    as the new ones. ``bucket_cap_mb``: the DDPs' gradient buckets. ``transport``: how every engine's tensors
+    optimizer state sharded), "hsdp" (FSDP inside a host); another name is a ValueError listing these.
+    ``bucket_cap_mb``: the DDPs' gradient buckets. ``transport``: how every engine's tensors
     travel (``transport.resolve``), PyTorch's through its comm hook or fully_shard's custom collectives,
     unless it is "torch" (their own).
     """
@@ -74,8 +66,6 @@ class Parallel:
 
     def __post_init__(self):
         try:
-            object.__setattr__(self, "impl", registry.canonical(self.impl, "impl"))
-            object.__setattr__(self, "sharding", registry.canonical(self.sharding, "engine"))
             registry.impl(self.sharding, self.impl)
         except ValueError as error:
             raise ValueError(f"Parallel: {error}") from None
