@@ -151,22 +151,39 @@ def test_growth_is_from_one_world_size_to_another_of_one_label():
     assert findings.growth(rows, "ddp", 1, 2) is None
 
 
-def allreduce_row(world, size, label, p50, choice=None, axis="algorithm"):
-    return {"world_size": world, "bytes": size, "label": label, "p50_s": p50, "choice": choice, "axis": axis}
+def allreduce_row(world, size, label, p50, choice=None, axis="algorithm", rounds=None):
+    return {"world_size": world, "bytes": size, "label": label, "p50_s": p50, "choice": choice, "axis": axis,
+            "round_p50_s": rounds}
 
 
-def test_auto_choices_compare_autos_pick_with_the_fastest_algorithm_of_the_run():
+def test_auto_choices_compare_autos_pick_with_the_lowest_p50_of_the_run():
     rows = [allreduce_row(2, 4000, "torch", 0.1), allreduce_row(2, 4000, "ring", 3.0),
             allreduce_row(2, 4000, "tree", 0.6), allreduce_row(2, 4000, "auto", 0.5, "tree"),
             allreduce_row(2, 2**20, "torch", 0.1), allreduce_row(2, 2**20, "ring", 1.0),
             allreduce_row(2, 2**20, "tree", 2.0), allreduce_row(2, 2**20, "auto", 0.05, "tree"),
             allreduce_row(2, 2**20, "p2p", 0.01, "ring", axis="transport"),  # another axis: not an algorithm
             allreduce_row(4, 4000, "ring", 0.1), allreduce_row(4, 4000, "auto", 0.2, "tree")]
+    # No rounds to pair: the lowest p50 is separated from nothing.
     assert findings.auto_choices(rows, 2) == [
-        {"bytes": 4000, "choice": "tree", "fastest": "tree", "hit": True},
-        {"bytes": 2**20, "choice": "tree", "fastest": "ring", "hit": False}]  # by the algorithms' own p50, not auto's
-    assert findings.auto_choices(rows, 4) == [{"bytes": 4000, "choice": "tree", "fastest": "ring", "hit": False}]
+        {"bytes": 4000, "choice": "tree", "lowest": "tree", "tied": ["ring"], "hit": True},
+        {"bytes": 2**20, "choice": "tree", "lowest": "ring", "tied": ["tree"], "hit": False}]  # the algorithms' p50
+    assert findings.auto_choices(rows, 4) == [{"bytes": 4000, "choice": "tree", "lowest": "ring", "tied": [],
+                                               "hit": False}]
     assert findings.auto_choices(rows, 8) == []
+
+
+def test_the_lowest_p50_is_the_fastest_only_where_its_paired_interval_stays_below_1():
+    """tree is 0.5x ring in every round (separated); halving_doubling is 0.9x or 1.1x tree's time in alternate
+    rounds (its interval holds 1: not separated); butterfly has too few rounds to pair."""
+    load = [1.0, 1.3] * 4
+    tree = allreduce_row(2, 4000, "tree", 1.0, rounds=load)
+    ring = allreduce_row(2, 4000, "ring", 2.0, rounds=[2 * x for x in load])
+    halving = allreduce_row(2, 4000, "halving_doubling", 1.05,
+                            rounds=[x * f for x, f in zip(load, [1 / 0.9, 1 / 1.1] * 4)])
+    butterfly = allreduce_row(2, 4000, "butterfly", 5.0, rounds=[5.0, 5.0])
+    winner, tied = findings.lowest_p50([ring, halving, tree, butterfly])
+    assert winner is tree and tied == [halving, butterfly]
+    assert findings.lowest_p50([ring, tree]) == (tree, [])
 
 
 def syncbn_time(impl, transport, batch, seconds, **fields):

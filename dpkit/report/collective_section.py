@@ -12,7 +12,6 @@ The homework module is passed in: the package never imports a script at the root
 
 from __future__ import annotations
 
-import collections
 import os
 import tempfile
 
@@ -83,25 +82,32 @@ def crossover_lines(algorithms, fits: list[dict], rows: list[dict]) -> list[str]
     return lines
 
 
+def _lowest_text(winner: dict, tied: list[dict], size: int) -> str:
+    """"tree at 4 KiB (fastest)", or "tree at 10 MiB (not separated from ring, butterfly)"."""
+    apart = "fastest" if not tied else "not separated from " + ", ".join(r["label"] for r in tied)
+    return f"{winner['label']} at {format_size(size)} ({apart})"
+
+
 def fastest_lines(rows: list[dict]) -> list[str]:
-    """Per world above one: the fastest of the homework's algorithms at each size."""
+    """Per world above one, at each size: the homework's algorithm of the lowest p50, called the fastest only where
+    its paired interval against every other stays below 1 (``findings.lowest_p50``)."""
     lines = []
     for _, n in panels(rows):
         mine = [r for r in rows if r["world_size"] == n and r["axis"] == "algorithm"
                 and r["label"] not in ("torch", "auto")]
         if n > 1 and mine:
             sizes = sorted({r["bytes"] for r in mine})
-            winners = [min((r for r in mine if r["bytes"] == b), key=lambda r: r["p50_s"])["label"] for b in sizes]
+            lowest = {b: findings.lowest_p50([r for r in mine if r["bytes"] == b]) for b in sizes}
+            separated = sum(not tied for _, tied in lowest.values())
             over = " (oversubscribed)" if any(r.get("oversubscribed") for r in mine) else ""
-            lines.append(f"* {n} processes{over}: the fastest algorithm (p50) is "
-                         + ", ".join(f"{w} at {format_size(b)}" for w, b in zip(winners, sizes))
-                         + ": {} at {} of {} sizes.".format(*collections.Counter(winners).most_common(1)[0],
-                                                           len(sizes)))
+            lines.append(f"* {n} processes{over}: the lowest p50 is "
+                         + ", ".join(_lowest_text(winner, tied, b) for b, (winner, tied) in lowest.items())
+                         + f"; one algorithm is the fastest at {separated} of {len(sizes)} sizes.")
     return lines
 
 
 def auto_lines(doc: dict, rows: list[dict], crossover_file: str) -> list[str]:
-    """Which table auto used, and per world how often it ran the fastest algorithm."""
+    """Which table auto used, and per world how often it ran the algorithm of the lowest p50."""
     lines = ["* auto's table in use: " + ("`results/crossover.json`, written by `collectives_benchmark.py --tune`"
                                          if os.path.exists(crossover_file) else
                                          "`allreduce.DEFAULT_CROSSOVER` (no `results/crossover.json` here: "
@@ -111,11 +117,24 @@ def auto_lines(doc: dict, rows: list[dict], crossover_file: str) -> list[str]:
         if n > 1 and hits:
             over = " (oversubscribed)" if findings.oversubscribed({"world_size": n}, doc["env"]) else ""
             misses = [h for h in hits if not h["hit"]]
-            lines.append(f"* {n} processes{over}: auto ran the fastest algorithm (p50, over {backend}) at "
+            lines.append(f"* {n} processes{over}: auto ran the algorithm of the lowest p50 (over {backend}) at "
                          f"{sum(h['hit'] for h in hits)} of {len(hits)} sizes"
-                         + (": " + ", ".join(f"{h['choice']} where {h['fastest']} was fastest at "
-                                             f"{format_size(h['bytes'])}" for h in misses) if misses else "") + ".")
+                         + (": " + ", ".join(f"{h['choice']} where {h['lowest']} had the lowest p50 at "
+                                             f"{format_size(h['bytes'])}"
+                                             + (f" (not separated from {', '.join(h['tied'])})" if h["tied"] else "")
+                                             for h in misses) if misses else "") + ".")
     return lines
+
+
+def step_line(row: dict) -> str:
+    """One exchange step of an engine, named by the bytes it moves: ours (isend/irecv) sends the whole tensor each
+    way; gloo's 2-rank all_reduce is a ring of two steps of half the tensor (the row stores the tensor's bytes)."""
+    if row["engine"] == "ours":
+        what = f"one exchange step of our engine (isend/irecv), {format_size(row['bytes'])} each way"
+    else:
+        what = (f"one of the two steps of gloo's all_reduce of {format_size(row['bytes'])} (its 2-rank ring), "
+                f"{format_size(row['bytes'] // 2)}")
+    return f"* {what}: {row['step_s'] * 1e6:.0f} us, {row['step_gbps']:.2f} GB/s (a single median, no interval)"
 
 
 def model(page, algorithms) -> None:
@@ -126,8 +145,7 @@ def model(page, algorithms) -> None:
     fits = algorithms.fit_model(rows)
     page.draw(model_figure(rows, fits))
     text = [fit_table(fits), "", *crossover_lines(algorithms, fits, rows)]
-    text += [f"* one step of {'our engine (isend/irecv)' if r['engine'] == 'ours' else 'gloo all_reduce'}, "
-             f"{format_size(r['bytes'])}: {r['step_s'] * 1e6:.0f} us, {r['step_gbps']:.2f} GB/s" for r in steps]
+    text += [step_line(r) for r in steps]
     text += fastest_lines(rows) + auto_lines(doc, rows, algorithms.CROSSOVER_FILE)
     text += sentences.collective_targets(doc, page.load("allreduce"))
     if not doc.get("targets"):

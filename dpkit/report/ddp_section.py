@@ -185,10 +185,11 @@ def buckets_text(doc: dict, seed: dict, env: dict) -> str:
     largest_fastest = [m for m, rs in caps.items() if min(rs, key=lambda r: r["p50_s"]) is rs[-1]]
     resolved = sum(all(separated(a, b) for a, b in zip(rs, rs[1:])) for rs in caps.values())
     return (f"Hardware: seed on {seed['hardware']}; ours on {summary.hardware(env)}. "
-            f"In the seed the largest cap is the fastest in {seed_fastest} of its {len(groups)} settings, and the time "
+            f"In the seed the largest cap has the lowest time in {seed_fastest} of its {len(groups)} settings (one "
+            f"measurement each), and the time "
             f"per iteration varies by {span([100 * s for s in seed_spread], '.1f')} % across caps; ours varies by "
             + ", ".join(f"{100 * s:.1f} % ({m})" for m, s in spread.items())
-            + f", the largest cap fastest in {len(largest_fastest)} of our {len(caps)} series. "
+            + f", the largest cap of the lowest p50 in {len(largest_fastest)} of our {len(caps)} series. "
             + f"Neighbouring caps are separated by their 95 % intervals in {resolved} of our {len(caps)} series: "
             + ("on this machine the bucket size is mostly not resolved by this run, so the two shapes are **not "
                "comparable in detail**." if resolved < len(caps) else "the differences are resolved."))

@@ -19,7 +19,7 @@ import re
 import statistics
 from collections.abc import Iterable, Sequence
 
-from dpkit.bench.measure import format_ratio
+from dpkit.bench.measure import format_ratio, paired_ratio
 from dpkit.report import paths
 
 VERDICTS = ("met", "missed", "inconclusive")
@@ -214,18 +214,35 @@ def growth(rows: Iterable[dict], label: str, start: int, end: int, key: str = "p
 # --------------------------------------------------------------------------- all-reduce
 
 
+def lowest_p50(rows: list[dict]) -> tuple[dict, list[dict]]:
+    """The row of the lowest p50 among ``rows`` (timed in the same rounds), and the others it is not separated
+    from: those whose paired ratio with it (its p50 / theirs, round by round) has a 95 % interval reaching 1, or
+    that hold too few rounds to bootstrap one. Only with none left is the first row the fastest."""
+    winner = min(rows, key=lambda r: r["p50_s"])
+    tied = []
+    for row in rows:
+        if row is winner:
+            continue
+        a, b = winner.get("round_p50_s") or [], row.get("round_p50_s") or []
+        if len(a) != len(b) or len(a) < MIN_BOOTSTRAP_ROUNDS or paired_ratio(a, b)["ci_high"] >= 1:
+            tied.append(row)
+    return winner, tied
+
+
 def auto_choices(rows: Iterable[dict], world: int) -> list[dict]:
     """Per size, at ``world`` processes on the algorithm axis of collectives_benchmark.py's rows: the algorithm
-    auto ran (its row's ``choice``) and the fastest message-passing algorithm by p50 (torch's collective and auto
-    itself left out); ``hit`` when they are the same. Sizes without an auto row are left out."""
+    auto ran (its row's ``choice``) and the message-passing algorithm of the lowest p50 (torch's collective and
+    auto itself left out); ``hit`` when they are the same, ``tied`` the algorithms not separated from the lowest
+    (``lowest_p50``). Sizes without an auto row are left out."""
     mine = [r for r in rows if r.get("world_size") == world and r.get("axis", "algorithm") == "algorithm"]
     out = []
     for size in sorted({r["bytes"] for r in mine}):
         auto = next((r for r in mine if r["bytes"] == size and r["label"] == "auto" and r.get("choice")), None)
         others = [r for r in mine if r["bytes"] == size and r["label"] not in ("torch", "auto")]
         if auto and others:
-            fastest = min(others, key=lambda r: r["p50_s"])["label"]
-            out.append({"bytes": size, "choice": auto["choice"], "fastest": fastest, "hit": auto["choice"] == fastest})
+            winner, tied = lowest_p50(others)
+            out.append({"bytes": size, "choice": auto["choice"], "lowest": winner["label"],
+                        "tied": [r["label"] for r in tied], "hit": auto["choice"] == winner["label"]})
     return out
 
 
