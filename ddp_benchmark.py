@@ -46,11 +46,25 @@ from dpkit.bench.results import format_environment, read_results, write_durably
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
+from dpkit.engines import registry
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP, make_ddp
 from dpkit.models import MODELS, NUM_CLASSES, GPTConfig, build_model
 
 NO_DDP = "no_ddp"  # the model alone: its row's variant field (its label: "no ddp")
 SIZED_KINDS = (*PYTORCH_KINDS, OURS)  # labelled with their bucket cap: "ddp ours 25M [torch]"
+
+
+def registered_kinds() -> tuple[str, ...]:
+    """The variants of the DDP engines registered beside our own ("toy ours" for an engine "toy" that shards
+    nothing, with our implementation: ``engines.registry``): each runs as ``ddp ours`` does, wrapped by the
+    registry, at PyTorch's default bucket cap, on every transport but "torch:dpkit"."""
+    return tuple(f"{name} ours" for name in registry.names("ours")
+                 if name != "ddp" and registry.get(name).shards == 0 and not registry.get(name).hybrid)
+
+
+def kinds() -> tuple[str, ...]:
+    """Every variant this benchmark can run, in row order: the built-in ones, then the registered engines'."""
+    return (*DDP_KINDS, *registered_kinds())
 CPU_MODELS = ("cnn", "resnet18")  # the default without a GPU; with one, all of MODELS
 PROFILE_ITERS = 3
 MEMORY_ITERS = 3
@@ -104,7 +118,7 @@ class Variant:
 
 
 def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant]:
-    """The no-ddp baseline, then the requested kinds in DDP_KINDS order, each at its bucket sizes and transports.
+    """The no-ddp baseline, then the requested kinds in ``kinds()`` order, each at its bucket sizes and transports.
 
     PyTorch's DDP at its defaults runs at every bucket size (and its default 25) with its own communication
     (transport torch): seed 004's rows. At its best settings it runs at 25 only, the reference of the
@@ -112,10 +126,8 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
     group) but the communication thread, which its hook cannot use. Ours naive and flat sum after backward: a
     thread adds nothing to them. Only PyTorch's DDP runs on "torch:dpkit": it is for engines that take a process
     group."""
-    variants = [Variant(NO_DDP)]
-    for kind in DDP_KINDS:
-        if kind not in kinds:
-            continue
+    variants, registered = [Variant(NO_DDP)], registered_kinds()
+    for kind in (k for k in (*DDP_KINDS, *registered) if k in kinds):
         inline = [t for t in transports if t not in (THREAD, ON_DPKIT)]
         if kind == PYTORCH:
             variants += [Variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
@@ -123,6 +135,8 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
             variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, ON_DPKIT] if t in transports]
         elif kind == OURS:
             variants += [Variant(kind, mb, t) for t in transports if t != ON_DPKIT for mb in bucket_sizes]
+        elif kind in registered:
+            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in transports if t != ON_DPKIT]
         else:
             overlap = kind == "ddp ours overlap"
             variants += [Variant(kind, 0.0 if overlap else None, t)
@@ -187,6 +201,10 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
                  made: dict[str, transports.Transport]) -> Replica:
     if variant.kind == NO_DDP:
         model = module
+    elif variant.kind in registered_kinds():
+        engine = variant.kind.removesuffix(" ours")
+        model = registry.wrap(engine, "ours", module, made[variant.transport],
+                              registry.Options(bucket_cap_mb=variant.bucket_mb))
     else:
         bucket_mb = PYTORCH_DEFAULT_BUCKET_MB if variant.bucket_mb is None else variant.bucket_mb
         options = PYTORCH_BEST if variant.kind == PYTORCH_BEST_KIND else {}
@@ -742,9 +760,9 @@ def check_sweep(args: argparse.Namespace) -> None:
 def variant_argument(text: str) -> str:
     """A --variants name in the engine registry's words; another is a usage error listing them (quoted: they
     hold spaces)."""
-    if text not in DDP_KINDS:
+    if text not in kinds():
         raise argparse.ArgumentTypeError(f"unknown DDP variant {text!r}: choose among "
-                                         + ", ".join(f"'{k}'" for k in DDP_KINDS))
+                                         + ", ".join(f"'{k}'" for k in kinds()))
     return text
 
 
@@ -760,8 +778,8 @@ def _positive(kind):
 def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
                         help=f"models to benchmark (default: {' '.join(CPU_MODELS)} on CPU; {' '.join(MODELS)} on GPU)")
-    parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(DDP_KINDS), metavar="NAME",
-                        help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in DDP_KINDS) + "; the no-ddp "
+    parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(kinds()), metavar="NAME",
+                        help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in kinds()) + "; the no-ddp "
                              "baseline is always measured (default: all)")
     parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
                         default=None, metavar="NAME",

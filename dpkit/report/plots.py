@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable
 
 import matplotlib.pyplot as plt  # without a display, matplotlib picks its Agg backend itself
@@ -50,6 +51,9 @@ COLOURS = {
     "BatchNorm1d + 2 shared-memory all_reduce": "#555555",
 }
 OTHER = "#7F7F7F"
+# A name without a colour above (an engine or transport a user registered): one of these, the same for the name in
+# every figure and run (grey stays for oversubscribed runs).
+MORE_COLOURS = ("#117733", "#44AA99", "#AA4499", "#661100", "#6699CC", "#888800")
 LINE_STYLES = {1: ":", 2: "-", 4: "--", 8: "-.", 16: (0, (5, 1)), 32: (0, (1, 1))}
 OVERSUBSCRIBED = dict(color="#BBBBBB", hatch="///", edgecolor="#555555")
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -84,7 +88,10 @@ def kind(row_or_name) -> str:
 
 
 def colour(row_or_name) -> str:
-    return COLOURS.get(kind(row_or_name), OTHER)
+    name = kind(row_or_name)
+    if name in COLOURS:
+        return COLOURS[name]
+    return MORE_COLOURS[zlib.crc32(name.encode()) % len(MORE_COLOURS)] if name else OTHER
 
 
 def line_style(world_size: int):
