@@ -27,6 +27,7 @@ arithmetic PyTorch operations: the same formulas. Half inputs: statistics in flo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -176,7 +177,7 @@ def _workspace(channels: int, dtype: torch.dtype, device: torch.device, transpor
 def _channel_functions(x: torch.Tensor, dtype: torch.dtype, *tensors: torch.Tensor | None):
     """``syncbn_channels``' C functions where they serve this call (x on the CPU, statistics in float32 or float64,
     every given per-channel tensor contiguous in that dtype), else None: PyTorch's operations do their work."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or _forced_path == "pytorch":
         return None
     functions = syncbn_channels.for_dtype(dtype)
     for tensor in tensors:
@@ -190,11 +191,31 @@ def _channel_functions(x: torch.Tensor, dtype: torch.dtype, *tensors: torch.Tens
 # thread (their loops, built for this CPU, keep up with BatchNorm's kernels), with more threads up to this many
 # elements, where PyTorch's kernels gain little from them. ``python syncbn_benchmark.py --threads 2`` times both.
 C_PASSES_ELEMENTS = 32768
+# The three ways the layer runs on the CPU, each doing in Python more than the one before: "c", as above;
+# "kernels", BatchNorm's kernels making the passes and the C functions the per-channel arithmetic (inputs of any
+# other shape); "pytorch", PyTorch's operations doing both (CUDA, or no C compiler). ``forced_path`` picks one,
+# so that ``syncbn_benchmark.py --settings paths`` can weigh each path's code against what it gains.
+PATHS = ("c", "kernels", "pytorch")
+_forced_path: str | None = None
+
+
+@contextlib.contextmanager
+def forced_path(name: str):
+    """Within the block, this process's layers run by ``name`` (one of ``PATHS``) where a faster path would serve:
+    the same formulas, another path (forward and backward both run inside the block)."""
+    global _forced_path
+    if name not in PATHS:
+        raise ValueError(f"unknown path {name!r}: choose one of {', '.join(PATHS)}")
+    before, _forced_path = _forced_path, name
+    try:
+        yield
+    finally:
+        _forced_path = before
 
 
 def _passes_in_c(x: torch.Tensor, functions):
     """``syncbn_channels.Passes`` for x where the C functions make the passes over it too, else None."""
-    if (functions is None or x.dim() != 2 or not x.is_contiguous()
+    if (functions is None or _forced_path in ("kernels", "pytorch") or x.dim() != 2 or not x.is_contiguous()
             or (x.numel() > C_PASSES_ELEMENTS and torch.get_num_threads() > 1)):
         return None
     return syncbn_channels.passes_for(x.dtype)

@@ -67,6 +67,11 @@ WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one
 # A third setting, one process again, with a core's own caches emptied before every iteration (``_evictor``): the
 # state a collective leaves them in for the work after it. It separates the cold caches from the shared cores.
 COLD = "1 process, cold caches"
+# A fourth, on request (--settings paths): the synchronized path without collectives on each of syncbn.PATHS, one
+# process, so that each path's code is weighed against what it gains (axis "path": one layer, another path).
+PATHS = "1 process, each path"
+PATH_IMPLS = {"c": SYNC_PATH, "kernels": f"{SYNC_PATH}, passes in BatchNorm's kernels",
+              "pytorch": f"{SYNC_PATH}, PyTorch operations"}
 EVICT_BYTES = 16 << 20  # written before each COLD iteration: several times a core's own caches (L1 and L2)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = tuple(DTYPES)
@@ -263,6 +268,14 @@ def _sum_buffer(transport: transports.Transport, numel: int, dtype: torch.dtype,
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
                transport: transports.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
+    if impl in list(PATH_IMPLS.values())[1:]:
+        path = next(p for p, name in PATH_IMPLS.items() if name == impl)
+
+        def forced_step():
+            x.grad = None
+            with syncbn.forced_path(path):  # forward and backward
+                layer(x)[:loss_rows].sum().backward()
+        return forced_step
     if impl != REFERENCE or transport is None:
         def step():
             x.grad = None
@@ -544,6 +557,19 @@ def run_single_process(device: torch.device, args) -> list[dict]:
     return rows
 
 
+def run_paths(device: torch.device, args) -> list[dict]:
+    """The synchronized path without collectives on each of ``syncbn.PATHS`` (``PATH_IMPLS``), one process, float32,
+    the whole grid, timed in interleaved rounds as the single process is."""
+    assert not dist.is_initialized()
+    impls = [(impl, None) for impl in PATH_IMPLS.values()]
+    warm = argparse.Namespace(**{**vars(args), "iters": SINGLE_ITERS_FACTOR * args.iters})
+    rows = []
+    for batch, hidden in progress([(b, h) for b in args.batch for h in args.hidden],
+                                  desc="syncbn benchmark, each path"):
+        rows += run_case(0, 1, device, impls, batch, hidden, "float32", warm, setting=PATHS)
+    return rows
+
+
 # --------------------------------------------------------------------------- ratios, targets, attribution
 
 
@@ -580,6 +606,7 @@ def comparisons(rows: list[dict]) -> list[tuple]:
                 for t in present if t != TORCH for impl in (OURS, REFERENCE)]
     if device == "cuda":
         out.append((WORKERS, (OURS, TORCH), (TORCH_SYNC, TORCH), TARGET_CUDA, "engine"))
+    out += [(PATHS, (impl, None), (SYNC_PATH, None), None, "path") for impl in list(PATH_IMPLS.values())[1:]]
     out += [(SINGLE, (OURS, None), (LOCAL, None), TARGET_SINGLE, "engine"),
             (SINGLE, (SYNC_PATH, None), (LOCAL, None), None, "engine"),
             (COLD, (SYNC_PATH, None), (LOCAL, None), None, "engine")]
@@ -879,7 +906,7 @@ PEAK_LEGEND = ("peak: the bytes torch's allocator held during one iteration abov
 def report(rows: list[dict]) -> str:
     """Times and peak memory per setting and dtype, the ratios, where the time goes, the bounds, the targets."""
     lines = []
-    for setting in (WORKERS, SINGLE, COLD):
+    for setting in (WORKERS, SINGLE, COLD, PATHS):
         for dtype in DTYPES:
             if any(r["kind"] == "time" and r["setting"] == setting and r["dtype"] == dtype for r in rows):
                 lines.append(f"\n{setting}, {dtype}: median time per iteration, peak memory, operators dispatched "
@@ -922,8 +949,10 @@ def worker(ctx, args) -> list[dict]:
 
 
 def measured_here(args, device: torch.device) -> list[dict]:
-    """With --settings single: one process with no process group (``run_single_process``)."""
-    return run_single_process(device, args) if "single" in args.settings else []
+    """With --settings single: one process with no process group (``run_single_process``); with --settings paths,
+    the synchronized path on each of syncbn's paths (``run_paths``)."""
+    return ((run_single_process(device, args) if "single" in args.settings else [])
+            + (run_paths(device, args) if "paths" in args.settings and device.type == "cpu" else []))
 
 
 def complete(rows: list[dict], env: dict, args) -> list[dict]:
@@ -958,9 +987,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed iterations before the first round "
                         f"(default: {NORMAL['warmup']}; {QUICK['warmup']} with --quick)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (default: %(default)s)")
-    parser.add_argument("--settings", nargs="+", choices=[WORKERS, "single"], default=[WORKERS, "single"],
+    parser.add_argument("--settings", nargs="+", choices=[WORKERS, "single", "paths"], default=[WORKERS, "single"],
                         help="what to time: the spawned workers (on every transport: torch.distributed, and shared "
-                             "memory when they share a CPU host), and/or one process without a process group "
+                             "memory when they share a CPU host), one process without a process group, and/or (on "
+                             "the CPU, on request) the synchronized path without collectives on each of syncbn.PATHS "
                              "(default: %(default)s)")
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a "

@@ -20,6 +20,7 @@ import syncbn_benchmark
 from common import run_workers
 from dpkit.bench.results import format_environment, read_results
 from dpkit.comm import transport as transports
+from dpkit.native import syncbn_channels
 from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
                               SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
                               attribution_lines, bounds, main, operators, parse_args, ratios, report, run, run_case,
@@ -430,3 +431,41 @@ def test_one_process_alone_is_measured_here_then_completed_printed_and_written_a
     out = capsys.readouterr().out
     assert out.startswith(format_environment(doc["env"]) + "\n* 2 iterations per implementation and size")
     assert out.endswith(f"{report(rows)}\n\nwrote {path}\n")
+
+
+def test_each_path_of_the_layer_is_timed_by_its_own_code_against_the_c_path():
+    """--settings paths: the synchronized path without collectives on each of syncbn.PATHS, in one process. Each
+    row ran its own code (fewer operators dispatched the more the C functions do: the passes, then the per-channel
+    arithmetic), and each slower path is a ratio to the C one on the axis "path", without a target."""
+    args = parse_args(["--settings", "paths", "--batch", "8", "--hidden", "4", "--iters", "2", "--rounds", "1",
+                       "--warmup", "0"])
+    rows = syncbn_benchmark.run_paths(torch.device("cpu"), args)
+    impls = list(syncbn_benchmark.PATH_IMPLS.values())
+    assert [(r["impl"], r["setting"]) for r in rows] == [(impl, syncbn_benchmark.PATHS) for impl in impls]
+    if syncbn_channels.for_dtype(torch.float32) is not None:  # where a C compiler built them
+        c, kernels, pytorch = (r["operators"] for r in rows)
+        assert c < kernels < pytorch, "each path does more in PyTorch than the one before"
+    ratio_rows = ratios(rows)
+    assert [(r["impl"], r["versus"], r["axis"], r["target"]) for r in ratio_rows] == \
+        [(impl, SYNC_PATH, "path", None) for impl in impls[1:]]
+    assert not targets(ratio_rows, rows)
+
+
+@pytest.mark.parametrize("path", syncbn.PATHS)
+def test_a_forced_path_computes_what_the_c_path_computes(path):
+    """syncbn.forced_path runs the same formulas by another path: outputs and input gradients agree with the
+    default (C) path to float32 round-off; an unknown path is refused naming the three."""
+    x, weight, bias = torch.randn(16, 8, requires_grad=True), torch.rand(8), torch.randn(8)
+
+    def layer(x):  # the synchronized computation, no transport: nobody to sum with
+        return syncbn.SyncBatchNormFunction.apply(x, weight, bias, torch.zeros(8), torch.ones(8), 1e-5, 0.1, None)
+    expected_y = layer(x)
+    (expected_dx,) = torch.autograd.grad(expected_y.sum(), x)
+    with syncbn.forced_path(path):
+        y = layer(x)
+        (dx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(dx, expected_dx)
+    with pytest.raises(ValueError, match="unknown path 'fused': choose one of c, kernels, pytorch"):
+        with syncbn.forced_path("fused"):
+            pass
