@@ -39,7 +39,7 @@ from torch.autograd.profiler import record_function
 from dpkit.bench import harness
 from dpkit.bench.ddp_step import (DDP_KINDS, LR, MOMENTUM, NAIVE, OURS, PYTORCH, PYTORCH_BEST, PYTORCH_BEST_KIND,
                                    PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS, Replica, sgd)
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
 from dpkit.bench.results import format_environment, read_results, write_durably
@@ -68,7 +68,7 @@ TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for ddp ours (ov
 TARGET_HOOK = 0.95  # transport: PyTorch's DDP summing through our shared memory (its comm hook) / through gloo
 TARGET_VS_NO_DDP = 1.15  # ddp ours 25M on the default transport / no DDP at all
 TARGET_BACKEND = 0.93  # transport: PyTorch's DDP (best settings), unchanged, on a "dpkit" process group / on gloo
-# How the gradients travel (a column of every row), by the registry's names (``bench_transports.choices()``):
+# How the gradients travel (a column of every row), by the registry's names (``transport_choice.choices()``):
 # "torch", torch.distributed's collectives on the process group's backend (gloo here, NCCL on GPUs);
 # "shared_memory", this host's shared memory, summed in the caller's thread; "shared_memory:thread", the same on
 # a communication thread (asynchronous, so it can overlap); "torch:dpkit", torch.distributed's collectives on a
@@ -403,7 +403,7 @@ def run(ctx, args, models: list[str], kinds) -> list[dict]:
     names = default_transports(args, ctx.device)
     variants = variants_for(kinds, args.bucket_sizes, names)
     needed = {v.transport for v in variants if v.transport}  # made in the registry's order on every rank
-    made = bench_transports.make(needed, ctx.device) if ctx.world_size > 1 else \
+    made = transport_choice.make(needed, ctx.device) if ctx.world_size > 1 else \
         {name: transports.resolve("torch") for name in names}  # one process: nothing travels
     rows = []
     for name in models:
@@ -763,10 +763,10 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(DDP_KINDS), metavar="NAME",
                         help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in DDP_KINDS) + "; the no-ddp "
                              "baseline is always measured (default: all)")
-    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, choices=transport_choice.choices(),
                         default=None, metavar="NAME",
                         help="how the gradients travel, by the registry's names ("
-                             + ", ".join(bench_transports.choices()) + "): torch (torch.distributed on the "
+                             + ", ".join(transport_choice.choices()) + "): torch (torch.distributed on the "
                              "backend: gloo's loopback TCP on one host, NCCL on GPUs), shared_memory (this host's "
                              "shared memory, summed in the caller's thread), shared_memory:thread (the same on a "
                              "communication thread), torch:dpkit (PyTorch's DDP unchanged on a process group of the "

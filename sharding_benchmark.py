@@ -46,7 +46,7 @@ from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubs
                                  round_p50s, saved_tensor_bytes, time_interleaved, verdict)
 from dpkit import compat
 from dpkit.bench import harness
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.results import markdown_table
 from dpkit.comm import transport as transports
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
@@ -133,7 +133,7 @@ class Variant:
     name: str  # "<base> [<transport>]"
     base: str  # "zero1 ours", "fsdp pytorch keep", ...
     sharding: str  # the engine's name in dpkit.engines.registry: "ddp", "zero1", "zero2", "fsdp", ...
-    transport: str  # a registry name (``bench_transports.choices()``)
+    transport: str  # a registry name (``transport_choice.choices()``)
     build: Callable[[nn.Module, transports.Transport], Setup]
     targets: tuple[Target, ...] = ()  # with full names
     default: bool = True  # measured unless --variants says otherwise
@@ -185,7 +185,7 @@ def select(names: list[str]) -> list[str]:
     for name in names:
         base, bracket, t = name.rstrip("]").partition(" [")
         if bracket:
-            name = f"{base} [{bench_transports.checked(t)}]"
+            name = f"{base} [{transport_choice.checked(t)}]"
             if name not in VARIANTS and base in OPEN:  # an open engine on a transport not built in here
                 sharding, build, targets, on = OPEN[base]
                 _add(base, sharding, name.rstrip("]").partition(" [")[2], build,
@@ -199,7 +199,7 @@ def select(names: list[str]) -> list[str]:
             bases = ", ".join(dict.fromkeys(v.base for v in VARIANTS.values()))
             raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on its transports, e.g. "
                              f"'fsdp ours [shared_memory]'; {', '.join(OPEN)} on any of "
-                             f"{', '.join(bench_transports.choices())}; without brackets: every transport it runs on)")
+                             f"{', '.join(transport_choice.choices())}; without brackets: every transport it runs on)")
         out += [m for m in matches if m not in out]
     for name in made:  # as for the built-in ones: a target whose other variant does not exist is dropped
         kept = tuple(t for t in VARIANTS[name].targets if t.other in VARIANTS)
@@ -404,7 +404,7 @@ def from_registry() -> None:
     that no builder above covers, and drop the variants made on request and those of an engine or transport no
     longer registered; called again where names are read, so an engine registered later appears."""
     gone = [n for n, v in VARIANTS.items() if n in ON_REQUEST or v.sharding not in registry.names()
-            or v.transport not in bench_transports.choices()]
+            or v.transport not in transport_choice.choices()]
     for name in gone:  # made on request (``select`` makes them again), or an engine or transport unregistered since
         del VARIANTS[name]
         ON_REQUEST.discard(name)
@@ -578,7 +578,7 @@ def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
     try:
         runs = {}
         for v in names:
-            made[v] = bench_transports.new(VARIANTS[v].transport, ctx.device)
+            made[v] = transport_choice.new(VARIANTS[v].transport, ctx.device)
             runs[v] = Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[v]), made[v], *batch)
         timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
                                    device=ctx.device)
@@ -725,7 +725,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         help="each 'name [transport]' (quoted), or a name alone for every transport it runs on; names: "
                              f"{', '.join(dict.fromkeys(v.base for v in VARIANTS.values()))}; transports: "
-                             f"{', '.join(bench_transports.choices())} (the registry's; not with one process, nor on "
+                             f"{', '.join(transport_choice.choices())} (the registry's; not with one process, nor on "
                              "GPUs). Default: every name on [torch] and [shared_memory] (zero1 pytorch on [torch] "
                              "only), but the opt-in "
                              f"{', '.join(v.name for v in VARIANTS.values() if not v.default)}; quick: "

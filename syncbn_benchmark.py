@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from dpkit.bench import harness
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
                                  percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
 from dpkit.bench.results import format_environment, markdown_table
@@ -401,7 +401,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
              dtype_name: str, args, baseline=None, setting: str | None = None, setup=None,
              made: dict[str, transports.Transport] | None = None) -> list[dict]:
     """Every (implementation, transport) of ``impls`` on one (batch, hidden, dtype), timed in interleaved rounds;
-    one row each. ``made`` maps a transport name to the transport (``bench_transports.make``).
+    one row each. ``made`` maps a transport name to the transport (``transport_choice.make``).
 
     ``setup`` runs before every iteration, outside the timed region; ``setting`` labels the rows
     (default: WORKERS with a process group, else SINGLE)."""
@@ -490,7 +490,7 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
 def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_ITERS) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    made = bench_transports.make(args.transports, ctx.device, optional=True)  # shared memory where it can serve
+    made = transport_choice.make(args.transports, ctx.device, optional=True)  # shared memory where it can serve
     try:
         cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
         rows = []
@@ -559,7 +559,7 @@ def _transports_in(rows: list[dict]) -> list[str]:
 
 def _ordered(names: set) -> list[str]:
     """Transport names in the registry's order (names it does not know last; None left out)."""
-    known = bench_transports.choices()
+    known = transport_choice.choices()
     return sorted(names - {None}, key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
@@ -965,10 +965,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a "
                              "revision whose SyncBatchNorm takes transport= (default: none)")
-    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, choices=transport_choice.choices(),
                         default=list(TRANSPORTS), metavar="NAME",
                         help="what the synchronized layers sum through, by the registry's names ("
-                             + ", ".join(bench_transports.choices()) + "); shared memory only where the workers share "
+                             + ", ".join(transport_choice.choices()) + "); shared memory only where the workers share "
                              "a CPU host (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")

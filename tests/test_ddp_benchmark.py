@@ -29,7 +29,7 @@ import torch
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
 from dpkit.bench import ddp_step, harness, measure
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import registry
 from dpkit.comm import transport as transports
@@ -130,12 +130,12 @@ def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monke
     for order in itertools.permutations(SWEEP_TRANSPORTS):
         for names in (list(order), set(order), dict.fromkeys(order)):
             built.clear()
-            made = bench_transports.make(names, cpu)
+            made = transport_choice.make(names, cpu)
             assert built == ["torch", "torch:dpkit", "shared_memory", "shared_memory:thread"], names
             assert list(made) == built
     built.clear()
     with pytest.raises(ValueError, match="unknown transport 'gloo': choose one of torch, torch:dpkit, "):
-        bench_transports.make(["torch", "gloo"], cpu)
+        transport_choice.make(["torch", "gloo"], cpu)
     assert built == []  # refused before any was made
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common import run_workers
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.comm import slots, transport as transports
 from dpkit.comm.shared_memory import SLOTS_BYTES
 from dpkit.engines import zero
@@ -34,7 +34,7 @@ SLOTS_HELD = slots.file_bytes(WORLD, SLOTS_BYTES) // WORLD  # a rank's share of 
 
 def test_every_variant_is_an_engine_on_a_named_transport():
     for name, v in bench.VARIANTS.items():
-        assert name == f"{v.base} [{v.transport}]" and v.transport in bench_transports.choices(), name
+        assert name == f"{v.base} [{v.transport}]" and v.transport in transport_choice.choices(), name
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
     pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero1 pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
