@@ -50,7 +50,7 @@ from dpkit.bench import transport_choice
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
                                  percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
 from dpkit.bench.results import format_environment, markdown_table
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm import process_groups
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.native import syncbn_channels
@@ -104,7 +104,7 @@ def label(impl: str, transport: str | None) -> str:
 # --------------------------------------------------------------------------- the transports
 
 
-class Stamped(transports.Wrapped):
+class Stamped(transport.Wrapped):
     """``inner`` with the clock appended to ``stamps`` before and after the caller is blocked on each all_reduce:
     around the call when it returns done (a blocking call; shared memory sums in the caller's thread), else around
     the ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
@@ -112,7 +112,7 @@ class Stamped(transports.Wrapped):
 
     name = "stamped"
 
-    def __init__(self, inner: transports.Transport, stamps: list[float], device: torch.device):
+    def __init__(self, inner: transport.Transport, stamps: list[float], device: torch.device):
         super().__init__(inner)
         self.stamps, self.device = stamps, device
 
@@ -129,10 +129,10 @@ class Stamped(transports.Wrapped):
         return _StampedWork(work, self)
 
 
-class _StampedWork(transports.Work):
+class _StampedWork(transport.Work):
     """A collective's work whose ``wait`` is stamped (see ``Stamped``)."""
 
-    def __init__(self, work: transports.Work, stamped: Stamped):
+    def __init__(self, work: transport.Work, stamped: Stamped):
         self.work, self.stamped = work, stamped
 
     def wait(self) -> bool:
@@ -173,13 +173,13 @@ def _load_baseline(revision: str):
 
 
 # The root modules syncbn.py imported before they moved into dpkit, and where they are now.
-BEFORE_THE_PACKAGE = {"transport": transports, "dist_utils": process_groups}
+BEFORE_THE_PACKAGE = {"transport": transport, "dist_utils": process_groups}
 
 
-def _ours(module, hidden: int, transport: transports.Transport | None) -> torch.nn.Module:
-    if transport is None:  # one process: nobody to synchronise with
+def _ours(module, hidden: int, wire: transport.Transport | None) -> torch.nn.Module:
+    if wire is None:  # one process: nobody to synchronise with
         return module.SyncBatchNorm(hidden)
-    return module.SyncBatchNorm(hidden, transport=transport)
+    return module.SyncBatchNorm(hidden, transport=wire)
 
 
 class _WithoutCollectives(SyncBatchNorm):
@@ -229,25 +229,25 @@ class _FloorFunction(torch.autograd.Function):
 class Floor(torch.nn.BatchNorm1d):
     """BatchNorm1d's parameters and buffers through ``_FloorFunction``, summing through ``transport``."""
 
-    def __init__(self, hidden: int, transport: transports.Transport, device: torch.device | None = None):
+    def __init__(self, hidden: int, wire: transport.Transport, device: torch.device | None = None):
         super().__init__(hidden)
-        self.transport = transport
-        self.sums = tuple(_sum_buffer(transport, n, torch.float64, device) for n in (2 * hidden + 1, 2 * hidden))
+        self.transport = wire
+        self.sums = tuple(_sum_buffer(wire, n, torch.float64, device) for n in (2 * hidden + 1, 2 * hidden))
 
     def forward(self, x):
         return _FloorFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
                                     self.momentum, self.sums, self.transport)
 
 
-def _make_layer(impl: str, hidden: int, device: torch.device, transport: transports.Transport | None = None,
+def _make_layer(impl: str, hidden: int, device: torch.device, wire: transport.Transport | None = None,
                 baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
     if impl == FLOOR:
-        layer = Floor(hidden, transport, device)
+        layer = Floor(hidden, wire, device)
     elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
-        layer = _ours(module, hidden, transport)
+        layer = _ours(module, hidden, wire)
     elif impl == TORCH_SYNC:
         layer = torch.nn.SyncBatchNorm(hidden)
     else:
@@ -255,15 +255,15 @@ def _make_layer(impl: str, hidden: int, device: torch.device, transport: transpo
     return layer.to(device).train()
 
 
-def _sum_buffer(transport: transports.Transport, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _sum_buffer(wire: transport.Transport, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros in memory ``transport`` allocated (``Transport.allocate``), made once, outside the timed region."""
-    return transport.allocate(numel, dtype=dtype, device=device).zero_()
+    return wire.allocate(numel, dtype=dtype, device=device).zero_()
 
 
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
-               transport: transports.Transport | None = None) -> Callable[[], None]:
+               wire: transport.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
-    if impl != REFERENCE or transport is None:
+    if impl != REFERENCE or wire is None:
         def step():
             x.grad = None
             layer(x)[:loss_rows].sum().backward()
@@ -272,15 +272,15 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
     # BatchNorm's own work plus the two sums a synchronized BatchNorm cannot avoid, in buffers the transport
     # allocates, as ours sums its statistics (on shared memory: where they lie, no copy in or out).
     channels = x.size(1)
-    forward_stats, backward_stats = (_sum_buffer(transport, 2 * channels + 1, torch.float32, x.device)
+    forward_stats, backward_stats = (_sum_buffer(wire, 2 * channels + 1, torch.float32, x.device)
                                      for _ in range(2))
 
     def reference_step():
         x.grad = None
         y = layer(x)
-        transport.all_reduce(forward_stats)
+        wire.all_reduce(forward_stats)
         y[:loss_rows].sum().backward()
-        transport.all_reduce(backward_stats)
+        wire.all_reduce(backward_stats)
     return reference_step
 
 
@@ -399,7 +399,7 @@ def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor,
 
 def run_case(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
              dtype_name: str, args, baseline=None, setting: str | None = None, setup=None,
-             made: dict[str, transports.Transport] | None = None) -> list[dict]:
+             made: dict[str, transport.Transport] | None = None) -> list[dict]:
     """Every (implementation, transport) of ``impls`` on one (batch, hidden, dtype), timed in interleaved rounds;
     one row each. ``made`` maps a transport name to the transport (``transport_choice.make``).
 
@@ -434,7 +434,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
 
 
 def breakdown(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
-              made: dict[str, transports.Transport] | None = None, iters: int = PROFILE_ITERS) -> list[dict]:
+              made: dict[str, transport.Transport] | None = None, iters: int = PROFILE_ITERS) -> list[dict]:
     """Per-operator CPU time of one forward + backward (profiled, rank 0's), ours against BatchNorm1d."""
     made = made or {}
     x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
@@ -460,7 +460,7 @@ def phase_medians(stamps: list[float], iters: int) -> np.ndarray:
 
 
 def phases(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
-           iters: int, made: dict[str, transports.Transport]) -> list[dict]:
+           iters: int, made: dict[str, transport.Transport]) -> list[dict]:
     """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, and of the whole
     iteration, each the maximum over ranks), its transport wrapped in ``Stamped``.
 

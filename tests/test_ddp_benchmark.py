@@ -32,7 +32,7 @@ from dpkit.bench import ddp_step, harness, measure
 from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import registry
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines import ddp
 from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
 from dpkit.models import Net
@@ -51,7 +51,7 @@ LABELS = ["no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]",
           "ddp ours naive [shared_memory]", "ddp ours flat [torch]", "ddp ours flat [shared_memory]",
           "ddp ours overlap [torch]", "ddp ours overlap [shared_memory]", "ddp ours overlap [shared_memory:thread]",
           "ddp ours 25M [torch]", "ddp ours 25M [shared_memory]", "ddp ours 25M [shared_memory:thread]"]
-SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
+SHM_ALL_REDUCE = transport.SHARED_MEMORY_RANGE.format("all_reduce")
 
 
 @pytest.fixture(scope="module")
