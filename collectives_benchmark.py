@@ -43,7 +43,7 @@ from dpkit.bench.collectives import (AXIS_TITLES, BACKEND, NAMES, TRANSPORTS, al
                                      labelled, parse_size, ratio_of)
 from dpkit import compat
 from dpkit.bench import anchors, backend_latency, harness
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import Timing, format_ratio, oversubscribed, paired_ratio, time_interleaved, verdict
 from dpkit.bench.results import incomplete_note, markdown_table, read_results, write_results
 from dpkit.comm import backend, transport
@@ -215,12 +215,12 @@ def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: 
 
 
 def make_transports(ctx, names: list[str]) -> dict[str, transport.Transport]:
-    """``--transports`` name -> its transport over the whole world (``bench_transports.make``, a collective).
+    """``--transports`` name -> its transport over the whole world (``transport_choice.make``, a collective).
     Shared memory only where it can serve (CPU tensors, every rank on this host); with one process, only
     transports that move nothing but copies: those of one process."""
     if ctx.world_size == 1:
         names = [n for n in names if not n.startswith("shared_memory")]
-    return bench_transports.make(names, ctx.device, optional=True)
+    return transport_choice.make(names, ctx.device, optional=True)
 
 
 def _algorithm_of(made: transport.Transport, collective: str) -> str:
@@ -654,9 +654,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
                              f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
-    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, default=None,
-                        choices=bench_transports.choices(), metavar="NAME",
-                        help="the transport axis, by the registry's names: " + ", ".join(bench_transports.choices())
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, default=None,
+                        choices=transport_choice.choices(), metavar="NAME",
+                        help="the transport axis, by the registry's names: " + ", ".join(transport_choice.choices())
                              + "; each on the buffers it allocates; 'torch' is the reference (default: "
                              + " ".join(TRANSPORTS) + ")")
     parser.add_argument("--backend-collectives", nargs="+", choices=tuple(BACKEND_CALLS), default=None,

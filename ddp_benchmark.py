@@ -39,11 +39,11 @@ from torch.autograd.profiler import record_function
 from dpkit.bench import harness
 from dpkit.bench.ddp_step import (DDP_KINDS, LR, MOMENTUM, NAIVE, OURS, PYTORCH, PYTORCH_BEST, PYTORCH_BEST_KIND,
                                    PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS, Replica, sgd)
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import (PHASES, PeakMemory, chrome_trace, format_ratio, gather_rows, op_breakdown,
                                  oversubscribed, paired_ratio, percentile, time_iterations, verdict)
 from dpkit.bench.results import format_environment, read_results, write_durably
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import add_common_args, check_placement, placement, progress, resolve_backend
 from dpkit.report.ddp_tables import PERCENTILES, block_key, format_diff, percentile_table, row_prefix
 from dpkit.engines import registry
@@ -82,7 +82,7 @@ TARGET_HIDDEN = 0.50  # exposed wait / naive's all-reduce time, for ddp ours (ov
 TARGET_HOOK = 0.95  # transport: PyTorch's DDP summing through our shared memory (its comm hook) / through gloo
 TARGET_VS_NO_DDP = 1.15  # ddp ours 25M on the default transport / no DDP at all
 TARGET_BACKEND = 0.93  # transport: PyTorch's DDP (best settings), unchanged, on a "dpkit" process group / on gloo
-# How the gradients travel (a column of every row), by the registry's names (``bench_transports.choices()``):
+# How the gradients travel (a column of every row), by the registry's names (``transport_choice.choices()``):
 # "torch", torch.distributed's collectives on the process group's backend (gloo here, NCCL on GPUs);
 # "shared_memory", this host's shared memory, summed in the caller's thread; "shared_memory:thread", the same on
 # a communication thread (asynchronous, so it can overlap); "torch:dpkit", torch.distributed's collectives on a
@@ -198,7 +198,7 @@ def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> n
 
 
 def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                 made: dict[str, transports.Transport]) -> Replica:
+                 made: dict[str, transport.Transport]) -> Replica:
     if variant.kind == NO_DDP:
         model = module
     elif variant.kind in registered_kinds():
@@ -213,12 +213,12 @@ def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor,
         # its own built-in communication (no hook).
         pytorch = variant.kind in PYTORCH_KINDS
         # On a Torch transport ("torch", "torch:dpkit") PyTorch's DDP keeps its built-in communication, on its group.
-        own = pytorch and isinstance(made[variant.transport], transports.Torch)
-        transport = None if own else made[variant.transport]
+        own = pytorch and isinstance(made[variant.transport], transport.Torch)
+        wire = None if own else made[variant.transport]
         group = made[variant.transport].group if own else None
         name = "pytorch" if pytorch else variant.kind.removeprefix("ddp ")  # make_ddp's: "ours", "ours naive", ...
         model = make_ddp(name, module, bucket_mb, process_group=group, find_unused_parameters=False,
-                         transport=transport, **options)
+                         transport=wire, **options)
     return Replica(model, sgd(model), *batch, waits=[])
 
 
@@ -285,9 +285,9 @@ def measure_memory(ctx, replica: Replica) -> dict:
     model's worth, at random. In a steady-state iteration the caller holds its buffers
     longer than gloo does.
     """
-    for transport in {id(t): t for t in (getattr(replica.model, "transport", None), _hook_state(replica.model))
-                      if hasattr(t, "release_staging")}.values():
-        transport.release_staging()  # a staging block left by another row's calls is not this row's
+    for wire in {id(t): t for t in (getattr(replica.model, "transport", None), _hook_state(replica.model))
+                 if hasattr(t, "release_staging")}.values():
+        wire.release_staging()  # a staging block left by another row's calls is not this row's
     peaks = []
     for _ in range(MEMORY_ITERS):
         with PeakMemory(ctx.device) as peak:
@@ -364,7 +364,7 @@ def model_iters(ctx, args, name: str, variants: list[Variant], batch) -> int:
                         args.iters)
 
 
-def benchmark_model(ctx, args, name: str, variants: list[Variant], made: dict[str, transports.Transport]) -> list[dict]:
+def benchmark_model(ctx, args, name: str, variants: list[Variant], made: dict[str, transport.Transport]) -> list[dict]:
     """Every variant on one model: interleaved timed rounds; after a variant's last round, its memory
     (and trace) from the same, warmed-up replica."""
     batch = make_batch(name, args, ctx.rank, ctx.device)
@@ -421,14 +421,14 @@ def run(ctx, args, models: list[str], kinds) -> list[dict]:
     names = default_transports(args, ctx.device)
     variants = variants_for(kinds, args.bucket_sizes, names)
     needed = {v.transport for v in variants if v.transport}  # made in the registry's order on every rank
-    made = bench_transports.make(needed, ctx.device) if ctx.world_size > 1 else \
-        {name: transports.resolve("torch") for name in names}  # one process: nothing travels
+    made = transport_choice.make(needed, ctx.device) if ctx.world_size > 1 else \
+        {name: transport.resolve("torch") for name in names}  # one process: nothing travels
     rows = []
     for name in models:
         rows += benchmark_model(ctx, args, name, variants, made)
         harness.keep(ctx, rows)
-    for transport in made.values():
-        transport.close()
+    for wire in made.values():
+        wire.close()
     return rows
 
 
@@ -498,9 +498,9 @@ def target_checks(rows: list[dict]) -> list[dict]:
         if world < 2:
             continue
         oversub = any(r["oversubscribed"] for r in by_label.values())
-        for transport in dict.fromkeys(r["transport"] for r in by_label.values() if r.get("transport")):
-            ours, theirs = by_label.get(Variant(OURS, PYTORCH_DEFAULT_BUCKET_MB, transport).label), \
-                faster_pytorch(by_label, transport)
+        for name in dict.fromkeys(r["transport"] for r in by_label.values() if r.get("transport")):
+            ours, theirs = by_label.get(Variant(OURS, PYTORCH_DEFAULT_BUCKET_MB, name).label), \
+                faster_pytorch(by_label, name)
             if ours and theirs:
                 checks.append(_check(block, world, "p50 / faster pytorch p50, same transport", ours["label"],
                                      theirs["label"], paired_ratio(ours["round_p50_s"], theirs["round_p50_s"]),
@@ -545,13 +545,13 @@ def _overlap_checks(block: tuple, world: int, by_label: dict[str, dict], oversub
     """Exposed wait against naive's all-reduce time on the same asynchronous transport. (On an inline one the
     sums run inside backward, on the critical path: a small wait there hides nothing; its overhead says more.)"""
     checks = []
-    for transport in ASYNCHRONOUS:
+    for name in ASYNCHRONOUS:
         # naive's sums on the same wire (it sums after backward: a thread would change nothing for it)
-        naive = by_label.get(Variant(NAIVE, None, SHARED if transport == THREAD else transport).label)
+        naive = by_label.get(Variant(NAIVE, None, SHARED if name == THREAD else name).label)
         if not naive or not naive["comm_wait_s"]:
             continue
         for row in by_label.values():
-            if row["variant"] in ("ddp ours overlap", OURS) and row["transport"] == transport:
+            if row["variant"] in ("ddp ours overlap", OURS) and row["transport"] == name:
                 ratio = paired_ratio(row["round_comm_wait_s"], naive["round_comm_wait_s"])
                 note = ("one bucket holds every gradient: it is complete only when backward ends, so nothing can "
                         "overlap" if row["all_reduces"] == 1 and ratio["median"] > TARGET_HIDDEN else "")
@@ -781,10 +781,10 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", nargs="+", type=variant_argument, default=list(kinds()), metavar="NAME",
                         help="DDP variants, quoted: " + ", ".join(f'"{k}"' for k in kinds()) + "; the no-ddp "
                              "baseline is always measured (default: all)")
-    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, choices=transport_choice.choices(),
                         default=None, metavar="NAME",
                         help="how the gradients travel, by the registry's names ("
-                             + ", ".join(bench_transports.choices()) + "): torch (torch.distributed on the "
+                             + ", ".join(transport_choice.choices()) + "): torch (torch.distributed on the "
                              "backend: gloo's loopback TCP on one host, NCCL on GPUs), shared_memory (this host's "
                              "shared memory, summed in the caller's thread), shared_memory:thread (the same on a "
                              "communication thread), torch:dpkit (PyTorch's DDP unchanged on a process group of the "

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from dpkit.bench.results import environment, format_environment, write_results
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import add_common_args, distributed, parse_checked, print0, progress
 from dpkit.engines import registry
 from dpkit.models import build_model
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "parameters, gradients and the optimizer stay float32 (default: %(default)s)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="gradient bucket size for both DDPs (default: %(default)s)")
-    p.add_argument("--transport", choices=transports.names(), default="auto",
+    p.add_argument("--transport", choices=transport.names(), default="auto",
                    help="how every engine's tensors travel, for both implementations (PyTorch's DDP through its comm "
                         "hook, fully_shard through its custom collectives; its ZeroRedundancyOptimizer always uses "
                         "torch.distributed): torch (gloo, NCCL), shared_memory (ranks on one host, CPU), p2p "
@@ -286,7 +286,7 @@ def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, trai
 
 def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list[str], trainer: Trainer) -> dict:
     """The flags, what they resolved to, and what the measurements mean: printed once, stored in the metrics."""
-    used = transports.resolve(args.transport, None, ctx.device, engine="ddp_cifar100").describe()  # a collective
+    used = transport.resolve(args.transport, None, ctx.device, engine="ddp_cifar100").describe()  # a collective
     return {**vars(args), **{f"{k}_used": v for k, v in identity.items()}, "notices": notices, "transport_used": used,
             "global_batch": args.batch_size * args.grad_accum_steps * ctx.world_size,
             "steps_per_epoch": sum(steps for steps, _ in trainer.plan), "device": str(ctx.device),

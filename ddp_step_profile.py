@@ -44,7 +44,7 @@ from torch import nn
 
 from dpkit.bench import harness
 from dpkit.bench.ddp_step import OURS, PYTORCH, PYTORCH_BEST, PYTORCH_BEST_KIND, Replica, sgd
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import add_common_args, parse_checked, synchronize
 from dpkit.engines import ddp
 from dpkit.models import NUM_CLASSES, build_model
@@ -75,12 +75,12 @@ def load_baseline(revision: str):
 
 
 def engines(baseline_revision: str | None,
-            transport: transports.Transport) -> dict[str, Callable[[nn.Module], nn.Module]]:
+            wire: transport.Transport) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Row name -> how to wrap a fresh module, in the order of the rows."""
     def ours(engine_module):
         # A revision from before the engine registry's names knows our DDP as "bucketed".
         name = "ours" if "ours" in getattr(engine_module, "VARIANTS", ()) else "bucketed"
-        return lambda m: engine_module.make_ddp(name, m, BUCKET_MB, find_unused_parameters=False, transport=transport)
+        return lambda m: engine_module.make_ddp(name, m, BUCKET_MB, find_unused_parameters=False, transport=wire)
 
     made = {NO_DDP: lambda m: m,
             PYTORCH: lambda m: ddp.make_ddp("pytorch", m, BUCKET_MB),
@@ -177,8 +177,8 @@ def measure_model(name: str, wraps: dict, args, device: torch.device) -> list[di
 
 
 def worker(ctx, args) -> list[dict]:
-    transport = transports.resolve("torch", device=ctx.device)  # the benchmark's GPU row: torch.distributed's
-    wraps = engines(args.baseline, transport)
+    wire = transport.resolve("torch", device=ctx.device)  # the benchmark's GPU row: torch.distributed's
+    wraps = engines(args.baseline, wire)
     return [row for name in args.models for row in measure_model(name, wraps, args, ctx.device)]
 
 

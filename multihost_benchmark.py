@@ -35,7 +35,7 @@ from dpkit.bench.cluster import Cluster, Link, communication_seconds, engines, f
 from dpkit.bench.collectives import format_size, parse_size
 from dpkit.bench.measure import oversubscribed, paired_ratio, percentile, round_p50s, time_interleaved
 from dpkit.bench.results import markdown_table, read_results
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.hierarchical import Plan, host_subgroups
 from dpkit.comm.hosts import HOSTS_ENV, host_indices, layout_value, ranks_by_host
 from dpkit.comm.process_groups import add_common_args, parse_checked
@@ -80,11 +80,11 @@ def _link_transports(hosts: list[list[int]], timeout_s: float):
     """This rank's host's shared memory, and gloo among the ranks of its local index on every host."""
     plan, me = Plan(hosts, range(dist.get_world_size())), dist.get_rank()
     made = host_subgroups(plan, None, timeout_s)
-    return transports.SharedMemory(made[plan.host_of[me]]), transports.Torch(made[len(hosts) + plan.local_of[me]])
+    return transport.SharedMemory(made[plan.host_of[me]]), transport.Torch(made[len(hosts) + plan.local_of[me]])
 
 
 def _collectives(ctx, args, inside, between) -> list[dict]:
-    flat, hier = transports.Torch(), transports.resolve("hierarchical")
+    flat, hier = transport.Torch(), transport.resolve("hierarchical")
     rows = []
     for size in args.sizes:
         numel = max(1, parse_size(size) // 4)

@@ -46,9 +46,9 @@ from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubs
                                  round_p50s, saved_tensor_bytes, time_interleaved, verdict)
 from dpkit import compat
 from dpkit.bench import harness
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.results import markdown_table
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.engines import registry, zero
 from dpkit.engines.ddp import DDP, sync_gradients
@@ -133,8 +133,8 @@ class Variant:
     name: str  # "<base> [<transport>]"
     base: str  # "zero1 ours", "fsdp pytorch keep", ...
     sharding: str  # the engine's name in dpkit.engines.registry: "ddp", "zero1", "zero2", "fsdp", ...
-    transport: str  # a registry name (``bench_transports.choices()``)
-    build: Callable[[nn.Module, transports.Transport], Setup]
+    transport: str  # a registry name (``transport_choice.choices()``)
+    build: Callable[[nn.Module, transport.Transport], Setup]
     targets: tuple[Target, ...] = ()  # with full names
     default: bool = True  # measured unless --variants says otherwise
 
@@ -185,7 +185,7 @@ def select(names: list[str]) -> list[str]:
     for name in names:
         base, bracket, t = name.rstrip("]").partition(" [")
         if bracket:
-            name = f"{base} [{bench_transports.checked(t)}]"
+            name = f"{base} [{transport_choice.checked(t)}]"
             if name not in VARIANTS and base in OPEN:  # an open engine on a transport not built in here
                 sharding, build, targets, on = OPEN[base]
                 _add(base, sharding, name.rstrip("]").partition(" [")[2], build,
@@ -199,7 +199,7 @@ def select(names: list[str]) -> list[str]:
             bases = ", ".join(dict.fromkeys(v.base for v in VARIANTS.values()))
             raise ValueError(f"unknown variant {name!r}: choose among {bases} (each on its transports, e.g. "
                              f"'fsdp ours [shared_memory]'; {', '.join(OPEN)} on any of "
-                             f"{', '.join(bench_transports.choices())}; without brackets: every transport it runs on)")
+                             f"{', '.join(transport_choice.choices())}; without brackets: every transport it runs on)")
         out += [m for m in matches if m not in out]
     for name in made:  # as for the built-in ones: a target whose other variant does not exist is dropped
         kept = tuple(t for t in VARIANTS[name].targets if t.other in VARIANTS)
@@ -217,14 +217,14 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def _pytorch_ddp(module: nn.Module, transport: transports.Transport) -> nn.Module:
+def _pytorch_ddp(module: nn.Module, wire: transport.Transport) -> nn.Module:
     """PyTorch's DDP: its own all-reduce on [torch] and [torch:dpkit] (on that transport's group), our transport
     through its communication hook otherwise."""
-    own = isinstance(transport, transports.Torch)
-    model = nn.parallel.DistributedDataParallel(module, process_group=transport.group if own else None,
+    own = isinstance(wire, transport.Torch)
+    model = nn.parallel.DistributedDataParallel(module, process_group=wire.group if own else None,
                                                 **compat.NO_BUFFER_SYNC)  # like ours: buffers synced once
     if not own:
-        model.register_comm_hook(transport, transports.ddp_comm_hook)  # averages each bucket, as its own does
+        model.register_comm_hook(wire, transport.ddp_comm_hook)  # averages each bucket, as its own does
     return model
 
 
@@ -241,24 +241,24 @@ def _reducer_buckets(model: nn.parallel.DistributedDataParallel) -> list[torch.T
 
 @variant("ddp ours", "ddp", on=("torch", SHARED, THREAD),
          targets=(Target("ddp pytorch", "engine", TARGET_VS_PYTORCH),))
-def ddp_ours(module: nn.Module, transport: transports.Transport) -> Setup:
-    model = DDP(module, transport=transport)
+def ddp_ours(module: nn.Module, wire: transport.Transport) -> Setup:
+    model = DDP(module, transport=wire)
     # kept: the buckets (the transport's), which hold the gradients
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
                  kept=lambda: [b.flat for b in model.buckets])
 
 
 @variant("ddp pytorch", "ddp", on=("torch", SHARED, ON_DPKIT), default=("torch", SHARED, ON_DPKIT))
-def ddp_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
-    model = _pytorch_ddp(module, transport)
+def ddp_pytorch(module: nn.Module, wire: transport.Transport) -> Setup:
+    model = _pytorch_ddp(module, wire)
     return Setup(model, adamw(model.parameters()), kept=lambda: _reducer_buckets(model))
 
 
-def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forward: bool = True, **options) -> Setup:
+def _zero_ours(module: nn.Module, wire: transport.Transport, overlap_forward: bool = True, **options) -> Setup:
     """Our DDP and our ZeRO over it, on one transport; ``overlap_forward``: the all-gathers overlap the next
     forward (``ShardedOptimizer.overlap_with_forward``), else step() waits for them."""
-    model = DDP(module, transport=transport)
-    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, transport=transport, **options)
+    model = DDP(module, transport=wire)
+    optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, transport=wire, **options)
     if overlap_forward:
         optimizer.overlap_with_forward(model)
     return Setup(model, optimizer, exposed_s=lambda: model.last_wait_s + optimizer.last_share_s,
@@ -270,36 +270,36 @@ def _zero_ours(module: nn.Module, transport: transports.Transport, overlap_forwa
 @variant("zero1 ours", "zero1", on=("torch", SHARED, THREAD),
          targets=(Target("zero1 pytorch", "engine", TARGET_VS_PYTORCH),
                   Target("ddp ours", "sharding", TARGET_ZERO_VS_DDP)))
-def zero_ours(module: nn.Module, transport: transports.Transport) -> Setup:
-    return _zero_ours(module, transport)
+def zero_ours(module: nn.Module, wire: transport.Transport) -> Setup:
+    return _zero_ours(module, wire)
 
 
 @variant("zero1 ours in step", "zero1", targets=(Target("zero1 ours", "option"),), default=())
-def zero_ours_in_step(module: nn.Module, transport: transports.Transport) -> Setup:
+def zero_ours_in_step(module: nn.Module, wire: transport.Transport) -> Setup:
     """The default ShardedOptimizer: step() waits (only the update of later buckets overlaps the all-gathers)."""
-    return _zero_ours(module, transport, overlap_forward=False)
+    return _zero_ours(module, wire, overlap_forward=False)
 
 
 @variant("zero1 ours broadcast", "zero1", on=("torch",), targets=(Target("zero1 ours", "option"),), default=())
-def zero_ours_broadcast(module: nn.Module, transport: transports.Transport) -> Setup:
+def zero_ours_broadcast(module: nn.Module, wire: transport.Transport) -> Setup:
     """The alternative update: one torch.distributed broadcast per owner instead of the all-gather (measured, not
     chosen). The broadcasts bypass the transport: only [torch] compares them with the default alone."""
-    setup = _zero_ours(module, transport)
+    setup = _zero_ours(module, wire)
     setup.optimizer.update = "broadcast"
     return setup
 
 
 @variant("zero1 ours tensor", "zero1", targets=(Target("zero1 ours", "option"),), default=())
-def zero_ours_tensor(module: nn.Module, transport: transports.Transport) -> Setup:
+def zero_ours_tensor(module: nn.Module, wire: transport.Transport) -> Setup:
     """Whole tensors per rank (exact for per-tensor optimizers): uneven when one tensor is a large part of the model."""
-    return _zero_ours(module, transport, partition="tensor")
+    return _zero_ours(module, wire, partition="tensor")
 
 
 @variant("zero2 ours", "zero2", targets=(Target("zero1 ours", "option"), Target("ddp ours", "sharding")))
-def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
+def zero2_ours(module: nn.Module, wire: transport.Transport) -> Setup:
     """ZeRO stage 2: no DDP; the optimizer's hooks reduce-scatter each bucket's gradients to their owners during
     backward (each rank keeps 1/n of them), its step all-gathers the parameters, overlapping the next forward."""
-    optimizer = zero.ShardedOptimizer(module.parameters(), torch.optim.AdamW, lr=LR, transport=transport, stage=2)
+    optimizer = zero.ShardedOptimizer(module.parameters(), torch.optim.AdamW, lr=LR, transport=wire, stage=2)
     optimizer.overlap_with_forward(module)
     return Setup(module, optimizer, exposed_s=lambda: optimizer.last_reduce_wait_s + optimizer.last_share_s,
                  kept=lambda: optimizer.reduce_pool() + optimizer.gradient_shares(),  # (2, slot bytes), (width,)
@@ -308,10 +308,10 @@ def zero2_ours(module: nn.Module, transport: transports.Transport) -> Setup:
 
 @variant("zero1 pytorch", "zero1", on=("torch",), targets=(Target("ddp pytorch", "sharding", TARGET_ZERO_VS_DDP),),
          default=("torch",))
-def zero_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
+def zero_pytorch(module: nn.Module, wire: transport.Transport) -> Setup:
     """ZeroRedundancyOptimizer over PyTorch's DDP: it broadcasts the updated parameters through torch.distributed
     itself, so it cannot take our transport: [torch] only (ours is compared with it there)."""
-    model = _pytorch_ddp(module, transport)
+    model = _pytorch_ddp(module, wire)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
     return Setup(model, optimizer, kept=lambda: _reducer_buckets(model),
                  state=lambda: [t for s in optimizer.optim.state.values() for t in s.values()
@@ -323,13 +323,13 @@ def zero_pytorch(module: nn.Module, transport: transports.Transport) -> Setup:
 FSDP_SHARD_TYPES = (nn.Linear, nn.Embedding, nn.Conv2d)
 
 
-def _fsdp_ours(module: nn.Module, transport: transports.Transport, **options) -> Setup:
-    model = FSDP(module, shard_types=FSDP_SHARD_TYPES, transport=transport, **options)
+def _fsdp_ours(module: nn.Module, wire: transport.Transport, **options) -> Setup:
+    model = FSDP(module, shard_types=FSDP_SHARD_TYPES, transport=wire, **options)
     return Setup(model, adamw(model.parameters()), exposed_s=lambda: model.last_wait_s,
                  kept=lambda: [b.flat for b in model.replicated_buckets])  # the replicated parameters' gradients
 
 
-def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dtype=None,
+def _fsdp_pytorch(module: nn.Module, wire: transport.Transport, compute_dtype=None,
                   reshard_after_forward=True) -> Setup:
     """``fully_shard`` on each ``FSDP_SHARD_TYPES`` layer, then the root (its norms), as ours shards; on a
     transport other than [torch], its all-gathers and reduce-scatters through it (``use_with_fully_shard``)."""
@@ -338,23 +338,23 @@ def _fsdp_pytorch(module: nn.Module, transport: transports.Transport, compute_dt
     # the root's parameters would be cast too: norms, logits and loss in it, a smaller computation.
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                   output_dtype=None if compute_dtype is None else torch.float32)
-    mesh = _mesh(transport, module)
+    mesh = _mesh(wire, module)
     for layers in _tied_groups([m for m in module.modules() if isinstance(m, FSDP_SHARD_TYPES)]):
         # fully_shard refuses a parameter in two groups: layers sharing one (GPT's head and embedding) form one
         fully_shard(layers if len(layers) > 1 else layers[0], mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=policy)
     model = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                         mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-    if not isinstance(transport, transports.Torch) and transports.use_with_fully_shard(model, transport) == 0:
+    if not isinstance(wire, transport.Torch) and transport.use_with_fully_shard(model, wire) == 0:
         raise RuntimeError("no FSDPModule took the transport")
     return Setup(model, adamw(model.parameters()))
 
 
-def _mesh(transport: transports.Transport, module: nn.Module) -> DeviceMesh | None:
+def _mesh(wire: transport.Transport, module: nn.Module) -> DeviceMesh | None:
     """fully_shard's mesh on [torch:dpkit]: the transport's own group ("dpkit"); else None (the default group's)."""
-    if not isinstance(transport, transports.Torch) or transport.group is None:
+    if not isinstance(wire, transport.Torch) or wire.group is None:
         return None
-    return DeviceMesh.from_group(transport.group, next(module.parameters()).device.type)
+    return DeviceMesh.from_group(wire.group, next(module.parameters()).device.type)
 
 
 def _tied_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
@@ -393,10 +393,10 @@ VARIANTS.update({name: replace(v, targets=tuple(t for t in v.targets if t.other 
                  for name, v in VARIANTS.items()})
 
 
-def _registered(engine: str, impl: str, module: nn.Module, transport: transports.Transport) -> Setup:
+def _registered(engine: str, impl: str, module: nn.Module, wire: transport.Transport) -> Setup:
     """An engine of the registry that has no builder above: its own wrap and optimizer, nothing more measured."""
-    model = registry.wrap(engine, impl, module, transport, registry.Options(shard_types=FSDP_SHARD_TYPES))
-    return Setup(model, registry.optimizer(engine, impl, model, torch.optim.AdamW, transport, lr=LR))
+    model = registry.wrap(engine, impl, module, wire, registry.Options(shard_types=FSDP_SHARD_TYPES))
+    return Setup(model, registry.optimizer(engine, impl, model, torch.optim.AdamW, wire, lr=LR))
 
 
 def from_registry() -> None:
@@ -404,7 +404,7 @@ def from_registry() -> None:
     that no builder above covers, and drop the variants made on request and those of an engine or transport no
     longer registered; called again where names are read, so an engine registered later appears."""
     gone = [n for n, v in VARIANTS.items() if n in ON_REQUEST or v.sharding not in registry.names()
-            or v.transport not in bench_transports.choices()]
+            or v.transport not in transport_choice.choices()]
     for name in gone:  # made on request (``select`` makes them again), or an engine or transport unregistered since
         del VARIANTS[name]
         ON_REQUEST.discard(name)
@@ -471,19 +471,19 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def _in_transport(t: torch.Tensor, transport: transports.Transport) -> bool:
+def _in_transport(t: torch.Tensor, wire: transport.Transport) -> bool:
     """Whether ``t``'s storage lies in memory ``transport`` holds itself (asked of the whole storage)."""
     t = _local(t)
     storage = t.untyped_storage()
-    return storage.nbytes() > 0 and transport.owns(t.new_empty(0, dtype=torch.uint8).set_(storage))
+    return storage.nbytes() > 0 and wire.owns(t.new_empty(0, dtype=torch.uint8).set_(storage))
 
 
-def held_bytes(tensors, transport: transports.Transport) -> int:
+def held_bytes(tensors, wire: transport.Transport) -> int:
     """Bytes held by ``tensors`` (distinct storages) and by ``transport`` for them: the memory of its own
     (``Transport.held_bytes``: a shared-memory arena's pages in /dev/shm, with the buffers that lie there,
     counted once, its staging block, and blocks freed whose pages it keeps)."""
-    outside = [t for t in tensors if t is not None and not _in_transport(t, transport)]
-    return storage_bytes(outside) + transport.held_bytes()
+    outside = [t for t in tensors if t is not None and not _in_transport(t, wire)]
+    return storage_bytes(outside) + wire.held_bytes()
 
 
 def full_sizes(module: nn.Module, shard_types=FSDP_SHARD_TYPES) -> dict:
@@ -511,7 +511,7 @@ class Run:
     communication."""
 
     setup: Setup
-    transport: transports.Transport
+    transport: transport.Transport
     inputs: torch.Tensor
     targets: torch.Tensor
     exposed: list[float] = field(default_factory=list)
@@ -574,11 +574,11 @@ def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
     full = full_sizes(fresh_module(name, args, ctx.device))
     # A transport per variant (made in the variants' order on every rank): what one holds (a shared-memory
     # arena's pages, its staging block) is then its variant's alone, counted with it.
-    made: dict[str, transports.Transport] = {}
+    made: dict[str, transport.Transport] = {}
     try:
         runs = {}
         for v in names:
-            made[v] = bench_transports.new(VARIANTS[v].transport, ctx.device)
+            made[v] = transport_choice.new(VARIANTS[v].transport, ctx.device)
             runs[v] = Run(VARIANTS[v].build(fresh_module(name, args, ctx.device), made[v]), made[v], *batch)
         timings = time_interleaved({v: runs[v].step for v in names}, args.iters, args.warmup, rounds=args.rounds,
                                    device=ctx.device)
@@ -725,7 +725,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         help="each 'name [transport]' (quoted), or a name alone for every transport it runs on; names: "
                              f"{', '.join(dict.fromkeys(v.base for v in VARIANTS.values()))}; transports: "
-                             f"{', '.join(bench_transports.choices())} (the registry's; not with one process, nor on "
+                             f"{', '.join(transport_choice.choices())} (the registry's; not with one process, nor on "
                              "GPUs). Default: every name on [torch] and [shared_memory] (zero1 pytorch on [torch] "
                              "only), but the opt-in "
                              f"{', '.join(v.name for v in VARIANTS.values() if not v.default)}; quick: "

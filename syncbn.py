@@ -41,7 +41,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from dpkit import compat
-from dpkit.comm import transport as transports
+from dpkit.comm import transport as comm_transport
 from dpkit.native import syncbn_channels
 
 __all__ = ["SyncBatchNorm", "SyncBatchNormFunction", "convert_sync_batchnorm"]
@@ -516,7 +516,7 @@ class SyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self.transport = transport
         # (id of the group, device type) -> (the group, weakly; its transport): resolved once per group and device.
-        self._resolved: dict[tuple, tuple[weakref.ref, transports.Transport | None]] = {}
+        self._resolved: dict[tuple, tuple[weakref.ref, comm_transport.Transport | None]] = {}
 
     def reset_parameters(self) -> None:
         # BatchNorm's own, but for a bias that is None (``bias=False``), which releases without ``bias=`` reset too.
@@ -561,7 +561,7 @@ class SyncBatchNorm(_BatchNorm):
             if dist.get_world_size(group) > 1:
                 # Parameters of a dtype BatchNorm refuses for x raise here, before the collective (as they do later).
                 _check_dtypes(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps)
-                chosen = transports.resolve(self.transport, group, x.device, engine="SyncBatchNorm")
+                chosen = comm_transport.resolve(self.transport, group, x.device, engine="SyncBatchNorm")
             self._resolved[key] = (weakref.ref(group), chosen)
         return chosen
 

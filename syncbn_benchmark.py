@@ -46,11 +46,11 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from dpkit.bench import harness
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, op_breakdown, oversubscribed, paired_ratio,
                                  percentile, saved_tensor_bytes, synchronize, time_iterations, verdict)
 from dpkit.bench.results import format_environment, markdown_table
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm import process_groups
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 from dpkit.native import syncbn_channels
@@ -109,7 +109,7 @@ def label(impl: str, transport: str | None) -> str:
 # --------------------------------------------------------------------------- the transports
 
 
-class Stamped(transports.Wrapped):
+class Stamped(transport.Wrapped):
     """``inner`` with the clock appended to ``stamps`` before and after the caller is blocked on each all_reduce:
     around the call when it returns done (a blocking call; shared memory sums in the caller's thread), else around
     the ``wait()`` of the work it returns (what runs in between is the caller's, overlapped). On a GPU the device
@@ -117,7 +117,7 @@ class Stamped(transports.Wrapped):
 
     name = "stamped"
 
-    def __init__(self, inner: transports.Transport, stamps: list[float], device: torch.device):
+    def __init__(self, inner: transport.Transport, stamps: list[float], device: torch.device):
         super().__init__(inner)
         self.stamps, self.device = stamps, device
 
@@ -134,10 +134,10 @@ class Stamped(transports.Wrapped):
         return _StampedWork(work, self)
 
 
-class _StampedWork(transports.Work):
+class _StampedWork(transport.Work):
     """A collective's work whose ``wait`` is stamped (see ``Stamped``)."""
 
-    def __init__(self, work: transports.Work, stamped: Stamped):
+    def __init__(self, work: transport.Work, stamped: Stamped):
         self.work, self.stamped = work, stamped
 
     def wait(self) -> bool:
@@ -178,13 +178,13 @@ def _load_baseline(revision: str):
 
 
 # The root modules syncbn.py imported before they moved into dpkit, and where they are now.
-BEFORE_THE_PACKAGE = {"transport": transports, "dist_utils": process_groups}
+BEFORE_THE_PACKAGE = {"transport": transport, "dist_utils": process_groups}
 
 
-def _ours(module, hidden: int, transport: transports.Transport | None) -> torch.nn.Module:
-    if transport is None:  # one process: nobody to synchronise with
+def _ours(module, hidden: int, wire: transport.Transport | None) -> torch.nn.Module:
+    if wire is None:  # one process: nobody to synchronise with
         return module.SyncBatchNorm(hidden)
-    return module.SyncBatchNorm(hidden, transport=transport)
+    return module.SyncBatchNorm(hidden, transport=wire)
 
 
 class _WithoutCollectives(SyncBatchNorm):
@@ -234,25 +234,25 @@ class _FloorFunction(torch.autograd.Function):
 class Floor(torch.nn.BatchNorm1d):
     """BatchNorm1d's parameters and buffers through ``_FloorFunction``, summing through ``transport``."""
 
-    def __init__(self, hidden: int, transport: transports.Transport, device: torch.device | None = None):
+    def __init__(self, hidden: int, wire: transport.Transport, device: torch.device | None = None):
         super().__init__(hidden)
-        self.transport = transport
-        self.sums = tuple(_sum_buffer(transport, n, torch.float64, device) for n in (2 * hidden + 1, 2 * hidden))
+        self.transport = wire
+        self.sums = tuple(_sum_buffer(wire, n, torch.float64, device) for n in (2 * hidden + 1, 2 * hidden))
 
     def forward(self, x):
         return _FloorFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
                                     self.momentum, self.sums, self.transport)
 
 
-def _make_layer(impl: str, hidden: int, device: torch.device, transport: transports.Transport | None = None,
+def _make_layer(impl: str, hidden: int, device: torch.device, wire: transport.Transport | None = None,
                 baseline=None) -> torch.nn.Module:
     module = baseline if "@" in impl else syncbn
     if impl == FLOOR:
-        layer = Floor(hidden, transport, device)
+        layer = Floor(hidden, wire, device)
     elif impl.startswith(SYNC_PATH):
         layer = _WithoutCollectives(hidden, module.SyncBatchNormFunction)
     elif impl.startswith(OURS):
-        layer = _ours(module, hidden, transport)
+        layer = _ours(module, hidden, wire)
     elif impl == TORCH_SYNC:
         layer = torch.nn.SyncBatchNorm(hidden)
     else:
@@ -260,13 +260,13 @@ def _make_layer(impl: str, hidden: int, device: torch.device, transport: transpo
     return layer.to(device).train()
 
 
-def _sum_buffer(transport: transports.Transport, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _sum_buffer(wire: transport.Transport, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros in memory ``transport`` allocated (``Transport.allocate``), made once, outside the timed region."""
-    return transport.allocate(numel, dtype=dtype, device=device).zero_()
+    return wire.allocate(numel, dtype=dtype, device=device).zero_()
 
 
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
-               transport: transports.Transport | None = None) -> Callable[[], None]:
+               wire: transport.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
     if impl in list(PATH_IMPLS.values())[1:]:
         path = next(p for p, name in PATH_IMPLS.items() if name == impl)
@@ -276,7 +276,7 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
             with syncbn.forced_path(path):  # forward and backward
                 layer(x)[:loss_rows].sum().backward()
         return forced_step
-    if impl != REFERENCE or transport is None:
+    if impl != REFERENCE or wire is None:
         def step():
             x.grad = None
             layer(x)[:loss_rows].sum().backward()
@@ -285,15 +285,15 @@ def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: in
     # BatchNorm's own work plus the two sums a synchronized BatchNorm cannot avoid, in buffers the transport
     # allocates, as ours sums its statistics (on shared memory: where they lie, no copy in or out).
     channels = x.size(1)
-    forward_stats, backward_stats = (_sum_buffer(transport, 2 * channels + 1, torch.float32, x.device)
+    forward_stats, backward_stats = (_sum_buffer(wire, 2 * channels + 1, torch.float32, x.device)
                                      for _ in range(2))
 
     def reference_step():
         x.grad = None
         y = layer(x)
-        transport.all_reduce(forward_stats)
+        wire.all_reduce(forward_stats)
         y[:loss_rows].sum().backward()
-        transport.all_reduce(backward_stats)
+        wire.all_reduce(backward_stats)
     return reference_step
 
 
@@ -412,9 +412,9 @@ def _memory(step: Callable[[], None], layer: torch.nn.Module, x: torch.Tensor,
 
 def run_case(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
              dtype_name: str, args, baseline=None, setting: str | None = None, setup=None,
-             made: dict[str, transports.Transport] | None = None) -> list[dict]:
+             made: dict[str, transport.Transport] | None = None) -> list[dict]:
     """Every (implementation, transport) of ``impls`` on one (batch, hidden, dtype), timed in interleaved rounds;
-    one row each. ``made`` maps a transport name to the transport (``bench_transports.make``).
+    one row each. ``made`` maps a transport name to the transport (``transport_choice.make``).
 
     ``setup`` runs before every iteration, outside the timed region; ``setting`` labels the rows
     (default: WORKERS with a process group, else SINGLE)."""
@@ -447,7 +447,7 @@ def run_case(rank: int, world: int, device: torch.device, impls: list[Contender]
 
 
 def breakdown(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
-              made: dict[str, transports.Transport] | None = None, iters: int = PROFILE_ITERS) -> list[dict]:
+              made: dict[str, transport.Transport] | None = None, iters: int = PROFILE_ITERS) -> list[dict]:
     """Per-operator CPU time of one forward + backward (profiled, rank 0's), ours against BatchNorm1d."""
     made = made or {}
     x, loss_rows = _local_input(rank, world, batch, hidden, torch.float32, device)
@@ -473,7 +473,7 @@ def phase_medians(stamps: list[float], iters: int) -> np.ndarray:
 
 
 def phases(rank: int, world: int, device: torch.device, impls: list[Contender], batch: int, hidden: int,
-           iters: int, made: dict[str, transports.Transport]) -> list[dict]:
+           iters: int, made: dict[str, transport.Transport]) -> list[dict]:
     """Each implementation's iteration cut into ``PHASES`` (median seconds per phase, and of the whole
     iteration, each the maximum over ranks), its transport wrapped in ``Stamped``.
 
@@ -503,7 +503,7 @@ def phases(rank: int, world: int, device: torch.device, impls: list[Contender], 
 def run(ctx, args, profile_iters: int = PROFILE_ITERS, phase_iters: int = PHASE_ITERS) -> list[dict]:
     """Every rank runs the whole grid; returns the rows (the same on every rank: times are maxima over ranks)."""
     baseline = _load_baseline(args.baseline) if args.baseline else None
-    made = bench_transports.make(args.transports, ctx.device, optional=True)  # shared memory where it can serve
+    made = transport_choice.make(args.transports, ctx.device, optional=True)  # shared memory where it can serve
     try:
         cases = [(d, b, h) for d in args.dtypes for b in args.batch for h in args.hidden]
         rows = []
@@ -585,7 +585,7 @@ def _transports_in(rows: list[dict]) -> list[str]:
 
 def _ordered(names: set) -> list[str]:
     """Transport names in the registry's order (names it does not know last; None left out)."""
-    known = bench_transports.choices()
+    known = transport_choice.choices()
     return sorted(names - {None}, key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
@@ -995,10 +995,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline", default=None, metavar="REV",
                         help="also time syncbn.py as of this git revision, as 'ours@REV', on every transport; a "
                              "revision whose SyncBatchNorm takes transport= (default: none)")
-    parser.add_argument("--transports", nargs="+", type=bench_transports.argument, choices=bench_transports.choices(),
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, choices=transport_choice.choices(),
                         default=list(TRANSPORTS), metavar="NAME",
                         help="what the synchronized layers sum through, by the registry's names ("
-                             + ", ".join(bench_transports.choices()) + "); shared memory only where the workers share "
+                             + ", ".join(transport_choice.choices()) + "); shared memory only where the workers share "
                              "a CPU host (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a fast run: the --quick defaults above; flags given explicitly win (default: off)")

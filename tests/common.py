@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def assert_refused(refusals: dict[str, dict], expected: dict[str, str]) -> None:
         assert outcome["calls"] == {}, case
 
 
-class CountingTransport(transports.Wrapped):
+class CountingTransport(transport.Wrapped):
     """Wraps a transport (default: ``resolve("auto")`` over ``group``) and counts the collectives made through
     it: ``calls["all_reduce" | "reduce_scatter" | "all_gather"]`` at the call (an asynchronous one when it
     is launched, as torch's counts), and ``bytes[kind]``. Buffers are the inner transport's (``allocate``),
@@ -235,8 +235,8 @@ class CountingTransport(transports.Wrapped):
 
     name = "counting"
 
-    def __init__(self, inner: transports.Transport | str = "auto", group=None, device="cpu"):
-        super().__init__(inner if isinstance(inner, transports.Transport) else transports.resolve(inner, group, device))
+    def __init__(self, inner: transport.Transport | str = "auto", group=None, device="cpu"):
+        super().__init__(inner if isinstance(inner, transport.Transport) else transport.resolve(inner, group, device))
         self.calls: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
 

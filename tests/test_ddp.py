@@ -31,7 +31,7 @@ from torch import nn
 
 from common import POINT_TO_POINT, CollectiveCounter, CountingTransport, refused, run_workers
 from dpkit.comm import shared_memory
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines.ddp import (DDP, LAST_BUCKET_CAP_MB, TAIL_SHARE, FlatDDP, NaiveDDP, assign_buckets,
                                guard_optimizer_step, make_ddp, sync_gradients)
 
@@ -329,7 +329,7 @@ def _construction(ctx):
         net.bn.running_mean.fill_(ctx.rank + 1.0)
         net.bn.num_batches_tracked.fill_(ctx.rank + 5)
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    chosen = transports.resolve("auto")  # made beforehand: a first shared-memory transport maps its files
+    chosen = transport.resolve("auto")  # made beforehand: a first shared-memory transport maps its files
     with CollectiveCounter() as counter:
         ddp = DDP(net, transport=chosen)
     return {
@@ -539,7 +539,7 @@ def _over_transports(ctx):
     for spec in NAMED:
         for variant in TRANSPORT_VARIANTS:
             out[spec, variant] = run(spec, variant)
-    threaded = transports.SharedMemory(background=True)
+    threaded = transport.SharedMemory(background=True)
     counter = CountingTransport(threaded)
     for variant in TRANSPORT_VARIANTS:
         out["counting threaded shared_memory", variant] = run(counter, variant, counter)
@@ -563,10 +563,10 @@ def _no_room_in_dev_shm(ctx):
     for case in ("no room at all", "no room for buckets"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            made_before = transports.SharedMemory() if case == "no room for buckets" else None
+            made_before = transport.SharedMemory() if case == "no room for buckets" else None
             with mock.patch.object(shared_memory.os, "posix_fallocate", _full):
                 model = DDP(build(big, seed=0), bucket_cap_mb=4 * KIB,
-                            transport=made_before or transports.SharedMemory())
+                            transport=made_before or transport.SharedMemory())
             with CollectiveCounter() as calls:
                 result = train(model, mse_loss(model, ctx.world_size, ctx.rank), TRANSPORT_ACCUM, steps=TRANSPORT_STEPS,
                                optimizer=torch.optim.SGD)
@@ -591,7 +591,7 @@ def _transport_refusals(ctx):
     out["pytorch"] = refused(lambda: make_ddp("pytorch", build(big, seed=0),
                                               transport=("torch", "shared_memory")[ctx.rank]))["error"]
     alone = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank must call new_group
-    out["own group"] = refused(lambda: DDP(build(big, seed=0), transport=transports.Torch(alone[ctx.rank])))["error"]
+    out["own group"] = refused(lambda: DDP(build(big, seed=0), transport=transport.Torch(alone[ctx.rank])))["error"]
     dist.barrier()  # the group still works after the refusals
     return out
 
@@ -618,7 +618,7 @@ def _three_rank_cases(ctx):
     if ctx.rank in (1, 2):
         model = DDP(build(big, seed=30 + ctx.rank), bucket_cap_mb=4 * KIB, process_group=subgroup)
         out["subgroup"] = train(model, mse_loss(model, 2, ctx.rank - 1), accum=2)
-        over_all = transports.Torch()
+        over_all = transport.Torch()
         out["other group"] = refused(
             lambda: DDP(build(big, seed=0), process_group=subgroup, transport=over_all))["error"]
     return out
@@ -880,7 +880,7 @@ def test_the_transport_named_carries_every_sum(two, spec):
                 assert calls == {"all_reduce": sums_per_step(variant)[1]}, variant
             elif spec == "p2p":
                 assert calls and set(calls) <= set(POINT_TO_POINT), (variant, calls)
-            elif transports.POLLS:
+            elif transport.POLLS:
                 assert calls == {}, (variant, calls)
 
 
@@ -950,7 +950,7 @@ def test_ddp_built_while_dev_shm_is_full_warns_once_and_still_trains_like_one_pr
         assert full["transport"] == "shared_memory (through torch: no room)"
         assert full["torch_calls"] == {"all_reduce": TRANSPORT_STEPS * buckets}
         assert staged["transport"] == "shared_memory"
-        assert staged["torch_calls"] == {} or not transports.POLLS
+        assert staged["torch_calls"] == {} or not transport.POLLS
 
 
 # The names make_ddp took before the engine registry's vocabulary, and the DDP benchmark's old "pytorch-best".

@@ -29,10 +29,10 @@ import torch
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
 from dpkit.bench import ddp_step, harness, measure
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import registry
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines import ddp
 from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
 from dpkit.models import Net
@@ -51,7 +51,7 @@ LABELS = ["no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]",
           "ddp ours naive [shared_memory]", "ddp ours flat [torch]", "ddp ours flat [shared_memory]",
           "ddp ours overlap [torch]", "ddp ours overlap [shared_memory]", "ddp ours overlap [shared_memory:thread]",
           "ddp ours 25M [torch]", "ddp ours 25M [shared_memory]", "ddp ours 25M [shared_memory:thread]"]
-SHM_ALL_REDUCE = transports.SHARED_MEMORY_RANGE.format("all_reduce")
+SHM_ALL_REDUCE = transport.SHARED_MEMORY_RANGE.format("all_reduce")
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +130,12 @@ def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monke
     for order in itertools.permutations(SWEEP_TRANSPORTS):
         for names in (list(order), set(order), dict.fromkeys(order)):
             built.clear()
-            made = bench_transports.make(names, cpu)
+            made = transport_choice.make(names, cpu)
             assert built == ["torch", "torch:dpkit", "shared_memory", "shared_memory:thread"], names
             assert list(made) == built
     built.clear()
     with pytest.raises(ValueError, match="unknown transport 'gloo': choose one of torch, torch:dpkit, "):
-        bench_transports.make(["torch", "gloo"], cpu)
+        transport_choice.make(["torch", "gloo"], cpu)
     assert built == []  # refused before any was made
 
 

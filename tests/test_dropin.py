@@ -26,7 +26,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from common import CountingTransport, run_workers
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines.ddp import make_ddp
 from dpkit.engines.fsdp import FSDP
 from dpkit.engines.zero import ShardedOptimizer
@@ -109,7 +109,7 @@ def trained(model, module, optimizer, rank, accum, **forward_kwargs):
 def _ddp_cases(ctx):
     """PyTorch's DDP and each of ours, every transport, with and without accumulation."""
     out = {}
-    threaded = transports.SharedMemory(background=True)
+    threaded = transport.SharedMemory(background=True)
     try:
         for partial in (False, True):
             extra = {"use_extra": ctx.rank == 1} if partial else {}

@@ -31,7 +31,7 @@ from torch import nn
 
 from common import CountingTransport, run_workers
 from dpkit.bench.measure import saved_tensor_bytes
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines.fsdp import FSDP
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 8, 9, 5
@@ -143,7 +143,7 @@ def oracle(world, optimizer, dtype=None, steps=STEPS, cast_once=False):
 # --------------------------------------------------------------------------- the workers
 
 
-class _Watched(transports.Work):
+class _Watched(transport.Work):
     """A reduce-scatter's handle that notes whether FSDP waited for it."""
 
     def __init__(self, work):
@@ -228,11 +228,11 @@ def train(ctx, model, optimizer, steps=STEPS, seen=None, recording=None):
 def _training(ctx):
     """Every case of CASES, each FSDP given a ``Recording`` of its transport: ``out[name, *case]`` is the full
     parameters after training; what the recording saw and what the optimizer and ``up`` saw go beside them."""
-    background = transports.SharedMemory(background=True)
+    background = transport.SharedMemory(background=True)
     out = {}
     try:
         for name, cases in CASES.items():
-            inner = background if name == "background" else transports.resolve(name)
+            inner = background if name == "background" else transport.resolve(name)
             out[name, "class"] = type(inner).__name__
             for optimizer, dtype, reshard in cases:
                 recording, seen, used = Recording(inner), [], []

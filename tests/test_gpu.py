@@ -23,7 +23,7 @@ from torch import nn
 
 import allreduce
 from common import REPO, run_torchrun
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import launch
 from dpkit.engines.ddp import DDP
 from dpkit.engines.fsdp import FSDP
@@ -204,10 +204,10 @@ def _refusals(ctx) -> dict:
 
     out = {"shared_memory by name": refused(lambda: DDP(make_net().to(ctx.device), transport="shared_memory"))}
     if ctx.world_size > 1 and ctx.backend == "gloo":  # the shared-memory transport needs CPU collectives
-        shm = transports.SharedMemory()
+        shm = transport.SharedMemory()
         out["a SharedMemory object"] = refused(lambda: DDP(make_net().to(ctx.device), transport=shm))
         device = ctx.device if ctx.rank == 0 else torch.device("cpu")
-        out["mixed device types"] = refused(lambda: transports.resolve("auto", None, device))
+        out["mixed device types"] = refused(lambda: transport.resolve("auto", None, device))
         shm.close()
     return out
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S, CountingTransport
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.comm.process_groups import new_subgroups
 from dpkit.comm.process_groups import launch
 from dpkit.engines.fsdp import FSDP
@@ -162,7 +162,7 @@ def _errors(ctx):
 
     group, _ = _groups(ctx, [[0, 1, 2]])  # 2 + 1 ranks on the two hosts
     out = {"uneven": message(lambda: hybrid(0, group)) if group is not None else "not a member"}
-    out["transport object"] = message(lambda: FSDP(build(0), transport=transports.resolve("auto"), shard="host"))
+    out["transport object"] = message(lambda: FSDP(build(0), transport=transport.resolve("auto"), shard="host"))
     out["scope"] = message(lambda: FSDP(build(0), shard="rack"))
     return out
 

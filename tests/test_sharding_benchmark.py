@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common import run_workers
-from dpkit.bench import transports as bench_transports
-from dpkit.comm import slots, transport as transports
+from dpkit.bench import transport_choice
+from dpkit.comm import slots, transport
 from dpkit.comm.shared_memory import SLOTS_BYTES
 from dpkit.engines import zero
 from dpkit.models import build_model
@@ -34,7 +34,7 @@ SLOTS_HELD = slots.file_bytes(WORLD, SLOTS_BYTES) // WORLD  # a rank's share of 
 
 def test_every_variant_is_an_engine_on_a_named_transport():
     for name, v in bench.VARIANTS.items():
-        assert name == f"{v.base} [{v.transport}]" and v.transport in bench_transports.choices(), name
+        assert name == f"{v.base} [{v.transport}]" and v.transport in transport_choice.choices(), name
         assert v.base.split()[0] == v.sharding and v.base.split()[1] in ("ours", "pytorch"), name
     pytorch_zero = [v.transport for v in bench.VARIANTS.values() if v.base == "zero1 pytorch"]
     assert pytorch_zero == ["torch"], "ZeroRedundancyOptimizer broadcasts through torch.distributed: no other transport"
@@ -179,7 +179,7 @@ def measured_rows(rows) -> dict[str, dict]:
 def bucket_bytes(row: dict, exact: int, buckets: int) -> bool:
     """A shared-memory transport hands out blocks of whole cache lines (``transport.ALIGN`` bytes): each of the
     ``buckets`` it allocated may hold up to ALIGN - 1 bytes more than the tensor; torch's allocator, none."""
-    slack = 0 if row["transport"] == "torch" else buckets * (transports.ALIGN - 1)
+    slack = 0 if row["transport"] == "torch" else buckets * (transport.ALIGN - 1)
     return exact <= row["grads_bytes"] <= exact + slack
 
 
@@ -282,7 +282,7 @@ def test_the_byte_counts_equal_a_count_from_the_shapes(rows):
         # ddp.DDP's buckets hold the gradients and one float32 used-flag per parameter after them
         flags = 4 * len(params) if " ours" in name else 0
         in_buffer = next((b for prefix, b in gathered.items() if name.startswith(prefix)), total)
-        slack = transports.ALIGN - 1 if row["transport"] != "torch" and in_buffer != total else 0  # whole cache lines
+        slack = transport.ALIGN - 1 if row["transport"] != "torch" and in_buffer != total else 0  # whole cache lines
         assert in_buffer <= row["params_bytes"] <= in_buffer + slack, name
         assert bucket_bytes(row, total + flags, len(params)), name
         if row["sharding"] in ("ddp", toy_engine.NAME):  # nothing sharded
@@ -315,7 +315,7 @@ def test_zero_stage2_keeps_one_nth_of_the_gradients_per_rank(rows):
     measured = measured_rows(rows)
     for t in ("torch", "shared_memory"):
         row, stage1 = measured[f"zero2 ours [{t}]"], measured[f"zero1 ours [{t}]"]
-        slack = 0 if t == "torch" else transports.ALIGN - 1  # one buffer on shared memory: whole cache lines
+        slack = 0 if t == "torch" else transport.ALIGN - 1  # one buffer on shared memory: whole cache lines
         assert len(row["grads_bytes_per_rank"]) == WORLD, t
         assert gathered <= row["params_bytes"] <= gathered + slack, t
         assert all(share <= held <= share + slack for held in row["grads_bytes_per_rank"]), (t, row)

@@ -37,7 +37,7 @@ from common import (POINT_TO_POINT, CollectiveCounter, CountingTransport, launch
                     run_workers)
 from dpkit.bench.measure import PeakMemory, saved_tensor_bytes
 from dpkit import native
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.native import syncbn_channels
 import syncbn
 from syncbn import SyncBatchNorm, SyncBatchNormFunction, convert_sync_batchnorm
@@ -281,7 +281,7 @@ def expected_sums(world: int, case: Case, phase: str, layers: tuple[int, ...] | 
 def expected_calls(world: int, case: Case, phase: str, first: bool = True, layers: int = 1) -> dict:
     """The ``torch.distributed`` calls of a pass with several ranks (see ``_assert_calls``): at a layer's first
     forward, its transport's resolution (one all_gather_object); through "torch", one all_reduce per layer;
-    through shared memory none (the ranks meet by polling where stores stay in order: ``transports.POLLS``)."""
+    through shared memory none (the ranks meet by polling where stores stay in order: ``transport.POLLS``)."""
     if world == 1:
         return {}
     calls = {"all_gather_object": layers} if phase == "forward" and first else {}
@@ -295,7 +295,7 @@ def _assert_calls(world: int, case: Case, got: dict, expected: dict, what: str) 
     if world > 1 and case.transport == "p2p":
         assert {k: v for k, v in got.items() if k not in POINT_TO_POINT} == expected, what
         assert any(k in POINT_TO_POINT for k in got), f"{what}: no message"
-    elif case.transport != "torch" and not transports.POLLS:
+    elif case.transport != "torch" and not transport.POLLS:
         assert {k: v for k, v in got.items() if k != "all_reduce"} == expected, what
     else:
         assert got == expected, what
@@ -753,7 +753,7 @@ def test_auto_is_this_hosts_shared_memory_and_every_transport_carries_the_sums(r
     for name in STEP_CASES:
         case = CASES[world][name]
         calls = results[world][0][name]["forward_calls"]
-        if transports.POLLS or case.transport in ("torch", "p2p"):  # else shared memory meets by all_reduce
+        if transport.POLLS or case.transport in ("torch", "p2p"):  # else shared memory meets by all_reduce
             assert ("all_reduce" in calls) == (case.transport == "torch"), name
         assert any(k in POINT_TO_POINT for k in calls) == (case.transport == "p2p"), name
 

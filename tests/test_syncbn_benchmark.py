@@ -19,7 +19,7 @@ import syncbn
 import syncbn_benchmark
 from common import run_workers
 from dpkit.bench.results import format_environment, read_results
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.native import syncbn_channels
 from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
                               SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
@@ -258,7 +258,7 @@ def test_a_grid_median_whose_interval_straddles_its_target_says_so_when_no_size_
     assert grid["why"].startswith("no size's median is above 1.15x, but the interval over the grid reaches above it.")
 
 
-class _Recording(transports.Transport):
+class _Recording(transport.Transport):
     """A transport of two ranks without a process group: records each all_reduce, and with ``pending`` returns
     work that is done only once waited on (as gloo's asynchronous calls)."""
 
@@ -274,11 +274,11 @@ class _Recording(transports.Transport):
         if not async_op:
             return None
         if not self.pending:
-            return transports.Work()
+            return transport.Work()
 
         recording = self
 
-        class Pending(transports.Work):
+        class Pending(transport.Work):
             def wait(self):
                 recording.waits.append(time.perf_counter())
                 return True

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import CollectiveCounter, CountingTransport, assert_refused, refused, run_workers
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines import zero
 
 OPTIMIZERS = {
@@ -174,16 +174,16 @@ def _apart(group) -> dict:
     return _case("adamw", "flat", group, transport="p2p")
 
 
-def _transports(group) -> dict[str, transports.Transport]:
+def _transports(group) -> dict[str, transport.Transport]:
     """The transports of the bucketed grid, made once per group (a shared-memory one maps files: a collective)."""
-    return {"auto": transports.resolve("auto", group), "torch": transports.resolve("torch", group),
-            "p2p": transports.resolve("p2p", group), "background": transports.SharedMemory(group, background=True)}
+    return {"auto": transport.resolve("auto", group), "torch": transport.resolve("torch", group),
+            "p2p": transport.resolve("p2p", group), "background": transport.SharedMemory(group, background=True)}
 
 
-class _Logged(transports.Work):
+class _Logged(transport.Work):
     """``work``, calling ``done()`` once waited for."""
 
-    def __init__(self, work: transports.Work, done: Callable[[], None]):
+    def __init__(self, work: transport.Work, done: Callable[[], None]):
         self.work, self.done = work, done
 
     def wait(self) -> bool:
@@ -198,7 +198,7 @@ class _Logged(transports.Work):
 class Recording(CountingTransport):
     """Counts, and logs ("launch" | "wait", output buffer's address) as each all-gather starts and is waited for."""
 
-    def __init__(self, inner: transports.Transport):
+    def __init__(self, inner: transport.Transport):
         super().__init__(inner)
         self.events: list[tuple[str, int]] = []
 
@@ -211,7 +211,7 @@ class Recording(CountingTransport):
         return _Logged(work, lambda: self.events.append(("wait", output.data_ptr())))
 
 
-def _bucketed_case(name: str, partition: str, overlap: bool, group, inner: transports.Transport) -> dict:
+def _bucketed_case(name: str, partition: str, overlap: bool, group, inner: transport.Transport) -> dict:
     """GRID_STEPS steps through ``inner`` (counted), in the default buckets: one per param group and dtype (the
     first group's; the second's float32 and its float64 parameters; the late group's), each cut among the
     ranks. Per step: the parameters read right after step() (without overlap), what each layer saw when its
@@ -269,7 +269,7 @@ def _bucketed_case(name: str, partition: str, overlap: bool, group, inner: trans
                 + len(m._load_state_dict_pre_hooks) for m in model.modules()) - (len(LAYERS) + 1 if overlap else 0)}
 
 
-def _bucketed_grid(group, made: dict[str, transports.Transport]) -> dict:
+def _bucketed_grid(group, made: dict[str, transport.Transport]) -> dict:
     """Every optimizer, partition and overlap on every transport; whether shared memory ever staged a copy."""
     out = {(kind, name, partition, overlap): _bucketed_case(name, partition, overlap, group, made[kind])
            for kind, name, partition, overlap in grid_cases(dist.get_world_size(group))}
@@ -300,7 +300,7 @@ def _lone_bucket_case(group) -> dict:
     return {"params": state_of(model), "buckets": buckets, "in_flight": in_flight, "share_s": share_s}
 
 
-class _Arrives(transports.Work):
+class _Arrives(transport.Work):
     """Done at time ``at`` (``time.perf_counter``); ``wait()`` sleeps until then, adding the time to ``waited[0]``."""
 
     def __init__(self, at: float, waited: list[float]):
@@ -317,7 +317,7 @@ class _Arrives(transports.Work):
         return time.perf_counter() >= self.at
 
 
-class Slow(transports.Transport):
+class Slow(transport.Transport):
     """A stand-in for timing ``last_share_s``: every all-gather moves nothing and takes SLOW_S, in the call
     (``inline``) or arriving SLOW_S after it (asynchronous). The parameters it leaves are stale: not compared."""
 
@@ -330,7 +330,7 @@ class Slow(transports.Transport):
     def all_gather(self, output, input, *, async_op=False):
         if self.inline:
             time.sleep(SLOW_S)
-            return transports.Work() if async_op else None
+            return transport.Work() if async_op else None
         work = _Arrives(time.perf_counter() + SLOW_S, self.waited)
         if async_op:
             return work
@@ -395,7 +395,7 @@ def _transport_refusals(group) -> dict:
     raises at construction (after one exchange of the choices, which is how every rank learns of them)."""
     w = make_model().hidden.weight
     first = dist.get_rank(group) == 0
-    torch_transport = transports.resolve("torch", group)
+    torch_transport = transport.resolve("torch", group)
     choices = {"unknown": "pigeon"}
     if dist.get_world_size(group) > 1:
         choices.update({"different names": "torch" if first else "p2p",
@@ -465,7 +465,7 @@ def stage2_backward(model: Toy, step: int, micro: int, rank: int, n: int) -> Non
 class Ordered(CountingTransport):
     """Counts, and lists the input size of every reduce-scatter in call order."""
 
-    def __init__(self, inner: transports.Transport):
+    def __init__(self, inner: transport.Transport):
         super().__init__(inner)
         self.reduced: list[int] = []
 
@@ -494,7 +494,7 @@ def _stage2_step(model: Toy, optimizer: zero.ShardedOptimizer, counting: Ordered
     n, rank = dist.get_world_size(optimizer.process_group), dist.get_rank(optimizer.process_group)
     optimizer.zero_grad(set_to_none=step % 2 == 0)
     counting.reset()
-    arena = counting.inner if isinstance(counting.inner, transports.SharedMemory) else None
+    arena = counting.inner if isinstance(counting.inner, transport.SharedMemory) else None
     observe, taken = _arena_held()
     with arena.observe_blocks(observe) if arena is not None else contextlib.nullcontext():
         arrived: list[str] = []
@@ -514,7 +514,7 @@ def _stage2_step(model: Toy, optimizer: zero.ShardedOptimizer, counting: Ordered
             "in_flight": sum(b.work is not None for b in optimizer.buckets)}
 
 
-def _stage2_case(name: str, partition: str, group, inner: transports.Transport, cap: float, overlap: bool,
+def _stage2_case(name: str, partition: str, group, inner: transport.Transport, cap: float, overlap: bool,
                  reduce_cap_mb: float | None = None) -> dict:
     """STAGE2_STEPS steps of ZeRO stage 2 over the unwrapped Toy, the late group joining after LATE; then the
     consolidated state dict and the parameters close() leaves."""
@@ -563,7 +563,7 @@ def _stage2_refusals(group) -> dict:
     return out
 
 
-def _stage2_grid(group, made: dict[str, transports.Transport]) -> dict:
+def _stage2_grid(group, made: dict[str, transport.Transport]) -> dict:
     cases = stage2_cases(dist.get_world_size(group))
     return {"cases": {(kind, name, partition): _stage2_case(name, partition, group, made[kind], stage2_cap(kind),
                                                             overlap=kind == "background")
@@ -692,7 +692,7 @@ def test_on_one_host_the_update_is_shared_through_its_memory_without_messages_wh
     for outcome in ranks[n]:
         for name, case in outcome["cases"].items():
             assert case["transport"] == "SharedMemory", name
-            if transports.POLLS:
+            if transport.POLLS:
                 assert case["calls"] == {}, (name, case["calls"])
             else:
                 assert case["calls"].keys() == {"all_reduce"}, (name, case["calls"])

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common import run_workers
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines import zero
 
 WORLD = 4
@@ -47,7 +47,7 @@ def _model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
 
 
-def _reachable(root) -> tuple[list[torch.Tensor], list[transports.Transport]]:
+def _reachable(root) -> tuple[list[torch.Tensor], list[transport.Transport]]:
     """Every tensor reachable from ``root``, and the transports met on the way (not walked)."""
     skip = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None}
     seen, stack, tensors, found = set(), [root], [], []
@@ -58,7 +58,7 @@ def _reachable(root) -> tuple[list[torch.Tensor], list[transports.Transport]]:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
-        elif isinstance(obj, transports.Transport):
+        elif isinstance(obj, transport.Transport):
             found.append(obj)
         elif not isinstance(obj, (type, types.ModuleType, nn.Module)):
             stack.extend(gc.get_referents(obj))

@@ -41,7 +41,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dpkit import compat
 from dpkit.comm.process_groups import synchronize
-from dpkit.comm import transport as transports
+from dpkit.comm import transport as comm_transport
 
 MIB = 2**20
 # Largest single broadcast of module state at construction, PyTorch DDP's value (250 MiB):
@@ -212,7 +212,7 @@ class _DataParallel(nn.Module):
         # rank is on it and the gradients are on the CPU, else torch.distributed's all_reduce). Chosen before
         # the broadcast, so that ranks refused for choosing different transports keep their own weights.
         device = self._trainable[0].device if self._trainable else torch.device("cpu")
-        self.transport = transports.resolve(transport, process_group, device, engine=type(self).__name__)
+        self.transport = comm_transport.resolve(transport, process_group, device, engine=type(self).__name__)
         self.broadcasts = broadcast_module_state(module, process_group)
         self_ref = weakref.ref(self)
         # On the module itself, so that a forward that bypasses the wrapper (FSDP's) counts too.
@@ -451,7 +451,7 @@ class Bucket:
     nbytes: int  # gradient bytes, flags excluded
     pending: int = 0  # parameters whose gradient has not arrived in this step
     missing: list[int] = field(default_factory=list)  # slots whose param had no gradient at launch
-    work: transports.Work | None = None
+    work: comm_transport.Work | None = None
 
     @property
     def grads(self) -> torch.Tensor:
@@ -485,7 +485,7 @@ def _make_bucket(index: int, params: list[nn.Parameter], names: list[str], posit
     return Bucket(index, params, names, positions, flat, views, numel * first.element_size(), pending=len(params))
 
 
-_SUMMED = transports.Work()  # a finished handle: what a world of one's "sum" returns
+_SUMMED = comm_transport.Work()  # a finished handle: what a world of one's "sum" returns
 
 
 def _divisor(world_size: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -775,10 +775,10 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_mb: float = 25.0, proce
         model = torch.nn.parallel.DistributedDataParallel(module, **{**kwargs, **pytorch_kwargs})
         # Always resolved (None as "torch", its own communication): resolve is a collective, so ranks that
         # chose differently all raise instead of some waiting in it for the others.
-        chosen = transports.resolve("torch" if transport is None else transport, process_group, device,
+        chosen = comm_transport.resolve("torch" if transport is None else transport, process_group, device,
                                     engine="DistributedDataParallel")
-        if not isinstance(chosen, transports.Torch):
-            model.register_comm_hook(chosen, transports.ddp_comm_hook)
+        if not isinstance(chosen, comm_transport.Torch):
+            model.register_comm_hook(chosen, comm_transport.ddp_comm_hook)
         return model
     raise ValueError(f"unknown DDP variant {variant!r}: choose one of {', '.join(VARIANTS)}")
 

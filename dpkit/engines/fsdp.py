@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dpkit.comm import transport as transports
+from dpkit.comm import transport as comm_transport
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hierarchical import Plan, host_subgroups
 from dpkit.comm.hosts import host_indices, ranks_by_host
@@ -76,7 +76,7 @@ class Unit:
     padded: int
     shard: nn.Parameter       # (padded // world,) master dtype: what the optimizer updates on this rank
     full: torch.Tensor | None = None        # (padded,) compute dtype, while gathered
-    work: transports.Work | None = None     # a gather on its way into ``full``
+    work: comm_transport.Work | None = None     # a gather on its way into ``full``
     views: list[torch.Tensor] = field(default_factory=list)
     gathers: int = 0          # gathers made in this forward that autograd recorded, not yet through backward
 
@@ -108,9 +108,9 @@ class _Reduction:
     unit: Unit
     out: torch.Tensor                        # (padded // shard world,) master dtype
     source: torch.Tensor | None              # (padded,) master dtype, until done
-    work: transports.Work | None
-    across: transports.Transport | None = None
-    crossing: transports.Work | None = None  # the all-reduce across hosts on its way
+    work: comm_transport.Work | None
+    across: comm_transport.Transport | None = None
+    crossing: comm_transport.Work | None = None  # the all-reduce across hosts on its way
 
     def wait(self) -> None:
         """The reduce-scatter is done (and the all-reduce across hosts, if any, started)."""
@@ -283,7 +283,7 @@ class FSDP(nn.Module):
         check_same_model(module, process_group, local_problem=_local_problem(module), wrapper="FSDP")
         # Also a collective that raises on every rank (ranks asking for different transports): before any data moves.
         device = next(module.parameters()).device
-        self.transport = transports.resolve(_made(transport, process_group) if shard == "host" else transport,
+        self.transport = comm_transport.resolve(_made(transport, process_group) if shard == "host" else transport,
                                             process_group, device, engine="FSDP")
         # The units are sharded over ``shard_group``'s ranks through ``shard_transport``; ``across`` (None unless
         # hybrid over several hosts) averages each gradient shard among the hosts.
@@ -337,7 +337,7 @@ class FSDP(nn.Module):
         """``shard="host"``: this rank's host becomes the shard group and, over several hosts, the ranks that
         hold the same shard on each host the ``across`` group, each with its transport from ``spec``.
         Collectives over the group; a layout that cannot be split raises the same error on every rank."""
-        if isinstance(spec, transports.Transport):  # on every rank alike: resolve compared the ranks' choices
+        if isinstance(spec, comm_transport.Transport):  # on every rank alike: resolve compared the ranks' choices
             raise TypeError(f"FSDP(shard='host'): give transport as a name or a factory(group) -> Transport, not "
                             f"{spec!r}: FSDP makes one over each host and one among the hosts")
         group = self.process_group if self.process_group is not None else dist.group.WORLD
@@ -356,9 +356,9 @@ class FSDP(nn.Module):
         made = host_subgroups(plan, group, group_timeout(group, device) or DEFAULT_TIMEOUT_S)
         self._subgroups = [g for g in made if g is not None]
         self.shard_group, across = made[plan.host_of[me]], made[len(hosts) + plan.local_of[me]]
-        self.shard_transport = transports.resolve(_made(spec, self.shard_group), self.shard_group, device,
+        self.shard_transport = comm_transport.resolve(_made(spec, self.shard_group), self.shard_group, device,
                                                   engine="FSDP")
-        self.across = transports.resolve(_made(spec, across), across, device, engine="FSDP")
+        self.across = comm_transport.resolve(_made(spec, across), across, device, engine="FSDP")
 
     def _make_units(self, module: nn.Module) -> list[Unit]:
         """One unit per (outermost ``shard_types`` submodule, dtype), in registration order."""
@@ -692,7 +692,7 @@ class FSDP(nn.Module):
 
 def _made(spec, group):
     """``spec(group)`` for a transport factory (a class such as ``transport.Torch`` included); else ``spec``."""
-    return spec(group) if callable(spec) and not isinstance(spec, (str, transports.Transport)) else spec
+    return spec(group) if callable(spec) and not isinstance(spec, (str, comm_transport.Transport)) else spec
 
 
 def _check_even_hosts(hosts: list[list[int]]) -> None:

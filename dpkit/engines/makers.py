@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 # default group as a default argument after teardown (see process_groups.teardown).
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from dpkit.comm import transport as transports
+from dpkit.comm import transport
 from dpkit.engines.ddp import DDP, broadcast_module_state, make_ddp
 from dpkit.engines.fsdp import FSDP
 from dpkit.engines.zero import ShardedOptimizer
@@ -79,7 +79,7 @@ def hsdp_ours(module: nn.Module, transport, options: Options) -> nn.Module:
     return FSDP(module, shard_types=options.shard_types, transport=transport, shard="host")
 
 
-def fsdp_pytorch(module: nn.Module, transport, options: Options) -> nn.Module:
+def fsdp_pytorch(module: nn.Module, spec, options: Options) -> nn.Module:
     """``fully_shard`` on each ``options.shard_types`` layer and the root, from rank 0's parameters; a transport
     other than "torch" carries its collectives (``use_with_fully_shard``)."""
     broadcast_module_state(module)  # fully_shard shards what each rank holds: make it rank 0's first
@@ -87,7 +87,7 @@ def fsdp_pytorch(module: nn.Module, transport, options: Options) -> nn.Module:
         if isinstance(layer, options.shard_types):
             fully_shard(layer)
     model = fully_shard(module)
-    chosen = transports.resolve(transport, None, next(model.parameters()).device, engine="fully_shard")
-    if not isinstance(chosen, transports.Torch):
-        transports.use_with_fully_shard(model, chosen)
+    chosen = transport.resolve(spec, None, next(model.parameters()).device, engine="fully_shard")
+    if not isinstance(chosen, transport.Torch):
+        transport.use_with_fully_shard(model, chosen)
     return model

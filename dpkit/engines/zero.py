@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dpkit.comm import transport as transports
+from dpkit.comm import transport as comm_transport
 from dpkit.engines.ddp import coalesce
 
 
@@ -71,7 +71,7 @@ class Bucket:
     params: list[torch.Tensor]
     by_rank: list[list[Piece]]
     buffer: torch.Tensor | None = field(default=None, repr=False)  # (n, width), allocated by the transport
-    work: transports.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
+    work: comm_transport.Work | None = field(default=None, repr=False)  # the all-gather into ``buffer``
     # Stage 2 only. The reduce-scatter's input is n virtual rows of ``reduce_width``: row r = rank r's pieces'
     # gradients divided by n, back to back, then one used-flag per piece (1 if this rank had its parameter's
     # gradient), then zeros; they are built chunk by chunk in the optimizer's reduce-scatter pool (see
@@ -201,7 +201,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.pieces: list[Piece] = []  # every rank's, in bucket order
         self.buckets: list[Bucket] = []  # in param-group order, then the parameters' order
         device = next(p.device for g in groups for p in g["params"])  # one device: checked
-        self.transport = transports.resolve(transport, process_group, device, engine="ShardedOptimizer")
+        self.transport = comm_transport.resolve(transport, process_group, device, engine="ShardedOptimizer")
         self._module: nn.Module | None = None  # set by overlap_with_forward
         self._hooks: list = []
         self._waited_s = 0.0  # the calling thread's time on this step's share so far (see last_share_s)

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dpkit.bench import transports
+from dpkit.bench import transport_choice
 from dpkit.bench.measure import format_ratio, verdict
 from dpkit.report import findings
 
@@ -26,7 +26,7 @@ def wire(transport: str) -> str:
 def in_registry_order(names) -> list[str]:
     """``names`` without repeats in the transport registry's order, names it does not know last (a results file may
     hold a transport registered by the run that wrote it)."""
-    known = transports.choices()
+    known = transport_choice.choices()
     return sorted(set(names), key=lambda t: (known.index(t) if t in known else len(known), t))
 
 

@@ -1,9 +1,9 @@
 """The transports a benchmark runs on, named as the registry names them (``dpkit.comm.registry``): a transport
 registered there is a choice of every benchmark's ``--transports`` and is made here, so it appears everywhere.
 
-    parser.add_argument("--transports", nargs="+", type=transports.argument, metavar="NAME")
-    made = transports.make(["torch", "shared_memory:thread"], device)   # a collective: name -> Transport
-    mine = transports.new("shared_memory", device)                        # one engine's own
+    parser.add_argument("--transports", nargs="+", type=transport_choice.argument, metavar="NAME")
+    made = transport_choice.make(["torch", "shared_memory:thread"], device)   # a collective: name -> Transport
+    mine = transport_choice.new("shared_memory", device)                        # one engine's own
 
 Rows name the transport they ran on as the registry does (``"ddp ours [shared_memory]"``, field ``transport``).
 """

@@ -16,7 +16,7 @@ import collectives_benchmark
 import ddp_benchmark
 import sharding_benchmark
 import syncbn_benchmark
-from dpkit.bench import transports as bench_transports
+from dpkit.bench import transport_choice
 from dpkit.comm import registry, transport
 
 TOY = "toy"
@@ -94,19 +94,19 @@ def test_a_registered_transport_is_a_choice_of_every_benchmark_and_named_in_its_
         with pytest.raises(SystemExit):
             module.parse_args(flags)
         assert TOY in capsys.readouterr().out, module.__name__
-    assert TOY in bench_transports.choices()
+    assert TOY in transport_choice.choices()
     registry.unregister(TOY)
-    assert TOY not in bench_transports.choices()
+    assert TOY not in transport_choice.choices()
     register_toy()  # for the fixture's teardown
 
 
 # The spellings of before the names were one: unknown names now, like any other.
 @pytest.mark.parametrize("name", ["gloo", "shm", "shm-thread", "zero_copy", "staged", "dpkit"])
 def test_an_unknown_transport_name_is_refused_listing_the_known_ones(name, capsys):
-    known = ", ".join(bench_transports.choices())
+    known = ", ".join(transport_choice.choices())
     message = f"unknown transport '{name}': choose one of {known}"
     with pytest.raises(argparse.ArgumentTypeError, match=message):
-        bench_transports.argument(name)
+        transport_choice.argument(name)
     for module in (ddp_benchmark, syncbn_benchmark, collectives_benchmark):
         with pytest.raises(SystemExit):
             module.parse_args(["--transports", name])
@@ -120,4 +120,4 @@ def test_an_unknown_transport_name_is_refused_listing_the_known_ones(name, capsy
 
 def test_a_benchmark_refuses_auto_a_row_names_what_it_ran_on():
     with pytest.raises(argparse.ArgumentTypeError, match="not 'auto'"):
-        bench_transports.argument("auto")
+        transport_choice.argument("auto")
