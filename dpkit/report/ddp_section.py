@@ -104,11 +104,20 @@ def caps_text(rows: list[dict]) -> str:
 def differ_text(judged: list[dict], sweep: dict) -> str:
     """The headline run's checks that the sweep checked too, and where their verdicts differ."""
     broad = sweep.get("targets") or []
-    differ, same = findings.differing_verdicts(judged, broad), findings.paired_checks(judged, broad)
+    # One comparison in both runs: the same key but the reference row, which is "the faster PyTorch setting" and may
+    # be another setting in the other run.
+    loose = [k for k in findings.CHECK_KEY if k != "reference"]
+    pairs, strict = findings.paired_checks(judged, broad, loose), findings.paired_checks(judged, broad)
+    differ = [(c, o) for c, o in pairs if c.get("verdict") != o.get("verdict")]
+    moved = len(pairs) - len(strict)
     return (f"Of these, the bucket-size sweep (`ddp_benchmark.json`, {sweep['config']['rounds']} rounds) checked "
-            f"{len(same)} too, with another verdict for {len(differ)}"
+            f"{len(pairs)} too" + (f" ({moved} against another reference row there: PyTorch's faster setting "
+                                   "differs between the runs)" if moved else "")
+            + f", with another verdict for {len(differ)}"
             + (": " + "; ".join(f"{c['label']} / {c['reference']} ({c['target']}): {c['verdict']} here, "
-                                f"{o['verdict']} there" for c, o in differ) if differ else "") + ". ")
+                                f"{o['verdict']} there" + (f" (against {o['reference']})"
+                                                          if o.get("reference") != c.get("reference") else "")
+                                for c, o in differ) if differ else "") + ". ")
 
 
 def commentary(page) -> None:
@@ -190,7 +199,8 @@ def buckets_text(doc: dict, seed: dict, env: dict) -> str:
             f"per iteration varies by {span([100 * s for s in seed_spread], '.1f')} % across caps; ours varies by "
             + ", ".join(f"{100 * s:.1f} % ({m})" for m, s in spread.items())
             + f", the largest cap of the lowest p50 in {len(largest_fastest)} of our {len(caps)} series. "
-            + f"Neighbouring caps are separated by their 95 % intervals in {resolved} of our {len(caps)} series: "
+            + f"Every pair of neighbouring caps is separated by its 95 % intervals in {resolved} of our {len(caps)} "
+            "series: "
             + ("on this machine the bucket size is mostly not resolved by this run, so the two shapes are **not "
                "comparable in detail**." if resolved < len(caps) else "the differences are resolved."))
 

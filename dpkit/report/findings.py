@@ -114,16 +114,18 @@ def tally(sources: Iterable[tuple[dict, Iterable[dict]]]) -> list[dict]:
     """Verdict counts per (axis, kind) over ``(doc, checks)`` pairs, counting only ``counted`` checks, each on
     ``paths.axis`` (a zero-copy row against a staged one is on the transport axis; bookkeeping on "ideal"): rows
     of {"axis", "kind", "met", "missed", "inconclusive", "total", "single"} ("single": how many rest on one
-    measurement)."""
+    measurement; "moved": the stored axis of each check counted on another, by its paths)."""
     out: dict[tuple[str, str], dict] = {}
     for doc, checks in sources:
         for c in counted(checks, doc.get("env")):
             axis = "ideal" if kind(c) == "bytes bookkeeping" else paths.axis(c, doc)
             row = out.setdefault((axis, kind(c)), {"axis": axis, "kind": kind(c), **dict.fromkeys(VERDICTS, 0),
-                                                   "total": 0, "single": 0})
+                                                   "total": 0, "single": 0, "moved": []})
             row[c["verdict"]] += 1
             row["total"] += 1
             row["single"] += single_measurement(c)
+            if axis == "transport" and c.get("axis") not in (None, axis):
+                row["moved"].append(c["axis"])
     return sorted(out.values(), key=lambda r: (r["axis"], KINDS.index(r["kind"])))
 
 
@@ -131,8 +133,11 @@ def tally_text(row: dict) -> str:
     """"engine, time: 14 met, 1 missed, 11 inconclusive of 26" and how many rest on a single measurement."""
     single = {0: "", row["total"]: ", each on a single measurement"}.get(
         row["single"], f", {row['single']} of them on a single measurement")
+    moved = row.get("moved") or []
+    moved_text = (f" ({len(moved)} of them stored as {' and '.join(sorted(set(moved)))} checks, counted here: each "
+                  "compares a zero-copy row with a staged one)") if moved else ""
     return f"{row['axis']}, {row['kind']}: {counts_text([{'verdict': v} for v in VERDICTS for _ in range(row[v])])} " \
-           f"of {row['total']}{single}"
+           f"of {row['total']}{single}{moved_text}"
 
 
 def repeated_allreduce(collectives: dict, allreduce: dict) -> list[tuple[dict, dict]]:

@@ -45,10 +45,12 @@ def target_view(t: dict, doc: dict) -> dict:
 
 
 def zero_balance_text(rows: list[dict]) -> str:
-    """The largest rank of our ZeRO against the ideal share of the model states."""
-    worst = max(r["state_vs_ideal"] for r in rows if r["variant"].startswith("zero1 ours"))
-    return (f"The largest rank of our ZeRO holds at most {worst:.2f}x the ideal model-state bytes over every rank "
-            "count measured (bytes bookkeeping, one measurement each; its flat partition cuts the parameters into n "
+    """The largest rank of each stage of our ZeRO the file has, against the ideal share of the model states."""
+    stages = [(stage, [r["state_vs_ideal"] for r in rows if r["variant"].startswith(f"{stage} ours")])
+              for stage in ("zero1", "zero2")]
+    held = "; ".join(f"{stage} at most {max(values):.2f}x" for stage, values in stages if values)
+    return (f"The largest rank of our ZeRO holds, of the ideal model-state bytes over every rank count measured: "
+            f"{held} (bytes bookkeeping, one measurement each; its flat partition cuts the parameters into n "
             "near-equal ranges, so no single tensor unbalances it).")
 
 

@@ -280,8 +280,22 @@ def counts_lines(syncbn: dict, ddp: dict, *others: dict) -> list[str]:
     sources = [(syncbn, [r for r in syncbn["results"] if r.get("kind") == "target"]), (ddp, ddp.get("targets") or [])]
     sources += [(doc, doc.get("targets") or [t for t in doc["results"] if "target" in t and "verdict" in t])
                 for doc in others]
-    return ["- **Verdict counts** (every stored target of the files above, per axis and kind; runs of one process "
+    files = ", ".join(f"`{name}.json`" for name in RATIO_FILES)
+    return [f"- **Verdict counts** (every stored target of {files}, per axis and kind; runs of one process "
             "and oversubscribed runs left out):", *(f"  - {findings.tally_text(r)}" for r in findings.tally(sources))]
+
+
+def other_runs_lines(*docs: dict) -> list[str]:
+    """The verdicts of the other runs of these comparisons (``OTHER_RUN_FILES``), not in the counts above: each
+    file's, so that no committed verdict goes unstated."""
+    texts, missed = [], []
+    for name, doc in zip(OTHER_RUN_FILES, docs):
+        checks = findings.counted(doc.get("targets") or [], doc["env"])
+        texts.append(f"`{name}.json` {findings.counts_text(checks)}")
+        missed += [f"{c.get('model', '')} {c['label']} / {c['reference']} {format_ratio(c['ratio'])} "
+                   f"(`{name}.json`)".strip() for c in checks if c["verdict"] == "missed"]
+    return ["- **Other runs of these comparisons**, not in the counts above (same exclusions): " + "; ".join(texts)
+            + (f"; missed: {'; '.join(missed)}" if missed else "") + "."]
 
 
 def oversubscribed_lines(*docs: dict) -> list[str]:
@@ -330,6 +344,7 @@ SECTIONS: list[tuple[tuple[str, ...], Callable[..., list[str]]]] = [
     (("train_ours", "train_pytorch"), training_lines),
     (("syncbn", "ddp_headline", "collectives", "reduce_scatter", "all_gather", "sharding", "sharding_resnet18",
       "sharding_gpt"), counts_lines),
+    (("allreduce", "ddp_benchmark", "ddp_sweep"), other_runs_lines),
     (("ddp_benchmark", "ddp_sweep", "allreduce", "collectives", "sharding"), oversubscribed_lines),
 ]
 
@@ -356,6 +371,8 @@ def render(results_dir: Path, producers: dict[str, str]) -> str:
 # The files whose ratios the block states (ddp_benchmark and ddp_sweep only feed the oversubscription line).
 RATIO_FILES = ("syncbn", "ddp_headline", "collectives", "reduce_scatter", "all_gather", "sharding",
                "sharding_resnet18", "sharding_gpt")
+# Other runs of the same comparisons (allreduce.py's auto against torch; the DDP sweep and the bucket-size run).
+OTHER_RUN_FILES = ("allreduce", "ddp_benchmark", "ddp_sweep")
 
 
 def interval_note(docs: dict[str, dict]) -> str:
@@ -382,7 +399,8 @@ def report_scope(results_dir: Path, manifest: dict) -> str:
     experiment of the manifest writes them) are named as not in it."""
     ran = {r["experiment"] for r in manifest["results"]} | {"manifest", "suite"}  # suite.json: the tests' times
     read = {f"{name}.json" for name in ran}
-    extra = sorted(f"`{p.name}`" for p in results_dir.glob("*.json") if p.name not in read)
+    found = [*results_dir.glob("*.json"), *results_dir.glob("profiles/*.json")]  # traces/: the ddp_traces experiment's
+    extra = sorted(f"`{p.relative_to(results_dir)}`" for p in found if p.name not in read or p.parent != results_dir)
     return ("report.ipynb shows every experiment of `results/manifest.json`"
             + (f" (not {', '.join(extra)}, which no experiment of it writes)." if extra else "."))
 

@@ -69,7 +69,8 @@ def targets(page) -> None:
                   [("name", "bound (no target)", "s"), ("value", "measured", "s")], doc)
     whys = [sentences.syncbn_why(doc, r) for r in kind(doc, "ratio") if r.get("why")]
     if whys:
-        page.say("**Sizes that miss their target, and why**\n\n" + "\n".join(f"* {w}" for w in whys), doc)
+        page.say("**Sizes that do not meet their target (missed or inconclusive), and why**\n\n"
+                 + "\n".join(f"* {w}" for w in whys), doc)
     page.draw(ratio_figure(doc))
 
 
