@@ -369,3 +369,21 @@ def test_the_machine_is_named_from_each_files_environment_and_two_cpus_are_not_n
     assert summary.machines(docs) == "AMD EPYC (2 cores, no GPU), gloo"
     assert summary.machines({"a": {"env": epyc}, "b": {"env": xeon}}) == \
         "AMD EPYC (2 cores, no GPU), gloo (`a.json`); Intel Xeon (2 cores, no GPU), gloo (`b.json`)"
+
+
+def test_the_other_runs_verdicts_are_stated_and_each_missed_check_named():
+    """allreduce.py's run, the bucket-size sweep and the world-size sweep check the same comparisons again: their
+    verdicts are not in the counts, so the block states them, counted the same way, and names every missed check."""
+    env = {"cpus": 2, "device": "cpu"}
+    ratio = {"median": 1.2, "ci_low": 1.1, "ci_high": 1.3, "rounds": 6}
+    check = {"world_size": 2, "label": "ddp ours 25M [torch]", "reference": "ddp pytorch 25M [torch]", "limit": 1.0,
+             "ratio": ratio, "target": "p50 / faster pytorch p50, same transport"}
+    docs = [{"env": env, "targets": [{**check, "verdict": "met", "model": None}]},
+            {"env": env, "targets": [{**check, "verdict": "missed", "model": "cnn"},
+                                     {**check, "verdict": "missed", "world_size": 4, "model": "cnn"}]},  # 4 on 2 cores
+            {"env": env, "targets": []}]
+    (line,) = summary.other_runs_lines(*docs)
+    assert "`allreduce.json` 1 met, 0 missed, 0 inconclusive; `ddp_benchmark.json` 0 met, 1 missed, 0 inconclusive; " \
+           "`ddp_sweep.json` 0 met, 0 missed, 0 inconclusive" in line
+    assert line.endswith("missed: cnn ddp ours 25M [torch] / ddp pytorch 25M [torch] 1.20x [1.10, 1.30] "
+                         "(`ddp_benchmark.json`).")

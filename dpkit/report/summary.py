@@ -368,7 +368,8 @@ def render(results_dir: Path, producers: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-# The files whose ratios the block states (ddp_benchmark and ddp_sweep only feed the oversubscription line).
+# The files whose ratios the block states and counts (ddp_benchmark, ddp_sweep and allreduce, other runs of the same
+# comparisons, feed the other runs' line and the oversubscription line).
 RATIO_FILES = ("syncbn", "ddp_headline", "collectives", "reduce_scatter", "all_gather", "sharding",
                "sharding_resnet18", "sharding_gpt")
 # Other runs of the same comparisons (allreduce.py's auto against torch; the DDP sweep and the bucket-size run).
