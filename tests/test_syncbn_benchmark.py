@@ -21,10 +21,11 @@ from common import run_workers
 from dpkit.bench.results import format_environment, read_results
 from dpkit.comm import transport
 from dpkit.native import syncbn_channels
-from syncbn_benchmark import (COLD, CPU_TARGET, FLOOR, LOCAL, NORMAL, OURS, PHASES, QUICK, REFERENCE, SHM, SINGLE,
-                              SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, Floor, phase_medians, Stamped,
-                              attribution_lines, bounds, main, operators, parse_args, ratios, report, run, run_case,
-                              targets)
+from dpkit.bench.syncbn_report import attribution_lines, report
+from dpkit.bench.syncbn_verdicts import (COLD, CPU_TARGET, FLOOR, LOCAL, OURS, PATH_IMPLS, PATHS, PHASES, REFERENCE,
+                                         SHM, SINGLE, SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, bounds,
+                                         ratios, targets)
+from syncbn_benchmark import NORMAL, QUICK, Floor, phase_medians, Stamped, main, operators, parse_args, run, run_case
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -440,8 +441,8 @@ def test_each_path_of_the_layer_is_timed_by_its_own_code_against_the_c_path():
     args = parse_args(["--settings", "paths", "--batch", "8", "--hidden", "4", "--iters", "2", "--rounds", "1",
                        "--warmup", "0"])
     rows = syncbn_benchmark.run_paths(torch.device("cpu"), args)
-    impls = list(syncbn_benchmark.PATH_IMPLS.values())
-    assert [(r["impl"], r["setting"]) for r in rows] == [(impl, syncbn_benchmark.PATHS) for impl in impls]
+    impls = list(PATH_IMPLS.values())
+    assert [(r["impl"], r["setting"]) for r in rows] == [(impl, PATHS) for impl in impls]
     if syncbn_channels.for_dtype(torch.float32) is not None:  # where a C compiler built them
         c, kernels, pytorch = (r["operators"] for r in rows)
         assert c < kernels < pytorch, "each path does more in PyTorch than the one before"
