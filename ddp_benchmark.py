@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 import torch
 
@@ -71,7 +72,7 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
     return run(ctx, args, default_models(args, ctx.device), () if alone else args.variants, trimmer(args))
 
 
-def trimmer(args: argparse.Namespace):
+def trimmer(args: argparse.Namespace) -> Callable[[dict], dict] | None:
     """--trim-traces: the report's ``plots.trim_trace``, which keeps a trace's overlap timeline; else None."""
     if not args.trim_traces:
         return None
