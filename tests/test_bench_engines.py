@@ -14,6 +14,7 @@ import pytest
 import ddp_benchmark
 import toy_engine
 from common import run_workers
+from dpkit.bench import ddp_step, ddp_variants
 from dpkit.report import plots
 
 TINY = ["--models", "cnn", "--variants", "ddp ours", "toy ours", "--transports", "torch", "--bucket-sizes", "25",
@@ -40,7 +41,7 @@ def test_a_registered_ddp_engine_runs_in_the_ddp_benchmark_beside_ours(runs):
 
 def test_a_registered_ddp_engine_is_a_variant_named_in_the_help_and_unknown_once_gone(capsys):
     with toy_engine.registered():
-        assert "toy ours" in ddp_benchmark.kinds() and "toy ours" in ddp_benchmark.parse_args(["run"]).variants
+        assert "toy ours" in ddp_variants.kinds() and "toy ours" in ddp_benchmark.parse_args(["run"]).variants
         with pytest.raises(SystemExit):
             ddp_benchmark.parse_args(["run", "--help"])
         assert '"toy ours"' in capsys.readouterr().out
@@ -52,4 +53,4 @@ def test_a_name_without_a_colour_of_its_own_is_drawn_in_one_colour_in_every_figu
     """Grey is for oversubscribed runs; a registered engine's rows take one of the extra colours, always the same."""
     toy = plots.colour({"label": "toy ours [torch]", "variant": "toy ours"})
     assert toy in plots.MORE_COLOURS and toy == plots.colour("toy ours") != plots.OTHER
-    assert toy not in {plots.colour(k) for k in ddp_benchmark.DDP_KINDS}
+    assert toy not in {plots.colour(k) for k in ddp_step.DDP_KINDS}

@@ -28,15 +28,16 @@ import torch
 
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
-from dpkit.bench import ddp_step, harness, measure
+from dpkit.bench import ddp_replicas, ddp_run, ddp_step, ddp_targets, ddp_variants, harness, measure
 from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
 from dpkit.comm import registry
 from dpkit.comm import transport
 from dpkit.engines import ddp
 from dpkit.engines.ddp import LAST_BUCKET_CAP_MB
+from dpkit import models
 from dpkit.models import Net
-from dpkit.report import ddp_tables, plots
+from dpkit.report import ddp_printout, ddp_tables, plots
 
 # One round: rounds are pooled and paired in the scripted run below; here every row is built once.
 BATCH, ITERS, ROUNDS, WORLD = 2, 2, 1, 2
@@ -100,16 +101,16 @@ DEFAULT_LABELS = (["no ddp"] + [f"ddp pytorch {mb}M [torch]" for mb in (1, 10, 2
 
 def test_by_default_every_variant_runs_on_gloo_and_shared_memory_on_a_cpu_and_on_torch_alone_on_gpus():
     args = bench.parse_args([])
-    assert bench.default_transports(args, torch.device("cpu")) == ["torch", "shared_memory"]
-    assert bench.default_transports(args, torch.device("cuda")) == ["torch"]
+    assert ddp_variants.default_transports(args, torch.device("cpu")) == ["torch", "shared_memory"]
+    assert ddp_variants.default_transports(args, torch.device("cuda")) == ["torch"]
     assert harness.config(bench.BENCHMARK, args)["variants"] == DEFAULT_LABELS
-    assert [v.label for v in bench.variants_for(bench.DDP_KINDS, args.bucket_sizes)] == DEFAULT_LABELS
-    on_gpus = bench.variants_for(bench.DDP_KINDS, [25.0], ["torch"])
+    assert [v.label for v in ddp_variants.variants_for(ddp_step.DDP_KINDS, args.bucket_sizes)] == DEFAULT_LABELS
+    on_gpus = ddp_variants.variants_for(ddp_step.DDP_KINDS, [25.0], ["torch"])
     assert {v.transport for v in on_gpus} == {None, "torch"}
 
 
 def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
-    variants = bench.variants_for(bench.DDP_KINDS, [1.0], ["torch", "shared_memory", "shared_memory:thread"])
+    variants = ddp_variants.variants_for(ddp_step.DDP_KINDS, [1.0], ["torch", "shared_memory", "shared_memory:thread"])
     assert [v.label for v in variants if v.transport == "shared_memory:thread"] == [
         "ddp ours overlap [shared_memory:thread]", "ddp ours 1M [shared_memory:thread]"]
     # PyTorch's DDP at its defaults keeps its own gloo, and also runs at its default bucket size (25 MiB)
@@ -118,7 +119,7 @@ def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
     assert [v.label for v in variants if v.kind == "ddp pytorch best"] == ["ddp pytorch best 25M [torch]",
                                                                        "ddp pytorch best 25M [shared_memory]"]
     assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
-    assert bench.Variant("ddp ours", 25.0, "shared_memory:thread").slug == "ddp-ours-25M-[shared_memory:thread]"
+    assert ddp_variants.Variant("ddp ours", 25.0, "shared_memory:thread").slug == "ddp-ours-25M-[shared_memory:thread]"
 
 
 def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monkeypatch):
@@ -165,8 +166,8 @@ def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep
 
 def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
     doc, printed, _ = sweep
-    assert doc["targets"] and doc["targets"] == bench.target_checks(doc["results"])
-    assert "\n".join(bench.targets_text(doc["targets"])) in printed
+    assert doc["targets"] and doc["targets"] == ddp_targets.target_checks(doc["results"])
+    assert "\n".join(ddp_printout.targets_text(doc["targets"])) in printed
 
 
 def test_each_check_compares_along_one_axis(sweep):
@@ -207,7 +208,7 @@ def test_each_check_compares_along_one_axis(sweep):
         elif c["axis"] == "overhead":
             assert c["reference"] == "no ddp", c
         elif c["limit"] is not None:
-            assert transport_of(c["label"]) in bench.ASYNCHRONOUS, c
+            assert transport_of(c["label"]) in ddp_variants.ASYNCHRONOUS, c
         if c["limit"] is None:
             assert c["verdict"] == "information" and c["axis"] == "overlap", c
         else:
@@ -262,7 +263,7 @@ def scripted():
     scripted clock; also what make_replica built for each variant."""
     clock = ScriptedClock()
     variants = len(SCRIPT)
-    real_make, real_time = bench.make_replica, measure.time
+    real_make, real_time = ddp_replicas.make_replica, measure.time
 
     def make_replica(variant, module, batch, made):
         replica = real_make(variant, module, batch, made)
@@ -279,7 +280,7 @@ def scripted():
         replica.waits.append(wait * replica.drift)
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(bench, "make_replica", make_replica)
+    patch.setattr(ddp_run, "make_replica", make_replica)
     patch.setattr(ddp_step.Replica, "step", step)
     patch.setattr(measure, "time", clock)
     try:
@@ -312,7 +313,7 @@ def test_percentiles_pool_the_scripted_times_of_every_round(scripted):
         expected = [seconds * d for d in DRIFT for _ in range(SCRIPTED_ITERS // len(DRIFT))]
         row = rows[label]
         assert row["samples_s"] == pytest.approx(expected)
-        for p in bench.PERCENTILES:
+        for p in ddp_run.PERCENTILES:
             assert row[f"p{p}_s"] == pytest.approx(float(np.percentile(expected, p)))
             assert row[f"p{p}_ex_per_s"] == pytest.approx(BATCH / row[f"p{p}_s"])  # one rank: global batch = BATCH
         assert row["round_p50_s"] == pytest.approx([seconds * d for d in DRIFT])
@@ -336,9 +337,9 @@ def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_tra
     assert exact(rows["ddp ours 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
     assert rows["ddp ours 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
     assert exact(rows["ddp ours naive [shared_memory]"]["vs_no_ddp"], 1.8)
-    assert bench.faster_pytorch(rows, "torch")["label"] == "ddp pytorch best 25M [torch]"
-    assert bench.faster_pytorch(rows, "shared_memory")["label"] == "ddp pytorch best 25M [shared_memory]"
-    assert bench.faster_pytorch(rows, "shared_memory:thread") is None
+    assert ddp_targets.faster_pytorch(rows, "torch")["label"] == "ddp pytorch best 25M [torch]"
+    assert ddp_targets.faster_pytorch(rows, "shared_memory")["label"] == "ddp pytorch best 25M [shared_memory]"
+    assert ddp_targets.faster_pytorch(rows, "shared_memory:thread") is None
 
 
 def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
@@ -365,8 +366,8 @@ def test_exposed_wait_and_its_share_of_the_iteration(scripted):
 
 def scripted_checks(scripted, world=2):
     rows = [{**r, "world_size": world} for r in scripted[0].values()]  # targets need 2 ranks; the rows are the same
-    bench.relate(rows)
-    return rows, bench.target_checks(rows)
+    ddp_targets.relate(rows)
+    return rows, ddp_targets.target_checks(rows)
 
 
 def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_transport(scripted):
@@ -384,7 +385,7 @@ def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_tran
                                                                            "[shared_memory]"]["verdict"] == "met"
     by_label = {r["label"]: r for r in rows}
     for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
-        assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == bench.TARGET_MEMORY
+        assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == ddp_targets.TARGET_MEMORY
         assert c["ratio"]["median"] == by_label[c["label"]]["peak_bytes"] / by_label[c["reference"]]["peak_bytes"]
 
 
@@ -396,14 +397,14 @@ def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_
     assert transport["ddp ours 25M "
                      "[shared_memory]"]["axis"] == "overhead"  # against no DDP: not one engine on two transports
     hook = transport["ddp pytorch best 25M [shared_memory]"]
-    assert hook["reference"] == "ddp pytorch best 25M [torch]" and hook["limit"] == bench.TARGET_HOOK
+    assert hook["reference"] == "ddp pytorch best 25M [torch]" and hook["limit"] == ddp_targets.TARGET_HOOK
     assert exact(hook["ratio"], 0.108 / 0.120) and hook["verdict"] == "met"  # 0.90 <= 0.95
     backed = transport["ddp pytorch best 25M [torch:dpkit]"]  # the same engine, unchanged, on a "dpkit" process group
     assert (backed["axis"], backed["reference"], backed["limit"]) == ("transport", "ddp pytorch best 25M [torch]",
-                                                                      bench.TARGET_BACKEND)
+                                                                      ddp_targets.TARGET_BACKEND)
     assert exact(backed["ratio"], 0.111 / 0.120) and backed["verdict"] == "met"  # 0.925 <= 0.93
     alone = transport["ddp ours 25M [shared_memory]"]
-    assert alone["reference"] == "no ddp" and alone["limit"] == bench.TARGET_VS_NO_DDP
+    assert alone["reference"] == "no ddp" and alone["limit"] == ddp_targets.TARGET_VS_NO_DDP
     assert exact(alone["ratio"], 1.04) and alone["verdict"] == "met"  # 1.04 <= 1.15
 
 
@@ -419,7 +420,7 @@ def test_overlap_is_checked_on_asynchronous_transports_only_against_naive_on_the
     assert hidden["ddp ours 25M [shared_memory:thread]"]["reference"] == "ddp ours naive [shared_memory]"
     assert exact(hidden["ddp ours 25M [shared_memory:thread]"]["ratio"], 0.6)
     assert hidden["ddp ours 25M [shared_memory:thread]"]["verdict"] == "missed"
-    assert all(c["limit"] == bench.TARGET_HIDDEN for c in hidden.values())
+    assert all(c["limit"] == ddp_targets.TARGET_HIDDEN for c in hidden.values())
 
 
 def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_information(scripted):
@@ -430,25 +431,25 @@ def test_a_communication_thread_is_compared_with_the_same_sums_inline_for_inform
     assert (thread["axis"], thread["label"], thread["reference"]) == ("overlap", "ddp ours 25M [shared_memory:thread]",
                                                                       "ddp ours 25M [shared_memory]")
     assert exact(thread["ratio"], 1.10) and thread["verdict"] == "information"
-    text = "\n".join(bench.targets_text(checks))
+    text = "\n".join(ddp_printout.targets_text(checks))
     assert "1.10x [1.10, 1.10] (information)" in text
 
 
 def test_targets_text_says_met_missed_or_inconclusive(scripted):
     _, checks = scripted_checks(scripted)
-    text = "\n".join(bench.targets_text(checks))
+    text = "\n".join(ddp_printout.targets_text(checks))
     assert "1.10x [1.10, 1.10] <= 1.00: MISSED" in text and "0.05x [0.05, 0.05] <= 0.50: MET" in text
     assert "0.90x [0.90, 0.90] <= 0.95: MET" in text and "0.60x [0.60, 0.60] <= 0.50: MISSED" in text
     assert len(text.splitlines()) == 1 + len(checks)
-    assert bench.target_checks([{**r, "world_size": 1} for r in scripted[0].values()]) == []  # one rank: nothing
+    assert ddp_targets.target_checks([{**r, "world_size": 1} for r in scripted[0].values()]) == []  # one rank: nothing
 
 
 def test_a_run_with_more_processes_than_cores_is_marked_and_never_official(scripted):
     rows = [{**r, "world_size": os.cpu_count() + 1, "oversubscribed": True} for r in scripted[0].values()]
-    bench.relate(rows)
-    assert bench.target_checks(rows) and all(c["oversubscribed"] for c in bench.target_checks(rows))
-    assert "(oversubscribed: information)" in "\n".join(bench.targets_text(bench.target_checks(rows)))
-    assert "*ranks" in bench.row_prefix(rows[0])
+    ddp_targets.relate(rows)
+    assert ddp_targets.target_checks(rows) and all(c["oversubscribed"] for c in ddp_targets.target_checks(rows))
+    assert "(oversubscribed: information)" in "\n".join(ddp_printout.targets_text(ddp_targets.target_checks(rows)))
+    assert "*ranks" in ddp_tables.row_prefix(rows[0])
 
 
 # --------------------------------------------------------------------------- what each variant sends and keeps
@@ -510,7 +511,7 @@ def test_report_prints_every_row_and_the_targets(sweep):
     doc, printed, _ = sweep
     assert f"Benchmark: cnn with batch size {BATCH} per rank, 3x32x32 inputs" in printed
     for row in doc["results"]:
-        prefix = bench.row_prefix(row)
+        prefix = ddp_tables.row_prefix(row)
         assert f"{prefix}  p50: {row['p50_s']:8.4f}s" in printed  # the seed-004 table
         assert sum(line.startswith(prefix) for line in printed.splitlines()) >= 2  # and the communication table
     assert "Targets (set for CPU, 2 ranks, resnet18), each on one axis." in printed
@@ -541,12 +542,12 @@ def test_every_variant_writes_a_loadable_chrome_trace_per_rank_with_its_sums_on_
     for label, row in rows_at(doc, WORLD).items():
         names = trace_names(traces, label)
         if row["transport"] == "torch:dpkit":
-            assert names.count("dpkit:all_reduce") == bench.PROFILE_ITERS * row["all_reduces"] > 0, label
+            assert names.count("dpkit:all_reduce") == ddp_run.PROFILE_ITERS * row["all_reduces"] > 0, label
             assert names.count("gloo:all_reduce") == names.count(SHM_ALL_REDUCE) == 0, label
             continue
         wire, other = (("gloo:all_reduce", SHM_ALL_REDUCE) if row["transport"] == "torch"
                        else (SHM_ALL_REDUCE, "gloo:all_reduce"))
-        assert names.count(wire) == bench.PROFILE_ITERS * row["all_reduces"] and names.count(other) == 0, label
+        assert names.count(wire) == ddp_run.PROFILE_ITERS * row["all_reduces"] and names.count(other) == 0, label
     assert rows_at(doc, WORLD)["no ddp"]["all_reduces"] == 0
 
 
@@ -607,7 +608,7 @@ def test_diff_gives_the_percent_change_of_each_row(sweep, tmp_path):
         for p in ddp_tables.DIFF_PERCENTILES:
             # PyTorch's diff.py: the change in time, negated (lower is better): 1.25x the time is -25%.
             assert d[f"p{p}_diff_pct"] == pytest.approx(-100 * (factor - 1))
-            expected_time = factor * bench.percentile(base["samples_s"], p)
+            expected_time = factor * measure.percentile(base["samples_s"], p)
             assert d[f"p{p}_test_s"] == pytest.approx(expected_time)
             assert d[f"p{p}_test_ex_per_s"] == pytest.approx(base["global_batch"] / expected_time)
 
@@ -615,18 +616,18 @@ def test_diff_gives_the_percent_change_of_each_row(sweep, tmp_path):
 def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
     doc, _, _ = sweep
     test = changed_copy(doc)
-    text = bench.format_diff(doc, test)
+    text = ddp_tables.format_diff(doc, test)
     torch_line = next(line for line in text.splitlines() if line.startswith("torch:"))
     assert torch.__version__ in torch_line and "9.9.9" in torch_line and "differs" in torch_line
     backend_line = next(line for line in text.splitlines() if line.startswith("backend:"))
     assert "differs" not in backend_line
     assert "incomplete" not in text
-    stopped = bench.format_diff(doc, {**test, "complete": False})
+    stopped = ddp_tables.format_diff(doc, {**test, "complete": False})
     assert f"test: incomplete run: ddp_benchmark was stopped; {len(test['results'])} rows" in stopped, \
         "a stopped run's rows are compared, and said to be what it finished"
     row = rows_at(doc, WORLD)[QUICKER]
-    p75 = FASTER * bench.percentile(row["samples_s"], 75)
-    assert f"{bench.row_prefix(row)}  p75: {p75:8.4f}s {row['global_batch'] / p75:7.0f}/s    +20.0%" in text
+    p75 = FASTER * measure.percentile(row["samples_s"], 75)
+    assert f"{ddp_tables.row_prefix(row)}  p75: {p75:8.4f}s {row['global_batch'] / p75:7.0f}/s    +20.0%" in text
     assert "only in baseline:" in text
 
 
@@ -634,11 +635,11 @@ def test_diff_prints_the_settings_side_by_side_and_a_line_per_row(sweep):
 
 
 def test_rounds_rotate_the_order_and_split_the_iterations():
-    variants = bench.variants_for(("ddp ours naive", "ddp ours flat", "ddp ours overlap"), [], ["torch"])
-    order = [v.label for _, v in bench.schedule(variants, 2)]
+    variants = ddp_variants.variants_for(("ddp ours naive", "ddp ours flat", "ddp ours overlap"), [], ["torch"])
+    order = [v.label for _, v in ddp_variants.schedule(variants, 2)]
     assert order == ["no ddp", "ddp ours naive [torch]", "ddp ours flat [torch]", "ddp ours overlap [torch]",
                      "ddp ours flat [torch]", "ddp ours overlap [torch]", "no ddp", "ddp ours naive [torch]"]
-    assert [bench.round_iters(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
+    assert [ddp_variants.round_iters(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
 
 
 def gpt_and_batch(batch: int, width: int, depth: int, heads: int, seq_len: int, vocab: int):
@@ -647,8 +648,8 @@ def gpt_and_batch(batch: int, width: int, depth: int, heads: int, seq_len: int, 
                              str(depth), "--gpt-heads", str(heads), "--gpt-seq-len", str(seq_len),
                              "--gpt-vocab", str(vocab)])
     torch.manual_seed(0)
-    model = bench.build_model("gpt", bench.gpt_config(args))
-    return (model, *bench.make_batch("gpt", args, rank=0, device=torch.device("cpu")))
+    model = models.build_model("gpt", ddp_replicas.gpt_config(args))
+    return (model, *ddp_replicas.make_batch("gpt", args, rank=0, device=torch.device("cpu")))
 
 
 def test_gpt_predicts_the_next_token_with_a_tied_output_layer():
@@ -743,7 +744,7 @@ def test_the_25m_rows_on_every_transport_say_where_an_iteration_spends_its_time(
                         "ddp ours 25M [shared_memory:thread]"]
     for label in profiled:
         breakdown = rows[label]["breakdown"]
-        assert set(breakdown["ranges"]) == set(bench.PHASES), label
+        assert set(breakdown["ranges"]) == set(measure.PHASES), label
         assert breakdown["ranges"]["backward"] > 0 and breakdown["ops"], label
 
 
@@ -751,13 +752,13 @@ def test_diff_of_two_benchmarks_or_of_runs_with_nothing_in_common_says_what_diff
     doc, _, _ = sweep
     other = {**copy.deepcopy(doc), "benchmark": "syncbn_benchmark"}
     with pytest.raises(ValueError, match="cannot compare a 'ddp_benchmark' results file with a 'syncbn_benchmark' one"):
-        bench.format_diff(doc, other)
+        ddp_tables.format_diff(doc, other)
     bigger = copy.deepcopy(doc)
     bigger["config"]["batch_size"] = 64
     for row in bigger["results"]:
         row["batch_size"] = 64
     with pytest.raises(ValueError, match=r"measured nothing in common(.|\n)*batch_size: 2 vs 64"):
-        bench.format_diff(doc, bigger)
+        ddp_tables.format_diff(doc, bigger)
     base, test = tmp_path / "a.json", tmp_path / "b.json"
     write_results(str(base), doc["benchmark"], doc["env"], doc["config"], doc["results"])
     write_results(str(test), other["benchmark"], other["env"], other["config"], other["results"])
@@ -771,10 +772,10 @@ def test_diff_of_two_benchmarks_or_of_runs_with_nothing_in_common_says_what_diff
 def test_the_budget_lowers_the_iterations_to_what_fits_never_below_one_per_round_nor_above_iters():
     # 7 variants at 0.2 s an iteration, 8 rounds of 2 warm-up iterations each: 60 s hold 42 iterations a
     # variant, of which 16 warm up.
-    assert bench.iters_within(60.0, 0.2, 7, 8, 2, 48) == 26
-    assert bench.iters_within(60.0, 0.5, 7, 8, 2, 48) == 8, "one per round at least"
-    assert bench.iters_within(60.0, 0.001, 7, 8, 2, 48) == 48, "never more than --iters"
-    assert bench.iters_within(0.0, 10.0, 7, 8, 2, 48) == 48, "0: no budget"
+    assert ddp_run.iters_within(60.0, 0.2, 7, 8, 2, 48) == 26
+    assert ddp_run.iters_within(60.0, 0.5, 7, 8, 2, 48) == 8, "one per round at least"
+    assert ddp_run.iters_within(60.0, 0.001, 7, 8, 2, 48) == 48, "never more than --iters"
+    assert ddp_run.iters_within(0.0, 10.0, 7, 8, 2, 48) == 48, "0: no budget"
 
 
 def test_on_a_gpu_the_defaults_take_one_bucket_size_and_a_budget_measured_on_a_no_ddp_iteration(monkeypatch):
@@ -782,23 +783,23 @@ def test_on_a_gpu_the_defaults_take_one_bucket_size_and_a_budget_measured_on_a_n
     assert args.bucket_sizes == [1.0, 10.0, 25.0, 100.0, 1000.0] and args.budget is None, "the CPU's defaults"
     monkeypatch.setattr(bench, "check_placement", lambda parser, args: "cuda")
     on_gpu = bench.parse_args([])
-    assert on_gpu.bucket_sizes == [bench.PYTORCH_DEFAULT_BUCKET_MB]
-    assert [v.label for v in bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])] == \
+    assert on_gpu.bucket_sizes == [ddp_step.PYTORCH_DEFAULT_BUCKET_MB]
+    assert [v.label for v in ddp_variants.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])] == \
         ["no ddp", "ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]", "ddp ours naive [torch]",
          "ddp ours flat [torch]", "ddp ours overlap [torch]", "ddp ours 25M [torch]"]
-    variants = bench.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])
+    variants = ddp_variants.variants_for(on_gpu.variants, on_gpu.bucket_sizes, ["torch"])
     measured = []
-    monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: measured.append(name) or 0.5)
+    monkeypatch.setattr(ddp_run, "step_seconds", lambda ctx, args, name, batch: measured.append(name) or 0.5)
     gpu, cpu = (argparse.Namespace(device=torch.device(kind)) for kind in ("cuda", "cpu"))
     # The GPT at 0.5 s an iteration: 60 s fit 17 a variant, fewer than 8 rounds of 2 warm-up and 1 timed.
-    assert bench.model_iters(gpu, on_gpu, "gpt", variants, None) == on_gpu.rounds == 8 and measured == ["gpt"]
-    assert bench.model_iters(cpu, on_gpu, "gpt", variants, None) == on_gpu.iters and measured == ["gpt"], \
+    assert ddp_run.model_iters(gpu, on_gpu, "gpt", variants, None) == on_gpu.rounds == 8 and measured == ["gpt"]
+    assert ddp_run.model_iters(cpu, on_gpu, "gpt", variants, None) == on_gpu.iters and measured == ["gpt"], \
         "no budget on a CPU: nothing measured first"
-    assert bench.model_iters(cpu, bench.parse_args(["--budget", "30"]), "cnn", variants, None) == 8
+    assert ddp_run.model_iters(cpu, bench.parse_args(["--budget", "30"]), "cnn", variants, None) == 8
 
 
 def test_a_run_within_a_budget_times_the_iterations_it_fits_and_each_row_says_how_many(monkeypatch, tmp_path):
-    monkeypatch.setattr(bench, "step_seconds", lambda ctx, args, name, batch: 1.0)  # every model: 1 s an iteration
+    monkeypatch.setattr(ddp_run, "step_seconds", lambda ctx, args, name, batch: 1.0)  # every model: 1 s an iteration
     path = tmp_path / "budget.json"
     with redirect_stdout(io.StringIO()) as out:
         bench.main(["--models", "cnn", "--variants", "ddp pytorch", "--bucket-sizes", "25", "--transports", "torch",

@@ -89,7 +89,6 @@ def test_no_module_reaches_another_modules_private_names(path):
 # Private attributes of objects that are not ours, which a script may read because their owner offers no public
 # way; each with the reason. Anything else ``x._name`` in a script must be the script's own.
 THIRD_PARTY_PRIVATES = {
-    "_get_ddp_logging_data": "PyTorch's DistributedDataParallel: its bucket sizes (ddp_benchmark.py; None if it moves)",
     "_get_zeros_like_grad_buckets": "PyTorch's DDP Reducer: tensors of its buckets' sizes, for memory accounting",
     "_actions": "argparse: a parser's subcommand parsers have no public accessor",
 }

@@ -1,7 +1,8 @@
-"""PyTorch's DDP benchmark formats (seed 004), from our results files: the block of sec/iter and ex/sec at four
-percentiles per row, and the diff of two runs row by row.
+"""The DDP benchmark's tables, from our results files: PyTorch's DDP benchmark formats (seed 004), the block of
+sec/iter and ex/sec at four percentiles per row and the diff of two runs row by row; and ours, each row's
+communication, overhead, ratios and memory, and where its time goes.
 
-    from dpkit.report.ddp_tables import format_diff, percentile_table
+    from dpkit.report.ddp_tables import comm_table, format_diff, percentile_table
     print("\n".join(percentile_table(read_results("results/ddp_benchmark.json")["results"])))
     print(format_diff(read_results("base.json"), read_results("test.json")))   # ValueError: nothing in common
 
@@ -10,14 +11,13 @@ percentiles per row, and the diff of two runs row by row.
 
 from __future__ import annotations
 
-from dpkit.bench.measure import percentile
+from dpkit.bench.ddp_run import PERCENTILES, block_key
+from dpkit.bench.ddp_variants import NO_DDP
+from dpkit.bench.measure import PHASES, format_ratio, percentile
 from dpkit.bench.results import check_comparable, config_differences, incomplete_note
-PERCENTILES = (50, 75, 90, 95)  # the benchmark table (seed 004)
+
 DIFF_PERCENTILES = (75, 95)  # the diff table (seed 004)
-
-
-def block_key(row: dict) -> tuple:
-    return row["model"], row["batch_size"], row["input"]
+MIB = 2**20
 
 
 def row_prefix(row: dict) -> str:
@@ -33,6 +33,57 @@ def percentile_table(rows: list[dict]) -> list[str]:
         cells = "".join(f"  p{p:02d}: {row[f'p{p}_s']:8.4f}s {row[f'p{p}_ex_per_s']:7.0f}/s" for p in PERCENTILES)
         lines.append(row_prefix(row) + cells)
     return lines
+
+
+def _seconds(value: float | None, width: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value:{width - 1}.4f}s"
+
+
+def _percent(value: float | None, width: int, sign: str = "") -> str:
+    return f"{'-':>{width}s}" if value is None else f"{100 * value:{sign}{width - 1}.1f}%"
+
+
+def _mib(value: int | None, width: int) -> str:
+    return f"{'-':>{width}s}" if value is None else f"{value / MIB:{width - 4}.1f} MiB"
+
+
+def _ratio(value: dict | None, width: int) -> str:
+    return f"{'-' if value is None else format_ratio(value):>{width}s}"
+
+
+COMM_COLUMNS = ("p50 sec/iter", "comm wait", "of iter", "DDP overhead", "vs ddp pytorch 25M [95% CI]",
+                "vs pytorch best 25M", "all-reduces", "peak memory")  # vs columns: PyTorch on the row's transport
+
+
+def comm_table(rows: list[dict]) -> list[str]:
+    """Communication, overhead, ratios against PyTorch and memory of each row."""
+    widths = (13, 11, 9, 19, 29, 22, 12, 13)
+    lines = [" " * len(row_prefix(rows[0])) + "".join(f"{h:>{w}s}" for h, w in zip(COMM_COLUMNS, widths))]
+    for row in rows:
+        overhead = "-" if row.get("overhead_s") is None or row["variant"] == NO_DDP else (
+            f"{row['overhead_s']:+.4f}s {100 * row['overhead_frac']:+5.1f}%")
+        reduces = "-" if row["all_reduces"] is None or row["variant"] == NO_DDP else str(row["all_reduces"])
+        cells = (_seconds(row["p50_s"], widths[0]), _seconds(row["comm_wait_s"], widths[1]),
+                 _percent(row["comm_share"], widths[2]), f"{overhead:>{widths[3]}s}",
+                 _ratio(row.get("vs_pytorch"), widths[4]), _ratio(row.get("vs_pytorch_best"), widths[5]),
+                 f"{reduces:>{widths[6]}s}", _mib(row["peak_bytes"], widths[7]))
+        lines.append(row_prefix(row) + "".join(cells))
+    return lines
+
+
+def breakdown_table(rows: list[dict]) -> list[str]:
+    """Where one iteration's time goes (rank 0, under the profiler) for the rows that carry a breakdown."""
+    rows = [r for r in rows if r.get("breakdown")]
+    if not rows:
+        return []
+    lines = ["", "Where the time goes (rank 0, profiled, CPU seconds per iteration; top operators by self time):"]
+    for row in rows:
+        spans = row["breakdown"]["ranges"]
+        lines.append(row_prefix(row) + "".join(f"  {name} {spans.get(name, 0.0):.4f}s" for name in PHASES))
+        lines.append(" " * 8 + ", ".join(f"{op['op']} {op['self_s']:.4f}s" for op in row["breakdown"]["ops"][:5]))
+    return lines
+
+
 DIFF_ENV_KEYS = ("torch", "cuda", "torchvision", "backend", "device_model", "threads", "world_size", "git_commit")
 DIFF_CONFIG_KEYS = ("bucket_sizes", "batch_size", "image_size", "iters", "rounds", "warmup")
 DIFF_IGNORED = {"json", "profile", "command", "time", "host"}  # always differ; say nothing about the measurement

@@ -585,7 +585,8 @@ def overlap_timeline(traces: dict[str, dict]) -> Figure:
 
 def trim_trace(trace: dict) -> dict:
     """The events ``timeline_events`` reads (iterations, phases, collectives): a few kB instead of a few
-    MB, small enough to commit beside the results. Still a Chrome trace."""
+    MB, small enough to commit beside the results. Still a Chrome trace. ``ddp_benchmark.py --trim-traces`` hands it
+    to ``dpkit.bench.ddp_run.write_trace``, which may not import the report."""
     keep = ("iteration ", *COMPUTE_PHASES, *(f"{name}:" for name in COLLECTIVE_RANGES))
     return {"traceEvents": [e for e in trace.get("traceEvents", [])
                             if e.get("ph") == "X" and str(e.get("name", "")).startswith(keep)]}
