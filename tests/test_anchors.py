@@ -17,7 +17,7 @@ import pytest
 
 import collectives_benchmark as bench
 from common import REPO
-from dpkit.bench import anchors, mpirun
+from dpkit.bench import anchors, backend_axis, collectives, mpirun
 from dpkit.comm.process_groups import WorkerError
 
 RUN_TIMEOUT_S = 600.0  # the slow run: a first build of DeepSpeed's op, then two worlds' start-up and a few calls
@@ -114,12 +114,13 @@ def _row(label: str, times: list[float], **fields) -> dict:
 
 
 def test_each_anchor_row_gets_the_backends_time_over_its_own_paired_round_by_round():
-    rows = [_row("gloo", [4.0, 4.0, 4.0]), _row(bench.BACKEND, [1.0, 2.0, 3.0]),
+    rows = [_row("gloo", [4.0, 4.0, 4.0]), _row(collectives.BACKEND, [1.0, 2.0, 3.0]),
             _row("Open MPI (mpi4py)", [2.0, 2.0, 2.0], anchor="openmpi", anchor_version="Open MPI v5")]
-    done = anchors.with_ratios(rows, bench.BACKEND)
+    done = anchors.with_ratios(rows, collectives.BACKEND)
     assert [("backend_vs_anchor" in r) for r in done] == [False, False, True]
     mpi = done[2]
-    assert mpi["backend_vs_anchor"] == 1.0 and mpi["backend_vs_anchor_of"] == bench.BACKEND  # median of .5, 1, 1.5
+    # median of .5, 1, 1.5
+    assert mpi["backend_vs_anchor"] == 1.0 and mpi["backend_vs_anchor_of"] == collectives.BACKEND
     assert mpi["backend_vs_anchor_ci_low"] >= 0.5 and mpi["backend_vs_anchor_ci_high"] <= 1.5
     text = "\n".join(anchors.ratio_lines(done))
     assert "| 2 | all-reduce | 4KiB | Open MPI (mpi4py) | Open MPI v5 | 1.00x [" in text
@@ -171,8 +172,9 @@ def test_under_mpirun_every_anchor_row_is_exact_and_deepspeed_leaves_nothing_in_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(path.read_text())["results"]
     found = {(r["anchor"], r["collective"], r["bytes"]) for r in rows if "anchor" in r}
-    assert found == {("openmpi", c, n) for c in bench.BACKEND_CALLS for n in ((0,) if c == "barrier" else (8, 4096))
-                     } | {("deepspeed", "allreduce", n) for n in (8, 4096)}
+    sizes = {c: (0,) if c == "barrier" else (8, 4096) for c in backend_axis.BACKEND_CALLS}
+    assert found == {("openmpi", c, n) for c, ns in sizes.items() for n in ns} | {("deepspeed", "allreduce", n)
+                                                                                    for n in (8, 4096)}
     assert all(r["correct"] and r["max_abs_error"] == 0.0 for r in rows if "axis" in r)
     mpi = next(r for r in rows if r.get("anchor") == "openmpi")
     assert mpi["anchor_version"].startswith("Open MPI v") and "btl=self,sm" in mpi["anchor_settings"]

@@ -13,11 +13,15 @@ import torch.distributed.distributed_c10d as c10d
 import allreduce
 import collectives_benchmark as bench
 from common import OFF_HOST, run_workers
+from dpkit.bench import (algorithm_axis, backend_axis, collective_run, collective_tables, collective_targets,
+                         collectives, exact_pattern, transport_axis)
+from dpkit.bench.crossover_table import crossover_table, format_table
+from dpkit.bench.point_to_point import point_to_point
 from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
 TRANSPORT_SIZE = 64 << 10
-LABELS = list(bench.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
+LABELS = list(collectives.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "dispatch (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
@@ -34,12 +38,12 @@ def _broken(tensor, op="mean", group=None):
 
 def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
     """The transport axis of one collective at one size, and which contenders' inputs the shared memory owns."""
-    made = bench.make_transports(ctx, list(bench.TRANSPORTS))
+    made = transport_axis.make_transports(ctx, list(collectives.TRANSPORTS))
     shared = made["shared_memory"]
-    contenders, _, _ = bench.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
+    contenders, _, _ = transport_axis.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
     owned = {c.label: [shared.owns(t) for t in c.inputs] for c in contenders}
     del contenders
-    rows = bench.benchmark_transports_size(ctx, collective, TRANSPORT_SIZE, made, iters=1, warmup=0)
+    rows = transport_axis.benchmark_transports_size(ctx, collective, TRANSPORT_SIZE, made, iters=1, warmup=0)
     for t in {id(t): t for t in made.values()}.values():
         t.close()
     return rows, owned
@@ -48,17 +52,17 @@ def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
 def _wrong_backend(ctx) -> dict[str, float]:
     """Each collective of the backend axis on the "dpkit" group with rank 0's output off by one: the error its
     check finds on this rank (a barrier has no output)."""
-    group, errors = bench.backend_groups()[bench.BACKEND], {}
-    for collective in (c for c in bench.BACKEND_CALLS if c != "barrier"):
-        contenders, _, _ = bench.backend_contenders(ctx, collective, 4 << 10, {bench.BACKEND: group})
+    group, errors = backend_axis.backend_groups()[collectives.BACKEND], {}
+    for collective in (c for c in backend_axis.BACKEND_CALLS if c != "barrier"):
+        contenders, _, _ = backend_axis.backend_contenders(ctx, collective, 4 << 10, {collectives.BACKEND: group})
         full, part = contenders[0].inputs
-        call = bench.backend_call(collective, group, full, part)
+        call = backend_axis.backend_call(collective, group, full, part)
 
         def broken(call=call, out=part if collective in ("reduce_scatter", "all_to_all") else full):
             call()
             if ctx.rank == 0:
                 out[0] += 1
-        errors[collective] = bench.backend_error(ctx, collective, broken, full, part)
+        errors[collective] = backend_axis.backend_error(ctx, collective, broken, full, part)
     return errors
 
 
@@ -66,16 +70,17 @@ def _measure(ctx) -> dict:
     allreduce.ALGORITHMS["broken"] = _broken  # this worker only: the benchmark looks algorithms up by name
     pipeline = {"segment_bytes": allreduce.SEGMENT_BYTES, "in_flight": allreduce.IN_FLIGHT}
     rows = [row for nbytes in SIZES
-            for row in bench.benchmark_size(ctx, nbytes, [*allreduce.ALGORITHMS], iters=2, warmup=1, pipeline=pipeline)]
+            for row in algorithm_axis.benchmark_size(ctx, nbytes, [*allreduce.ALGORITHMS], iters=2, warmup=1,
+                                                     pipeline=pipeline)]
     transports = {collective: _transports(ctx, collective) for collective in bench.COLLECTIVES}
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
-            "p2p": bench.point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
-            "p2p_off_host": bench.point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
+            "p2p": point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
+            "p2p_off_host": point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
                                                  sizes=(4,)),
             "groups_before_backend": len(c10d._world.pg_map),
-            "backend": bench.backend_worker(ctx, list(bench.BACKEND_CALLS), list(BACKEND_SIZES), iters=1, warmup=0,
-                                            floor_calls=2),
+            "backend": backend_axis.backend_worker(ctx, list(backend_axis.BACKEND_CALLS), list(BACKEND_SIZES), iters=1,
+                                                   warmup=0, floor_calls=2),
             "groups_after_backend": len(c10d._world.pg_map),
             "backend_wrong": _wrong_backend(ctx)}
 
@@ -127,8 +132,8 @@ def test_zero_copy_works_on_buffers_the_transport_allocated_and_staged_on_plain_
 
 def test_small_messages_get_more_timed_calls(measured):
     """Up to 1 MiB a size gets 4 times --iters rounds (one call each); above it, --iters."""
-    assert bench.calls(4000, 3) == bench.calls(1 << 20, 3) == 12
-    assert bench.calls((1 << 20) + 1, 3) == bench.calls(100 << 20, 3) == 3
+    assert collective_run.calls(4000, 3) == collective_run.calls(1 << 20, 3) == 12
+    assert collective_run.calls((1 << 20) + 1, 3) == collective_run.calls(100 << 20, 3) == 3
     transports = [row for rows in measured[0]["transports"].values() for row in rows]
     assert {r["rounds"] for r in measured[0]["rows"]} == {8} and {r["rounds"] for r in transports} == {4}  # all small
     assert all(len(r["round_p50_s"]) == r["rounds"] for r in _all_rows(measured[0]))
@@ -151,7 +156,7 @@ def test_every_real_contender_is_exact_and_a_wrong_one_is_flagged(measured):
             assert row["max_abs_error"] == 1.0 and not row["correct"]
         else:
             assert row["max_abs_error"] == 0.0 and row["correct"], row
-    text = bench.report(measured[0]["rows"])
+    text = collective_tables.report(measured[0]["rows"])
     assert f"correctness: {len(SIZES)} WRONG results" in text
 
 
@@ -182,7 +187,7 @@ def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
 
 
 def test_the_report_has_one_table_per_axis(measured):
-    text = bench.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
+    text = collective_tables.report(measured[0]["rows"] + measured[0]["transports"]["allreduce"])
     algorithms, transports = text.index("## all-reduce: algorithms over gloo"), text.index("## all-reduce: transports")
     assert (algorithms < text.index("| 2 | 4000B | ring |") < transports
             < text.index("| 2 | 64KiB | shared_memory |"))
@@ -191,10 +196,10 @@ def test_the_report_has_one_table_per_axis(measured):
 def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(measured):
     rows = [r for r in measured[0]["backend"] if "axis" in r]
     assert all(r["axis"] == "backend" and r["world_size"] == 2 for r in rows)
-    for collective, call in bench.BACKEND_CALLS.items():
+    for collective, call in backend_axis.BACKEND_CALLS.items():
         mine = [r for r in rows if r["collective"] == collective]
         sizes = BACKEND_SIZES[:1] if collective == "barrier" else BACKEND_SIZES
-        assert [r["label"] for r in mine] == ["gloo", bench.BACKEND] * len(sizes), collective
+        assert [r["label"] for r in mine] == ["gloo", collectives.BACKEND] * len(sizes), collective
         assert [r["transport"] for r in mine] == ["gloo", "dpkit"] * len(sizes)
         assert {r["algorithm"] for r in mine} == {f"dist.{call}"}
         # nccl-tests: the full tensor's bytes; the sharded calls and all-to-all hold at least one element per rank
@@ -207,7 +212,7 @@ def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(mea
 def test_the_backend_rows_are_exact_and_a_wrong_result_is_flagged_on_every_collective(measured):
     rows = [r for r in measured[0]["backend"] if "axis" in r]
     assert all(r["max_abs_error"] == 0.0 and r["correct"] for r in rows)
-    for collective in (c for c in bench.BACKEND_CALLS if c != "barrier"):
+    for collective in (c for c in backend_axis.BACKEND_CALLS if c != "barrier"):
         assert max(rank["backend_wrong"][collective] for rank in measured) == 1.0, collective
 
 
@@ -217,7 +222,7 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_short_calls
         assert gloo["vs_torch"] == gloo["vs_torch_ci_low"] == gloo["vs_torch_ci_high"] == 1.0
         assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"],
                                                                             gloo["round_p50_s"]))))
-        calls = max(1, min(bench.BACKEND_REPEAT, bench.BACKEND_BATCH_BYTES // max(4, gloo["bytes"])))
+        calls = max(1, min(backend_axis.BACKEND_REPEAT, backend_axis.BACKEND_BATCH_BYTES // max(4, gloo["bytes"])))
         assert gloo["calls_per_round"] == dpkit["calls_per_round"] == calls
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
@@ -230,16 +235,17 @@ def test_measuring_the_backend_at_several_sizes_leaves_no_group_behind(measured)
 
 
 def test_the_backend_targets_and_latency_floor_are_stored_with_the_rows(measured):
-    checks = bench.stored_targets(measured[0]["backend"])
+    checks = collective_targets.stored_targets(measured[0]["backend"])
     assert [(c["axis"], c["label"], c["reference"], c["bytes"], c["limit"], c["world_size"]) for c in checks] == [
-        ("backend", bench.BACKEND, "gloo", 4 << 10, 0.25, 2), ("backend", bench.BACKEND, "gloo", 64 << 10, 0.25, 2)]
+        ("backend", collectives.BACKEND, "gloo", 4 << 10, 0.25, 2),
+        ("backend", collectives.BACKEND, "gloo", 64 << 10, 0.25, 2)]
     assert all(c["text"].startswith("target all-reduce through dpkit backend <= 0.25x gloo, 2 processes")
                for c in checks)
     floor = [r for r in measured[0]["backend"] if r.get("kind") == "latency floor"]
-    for nbytes in bench.FLOOR_SIZES:
+    for nbytes in backend_axis.FLOOR_SIZES:
         mine = [r for r in floor if r["bytes"] == nbytes]
         assert {r["case"] for r in mine} == FLOOR_CASES and all(r["seconds_per_call"] > 0 for r in mine)
-    text = bench.report(measured[0]["backend"])
+    text = collective_tables.report(measured[0]["backend"])
     assert text.index('torch.distributed on a "dpkit" group against a gloo group') < text.index(
         "| 2 | dist.all_reduce | 4KiB | dpkit backend |") < text.index("latency floor") < text.index(
         "| 2 | 4KiB | wait (exchange of no data) |")
@@ -264,11 +270,11 @@ def _transport_row(label, seconds, **kw):
 
 
 def test_sizes_are_powers_of_two_units_like_nccl_tests():
-    assert [bench.parse_size(s) for s in ("4096", "64KB", "10MB", "1GB", "1.5MB", "64KiB", "10mib", "1G")] == [
+    assert [collectives.parse_size(s) for s in ("4096", "64KB", "10MB", "1GB", "1.5MB", "64KiB", "10mib", "1G")] == [
         4096, 65536, 10 << 20, 1 << 30, 3 << 19, 65536, 10 << 20, 1 << 30]
-    assert [bench.format_size(n) for n in (65536, 10 << 20, 1 << 30, 1000)] == ["64KiB", "10MiB", "1GiB", "1000B"]
+    assert [collectives.format_size(n) for n in (65536, 10 << 20, 1 << 30, 1000)] == ["64KiB", "10MiB", "1GiB", "1000B"]
     with pytest.raises(Exception, match="not a size"):
-        bench.parse_size("ten megabytes")
+        collectives.parse_size("ten megabytes")
 
 
 @pytest.mark.parametrize("numel", [1, 1000, 1024, 5000, 4096 * 1024 + 3])
@@ -277,16 +283,16 @@ def test_the_pattern_sums_exactly_and_any_wrong_element_shows(numel):
     total = torch.zeros(numel, dtype=torch.float32)
     for rank in range(world):
         x = torch.empty(numel, dtype=torch.float32)
-        bench.fill_pattern(x, rank)
-        assert x[0].item() == rank and x[-1].item() == (numel - 1) % bench.PERIOD + rank
+        exact_pattern.fill_pattern(x, rank)
+        assert x[0].item() == rank and x[-1].item() == (numel - 1) % exact_pattern.PERIOD + rank
         total += x  # in float32, in rank order: the pattern's sums are exact whatever the order
-    assert bench.pattern_error(total, world) == 0.0
+    assert exact_pattern.pattern_error(total, world) == 0.0
     total[numel // 2] += 1
-    assert bench.pattern_error(total, world) == 1.0
+    assert exact_pattern.pattern_error(total, world) == 1.0
 
 
 def test_targets_give_the_interval_and_a_verdict_and_label_oversubscribed_runs():
-    lines = bench.target_lines([
+    lines = collective_targets.target_lines([
         _row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0]),
         _row("auto", 0.09, nbytes=4000, ratio=0.9, ci=[0.85, 0.97]),
         _row("auto", 0.105, ratio=1.05, ci=[1.02, 1.08]),
@@ -313,13 +319,14 @@ def test_the_zero_copy_all_reduce_has_its_own_targets_at_10_and_100_mib_with_2_p
             _transport_row(staged, 0.06, ratio=0.6, ci=[0.55, 0.65]),  # no target for staged
             _transport_row("p2p", 0.1, ratio=1.0, ci=[0.9, 1.1], choice="halving_doubling"),  # nor for p2p's all-reduce
             _row("auto", 0.04, ratio=0.4, ci=[0.38, 0.42], axis="transport", label="auto (ran shared_memory, staged)")]
-    lines = bench.target_lines(rows)
+    lines = collective_targets.target_lines(rows)
     assert lines == [
         "target all-reduce through shared_memory <= 0.45x torch, 2 processes, 10MiB: "
         "0.40x [0.38, 0.43] met",
         "target all-reduce through shared_memory <= 0.30x torch, 2 processes, 100MiB: "
         "0.33x [0.31, 0.35] missed"]
-    inconclusive = bench.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29, ci=[0.27, 0.32])])
+    inconclusive = collective_targets.target_checks([_transport_row(zero, 0.03, nbytes=100 << 20, ratio=0.29,
+                                                                    ci=[0.27, 0.32])])
     assert [(c["axis"], c["label"], c["limit"], c["verdict"]) for c in inconclusive] == [
         ("transport", zero, 0.30, "inconclusive")]
 
@@ -328,7 +335,7 @@ def test_an_algorithm_target_never_judges_a_transport_row():
     """A transport row whose algorithm has a target on the other axis (p2p runs auto) is not that target's row."""
     rows = [_transport_row("p2p", 0.1, ratio=1.3, ci=[1.2, 1.4]),
             _transport_row("torch", 0.1, ratio=1.0, ci=[1.0, 1.0])]
-    assert bench.target_checks(rows) == []
+    assert collective_targets.target_checks(rows) == []
 
 
 def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the_world():
@@ -336,7 +343,7 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
             _transport_row("p2p", 0.06, nbytes=(10 << 20) - 8, ratio=0.6, ci=[0.55, 0.65], collective="reduce_scatter"),
             _transport_row("p2p", 0.12, ratio=1.2, ci=[1.15, 1.25], collective="all_gather"),
             _transport_row("shared_memory", 0.02, ratio=0.2, ci=[0.15, 0.25], collective="all_gather")]
-    text = bench.report(rows)
+    text = collective_tables.report(rows)
     assert "target reduce-scatter through p2p <= 0.70x torch, 2 processes, 10MiB: 0.60x [0.55, 0.65] met" in text
     assert "target all-gather through p2p <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
     assert "target auto" not in text and "target ring" not in text and "zero copy) <=" not in text
@@ -351,7 +358,7 @@ def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
                            ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
                            ("shared_memory", None, "all_gather"))]
     got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
-           for r in bench.allreduce_rows(old + [{"engine": "ours"}])]
+           for r in collectives.allreduce_rows(old + [{"engine": "ours"}])]
     assert got == [("algorithm", "gloo", "ring", "ring"),
                    ("transport", "shared_memory", "direct", "shared_memory:staged"),
                    ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
@@ -360,7 +367,7 @@ def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
                    ("transport", "torch (gloo)", "torch", "torch"),
                    ("transport", "shared_memory", "direct", "shared_memory:staged")]
     new = _transport_row("p2p", 0.1)
-    assert bench.labelled(new) is new
+    assert collectives.labelled(new) is new
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -400,9 +407,9 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
     rows = [_row(name, t, nbytes=size, world=4) for size, by_name in times.items() for name, t in by_name.items()]
     rows.append(_row("torch", 0.001, nbytes=4096, world=4))  # not ours: never chosen
     rows.append(_row("ring", 0.001, nbytes=4096, world=4, axis="transport", label="p2p"))  # another axis: never chosen
-    table = bench.crossover_table(rows)
+    table = crossover_table(rows, allreduce.CUSTOM)
     assert table == {4: ((int(math.sqrt(sizes[1] * sizes[2])), "recursive_doubling"), (None, "ring"))}
-    assert bench.format_table(table) == "4 processes: recursive_doubling up to 32KiB, ring above"
+    assert format_table(table) == "4 processes: recursive_doubling up to 32KiB, ring above"
     assert [allreduce.choose_algorithm(s, 4, table) for s in sizes] == ["recursive_doubling"] * 2 + ["ring"] * 5
 
 
@@ -440,9 +447,9 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
     assert quick.iters == 7 and quick.warmup == bench.QUICK["warmup"] and quick.procs == bench.QUICK["procs"]
     tune = bench.parse_args(["--tune", "--procs", "2"])
     assert tune.procs == [2] and tune.algorithms == list(allreduce.CUSTOM) and tune.transports == []
-    assert tune.sizes == [bench.parse_size(s) for s in bench.TUNE_SIZES]
+    assert tune.sizes == [collectives.parse_size(s) for s in bench.TUNE_SIZES]
     plain = bench.parse_args([])
-    assert plain.iters == 20 and plain.sizes == [bench.parse_size(s) for s in bench.DEFAULT_SIZES]
+    assert plain.iters == 20 and plain.sizes == [collectives.parse_size(s) for s in bench.DEFAULT_SIZES]
     with pytest.raises(SystemExit):
         bench.parse_args(["--tune", "--axis", "transports"])
 
@@ -450,12 +457,12 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
 def test_the_axis_selects_what_is_measured():
     both = bench.parse_args([])
     assert both.axis == "both"
-    assert both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(bench.TRANSPORTS)
+    assert both.algorithms == list(allreduce.ALGORITHMS) and both.transports == list(collectives.TRANSPORTS)
     assert both.backend_collectives == []
     backends = bench.parse_args(["--axis", "backends"])
     assert backends.algorithms == backends.transports == []
-    assert backends.backend_collectives == list(bench.BACKEND_CALLS)
-    assert backends.backend_sizes == [bench.parse_size(s) for s in bench.BACKEND_SIZES]
+    assert backends.backend_collectives == list(backend_axis.BACKEND_CALLS)
+    assert backends.backend_sizes == [collectives.parse_size(s) for s in bench.BACKEND_SIZES]
     every = bench.parse_args(["--axis", "all", "--backend-collectives", "allreduce"])
     assert every.algorithms and every.transports and every.backend_collectives == ["allreduce"]
     with pytest.raises(SystemExit):
@@ -469,7 +476,7 @@ def test_the_axis_selects_what_is_measured():
 def test_a_sharded_collective_compares_transports_only():
     for collective in ("all_gather", "reduce_scatter"):
         args = bench.parse_args(["--collective", collective])
-        assert args.axis == "transports" and args.algorithms == [] and args.transports == list(bench.TRANSPORTS)
+        assert args.axis == "transports" and args.algorithms == [] and args.transports == list(collectives.TRANSPORTS)
     for wrong in (["--algorithms", "butterfly"], ["--axis", "algorithms"], ["--axis", "both"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--collective", "reduce_scatter", *wrong])

@@ -1,0 +1,34 @@
+"""One step of our message-passing engine against one step of gloo's all-reduce, on two processes: the
+alpha and beta of the latency-bandwidth model seen from a single exchange, per byte, single medians.
+
+    rows = point_to_point(ctx, iters=20, warmup=5)     # rows with "engine": "ours" or "gloo"
+
+``collectives_benchmark.py`` stores these rows beside its sweep's (2 processes, the algorithm axis).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dpkit.bench.measure import time_interleaved
+from dpkit.comm.message_passing import pair_exchange
+from dpkit.comm.process_groups import message_device
+
+
+def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[dict]:
+    """Two processes: one step of our engine (an exchange of n bytes each way with isend/irecv, as recursive
+    doubling makes it) against one step of gloo's all_reduce (its ring on 2 ranks makes 2 steps of n/2 bytes)."""
+    rows = []
+    wire = message_device(ctx.device)  # a step is a message on the wire: host memory where gloo carries it
+    for nbytes in sizes:
+        x, y = torch.ones(nbytes // 4, device=wire), torch.empty(nbytes // 4, device=wire)
+        timings = time_interleaved({"ours": lambda: pair_exchange(x, y, 1 - ctx.rank, None),
+                                    "gloo": lambda: torch.distributed.all_reduce(x)},
+                                   iters, warmup, rounds=iters, device=wire, setup=functools.partial(x.fill_, 1.0))
+        for engine, steps, step_bytes in (("ours", 1, nbytes), ("gloo", 2, nbytes / 2)):
+            step = timings[engine].median / steps
+            rows.append({"backend": ctx.backend, "engine": engine, "bytes": nbytes, "step_s": step,
+                         "step_gbps": step_bytes / step / 1e9})
+    return rows
