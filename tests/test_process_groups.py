@@ -2,6 +2,7 @@
 and timing gathered across ranks."""
 
 import os
+import signal
 import sys
 import time
 import types
@@ -85,6 +86,12 @@ def _exit_abruptly(ctx):
     dist.barrier()
 
 
+def _abort_in_a_named_frame(ctx):
+    if ctx.rank == 1:
+        os.abort()  # SIGABRT, as a C++ exception nobody catches ends a process
+    dist.barrier()
+
+
 def _silent_peer(ctx):
     """Rank 1 stays alive but never answers, so only the process-group timeout can end rank 0's wait."""
     if ctx.rank == 1:
@@ -121,6 +128,15 @@ def test_a_worker_that_dies_without_a_traceback_is_reported_with_its_exit_code()
     with pytest.raises(WorkerError) as failure:
         launch(_exit_abruptly, 2, timeout_s=120, pg_timeout_s=60)
     assert "rank 1 of 2 failed" in str(failure.value) and "exit code 3" in str(failure.value)
+    _assert_all_dead(failure.value.pids)
+
+
+def test_a_worker_that_crashes_outside_python_is_reported_with_its_signal_and_python_stack():
+    with pytest.raises(WorkerError) as failure:
+        launch(_abort_in_a_named_frame, 2, timeout_s=120, pg_timeout_s=60)
+    message = str(failure.value)
+    assert "rank 1 of 2 failed" in message and f"exit code {-signal.SIGABRT}" in message
+    assert "the Python stacks when it crashed" in message and "_abort_in_a_named_frame" in message
     _assert_all_dead(failure.value.pids)
 
 

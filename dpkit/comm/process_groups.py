@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import multiprocessing
 import multiprocessing.connection
@@ -343,6 +344,9 @@ def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads
         os.close(fd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
+    # A crash outside Python (a signal: SIGABRT from C++, SIGSEGV) leaves no traceback: the Python stack of every
+    # thread at that moment, in crash-<rank>.txt, is what the launcher reports instead (``_root_cause``).
+    faulthandler.enable(open(os.path.join(out_dir, f"crash-{rank}.txt"), "w"), all_threads=True)
     torch.set_num_threads(threads)
     ctx = None
     try:
@@ -401,7 +405,10 @@ def _root_cause(out_dir: str, processes) -> tuple[int, str]:
         _, _, rank, text = min(own or raised)
         return rank, text
     rank, code = silent[0]
-    return rank, f"exit code {code}, no traceback (killed, os._exit, or a crash outside Python)\n"
+    crash = os.path.join(out_dir, f"crash-{rank}.txt")
+    stacks = open(crash).read().strip() if os.path.exists(crash) else ""
+    return rank, (f"exit code {code}, no traceback (killed, os._exit, or a crash outside Python)\n"
+                  + (f"the Python stacks when it crashed:\n{stacks}\n" if stacks else ""))
 
 
 class _Streams:
