@@ -238,9 +238,8 @@ def _sum_buffer(wire: transport.Transport, numel: int, dtype: torch.dtype, devic
 def _make_step(impl: str, layer: torch.nn.Module, x: torch.Tensor, loss_rows: int,
                wire: transport.Transport | None = None) -> Callable[[], None]:
     """One iteration: forward, the homework's loss over this rank's share of the first B/2 samples, backward."""
-    if impl in list(PATH_IMPLS.values())[1:]:
-        path = next(p for p, name in PATH_IMPLS.items() if name == impl)
-
+    path = {name: p for p, name in PATH_IMPLS.items() if name != SYNC_PATH}.get(impl)  # a path forced by name
+    if path is not None:
         def forced_step():
             x.grad = None
             with syncbn.forced_path(path):  # forward and backward

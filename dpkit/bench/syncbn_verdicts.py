@@ -62,13 +62,7 @@ def times_by_size(rows: list[dict], impl: str, transport: str | None, setting: s
 
 
 def _transports_in(rows: list[dict]) -> list[str]:
-    return _ordered({r.get("transport") for r in rows if r["kind"] == "time"})
-
-
-def _ordered(names: set) -> list[str]:
-    """Transport names in the registry's order (names it does not know last; None left out)."""
-    known = transport_choice.choices()
-    return sorted(names - {None}, key=lambda t: (known.index(t) if t in known else len(known), t))
+    return transport_choice.in_order(r["transport"] for r in rows if r["kind"] == "time" and r.get("transport"))
 
 
 def comparisons(rows: list[dict]) -> list[tuple]:
@@ -283,7 +277,7 @@ def bounds(ratio_rows: list[dict]) -> list[dict]:
     the transport axis, each layer on each other transport / itself on torch's (kind "comparison")."""
     out = []
     float32 = [r for r in ratio_rows if r["dtype"] == "float32" and r["setting"] == WORKERS]
-    for t in _ordered({r["transport"] for r in float32}):
+    for t in transport_choice.in_order(r["transport"] for r in float32 if r["transport"]):
         for mine, versus in BOUNDS:
             entries = [r for r in float32 if (r["impl"], r["versus"], r["transport"], r["versus_transport"]) ==
                        (mine, versus, t, t)]

@@ -43,9 +43,10 @@ def argument(text: str) -> str:
 
 def in_order(names: Iterable[str]) -> list[str]:
     """``names`` (no repeats) in the registry's order: the order every rank makes them in (a set's differs
-    between processes)."""
+    between processes). A name the registry does not know (a results file's transport, registered by the run that
+    wrote it) comes last."""
     known = choices()
-    return sorted(set(names), key=known.index)
+    return sorted(set(names), key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
 def make(names: Iterable[str], device, group=None, *, optional: bool = False) -> dict[str, Transport]:

@@ -14,8 +14,9 @@ import statistics
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from dpkit.bench import transport_choice
 from dpkit.report import findings, paths, plots, summary
-from dpkit.report.wording import in_registry_order, ratio_text, span, verdict_text, wire
+from dpkit.report.wording import ratio_text, span, verdict_text, wire
 
 LOCAL = "BatchNorm1d (local)"
 
@@ -54,7 +55,7 @@ def target(doc: dict) -> float:
 
 
 def transports(doc: dict) -> list[str]:
-    return in_registry_order(r["transport"] for r in timed(doc) if r.get("transport"))
+    return transport_choice.in_order(r["transport"] for r in timed(doc) if r.get("transport"))
 
 
 def key(r: dict) -> tuple[int, int]:

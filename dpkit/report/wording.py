@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-from dpkit.bench import transport_choice
 from dpkit.bench.measure import format_ratio, verdict
 from dpkit.report import findings
 
@@ -21,13 +20,6 @@ WIRES = {"torch": "torch.distributed (gloo)", "torch:dpkit": 'torch.distributed 
 def wire(transport: str) -> str:
     """The words for ``transport`` (a registry name) in a sentence."""
     return WIRES.get(transport, f"the transport {transport}")
-
-
-def in_registry_order(names) -> list[str]:
-    """``names`` without repeats in the transport registry's order, names it does not know last (a results file may
-    hold a transport registered by the run that wrote it)."""
-    known = transport_choice.choices()
-    return sorted(set(names), key=lambda t: (known.index(t) if t in known else len(known), t))
 
 
 def ratio_text(r: dict | None) -> str:
