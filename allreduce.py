@@ -6,8 +6,8 @@ recursive doubling, a pipelined tree, and ``allreduce(algorithm="auto")``, which
     python allreduce.py --world-sizes 1 2 4 --sizes 1000 100000 --repeats 20 --json results/allreduce.json
 
 Every algorithm has the contract of ``torch.distributed.all_reduce`` the homework asks for,
-``f(tensor, op="mean", group=None) -> tensor``: it reduces ``tensor`` in place over the ranks of ``group``
-("sum", or "mean": each rank divides its contribution first, so a mean overflows only where the mean
+``f(tensor, op="avg", group=None) -> tensor``: it reduces ``tensor`` in place over the ranks of ``group``
+("sum", or "avg": each rank divides its contribution first, so a mean overflows only where the mean
 itself would) with ``isend``/``irecv``/``batch_isend_irecv`` only. Any world size, any number of elements
 (fewer than ranks, or none), any floating dtype, contiguous or not; bad input is refused before the first
 message. They live in ``dpkit.comm.message_passing``, which the "p2p" transport runs; this file names them.
@@ -148,13 +148,13 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
     measured = []  # per algorithm: max abs error, peak extra bytes (scratch kept included), scratch kept
     for name in algorithms:
         x.copy_(saved)
-        ALGORITHMS[name](x, "mean")
+        ALGORITHMS[name](x, "avg")
         error = (x.cpu().double() - exact).abs().max().item() if numel else 0.0
         x.copy_(saved)
-        measured += [error, *call_memory(functools.partial(ALGORITHMS[name], x, "mean"), ctx.device)]
+        measured += [error, *call_memory(functools.partial(ALGORITHMS[name], x, "avg"), ctx.device)]
     worst = gather_rows(measured).max(0).values.tolist()
     # The algorithms take turns call by call, each on the same saved input: load drifts hit all alike.
-    timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "mean") for name in algorithms},
+    timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "avg") for name in algorithms},
                                repeats, warmup, rounds=repeats, device=ctx.device, setup=lambda: x.copy_(saved))
     rows = []
     for i, name in enumerate(algorithms):

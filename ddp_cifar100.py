@@ -2,10 +2,9 @@
 
     torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --train-size 8192 --val-size 2048 \
         --num-epochs 2
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 \
-        --distributed-impl ours    # the homework solution's run
-    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --distributed-impl pytorch
-    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --sharding fsdp   # or zero1, zero2
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --impl ours  # the homework's run
+    torchrun --nproc_per_node 2 ddp_cifar100.py --num-epochs 16 --grad-accum-steps 4 --impl pytorch
+    torchrun --standalone --nproc_per_node 2 ddp_cifar100.py --dataset synthetic --engine fsdp   # or zero1, zero2
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node 2 --max-restarts 3 \
         ddp_cifar100.py --checkpoint-dir ckpt --metrics-json m.json    # survives killed workers (pytorch#135712)
 
@@ -37,7 +36,7 @@ from dpkit.models import build_model
 from dpkit.train.checkpoint import Checkpoints, save_atomically
 from dpkit.train.data import build_datasets, choose_dataset, train_loader
 from dpkit.train.metrics import StepMeter, print_summary, summarize
-from dpkit.train.parallel import Parallel, named, resolve_sync_bn, shardings
+from dpkit.train.parallel import Parallel, named, resolve_sync_bn, engines
 from dpkit.train.step import autocast, epoch_seed, forward_backward, micro_batch_plan, optimizer_step
 from dpkit.train.validation import rank0_model, validation_sums
 from syncbn import convert_sync_batchnorm
@@ -53,13 +52,13 @@ CHECKPOINT_WAIT_S = 1800.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--distributed-impl", type=named("impl"), default="ours", metavar="{ours,pytorch}",
+    p.add_argument("--impl", type=named("impl"), default="ours", metavar="{ours,pytorch}",
                    help="ours: dpkit's engines (ddp.DDP, ...); pytorch: PyTorch's (DistributedDataParallel, ...) "
                         "(default: %(default)s)")
-    p.add_argument("--sharding", type=named("engine"), default="ddp", metavar=f"{{{','.join(shardings())}}}",
-                   help=f"the engine, one of {', '.join(shardings())}: ddp; zero1: DDP + optimizer state sharded; "
+    p.add_argument("--engine", type=named("engine"), default="ddp", metavar=f"{{{','.join(engines())}}}",
+                   help=f"the engine, one of {', '.join(engines())}: ddp; zero1: DDP + optimizer state sharded; "
                         "zero2: gradients too; fsdp: parameters, gradients and optimizer state sharded; hsdp: FSDP "
-                        "inside each host; ours or PyTorch's per --distributed-impl (default: %(default)s)")
+                        "inside each host; ours or PyTorch's per --impl (default: %(default)s)")
     p.add_argument("--num-epochs", type=int, default=10, help="epochs; the homework template's (default: %(default)s)")
     p.add_argument("--grad-accum-steps", type=int, default=1,
                    help="micro-batches per optimizer step; gradients are communicated only on the last "
@@ -128,9 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--checkpoint-timeout must be positive (seconds), got {args.checkpoint_timeout:g}")
     if args.json and args.metrics_json and args.json != args.metrics_json:
         p.error("--json and --metrics-json name different files; give one")
-    if args.distributed_impl not in registry.get(args.sharding).impls:
-        p.error(f"--sharding {args.sharding} has no {args.distributed_impl!r} implementation: "
-                f"--distributed-impl {' or '.join(registry.get(args.sharding).impls)}")
+    if args.impl not in registry.get(args.engine).impls:
+        p.error(f"--engine {args.engine} has no {args.impl!r} implementation: "
+                f"--impl {' or '.join(registry.get(args.engine).impls)}")
     return args
 
 
@@ -153,14 +152,14 @@ class Trainer:
     """Trains ``model`` (unwrapped, on ``ctx.device``) data-parallel; the same loop for every engine.
 
     ``optimizer``: one over the unwrapped model, or None for the flags' SGD over the wrapped one (with
-    ``--sharding fsdp`` it updates FSDP's shards). ``args`` are this script's flags; ``dpkit.train`` gets
+    ``--engine fsdp`` it updates FSDP's shards). ``args`` are this script's flags; ``dpkit.train`` gets
     named values. ``identity`` is what a checkpoint must match to be resumed (what shapes the trajectory).
     """
 
     def __init__(self, model: nn.Module, optimizer, loader, val_set, ctx, args: argparse.Namespace,
                  identity: dict | None = None):
         self.module, self.loader, self.val_set, self.ctx, self.args = model, loader, val_set, ctx, args
-        self.parallel = Parallel(args.distributed_impl, args.sharding, args.bucket_cap_mb, args.transport)
+        self.parallel = Parallel(args.impl, args.engine, args.bucket_cap_mb, args.transport)
         self.autocast_dtype = torch.bfloat16 if args.autocast == "bf16" else None
         if len(loader.sampler) == 0:
             raise ValueError(f"{len(loader.dataset)} training images cannot feed {ctx.world_size} ranks")
@@ -278,7 +277,7 @@ def build_trainer(args: argparse.Namespace, ctx, sync_bn: str, train_set, val_se
 
 def run_identity(args: argparse.Namespace, ctx, sync_bn: str, dataset: str, train_size: int) -> dict:
     """Everything that shapes the training trajectory: a checkpoint resumes only into the same."""
-    return {"distributed_impl": args.distributed_impl, "sharding": args.sharding, "model": args.model,
+    return {"impl": args.impl, "engine": args.engine, "model": args.model,
             "sync_bn": sync_bn, "dataset": dataset, "train_size": train_size, "batch_size": args.batch_size,
             "grad_accum_steps": args.grad_accum_steps, "lr": args.lr, "momentum": args.momentum, "seed": args.seed,
             "world_size": ctx.world_size, "autocast": args.autocast}
@@ -300,7 +299,7 @@ def resolved_config(args: argparse.Namespace, ctx, identity: dict, notices: list
 
 
 def main(ctx, args: argparse.Namespace) -> None:
-    sync_bn, notices = resolve_sync_bn(args.sync_bn, args.distributed_impl, ctx.device)
+    sync_bn, notices = resolve_sync_bn(args.sync_bn, args.impl, ctx.device)
     if ctx.device.type == "cpu":
         torch.use_deterministic_algorithms(True)
     dataset, data_notices = choose_dataset(args.dataset, args.data_dir, ctx)

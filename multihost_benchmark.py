@@ -92,10 +92,10 @@ def _collectives(ctx, args, inside, between) -> list[dict]:
                    (("inside", inside), ("between", between), ("flat", flat), ("hierarchical", hier))}
         for b in buffers.values():
             b.fill_(1.0)
-        calls = {"inside [shared_memory]": lambda: inside.all_reduce(buffers["inside"], "mean"),
-                 "between [torch]": lambda: between.all_reduce(buffers["between"], "mean"),
-                 "flat [torch]": lambda: flat.all_reduce(buffers["flat"], "mean"),
-                 "hierarchical": lambda: hier.all_reduce(buffers["hierarchical"], "mean")}
+        calls = {"inside [shared_memory]": lambda: inside.all_reduce(buffers["inside"], "avg"),
+                 "between [torch]": lambda: between.all_reduce(buffers["between"], "avg"),
+                 "flat [torch]": lambda: flat.all_reduce(buffers["flat"], "avg"),
+                 "hierarchical": lambda: hier.all_reduce(buffers["hierarchical"], "avg")}
         timings = time_interleaved(calls, args.iters, args.warmup, args.rounds)
         rows += [_timed_row("collective", name, timing, args, bytes=numel * 4) for name, timing in timings.items()]
     return rows

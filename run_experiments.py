@@ -77,15 +77,15 @@ EXPERIMENTS = (
                ("syncbn_benchmark.py", "--quick", "--json", "{out}/syncbn.json"),
                ("syncbn_benchmark.py", "--json", "{out}/syncbn.json")),
     Experiment("train_ours", "CIFAR-100 training, our DDP + SyncBatchNorm",
-               ("ddp_cifar100.py", "--distributed-impl", "ours", *_QUICK_TRAIN,
+               ("ddp_cifar100.py", "--impl", "ours", *_QUICK_TRAIN,
                 "--metrics-json", "{out}/train_ours.json"),
-               ("ddp_cifar100.py", "--distributed-impl", "ours", *_FULL_TRAIN,
+               ("ddp_cifar100.py", "--impl", "ours", *_FULL_TRAIN,
                 "--metrics-json", "{out}/train_ours.json"),
                nproc=2),
     Experiment("train_pytorch", "CIFAR-100 training, PyTorch's DDP (+ its SyncBatchNorm on GPU)",
-               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_QUICK_TRAIN,
+               ("ddp_cifar100.py", "--impl", "pytorch", *_QUICK_TRAIN,
                 "--metrics-json", "{out}/train_pytorch.json"),
-               ("ddp_cifar100.py", "--distributed-impl", "pytorch", *_FULL_TRAIN,
+               ("ddp_cifar100.py", "--impl", "pytorch", *_FULL_TRAIN,
                 "--metrics-json", "{out}/train_pytorch.json"),
                nproc=2),
     Experiment("allreduce", "every all-reduce and auto vs torch.distributed.all_reduce (homework Task 4)",
@@ -318,9 +318,12 @@ def main(args: argparse.Namespace) -> int:
         except ExperimentTimeout:
             code, seconds, status = -9, args.timeout, f"killed after {args.timeout:g} s"
         rows.append({"experiment": experiment.name, "status": status, "seconds": seconds,
-                     "command": shown(command), "rounds": rounds_of(out / f"{experiment.name}.json")})
+                     "command": shown(command), "rounds": rounds_of(out / f"{experiment.name}.json"),
+                     "device_model": env["device_model"], "git_commit": env["git_commit"]})
         print(f"=== {experiment.name}: {status} in {seconds:.0f} s", flush=True)
-    write_results(str(out / "manifest.json"), "run_experiments", env, {"quick": args.quick, "only": args.only}, rows)
+    write_results(str(out / "manifest.json"), "run_experiments", env, {"quick": args.quick, "only": args.only},
+                  sorted(kept_rows(out / "manifest.json", args.quick, rows) + rows,
+                         key=lambda r: NAMES.index(r["experiment"])))
     print("\n" + markdown_table(rows, [("experiment", "experiment", "s"), ("status", "status", "s"),
                                        ("seconds", "seconds", ".0f")]))
     failed = [r["experiment"] for r in rows if r["status"] != "ok"]
@@ -333,6 +336,21 @@ def main(args: argparse.Namespace) -> int:
         print(f"report.ipynb executed on {out} in {time.monotonic() - start:.0f} s")
         return write_summary(out)
     return 0
+
+
+def kept_rows(manifest: Path, quick: bool, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier manifest at the same settings for the experiments this run did not repeat (``--only``
+    reruns some and keeps the others' record), each with the machine and commit it ran on; none where the
+    settings differ, since the results files of other settings were overwritten or are not this run's."""
+    try:
+        old = read_results(str(manifest))
+    except (OSError, ValueError):
+        return []
+    if old.get("config", {}).get("quick") != quick:
+        return []
+    ran = {r["experiment"] for r in rows}
+    machine = {"device_model": old["env"].get("device_model"), "git_commit": old["env"].get("git_commit")}
+    return [{**machine, **r} for r in old["results"] if r["experiment"] not in ran and r["experiment"] in NAMES]
 
 
 def producers() -> dict[str, str]:

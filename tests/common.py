@@ -263,3 +263,29 @@ class CountingTransport(transport.Wrapped):
     def all_gather(self, output, input, *, async_op=False):
         self._count("all_gather", output)
         return super().all_gather(output, input, async_op=async_op)
+
+
+def left_in_dev_shm(before: set[str], pids=()) -> list[str]:
+    """What appeared in /dev/shm since ``before`` and stays with no live process holding it (a second look still
+    finds it; other processes of this machine, another test file's DataLoader for one, make and hold their own
+    files meanwhile), and anything named after one of ``pids``."""
+    new = set(os.listdir("/dev/shm")) - before
+    time.sleep(0.25)
+    orphans = {name for name in new & set(os.listdir("/dev/shm")) if not _held(name)}
+    return sorted(orphans | {name for name in os.listdir("/dev/shm") for pid in pids if str(pid) in name})
+
+
+def _held(name: str) -> bool:
+    """Whether a live process maps /dev/shm/``name`` or has it open (a dead worker does neither)."""
+    path = os.path.join("/dev/shm", name)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                if path in maps.read():
+                    return True
+            fds = f"/proc/{pid}/fd"
+            if any(os.readlink(os.path.join(fds, fd)) == path for fd in os.listdir(fds)):
+                return True
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    return False

@@ -144,8 +144,8 @@ def _auto_against_named(group) -> dict:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a world size the real table lacks: tested separately
                     name = allreduce.auto_algorithm(auto, group)
-                    allreduce.allreduce(auto, "mean", group)
-                allreduce.ALGORITHMS[name](named, "mean", group)
+                    allreduce.allreduce(auto, "avg", group)
+                allreduce.ALGORITHMS[name](named, "avg", group)
                 out[table, numel, "float32"] = (name, torch.equal(auto, named))
     finally:
         message_passing.CROSSOVER = saved
@@ -182,12 +182,12 @@ def _grid_in(group) -> dict:
         out["noncontiguous"][variant] = (matrix, returned.data_ptr() == matrix.data_ptr(), returned.stride())
         empty = torch.empty(0)
         with CollectiveCounter() as counter:
-            returned = _call(variant, empty, "mean", group)
+            returned = _call(variant, empty, "avg", group)
         out["empty"][variant] = (returned is empty, dict(counter.calls))
-        out["refused"][variant] = {"int_mean": _refused(variant, torch.arange(6), "mean", group),
+        out["refused"][variant] = {"int_mean": _refused(variant, torch.arange(6), "avg", group),
                                    "unknown_op": _refused(variant, torch.ones(6), "max", group)}
         for dtype in ("float16", "bfloat16"):
-            out["overflow"][variant, dtype] = _call(variant, _overflow_inputs(1003, rank, dtype), "mean", group)
+            out["overflow"][variant, dtype] = _call(variant, _overflow_inputs(1003, rank, dtype), "avg", group)
     return out
 
 
@@ -212,7 +212,7 @@ def exact(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
     """The sum (or mean) of the ranks' values, correctly rounded to float64 (``math.fsum`` per element)."""
     columns = torch.stack([x.double() for x in inputs]).T.tolist()
     total = torch.tensor([math.fsum(column) for column in columns], dtype=torch.float64)
-    return total / len(inputs) if op == "mean" else total
+    return total / len(inputs) if op == "avg" else total
 
 
 def tolerance(inputs: list[torch.Tensor], op: str, dtype: str) -> torch.Tensor:
@@ -417,7 +417,7 @@ def test_a_mean_whose_sum_overflows_the_dtype_is_still_exact(grids, n, variant, 
     for ranks_out in grids[n]:
         got = ranks_out["overflow"][variant, dtype]
         assert torch.isfinite(got).all()
-        assert_exact(got, inputs, "mean", dtype)
+        assert_exact(got, inputs, "avg", dtype)
 
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
@@ -462,7 +462,7 @@ def test_an_empty_tensor_returns_at_once_without_messages(grids, n, variant):
 def test_bad_input_is_refused_before_any_message(grids, n, variant):
     for ranks_out in grids[n]:
         refused = ranks_out["refused"][variant]
-        assert refused["int_mean"]["error"].startswith("TypeError: op='mean' needs a floating dtype")
+        assert refused["int_mean"]["error"].startswith("TypeError: op='avg' needs a floating dtype")
         assert refused["unknown_op"]["error"].startswith("ValueError: unknown op 'max'")
         assert refused["int_mean"]["calls"] == {} and refused["unknown_op"]["calls"] == {}
 

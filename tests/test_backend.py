@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import PG_TIMEOUT_S
+from common import PG_TIMEOUT_S, left_in_dev_shm
 from dpkit.comm import backend, slots
 from dpkit.comm.process_groups import WorkerError, launch
 
@@ -181,7 +181,7 @@ def grid(world: int) -> list[dict]:
         try:
             _GRIDS[world] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
                                    hosts=LAYOUTS[world])
-            _GRIDS[world][0]["left in /dev/shm"] = shm_names() - before
+            _GRIDS[world][0]["left in /dev/shm"] = left_in_dev_shm(before)
         except WorkerError as error:
             _GRIDS[world] = error
     if isinstance(_GRIDS[world], WorkerError):
@@ -277,7 +277,7 @@ def two_rank_worker(ctx) -> tuple[dict, dict]:
 def two_ranks():
     before = shm_names()
     found = launch(two_rank_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
-    found[0][1]["left in /dev/shm"] = shm_names() - before
+    found[0][1]["left in /dev/shm"] = left_in_dev_shm(before)
     return found
 
 
@@ -448,4 +448,4 @@ def test_a_killed_rank_fails_the_others_naming_it_and_leaves_nothing_in_dev_shm(
     text = str(failure.value)
     assert "rank 0 of 2 failed" in text and "PeerFailedError" in text and "rank(s) [1]" in text, text
     assert time.monotonic() - start < 20 + 15, "rank 0 did not fail within the group's timeout"
-    assert not shm_names() - before
+    assert left_in_dev_shm(before, failure.value.pids) == []

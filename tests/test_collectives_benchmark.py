@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import allreduce
@@ -28,7 +29,7 @@ FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce [own buffer]", "disp
                "SharedMemory.all_reduce [own buffer]", "SharedMemory.all_reduce [any tensor]"}
 
 
-def _broken(tensor, op="mean", group=None):
+def _broken(tensor, op="avg", group=None):
     """A wrong all-reduce: the ring's result with rank 0's first element off by one."""
     allreduce.ring_allreduce(tensor, op, group)
     if torch.distributed.get_rank(group) == 0 and tensor.numel():
@@ -202,6 +203,8 @@ def test_the_backend_axis_has_a_gloo_and_a_dpkit_row_per_collective_and_size(mea
         assert [r["label"] for r in mine] == ["gloo", collectives.BACKEND] * len(sizes), collective
         assert [r["transport"] for r in mine] == ["gloo", "dpkit"] * len(sizes)
         assert {r["algorithm"] for r in mine} == {f"dist.{call}"}
+        if collective in ("all_gather", "reduce_scatter") and hasattr(dist, "all_gather_single"):
+            assert call == f"{collective}_single"  # the name of what compat calls on this torch
         # nccl-tests: the full tensor's bytes; the sharded calls and all-to-all hold at least one element per rank
         sharded = collective in ("all_gather", "reduce_scatter", "all_to_all")
         expected = [0] if collective == "barrier" else [max(s, 8) if sharded else s for s in sizes]

@@ -31,6 +31,8 @@ import ddp_benchmark as bench
 from dpkit.bench import ddp_replicas, ddp_run, ddp_step, ddp_targets, ddp_variants, harness, measure
 from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
+from dpkit.bench.rows import STAGED, ZERO_COPY
+from dpkit.bench.rows import label as row_label
 from dpkit.comm import registry
 from dpkit.comm import transport
 from dpkit.engines import ddp
@@ -73,15 +75,9 @@ def rows_at(doc: dict, world: int) -> dict[str, dict]:
     return {r["label"]: r for r in doc["results"] if r["world_size"] == world}
 
 
-def transport_of(label: str) -> str | None:
-    """The transport a label names in brackets ("ddp ours naive [shared_memory]" -> "shared_memory"); None for
-    "no ddp"."""
-    return label[label.index("[") + 1:-1] if label.endswith("]") else None
-
-
-def engine_of(label: str) -> str:
-    """A label without its transport ("ddp pytorch best 25M [shared_memory]" -> "ddp pytorch best 25M")."""
-    return label.split(" [")[0]
+def but_transport(fields: dict) -> dict:
+    """A side's identity without its transport and path: the engine, implementation, option and cap."""
+    return {k: v for k, v in fields.items() if k not in ("transport", "path")}
 
 
 def cnn_parameters() -> list[torch.Tensor]:
@@ -118,8 +114,9 @@ def test_a_thread_runs_only_the_variants_whose_sums_can_overlap_backward():
                                                                       "ddp pytorch 25M [torch]"]
     assert [v.label for v in variants if v.kind == "ddp pytorch best"] == ["ddp pytorch best 25M [torch]",
                                                                        "ddp pytorch best 25M [shared_memory]"]
-    assert [(v.kind, v.bucket_mb, v.transport) for v in variants[:1]] == [("no_ddp", None, None)]
-    assert ddp_variants.Variant("ddp ours", 25.0, "shared_memory:thread").slug == "ddp-ours-25M-[shared_memory:thread]"
+    assert [(v.kind, v.engine, v.bucket_mb, v.transport) for v in variants[:1]] == [("no ddp", None, None, None)]
+    assert ddp_variants.variant("ddp ours", 25.0, "shared_memory:thread").slug == "ddp-ours-25M-[shared_memory:thread]"
+    assert {v.kind: (v.engine, v.impl, v.option) for v in variants if v.engine} == ddp_step.DDP_FIELDS
 
 
 def test_transports_are_made_in_one_order_whatever_order_they_are_asked_in(monkeypatch):
@@ -158,10 +155,27 @@ def test_a_row_per_variant_and_transport_and_the_single_process_no_ddp_row(sweep
     assert [r["label"] for r in doc["results"] if r["world_size"] == WORLD] == LABELS
     assert [r["label"] for r in doc["results"] if r["world_size"] == 1] == ["no ddp"]
     rows = rows_at(doc, WORLD)
-    assert all(r["transport"] == transport_of(label) for label, r in rows.items())
     buckets = {label: r["bucket_cap_mb"] for label, r in rows.items()}
     assert buckets["ddp ours overlap [shared_memory]"] == 0 and buckets["ddp ours naive [torch]"] is None
     assert buckets["ddp pytorch 25M [torch]"] == 25
+
+
+def test_each_row_carries_its_identity_and_the_path_it_recorded_and_its_label_is_formatted_from_them(sweep):
+    doc, _, _ = sweep
+    for r in doc["results"]:
+        assert r["label"] == row_label(r), r["label"]
+    rows = rows_at(doc, WORLD)
+    fields = {k: rows["ddp pytorch best 25M [shared_memory]"][k] for k in ("engine", "impl", "option", "transport")}
+    assert fields == {"engine": "ddp", "impl": "pytorch", "option": "best", "transport": "shared_memory"}
+    assert (rows["no ddp"]["engine"], rows["no ddp"]["transport"]) == (None, None)
+    # On shared memory, the path each row took as the transport saw it: PyTorch's buckets (handed to its comm hook)
+    # and naive's gradients are copied into a staging block; ours sums in buffers the transport allocated.
+    staged = {"ddp pytorch best 25M [shared_memory]", "ddp ours naive [shared_memory]"}
+    for label, r in rows.items():
+        on_shared_memory = r["transport"] in ("shared_memory", "shared_memory:thread")
+        expected = (STAGED if label in staged else ZERO_COPY) if on_shared_memory else None
+        assert r["path"] == expected, label
+        assert (r["transport_staging_bytes"] > 0) == (expected == STAGED), label
 
 
 def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
@@ -171,7 +185,8 @@ def test_the_results_file_stores_the_target_checks_of_its_rows(sweep):
 
 
 def test_each_check_compares_along_one_axis(sweep):
-    """Engine: two engines on one transport. Transport: one engine on two transports. Overhead: ours against no DDP.
+    """Impl: ours and PyTorch's on one transport. Transport: one engine on two transports. Overhead: ours against
+    no DDP.
     Overlap: exposed waits on the asynchronous transports, against naive's sums on the same wire; and, for
     information only, the communication thread against the same sums made inline."""
     doc, _, _ = sweep
@@ -179,12 +194,12 @@ def test_each_check_compares_along_one_axis(sweep):
     faster_on_torch = min(("ddp pytorch 25M [torch]", "ddp pytorch best 25M [torch]"),
                           key=lambda label: rows[label]["p50_s"])
     expected = {
-        ("engine", "p50 / faster pytorch p50, same transport", "ddp ours 25M [torch]", faster_on_torch),
-        ("engine", "peak memory / same pytorch row", "ddp ours 25M [torch]", faster_on_torch),
-        ("engine", "p50 / faster pytorch p50, same "
-                   "transport", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
-        ("engine", "peak memory / same pytorch "
-                   "row", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
+        ("impl", "p50 / faster pytorch p50, same transport", "ddp ours 25M [torch]", faster_on_torch),
+        ("impl", "peak memory / same pytorch row", "ddp ours 25M [torch]", faster_on_torch),
+        ("impl", "p50 / faster pytorch p50, same "
+                 "transport", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
+        ("impl", "peak memory / same pytorch "
+                 "row", "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]"),
         *(("transport", "p50 / the same engine on torch", f"ddp pytorch best 25M [{t}]", "ddp pytorch best 25M [torch]")
           for t in ("shared_memory", "torch:dpkit")),
         ("overhead", "p50 / no DDP", "ddp ours 25M [shared_memory]", "no ddp"),
@@ -200,15 +215,16 @@ def test_each_check_compares_along_one_axis(sweep):
     assert len(checks) == len(expected)
     for c in checks:
         assert (c["model"], c["world_size"]) == ("cnn", WORLD)
-        if c["axis"] == "engine":
-            assert transport_of(c["label"]) == transport_of(c["reference"]), c
+        ours, theirs = c["row"], c["reference_row"]
+        assert ours == {k: rows[c["label"]][k] for k in ours} and theirs == {k: rows[c["reference"]][k] for k in theirs}
+        if c["axis"] == "impl":
+            assert ours["transport"] == theirs["transport"] and ours["impl"] != theirs["impl"], c
         elif c["axis"] == "transport":
-            assert engine_of(c["label"]) == engine_of(c["reference"]), c
-            assert transport_of(c["label"]) != transport_of(c["reference"]), c
+            assert but_transport(ours) == but_transport(theirs) and ours["transport"] != theirs["transport"], c
         elif c["axis"] == "overhead":
-            assert c["reference"] == "no ddp", c
+            assert theirs["engine"] is None, c
         elif c["limit"] is not None:
-            assert transport_of(c["label"]) in ddp_variants.ASYNCHRONOUS, c
+            assert ours["transport"] in ddp_variants.ASYNCHRONOUS, c
         if c["limit"] is None:
             assert c["verdict"] == "information" and c["axis"] == "overlap", c
         else:
@@ -220,7 +236,7 @@ def test_rows_are_related_to_pytorch_on_their_own_transport(sweep):
     for label, row in rows.items():
         assert row["vs_no_ddp"] == measure.paired_ratio(row["round_p50_s"], rows["no ddp"]["round_p50_s"])
         for kind, key in (("ddp pytorch", "vs_pytorch"), ("ddp pytorch best", "vs_pytorch_best")):
-            reference = rows.get(f"{kind} 25M [{transport_of(label)}]")
+            reference = rows.get(f"{kind} 25M [{row['transport']}]")
             assert row[key] == (reference and measure.paired_ratio(row["round_p50_s"], reference["round_p50_s"])), label
     # PyTorch at its defaults has no shared-memory row: ours on shared memory is not compared with it on gloo
     assert rows["ddp ours 25M "
@@ -242,7 +258,7 @@ SCRIPT = {"no ddp": (0.100, 0.0), "ddp pytorch 25M [torch]": (0.150, 0.0), "ddp 
 DRIFT = (1.0, 2.0, 1.5, 3.0)  # the machine slows down and recovers: round r multiplies every time by DRIFT[r]
 SCRIPTED_ITERS = 8  # 2 per round
 # The engine each kind must be built as (in a world of one every transport is torch's: nothing travels).
-ENGINES = {"no_ddp": Net, "ddp pytorch": torch.nn.parallel.DistributedDataParallel,
+ENGINES = {"no ddp": Net, "ddp pytorch": torch.nn.parallel.DistributedDataParallel,
            "ddp pytorch best": torch.nn.parallel.DistributedDataParallel, "ddp ours": ddp.DDP,
            "ddp ours naive": ddp.NaiveDDP}
 
@@ -337,9 +353,10 @@ def test_ratios_pair_rounds_so_drift_cancels_and_compare_pytorch_on_the_same_tra
     assert exact(rows["ddp ours 25M [shared_memory]"]["vs_pytorch_best"], 0.104 / 0.108)
     assert rows["ddp ours 25M [shared_memory:thread]"]["vs_pytorch_best"] is None  # its hook cannot use the thread
     assert exact(rows["ddp ours naive [shared_memory]"]["vs_no_ddp"], 1.8)
-    assert ddp_targets.faster_pytorch(rows, "torch")["label"] == "ddp pytorch best 25M [torch]"
-    assert ddp_targets.faster_pytorch(rows, "shared_memory")["label"] == "ddp pytorch best 25M [shared_memory]"
-    assert ddp_targets.faster_pytorch(rows, "shared_memory:thread") is None
+    peers = list(rows.values())
+    assert ddp_targets.faster_pytorch(peers, "torch")["label"] == "ddp pytorch best 25M [torch]"
+    assert ddp_targets.faster_pytorch(peers, "shared_memory")["label"] == "ddp pytorch best 25M [shared_memory]"
+    assert ddp_targets.faster_pytorch(peers, "shared_memory:thread") is None
 
 
 def test_overhead_is_the_p50_above_the_no_ddp_row(scripted):
@@ -370,10 +387,10 @@ def scripted_checks(scripted, world=2):
     return rows, ddp_targets.target_checks(rows)
 
 
-def test_engine_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_transport(scripted):
+def test_impl_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_transport(scripted):
     rows, checks = scripted_checks(scripted)
-    engine = [c for c in checks if c["axis"] == "engine"]
-    assert all(transport_of(c["label"]) == transport_of(c["reference"]) for c in engine)
+    engine = [c for c in checks if c["axis"] == "impl"]
+    assert all(c["row"]["transport"] == c["reference_row"]["transport"] for c in engine)
     time = {c["label"]: c for c in engine if c["target"] == "p50 / faster pytorch p50, same transport"}
     assert set(time) == {"ddp ours 25M "
                          "[torch]", "ddp ours 25M [shared_memory]"}  # no PyTorch row on the thread: no check
@@ -473,7 +490,7 @@ def test_collectives_and_buffers_follow_each_variant_s_design(sweep):
     for label, row in rows.items():
         assert row["grad_bytes"] == grad_bytes
         # buffers kept between steps
-        if row["variant"] in ("ddp ours", "ddp ours overlap", "ddp ours flat", "ddp pytorch", "ddp pytorch best"):
+        if row["engine"] and row["option"] != "naive":
             assert row["ddp_buffer_bytes"] >= grad_bytes, label
         else:
             assert row["ddp_buffer_bytes"] == 0, label

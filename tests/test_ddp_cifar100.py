@@ -123,9 +123,9 @@ def runs(tmp_path_factory, tiny_cifar):
 
     jobs = {
         # --tee 3 prefixes every line with its rank, to check that only rank 0 logs.
-        "homework": dict(args=(*TINY_RUN, "--distributed-impl", "ours", "--checkpoint-dir",
+        "homework": dict(args=(*TINY_RUN, "--impl", "ours", "--checkpoint-dir",
                                str(paths["homework"]["ckpt"]), *outputs("homework")), torchrun_args=("--tee", "3")),
-        "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--distributed-impl", "pytorch",
+        "cifar": dict(args=("--dataset", "cifar100", "--data-dir", str(tiny_cifar[0]), "--impl", "pytorch",
                             "--batch-size", "8", "--grad-accum-steps", "2", "--val-batch-size", "4", "--num-epochs",
                             "1", *outputs("cifar"))),
     }
@@ -149,7 +149,7 @@ def _initial_state(seed=0):
 def resumed(tmp_path_factory):
     """The synthetic run again, a worker killed at step CRASH_STEP and restarted by torchrun."""
     paths = _paths(tmp_path_factory.mktemp("resumed"), "resumed")
-    process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--distributed-impl", "ours", "--checkpoint-dir",
+    process = run_torchrun(FAULTY_SCRIPT, 2, *TINY_RUN, "--impl", "ours", "--checkpoint-dir",
                            str(paths["ckpt"]), "--save-model", str(paths["model"]), "--metrics-json",
                            str(paths["json"]), torchrun_args=("--max-restarts", "1"),
                            env={"DP_FAULTS": f"allreduce@{CRASH_STEP}"})
@@ -196,7 +196,7 @@ def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
     doc = read_results(runs["homework"].json)
     assert doc["benchmark"] == "ddp_cifar100" and doc["env"]["world_size"] == 2
     config = doc["config"]
-    used = (config["dataset_used"], config["sync_bn_used"], config["distributed_impl"], config["sharding"])
+    used = (config["dataset_used"], config["sync_bn_used"], config["impl"], config["engine"])
     assert used == ("synthetic", "ours", "ours", "ddp")
     assert (config["global_batch"], config["steps_per_epoch"], config["notices"]) == (16 * 3 * 2, STEPS_PER_EPOCH, [])
     rows = doc["results"]
@@ -212,7 +212,7 @@ def test_metrics_file_has_config_environment_epochs_and_ranks(runs):
 
 def test_end_to_end_with_pytorch_ddp_on_cifar100_files_and_the_cpu_sync_bn_notice(runs, tiny_cifar):
     doc = read_results(runs["cifar"].json)
-    assert (doc["config"]["dataset_used"], doc["config"]["distributed_impl"]) == ("cifar100", "pytorch")
+    assert (doc["config"]["dataset_used"], doc["config"]["impl"]) == ("cifar100", "pytorch")
     assert _state(runs["cifar"].model).keys() == _initial_state().keys()
     assert doc["results"][0]["val_count"] == 13, "every test image counted once"
     assert doc["config"]["sync_bn_used"] == "ours"
@@ -259,7 +259,7 @@ def _accumulation_case(ctx, impl, train, val, autocast="none"):
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     model.register_forward_hook(lambda m, i, out: logits_dtypes.add(out.dtype) if m.training else None)
     optimizer = _RecordingSGD(model.parameters(), forwards)
-    args = trainer.parse_args(["--distributed-impl", impl, "--grad-accum-steps", str(ACCUM), "--batch-size", str(BATCH),
+    args = trainer.parse_args(["--impl", impl, "--grad-accum-steps", str(ACCUM), "--batch-size", str(BATCH),
                                "--num-epochs", "1", "--val-batch-size", "16", "--autocast", autocast])
     loader = train_loader(train, ctx, BATCH, args.seed, 0)
     run = trainer.Trainer(model, optimizer, loader, val if ctx.is_master else None, ctx, args)
@@ -274,7 +274,7 @@ def _accumulation_case(ctx, impl, train, val, autocast="none"):
 def _training_case(ctx, impl, checkpoint_dir):
     """The trainer as main() builds it, on tiny synthetic data, for two epochs; then a run
     with another learning rate refuses the checkpoint it left."""
-    flags = [*TINY_RUN, "--distributed-impl", impl, "--num-epochs", "2", "--checkpoint-dir", f"{checkpoint_dir}/{impl}"]
+    flags = [*TINY_RUN, "--impl", impl, "--num-epochs", "2", "--checkpoint-dir", f"{checkpoint_dir}/{impl}"]
     args = trainer.parse_args(flags)
     sync_bn, _ = resolve_sync_bn(args.sync_bn, impl, ctx.device)
     train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size, ctx.is_master)
@@ -336,12 +336,12 @@ SHARDING_RUN = ("--dataset", "synthetic", "--train-size", "192", "--val-size", "
                 "--val-batch-size", "16", "--grad-accum-steps", "3", "--sync-bn", "none")
 
 
-def _sharding_case(ctx, impl, sharding, checkpoint_dir):
+def _engine_case(ctx, impl, engine, checkpoint_dir):
     """Two epochs in one run, and a run resumed from its first epoch's checkpoint (sharded states);
-    the final full model state of each. ``sharding="ddp"`` is the trajectory to follow."""
+    the final full model state of each. ``engine="ddp"`` is the trajectory to follow."""
     def run(epochs, directory):
-        flags = [*SHARDING_RUN, "--distributed-impl", impl, "--sharding", sharding, "--num-epochs", str(epochs),
-                 "--checkpoint-dir", f"{checkpoint_dir}/{impl}-{sharding}-{directory}"]
+        flags = [*SHARDING_RUN, "--impl", impl, "--engine", engine, "--num-epochs", str(epochs),
+                 "--checkpoint-dir", f"{checkpoint_dir}/{impl}-{engine}-{directory}"]
         args = trainer.parse_args(flags)
         train_set, val_set = build_datasets(args.dataset, args.data_dir, args.train_size, args.val_size,
                                                     ctx.is_master)
@@ -352,11 +352,11 @@ def _sharding_case(ctx, impl, sharding, checkpoint_dir):
                 "resumed_from": job.resumed_from}
 
     out = {"whole": run(2, "whole")}
-    if sharding != "ddp":
+    if engine != "ddp":
         if ctx.is_master:  # a directory holding only the first epoch's checkpoint
-            os.makedirs(f"{checkpoint_dir}/{impl}-{sharding}-resumed")
-            shutil.copy(checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-whole", 1),
-                        checkpoint_path(f"{checkpoint_dir}/{impl}-{sharding}-resumed", 1))
+            os.makedirs(f"{checkpoint_dir}/{impl}-{engine}-resumed")
+            shutil.copy(checkpoint_path(f"{checkpoint_dir}/{impl}-{engine}-whole", 1),
+                        checkpoint_path(f"{checkpoint_dir}/{impl}-{engine}-resumed", 1))
         out["resumed"] = run(2, "resumed")  # its resume broadcasts from rank 0 after the copy
     return out
 
@@ -365,10 +365,10 @@ def _in_process_cases(ctx, train, val, net_state, checkpoint_dir):
     results = {impl: _accumulation_case(ctx, impl, train, val) for impl in IMPLS}
     results["bf16"] = {impl: _accumulation_case(ctx, impl, train, val, autocast="bf16") for impl in IMPLS}
     results["training"] = {impl: _training_case(ctx, impl, checkpoint_dir) for impl in IMPLS}
-    results["sharding"] = {(impl, sharding): _sharding_case(ctx, impl, sharding, checkpoint_dir)
-                           for impl, sharding in [*((impl, "ddp") for impl in IMPLS), *SHARDED_RUNS]}
-    with toy_engine.registered():  # an engine registered in one place is a --sharding choice the trainer runs
-        results["toy"] = _sharding_case(ctx, "ours", toy_engine.NAME, checkpoint_dir)
+    results["engine"] = {(impl, engine): _engine_case(ctx, impl, engine, checkpoint_dir)
+                         for impl, engine in [*((impl, "ddp") for impl in IMPLS), *SHARDED_RUNS]}
+    with toy_engine.registered():  # an engine registered in one place is a --engine choice the trainer runs
+        results["toy"] = _engine_case(ctx, "ours", toy_engine.NAME, checkpoint_dir)
     results["checkpoints"] = _checkpoint_cases(ctx, checkpoint_dir)
     net = Net()
     net.load_state_dict(net_state)
@@ -443,18 +443,18 @@ def test_both_impls_train_the_same_model_up_to_float32_round_off(in_process):
                            in_process.results[0]["training"]["ours"]["state"]["fc1.weight"])
 
 
-@pytest.mark.parametrize("impl, sharding", SHARDED_RUNS)
-def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_checkpoints(in_process, impl, sharding):
+@pytest.mark.parametrize("impl, engine", SHARDED_RUNS)
+def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_checkpoints(in_process, impl, engine):
     for rank, result in enumerate(in_process.results):
-        ddp, sharded = result["sharding"][impl, "ddp"]["whole"], result["sharding"][impl, sharding]
+        ddp, sharded = result["engine"][impl, "ddp"]["whole"], result["engine"][impl, engine]
         whole, resumed = sharded["whole"], sharded["resumed"]
         if rank == 0:  # only rank 0 holds PyTorch's full state (cpu_offload); ours is everywhere
             assert whole["state"].keys() == ddp["state"].keys() == _initial_state().keys()
             assert not torch.equal(ddp["state"]["fc1.weight"], _initial_state()["fc1.weight"]), "it trained"
             for key, value in ddp["state"].items():
-                torch.testing.assert_close(whole["state"][key], value, msg=f"{impl} {sharding}: {key}")
+                torch.testing.assert_close(whole["state"][key], value, msg=f"{impl} {engine}: {key}")
                 if impl == "ours":
-                    assert torch.equal(resumed["state"][key], whole["state"][key]), f"resumed {sharding}: {key}"
+                    assert torch.equal(resumed["state"][key], whole["state"][key]), f"resumed {engine}: {key}"
                 else:  # PyTorch's DDP re-buckets after its first step, so a resumed run adds in other orders
                     torch.testing.assert_close(resumed["state"][key], whole["state"][key], msg=f"resumed {key}")
         assert resumed["resumed_from"].endswith("epoch-0001.pt")
@@ -467,7 +467,7 @@ def test_sharded_training_follows_the_ddp_trajectory_and_resumes_from_sharded_ch
 def test_a_registered_toy_engine_trains_as_the_ddp_it_wraps_and_resumes(in_process):
     """tests/toy_engine.py: our DDP registered under another name; the trainer runs it by that name."""
     for result in in_process.results:
-        ddp, toy = result["sharding"]["ours", "ddp"]["whole"], result["toy"]
+        ddp, toy = result["engine"]["ours", "ddp"]["whole"], result["toy"]
         for key, value in ddp["state"].items():
             assert torch.equal(toy["whole"]["state"][key], value), key
             assert torch.equal(toy["resumed"]["state"][key], value), key
@@ -477,7 +477,7 @@ def test_a_registered_toy_engine_trains_as_the_ddp_it_wraps_and_resumes(in_proce
 def test_no_wrapper_or_optimizer_keeps_the_process_group_alive_after_teardown(in_process):
     """After both DDPs, both ZeROs and both FSDPs have trained in a worker, destroying the group frees it:
     a group something still references keeps gloo's threads running into interpreter shutdown, where a
-    worker that finished its run can abort (two CI runs of ddp_cifar100 --distributed-impl pytorch did)."""
+    worker that finished its run can abort (two CI runs of ddp_cifar100 --impl pytorch did)."""
     assert [result["teardown"] for result in in_process.results] == [None] * WORLD
 
 
@@ -704,7 +704,7 @@ def faults(tmp_path_factory, runs):
             "truncated": _copy_checkpoints(reference, out / "truncated", truncate=("epoch-0003.pt",)),
             "readonly": _copy_checkpoints(reference, out / "readonly")}
     before = {name: {p.name: p.read_bytes() for p in ckpt[name].iterdir()} for name in ("truncated", "readonly")}
-    homework = (*TINY_RUN, "--distributed-impl", "ours")
+    homework = (*TINY_RUN, "--impl", "ours")
     jobs = {
         "chain": dict(args=homework, torchrun_args=("--max-restarts", str(len(CHAIN))),
                       env={"DP_FAULTS": ",".join(CHAIN)}),

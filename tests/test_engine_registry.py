@@ -11,9 +11,8 @@ import pytest
 from common import REPO
 import ddp_cifar100 as trainer
 import run_experiments
-import sharding_benchmark
 import toy_engine
-from dpkit.bench import cluster
+from dpkit.bench import cluster, ddp_step, sharding_variants
 from dpkit.bench.results import read_results
 from dpkit.engines import registry
 from dpkit.report import plots
@@ -34,9 +33,9 @@ def test_one_name_per_engine_and_stage_with_what_it_shards_and_its_implementatio
 
 # The spellings of before the names were unified: unknown names now, like any other.
 @pytest.mark.parametrize("flag, old, kind, known", [
-    ("--sharding", "zero", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
-    ("--sharding", "none", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
-    ("--distributed-impl", "selfmade", "impl", "ours, pytorch"),
+    ("--engine", "zero", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
+    ("--engine", "none", "engine", "ddp, zero1, zero2, fsdp, hsdp"),
+    ("--impl", "selfmade", "impl", "ours, pytorch"),
     ("--sync-bn", "selfmade", "sync-bn", "auto, ours, pytorch, none")])
 def test_an_old_engine_name_is_an_unknown_name_refused_listing_the_known_ones(flag, old, kind, known, capsys):
     message = f"unknown {kind} '{old}': choose one of {known}"
@@ -53,11 +52,11 @@ def test_an_unknown_name_lists_the_known_ones_on_the_command_line_too(capsys):
     with pytest.raises(ValueError, match="unknown engine 'zero3': choose one of ddp, zero1, zero2, fsdp, hsdp"):
         registry.checked("zero3", "engine")
     with pytest.raises(SystemExit):
-        trainer.parse_args(["--distributed-impl", "mine"])
+        trainer.parse_args(["--impl", "mine"])
     assert "unknown impl 'mine': choose one of ours, pytorch" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        trainer.parse_args(["--sharding", "zero2", "--distributed-impl", "pytorch"])
-    assert "--sharding zero2 has no 'pytorch' implementation" in capsys.readouterr().err
+        trainer.parse_args(["--engine", "zero2", "--impl", "pytorch"])
+    assert "--engine zero2 has no 'pytorch' implementation" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # the experiment's file before the engines' names were unified
         run_experiments.parse_args(["--only", "train_selfmade"])
     assert "invalid choice: 'train_selfmade'" in capsys.readouterr().err
@@ -65,15 +64,15 @@ def test_an_unknown_name_lists_the_known_ones_on_the_command_line_too(capsys):
 
 def test_the_committed_results_files_name_engines_as_the_registry_does():
     ours = read_results(str(RESULTS / "train_ours.json"))
-    assert (ours["config"]["distributed_impl"], ours["config"]["sharding"]) == ("ours", "ddp")
+    assert (ours["config"]["impl"], ours["config"]["engine"]) == ("ours", "ddp")
     sharding = read_results(str(RESULTS / "sharding.json"))
-    engines = {r["sharding"] for r in sharding["results"] if "variant" in r}
+    engines = {r["engine"] for r in sharding["results"] if "variant" in r}
     assert engines <= set(registry.names()) and "zero1" in engines
     assert not [t["target"] for t in sharding["targets"] if t["target"].startswith("zero ")]
     ddp = read_results(str(RESULTS / "ddp_benchmark.json"))
-    kinds = {r["variant"] for r in ddp["results"]}
-    assert kinds == {"no_ddp", "ddp pytorch", "ddp pytorch best", "ddp ours naive", "ddp ours flat",
-                     "ddp ours overlap", "ddp ours"}
+    kinds = {(r["engine"], r["impl"], r["option"]) for r in ddp["results"]}
+    assert kinds == {(None, None, None), *ddp_step.DDP_FIELDS.values()}
+    assert {r["engine"] for r in ddp["results"]} - {None} <= set(registry.names())
     labels = [r["label"] for r in ddp["results"]] + ddp["config"]["variants"] \
         + [t[k] for t in ddp["targets"] for k in ("label", "reference")]
     assert all(x == "no ddp" or x.startswith("ddp ") for x in labels) and "ddp ours 25M [shared_memory]" in labels
@@ -85,13 +84,14 @@ def test_a_registered_engine_appears_wherever_engines_are_compared():
         assert "toy" in cluster.engines()
         c = cluster.Cluster(2, 2, cluster.Link(1e-5, 1e-9), cluster.Link(1e-5, 1e-9))
         assert cluster.communication_seconds("toy", c, 2**20) == cluster.communication_seconds("ddp", c, 2**20)
-        assert trainer.parse_args(["--sharding", "toy"]).sharding == "toy"
-        assert sharding_benchmark.select(["toy ours"]) == ["toy ours [torch]", "toy ours [shared_memory]"]
-        row = {"model": "gpt", "variant": "toy ours [shared_memory]", "sharding": "toy", "world_size": 2,
+        assert trainer.parse_args(["--engine", "toy"]).engine == "toy"
+        assert sharding_variants.select(["toy ours"]) == ["toy ours [torch]", "toy ours [shared_memory]"]
+        row = {"model": "gpt", "variant": "toy ours [shared_memory]", "engine": "toy", "impl": "ours", "option": None,
+               "transport": "shared_memory", "world_size": 2,
                "params_bytes": 4, "grads_bytes": 4, "state_bytes": 8, "activation_bytes": 1, "ideal_bytes": 16}
         ax = plots.sharding_memory({"results": [row], "env": {"cpus": 2}}).axes[0]
         (tick,) = [t.get_text() for t in ax.get_xticklabels()]
         assert tick.startswith("toy ours [shared_memory"), tick
     assert "toy" not in cluster.engines()
     with pytest.raises(SystemExit):
-        trainer.parse_args(["--sharding", "toy"])
+        trainer.parse_args(["--engine", "toy"])

@@ -5,6 +5,7 @@ row took, which two committed runs made the same comparison; and the suite's tim
 import pytest
 
 from dpkit.bench.results import read_results
+from dpkit.bench.rows import label as row_label
 from dpkit.report import findings, paths, sentences, summary
 import run_experiments
 
@@ -48,17 +49,28 @@ def test_a_trend_word_only_where_the_intervals_resolve_it():
 # --------------------------------------------------------------------------- paths
 
 
+def ddp_row(engine, impl, option, cap, transport, path) -> dict:
+    fields = {"engine": engine, "impl": impl, "option": option, "bucket_cap_mb": cap, "transport": transport,
+              "path": path}
+    return {**fields, "label": row_label(fields)}
+
+
+# The paths as the rows recorded them; the last one says the opposite of what its engine's code would make one
+# guess (ours allocates its buckets through the transport), so only a reader of the field finds it.
 DDP_DOC = {"benchmark": "ddp_benchmark", "results": [
-    {"label": "ddp ours 25M [shared_memory]", "transport_staging_bytes": 0},
-    {"label": "ddp pytorch best 25M [shared_memory]", "transport_staging_bytes": 29_057_472},
-    {"label": "ddp ours naive [shared_memory]", "transport_staging_bytes": 9_437_184}]}
+    ddp_row("ddp", "ours", None, 25.0, "shared_memory", "zero copy"),
+    ddp_row("ddp", "pytorch", "best", 25.0, "shared_memory", "staged"),
+    ddp_row("ddp", "ours", "naive", None, "shared_memory", "staged"),
+    ddp_row("ddp", "ours", "overlap", 0.0, "shared_memory", "staged")]}
 
 
-def test_a_shared_memory_row_is_zero_copy_or_staged_from_its_staging_bytes_else_its_engine():
+def test_a_ddp_row_s_path_is_read_from_its_field_and_another_benchmark_s_inferred_from_its_engine():
     assert paths.path("ddp ours 25M [shared_memory]", DDP_DOC) == "zero copy"
     assert paths.path("ddp pytorch best 25M [shared_memory]", DDP_DOC) == "staged"
-    assert paths.path("ddp ours naive [shared_memory]", DDP_DOC) == "staged"  # per-parameter gradients, copied in
+    assert paths.path("ddp ours naive [shared_memory]", DDP_DOC) == "staged"
+    assert paths.path("ddp ours overlap [shared_memory]", DDP_DOC) == "staged"  # as recorded, not as guessed
     assert paths.path("ddp ours 25M [torch]", DDP_DOC) is None
+    assert paths.path("ddp ours 1M [shared_memory]", DDP_DOC) is None  # no such row: nothing recorded, no guess
     sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
     assert paths.path("ddp pytorch [shared_memory]", sharding) == "staged"  # through transport.ddp_comm_hook
     assert paths.path("fsdp pytorch "
@@ -74,13 +86,16 @@ def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the
     assert paths.label("ddp ours 25M [shared_memory] / ddp pytorch best 25M [shared_memory]", DDP_DOC) == \
         "ddp ours 25M [shared_memory, zero copy] / ddp pytorch best 25M [shared_memory, staged]"
     assert paths.label("ddp ours [torch] / ddp pytorch [torch]") == "ddp ours [torch] / ddp pytorch [torch]"
-    engine = {"axis": "engine", "label": "ddp ours 25M "
-                                         "[shared_memory]", "reference": "ddp pytorch best 25M [shared_memory]"}
-    assert paths.axis(engine, DDP_DOC) == "transport"
-    on_torch = {**engine, "label": "ddp ours 25M [torch]", "reference": "ddp pytorch 25M [torch]"}
-    assert paths.axis(on_torch, DDP_DOC) == "engine"
-    fsdp = {"axis": "engine", "numerator": "fsdp ours [shared_memory]", "denominator": "fsdp pytorch [shared_memory]"}
-    assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "engine"  # both zero copy
+    ours, best = DDP_DOC["results"][:2]
+    impl = {"axis": "impl", "label": ours["label"], "reference": best["label"], "row": ours, "reference_row": best}
+    assert paths.axis(impl, DDP_DOC) == "transport"  # the stored paths differ
+    both_staged = {**impl, "row": {**ours, "path": "staged"}}  # the fields decide, not the labels
+    assert paths.axis(both_staged, DDP_DOC) == "impl"
+    on_torch = {**impl, "row": {**ours, "transport": "torch", "path": None},
+                "reference_row": {**best, "transport": "torch", "path": None}}
+    assert paths.axis(on_torch, DDP_DOC) == "impl"
+    fsdp = {"axis": "impl", "numerator": "fsdp ours [shared_memory]", "denominator": "fsdp pytorch [shared_memory]"}
+    assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "impl"  # both zero copy
 
 
 # --------------------------------------------------------------------------- counts
@@ -112,14 +127,15 @@ def test_counts_are_per_axis_and_kind_without_one_process_or_oversubscribed_runs
 
 
 def test_syncbn_target_rows_count_without_their_one_process_setting():
-    rows = [{"kind": "target", "name": "workers [torch]: every size, ours / x <= 1.3", "setting": "workers",
-             "limit": 1.3, "verdict": "missed"},
-            {"kind": "target", "name": "workers [torch]: peak_bytes of ours <= x's", "setting": "workers",
-             "limit": 1.0, "verdict": "met"},
-            {"kind": "target", "name": "1 process: every size", "setting": "1 process", "limit": 1.2, "verdict": "met"}]
+    rows = [{"kind": "target", "name": "workers [torch]: every size, ours / x <= 1.3", "axis": "impl",
+             "setting": "workers", "limit": 1.3, "verdict": "missed"},
+            {"kind": "target", "name": "workers [torch]: peak_bytes of ours <= x's", "axis": "impl",
+             "setting": "workers", "limit": 1.0, "verdict": "met"},
+            {"kind": "target", "name": "1 process: every size", "axis": "impl", "setting": "1 process", "limit": 1.2,
+             "verdict": "met"}]
     tallied = findings.tally([({"benchmark": "syncbn_benchmark", "env": {"cpus": 2}}, rows)])
-    counts = [(r["kind"], r["missed"], r["met"], r["single"]) for r in tallied]
-    assert counts == [("time", 1, 0, 0), ("memory", 0, 1, 1)]
+    counts = [(r["axis"], r["kind"], r["missed"], r["met"], r["single"]) for r in tallied]
+    assert counts == [("impl", "time", 1, 0, 0), ("impl", "memory", 0, 1, 1)]
 
 
 def test_the_same_auto_torch_comparison_in_two_committed_runs_is_paired():
@@ -227,14 +243,14 @@ def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
 def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
     env = {"cpus": 2, "device": "cpu"}
     checks = [{"target": "ddp ours [shared_memory] / ddp pytorch "
-                         "[shared_memory]", "axis": "engine", "numerator": "ddp ours [shared_memory]",
+                         "[shared_memory]", "axis": "impl", "numerator": "ddp ours [shared_memory]",
                "denominator": "ddp pytorch [shared_memory]", "world_size": world, "limit": 1.0, "verdict": "met",
                "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
     text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
     assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left "
                            "out")
     # zero copy / staged: counted on the transport axis, saying it was stored as an engine check
-    assert text.endswith("* transport, time: 1 met, 0 missed, 0 inconclusive of 1 (1 of them stored as engine checks, "
+    assert text.endswith("* transport, time: 1 met, 0 missed, 0 inconclusive of 1 (1 of them stored as impl checks, "
                          "counted here: each compares a zero-copy row with a staged one)")
 
 

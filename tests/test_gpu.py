@@ -314,10 +314,10 @@ ON_ONE_GPU = ("--device", "cuda", "--backend", "gloo")  # two processes share GP
 
 
 @pytest.mark.parametrize("impl", ("ours", "pytorch"))
-@pytest.mark.parametrize("sharding", ("ddp", "zero1", "fsdp"))
-def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, sharding):
+@pytest.mark.parametrize("engine", ("ddp", "zero1", "fsdp"))
+def test_training_script_runs_a_few_steps_on_cuda(tmp_path, impl, engine):
     metrics = tmp_path / "metrics.json"
-    run_torchrun("ddp_cifar100.py", 2, *ON_ONE_GPU, "--distributed-impl", impl, "--sharding", sharding,
+    run_torchrun("ddp_cifar100.py", 2, *ON_ONE_GPU, "--impl", impl, "--engine", engine,
                  "--dataset", "synthetic", "--train-size", "256", "--val-size", "128", "--batch-size", "16",
                  "--num-epochs", "1", "--max-steps", "3", "--autocast", "bf16", "--metrics-json", str(metrics),
                  timeout_s=300)

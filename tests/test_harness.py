@@ -179,7 +179,11 @@ def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked
     """SIGTERM: ``kill``, a batch system; SIGINT to the group: Ctrl-C in a terminal, which reaches the workers too."""
     path, pids = tmp_path / "stopped.json", tmp_path / "pids"
     pids.mkdir()
-    script = "import sys; sys.path[:0] = ['.', 'tests']; import test_harness; test_harness.stalled_run(sys.argv[1], 2)"
+    # Ctrl-C's handler even where this job was started with SIGINT ignored (a shell's background job without job
+    # control), which a child inherits; and its stacks on SIGUSR1, should it outlive the stop.
+    script = ("import faulthandler, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "faulthandler.register(signal.SIGUSR1, all_threads=True); sys.path[:0] = ['.', 'tests']; "
+              "import test_harness; test_harness.stalled_run(sys.argv[1], 2)")
     run = subprocess.Popen([sys.executable, "-c", script, str(path)], cwd=REPO, env={**os.environ, PIDS_ENV: str(pids)},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -189,6 +193,12 @@ def test_a_run_stopped_by_a_signal_after_its_first_size_leaves_those_rows_marked
         else:
             os.killpg(run.pid, signal.SIGINT)
         _, err = run.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGUSR1)  # the launcher's Python stacks, to stderr, before it is killed
+        time.sleep(2)
+        os.killpg(run.pid, signal.SIGKILL)
+        raise AssertionError(f"the launcher did not end within 60 s of the {stop}; its stacks:\n"
+                             f"{run.communicate()[1][-6000:]}") from None
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)

@@ -45,7 +45,7 @@ def cases() -> list[tuple]:
     """(kind, dtype, op, numel per rank, layout, async_op)."""
     out = []
     for kind in KINDS:
-        ops = ("sum",) if kind == "all_gather" else ("sum", "mean")
+        ops = ("sum",) if kind == "all_gather" else ("sum", "avg")
         for dtype in FLOATS:
             for op in ops:
                 for numel in SIZES:
@@ -54,7 +54,7 @@ def cases() -> list[tuple]:
         in_place = () if kind == "all_reduce" else ("in_place",)
         for layout in ("strided", *in_place):
             out.append((kind, "float32", ops[-1], 1001, layout, True))
-    out.append(("all_reduce", "float16", "mean", 7, "near the top", False))  # the sum overflows, the mean not
+    out.append(("all_reduce", "float16", "avg", 7, "near the top", False))  # the sum overflows, the mean not
     return out
 
 

@@ -12,6 +12,7 @@ from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.container import ErrorbarContainer  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from dpkit.bench import ddp_step  # noqa: E402
 from dpkit.bench.results import RESULTS_SCHEMA  # noqa: E402
 from dpkit.comm import transport  # noqa: E402
 from dpkit.report import plots  # noqa: E402
@@ -53,7 +54,9 @@ def test_one_colour_per_implementation_whatever_the_bucket_size_or_field():
     assert plots.colour({"label": "ddp pytorch 25M", "variant": "ddp pytorch"}) == plots.colour("torch")
     best = {"label": "ddp pytorch 25M", "variant": "ddp pytorch", "ddp_options": {"gradient_as_bucket_view": True}}
     assert plots.kind(best) == "ddp pytorch best" and plots.colour(best) != plots.colour("ddp pytorch")
-    assert plots.kind({"label": "ddp pytorch best 25M", "variant": "ddp pytorch best"}) == "ddp pytorch best"
+    fields = {"engine": "ddp", "impl": "pytorch", "option": "best", "bucket_cap_mb": 25.0, "transport": "torch"}
+    assert plots.kind(fields) == "ddp pytorch best"
+    assert plots.colour({**fields, "option": None}) == plots.colour("torch")
     assert len({plots.colour(k) for k in ("ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours overlap",
                                           "ddp ours flat", "ddp ours naive", "no ddp")}) == 7
 
@@ -226,7 +229,10 @@ def test_allreduce_chart_draws_a_transport_apart_from_the_algorithms():
 
 
 def ddp_row(label, variant, cap, p50, world=2, **extra):
-    return {"model": "resnet18", "label": label, "variant": variant, "bucket_cap_mb": cap, "world_size": world,
+    """A ddp_benchmark.py row of the kind ``variant`` names ("no_ddp": the model alone)."""
+    engine, impl, option = ddp_step.DDP_FIELDS.get(variant, (None, None, None))
+    return {"model": "resnet18", "label": label, "engine": engine, "impl": impl, "option": option,
+            "transport": None, "path": None, "bucket_cap_mb": cap, "world_size": world,
             "p50_s": p50, "p50_ex_per_s": 32 / p50, "round_p50_s": [p50 * f for f in (0.95, 1.0, 1.05, 1.0)],
             "comm_wait_s": None, **extra}
 
@@ -256,9 +262,11 @@ def test_ddp_variants_compare_ours_with_pytorch_defaults_and_best_settings_with_
 def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport():
     rows = [ddp_row("no ddp", "no_ddp", None, 0.10)]
     for on, factor in (("torch", 1.0), ("shared_memory", 0.8)):
-        rows += [ddp_row(f"ddp pytorch best 25M [{on}]", "ddp pytorch best", 25.0, 0.14 * factor, transport=on),
-                 ddp_row(f"ddp ours 1M [{on}]", "ddp ours", 1.0, 0.15 * factor, transport=on),
-                 ddp_row(f"ddp ours 25M [{on}]", "ddp ours", 25.0, 0.14 * factor, transport=on)]
+        staged, zero_copy = ("staged", "zero copy") if on == "shared_memory" else (None, None)  # as the rows recorded
+        rows += [ddp_row(f"ddp pytorch best 25M [{on}]", "ddp pytorch best", 25.0, 0.14 * factor, transport=on,
+                         path=staged),
+                 ddp_row(f"ddp ours 1M [{on}]", "ddp ours", 1.0, 0.15 * factor, transport=on, path=zero_copy),
+                 ddp_row(f"ddp ours 25M [{on}]", "ddp ours", 25.0, 0.14 * factor, transport=on, path=zero_copy)]
     figure = plots.ddp_variants(doc(rows))
     sweep, bars = figure.axes[:2]
     series = {c.get_label(): c.lines[0] for c in sweep.containers if isinstance(c, ErrorbarContainer)}
@@ -271,7 +279,7 @@ def test_ddp_variants_draw_a_bucket_size_series_per_implementation_and_transport
     assert shm.get_color() == series["ddp ours [torch]"].get_color()  # the implementation's
     assert {series["ddp ours [torch]"].get_linestyle(), shm.get_linestyle()} == {"-", "--"}
     assert [t.get_text() for t in bars.get_yticklabels()] == [
-        r["label"].replace("[shared_memory]", "[shared_memory, staged]" if r["variant"] == "ddp pytorch best"
+        r["label"].replace("[shared_memory]", "[shared_memory, staged]" if r["option"] == "best"
                            else "[shared_memory, zero copy]")
         for r in rows]
 
@@ -425,28 +433,40 @@ def test_time_breakdown_stacks_each_profiled_variants_phases():
 MIB = plots.MIB
 
 
-def _sharding_row(variant, sharding, world, mib, oversubscribed=False):
+def _sharding_row(engine, impl, world, mib, oversubscribed=False, option=None, transport="shared_memory"):
     parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, activation_bytes=mib * MIB,
-                 state_bytes=8 * MIB // (world if sharding == "zero1" else 1))
-    return {"model": "gpt", "variant": variant, "sharding": sharding, "world_size": world, **parts,
+                 state_bytes=8 * MIB // (world if engine == "zero1" else 1))
+    name = f"{engine} {impl}{f' {option}' if option else ''} [{transport}]"
+    return {"model": "gpt", "variant": name, "engine": engine, "impl": impl, "option": option,
+            "transport": transport, "world_size": world, **parts,
             "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"],
             "oversubscribed": oversubscribed}
 
 
 def test_sharding_memory_stacks_what_each_rank_holds_for_our_variants_with_the_ideal():
-    rows = [_sharding_row(v, s, w, 1, oversubscribed=w == 4) for v, s in (("ddp ours", "ddp"), ("ddp pytorch", "ddp"),
-                                                                           ("zero1 ours", "zero1")) for w in (1, 2, 4)]
+    rows = [_sharding_row(e, i, w, 1, oversubscribed=w == 4) for e, i in (("ddp", "ours"), ("ddp", "pytorch"),
+                                                                           ("zero1", "ours")) for w in (1, 2, 4)]
     rows.append({"target": "zero1 ours / ddp ours", "ratio": None})  # target rows are not drawn
     figure = plots.sharding_memory({"results": rows, "env": {"cpus": 2}})
     ax = figure.axes[0]
-    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ["ddp ours"] * 3 + ["zero1 ours"] * 3
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == (
+        ["ddp ours [shared_memory, zero copy]"] * 3 + ["zero1 ours [shared_memory, zero copy]"] * 3)
     assert len(ax.patches) == 6 * len(plots.MEMORY_PARTS) + 1  # four stacked parts per bar, and the legend's hatch
     tops = [p.get_y() + p.get_height() for p in ax.patches[:-1]]
     # 4+4+8+1; 4+4+2+1 at 4 ranks
     assert max(tops) == pytest.approx(17) and min(t for t in tops[3::4]) == pytest.approx(11)
     ideals = sorted({line.get_ydata()[0] for line in ax.lines})
     assert ideals == [10, 12, 16]
-    assert plots.our_variant(rows, "fsdp") is None and plots.our_variant(rows, "zero1") == "zero1 ours"
+
+
+def test_our_variant_of_an_engine_is_read_from_the_fields_at_its_default_option_on_shared_memory_first():
+    rows = [_sharding_row("zero1", "ours", 2, 1, option="in step"),
+            _sharding_row("zero1", "ours", 2, 1, transport="torch"), _sharding_row("zero1", "ours", 2, 1),
+            _sharding_row("ddp", "pytorch", 2, 1),
+            _sharding_row("ddp", "ours", 2, 1, transport="torch")]
+    assert plots.our_variant(rows, "zero1") == "zero1 ours [shared_memory]"
+    assert plots.our_variant(rows, "ddp") == "ddp ours [torch]"
+    assert plots.our_variant(rows, "fsdp") is None
 
 
 def test_a_run_with_more_processes_than_cores_is_oversubscribed_whatever_its_flag_says():

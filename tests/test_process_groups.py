@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import CollectiveCounter, run_workers
+from common import CollectiveCounter, left_in_dev_shm, run_workers
 from dpkit.bench import measure
 from dpkit.comm import process_groups
 from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
@@ -138,6 +138,22 @@ def test_a_worker_that_crashes_outside_python_is_reported_with_its_signal_and_py
     assert "rank 1 of 2 failed" in message and f"exit code {-signal.SIGABRT}" in message
     assert "the Python stacks when it crashed" in message and "_abort_in_a_named_frame" in message
     _assert_all_dead(failure.value.pids)
+
+
+def _killed_after_a_progress_bar(ctx) -> None:
+    for _ in process_groups.progress(range(2)):  # rank 0 draws it
+        pass
+    if ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs
+    time.sleep(60)
+
+
+def test_a_worker_killed_after_drawing_a_progress_bar_leaves_nothing_in_dev_shm():
+    """A bar's lock is a thread lock: tqdm's default would leave a named semaphore until the launcher exits."""
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(WorkerError, match=f"exit code {-signal.SIGKILL}"):
+        launch(_killed_after_a_progress_bar, 2, timeout_s=120, pg_timeout_s=60)
+    assert left_in_dev_shm(before) == []
 
 
 def test_a_silent_peer_fails_the_waiting_rank_within_the_process_group_timeout():

@@ -110,8 +110,12 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_its_test_command():
 # --------------------------------------------------------------------------- findings: the numbers behind the sentences
 
 
-def target(world, verdict, limit=1.0, **fields):
-    return {"model": "resnet18", "world_size": world, "axis": "engine", "label": "ours", "reference": "pytorch",
+def target(world, verdict, limit=1.0, option=None, **fields):
+    """A stored check of ours (with ``option``) against PyTorch's DDP, each side by its identity."""
+    ours = {"engine": "ddp", "impl": "ours", "option": option, "bucket_cap_mb": 25.0, "transport": "torch"}
+    return {"model": "resnet18", "world_size": world, "axis": "impl", "label": " ".join(filter(None, ["ours", option])),
+            "reference": "pytorch", "row": {**ours, "path": None},
+            "reference_row": {**ours, "impl": "pytorch", "option": None, "path": None},
             "target": "p50 / pytorch p50", "limit": limit, "verdict": verdict, **fields}
 
 
@@ -127,11 +131,12 @@ def test_counts_leave_out_oversubscribed_runs_and_checks_without_a_target():
 
 
 def test_two_runs_verdicts_are_compared_on_the_same_comparison_only():
-    headline = [target(2, "met"), target(2, "inconclusive", label="flat"), target(2, "met", label="only here")]
-    sweep = [target(2, "inconclusive"), target(2, "inconclusive", label="flat"), target(2, "met", label="only there"),
+    headline = [target(2, "met"), target(2, "inconclusive", option="flat"), target(2, "met", option="overlap")]
+    sweep = [target(2, "inconclusive"), target(2, "inconclusive", option="flat"), target(2, "met", option="naive"),
              target(2, "missed", model="cnn")]
+    sweep[1]["row"]["path"] = "zero copy"  # the path a run recorded does not make it another comparison
     pairs = [(c["label"], o["label"]) for c, o in findings.paired_checks(headline, sweep)]
-    assert pairs == [("ours", "ours"), ("flat", "flat")]
+    assert pairs == [("ours", "ours"), ("ours flat", "ours flat")]
     differ = findings.differing_verdicts(headline, sweep)
     assert [(c["verdict"], o["verdict"]) for c, o in differ] == [("met", "inconclusive")]
 
@@ -144,11 +149,11 @@ def test_a_series_text_follows_its_points_in_x_order_with_their_intervals():
             == "1.00 [0.90, 1.10] at 1 and 1.80 [1.49, 3.30] at 2")
 
 
-def test_growth_is_from_one_world_size_to_another_of_one_label():
-    rows = [{"label": "no ddp", "world_size": 1, "p50_s": 0.10}, {"label": "no ddp", "world_size": 2, "p50_s": 0.13},
-            {"label": "ddp", "world_size": 1, "p50_s": 0.20}]
-    assert findings.growth(rows, "no ddp", 1, 2) == pytest.approx(0.3)
-    assert findings.growth(rows, "ddp", 1, 2) is None
+def test_growth_is_from_one_world_size_to_another_of_one_series():
+    rows = [{"world_size": 1, "p50_s": 0.10}, {"world_size": 2, "p50_s": 0.13}]
+    assert findings.growth(rows, 1, 2) == pytest.approx(0.3)
+    assert findings.growth(rows, 2, 1) == pytest.approx(0.10 / 0.13 - 1)
+    assert findings.growth(rows[:1], 1, 2) is None
 
 
 def allreduce_row(world, size, label, p50, choice=None, axis="algorithm", rounds=None):

@@ -15,6 +15,7 @@ import pytest
 
 from common import REPO
 from dpkit.bench.results import read_results
+from dpkit.bench.rows import label as row_label, what
 from dpkit.report import (allreduce_section, ddp_formats, ddp_section, multihost_section, overview, page,
                           sharding_section, summary, syncbn_section, training_section, wording)
 
@@ -204,23 +205,28 @@ def test_zero_balance_is_the_worst_rank_of_each_stage_over_every_rank_count():
 
 def test_the_bucket_sentence_names_the_sweeps_fastest_cap_per_transport():
     doc = read_results(str(RESULTS / "ddp_benchmark.json"))
-    ours = [r for r in doc["results"] if r["variant"] == "ddp ours" and r["model"] == "resnet18"]
+    ours = [r for r in doc["results"] if (r["engine"], r["impl"], r["option"]) == ("ddp", "ours", None)
+            and r["model"] == "resnet18"]
     assert ours, "the committed file has our DDP's rows"
     text = ddp_section.caps_text(doc["results"])
     for transport in {r["transport"] for r in ours}:
         best = min((r for r in ours if r["transport"] == transport), key=lambda r: r["p50_s"])
-        assert f"[{transport}] the lowest p50 is {best['label']}" in text
+        assert f"on {transport}, the lowest p50 is {row_label(best, path=True)}" in text
 
 
 def test_the_sweep_scaling_is_examples_per_second_at_the_most_processes_within_the_cores():
     doc = read_results(str(RESULTS / "ddp_sweep.json"))
     cpus = doc["env"]["cpus"]
-    rows = {(r["label"], r["world_size"]): r for r in doc["results"]}
+    rows = {(what(r), r["world_size"]): r for r in doc["results"]}  # a series: one row's fields but its path
     text = ddp_formats.scaling_text(ddp_formats.marked(doc), cpus)
-    for label in {label for label, _ in rows}:
-        if (label, 1) in rows and (label, cpus) in rows:
-            gain = rows[label, cpus]["p50_ex_per_s"] / rows[label, 1]["p50_ex_per_s"]
-            assert f"{label}: {gain:.2f}x the examples per second of 1 process" in text
+    stated = 0
+    for series in {series for series, _ in rows}:
+        if (series, 1) in rows and (series, cpus) in rows:
+            gain = rows[series, cpus]["p50_ex_per_s"] / rows[series, 1]["p50_ex_per_s"]
+            named = row_label(rows[series, cpus], path=True)  # the path its row at that world size recorded
+            assert f"{named}: {gain:.2f}x the examples per second of 1 process" in text
+            stated += 1
+    assert stated >= 2, "the committed sweep has DDP and no DDP at 1 process and at the cores' count"
 
 
 def test_the_simulated_jobs_step_ratios_are_the_files_p50_times():
@@ -244,8 +250,10 @@ def test_the_sweep_growth_names_our_ddp_beside_no_ddp_and_the_seed():
     doc = read_results(str(RESULTS / "ddp_sweep.json"))
     seed = json.loads((REPO / "seeds.json").read_text())["pytorch_ddp_benchmark"]
     text = ddp_formats.growth_text(ddp_formats.marked(doc), seed, doc["env"])
-    ours = next(r["label"] for r in doc["results"] if r["variant"] == "ddp ours")
-    assert f"Ours ({ours}) grows by " in text and "without DDP (no communication at all)" in text
+    first = next(r for r in doc["results"] if (r["engine"], r["impl"], r["option"]) == ("ddp", "ours", None))
+    ours = [r for r in doc["results"] if what(r) == what(first)]  # one series: its transport at every world size
+    assert f"Ours ({row_label(ours[-1], path=True)}) grows by " in text
+    assert "without DDP (no communication at all)" in text
 
 
 def test_every_syncbn_cell_reads_a_file_of_any_transport_and_names_it(tmp_path):

@@ -5,6 +5,7 @@ import builtins
 import errno
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -159,3 +160,37 @@ def test_the_environment_of_a_cpu_run_has_the_gpu_fields_empty_and_a_gpu_header_
            "gpu_memory_bytes": 80 * 2 ** 30}
     header = results.format_environment(gpu).splitlines()
     assert header[0].endswith(", CUDA 13.0, NCCL 2.27.3") and header[1].endswith("(NVIDIA A100, 80 GiB, 8 visible)")
+
+
+def test_a_rerun_of_some_experiments_keeps_the_others_record_in_the_manifest_with_their_machine(tmp_path):
+    env = {"device_model": "Intel Xeon", "git_commit": "aaaa"}
+    earlier = [{"experiment": "syncbn", "seconds": 80.0}, {"experiment": "allreduce", "seconds": 30.0},
+               {"experiment": "no_longer_an_experiment", "seconds": 1.0}]
+    write_results(str(tmp_path / "manifest.json"), "run_experiments", env, {"quick": True}, earlier)
+    rerun = [{"experiment": "allreduce", "seconds": 20.0, "device_model": "AMD EPYC", "git_commit": "bbbb"}]
+
+    kept = run_experiments.kept_rows(tmp_path / "manifest.json", True, rerun)
+
+    assert kept == [{"experiment": "syncbn", "seconds": 80.0, "device_model": "Intel Xeon", "git_commit": "aaaa"}]
+    assert run_experiments.kept_rows(tmp_path / "manifest.json", False, rerun) == []  # other settings: not kept
+    assert run_experiments.kept_rows(tmp_path / "missing.json", True, rerun) == []
+
+
+def test_a_run_from_changed_code_says_its_commit_is_dirty_but_not_for_what_runs_write(tmp_path, monkeypatch):
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    for name in ("dpkit/bench/results.py", "syncbn.py", "README.md", "report.ipynb", "results/manifest.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("committed\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "code")
+    commit = git("rev-parse", "--short", "HEAD")
+    monkeypatch.setattr(results.os.path, "abspath", lambda _: str(tmp_path / "dpkit" / "bench" / "results.py"))
+    for written in ("README.md", "report.ipynb", "results/manifest.json"):  # what a run rewrites
+        (tmp_path / written).write_text("rendered again\n")
+    assert results.git_commit() == commit
+    (tmp_path / "syncbn.py").write_text("changed\n")
+    assert results.git_commit() == f"{commit}+dirty"

@@ -89,7 +89,7 @@ def _no_float16_overflow(group) -> torch.Tensor:
     """60000 on every rank (float16's largest value is 65504): the sum overflows, the mean must not."""
     n = dist.get_world_size(group)
     out = torch.empty(3, dtype=torch.float16)
-    return allreduce.reduce_scatter(out, torch.full((3 * n,), 60000.0, dtype=torch.float16), "mean", group)
+    return allreduce.reduce_scatter(out, torch.full((3 * n,), 60000.0, dtype=torch.float16), "avg", group)
 
 
 def _bad_inputs(group) -> dict:
@@ -102,7 +102,7 @@ def _bad_inputs(group) -> dict:
         "all_gather numel": refused(lambda: allreduce.all_gather(torch.ones(4 * n + 1), shard, group)),
         "dtype": refused(lambda: allreduce.reduce_scatter(shard.double(), x, "sum", group)),
         "int mean": refused(lambda: allreduce.reduce_scatter(torch.ones(4, dtype=torch.int64),
-                                                              torch.ones(4 * n, dtype=torch.int64), "mean", group)),
+                                                              torch.ones(4 * n, dtype=torch.int64), "avg", group)),
         "unknown op": refused(lambda: allreduce.reduce_scatter(shard, x, "max", group)),
         "not a tensor": refused(lambda: allreduce.all_gather([0.0] * 4 * n, shard, group)),
         # A shard overlapping the full tensor anywhere but its own chunk would be overwritten while read.
@@ -144,7 +144,7 @@ def tolerance(inputs: list[torch.Tensor], op: str) -> torch.Tensor:
         return k * u / (1 - k * u)
 
     magnitude = torch.stack([x.double().abs() for x in inputs]).sum(0)
-    if op == "mean":
+    if op == "avg":
         bound = gamma(n) * magnitude / n + n * u * info.smallest_normal
     else:
         bound = gamma(n - 1) * magnitude
@@ -231,7 +231,7 @@ def test_the_float16_mean_divides_before_it_adds_so_it_cannot_overflow(grids, n)
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_bad_input_is_refused_before_any_message(grids, n):
     expected = {"reduce_scatter numel": "ValueError: input has", "all_gather numel": "ValueError: output has",
-                "dtype": "TypeError: output (torch.float64", "int mean": "TypeError: op='mean' needs a floating dtype",
+                "dtype": "TypeError: output (torch.float64", "int mean": "TypeError: op='avg' needs a floating dtype",
                 "unknown op": "ValueError: unknown op 'max'",
                 "not a tensor": "TypeError: expected a torch.Tensor output",
                 "overlap": "ValueError: output and input overlap"}
@@ -246,4 +246,4 @@ def test_the_tolerance_is_tight_enough_to_catch_a_missing_contribution():
         without_last = exact(inputs[:-1], "sum")
         with pytest.raises(AssertionError):
             assert_exact(without_last, inputs, "sum")
-        assert math.isfinite(tolerance(inputs, "mean").max().item())
+        assert math.isfinite(tolerance(inputs, "avg").max().item())

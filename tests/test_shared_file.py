@@ -30,6 +30,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from dpkit.comm import shared_file, slots
 from dpkit.comm.process_groups import PeerFailedError, WorkerError, launch, start_time
+from common import left_in_dev_shm
 from dpkit.comm.shared_file import SHM_DIRECTORY, Refused
 from dpkit.comm.shared_memory import SharedMemory
 from dpkit.comm.slots import Slots
@@ -57,7 +58,7 @@ def test_a_peer_maps_the_makers_file_which_has_no_name_anywhere():
     mine = mapped(fd, NBYTES)
     mine[:5] = b"hello"
     assert theirs[:5] == b"hello"
-    assert set(os.listdir(SHM_DIRECTORY)) - before == set()
+    assert left_in_dev_shm(before) == []
     mine.close()
     theirs.close()
 
@@ -144,15 +145,6 @@ def killed_at_set_up(ctx, user: str, stage: str, victim: int, signum: int) -> No
         else:
             SharedMemory()
     time.sleep(60)  # the survivor: set-up went through here; wait to be stopped with the victim
-
-
-def left_in_dev_shm(before: set[str], pids) -> list[str]:
-    """What appeared in /dev/shm since ``before`` and stays (a second look still finds it: other processes of this
-    machine come and go meanwhile), and anything named after one of ``pids``."""
-    new = set(os.listdir(SHM_DIRECTORY)) - before
-    time.sleep(0.25)
-    staying = new & set(os.listdir(SHM_DIRECTORY))
-    return sorted(staying | {name for name in os.listdir(SHM_DIRECTORY) for pid in pids if str(pid) in name})
 
 
 # (user, stage, victim): rank 0 makes the slots file, rank 1 maps it; each rank makes its transport arena.

@@ -10,6 +10,8 @@ import shutil
 import pytest
 
 from common import REPO
+from dpkit.bench import ddp_step
+from dpkit.bench.rows import label as row_label
 from dpkit.report import summary
 import run_experiments
 
@@ -74,58 +76,60 @@ def ratio(median, low, high, rounds=15):
     return {"median": median, "ci_low": low, "ci_high": high, "rounds": rounds}
 
 
-def check(axis, target, label, reference, value, limit, verdict, model="resnet18", world=2, oversubscribed=False):
+def side(kind, cap, transport, path=None) -> dict:
+    """A row's identity: the fields of ``kind`` (a --variants name; "no ddp": the model alone)."""
+    engine, impl, option = ddp_step.DDP_FIELDS.get(kind, (None, None, None))
+    return {"engine": engine, "impl": impl, "option": option, "bucket_cap_mb": cap, "transport": transport,
+            "path": path}
+
+
+def check(axis, target, row, reference, value, limit, verdict, model="resnet18", world=2, oversubscribed=False):
     return {"model": model, "batch_size": 16, "input": "3x32x32", "world_size": world, "target": target, "axis": axis,
-            "label": label, "reference": reference, "ratio": value, "limit": limit, "verdict": verdict,
-            "oversubscribed": oversubscribed, "note": ""}
+            "label": row_label(row), "reference": row_label(reference), "row": row, "reference_row": reference,
+            "ratio": value, "limit": limit, "verdict": verdict, "oversubscribed": oversubscribed, "note": ""}
 
 
+# The rows' identities, with the paths a run recorded: on shared memory ours zero copy, PyTorch's through its hook
+# and naive's per-parameter gradients staged.
+NO_DDP = side("no ddp", None, None)
+OURS, BEST, PYTORCH = side("ddp ours", 25.0, "torch"), side("ddp pytorch best", 25.0, "torch"), \
+    side("ddp pytorch", 25.0, "torch")
+OURS_SHM, BEST_SHM = side("ddp ours", 25.0, "shared_memory", "zero copy"), \
+    side("ddp pytorch best", 25.0, "shared_memory", "staged")
+OURS_THREAD = side("ddp ours", 25.0, "shared_memory:thread", "zero copy")
+NAIVE, NAIVE_SHM = side("ddp ours naive", None, "torch"), side("ddp ours naive", None, "shared_memory", "staged")
 TIME, MEMORY = "p50 / faster pytorch p50, same transport", "peak memory / same pytorch row"
 HIDDEN, THREAD = "exposed wait / naive's all-reduce time", "p50 / the same sums in the backward hook"
 CHECKS = [
-    check("engine", TIME, "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]", ratio(1.10, 1.05, 1.15), 1.0,
-          "missed"),
-    check("engine", MEMORY, "ddp ours 25M [torch]", "ddp pytorch best 25M [torch]",
-          ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
-    check("engine", TIME, "ddp ours 25M "
-                          "[shared_memory]", "ddp pytorch best 25M "
-                                             "[shared_memory]", ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
-    check("engine", MEMORY, "ddp ours 25M [shared_memory]", "ddp pytorch best 25M [shared_memory]",
-          ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
-    check("transport", "p50 / the same engine on torch", "ddp pytorch best 25M [shared_memory]",
-          "ddp pytorch best 25M [torch]", ratio(0.80, 0.75, 0.85), 0.95, "met"),
-    check("overhead", "p50 / no "
-                      "DDP", "ddp ours 25M [shared_memory]", "no ddp", ratio(1.30, 1.20, 1.40), 1.15, "missed"),
-    check("overlap", HIDDEN, "ddp ours 25M [torch]", "ddp ours naive [torch]", ratio(0.10, 0.05, 0.15), 0.5, "met"),
-    check("overlap", HIDDEN, "ddp ours 25M "
-                             "[shared_memory:thread]", "ddp ours naive "
-                                                       "[shared_memory]", ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
+    check("impl", TIME, OURS, BEST, ratio(1.10, 1.05, 1.15), 1.0, "missed"),
+    check("impl", MEMORY, OURS, BEST, ratio(0.9, 0.9, 0.9, rounds=1), 1.0, "met"),
+    check("impl", TIME, OURS_SHM, BEST_SHM, ratio(0.96, 0.90, 1.02), 1.0, "inconclusive"),
+    check("impl", MEMORY, OURS_SHM, BEST_SHM, ratio(1.2, 1.2, 1.2, rounds=1), 1.0, "missed"),
+    check("transport", "p50 / the same engine on torch", BEST_SHM, BEST, ratio(0.80, 0.75, 0.85), 0.95, "met"),
+    check("overhead", "p50 / no DDP", OURS_SHM, NO_DDP, ratio(1.30, 1.20, 1.40), 1.15, "missed"),
+    check("overlap", HIDDEN, OURS, NAIVE, ratio(0.10, 0.05, 0.15), 0.5, "met"),
+    check("overlap", HIDDEN, OURS_THREAD, NAIVE_SHM, ratio(0.40, 0.30, 0.60), 0.5, "inconclusive"),
     # information: a thread against the same sums inline, slower, faster, and an interval that holds 1 (its low end)
-    check("overlap", THREAD, "ddp ours 25M [shared_memory:thread]", "ddp ours 25M [shared_memory]",
-          ratio(1.20, 1.10, 1.30), None, "information"),
-    check("overlap", THREAD, "ddp ours overlap "
-                             "[shared_memory:thread]", "ddp ours overlap "
-                                                       "[shared_memory]", ratio(0.80, 0.70, 0.90), None, "information"),
-    check("overlap", THREAD, "ddp ours 1M [shared_memory:thread]", "ddp ours 1M [shared_memory]",
-          ratio(1.05, 1.00, 1.10), None, "information"),
+    check("overlap", THREAD, OURS_THREAD, OURS_SHM, ratio(1.20, 1.10, 1.30), None, "information"),
+    check("overlap", THREAD, side("ddp ours overlap", 0.0, "shared_memory:thread", "zero copy"),
+          side("ddp ours overlap", 0.0, "shared_memory", "zero copy"), ratio(0.80, 0.70, 0.90), None, "information"),
+    check("overlap", THREAD, side("ddp ours", 1.0, "shared_memory:thread", "zero copy"),
+          side("ddp ours", 1.0, "shared_memory", "zero copy"), ratio(1.05, 1.00, 1.10), None, "information"),
     # not the headline's setting: another model, and an oversubscribed run
-    check("engine", TIME, "ddp ours 25M [cnn-only]", "ddp pytorch 25M [torch]",
-          ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
-    check("engine", TIME, "ddp ours 25M [oversubscribed]", "ddp pytorch 25M [torch]",
-          ratio(0.5, 0.4, 0.6), 1.0, "met", oversubscribed=True),
+    check("impl", TIME, side("ddp ours", 25.0, "cnn-only"), PYTORCH, ratio(0.5, 0.4, 0.6), 1.0, "met", model="cnn"),
+    check("impl", TIME, side("ddp ours", 25.0, "oversubscribed"), PYTORCH, ratio(0.5, 0.4, 0.6), 1.0, "met",
+          oversubscribed=True),
 ]
 
 
-# (label, peak bytes, staging bytes): the staged rows hold a staging block, the zero-copy ones none.
-ROWS = [("no ddp", 5000, 0), ("ddp pytorch best 25M [torch]", 6000, 0),
-        ("ddp pytorch best 25M [shared_memory]", 6000, 1000), ("ddp ours 25M [torch]", 5000, 0),
-        ("ddp ours 25M [shared_memory]", 5000, 0), ("ddp ours 25M [shared_memory:thread]", 5000, 0),
-        ("ddp ours naive [torch]", 5000, 0), ("ddp ours naive [shared_memory]", 5500, 500)]
+# (identity, peak bytes, staging bytes): the staged rows hold a staging block, the zero-copy ones none.
+ROWS = [(NO_DDP, 5000, 0), (BEST, 6000, 0), (BEST_SHM, 6000, 1000), (OURS, 5000, 0), (OURS_SHM, 5000, 0),
+        (OURS_THREAD, 5000, 0), (NAIVE, 5000, 0), (NAIVE_SHM, 5500, 500)]
 
 
 def headline_doc(checks=CHECKS):
-    rows = [{"model": "resnet18", "world_size": 2, "label": label, "batch_size": 16, "peak_bytes": peak,
-             "transport_staging_bytes": staging} for label, peak, staging in ROWS]
+    rows = [{"model": "resnet18", "world_size": 2, **fields, "label": row_label(fields), "batch_size": 16,
+             "peak_bytes": peak, "transport_staging_bytes": staging} for fields, peak, staging in ROWS]
     return {"config": {"rounds": 15}, "results": rows, "targets": checks}
 
 
@@ -136,13 +140,14 @@ def lines_of(lines, start):
 def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_row_its_path():
     lines = summary.ddp_lines(headline_doc(), {})
     assert lines[0].startswith("- **DDP** (`ddp_benchmark.py`, resnet18, batch 16 per rank, 2 processes, 15 rounds;")
-    assert lines_of(lines, "  - engine, one path: ") == [
-        "  - engine, one path: ddp ours 25M [torch] / ddp pytorch best 25M [torch]: 1.10x [1.05, 1.15] "
+    assert lines_of(lines, "  - impl (ours / PyTorch's), one engine and path: ") == [
+        "  - impl (ours / PyTorch's), one engine and path: ddp ours 25M [torch] / ddp pytorch best 25M [torch]: "
+        "1.10x [1.05, 1.15] "
         "(target <= 1.00x): **missed**; peak memory 0.9000x (one measurement) (target <= 1.00x: **met**)"]
     # our DDP's buckets are the transport's (zero copy), PyTorch's DDP is copied in through the hook (staged):
     # a comparison of the two paths, on the transport axis, its memory ratio holding the staging block
-    assert lines_of(lines, "  - transport and engine (zero copy / staged): ") == [
-        "  - transport and engine (zero copy / staged): ddp ours 25M [shared_memory, zero copy] / "
+    assert lines_of(lines, "  - transport and implementation (zero copy / staged): ") == [
+        "  - transport and implementation (zero copy / staged): ddp ours 25M [shared_memory, zero copy] / "
         "ddp pytorch best 25M [shared_memory, staged]: 0.96x [0.90, 1.02] (target <= 1.00x): **inconclusive**; "
         "peak memory 1.2000x (one measurement) (target <= 1.00x: **missed**), the reference's peak holding "
         "the staged path's copy (1,000 B: the whole difference)"]
@@ -340,9 +345,18 @@ def test_the_run_time_says_the_notebook_is_not_counted():
     manifest = {"config": {"quick": True}, "env": {"device_model": "cpu", "cpus": 2},
                 "results": [{"seconds": 600.0}, {"seconds": 600.0}]}
     line, = summary.run_time_lines(manifest)
-    assert line.startswith("`python run_experiments.py --quick` took 20 min for these results on cpu (2 cores), 2 "
-                           "experiments")
+    assert line.startswith("`python run_experiments.py --quick` took 20 min on cpu (2 experiments) for these "
+                           "results, 2 cores")
     assert "executing report.ipynb is not counted" in line
+
+
+def test_a_manifest_merged_from_runs_on_two_machines_sums_the_time_of_each_machine_apart():
+    manifest = {"config": {"quick": True}, "env": {"device_model": "AMD EPYC", "cpus": 2},
+                "results": [{"seconds": 600.0, "device_model": "Intel Xeon"}, {"seconds": 120.0},
+                            {"seconds": 60.0, "device_model": "AMD EPYC"}]}
+    line, = summary.run_time_lines(manifest)
+    assert line.startswith("`python run_experiments.py --quick` took 10 min on Intel Xeon (1 experiment); 3 min on "
+                           "AMD EPYC (2 experiments) for these results")
 
 
 CPU_ENV = {"device": "cpu", "device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
@@ -387,3 +401,10 @@ def test_the_other_runs_verdicts_are_stated_and_each_missed_check_named():
            "`ddp_sweep.json` 0 met, 0 missed, 0 inconclusive" in line
     assert line.endswith("missed: cnn ddp ours 25M [torch] / ddp pytorch 25M [torch] 1.20x [1.10, 1.30] "
                          "(`ddp_benchmark.json`).")
+
+
+def test_files_measured_at_two_commits_are_named_with_their_commit():
+    docs = {"a": {"env": {"git_commit": "f45658c"}}, "b": {"env": {"git_commit": "f45658c"}},
+            "c": {"env": {"git_commit": "b2c3b4f"}}, "manifest": {}}
+    assert summary.commits(docs) == "f45658c (`a.json`, `b.json`); b2c3b4f (`c.json`)"
+    assert summary.commits({"a": docs["a"], "b": docs["b"]}) == "f45658c"

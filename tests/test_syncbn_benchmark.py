@@ -1,5 +1,6 @@
-"""syncbn_benchmark.py: its flags, the ratios, verdicts and attributions it derives from timed rows, its timing
-devices (the floor, the stamping transport), and one tiny run of the workers over both transports.
+"""syncbn_benchmark.py and its package modules (``dpkit.bench.syncbn_*``): its flags, the ratios, verdicts and
+attributions derived from timed rows, the timing devices (the floor, the stamping transport), and one tiny run of
+the workers over both transports.
 
 The rows are synthetic with known per-round times, so every ratio, verdict and sentence is known in advance.
 The timing devices take a recording transport (no process group). One tiny run of one process alone goes through
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 import syncbn
-import syncbn_benchmark
 from common import run_workers
 from dpkit.bench.results import format_environment, read_results
 from dpkit.comm import transport
@@ -25,7 +25,13 @@ from dpkit.bench.syncbn_report import attribution_lines, report
 from dpkit.bench.syncbn_verdicts import (COLD, CPU_TARGET, FLOOR, LOCAL, OURS, PATH_IMPLS, PATHS, PHASES, REFERENCE,
                                          SHM, SINGLE, SYNC_PATH, TARGET_GRID, TARGET_SINGLE, TORCH, WORKERS, bounds,
                                          ratios, targets)
-from syncbn_benchmark import NORMAL, QUICK, Floor, phase_medians, Stamped, main, operators, parse_args, run, run_case
+from dpkit.bench import syncbn_operators
+from dpkit.bench.syncbn_case import run_case
+from dpkit.bench.syncbn_contenders import Sources, make_layer
+from dpkit.bench.syncbn_operators import operators
+from dpkit.bench.syncbn_phases import Stamped, phase_medians
+from dpkit.bench.syncbn_run import run, run_paths
+from syncbn_benchmark import NORMAL, QUICK, main, parse_args, sources
 
 
 def test_quick_fills_only_the_flags_not_given():
@@ -94,8 +100,8 @@ def test_cold_caches_time_the_synchronized_path_after_a_setup_before_every_itera
     target covers them."""
     calls = []
     args = parse_args(["--iters", "6", "--rounds", "3", "--warmup", "2"])
-    rows = run_case(0, 1, torch.device("cpu"), [(LOCAL, None), (SYNC_PATH, None)], 8, 4, "float32", args, setting=COLD,
-                    setup=lambda: calls.append(time.perf_counter()))
+    rows = run_case(0, 1, torch.device("cpu"), [(LOCAL, None), (SYNC_PATH, None)], 8, 4, "float32", args,
+                    Sources(syncbn), setting=COLD, setup=lambda: calls.append(time.perf_counter()))
     # Per implementation: round 0 has 2 warm-up + 2 timed iterations, rounds 1 and 2 have 2 warm-up + 2 timed.
     assert len(calls) == 2 * (3 * (2 + 2))
     assert [(r["impl"], r["transport"], r["setting"], r["iters"], r["rounds"]) for r in rows] == \
@@ -141,7 +147,7 @@ def test_phases_cut_each_iteration_at_its_collectives_and_drop_the_warm_up():
     assert phase_medians(stamps, iters=3) == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 15e-3])
 
 
-def test_each_transport_has_its_engine_targets_against_the_reference_on_that_transport():
+def test_each_transport_has_its_impl_targets_against_the_reference_on_that_transport():
     """torch: ours 1.1x its reference (met); shm: 1.5x its own (missed), though 0.6x torch's reference, which no
     target may credit it with; torch:dpkit (torch's code on a "dpkit" group): ours 0.3, its reference 0.25. The
     transport axis, each layer on each other transport / the same layer on torch, is a ratio without a target."""
@@ -153,7 +159,7 @@ def test_each_transport_has_its_engine_targets_against_the_reference_on_that_tra
         rows.append(_row(LOCAL, WORKERS, hidden, [0.2 * x for x in load]))
     ratio_rows = ratios(rows)
     assert all(r["transport"] == r["versus_transport"] for r in ratio_rows if r["target"] is not None)
-    assert all(r["axis"] == "engine" for r in ratio_rows if r["target"] is not None)
+    assert all(r["axis"] == "impl" for r in ratio_rows if r["target"] is not None)
     across = {(r["impl"], r["transport"], r["versus"], r["versus_transport"], r["target"], r["hidden"]): r["median"]
               for r in ratio_rows if r["axis"] == "transport"}
     assert across == pytest.approx({(impl, t, impl, TORCH, None, hidden): ratio for hidden in (128, 256)
@@ -161,6 +167,7 @@ def test_each_transport_has_its_engine_targets_against_the_reference_on_that_tra
                                                            (OURS, "torch:dpkit", 0.3 / 1.1),
                                                            (REFERENCE, "torch:dpkit", 0.25))})
     found = {t["name"]: t for t in targets(ratio_rows, rows)}
+    assert {t["axis"] for t in found.values()} == {"impl"}  # ours against another implementation, on one transport
     for t, median, verdict in ((TORCH, 1.1, "met"), (SHM, 1.5, "missed")):
         grid = found[f"{WORKERS} [{t}]: median over the grid, ours / ({REFERENCE}) <= {TARGET_GRID}"]
         assert grid["median"] == pytest.approx(median) and grid["verdict"] == verdict and grid["transport"] == t
@@ -289,32 +296,39 @@ class _Recording(transport.Transport):
         return Pending()
 
 
-def test_the_floor_computes_batchnorm_and_makes_the_two_sums_of_a_synchronized_layer_through_its_transport():
-    """Floor: BatchNorm1d's output, gradients and running statistics (its own kernels, the local batch), with one
-    sum of 2C + 1 float64 values in forward and one of 2C in backward, in that order, through the transport given."""
+# Layers that compute BatchNorm1d on the local batch through a Python Function, and the sums each makes through its
+# transport: the floor, one of 2C + 1 float64 values in forward and one of 2C in backward, in that order; the
+# synchronized path without collectives (the layer's own Function with no transport), none.
+THROUGH_FUNCTION = {FLOOR: [((9,), torch.float64, "sum", False), ((8,), torch.float64, "sum", False)], SYNC_PATH: []}
+
+
+@pytest.mark.parametrize("impl", list(THROUGH_FUNCTION))
+def test_the_floor_and_the_path_without_collectives_compute_batchnorm_and_make_only_their_sums(impl):
+    """BatchNorm1d's output, gradients and running statistics (the local batch), with the sums of
+    THROUGH_FUNCTION[impl] through the transport given."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, generator=generator, dtype=torch.float64)
     dy = torch.randn(8, 4, generator=generator, dtype=torch.float64)
     recording = _Recording()
-    floor, batch_norm = Floor(4, recording).double(), torch.nn.BatchNorm1d(4).double()
+    mine = make_layer(impl, 4, torch.device("cpu"), Sources(syncbn), recording).double()
+    batch_norm = torch.nn.BatchNorm1d(4).double()
     with torch.no_grad():
-        for layer in (floor, batch_norm):
+        for layer in (mine, batch_norm):
             layer.weight.copy_(torch.arange(1.0, 5.0))
             layer.bias.fill_(0.5)
     outputs, grads = [], []
-    for layer in (floor, batch_norm):
+    for layer in (mine, batch_norm):
         xi = x.clone().requires_grad_()
         y = layer(xi)
         y.backward(dy)
         outputs.append(y.detach())
         grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
-    assert [c[:4] for c in recording.calls] == [((9,), torch.float64, "sum", False),
-                                                ((8,), torch.float64, "sum", False)]
+    assert [c[:4] for c in recording.calls] == THROUGH_FUNCTION[impl]
     torch.testing.assert_close(outputs[0], outputs[1])
-    for mine, theirs in zip(*grads):
-        torch.testing.assert_close(mine, theirs)
-    torch.testing.assert_close(floor.running_mean, batch_norm.running_mean)
-    torch.testing.assert_close(floor.running_var, batch_norm.running_var)
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(mine.running_mean, batch_norm.running_mean)
+    torch.testing.assert_close(mine.running_var, batch_norm.running_var)
 
 
 def test_operators_counts_what_one_iteration_dispatches_and_without_its_hook_says_so():
@@ -325,10 +339,10 @@ def test_operators_counts_what_one_iteration_dispatches_and_without_its_hook_say
     cpu = torch.device("cpu")
     assert operators(step, cpu, iters=4) == 2
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(syncbn_benchmark, "dispatch_counter", lambda: None)
+        patch.setattr(syncbn_operators, "dispatch_counter", lambda: None)
         assert operators(step, cpu) == -1
     with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning, match="operators not counted"):
-        patch.setattr(syncbn_benchmark, "dispatch_counter", lambda: 1 / 0)
+        patch.setattr(syncbn_operators, "dispatch_counter", lambda: 1 / 0)
         assert operators(step, cpu) == -1
 
 
@@ -385,7 +399,8 @@ def test_the_stamping_transport_times_where_the_caller_waits_and_delegates_the_r
 
 
 def _tiny_run(ctx, argv):
-    rows = run(ctx, parse_args(argv), profile_iters=2, phase_iters=4)
+    args = parse_args(argv)
+    rows = run(ctx, args, sources(args), profile_iters=2, phase_iters=4)
     return rows, os.getpid()
 
 
@@ -440,7 +455,7 @@ def test_each_path_of_the_layer_is_timed_by_its_own_code_against_the_c_path():
     arithmetic), and each slower path is a ratio to the C one on the axis "path", without a target."""
     args = parse_args(["--settings", "paths", "--batch", "8", "--hidden", "4", "--iters", "2", "--rounds", "1",
                        "--warmup", "0"])
-    rows = syncbn_benchmark.run_paths(torch.device("cpu"), args)
+    rows = run_paths(torch.device("cpu"), args, Sources(syncbn))
     impls = list(PATH_IMPLS.values())
     assert [(r["impl"], r["setting"]) for r in rows] == [(impl, PATHS) for impl in impls]
     if syncbn_channels.for_dtype(torch.float32) is not None:  # where a C compiler built them

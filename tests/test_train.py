@@ -79,23 +79,23 @@ def test_epoch_seed_is_a_pure_function_of_seed_epoch_and_rank():
 def test_parallel_is_named_values_that_refuse_unknown_engines():
     parallel = Parallel("pytorch", "zero1", 4.0, "torch")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        parallel.sharding = "fsdp"
+        parallel.engine = "fsdp"
     with pytest.raises(ValueError, match="unknown impl 'mine': choose one of ours, pytorch"):
         Parallel("mine")
     with pytest.raises(ValueError, match="unknown engine 'zero3': choose one of ddp, zero1, zero2, fsdp, hsdp"):
-        Parallel(sharding="zero3")
+        Parallel(engine="zero3")
     with pytest.raises(ValueError, match="'zero2' has no 'pytorch' implementation: it has ours"):
         Parallel("pytorch", "zero2")
 
 
 # The spellings of before the names were unified: unknown names now, like any other.
-@pytest.mark.parametrize("impl, sharding, refused", [
+@pytest.mark.parametrize("impl, engine, refused", [
     ("selfmade", "ddp", "unknown impl 'selfmade': choose one of ours, pytorch"),
     ("ours", "none", "unknown engine 'none': choose one of ddp, zero1, zero2, fsdp, hsdp"),
     ("pytorch", "zero", "unknown engine 'zero': choose one of ddp, zero1, zero2, fsdp, hsdp")])
-def test_parallel_refuses_an_old_spelling_as_an_unknown_name_listing_the_known_ones(impl, sharding, refused):
+def test_parallel_refuses_an_old_spelling_as_an_unknown_name_listing_the_known_ones(impl, engine, refused):
     with pytest.raises(ValueError, match=f"Parallel: {refused}"):
-        Parallel(impl, sharding)
+        Parallel(impl, engine)
 
 
 def test_step_meter_measures_memory_through_the_probe_steps_then_times_each_step():

@@ -72,7 +72,7 @@ def dtype_ops(kind: str) -> list[tuple[str, str]]:
     """Sum and mean of every float dtype, the integer sum (an integer mean is refused); the gather has no op."""
     if kind == "all_gather":
         return [(dtype, "sum") for dtype in (*FLOATS, "int64")]
-    return [(dtype, op) for dtype in FLOATS for op in ("sum", "mean")] + [("int64", "sum")]
+    return [(dtype, op) for dtype in FLOATS for op in ("sum", "avg")] + [("int64", "sum")]
 
 
 def placements(name: str) -> tuple[str, ...]:
@@ -93,14 +93,14 @@ def cases() -> list[tuple]:
                         out.append((name, kind, dtype, op, numel, placement, "contiguous", False))
     for name in TRANSPORTS + THREADED:  # every layout, blocking and asynchronous
         for kind in KINDS:
-            for dtype, op in (("float32", "mean" if kind != "all_gather" else "sum"), ("int64", "sum")):
+            for dtype, op in (("float32", "avg" if kind != "all_gather" else "sum"), ("int64", "sum")):
                 for layout in LAYOUTS[kind]:
                     for placement in placements(name):
                         for async_op in (False, True):
                             out.append((name, kind, dtype, op, 1003, placement, layout, async_op))
     for name in TRANSPORTS:  # a few MiB: the mean (in allocated buffers), and for shared memory the sum staged
         for kind in KINDS:
-            mean = "mean" if kind != "all_gather" else "sum"
+            mean = "avg" if kind != "all_gather" else "sum"
             for op, placement in ((mean, "allocated"), ("sum", "plain"))[:2 if name == "shared_memory" else 1]:
                 out.append((name, kind, "float32", op, BIG[kind], placement, "contiguous", True))
     return list(dict.fromkeys(out))
@@ -130,7 +130,7 @@ def oracle(inputs: list[torch.Tensor], op: str, dtype: str) -> tuple[torch.Tenso
         total = torch.stack(inputs).sum(0)
         return total.double(), torch.zeros(total.shape, dtype=torch.float64)
     wide = torch.stack([x.double() for x in inputs])
-    total = wide.sum(0) / n if op == "mean" else wide.sum(0)
+    total = wide.sum(0) / n if op == "avg" else wide.sum(0)
     if n == 1:
         return total, torch.zeros_like(total)
     u = UNIT_ROUNDOFF[dtype]
@@ -297,13 +297,13 @@ def _overflow(group, ts: dict[str, transport.Transport]) -> dict:
                     numel = 1003 if kind == "all_reduce" else n * 1003
                     new = t.allocate if placement == "allocated" else torch.empty
                     source = new((numel,), dtype=getattr(torch, dtype)).copy_(near_max(numel, rank, dtype))
-                    want, bound = oracle([near_max(numel, r, dtype) for r in range(n)], "mean", dtype)
+                    want, bound = oracle([near_max(numel, r, dtype) for r in range(n)], "avg", dtype)
                     if kind == "all_reduce":
-                        t.all_reduce(source, "mean")
+                        t.all_reduce(source, "avg")
                         result = source
                     else:
                         result = new((1003,), dtype=getattr(torch, dtype))
-                        t.reduce_scatter(result, source, "mean")
+                        t.reduce_scatter(result, source, "avg")
                         want, bound = want[rank * 1003:(rank + 1) * 1003], bound[rank * 1003:(rank + 1) * 1003]
                     out[name, kind, dtype, placement] = mismatch(result, want, bound)
     return out
@@ -372,11 +372,11 @@ def _zero_copy(group) -> dict:
     rs_out = t.allocate((1003,), dtype=torch.float32)
     ag_out = t.allocate((n, 1003), dtype=torch.float32)
     t.all_reduce(x, "sum")
-    t.reduce_scatter(rs_out, rs_in, "mean")
+    t.reduce_scatter(rs_out, rs_in, "avg")
     t.all_gather(ag_out, ag_out[rank].copy_(rank_input(1003, rank, "float32")))
     out["staged after allocated buffers"] = t.staging_bytes
     out["all_reduce"] = mismatch(x, *summed(1003, "float64", "sum", n))
-    want, bound = summed(n * 1003, "float32", "mean", n)
+    want, bound = summed(n * 1003, "float32", "avg", n)
     out["reduce_scatter"] = mismatch(rs_out, want[rank * 1003:(rank + 1) * 1003], bound[rank * 1003:(rank + 1) * 1003])
     out["all_gather"] = torch.equal(ag_out.view(-1), gathered(1003, "float32", n))
     t.all_reduce(torch.ones(shared_memory.SLOTS_BYTES // 4 + 8))  # a short one goes through the slots, unstaged
@@ -414,7 +414,7 @@ def _refusals(group) -> dict:
         full = torch.zeros(n * 4)
         calls = {
             "unknown op": lambda: t.all_reduce(torch.ones(4), "max"),
-            "integer mean": lambda: t.all_reduce(torch.arange(4), "mean"),
+            "integer mean": lambda: t.all_reduce(torch.arange(4), "avg"),
             "bool tensor": lambda: t.all_reduce(torch.ones(4, dtype=torch.bool)),
             "reduce_scatter sizes": lambda: t.reduce_scatter(torch.zeros(4), torch.zeros(n * 4 + 1)),
             "all_gather sizes": lambda: t.all_gather(torch.zeros(n * 4 + 1), torch.zeros(4)),
@@ -453,7 +453,7 @@ def _diverging(group) -> dict:
     }
     out = {case: refused(call) for case, call in calls.items()}
     mean = t.allocate((4 + rank,), dtype=torch.float32).fill_(3.0)  # allocated: the mean could divide it in place
-    out["allocated mean"] = refused(lambda: t.all_reduce(mean, "mean"))
+    out["allocated mean"] = refused(lambda: t.all_reduce(mean, "avg"))
     out["allocated mean, untouched"] = bool(torch.all(mean == 3.0))
     x = rank_input(7, rank, "float32")
     t.all_reduce(x)
@@ -508,16 +508,16 @@ def _caught(fn):
 
 
 NO_ROOM_CASES = [(None, kind, dtype, op, 1003, placement, "contiguous", async_op)
-                 for kind in KINDS for dtype, op in (("float32", "sum"), ("float16", "mean"), ("int64", "sum"))
+                 for kind in KINDS for dtype, op in (("float32", "sum"), ("float16", "avg"), ("int64", "sum"))
                  if kind != "all_gather" or op == "sum"
                  for placement in ("allocated", "mixed") for async_op in (False, True)]
 # Rank 1 (odd: plain under "mixed") finds no room to stage; the even ranks' buffers are allocated or plain.
 # An all-reduce stages only past the slots (``shared_memory.SLOTS_BYTES``).
 LONG = shared_memory.SLOTS_BYTES // 2 + 3
 STAGING_CASES = [(None, "all_reduce", "float32", "sum", LONG, "mixed", "contiguous", False),
-                 (None, "all_reduce", "float32", "mean", LONG, "mixed", "contiguous", False),
-                 (None, "all_reduce", "float16", "mean", LONG, "plain", "contiguous", True),
-                 (None, "reduce_scatter", "float32", "mean", 1003, "plain", "contiguous", False),
+                 (None, "all_reduce", "float32", "avg", LONG, "mixed", "contiguous", False),
+                 (None, "all_reduce", "float16", "avg", LONG, "plain", "contiguous", True),
+                 (None, "reduce_scatter", "float32", "avg", 1003, "plain", "contiguous", False),
                  (None, "reduce_scatter", "float32", "sum", 1003, "mixed", "in_place", False),
                  (None, "all_gather", "float32", "sum", 1003, "plain", "contiguous", False),
                  (None, "all_gather", "int64", "sum", 1003, "mixed", "in_place", True)]
@@ -779,7 +779,7 @@ def test_the_oracle_passes_a_rounded_sum_and_catches_the_slips_a_transport_could
     want, bound = oracle(inputs, "sum", dtype)
     assert mismatch((inputs[0] + inputs[1]) + inputs[2], want, bound) is None
     assert mismatch(inputs[2] + (inputs[1] + inputs[0]), want, bound) is None
-    mean, mean_bound = oracle(inputs, "mean", dtype)
+    mean, mean_bound = oracle(inputs, "avg", dtype)
     assert mismatch(sum(x / 3 for x in inputs), mean, mean_bound) is None
     narrower = {"float64": torch.float32, "float32": torch.float16, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}[dtype]
@@ -933,7 +933,7 @@ def test_an_allocation_returns_to_the_arena_when_its_last_view_dies(grids, n):
 
 REFUSALS = {
     "unknown op": "ValueError: unknown op 'max'",
-    "integer mean": "TypeError: op='mean' needs a floating dtype",
+    "integer mean": "TypeError: op='avg' needs a floating dtype",
     "bool tensor": "TypeError: cannot all-reduce a torch.bool tensor",
     "reduce_scatter sizes": "ValueError: input has",
     "all_gather sizes": "ValueError: output has",

@@ -16,7 +16,7 @@ import collectives_benchmark
 import ddp_benchmark
 import sharding_benchmark
 import syncbn_benchmark
-from dpkit.bench import transport_choice
+from dpkit.bench import sharding_variants, transport_choice
 from dpkit.comm import registry, transport
 
 TOY = "toy"
@@ -37,7 +37,7 @@ def toy():
     register_toy()
     yield TOY
     registry.unregister(TOY)
-    sharding_benchmark.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
+    sharding_variants.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
 
 
 # Each benchmark's flags for a tiny run on the toy (and torch, the reference where the benchmark needs one).
@@ -113,7 +113,7 @@ def test_an_unknown_transport_name_is_refused_listing_the_known_ones(name, capsy
         err = capsys.readouterr().err
         assert message in err and "deprecated" not in err and err.count("error:") == 1, module.__name__
     with pytest.raises(ValueError, match=message):
-        sharding_benchmark.select([f"ddp ours [{name}]"])
+        sharding_variants.select([f"ddp ours [{name}]"])
     with pytest.raises(ValueError, match=f"unknown transport '{name}': choose one of auto, "):
         registry.checked(name)  # the registry's own list holds "auto"
 

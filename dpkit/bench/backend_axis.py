@@ -24,9 +24,10 @@ from dpkit.comm import backend
 from dpkit.comm.process_groups import print0, progress
 
 # torch.distributed's call of each collective (tensor forms) on a "dpkit" group and on a gloo group over the
-# same ranks, from one element up (a barrier once); the all-reduce's latency floor at FLOOR_SIZES.
+# same ranks, from one element up (a barrier once); the all-reduce's latency floor at FLOOR_SIZES. The sharded
+# ones by the name compat calls on this torch (``*_single`` where it exists), so a row names what ran.
 BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
-                 "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                 "all_gather": compat.ALL_GATHER_SINGLE, "reduce_scatter": compat.REDUCE_SCATTER_SINGLE,
                  "all_to_all": "all_to_all_single", "barrier": "barrier"}
 BACKEND_REPEAT, BACKEND_BATCH_BYTES = 64, 1 << 20  # calls timed back to back: up to 64, about 1 MiB in all
 FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 5

@@ -1,5 +1,6 @@
 """The memory of a DDP variant's replica as ``ddp_benchmark.py`` reports it: the peak of a steady-state
-iteration, the buffers the DDP keeps between iterations, and the shared-memory transport's staging block.
+iteration, the buffers the DDP keeps between iterations, and the shared-memory transport's staging block, whose
+use records the row's path (copied in: "staged"; summed where the tensors lie: "zero copy").
 
     memory = measure_memory(ctx, replica)   # after the replica's timed rounds: {"peak_bytes": ..., ...}
 """
@@ -10,6 +11,7 @@ from torch import nn
 
 from dpkit.bench.ddp_step import Replica
 from dpkit.bench.measure import PeakMemory, gather_rows
+from dpkit.bench.rows import STAGED, ZERO_COPY
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP
 
 MEMORY_ITERS = 3
@@ -70,10 +72,19 @@ def measure_memory(ctx, replica: Replica) -> dict:
     iteration_peak = int(gather_rows([min(peaks)]).max())
     # The shared-memory transport's staging block (a copy of the largest tensor it was handed that it did not
     # allocate: PyTorch's buckets under the hook) lives in /dev/shm, which PeakMemory does not see.
-    staging = getattr(getattr(replica.model, "transport", None) or _hook_state(replica.model), "staging_bytes", 0)
+    wire = getattr(replica.model, "transport", None) or _hook_state(replica.model)
+    staging = getattr(wire, "staging_bytes", 0)
     return {"all_reduces": all_reduces, "iteration_peak_bytes": iteration_peak, "ddp_buffer_bytes": buffers,
-            "transport_staging_bytes": staging,
+            "transport_staging_bytes": staging, "path": path(wire, staging),
             "peak_bytes": None if buffers is None else iteration_peak + buffers + staging}
+
+
+def path(wire, staging: int) -> str | None:
+    """The path these iterations took through a shared-memory transport (one with a staging block): "staged"
+    when it had to copy tensors it did not allocate into its block, else "zero copy"; None on any other."""
+    if not hasattr(wire, "staging_bytes"):
+        return None
+    return STAGED if staging > 0 else ZERO_COPY
 
 
 def _hook_state(model: nn.Module):

@@ -12,9 +12,8 @@ import argparse
 import torch
 from torch import nn
 
-from dpkit.bench.ddp_step import (PYTORCH_BEST, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS,
-                                   Replica, sgd)
-from dpkit.bench.ddp_variants import NO_DDP, Variant, registered_kinds
+from dpkit.bench.ddp_step import PYTORCH_BEST, PYTORCH_DEFAULT_BUCKET_MB, Replica, sgd
+from dpkit.bench.ddp_variants import Variant
 from dpkit.comm import transport
 from dpkit.engines import registry
 from dpkit.engines.ddp import make_ddp
@@ -57,24 +56,23 @@ def fresh_module(args: argparse.Namespace, name: str, device: torch.device) -> n
 
 def make_replica(variant: Variant, module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                  made: dict[str, transport.Transport]) -> Replica:
-    if variant.kind == NO_DDP:
+    if variant.engine is None:
         model = module
-    elif variant.kind in registered_kinds():
-        engine = variant.kind.removesuffix(" ours")
-        model = registry.wrap(engine, "ours", module, made[variant.transport],
+    elif variant.engine != "ddp":  # a registered engine, wrapped by the registry
+        model = registry.wrap(variant.engine, variant.impl, module, made[variant.transport],
                               registry.Options(bucket_cap_mb=variant.bucket_mb))
     else:
         bucket_mb = PYTORCH_DEFAULT_BUCKET_MB if variant.bucket_mb is None else variant.bucket_mb
-        options = PYTORCH_BEST if variant.kind == PYTORCH_BEST_KIND else {}
+        options = PYTORCH_BEST if variant.option == "best" else {}
         # Every model here uses all its parameters: like both PyTorch rows (find_unused_parameters=False,
-        # PyTorch's default), ours then needs no used-flags in its buckets. PyTorch's DDP on "torch" keeps
-        # its own built-in communication (no hook).
-        pytorch = variant.kind in PYTORCH_KINDS
+        # PyTorch's default), ours then needs no used-flags in its buckets.
+        pytorch = variant.impl == "pytorch"
         # On a Torch transport ("torch", "torch:dpkit") PyTorch's DDP keeps its built-in communication, on its group.
         own = pytorch and isinstance(made[variant.transport], transport.Torch)
         wire = None if own else made[variant.transport]
         group = made[variant.transport].group if own else None
-        name = "pytorch" if pytorch else variant.kind.removeprefix("ddp ")  # make_ddp's: "ours", "ours naive", ...
+        # make_ddp's names: "pytorch", "ours", "ours naive", ... (PyTorch's best is options, not a name)
+        name = "pytorch" if pytorch else " ".join(w for w in ("ours", variant.option) if w)
         model = make_ddp(name, module, bucket_mb, process_group=group, find_unused_parameters=False,
                          transport=wire, **options)
     return Replica(model, sgd(model), *batch, waits=[])

@@ -18,8 +18,8 @@ from torch.autograd.profiler import record_function
 from dpkit.bench import harness, transport_choice
 from dpkit.bench.ddp_memory import measure_memory
 from dpkit.bench.ddp_replicas import fresh_module, gpt_config, input_shape, make_batch, make_replica, model_facts
-from dpkit.bench.ddp_step import PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS, Replica
-from dpkit.bench.ddp_variants import NO_DDP, Variant, default_transports, round_iters, schedule, variants_for
+from dpkit.bench.ddp_step import PYTORCH_DEFAULT_BUCKET_MB, Replica
+from dpkit.bench.ddp_variants import Variant, default_transports, round_iters, schedule, variants_for
 from dpkit.bench.measure import (PHASES, chrome_trace, gather_rows, op_breakdown, oversubscribed, percentile,
                                  time_iterations)
 from dpkit.bench.results import write_durably
@@ -86,7 +86,7 @@ def iters_within(budget_s: float, step_s: float, variants: int, rounds: int, war
 def step_seconds(ctx, args, name: str, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
     """A no-DDP iteration of model ``name``: the median of PROBE_ITERS after one warm-up, of the slowest rank
     (every rank gets the same value)."""
-    replica = make_replica(Variant(NO_DDP), fresh_module(args, name, ctx.device), batch, {})
+    replica = make_replica(Variant(), fresh_module(args, name, ctx.device), batch, {})
     return statistics.median(time_iterations(replica.step, PROBE_ITERS, 1, ctx.device).samples)
 
 
@@ -136,14 +136,15 @@ def make_row(ctx, args, facts: dict, variant: Variant, rounds: list[RoundResult]
     wait_times = torch.cat([r.wait_times for r in rounds], dim=1)
     samples = times.max(dim=0).values.tolist()  # an iteration lasts as long as its slowest rank
     global_batch = args.batch_size * ctx.world_size
-    row = {**facts, "variant": variant.kind, "bucket_cap_mb": variant.bucket_mb, "transport": variant.transport,
-           "label": variant.label,
-           "world_size": ctx.world_size, "global_batch": global_batch, "device": ctx.device.type,
+    memory = dict(memory)
+    # The identity as fields (path: as the memory iterations recorded it), then the label formatted from them.
+    row = {**facts, **variant.fields(memory.pop("path")), "label": variant.label, "world_size": ctx.world_size,
+           "global_batch": global_batch, "device": ctx.device.type,
            "iters": len(samples), "rounds": args.rounds, "warmup": args.warmup, **memory}
     for p in PERCENTILES:
         row[f"p{p}_s"] = percentile(samples, p)
         row[f"p{p}_ex_per_s"] = global_batch / row[f"p{p}_s"]
-    readable = variant.kind not in (NO_DDP, *PYTORCH_KINDS)  # variants whose wait a host clock can isolate
+    readable = variant.impl == "ours"  # variants whose wait a host clock can isolate
     row["comm_wait_s"] = statistics.median(waits.mean(dim=0).tolist()) if readable else None
     # Sums over ranks and iterations, then one division: seed 002's ratio of totals.
     row["comm_share"] = (waits.sum() / wait_times.sum()).item() if readable else None

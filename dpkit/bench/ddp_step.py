@@ -22,7 +22,12 @@ from dpkit.engines.ddp import sync_gradients
 # the rows' order. "ddp ours" is ddp.make_ddp's "ours" (bucketed); "ddp pytorch best", PyTorch's DDP at
 # PYTORCH_BEST.
 OURS, PYTORCH, PYTORCH_BEST_KIND, NAIVE = "ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours naive"
-DDP_KINDS = (PYTORCH, PYTORCH_BEST_KIND, NAIVE, "ddp ours flat", "ddp ours overlap", OURS)
+# Each name's fields as a row stores them (engine, implementation, option): ``dpkit.bench.rows.name`` of them is
+# the name.
+DDP_FIELDS = {PYTORCH: ("ddp", "pytorch", None), PYTORCH_BEST_KIND: ("ddp", "pytorch", "best"),
+              NAIVE: ("ddp", "ours", "naive"), "ddp ours flat": ("ddp", "ours", "flat"),
+              "ddp ours overlap": ("ddp", "ours", "overlap"), OURS: ("ddp", "ours", None)}
+DDP_KINDS = tuple(DDP_FIELDS)
 PYTORCH_KINDS = (PYTORCH, PYTORCH_BEST_KIND)
 # PyTorch's DDP at its best documented settings: gradients are views of its buckets (no copy, no second
 # gradient-sized buffer) and the graph is declared static (no per-iteration search for unused parameters,

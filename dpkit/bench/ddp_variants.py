@@ -3,6 +3,7 @@ and on its transports, and the order the rounds run them in.
 
     variants = variants_for(kinds(), [25.0], ["torch", "shared_memory"])   # no ddp first, then every kind
     variants[1].label                                                       # "ddp pytorch 25M [torch]"
+    variants[1].fields("staged")                                            # {"engine": "ddp", "impl": ...}
     for round_, variant in schedule(variants, rounds=4): ...                # rotated from round to round
 """
 
@@ -13,12 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dpkit.bench.ddp_step import (DDP_KINDS, OURS, PYTORCH, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB,
-                                   PYTORCH_KINDS)
+from dpkit.bench import rows
+from dpkit.bench.ddp_step import DDP_FIELDS, DDP_KINDS, OURS, PYTORCH, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB
 from dpkit.engines import registry
-
-NO_DDP = "no_ddp"  # the model alone: its row's variant field (its label: "no ddp")
-SIZED_KINDS = (*PYTORCH_KINDS, OURS)  # labelled with their bucket cap: "ddp ours 25M [torch]"
 
 
 def registered_kinds() -> tuple[str, ...]:
@@ -34,6 +32,12 @@ def kinds() -> tuple[str, ...]:
     return (*DDP_KINDS, *registered_kinds())
 
 
+def variant(kind: str, bucket_mb: float | None = None, transport: str | None = None) -> "Variant":
+    """The variant ``kind`` names ("ddp pytorch best", "toy ours") at a bucket cap, on a transport."""
+    fields = DDP_FIELDS.get(kind) or (kind.removesuffix(" ours"), "ours", None)  # a registered engine's: ours
+    return Variant(*fields, bucket_mb, transport)
+
+
 # How the gradients travel (a column of every row), by the registry's names (``transport_choice.choices()``):
 # "torch", torch.distributed's collectives on the process group's backend (gloo here, NCCL on GPUs);
 # "shared_memory", this host's shared memory, summed in the caller's thread; "shared_memory:thread", the same on
@@ -46,19 +50,28 @@ ASYNCHRONOUS = ("torch", THREAD)  # the transports whose sums can hide behind ba
 
 @dataclass(frozen=True)
 class Variant:
-    """One row of a benchmark block: a kind (``NO_DDP`` or one of ``DDP_KINDS``), its bucket size in MiB and
-    the transport its gradients travel through (a registry name; None for no_ddp)."""
+    """One row of a benchmark block: the engine (None: no DDP, the model alone), its implementation and option
+    as the registry names them, its bucket size in MiB and the transport its gradients travel through (a
+    registry name; None for no DDP)."""
 
-    kind: str
-    bucket_mb: float | None = None  # SIZED_KINDS; 0 for ddp ours overlap; None otherwise
+    engine: str | None = None
+    impl: str | None = None
+    option: str | None = None  # "best", "naive", "flat", "overlap"; None: the engine as it is
+    bucket_mb: float | None = None  # ddp ours, ddp pytorch and registered engines; 0 for ddp ours overlap
     transport: str | None = None
+
+    def fields(self, path: str | None = None) -> dict:
+        """The row's identity (``rows.IDENTITY``), with the ``path`` the benchmark recorded on shared memory."""
+        return {"engine": self.engine, "impl": self.impl, "option": self.option, "bucket_cap_mb": self.bucket_mb,
+                "transport": self.transport, "path": path}
+
+    @property
+    def kind(self) -> str:
+        return rows.name(self.fields())  # "ddp pytorch best", "no ddp": --variants' names
 
     @property
     def label(self) -> str:
-        if self.kind == NO_DDP:
-            return "no ddp"
-        name = f"{self.kind} {self.bucket_mb:g}M" if self.kind in SIZED_KINDS else self.kind
-        return f"{name} [{self.transport}]"
+        return rows.label(self.fields())
 
     @property
     def slug(self) -> str:
@@ -74,20 +87,20 @@ def variants_for(kinds, bucket_sizes, transports=CPU_TRANSPORTS) -> list[Variant
     group) but the communication thread, which its hook cannot use. Ours naive and flat sum after backward: a
     thread adds nothing to them. Only PyTorch's DDP runs on "torch:dpkit": it is for engines that take a process
     group."""
-    variants, registered = [Variant(NO_DDP)], registered_kinds()
+    variants, registered = [Variant()], registered_kinds()
     for kind in (k for k in (*DDP_KINDS, *registered) if k in kinds):
         inline = [t for t in transports if t not in (THREAD, ON_DPKIT)]
         if kind == PYTORCH:
-            variants += [Variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
+            variants += [variant(kind, mb, "torch") for mb in sorted({PYTORCH_DEFAULT_BUCKET_MB, *bucket_sizes})]
         elif kind == PYTORCH_BEST_KIND:
-            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, ON_DPKIT] if t in transports]
+            variants += [variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in [*inline, ON_DPKIT] if t in transports]
         elif kind == OURS:
-            variants += [Variant(kind, mb, t) for t in transports if t != ON_DPKIT for mb in bucket_sizes]
+            variants += [variant(kind, mb, t) for t in transports if t != ON_DPKIT for mb in bucket_sizes]
         elif kind in registered:
-            variants += [Variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in transports if t != ON_DPKIT]
+            variants += [variant(kind, PYTORCH_DEFAULT_BUCKET_MB, t) for t in transports if t != ON_DPKIT]
         else:
             overlap = kind == "ddp ours overlap"
-            variants += [Variant(kind, 0.0 if overlap else None, t)
+            variants += [variant(kind, 0.0 if overlap else None, t)
                          for t in (transports if overlap else inline) if t != ON_DPKIT]
     return variants
 
@@ -103,6 +116,7 @@ def schedule(variants: list[Variant], rounds: int) -> list[tuple[int, Variant]]:
 def round_iters(iters: int, rounds: int, round_: int) -> int:
     """Timed iterations in round ``round_``: ``iters`` split as evenly as possible."""
     return iters // rounds + (round_ < iters % rounds)
+
 
 def default_transports(args: argparse.Namespace, device: torch.device) -> list[str]:
     """--transports, or every transport the device can use: shared memory only for CPU tensors."""

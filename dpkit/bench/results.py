@@ -40,13 +40,24 @@ def _device_model(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> str | None:
+# What a run writes (results, and README's block and the notebook rendered from them): changes there do not make
+# the code that measured differ from its commit.
+_WRITTEN_BY_RUNS = (":(top,exclude)results", ":(top,exclude)README.md", ":(top,exclude)report.ipynb")
+
+
+def git_commit() -> str | None:
+    """HEAD's short hash, with "+dirty" when tracked code differs from it: a file's commit then names code that
+    is not the code that measured."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or None
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/", *_WRITTEN_BY_RUNS)
     except (OSError, subprocess.SubprocessError):
         return None
+    return f"{commit}+dirty" if commit and dirty else commit or None
 
 
 def gpu_facts(device: torch.device) -> dict:
@@ -75,7 +86,7 @@ def environment(backend: str, device: torch.device | str, world_size: int, **ext
         "world_size": world_size,
         "python": platform.python_version(),
         "host": socket.gethostname(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **extra,

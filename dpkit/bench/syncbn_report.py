@@ -1,13 +1,16 @@
-"""The printed report of a SyncBatchNorm benchmark run (``syncbn_benchmark.py``): times and peak memory per setting
-and dtype, every ratio with its target and verdict, where the time goes, the bounds, the targets.
+"""The printed report of a SyncBatchNorm benchmark run (``syncbn_benchmark.py``): the header printed before
+measuring, then times and peak memory per setting and dtype, every ratio with its target and verdict, where the
+time goes, the bounds, the targets.
 
+    print(header(env, args))
     print(report(rows))
 """
 
 from __future__ import annotations
 
-from dpkit.bench.measure import format_ratio
-from dpkit.bench.results import markdown_table
+from dpkit.bench.measure import format_ratio, oversubscribed
+from dpkit.bench.results import format_environment, markdown_table
+from dpkit.bench.syncbn_run import SINGLE_ITERS_FACTOR
 from dpkit.bench.syncbn_verdicts import (CPU_TARGET, COLD, DTYPES, PATHS, PHASES, REFERENCE, SINGLE, TARGET_GRID,
                                          WORKERS, label, times_by_size)
 
@@ -20,6 +23,17 @@ ATTRIBUTION_COLUMNS = [("size", "size", "s"), ("text", "ours / reference", "s"),
                        ("own", "of which ours beyond the floor (us)", ".0f"),
                        ("left", f"left to <= {CPU_TARGET} (us)", ".0f"),
                        ("left_grid", f"left to <= {TARGET_GRID} (us)", ".0f")]
+
+
+def header(env: dict, args) -> str:
+    """The environment and how the times were taken (``args.iters`` and ``args.rounds``), printed before measuring."""
+    oversub = oversubscribed(env["world_size"], env["device"])
+    return (f"{format_environment(env)}\n"
+            f"* {args.iters} iterations per implementation and size ({SINGLE_ITERS_FACTOR}x as many with one process "
+            f"and warm caches) in {args.rounds} interleaved rounds; "
+            "times are medians of the per-iteration maximum over ranks; [torch]: torch.distributed's all_reduce, "
+            "[shared_memory]: this host's shared memory"
+            + ("; OVERSUBSCRIBED (more processes than cores): timings say little" if oversub else ""))
 
 
 def _time_table(rows: list[dict], setting: str, dtype: str) -> str:

@@ -1,10 +1,11 @@
 """What a SyncBatchNorm benchmark's rows mean, and what is judged from them (``syncbn_benchmark.py`` measures them):
-the implementations and settings by name, the paired ratios of every comparison the rows allow (axis "engine": two
+the implementations and settings by name, the paired ratios of every comparison the rows allow (axis "impl": two
 implementations, one transport; "transport": one implementation, two transports; "path": one layer, another of
 ``syncbn.PATHS``), the targets with their verdicts and, where one is not met, what is left and why, and the bounds.
 
     rows = ratios(time_rows)                      # one per (setting, dtype, size, comparison)
     checks = targets(rows, time_rows)             # met / missed / inconclusive, per transport and dtype
+    rows = judged(measured_rows)                  # the measured rows, then all of the above and the bounds
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from dpkit.bench.measure import format_ratio, paired_ratio, verdict
 
 OURS, LOCAL, REFERENCE = "ours", "BatchNorm1d (local)", "BatchNorm1d + 2 all_reduce"
 TORCH_SYNC = "torch.nn.SyncBatchNorm"
-# The least a synchronized BatchNorm written as a Python autograd.Function pays with the same two sums (_FloorFunction).
+# The least a synchronized BatchNorm written as a Python autograd.Function pays with the same two sums
+# (``syncbn_floor.FloorFunction``).
 FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
 # With one process the layer is F.batch_norm; this row times the synchronized computation without its collectives.
 SYNC_PATH = "ours, synchronized path without collectives"
 WORKERS, SINGLE = "workers", "1 process"  # settings: the spawned group, and one process without a process group
-# A third setting, one process again, with a core's own caches emptied before every iteration (``_evictor``): the
+# A third setting, one process again, with a core's own caches emptied before every iteration (``syncbn_run``): the
 # state a collective leaves them in for the work after it. It separates the cold caches from the shared cores.
 COLD = "1 process, cold caches"
 # A fourth, on request (--settings paths): the synchronized path without collectives on each of syncbn.PATHS, one
@@ -67,30 +69,30 @@ def _transports_in(rows: list[dict]) -> list[str]:
 
 def comparisons(rows: list[dict]) -> list[tuple]:
     """(setting, (impl, transport), (versus, transport), target or None, axis) for every ratio the rows allow.
-    Axis "engine": two implementations, one transport (or none); "transport": one implementation, two transports."""
+    Axis "impl": two implementations, one transport (or none); "transport": one implementation, two transports."""
     device = rows[0]["device"]
     present = _transports_in(rows)
     out = []
     for t in present:
-        out += [(WORKERS, (OURS, t), (REFERENCE, t), CPU_TARGET if device == "cpu" else None, "engine"),
-                (WORKERS, (OURS, t), (LOCAL, None), None, "engine"),
-                *((WORKERS, (mine, t), (versus, t), None, "engine") for mine, versus in BOUNDS)]
+        out += [(WORKERS, (OURS, t), (REFERENCE, t), CPU_TARGET if device == "cpu" else None, "impl"),
+                (WORKERS, (OURS, t), (LOCAL, None), None, "impl"),
+                *((WORKERS, (mine, t), (versus, t), None, "impl") for mine, versus in BOUNDS)]
     # The transport axis: each layer on every other transport against itself on torch's (gloo on a CPU), ours and
     # PyTorch's alike (on "torch:dpkit", unchanged code on a process group of the backend "dpkit").
     if TORCH in present:
         out += [(WORKERS, (impl, t), (impl, TORCH), None, "transport")
                 for t in present if t != TORCH for impl in (OURS, REFERENCE)]
     if device == "cuda":
-        out.append((WORKERS, (OURS, TORCH), (TORCH_SYNC, TORCH), TARGET_CUDA, "engine"))
+        out.append((WORKERS, (OURS, TORCH), (TORCH_SYNC, TORCH), TARGET_CUDA, "impl"))
     out += [(PATHS, (impl, None), (SYNC_PATH, None), None, "path") for impl in list(PATH_IMPLS.values())[1:]]
-    out += [(SINGLE, (OURS, None), (LOCAL, None), TARGET_SINGLE, "engine"),
-            (SINGLE, (SYNC_PATH, None), (LOCAL, None), None, "engine"),
-            (COLD, (SYNC_PATH, None), (LOCAL, None), None, "engine")]
+    out += [(SINGLE, (OURS, None), (LOCAL, None), TARGET_SINGLE, "impl"),
+            (SINGLE, (SYNC_PATH, None), (LOCAL, None), None, "impl"),
+            (COLD, (SYNC_PATH, None), (LOCAL, None), None, "impl")]
     # --baseline: the A/B of a change, ours now against ours at the given revision, on the same transport.
     for impl, t in dict.fromkeys((r["impl"], r.get("transport")) for r in rows if r["kind"] == "time"):
         if "@" in impl:
             out.append((WORKERS if impl.startswith(OURS + "@") else SINGLE, (impl.split("@")[0], t), (impl, t), None,
-                        "engine"))
+                        "impl"))
     return out
 
 
@@ -239,8 +241,8 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
         verdicts = [e["verdict"] for e in entries]
         worst = "missed" if "missed" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "met")
         row = {"kind": "target", "name": f"{setting}{_tag(t, dtype)}: every size, ours / ({versus}) <= {limit}",
-               "setting": setting, "versus": versus, "transport": t, "dtype": dtype, "limit": limit, "verdict": worst,
-               "sizes_met": verdicts.count("met"), "sizes": len(entries)}
+               "axis": "impl", "setting": setting, "versus": versus, "transport": t, "dtype": dtype, "limit": limit,
+               "verdict": worst, "sizes_met": verdicts.count("met"), "sizes": len(entries)}
         if worst != "met":
             missed = ", ".join(f"{e['batch']}x{e['hidden']} {e['verdict']}" for e in entries if e["verdict"] != "met")
             row["why"] = f"not met at {missed}" + ("; per size, the ratio rows' 'why'"
@@ -250,7 +252,7 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
         if setting == WORKERS and versus == REFERENCE:
             grid = _grid_ratio(entries)
             name = f"{setting}{_tag(t, dtype)}: median over the grid, ours / ({versus}) <= {TARGET_GRID}"
-            row = {"kind": "target", "name": name, "setting": setting, "versus": versus, "transport": t,
+            row = {"kind": "target", "name": name, "axis": "impl", "setting": setting, "versus": versus, "transport": t,
                    "dtype": dtype, "limit": TARGET_GRID, **grid, "verdict": verdict(grid, TARGET_GRID)}
             if row["verdict"] != "met":
                 row["why"] = _grid_why(entries)
@@ -266,7 +268,7 @@ def targets(ratio_rows: list[dict], time_rows: list[dict]) -> list[dict]:
                 worse = [key for key in ours if key in local and ours[key][what] > local[key][what]]
                 out.append({"kind": "target",
                             "name": f"{setting}{_tag(t, dtype)}: {what} of ours <= BatchNorm1d's at every size",
-                            "setting": setting, "transport": t, "dtype": dtype, "limit": 1.0,
+                            "axis": "impl", "setting": setting, "transport": t, "dtype": dtype, "limit": 1.0,
                             "verdict": "missed" if worse else "met", "sizes": len(ours),
                             "sizes_met": len(ours) - len(worse)})
     return out
@@ -292,3 +294,10 @@ def bounds(ratio_rows: list[dict]) -> list[dict]:
                     "impl": impl, "versus": impl, "transport": t, "versus_transport": versus_t,
                     **_grid_ratio(entries)})
     return out
+
+
+def judged(rows: list[dict]) -> list[dict]:
+    """The measured rows (times, profiles, phases), then the ratios, the targets and the bounds derived from them."""
+    time_rows = [r for r in rows if r["kind"] in ("time", "breakdown", "phases")]
+    ratio_rows = ratios(time_rows)
+    return time_rows + ratio_rows + targets(ratio_rows, time_rows) + bounds(ratio_rows)

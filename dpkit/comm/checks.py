@@ -2,7 +2,7 @@
 and the one way a tensor is cut into near-equal pieces.
 
     from dpkit.comm.checks import bounds, check_input, check_sharded
-    check_input(tensor, "mean")                          # TypeError / ValueError on bad input
+    check_input(tensor, "avg")                          # TypeError / ValueError on bad input
     rank, n = check_sharded(shard, full, "sum", group, gathering=True)
     b = bounds(10, 3)                                    # [0, 4, 7, 10]: pieces [b[i], b[i+1])
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-OPS = ("mean", "sum")
+OPS = ("avg", "sum")
 
 
 def check_input(tensor: torch.Tensor, op: str) -> None:
@@ -26,8 +26,8 @@ def check_input(tensor: torch.Tensor, op: str) -> None:
         raise ValueError(f"unknown op {op!r}: choose one of {', '.join(OPS)}")
     if tensor.dtype == torch.bool or tensor.is_complex():
         raise TypeError(f"cannot all-reduce a {tensor.dtype} tensor: use a floating (or, with op='sum', integer) dtype")
-    if op == "mean" and not tensor.is_floating_point():
-        raise TypeError(f"op='mean' needs a floating dtype, got {tensor.dtype}: the mean of integers is not an integer")
+    if op == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"op='avg' needs a floating dtype, got {tensor.dtype}: the mean of integers is not an integer")
 
 
 def group_rank(group) -> tuple[int, int]:

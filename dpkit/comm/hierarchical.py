@@ -3,7 +3,7 @@
     from dpkit.comm.hierarchical import Hierarchical
     t = Hierarchical(group)                     # what transport.resolve("auto") picks when hosts hold 2+ ranks
     t = Hierarchical(group, outer=transport.factory("p2p:ring"))   # between hosts: any factory(group)
-    t.all_reduce(flat, op="mean")               # also reduce_scatter and all_gather (torch.distributed's)
+    t.all_reduce(flat, op="avg")               # also reduce_scatter and all_gather (torch.distributed's)
 
 An all-reduce of N elements, the largest host holding L ranks: every host cuts the data into L
 shards; inside each host a reduce-scatter through the host's shared memory leaves each rank its
@@ -169,7 +169,7 @@ class Hierarchical(Transport):
     def _all_reduce(self, flat, op):
         plan, h, numel = self.plan, self.host, flat.numel()
         size = -(-numel // plan.slots)  # elements per shard; the last shards may be short, or empty
-        divisor = self.world_size if op == "mean" else None  # the mean divides every contribution first
+        divisor = self.world_size if op == "avg" else None  # the mean divides every contribution first
         blocks = self.inner.allocate((len(plan.hosts[h]), plan.width(h) * size), dtype=flat.dtype)
         for s, block in enumerate(blocks):  # a block per local rank: its shards, then zeros
             part = _shards(flat, plan.served(h, s), size)
@@ -188,7 +188,7 @@ class Hierarchical(Transport):
 
     def _reduce_scatter(self, out, flat, op):
         m, hosts = out.numel(), len(self.plan.hosts)
-        divisor = self.world_size if op == "mean" else None
+        divisor = self.world_size if op == "avg" else None
         rows = self._rows(m, flat.dtype)
         for r, chunk in enumerate(flat.view(self.world_size, m)):
             _put(rows[self.rows[r]], chunk, divisor)

@@ -6,7 +6,7 @@
         def _all_gather(self, out, flat): ...
 
 A transport has the three collectives data parallelism needs (``all_reduce``, ``reduce_scatter``,
-``all_gather``; the contracts of ``torch.distributed``'s, with ``op`` "sum" or "mean"), each
+``all_gather``; the contracts of ``torch.distributed``'s, with ``op`` "sum" or "avg"), each
 blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers. ``Transport`` does
 the checks and trivial cases and runs the implementation's blocking calls in the caller's thread or
 on a communication thread; ``Wrapped`` watches another transport at work. A transport that hands out
@@ -106,7 +106,7 @@ class Transport:
     # ---- the collectives (contracts of torch.distributed's; every rank calls them alike)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Work | None:
-        """``tensor`` becomes the sum (or, ``op="mean"``, the mean: contributions divided first) over the ranks."""
+        """``tensor`` becomes the sum (or, ``op="avg"``, the mean: contributions divided first) over the ranks."""
         check_input(tensor, op)
         self._check_tensor(tensor)
         if self.world_size == 1 or (tensor.numel() == 0 and self._skips_empty):

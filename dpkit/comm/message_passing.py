@@ -1,10 +1,10 @@
 """Message passing: all-reduce over point-to-point messages only (``isend``/``irecv``/``batch_isend_irecv``),
 and ``MessagePassing``, the transport ("p2p") that runs them.
 
-    allreduce(t, "mean", group, algorithm="auto")    # or ring, butterfly, halving_doubling, ...
+    allreduce(t, "avg", group, algorithm="auto")    # or ring, butterfly, halving_doubling, ...
     t = MessagePassing(group, "ring")                # resolve("p2p:ring") makes the same
 
-Every algorithm has the contract of ``torch.distributed.all_reduce``, ``f(tensor, op="mean", group=None)
+Every algorithm has the contract of ``torch.distributed.all_reduce``, ``f(tensor, op="avg", group=None)
 -> tensor``: any world size, any number of elements, any dtype, contiguous or not; bad input is refused
 before the first message. ``ring_allreduce``, ``butterfly_allreduce``, ``halving_doubling_allreduce``
 (Rabenseifner), ``recursive_doubling_allreduce``, ``tree_allreduce`` (pipelined); ``allreduce`` runs
@@ -66,7 +66,7 @@ def _allreduce(tensor: torch.Tensor, op: str, group, algorithm: Callable[..., No
     # A non-contiguous tensor has no flat view: reduce a contiguous copy (numel extra elements), copy it back.
     work = _flat_work(tensor, on_host)
     with torch.no_grad():
-        if op == "mean":
+        if op == "avg":
             work.div_(n)
         algorithm(work.view(-1), rank, n, group, **options)
         if work is not tensor:
@@ -324,7 +324,7 @@ def _ring(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flight=IN_FLIGHT
     _Exchange(_ring_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
-def ring_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = SEGMENT_BYTES,
+def ring_allreduce(tensor: torch.Tensor, op: str = "avg", group=None, *, segment_bytes: int = SEGMENT_BYTES,
                    in_flight: int = IN_FLIGHT) -> torch.Tensor:
     """Ring all-reduce in place: reduce-scatter then all-gather, pipelined in segments.
 
@@ -396,7 +396,7 @@ def _halving_doubling(flat, rank, n, group, segment_bytes=SEGMENT_BYTES, in_flig
     _Exchange(_halving_doubling_ticks(flat, rank, n, segment_bytes), group, in_flight).run()
 
 
-def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *,
+def halving_doubling_allreduce(tensor: torch.Tensor, op: str = "avg", group=None, *,
                                segment_bytes: int = SEGMENT_BYTES, in_flight: int = IN_FLIGHT) -> torch.Tensor:
     """Recursive halving reduce-scatter + recursive doubling all-gather (Rabenseifner) in place.
 
@@ -434,7 +434,7 @@ def _butterfly(flat: torch.Tensor, rank: int, n: int, group) -> None:
         work.wait()
 
 
-def butterfly_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+def butterfly_allreduce(tensor: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     """The homework's butterfly all-reduce, for tensors of any size, in place.
 
     Each rank sends 2(n-1)/n of the tensor like the ring, but as n-1 simultaneous messages per
@@ -488,7 +488,7 @@ def _recursive_doubling(flat: torch.Tensor, rank: int, n: int, group) -> None:
         dist.isend(flat, group=group, group_dst=rank + p).wait()
 
 
-def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+def recursive_doubling_allreduce(tensor: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     """Recursive doubling in place: log2(n) exchanges of the whole tensor (latency-optimal).
 
     With n a power of two each rank makes log2(n) dependent exchanges (the ring makes 2(n-1))
@@ -547,7 +547,7 @@ def _tree(flat: torch.Tensor, rank: int, n: int, group, segment_bytes: int = TRE
         work.wait()
 
 
-def tree_allreduce(tensor: torch.Tensor, op: str = "mean", group=None, *, segment_bytes: int = TREE_SEGMENT_BYTES,
+def tree_allreduce(tensor: torch.Tensor, op: str = "avg", group=None, *, segment_bytes: int = TREE_SEGMENT_BYTES,
                    in_flight: int = IN_FLIGHT) -> torch.Tensor:
     """Pipelined binary-tree reduce then broadcast in place (NCCL's choice for small and medium messages).
 
@@ -652,12 +652,12 @@ def choose_algorithm(nbytes: int, world_size: int, table: dict | None = None, wa
     raise ValueError(f"crossover table for {world_size} processes has no open-ended last entry")
 
 
-def allreduce(tensor: torch.Tensor, op: str = "mean", group=None, algorithm: str = "auto", *,
+def allreduce(tensor: torch.Tensor, op: str = "avg", group=None, algorithm: str = "auto", *,
               check: bool = False) -> torch.Tensor:
     """All-reduce in place with the algorithm of ``algorithm``, or for ``"auto"`` the one measured fastest
     on this machine for the tensor's size in bytes and the group's size (``choose_algorithm``).
 
-    ``op="mean"`` divides every contribution by the group size before the sum (so a float16
+    ``op="avg"`` divides every contribution by the group size before the sum (so a float16
     mean overflows only if the mean does). With ``check=True`` the ranks first exchange their
     numel, dtype, op and algorithm (one small recursive-doubling exchange of 4 int64 per rank)
     and all raise ``ValueError`` naming both sides if any differs, instead of gloo aborting the
@@ -725,10 +725,10 @@ def __getattr__(name: str):
 # --------------------------------------------------------------------------- reference
 
 
-def torch_allreduce(tensor: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+def torch_allreduce(tensor: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     """``torch.distributed.all_reduce`` with the same contract (gloo has no AVG: divide by n, then sum)."""
     check_input(tensor, op)
-    if op == "mean":
+    if op == "avg":
         tensor.div_(dist.get_world_size(group))
     dist.all_reduce(tensor, dist.ReduceOp.SUM, group=group)
     return tensor
@@ -799,7 +799,7 @@ def _reduce_scatter_ticks(out: torch.Tensor, chunks: list[torch.Tensor], rank: i
     and adds its own part of chunk r-s-2 to the partial sum arriving from the left; after n-1 steps
     the partial sum of chunk r, arrived last, is the whole sum. Partial sums in transit live in
     n-2 scratch rows (one more for the mean's divided first send), the last one in ``out``."""
-    m, scale = out.numel(), n if op == "mean" else None
+    m, scale = out.numel(), n if op == "avg" else None
     per_chunk = min(m, _segment_count(m, out.element_size(), segment_bytes))
     rows = _scratch(out, n - 2 + (scale is not None), m, purpose="reduce_scatter")
     first = chunks[(rank - 1) % n]
@@ -818,7 +818,7 @@ def _reduce_scatter_ticks(out: torch.Tensor, chunks: list[torch.Tensor], rank: i
     return ticks
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None, *,
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", group=None, *,
                    segment_bytes: int = SEGMENT_BYTES, in_flight: int = IN_FLIGHT) -> torch.Tensor:
     """Ring reduce-scatter: group rank r's ``output`` becomes chunk r of the sum (or mean) of every rank's ``input``.
 
@@ -826,7 +826,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", 
     ``input.numel() == world size x output.numel()``, chunk r being ``input.view(-1)[r m:(r+1) m]``
     with m = ``output.numel()`` (a caller with a length not divisible by the world size pads it, as
     with torch). ``input`` is not modified; ``output`` may be ``input``'s own chunk r (in place).
-    ``op="mean"`` divides every contribution by the world size before adding (no float16 overflow).
+    ``op="avg"`` divides every contribution by the world size before adding (no float16 overflow).
 
     Each rank sends n-1 chunks, (n-1)/n of the input (half an all-reduce), in pipelined segments of
     about ``segment_bytes``. Extra memory: n-2 chunks of partial sums (n-1 for the mean) and
@@ -878,12 +878,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, *, segment
     return _sharded(output, input, run, group)
 
 
-def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "mean", group=None) -> torch.Tensor:
+def torch_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     """``torch.distributed.reduce_scatter_single`` (formerly ``reduce_scatter_tensor``) with the same contract:
     gloo has no AVG, so the mean is the sum divided once."""
     check_sharded(output, input, op, group, gathering=False)
     compat.reduce_scatter_single(output, input, dist.ReduceOp.SUM, group=group)
-    if op == "mean":
+    if op == "avg":
         output.div_(dist.get_world_size(group))
     return output
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -514,7 +515,16 @@ def progress(iterable: Iterable, **tqdm_kwargs) -> Iterable:
         return iterable
     from tqdm import tqdm
 
+    if not _BARS_LOCKED.is_set():
+        # tqdm's default lock (made by its first bar) includes a multiprocessing lock: a named semaphore in
+        # /dev/shm, which a worker stopped by a signal leaves behind until its launcher exits. One process draws
+        # the bars, so a thread lock is enough, set before the first bar.
+        tqdm.set_lock(threading.RLock())
+        _BARS_LOCKED.set()
     return tqdm(iterable, dynamic_ncols=True, leave=False, **tqdm_kwargs)
+
+
+_BARS_LOCKED = threading.Event()  # this process's bars take a thread lock (``progress``)
 
 
 def synchronize(device: torch.device) -> None:

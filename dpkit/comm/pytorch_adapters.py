@@ -33,7 +33,7 @@ def ddp_comm_hook(state: Transport, bucket):  # (dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     if not getattr(state, "_checked_for_ddp", False):
         _check_hook_group(state, bucket)
-    work = state.all_reduce(buffer, "mean", async_op=True)
+    work = state.all_reduce(buffer, "avg", async_op=True)
     if isinstance(work, TorchWork) and work.then is None:
         return work.work.get_future().then(lambda _: buffer)
     work.wait()
@@ -72,8 +72,8 @@ def _reduce_op(op) -> str:
     """torch.distributed's ReduceOp as this kit's op name."""
     if op in (dist.ReduceOp.SUM, "sum"):
         return "sum"
-    if op in (dist.ReduceOp.AVG, "mean", "avg"):
-        return "mean"
+    if op in (dist.ReduceOp.AVG, "avg"):
+        return "avg"
     raise NotImplementedError(f"reduce op {op} is not supported by the transport (sum and avg are)")
 
 

@@ -2,7 +2,7 @@
 
     t = SharedMemory(group)                          # a collective: every rank makes it
     flat = t.allocate((n,), dtype=torch.float32)     # in this rank's arena, which every peer maps
-    t.all_reduce(flat, op="mean")                    # each rank sums its chunk where the buffers lie
+    t.all_reduce(flat, op="avg")                    # each rank sums its chunk where the buffers lie
 
 Every rank owns an arena that every other rank maps; a tensor ``allocate`` returned lives there, so
 a sum reads each rank's buffer where it lies, with no copy in or out. Any other tensor is staged
@@ -41,7 +41,7 @@ from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
 from dpkit.comm.slots import Slots, file_bytes
 from dpkit.comm.torch_transport import Torch
 
-OPS = ("sum", "mean")
+OPS = ("sum", "avg")
 # Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
 SHARED_MEMORY_RANGE = "shared_memory:{}"
 
@@ -417,7 +417,7 @@ class SharedMemory(Transport):
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
         if self._slots is not None and nbytes <= SLOTS_BYTES and (op == "sum" or flat.is_floating_point()):
             with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
-                self._through_slots(lambda: self._slots.all_reduce(flat, op))
+                self._through_slots(lambda: self._slots.all_reduce(flat, "avg_divided_first" if op == "avg" else op))
             return
         with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
             staged = nbytes and self._offset(flat) is None
@@ -426,7 +426,7 @@ class SharedMemory(Transport):
             if self._fall_back_for_call(table, lambda: torch_transport.all_reduce(flat, op, self._collective_group())):
                 return
             mine, chunks = self._chunks(tuple(table[:, _OFFSET].tolist()), nbytes, flat.dtype, flat.numel())
-            sum_chunk(chunks, flat.element_size(), scale=1.0 / n if op == "mean" else None)
+            sum_chunk(chunks, flat.element_size(), scale=1.0 / n if op == "avg" else None)
             self._meet()  # every chunk is in every rank's buffer
             if staged:  # the result comes back
                 flat.copy_(mine)
@@ -444,7 +444,7 @@ class SharedMemory(Transport):
             lo, hi = self.rank * m, (self.rank + 1) * m
             mine = [self._peer(r, int(table[r, _OFFSET]), nbytes, flat.dtype)[lo:hi] for r in range(n)]
             order = [self.rank] + [r for r in range(n) if r != self.rank]  # own first: ``out`` may be it
-            scale = 1.0 / n if op == "mean" else None
+            scale = 1.0 / n if op == "avg" else None
             if scale is None:
                 if out.data_ptr() != mine[self.rank].data_ptr():
                     out.copy_(mine[self.rank])

@@ -48,8 +48,9 @@ _DESCRIPTOR = 1  # the descriptor of slot p: words [1 + 5p, 6 + 5p): kind, dtype
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8, torch.int16,
           torch.int32, torch.int64, torch.bool)
 KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce", "all_to_all")
-OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "mean")  # avg: sum, then divide
-# (torch's AVG); mean: scale, then sum (the SharedMemory transport's: no sum of large values overflows)
+OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "avg_divided_first")
+# avg: sum, then divide (the backend's ReduceOp.AVG); avg_divided_first: each contribution divided, then summed (the
+# transports' "avg": no sum of large values overflows). Two roundings of one average, so each has its index.
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
@@ -57,7 +58,7 @@ _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
 
 def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
     """``out`` <- ``op`` over ``parts`` (every rank's piece), left to right in rank order."""
-    if op == "mean":
+    if op == "avg_divided_first":
         scale = 1.0 / len(parts)
         torch.mul(parts[0], scale, out=out)
         for part in parts[1:]:

@@ -1,7 +1,7 @@
 """``Torch``: the transport of ``torch.distributed``'s own collectives, on the group's backend.
 
     t = Torch(group)                  # gloo (CPU; loopback TCP between the processes of one host) or NCCL
-    t.all_reduce(flat, op="mean")     # or async_op=True: the backend's own handle, in a ``TorchWork``
+    t.all_reduce(flat, op="avg")     # or async_op=True: the backend's own handle, in a ``TorchWork``
 
 ``all_reduce``, ``reduce_scatter`` and ``all_gather`` are the same collectives as functions over any
 group: where shared memory has no room it goes through them.
@@ -84,7 +84,7 @@ class Torch(Transport):
 
 def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool = False) -> Work | None:
     work_on = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if op == "mean":
+    if op == "avg":
         work_on.div_(dist.get_world_size(group))
     work = dist.all_reduce(work_on, dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, async_op, None if work_on is tensor else lambda: tensor.copy_(work_on))
@@ -93,7 +93,7 @@ def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool = False) -> 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, async_op: bool = False):
     out = output if output.is_contiguous() else output.contiguous()
     source = input.contiguous()
-    if op == "mean":  # a divided copy of the input (the input is not modified)
+    if op == "avg":  # a divided copy of the input (the input is not modified)
         source = torch.div(source, dist.get_world_size(group))
     work = compat.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, async_op, None if out is output else lambda: output.copy_(out))

@@ -340,7 +340,7 @@ class NaiveDDP(_DataParallel):
 
     def _finish(self) -> None:
         for grad in _grads_or_zeros(self._trainable):
-            self.transport.all_reduce(grad, "mean")  # divides before the sum: see the note above _DataParallel
+            self.transport.all_reduce(grad, "avg")  # divides before the sum: see the note above _DataParallel
 
 
 class FlatDDP(_DataParallel):

@@ -118,7 +118,7 @@ class _Reduction:
             self.work.wait()
             self.work = self.source = None  # the flat gradient can go
             if self.across is not None:
-                self.crossing = self.across.all_reduce(self.out, "mean", async_op=True)
+                self.crossing = self.across.all_reduce(self.out, "avg", async_op=True)
 
     def result(self) -> torch.Tensor:
         """``out`` once everything is done: the shard's gradient averaged over every rank of the group."""
@@ -560,7 +560,7 @@ class FSDP(nn.Module):
             self._reductions[-1].wait()
         source = _flat_gradient(unit, grads, self.shard_transport.allocate)
         out = torch.empty(unit.padded // self.shard_world, dtype=unit.master_dtype, device=source.device)
-        work = self.shard_transport.reduce_scatter(out, source, "mean", async_op=True)
+        work = self.shard_transport.reduce_scatter(out, source, "avg", async_op=True)
         self._reductions.append(_Reduction(unit, out, source, work, self.across))
         unit.gathers -= 1
         if self.reshard_after_forward or unit.gathers == 0:

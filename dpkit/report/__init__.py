@@ -1,6 +1,7 @@
 """Layer 5, the report: ``plots`` (one style, one function per figure, from result documents),
 ``collective_plots`` (the collectives' charts), ``ddp_tables`` (the DDP benchmark's tables, PyTorch's formats
 among them), ``ddp_printout`` (what ddp_benchmark.py prints: its header, legend, tables and targets),
+``sharding_printout`` (what sharding_benchmark.py prints: its rows, targets by axis and memory notes),
 ``findings`` (the facts behind every sentence, computed from rows), ``paths`` (which path a shared-memory row
 took), ``sentences`` (the report's computed sentences) and ``summary`` (README's headline block, rendered from
 the verdicts the benchmarks stored).

@@ -8,10 +8,11 @@ and the world-size sweep (``results/ddp_sweep.json``) beside its world sizes.
 
 from __future__ import annotations
 
-from dpkit.report import ddp_tables, findings, paths, plots
+from dpkit.bench import rows as identity
+from dpkit.report import ddp_tables, findings, plots
 from dpkit.report.wording import interval_text, ratio_text, span
 
-ONE, TWENTY_FIVE = "ddp pytorch 1M [torch]", "ddp pytorch 25M [torch]"  # the rows of PyTorch's DDP at two bucket caps
+ONE, TWENTY_FIVE = 1.0, 25.0  # the bucket caps (MiB) of PyTorch's DDP that PyTorch's diff compares
 SWEEP_COLUMNS = [("world_size", "processes", "d"), ("over", "oversubscribed", "s"), ("label", "variant", "s"),
                  ("p50_s", "p50 s/iter", ".4f"), ("p50_ci", "interval", "s"), ("p50_ex_per_s", "ex/s (p50)", ".0f"),
                  ("p95_s", "p95 s/iter", ".4f")]
@@ -26,8 +27,11 @@ def resnet18(doc: dict) -> list[dict]:
 
 
 def as_run(doc: dict, row: dict, cap: float) -> dict:
-    """One row as a file of its own at one bucket size, the way PyTorch's diff reads two runs."""
-    return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]}, "results": [{**row, "label": "ddp pytorch"}]}
+    """One row as a file of its own at one bucket size, the way PyTorch's diff reads two runs: the cap moves from
+    the row's fields to the file's settings, so that the two rows are the same row of two runs."""
+    same = {**row, "bucket_cap_mb": None}
+    return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]},
+            "results": [{**same, "label": identity.label(same)}]}
 
 
 def direction(ratio: dict) -> str:
@@ -38,7 +42,7 @@ def direction(ratio: dict) -> str:
     return "**not resolved**: the interval contains 1, where the effect the seed measured is a few percent."
 
 
-def diff(page, doc: dict, rows: dict[str, dict], seed: dict) -> None:
+def diff(page, doc: dict, rows: dict[float, dict], seed: dict) -> None:
     """PyTorch's diff (25 MiB baseline, 1 MiB test) beside ours within our run, and whether the direction agrees."""
     page.say("PyTorch's diff (25 MiB baseline, 1 MiB test):\n\n" + fenced(seed["diff"]["format_excerpt"])
              + "\n\nOurs, the same comparison within our run:\n\n"
@@ -60,12 +64,14 @@ def percentiles(page) -> None:
     rows = resnet18(doc)
     page.say(f"PyTorch's benchmark ({seed['hardware']}):\n\n" + fenced(seed["benchmark"]["format_excerpt"])
              + f"\n\nOurs (ddp_benchmark.json, {rows[0]['model']}):\n\n"
-             + fenced(paths.label("\n".join(ddp_tables.percentile_table(rows)), doc)), label=False)
-    pytorch = {r["label"]: r for r in rows if r["variant"] == "ddp pytorch" and not plots.is_pytorch_best(r)}
+             + fenced("\n".join(ddp_tables.percentile_table(rows, path=True))), label=False)
+    pytorch = {r["bucket_cap_mb"]: r for r in rows
+               if (r["engine"], r["impl"], r["option"], r["transport"]) == ("ddp", "pytorch", None, "torch")}
     if ONE in pytorch and TWENTY_FIVE in pytorch:
         diff(page, doc, pytorch, seed)
     else:
-        page.missing(f"PyTorch's DDP at 1 MiB and at 25 MiB buckets (rows '{ONE}' and '{TWENTY_FIVE}')")
+        page.missing("PyTorch's DDP at 1 MiB and at 25 MiB buckets (rows 'ddp pytorch 1M [torch]' and "
+                     "'ddp pytorch 25M [torch]')")
 
 
 def within_cores(rows: list[dict]) -> list[int]:
@@ -80,11 +86,12 @@ def marked(doc: dict) -> list[dict]:
 def scaling_text(rows: list[dict], cpus: int) -> str:
     """Examples per second at the most processes within the cores against one process, per variant."""
     fits, lines = within_cores(rows), []
-    for label in dict.fromkeys(r["label"] for r in rows):
-        pts = {r["world_size"]: r for r in rows if r["label"] == label}
+    for series in dict.fromkeys(map(identity.what, rows)):
+        pts = {r["world_size"]: r for r in rows if identity.what(r) == series}
         if 1 in pts and max(fits) in pts and max(fits) > 1:
-            lines.append(f"{label}: {pts[max(fits)]['p50_ex_per_s'] / pts[1]['p50_ex_per_s']:.2f}x the examples per "
-                         "second of 1 process")
+            gain = pts[max(fits)]["p50_ex_per_s"] / pts[1]["p50_ex_per_s"]
+            lines.append(f"{identity.label(pts[max(fits)], path=True)}: {gain:.2f}x the examples per second of "
+                         "1 process")
     over = sorted({r["world_size"] for r in rows if r["over"] == "yes"})
     return (f"*Commentary.* From 1 to {max(fits)} processes (both within the {cpus} cores): " + "; ".join(lines) + ". "
             + (f"The runs with {', '.join(map(str, over))} processes are oversubscribed: their processes share {cpus} "
@@ -97,9 +104,10 @@ def sweep(page) -> None:
     rows = marked(doc)
     columns = [c if c[0] != "p50_ci" else ("p50_ci", findings.interval_name(doc["config"].get("rounds")), "s")
                for c in SWEEP_COLUMNS]
-    page.show(sorted(rows, key=lambda r: (r["label"] != "no ddp", r["label"], r["world_size"])), columns)
+    ordered = sorted(rows, key=lambda r: (r["engine"] is not None, r["label"], r["world_size"]))  # series together
+    page.show([{**r, "label": identity.label(r, path=True)} for r in ordered], columns, label=False)
     page.draw(plots.ddp_sweep(doc))
-    page.say(scaling_text(rows, page.cpus))
+    page.say(scaling_text(rows, page.cpus), label=False)
 
 
 def sweep_figure(rows: list[dict], seed: dict, env: dict):
@@ -108,9 +116,9 @@ def sweep_figure(rows: list[dict], seed: dict, env: dict):
     pick = lambda ddp: ([r["gpus"] for r in theirs if (r["label"] != "no ddp") == ddp],  # noqa: E731
                         [r["p50_s"] for r in theirs if (r["label"] != "no ddp") == ddp])
     ordered = sorted(rows, key=lambda r: r["world_size"])
-    ours = {f"{rows[0]['model']}, {label}": ([r["world_size"] for r in ordered if r["label"] == label],
-                                             [r["p50_s"] for r in ordered if r["label"] == label], label)
-            for label in dict.fromkeys(r["label"] for r in rows)}
+    series = {s: [r for r in ordered if identity.what(r) == s] for s in dict.fromkeys(map(identity.what, rows))}
+    ours = {f"{rows[0]['model']}, {identity.label(rs[-1], path=True)}":
+            ([r["world_size"] for r in rs], [r["p50_s"] for r in rs], identity.name(rs[-1])) for rs in series.values()}
     figure = plots.beside_seed(ours, {"resnet50, DDP": pick(True), "resnet50, no ddp": pick(False)},
                                xlabel="processes (ours) / GPUs (seed)", ylabel="time per iteration (s, p50)",
                                ours_title=f"ours: {env['device_model']}, {env['cpus']} cores (shaded: oversubscribed)",
@@ -125,9 +133,11 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
     """How time per iteration grows with the processes: PyTorch's on GPUs, ours with DDP and without it."""
     ddp_seed = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50" and r["label"] != "no ddp"]
     seed_growth, top = ddp_seed[-1]["p50_s"] / ddp_seed[0]["p50_s"] - 1, max(within_cores(rows))
-    label = next((r["label"] for r in rows if r["variant"] == "ddp ours"), None)  # our DDP, bucketed
-    ours = findings.growth(rows, label, 1, top) if label else None
-    no_ddp = findings.growth(rows, "no ddp", 1, top)
+    first = next((r for r in rows if identity.name(r) == "ddp ours"), None)  # our DDP, bucketed: its first series
+    mine = [r for r in rows if first and identity.what(r) == identity.what(first)]
+    label = identity.label(mine[-1], path=True) if mine else None
+    ours = findings.growth(mine, 1, top) if mine else None
+    no_ddp = findings.growth([r for r in rows if r["engine"] is None], 1, top)
     text = (f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "
             f"With one GPU per process, its sec/iter grows by {100 * seed_growth:.0f} % from {ddp_seed[0]['gpus']} "
             f"to {ddp_seed[-1]['gpus']} GPUs. ")
@@ -143,4 +153,4 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
 def sweep_beside_seed(page) -> None:
     rows, seed = marked(page.load("ddp_sweep")), page.seeds["pytorch_ddp_benchmark"]
     page.draw(sweep_figure(rows, seed, page.env))
-    page.say(growth_text(rows, seed, page.env))
+    page.say(growth_text(rows, seed, page.env), label=False)

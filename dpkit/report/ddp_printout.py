@@ -14,15 +14,16 @@ from dpkit.bench.ddp_targets import (TARGET_BACKEND, TARGET_HIDDEN, TARGET_HOOK,
                                      TARGET_VS_PYTORCH)
 from dpkit.bench.measure import format_ratio
 from dpkit.bench.results import format_environment
+from dpkit.bench.rows import label
 from dpkit.report.ddp_tables import MIB, breakdown_table, comm_table, percentile_table
 
 
 def targets_text(checks: list[dict]) -> list[str]:
-    lines = ["Targets (set for CPU, 2 ranks, resnet18), each on one axis. Engine, on one transport: ddp ours 25M p50 "
+    lines = ["Targets (set for CPU, 2 ranks, resnet18), each on one axis. Impl, on one transport: ddp ours 25M p50 "
              f"<= {TARGET_VS_PYTORCH:.2f} x the faster PyTorch 25M row, peak memory <= {TARGET_MEMORY:.2f} x that "
              f"row's. Transport, under one engine: PyTorch's DDP (best settings) through our shared memory <= "
              f"{TARGET_HOOK:.2f} x through its own gloo, on a \"dpkit\" process group <= {TARGET_BACKEND:.2f} x on "
-             f"gloo; ddp ours 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
+             f"gloo. Overhead: ddp ours 25M on shared memory <= {TARGET_VS_NO_DDP:.2f} x "
              f"no DDP. Overlap, on asynchronous transports: exposed wait <= {TARGET_HIDDEN:.2f} x ours naive's "
              "all-reduce time. Ratios paired by round within one run, [95 % bootstrap interval over rounds]: met "
              "(interval at or below), missed (above), inconclusive (straddles)."]
@@ -34,7 +35,8 @@ def targets_text(checks: list[dict]) -> list[str]:
             " (oversubscribed: information)" if c["oversubscribed"] else " (information)"))
         note = f"  [{c['note']}]" if c["note"] else ""
         limit = "(information)" if c["limit"] is None else f"<= {c['limit']:.2f}: {c['verdict'].upper()}"
-        lines.append(f"  {c['axis']:<9s} {where:<36s} {c['label']:>36s} {c['target']:<42s} vs {c['reference']:<36s} "
+        ours, theirs = label(c["row"], path=True), label(c["reference_row"], path=True)
+        lines.append(f"  {c['axis']:<9s} {where:<36s} {ours:>36s} {c['target']:<42s} vs {theirs:<36s} "
                      f"{format_ratio(c['ratio']):>20s} {limit}{note}")
     return lines
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from dpkit.bench import rows as identity
 from dpkit.report import findings, plots, sentences, summary
 from dpkit.report.wording import interval_text, ratio_text, span
 
@@ -34,15 +35,26 @@ def model_rows(page, doc: dict, model: str) -> None:
              + (" (oversubscribed)" if plots.oversubscribed(first, doc["env"]) else "")
              + f", {first['params']:,} parameters, {first['iters']} timed iterations per variant in "
                f"{first['rounds']} rounds.")
-    page.show([{**r, "p50_ci": interval_text(plots.interval(r, "p50_s")),
+    page.show([{**r, "label": identity.label(r, path=True), "p50_ci": interval_text(plots.interval(r, "p50_s")),
                 "over": "yes" if plots.oversubscribed(r, doc["env"]) else "no"} for r in rows],
-              row_columns(first.get("rounds")))
+              row_columns(first.get("rounds")), label=False)
+
+
+def sides(check: dict) -> tuple[str, str]:
+    """The labels of a stored check's two sides, from their stored fields, each naming the path it recorded."""
+    return identity.label(check["row"], path=True), identity.label(check["reference_row"], path=True)
+
+
+def pair(check: dict) -> str:
+    """"label / reference" (``sides``)."""
+    return " / ".join(sides(check))
 
 
 def checks_table(page, checks: list[dict]) -> None:
-    page.show([{**c, "value": ratio_text(c["ratio"]),
+    page.show([{**c, "label": sides(c)[0], "reference": sides(c)[1], "value": ratio_text(c["ratio"]),
                 "limit_text": "-" if c["limit"] is None else f"<= {c['limit']:.2f}",
-                "judged": c["verdict"] if c["limit"] is not None else "information"} for c in checks], CHECK_COLUMNS)
+                "judged": c["verdict"] if c["limit"] is not None else "information"} for c in checks], CHECK_COLUMNS,
+              label=False)
 
 
 def file_section(page, doc: dict) -> None:
@@ -75,7 +87,7 @@ def thread_text(checks: list[dict]) -> str:
     def direction(r):
         return "slower" if r["ci_low"] > 1 else "faster" if r["ci_high"] < 1 else "no difference resolved"
 
-    return "; ".join(f"{c['label']} / {c['reference']} {ratio_text(c['ratio'])} ({direction(c['ratio'])})"
+    return "; ".join(f"{pair(c)} {ratio_text(c['ratio'])} ({direction(c['ratio'])})"
                      for c in checks if c["axis"] == "overlap" and c["limit"] is None)
 
 
@@ -88,14 +100,14 @@ def separated(a: dict, b: dict) -> bool:
 def caps_text(rows: list[dict]) -> str:
     """Per transport, the bucket cap with the lowest p50 in the sweep (resnet18), and which others it does not beat."""
     texts = []
-    ours = [r for r in rows if r["variant"] == "ddp ours" and r["model"] == "resnet18"]
+    ours = [r for r in rows if identity.name(r) == "ddp ours" and r["model"] == "resnet18"]
     for transport in dict.fromkeys(r["transport"] for r in ours):
         caps = sorted((r for r in ours if r["transport"] == transport), key=lambda r: r["bucket_cap_mb"])
         best = min(caps, key=lambda r: r["p50_s"])
-        overlapping = [r["label"] for r in caps if r is not best
+        overlapping = [identity.label(r, path=True) for r in caps if r is not best
                        and plots.interval(best, "p50_s") and plots.interval(r, "p50_s")
                        and plots.interval(best, "p50_s")[1] >= plots.interval(r, "p50_s")[0]]
-        texts.append(f"[{transport}] the lowest p50 is {best['label']}"
+        texts.append(f"on {transport}, the lowest p50 is {identity.label(best, path=True)}"
                      + (f", its interval overlapping those of {', '.join(overlapping)} (not decided by this run)"
                         if overlapping else ""))
     return "; ".join(texts)
@@ -114,8 +126,8 @@ def differ_text(judged: list[dict], sweep: dict) -> str:
             f"{len(pairs)} too" + (f" ({moved} against another reference row there: PyTorch's faster setting "
                                    "differs between the runs)" if moved else "")
             + f", with another verdict for {len(differ)}"
-            + (": " + "; ".join(f"{c['label']} / {c['reference']} ({c['target']}): {c['verdict']} here, "
-                                f"{o['verdict']} there" + (f" (against {o['reference']})"
+            + (": " + "; ".join(f"{pair(c)} ({c['target']}): {c['verdict']} here, "
+                                f"{o['verdict']} there" + (f" (against {sides(o)[1]})"
                                                           if o.get("reference") != c.get("reference") else "")
                                 for c, o in differ) if differ else "") + ". ")
 
@@ -133,15 +145,15 @@ def commentary(page) -> None:
              + (differ_text(judged, sweep) if doc is not sweep else "")
              + (f"A communication thread against summing each bucket in the backward hook, on shared memory: "
                 f"{thread}. " if thread else "")
-             + f"Bucket sizes in the sweep (resnet18): {caps_text(sweep['results'])}.")
+             + f"Bucket sizes in the sweep (resnet18): {caps_text(sweep['results'])}.", label=False)
 
 
 def traces(page) -> None:
     """The traced iteration of each variant (resnet18) as a timeline, and its share waiting in sync_gradients."""
     doc, _ = checks_source(page)
     where = page.results / "traces"
-    traced = [r["label"] for r in doc["results"] if r["model"] == "resnet18" and r["label"] != "no ddp"]
-    found = plots.load_traces(str(where), "resnet18", traced)
+    traced = {r["label"]: r for r in doc["results"] if r["model"] == "resnet18" and r["engine"] is not None}
+    found = plots.load_traces(str(where), "resnet18", traced)  # by label: a trace's file name is its row's slug
     if not found:
         page.missing(f"Chrome traces in {os.path.relpath(where)}/ (`python run_experiments.py --only ddp_traces`)")
         return
@@ -150,16 +162,17 @@ def traces(page) -> None:
     waits = {label: sum(d for name, _, d in s["phases"] if name == "sync_gradients") / s["length"]
              for label, s in spans.items()}
     page.say("Share of the traced iteration spent waiting in `sync_gradients`: "
-             + "; ".join(f"{label} {100 * w:.0f} %" for label, w in waits.items())
-             + " (one traced iteration each: an illustration, not a measurement).")
+             + "; ".join(f"{identity.label(traced[label], path=True)} {100 * w:.0f} %" for label, w in waits.items())
+             + " (one traced iteration each: an illustration, not a measurement).", label=False)
 
 
 def bucket_series(rows: list[dict]) -> dict[str, list[dict]]:
-    """Per model and transport, the rows of our DDP ("ddp ours", bucketed) by bucket cap."""
-    ours = [r for r in rows if r["variant"] == "ddp ours"]
-    return {f"{m}, ddp ours [{t}]": sorted((r for r in ours if (r["model"], r["transport"]) == (m, t)),
-                                           key=lambda r: r["bucket_cap_mb"])
-            for m, t in dict.fromkeys((r["model"], r["transport"]) for r in ours)}
+    """Per model and transport, the rows of our DDP ("ddp ours", bucketed) by bucket cap, named by the first one's
+    fields but the cap ("resnet18, ddp ours [shared_memory, zero copy]")."""
+    ours = [r for r in rows if identity.name(r) == "ddp ours"]
+    series = [sorted((r for r in ours if (r["model"], r["transport"]) == key), key=lambda r: r["bucket_cap_mb"])
+              for key in dict.fromkeys((r["model"], r["transport"]) for r in ours)]
+    return {f"{rs[0]['model']}, {identity.label({**rs[0], 'bucket_cap_mb': None}, path=True)}": rs for rs in series}
 
 
 def seed_groups(seed: dict) -> dict[tuple, list[dict]]:
@@ -208,4 +221,4 @@ def buckets_text(doc: dict, seed: dict, env: dict) -> str:
 def buckets_beside_seed(page) -> None:
     doc, seed = page.load("ddp_benchmark"), page.seeds["bucketed_ddp"]
     page.draw(buckets_figure(doc, seed, page.env))
-    page.say(buckets_text(doc, seed, page.env))
+    page.say(buckets_text(doc, seed, page.env), label=False)

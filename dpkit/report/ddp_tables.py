@@ -12,7 +12,7 @@ communication, overhead, ratios and memory, and where its time goes.
 from __future__ import annotations
 
 from dpkit.bench.ddp_run import PERCENTILES, block_key
-from dpkit.bench.ddp_variants import NO_DDP
+from dpkit.bench.rows import identity, label, what
 from dpkit.bench.measure import PHASES, format_ratio, percentile
 from dpkit.bench.results import check_comparable, config_differences, incomplete_note
 
@@ -20,18 +20,23 @@ DIFF_PERCENTILES = (75, 95)  # the diff table (seed 004)
 MIB = 2**20
 
 
-def row_prefix(row: dict) -> str:
+def row_prefix(row: dict, path: bool = False, width: int = 39) -> str:
+    """"   2 ranks -- <label>:", the label right-aligned in ``width`` (39: "ddp ours overlap [shared_memory:thread]");
+    ``path``: the label names the path the row recorded."""
     mark = "*" if row.get("oversubscribed") else " "
-    return f"{row['world_size']:4d}{mark}ranks -- {row['label']:>39s}:"  # 39: "ddp ours overlap [shared_memory:thread]"
+    return f"{row['world_size']:4d}{mark}ranks -- {label(row, path):>{width}s}:"
 
 
-def percentile_table(rows: list[dict]) -> list[str]:
-    """Seed 004's block: sec/iter and ex/sec at every percentile, one fixed-width line per row."""
-    header = " " * len(row_prefix(rows[0])) + "".join(f"{'sec/iter':>16s}{'ex/sec':>10s}" for _ in PERCENTILES)
+def percentile_table(rows: list[dict], path: bool = False) -> list[str]:
+    """Seed 004's block: sec/iter and ex/sec at every percentile, one fixed-width line per row (``path``: each
+    label names the path its row recorded)."""
+    width = max(39, *(len(label(r, path)) for r in rows))
+    header = " " * len(row_prefix(rows[0], path, width)) + "".join(f"{'sec/iter':>16s}{'ex/sec':>10s}"
+                                                                   for _ in PERCENTILES)
     lines = [header]
     for row in rows:
         cells = "".join(f"  p{p:02d}: {row[f'p{p}_s']:8.4f}s {row[f'p{p}_ex_per_s']:7.0f}/s" for p in PERCENTILES)
-        lines.append(row_prefix(row) + cells)
+        lines.append(row_prefix(row, path, width) + cells)
     return lines
 
 
@@ -60,9 +65,10 @@ def comm_table(rows: list[dict]) -> list[str]:
     widths = (13, 11, 9, 19, 29, 22, 12, 13)
     lines = [" " * len(row_prefix(rows[0])) + "".join(f"{h:>{w}s}" for h, w in zip(COMM_COLUMNS, widths))]
     for row in rows:
-        overhead = "-" if row.get("overhead_s") is None or row["variant"] == NO_DDP else (
+        alone = row["engine"] is None  # no DDP: no overhead, no all-reduce
+        overhead = "-" if row.get("overhead_s") is None or alone else (
             f"{row['overhead_s']:+.4f}s {100 * row['overhead_frac']:+5.1f}%")
-        reduces = "-" if row["all_reduces"] is None or row["variant"] == NO_DDP else str(row["all_reduces"])
+        reduces = "-" if row["all_reduces"] is None or alone else str(row["all_reduces"])
         cells = (_seconds(row["p50_s"], widths[0]), _seconds(row["comm_wait_s"], widths[1]),
                  _percent(row["comm_share"], widths[2]), f"{overhead:>{widths[3]}s}",
                  _ratio(row.get("vs_pytorch"), widths[4]), _ratio(row.get("vs_pytorch_best"), widths[5]),
@@ -90,11 +96,12 @@ DIFF_IGNORED = {"json", "profile", "command", "time", "host"}  # always differ; 
 
 
 def row_key(row: dict) -> tuple:
-    return (*block_key(row), row["world_size"], row["label"])
+    """Where a row ran and what it is, by its fields (not its path: the same row may record another one)."""
+    return (*block_key(row), row["world_size"], *what(row))
 
 
 def diff_rows(base: dict, test: dict) -> tuple[list[dict], list[str]]:
-    """Rows of two result files matched by (model, batch, input, world size, variant).
+    """Rows of two result files matched by (model, batch, input, world size, the row's identity).
 
     For each p in DIFF_PERCENTILES: test's sec/iter and ex/sec, and the % difference in time,
     negated as in PyTorch's diff.py (lower time is better): +10% = test 10% faster. Percentiles
@@ -107,20 +114,20 @@ def diff_rows(base: dict, test: dict) -> tuple[list[dict], list[str]]:
         t = test_rows.get(key)
         if t is None:
             continue
-        entry = {"model": key[0], "batch_size": key[1], "input": key[2], "world_size": key[3], "label": key[4]}
+        entry = {"model": b["model"], "batch_size": b["batch_size"], "input": b["input"],
+                 "world_size": b["world_size"], **identity(t), "label": t["label"]}
         for p in DIFF_PERCENTILES:
             vb, vt = percentile(b["samples_s"], p), percentile(t["samples_s"], p)
             entry.update({f"p{p}_base_s": vb, f"p{p}_test_s": vt, f"p{p}_test_ex_per_s": t["global_batch"] / vt,
                           f"p{p}_diff_pct": -100 * (vt - vb) / vb})
         diffs.append(entry)
-    unmatched = [f"only in baseline: {_describe(k)}" for k in base_rows if k not in test_rows]
-    unmatched += [f"only in test: {_describe(k)}" for k in test_rows if k not in base_rows]
+    unmatched = [f"only in baseline: {_describe(r)}" for k, r in base_rows.items() if k not in test_rows]
+    unmatched += [f"only in test: {_describe(r)}" for k, r in test_rows.items() if k not in base_rows]
     return diffs, unmatched
 
 
-def _describe(key: tuple) -> str:
-    model, batch, shape, world, label = key
-    return f"{model} (batch {batch}, {shape}), {world} ranks, {label}"
+def _describe(row: dict) -> str:
+    return f"{row['model']} (batch {row['batch_size']}, {row['input']}), {row['world_size']} ranks, {label(row)}"
 
 
 def _header_lines(base: dict, test: dict) -> list[str]:

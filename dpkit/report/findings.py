@@ -20,13 +20,15 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from dpkit.bench.measure import format_ratio, paired_ratio
+from dpkit.bench.rows import what
 from dpkit.report import paths
 
 VERDICTS = ("met", "missed", "inconclusive")
 # A percentile bootstrap over fewer rounds than this gives back little more than the spread of the few values.
 MIN_BOOTSTRAP_ROUNDS = 5
-# The fields that make two stored target checks the same comparison (ddp_benchmark.py's checks).
-CHECK_KEY = ("model", "world_size", "axis", "label", "reference", "target")
+# The fields that make two stored target checks the same comparison (ddp_benchmark.py's checks): each side by
+# its identity (``rows.what``: the fields but the path).
+CHECK_KEY = ("model", "world_size", "axis", "row", "reference_row", "target")
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"  # syncbn_benchmark.py's label of BatchNorm plus the two sums
 
 
@@ -71,8 +73,11 @@ def counts_text(checks: Iterable[dict]) -> str:
 def paired_checks(checks: Iterable[dict], others: Iterable[dict], key: Sequence[str] = CHECK_KEY) -> list[tuple]:
     """(check, other) for each comparison (same ``key`` fields) both lists made, in the order of ``checks``; a
     comparison only one of them made is left out."""
-    theirs = {tuple(o.get(k) for k in key): o for o in others}
-    pairs = [(c, theirs.get(tuple(c.get(k) for k in key))) for c in checks]
+    def fields(check: dict) -> tuple:
+        return tuple(what(v) if isinstance(v := check.get(k), dict) else v for k in key)
+
+    theirs = {fields(o): o for o in others}
+    pairs = [(c, theirs.get(fields(c))) for c in checks]
     return [(c, o) for c, o in pairs if o is not None]
 
 
@@ -209,10 +214,10 @@ def series_text(points: Iterable[tuple], x_format: str = ",d", y_format: str = "
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]}"
 
 
-def growth(rows: Iterable[dict], label: str, start: int, end: int, key: str = "p50_s") -> float | None:
-    """How much ``key`` of the rows labelled ``label`` grows from ``start`` to ``end`` processes (0.3: by 30 %);
-    None when either world size is missing."""
-    at = {r["world_size"]: r[key] for r in rows if r.get("label") == label}
+def growth(rows: Iterable[dict], start: int, end: int, key: str = "p50_s") -> float | None:
+    """How much ``key`` of one series' rows (one row per world size) grows from ``start`` to ``end`` processes
+    (0.3: by 30 %); None when either world size is missing."""
+    at = {r["world_size"]: r[key] for r in rows}
     return at[end] / at[start] - 1 if start in at and end in at else None
 
 

@@ -5,10 +5,11 @@ summed where they lie ("zero copy"), or tensors the caller allocated, copied int
     paths.label("ddp pytorch best 25M [shared_memory]", doc)   # "ddp pytorch best 25M [shared_memory, staged]"
     paths.axis(check, doc)                                 # "transport" when the two rows took different paths
 
-The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]); the
-path is read from the row where it says (ddp_benchmark.py's ``transport_staging_bytes``: a staging block means
-the tensors were copied in), else from who allocates the tensors a collective is handed, which the code fixes
-per engine:
+The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]). A
+ddp_benchmark.py row records its path in its ``path`` field (a staging block used: the tensors were copied in),
+and each of its checks the identity of both sides (``row``, ``reference_row``): read, never guessed. For the
+other benchmarks' files the path is still inferred from a label, from who allocates the tensors a collective is
+handed, which the code fixes per engine:
 - our DDP, ZeRO and FSDP allocate buckets, shards and gathered tensors through the transport: zero copy;
 - PyTorch's DDP reaches a transport only through ``transport.ddp_comm_hook``, handed PyTorch's bucket: staged;
 - ``fully_shard`` through ``transport.use_with_fully_shard`` has the transport allocate its buffers: zero copy;
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import re
 
-ZERO_COPY, STAGED = "zero copy", "staged"
+from dpkit.bench.rows import STAGED, ZERO_COPY
+
 SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # A bracket with up to four words before it ("ddp pytorch best 25M [shared_memory]"): the label it closes, in a
 # table cell or a sentence.
 LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,4})\[(shared_memory(?::thread)?)\]")
+RECORDED_BENCHMARKS = ("ddp_benchmark",)  # rows that carry their path: read, not inferred
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
 # How a SyncBatchNorm row on shared memory summed, in words (``path`` says which, from its file).
 SYNCBN_SUMS = {STAGED: "each sum's small tensor copied in and out",
@@ -45,13 +48,13 @@ def _engine_path(words: list[str]) -> str:
     return ZERO_COPY
 
 
-def _row_path(words: list[str], bracket: str, doc: dict | None) -> str | None:
-    """The path a row of ``doc`` says it took (a staging block: staged), for the longest label these words end."""
-    rows = {r.get("label"): r for r in (doc or {}).get("results", []) if r.get("transport_staging_bytes") is not None}
+def _row_path(words: list[str], bracket: str, doc: dict) -> str | None:
+    """The path the row of ``doc`` recorded (its ``path`` field), for the longest label these words end."""
+    rows = {r.get("label"): r for r in doc.get("results", []) if "path" in r}
     for k in range(len(words), 0, -1):
         row = rows.get(f"{' '.join(words[-k:])} [{bracket}]")
         if row is not None:
-            return STAGED if row["transport_staging_bytes"] > 0 else ZERO_COPY
+            return row["path"]
     return None
 
 
@@ -65,7 +68,9 @@ def path(label: str, doc: dict | None = None) -> str | None:
     if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
         return (doc.get("config") or {}).get("sums", STAGED)
     words = label[:found.start()].split()[-4:]
-    return _row_path(words, found.group(1), doc) or _engine_path(words)
+    if (doc or {}).get("benchmark") in RECORDED_BENCHMARKS:
+        return _row_path(words, found.group(1), doc)
+    return _engine_path(words)
 
 
 def label(text: str, doc: dict | None = None) -> str:
@@ -83,10 +88,19 @@ def sides(check: dict) -> tuple[str, str]:
             check.get("reference") or check.get("denominator") or "")
 
 
+def side_paths(check: dict, doc: dict | None = None) -> tuple[str | None, str | None]:
+    """The paths of a check's two sides: as stored with them (ddp_benchmark.py's ``row`` and ``reference_row``),
+    else from their labels."""
+    if "row" in check:
+        return check["row"].get("path"), check["reference_row"].get("path")
+    ours, theirs = (path(s, doc) for s in sides(check))
+    return ours, theirs
+
+
 def axis(check: dict, doc: dict | None = None) -> str:
     """The stored axis, or "transport" where the two sides took different shared-memory paths (one side zero
     copy, the other staged): such a ratio holds the copy, not only the engine."""
-    ours, theirs = (path(s, doc) for s in sides(check))
+    ours, theirs = side_paths(check, doc)
     if ours and theirs and ours != theirs:
         return "transport"
-    return check.get("axis") or "engine"
+    return check["axis"]

@@ -29,6 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from dpkit.bench import rows as identity
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
@@ -64,9 +65,9 @@ SEED_STYLE = dict(color="#555555")  # a seed's numbers, drawn beside ours
 
 
 def is_pytorch_best(row: dict) -> bool:
-    """PyTorch's DDP at its best documented settings: variant 'ddp pytorch best', or a 'ddp pytorch...' row
-    whose configuration sets gradient_as_bucket_view."""
-    if row.get("variant") == "ddp pytorch best":
+    """PyTorch's DDP at its best documented settings: a row of implementation "pytorch" and option "best", or a
+    'ddp pytorch...' row whose configuration sets gradient_as_bucket_view."""
+    if (row.get("impl"), row.get("option")) == ("pytorch", "best"):
         return True
     return str(row.get("label", "")).startswith("ddp pytorch") and "gradient_as_bucket_view" in json.dumps(row)
 
@@ -75,6 +76,8 @@ def kind(row_or_name) -> str:
     """The implementation a row or name belongs to: 'ddp ours 25M' -> 'ddp ours', a best-settings PyTorch row ->
     'ddp pytorch best'."""
     if isinstance(row_or_name, dict):
+        if "bucket_cap_mb" in row_or_name and "engine" in row_or_name:  # ddp_benchmark.py's rows, by their fields
+            return identity.name(row_or_name)
         if is_pytorch_best(row_or_name):
             return "ddp pytorch best"
         name = (row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl")
@@ -240,7 +243,7 @@ def training_curves(runs: dict[str, dict]) -> Figure:
 
 
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
-# The least a Python autograd.Function with those two sums costs (syncbn_benchmark.FLOOR), drawn against the reference.
+# The least a Python autograd.Function with those two sums costs (syncbn_verdicts.FLOOR), drawn against the reference.
 SYNCBN_FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
 
 
@@ -410,8 +413,8 @@ def ddp_variants(doc: dict) -> Figure:
             y = [r["p50_s"] for _, r in points]
             yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
             sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name),
-                              linestyle=TRANSPORT_LINES.get(on, "-"), label=_series_label(name, on, points[0][1], doc))
-        baseline = next((r for r in mine if kind(r) in ("no ddp", "no_ddp")), None)
+                              linestyle=TRANSPORT_LINES.get(on, "-"), label=_series_label(name, on, points[0][1]))
+        baseline = next((r for r in mine if r["engine"] is None), None)
         if baseline:
             sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":",
                              label="no ddp (no communication)")
@@ -423,17 +426,17 @@ def ddp_variants(doc: dict) -> Figure:
     return figure
 
 
-def _series_label(name: str, on: str | None, row: dict, doc: dict) -> str:
-    """"ddp ours [shared_memory, zero copy]": an implementation, its transport and, on shared memory, its path
-    (``row``'s)."""
+def _series_label(name: str, on: str | None, row: dict) -> str:
+    """"ddp ours [shared_memory, zero copy]": an implementation, its transport and, on shared memory, the path
+    ``row`` recorded."""
     if not on:
         return name
-    path = paths.path(row["label"], doc)
-    return f"{name} [{on}{f', {path}' if path else ''}]"
+    where = f", {row['path']}" if row.get("path") else ""
+    return f"{name} [{on}{where}]"
 
 
 def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
-    labels = [paths.label(r["label"], {"results": rows}) for r in rows]  # each [shared_memory] names its path
+    labels = [identity.label(r, path=True) for r in rows]  # each [shared_memory] names its path
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
         over = oversubscribed(r, env)
@@ -472,7 +475,7 @@ def time_breakdown(doc: dict) -> Figure:
                     ax.barh(yi, 1e3 * seconds, left=left, height=0.6, color=PHASE_COLOURS[phase], edgecolor=colour(r),
                             linewidth=1.5, label=phase)
                     left += 1e3 * seconds
-        ax.set_yticks(y, [paths.label(r["label"], {"results": mine}) for r in mine], fontsize="small")
+        ax.set_yticks(y, [identity.label(r, path=True) for r in mine], fontsize="small")
         ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)",
                title=f"{model}: where one iteration's time goes")
         if not mine:
@@ -492,13 +495,13 @@ def ddp_sweep(doc: dict) -> Figure:
     figure, axes = _figure(1, 2, width=12, height=3.8)
     time_ax, throughput_ax = axes[0]
     worlds = sorted({r["world_size"] for r in rows})
-    for label in dict.fromkeys(r["label"] for r in rows):
-        points = sorted((r["world_size"], r) for r in rows if r["label"] == label)
+    for series in dict.fromkeys(map(identity.what, rows)):  # a row's path may differ between world sizes
+        points = sorted(((r["world_size"], r) for r in rows if identity.what(r) == series), key=lambda p: p[0])
         c = colour(points[0][1])
         x = [w for w, _ in points]
         yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
         time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3,
-                         label=paths.label(label, doc))
+                         label=identity.label(points[-1][1], path=True))
         throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
         for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
             for w, r in points:
@@ -647,13 +650,14 @@ MEMORY_PARTS = (("params_bytes", "parameters", "#56B4E9"), ("grads_bytes", "grad
                 ("state_bytes", "optimizer state", "#CC79A7"), ("activation_bytes", "activations", "#F0E442"))
 
 
-def our_variant(rows: list[dict], sharding: str) -> str | None:
-    """Our variant of a sharding in sharding_benchmark rows: '<sharding> ours [shared_memory]' (memory does not
-    depend on the transport but for its buffers, which this variant's rows count), else '<sharding> ours' (files
-    written before transports were named), else the first of ours."""
-    names = list(dict.fromkeys(r["variant"] for r in rows if r.get("sharding") == sharding and " ours" in r["variant"]))
-    preferred = next((n for n in (f"{sharding} ours [shared_memory]", f"{sharding} ours") if n in names), None)
-    return preferred or (names[0] if names else None)
+def our_variant(rows: list[dict], engine: str) -> str | None:
+    """Our variant of ``engine`` at its default option in sharding_benchmark rows, preferably on [shared_memory]
+    (memory does not depend on the transport but for its buffers, which this variant's rows count), else the
+    first."""
+    names = list(dict.fromkeys(r["variant"] for r in rows
+                               if (r["engine"], r["impl"], r["option"]) == (engine, "ours", None)))
+    shared = [n for n in names if any(r["variant"] == n and r["transport"] == "shared_memory" for r in rows)]
+    return (shared or names or [None])[0]
 
 
 def sharding_memory(doc: dict) -> Figure:
@@ -666,9 +670,9 @@ def sharding_memory(doc: dict) -> Figure:
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         cell = {(r["variant"], r["world_size"]): r for r in mine}
-        bars = [(s, cell[v, w]) for s in registry.names() if (v := our_variant(mine, s))
+        bars = [(e, cell[v, w]) for e in registry.names() if (v := our_variant(mine, e))
                 for w in sorted({r["world_size"] for r in mine}) if (v, w) in cell]
-        for x, (sharding, r) in enumerate(bars):
+        for x, (engine, r) in enumerate(bars):
             bottom = 0.0
             for key, label, c in MEMORY_PARTS:
                 ax.bar(x, r[key] / MIB, bottom=bottom, color=c, label=label,

@@ -46,7 +46,7 @@ def target_view(t: dict, doc: dict) -> dict:
 
 def zero_balance_text(rows: list[dict]) -> str:
     """The largest rank of each stage of our ZeRO the file has, against the ideal share of the model states."""
-    stages = [(stage, [r["state_vs_ideal"] for r in rows if r["variant"].startswith(f"{stage} ours")])
+    stages = [(stage, [r["state_vs_ideal"] for r in rows if (r["engine"], r["impl"]) == (stage, "ours")])
               for stage in ("zero1", "zero2")]
     held = "; ".join(f"{stage} at most {max(values):.2f}x" for stage, values in stages if values)
     return (f"The largest rank of our ZeRO holds, of the ideal model-state bytes over every rank count measured: "

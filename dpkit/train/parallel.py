@@ -2,7 +2,7 @@
 zero2, fsdp, hsdp, each ours or PyTorch's where it exists), on one transport; and what differs between them
 when a trainer builds the optimizer or saves the state.
 
-    parallel = Parallel(impl="ours", sharding="fsdp", transport="auto")
+    parallel = Parallel(impl="ours", engine="fsdp", transport="auto")
     model = parallel.wrap(net)                                   # rank 0's parameters on every rank
     optimizer = parallel.optimizer(model, lr=0.01, momentum=0.5)
     state = parallel.full_model_state(model, net)                # a collective when sharded
@@ -28,7 +28,7 @@ SYNC_BNS = ("auto", "ours", "pytorch", "none")
 FSDP_SHARD_TYPES = (nn.Conv2d, nn.Linear)
 
 
-def shardings() -> tuple[str, ...]:
+def engines() -> tuple[str, ...]:
     """The engines a trainer can run: every registered one with an implementation."""
     return tuple(n for n in registry.names() if registry.get(n).impls)
 
@@ -51,7 +51,7 @@ def named(kind: str):
 class Parallel:
     """The data-parallel engine of a run.
 
-    ``impl``: "ours" (dpkit's engines) or "pytorch" (PyTorch's). ``sharding``: an engine's name (``shardings()``):
+    ``impl``: "ours" (dpkit's engines) or "pytorch" (PyTorch's). ``engine``: an engine's name (``engines()``):
     "ddp", "zero1" (DDP, optimizer state sharded), "zero2" (gradients too), "fsdp" (parameters, gradients and
     optimizer state sharded), "hsdp" (FSDP inside a host); another name is a ValueError listing these.
     ``bucket_cap_mb``: the DDPs' gradient buckets. ``transport``: how every engine's tensors
@@ -60,20 +60,20 @@ class Parallel:
     """
 
     impl: str = "ours"
-    sharding: str = "ddp"
+    engine: str = "ddp"
     bucket_cap_mb: float = 25.0
     transport: str = "auto"
 
     def __post_init__(self):
         try:
-            registry.impl(self.sharding, self.impl)
+            registry.impl(self.engine, self.impl)
         except ValueError as error:
             raise ValueError(f"Parallel: {error}") from None
 
     @property
     def shards(self) -> int:
         """The engine's ZeRO stage: 0 (nothing sharded) to 3 (parameters sharded)."""
-        return registry.get(self.sharding).shards
+        return registry.get(self.engine).shards
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The engine's wrapper (``registry.wrap``), from rank 0's parameters; FSDPs shard each
@@ -83,12 +83,12 @@ class Parallel:
         optimizer step.
         """
         options = registry.Options(bucket_cap_mb=self.bucket_cap_mb, shard_types=FSDP_SHARD_TYPES)
-        return registry.wrap(self.sharding, self.impl, model, self.transport, options)
+        return registry.wrap(self.engine, self.impl, model, self.transport, options)
 
     def optimizer(self, model: nn.Module, lr: float, momentum: float) -> torch.optim.Optimizer:
         """SGD over what this rank updates of the wrapped ``model``: sharded by ZeRO engines
         (``ShardedOptimizer``, ours, or ``ZeroRedundancyOptimizer``, PyTorch's)."""
-        return registry.optimizer(self.sharding, self.impl, model, torch.optim.SGD, self.transport,
+        return registry.optimizer(self.engine, self.impl, model, torch.optim.SGD, self.transport,
                                   lr=lr, momentum=momentum)
 
     def full_model_state(self, model: nn.Module, module: nn.Module) -> dict:
@@ -149,5 +149,5 @@ def resolve_sync_bn(requested: str, impl: str, device: torch.device) -> tuple[st
         return "ours", []
     if device.type == "cuda":
         return "pytorch", []
-    return "ours", ["--sync-bn auto with --distributed-impl pytorch on CPU: torch.nn.SyncBatchNorm cannot run "
+    return "ours", ["--sync-bn auto with --impl pytorch on CPU: torch.nn.SyncBatchNorm cannot run "
                         "on CPU tensors, so BatchNorm is synchronised by syncbn.py (ours) instead"]
