@@ -31,8 +31,8 @@ import ddp_benchmark as bench
 from dpkit.bench import ddp_replicas, ddp_run, ddp_step, ddp_targets, ddp_variants, harness, measure
 from dpkit.bench import transport_choice
 from dpkit.bench.results import read_results, write_results
-from dpkit.bench.rows import STAGED, ZERO_COPY
-from dpkit.bench.rows import label as row_label
+from dpkit.bench.row_identity import STAGED, ZERO_COPY
+from dpkit.bench.row_identity import label as row_label
 from dpkit.comm import registry
 from dpkit.comm import transport
 from dpkit.engines import ddp

@@ -5,7 +5,7 @@ row took, which two committed runs made the same comparison; and the suite's tim
 import pytest
 
 from dpkit.bench.results import read_results
-from dpkit.bench.rows import label as row_label
+from dpkit.bench.row_identity import label as row_label
 from dpkit.report import findings, paths, sentences, summary
 import run_experiments
 
@@ -64,18 +64,30 @@ DDP_DOC = {"benchmark": "ddp_benchmark", "results": [
     ddp_row("ddp", "ours", "overlap", 0.0, "shared_memory", "staged")]}
 
 
-def test_a_ddp_row_s_path_is_read_from_its_field_and_another_benchmark_s_inferred_from_its_engine():
+def sharding_row(engine, impl, transport, path):
+    fields = {"engine": engine, "impl": impl, "option": None, "transport": transport, "path": path}
+    return {**fields, "variant": row_label(fields)}
+
+
+# A sharding file as sharding_benchmark.py writes it: each row names itself by "variant" and records its path.
+SHARDING_DOC = {"benchmark": "sharding_benchmark", "results": [
+    sharding_row("ddp", "pytorch", "shared_memory", "staged"),  # through transport.ddp_comm_hook
+    sharding_row("fsdp", "pytorch", "shared_memory", "zero copy"),  # fully_shard's buffers from the transport
+    sharding_row("zero1", "ours", "shared_memory:thread", "staged")]}  # recorded: the opposite of a guess
+
+
+def test_a_row_s_path_is_read_from_its_field_never_guessed_from_its_label():
     assert paths.path("ddp ours 25M [shared_memory]", DDP_DOC) == "zero copy"
     assert paths.path("ddp pytorch best 25M [shared_memory]", DDP_DOC) == "staged"
     assert paths.path("ddp ours naive [shared_memory]", DDP_DOC) == "staged"
     assert paths.path("ddp ours overlap [shared_memory]", DDP_DOC) == "staged"  # as recorded, not as guessed
     assert paths.path("ddp ours 25M [torch]", DDP_DOC) is None
     assert paths.path("ddp ours 1M [shared_memory]", DDP_DOC) is None  # no such row: nothing recorded, no guess
-    sharding = {"benchmark": "sharding_benchmark", "results": []}  # its rows carry no staging bytes
-    assert paths.path("ddp pytorch [shared_memory]", sharding) == "staged"  # through transport.ddp_comm_hook
-    assert paths.path("fsdp pytorch "
-                      "[shared_memory]", sharding) == "zero copy"  # fully_shard's buffers from the transport
-    assert paths.path("zero1 ours [shared_memory:thread]", sharding) == "zero copy"
+    assert paths.path("ddp pytorch [shared_memory]", SHARDING_DOC) == "staged"
+    assert paths.path("fsdp pytorch [shared_memory]", SHARDING_DOC) == "zero copy"
+    assert paths.path("zero1 ours [shared_memory:thread]", SHARDING_DOC) == "staged"
+    assert paths.path("zero2 ours [shared_memory]", SHARDING_DOC) is None  # not in the file
+    assert paths.path("zero1 ours [shared_memory]") is None  # no file: no guess
     assert paths.path("workers [shared_memory]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
     zero_copy_sums = {"benchmark": "syncbn_benchmark", "config": {"sums": "zero copy"}}  # the file says so
     assert paths.path("workers [shared_memory]: every size", zero_copy_sums) == "zero copy"
@@ -94,8 +106,12 @@ def test_labels_name_the_path_and_a_zero_copy_row_against_a_staged_one_is_on_the
     on_torch = {**impl, "row": {**ours, "transport": "torch", "path": None},
                 "reference_row": {**best, "transport": "torch", "path": None}}
     assert paths.axis(on_torch, DDP_DOC) == "impl"
-    fsdp = {"axis": "impl", "numerator": "fsdp ours [shared_memory]", "denominator": "fsdp pytorch [shared_memory]"}
-    assert paths.axis(fsdp, {"benchmark": "sharding_benchmark"}) == "impl"  # both zero copy
+    ddp, fsdp, _ = SHARDING_DOC["results"]
+    engine = {"axis": "engine", "numerator": fsdp["variant"], "denominator": ddp["variant"], "row": fsdp,
+              "reference_row": ddp}
+    assert paths.axis(engine, SHARDING_DOC) == "transport"  # fully_shard zero copy, DDP's hook staged
+    held = {"axis": "memory", "numerator": ddp["variant"], "row": ddp}  # a count against the ideal: one side
+    assert paths.axis(held, SHARDING_DOC) == "memory"
 
 
 # --------------------------------------------------------------------------- counts
@@ -190,17 +206,18 @@ def test_run_experiments_takes_its_flags(flag):
 # --------------------------------------------------------------------------- the sentences made of them
 
 
-def test_free_text_names_each_shared_memory_path_from_the_words_before_its_bracket():
-    table = ("| ddp ours 25M [shared_memory] | 0.1 |\n| ddp pytorch best 25M [shared_memory:thread] | 0.2 |\n"
-             "| fsdp pytorch [shared_memory] | 0.3 |")
-    assert paths.label(table) == ("| ddp ours 25M [shared_memory, zero copy] | 0.1 |\n"
-                                  "| ddp pytorch best 25M [shared_memory:thread, staged] | 0.2 |\n"
-                                  "| fsdp pytorch [shared_memory, zero copy] | 0.3 |")
+def test_free_text_names_each_shared_memory_path_its_file_records():
+    table = ("| ddp ours 25M [shared_memory] | 0.1 |\n| ddp pytorch best 25M [shared_memory] | 0.2 |\n"
+             "| ddp ours 1M [shared_memory] | 0.3 |")
+    assert paths.label(table, DDP_DOC) == ("| ddp ours 25M [shared_memory, zero copy] | 0.1 |\n"
+                                           "| ddp pytorch best 25M [shared_memory, staged] | 0.2 |\n"
+                                           "| ddp ours 1M [shared_memory] | 0.3 |")  # no such row: left as it is
     assert paths.label("ours [shared_memory] / (BatchNorm1d + 2 all_reduce) [shared_memory]",
                        {"benchmark": "syncbn_benchmark"}) == \
         "ours [shared_memory, staged] / (BatchNorm1d + 2 all_reduce) [shared_memory, staged]"
-    assert (paths.label("ddp ours naive [shared_memory] waits; ddp pytorch [shared_memory] too")
-            == "ddp ours naive [shared_memory, staged] waits; ddp pytorch [shared_memory, staged] too")
+    assert (paths.label("zero1 ours [shared_memory:thread] waits; fsdp pytorch [shared_memory] too", SHARDING_DOC)
+            == "zero1 ours [shared_memory:thread, staged] waits; fsdp pytorch [shared_memory, zero copy] too")
+    assert paths.label("ddp ours [shared_memory] alone") == "ddp ours [shared_memory] alone"  # no file
     assert paths.label("[torch] only") == "[torch] only"
 
 
@@ -216,7 +233,11 @@ def test_the_allreduce_commentary_gives_paired_ratios_and_no_trend_its_intervals
     assert "at 2 processes ring / torch (paired by round, 95 % interval) shows no trend from end to end" in text
     assert "2.61 [1.49, 3.30] at 1,000, 2.05 [1.41, 2.35] at 10,000 and 2.61 [1.19, 4.34] at 100,000" in text
     assert "rises" not in text
+    assert "At 2 processes every algorithm stays within 1.0e-07 of the exact mean" in text
     assert "at 2 processes" not in sentences.allreduce_commentary(allreduce_doc(world=4))  # oversubscribed on 2 cores
+    both = allreduce_doc()
+    both["results"] += [{**r, "world_size": 4, "max_abs_error": 5e-7} for r in allreduce_doc(world=4)["results"]]
+    assert "within 1.0e-07" in sentences.allreduce_commentary(both)  # the oversubscribed rows' errors: not used
 
 
 def syncbn_doc(floor_low):
@@ -245,6 +266,8 @@ def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():
     checks = [{"target": "ddp ours [shared_memory] / ddp pytorch "
                          "[shared_memory]", "axis": "impl", "numerator": "ddp ours [shared_memory]",
                "denominator": "ddp pytorch [shared_memory]", "world_size": world, "limit": 1.0, "verdict": "met",
+               "row": sharding_row("ddp", "ours", "shared_memory", "zero copy"),
+               "reference_row": sharding_row("ddp", "pytorch", "shared_memory", "staged"),
                "ratio": ratio(0.9, 0.8, 0.95)} for world in (1, 2, 4)]
     text = sentences.sharding_counts({"benchmark": "sharding_benchmark", "env": env, "results": checks}, "sharding")
     assert text.startswith("Targets of `sharding.json`, per axis and kind (2 targets of runs at 1 and 4 processes left "

@@ -433,12 +433,14 @@ def test_time_breakdown_stacks_each_profiled_variants_phases():
 MIB = plots.MIB
 
 
-def _sharding_row(engine, impl, world, mib, oversubscribed=False, option=None, transport="shared_memory"):
+def _sharding_row(engine, impl, world, mib, oversubscribed=False, option=None, transport="shared_memory",
+                  path="zero copy"):
     parts = dict(params_bytes=4 * MIB, grads_bytes=4 * MIB, activation_bytes=mib * MIB,
                  state_bytes=8 * MIB // (world if engine == "zero1" else 1))
     name = f"{engine} {impl}{f' {option}' if option else ''} [{transport}]"
     return {"model": "gpt", "variant": name, "engine": engine, "impl": impl, "option": option,
-            "transport": transport, "world_size": world, **parts,
+            "transport": transport, "path": path if transport.startswith("shared_memory") else None,
+            "world_size": world, **parts,
             "ideal_bytes": parts["params_bytes"] + parts["grads_bytes"] + parts["state_bytes"],
             "oversubscribed": oversubscribed}
 

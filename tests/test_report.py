@@ -149,10 +149,11 @@ def test_a_series_text_follows_its_points_in_x_order_with_their_intervals():
             == "1.00 [0.90, 1.10] at 1 and 1.80 [1.49, 3.30] at 2")
 
 
-def test_growth_is_from_one_world_size_to_another_of_one_series():
-    rows = [{"world_size": 1, "p50_s": 0.10}, {"world_size": 2, "p50_s": 0.13}]
-    assert findings.growth(rows, 1, 2) == pytest.approx(0.3)
-    assert findings.growth(rows, 2, 1) == pytest.approx(0.10 / 0.13 - 1)
+def test_growth_is_from_one_world_size_to_another_of_one_series_with_the_range_its_rounds_allow():
+    rows = [{"world_size": 1, "p50_s": 0.10, "round_p50_s": [0.09, 0.11]},
+            {"world_size": 2, "p50_s": 0.13, "round_p50_s": [0.12, 0.15]}]
+    assert findings.growth(rows, 1, 2) == pytest.approx((0.3, 0.12 / 0.11 - 1, 0.15 / 0.09 - 1))
+    assert findings.growth(rows, 2, 1) == pytest.approx((0.10 / 0.13 - 1, 0.09 / 0.15 - 1, 0.11 / 0.12 - 1))
     assert findings.growth(rows[:1], 1, 2) is None
 
 

@@ -10,6 +10,7 @@ import torch
 
 from common import run_workers
 from dpkit.bench import sharding_run, sharding_setups, transport_choice
+from dpkit.bench.row_identity import ZERO_COPY, identity
 from dpkit.bench import sharding_variants as variants
 from dpkit.bench.sharding_targets import AXES, SCOPES, TARGET_STATE_VS_IDEAL, Target, target_rows
 from dpkit.comm import slots, transport
@@ -205,6 +206,20 @@ def test_every_variant_has_a_row_with_its_transport_times_and_memory(rows):
                                            "torch:dpkit": "torch (dpkit)"}[row["transport"]], name
     assert measured["ddp pytorch [torch]"]["exposed_comm_s"] is None, "PyTorch's wait happens inside backward"
     assert measured["zero1 ours [shared_memory]"]["exposed_comm_s"] > 0
+
+
+def test_each_row_records_its_path_and_each_target_the_identity_of_both_sides(rows):
+    """On shared memory a row says which path its measured iterations took (``row_identity.recorded_path``); the
+    report reads it there, never from the label. Our engines allocate through the transport: zero copy."""
+    measured = measured_rows(rows)
+    for name, row in measured.items():
+        on_shared_memory = row["transport"] in ("shared_memory", "shared_memory:thread")
+        assert (row["path"] is not None) == on_shared_memory, name
+    assert {measured[f"{e} ours [shared_memory]"]["path"] for e in ("ddp", "zero1", "zero2", "fsdp")} == {ZERO_COPY}
+    for target in (r for r in rows if "target" in r):
+        assert target["row"] == identity(measured[target["numerator"]]), target["target"]
+        if "denominator" in target:
+            assert target["reference_row"] == identity(measured[target["denominator"]]), target["target"]
 
 
 def test_a_registered_engine_is_a_variant_on_each_transport_and_runs_as_the_engine_it_wraps(rows):

@@ -11,7 +11,7 @@ import pytest
 
 from common import REPO
 from dpkit.bench import ddp_step
-from dpkit.bench.rows import label as row_label
+from dpkit.bench.row_identity import label as row_label
 from dpkit.report import summary
 import run_experiments
 
@@ -341,22 +341,24 @@ def test_the_footer_calls_the_brackets_a_range_when_a_file_has_fewer_than_five_r
     assert summary.report_scope(tmp_path, manifest).endswith("`results/manifest.json`.")
 
 
-def test_the_run_time_says_the_notebook_is_not_counted():
+def test_the_run_time_is_a_sum_over_the_experiments_and_names_their_commits_and_not_the_notebook():
     manifest = {"config": {"quick": True}, "env": {"device_model": "cpu", "cpus": 2},
-                "results": [{"seconds": 600.0}, {"seconds": 600.0}]}
+                "results": [{"seconds": 600.0, "git_commit": "abc1234"}, {"seconds": 600.0, "git_commit": "def5678"}]}
     line, = summary.run_time_lines(manifest)
-    assert line.startswith("`python run_experiments.py --quick` took 20 min on cpu (2 experiments) for these "
-                           "results, 2 cores")
+    assert line.startswith("The experiments of `python run_experiments.py --quick` behind these results took 20 min "
+                           "in sum on cpu (2 experiments, run in parts at abc1234 and def5678), 2 cores")
     assert "executing report.ipynb is not counted" in line
 
 
 def test_a_manifest_merged_from_runs_on_two_machines_sums_the_time_of_each_machine_apart():
     manifest = {"config": {"quick": True}, "env": {"device_model": "AMD EPYC", "cpus": 2},
-                "results": [{"seconds": 600.0, "device_model": "Intel Xeon"}, {"seconds": 120.0},
-                            {"seconds": 60.0, "device_model": "AMD EPYC"}]}
+                "results": [{"seconds": 600.0, "device_model": "Intel Xeon", "git_commit": "a"},
+                            {"seconds": 120.0, "git_commit": "b"},
+                            {"seconds": 60.0, "device_model": "AMD EPYC", "git_commit": "b"}]}
     line, = summary.run_time_lines(manifest)
-    assert line.startswith("`python run_experiments.py --quick` took 10 min on Intel Xeon (1 experiment); 3 min on "
-                           "AMD EPYC (2 experiments) for these results")
+    assert line.startswith("The experiments of `python run_experiments.py --quick` behind these results took 10 min "
+                           "in sum on Intel Xeon (1 experiment, run in parts at a); 3 min in sum on AMD EPYC "
+                           "(2 experiments, run in parts at b), 2 cores")
 
 
 CPU_ENV = {"device": "cpu", "device_model": "AMD EPYC", "cpus": 2, "backend": "gloo"}
@@ -395,10 +397,11 @@ def test_the_other_runs_verdicts_are_stated_and_each_missed_check_named():
     docs = [{"env": env, "targets": [{**check, "verdict": "met", "model": None}]},
             {"env": env, "targets": [{**check, "verdict": "missed", "model": "cnn"},
                                      {**check, "verdict": "missed", "world_size": 4, "model": "cnn"}]},  # 4 on 2 cores
-            {"env": env, "targets": []}]
+            {"env": env, "targets": [{**check, "verdict": "met", "ratio": {**ratio, "ci_high": 0.9, "rounds": 2}}]}]
     (line,) = summary.other_runs_lines(*docs)
     assert "`allreduce.json` 1 met, 0 missed, 0 inconclusive; `ddp_benchmark.json` 0 met, 1 missed, 0 inconclusive; " \
-           "`ddp_sweep.json` 0 met, 0 missed, 0 inconclusive" in line
+           "`ddp_sweep.json` 1 met, 0 missed, 0 inconclusive (decided on the range of 2 rounds, not a 95 % " \
+           "interval)" in line
     assert line.endswith("missed: cnn ddp ours 25M [torch] / ddp pytorch 25M [torch] 1.20x [1.10, 1.30] "
                          "(`ddp_benchmark.json`).")
 

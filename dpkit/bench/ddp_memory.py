@@ -11,7 +11,7 @@ from torch import nn
 
 from dpkit.bench.ddp_step import Replica
 from dpkit.bench.measure import PeakMemory, gather_rows
-from dpkit.bench.rows import STAGED, ZERO_COPY
+from dpkit.bench.row_identity import recorded_path
 from dpkit.engines.ddp import DDP, FlatDDP, NaiveDDP
 
 MEMORY_ITERS = 3
@@ -75,16 +75,8 @@ def measure_memory(ctx, replica: Replica) -> dict:
     wire = getattr(replica.model, "transport", None) or _hook_state(replica.model)
     staging = getattr(wire, "staging_bytes", 0)
     return {"all_reduces": all_reduces, "iteration_peak_bytes": iteration_peak, "ddp_buffer_bytes": buffers,
-            "transport_staging_bytes": staging, "path": path(wire, staging),
+            "transport_staging_bytes": staging, "path": recorded_path(wire),
             "peak_bytes": None if buffers is None else iteration_peak + buffers + staging}
-
-
-def path(wire, staging: int) -> str | None:
-    """The path these iterations took through a shared-memory transport (one with a staging block): "staged"
-    when it had to copy tensors it did not allocate into its block, else "zero copy"; None on any other."""
-    if not hasattr(wire, "staging_bytes"):
-        return None
-    return STAGED if staging > 0 else ZERO_COPY
 
 
 def _hook_state(model: nn.Module):

@@ -22,7 +22,7 @@ from dpkit.engines.ddp import sync_gradients
 # the rows' order. "ddp ours" is ddp.make_ddp's "ours" (bucketed); "ddp pytorch best", PyTorch's DDP at
 # PYTORCH_BEST.
 OURS, PYTORCH, PYTORCH_BEST_KIND, NAIVE = "ddp ours", "ddp pytorch", "ddp pytorch best", "ddp ours naive"
-# Each name's fields as a row stores them (engine, implementation, option): ``dpkit.bench.rows.name`` of them is
+# Each name's fields as a row stores them (engine, implementation, option): ``dpkit.bench.row_identity.name`` of them is
 # the name.
 DDP_FIELDS = {PYTORCH: ("ddp", "pytorch", None), PYTORCH_BEST_KIND: ("ddp", "pytorch", "best"),
               NAIVE: ("ddp", "ours", "naive"), "ddp ours flat": ("ddp", "ours", "flat"),

@@ -15,7 +15,7 @@ from dpkit.bench.ddp_run import block_key
 from dpkit.bench.ddp_step import NAIVE, OURS, PYTORCH, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS
 from dpkit.bench.ddp_variants import ASYNCHRONOUS, ON_DPKIT, SHARED, THREAD, Variant, variant
 from dpkit.bench.measure import paired_ratio, verdict
-from dpkit.bench.rows import identity, what
+from dpkit.bench.row_identity import identity, what
 
 TARGET_VS_PYTORCH = 1.00  # impl: ddp ours 25M p50 / the faster PyTorch 25M p50 on the same transport
 TARGET_MEMORY = 1.00  # ddp ours 25M peak memory / the same PyTorch row's

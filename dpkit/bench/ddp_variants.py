@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dpkit.bench import rows
+from dpkit.bench import row_identity
 from dpkit.bench.ddp_step import DDP_FIELDS, DDP_KINDS, OURS, PYTORCH, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB
 from dpkit.engines import registry
 
@@ -67,11 +67,11 @@ class Variant:
 
     @property
     def kind(self) -> str:
-        return rows.name(self.fields())  # "ddp pytorch best", "no ddp": --variants' names
+        return row_identity.name(self.fields())  # "ddp pytorch best", "no ddp": --variants' names
 
     @property
     def label(self) -> str:
-        return rows.label(self.fields())
+        return row_identity.label(self.fields())
 
     @property
     def slug(self) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpkit.bench import transport_choice
+from dpkit.bench import row_identity, transport_choice
 from dpkit.bench.measure import (PeakMemory, gather_rows, oversubscribed, percentile, round_p50s, saved_tensor_bytes,
                                  time_interleaved)
 from dpkit.bench.sharding_memory import full_sizes, held_bytes, ideal_bytes, local, storage_bytes
@@ -93,8 +93,10 @@ class Run:
                       model_state_bytes=held)
         return counts
 
-    def memory(self, device: torch.device) -> dict:
-        """``counts()``, then one iteration under PeakMemory."""
+    def memory(self, device: torch.device) -> tuple[dict, str | None]:
+        """``counts()``, then one iteration under PeakMemory; with the path these two iterations took (``path``)."""
+        if hasattr(self.transport, "release_staging"):
+            self.transport.release_staging()  # a staging block left by construction's calls is not an iteration's
         counts = self.counts()
         kept = held_bytes([*self.setup.model.parameters(), *self.setup.state_tensors(), *self.setup.kept()],
                           self.transport)
@@ -109,7 +111,7 @@ class Run:
         # /dev/shm lie in what ``kept`` counted already, or grew it.
         counts["peak_bytes"] = kept + peak.bytes + self.transport.held_bytes() - before
         counts["shared_peak_bytes"] = self.transport.held_bytes()
-        return counts
+        return counts, row_identity.recorded_path(self.transport)
 
 
 def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
@@ -139,11 +141,11 @@ def benchmark_model(ctx, args, name: str, names: list[str]) -> list[dict]:
 def _row(ctx, args, name: str, v: str, run: Run, samples: list[float], full: dict) -> dict:
     """One variant's row: its identity as fields, its times (the largest rank's exposed communication) and the
     largest rank's byte counts, with each rank's optimizer state and gradients."""
-    counts = run.memory(ctx.device)
+    counts, path = run.memory(ctx.device)
     per_rank = gather_rows(list(counts.values()))  # (world, counts)
     worst = per_rank.max(0).values.tolist()  # each count's maximum over ranks
     exposed = gather_rows(run.exposed[-args.iters:]).max(0).values.tolist()
-    row = {"model": name, "world_size": ctx.world_size, "variant": v, **VARIANTS[v].fields(),
+    row = {"model": name, "world_size": ctx.world_size, "variant": v, **VARIANTS[v].fields(), "path": path,
            "transport_detail": run.transport.describe(),
            "p50_s": percentile(samples, 50), "p95_s": percentile(samples, 95),
            "round_p50_s": round_p50s(samples, args.iters, args.rounds),

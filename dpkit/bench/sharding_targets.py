@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpkit.bench.measure import paired_ratio, verdict
+from dpkit.bench.row_identity import identity
 
 TARGET_VS_PYTORCH = 1.00  # ours / PyTorch's sec/iter: the same engine on the same transport
 TARGET_ZERO_VS_DDP = 1.05  # ZeRO / DDP sec/iter: the same implementation on the same transport
@@ -55,15 +56,15 @@ def _timed(row: dict, other: dict, target: Target, args) -> dict:
     phrase, applies = SCOPES[target.scope] if target.scope else (None, _everywhere)
     limit = target.limit if applies(row["model"], args) else None
     return {"target": f"{row['variant']} / {target.other}", "axis": target.axis, "numerator": row["variant"],
-            "denominator": target.other, "limit": limit, "ratio": ratio,
-            "verdict": "-" if limit is None else verdict(ratio, limit), "scope": phrase,
+            "denominator": target.other, "row": identity(row), "reference_row": identity(other), "limit": limit,
+            "ratio": ratio, "verdict": "-" if limit is None else verdict(ratio, limit), "scope": phrase,
             "scoped_limit": target.limit if phrase else None}
 
 
 def _held(row: dict) -> dict:
     """The bytes ``row``'s variant holds against the ideal: one count, no interval."""
     return {"target": f"{row['variant']} state / ideal", "axis": "memory", "numerator": row["variant"],
-            "limit": TARGET_STATE_VS_IDEAL, "ratio": None,
+            "row": identity(row), "limit": TARGET_STATE_VS_IDEAL, "ratio": None,
             "verdict": "met" if row["state_vs_ideal"] <= TARGET_STATE_VS_IDEAL else "missed",
             "value": row["state_vs_ideal"]}
 

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dpkit.bench import rows
+from dpkit.bench import row_identity
 from dpkit.bench import sharding_setups as setups
 from dpkit.bench import transport_choice
 from dpkit.bench.sharding_setups import Setup
@@ -38,9 +38,9 @@ FIELDS = ("engine", "impl", "option", "transport")  # a variant's identity, and 
 
 
 def label(engine: str, impl: str, option: str | None = None, transport: str | None = None) -> str:
-    """A variant's label, ``rows.label``'s spelling: "zero1 ours in step [shared_memory]"; without a transport,
+    """A variant's label, ``row_identity.label``'s spelling: "zero1 ours in step [shared_memory]"; without a transport,
     its base."""
-    return rows.label({"engine": engine, "impl": impl, "option": option, "transport": transport})
+    return row_identity.label({"engine": engine, "impl": impl, "option": option, "transport": transport})
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ class Transport:
     """
 
     name = "transport"
+    # Whether ``allocate`` returns memory this transport's collectives use where it lies (a tensor from anywhere
+    # else is copied in and out): an engine then makes its flat buffers there rather than hand it a tensor as is.
+    zero_copy = False
     # Whether a collective of no elements returns at once. Shared memory meets anyway, so that a rank that
     # diverged (an empty tensor where its peers have data) fails every rank instead of shifting the meetings.
     _skips_empty = True
@@ -266,6 +269,10 @@ class Wrapped(Transport):
     def allocate(self, shape, *, dtype, device=None):
         return self.inner.allocate(shape, dtype=dtype, device=device)
 
+    @property
+    def zero_copy(self) -> bool:
+        return self.inner.zero_copy
+
     def owns(self, tensor) -> bool:
         return self.inner.owns(tensor)
 
@@ -289,6 +296,7 @@ class Staged(Wrapped):
     ``ddp_comm_hook``). ``resolve("shared_memory:staged")`` makes one over shared memory."""
 
     name = "staged"
+    zero_copy = False
 
     def allocate(self, shape, *, dtype, device=None):
         return torch.empty(shape, dtype=dtype, device=device)

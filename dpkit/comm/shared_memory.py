@@ -140,6 +140,7 @@ class SharedMemory(Transport):
     """
 
     name = "shared_memory"
+    zero_copy = True
     _skips_empty = False
 
     def __init__(self, group=None, *, background: bool = False, directory: str = SHM_DIRECTORY):

@@ -558,7 +558,7 @@ class FSDP(nn.Module):
         self._arm()
         if self._reductions:
             self._reductions[-1].wait()
-        source = _flat_gradient(unit, grads, self.shard_transport.allocate)
+        source = _flat_gradient(unit, grads, self.shard_transport)
         out = torch.empty(unit.padded // self.shard_world, dtype=unit.master_dtype, device=source.device)
         work = self.shard_transport.reduce_scatter(out, source, "avg", async_op=True)
         self._reductions.append(_Reduction(unit, out, source, work, self.across))
@@ -756,18 +756,20 @@ def _key_to_param_name(module: nn.Module) -> dict[str, str]:
             for attr, p in m._parameters.items() if p is not None and id(p) in first}
 
 
-def _flat_gradient(unit: Unit, grads: tuple[torch.Tensor | None, ...], allocate) -> torch.Tensor:
+def _flat_gradient(unit: Unit, grads: tuple[torch.Tensor | None, ...], transport) -> torch.Tensor:
     """The unit's (padded,) master-dtype gradient: reduced in the master dtype (no float16 overflow).
 
     A unit of one master-dtype parameter that fills it (the GPT's embedding) reduces its gradient as
-    it is (a transport that needs it elsewhere copies it once, as the copy below would); otherwise one
-    tensor from ``allocate`` (the transport's), each gradient cast as it is copied in.
+    it is on a transport that takes any tensor where it lies (torch.distributed's); otherwise one
+    tensor from the transport's ``allocate`` (on shared memory: in its arena, where the copy below is
+    the one copy the transport would otherwise make into its staging block), each gradient cast as it
+    is copied in.
     """
     (grad, *rest) = grads
     if not rest and grad is not None and grad.dtype == unit.master_dtype and grad.numel() == unit.padded \
-            and grad.is_contiguous():
+            and grad.is_contiguous() and not transport.zero_copy:
         return grad.view(-1)
-    flat = allocate((unit.padded,), dtype=unit.master_dtype, device=unit.shard.device)
+    flat = transport.allocate((unit.padded,), dtype=unit.master_dtype, device=unit.shard.device)
     for grad, view in zip(grads, _views(flat, unit)):
         if grad is None:
             view.zero_()

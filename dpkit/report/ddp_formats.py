@@ -8,7 +8,7 @@ and the world-size sweep (``results/ddp_sweep.json``) beside its world sizes.
 
 from __future__ import annotations
 
-from dpkit.bench import rows as identity
+from dpkit.bench import row_identity
 from dpkit.report import ddp_tables, findings, plots
 from dpkit.report.wording import interval_text, ratio_text, span
 
@@ -31,7 +31,7 @@ def as_run(doc: dict, row: dict, cap: float) -> dict:
     the row's fields to the file's settings, so that the two rows are the same row of two runs."""
     same = {**row, "bucket_cap_mb": None}
     return {**doc, "config": {**doc["config"], "bucket_sizes": [cap]},
-            "results": [{**same, "label": identity.label(same)}]}
+            "results": [{**same, "label": row_identity.label(same)}]}
 
 
 def direction(ratio: dict) -> str:
@@ -86,14 +86,19 @@ def marked(doc: dict) -> list[dict]:
 def scaling_text(rows: list[dict], cpus: int) -> str:
     """Examples per second at the most processes within the cores against one process, per variant."""
     fits, lines = within_cores(rows), []
-    for series in dict.fromkeys(map(identity.what, rows)):
-        pts = {r["world_size"]: r for r in rows if identity.what(r) == series}
+    for series in dict.fromkeys(map(row_identity.what, rows)):
+        pts = {r["world_size"]: r for r in rows if row_identity.what(r) == series}
         if 1 in pts and max(fits) in pts and max(fits) > 1:
-            gain = pts[max(fits)]["p50_ex_per_s"] / pts[1]["p50_ex_per_s"]
-            lines.append(f"{identity.label(pts[max(fits)], path=True)}: {gain:.2f}x the examples per second of "
-                         "1 process")
+            top, one = pts[max(fits)], pts[1]
+            gain = top["p50_ex_per_s"] / one["p50_ex_per_s"]
+            # Examples per second is the global batch over a time: the times' range, inverted, scaled by the batches.
+            low, high = (top["global_batch"] / one["global_batch"] / t
+                         for t in reversed(findings.unpaired_range(top["round_p50_s"], one["round_p50_s"])))
+            lines.append(f"{row_identity.label(top, path=True)}: {gain:.2f}x [{low:.2f}, {high:.2f}] the examples "
+                         "per second of 1 process")
     over = sorted({r["world_size"] for r in rows if r["over"] == "yes"})
-    return (f"*Commentary.* From 1 to {max(fits)} processes (both within the {cpus} cores): " + "; ".join(lines) + ". "
+    return (f"*Commentary.* From 1 to {max(fits)} processes (both within the {cpus} cores; in brackets the range "
+            "over the rounds of the two runs, which share no rounds): " + "; ".join(lines) + ". "
             + (f"The runs with {', '.join(map(str, over))} processes are oversubscribed: their processes share {cpus} "
                "cores, so their times are shown but not used." if over else ""))
 
@@ -102,10 +107,10 @@ def sweep(page) -> None:
     """Every row of the world-size sweep, its figure, and how the examples per second scale."""
     doc = page.load("ddp_sweep")
     rows = marked(doc)
-    columns = [c if c[0] != "p50_ci" else ("p50_ci", findings.interval_name(doc["config"].get("rounds")), "s")
+    columns = [c if c[0] != "p50_ci" else ("p50_ci", findings.round_p50_interval_name(doc["config"].get("rounds")), "s")
                for c in SWEEP_COLUMNS]
     ordered = sorted(rows, key=lambda r: (r["engine"] is not None, r["label"], r["world_size"]))  # series together
-    page.show([{**r, "label": identity.label(r, path=True)} for r in ordered], columns, label=False)
+    page.show([{**r, "label": row_identity.label(r, path=True)} for r in ordered], columns, label=False)
     page.draw(plots.ddp_sweep(doc))
     page.say(scaling_text(rows, page.cpus), label=False)
 
@@ -116,9 +121,11 @@ def sweep_figure(rows: list[dict], seed: dict, env: dict):
     pick = lambda ddp: ([r["gpus"] for r in theirs if (r["label"] != "no ddp") == ddp],  # noqa: E731
                         [r["p50_s"] for r in theirs if (r["label"] != "no ddp") == ddp])
     ordered = sorted(rows, key=lambda r: r["world_size"])
-    series = {s: [r for r in ordered if identity.what(r) == s] for s in dict.fromkeys(map(identity.what, rows))}
-    ours = {f"{rows[0]['model']}, {identity.label(rs[-1], path=True)}":
-            ([r["world_size"] for r in rs], [r["p50_s"] for r in rs], identity.name(rs[-1])) for rs in series.values()}
+    what = row_identity.what
+    series = {s: [r for r in ordered if what(r) == s] for s in dict.fromkeys(map(what, rows))}
+    ours = {f"{rows[0]['model']}, {row_identity.label(rs[-1], path=True)}":
+            ([r["world_size"] for r in rs], [r["p50_s"] for r in rs], row_identity.name(rs[-1]))
+            for rs in series.values()}
     figure = plots.beside_seed(ours, {"resnet50, DDP": pick(True), "resnet50, no ddp": pick(False)},
                                xlabel="processes (ours) / GPUs (seed)", ylabel="time per iteration (s, p50)",
                                ours_title=f"ours: {env['device_model']}, {env['cpus']} cores (shaded: oversubscribed)",
@@ -133,9 +140,9 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
     """How time per iteration grows with the processes: PyTorch's on GPUs, ours with DDP and without it."""
     ddp_seed = [r for r in seed["benchmark"]["rows"] if r["model"] == "resnet50" and r["label"] != "no ddp"]
     seed_growth, top = ddp_seed[-1]["p50_s"] / ddp_seed[0]["p50_s"] - 1, max(within_cores(rows))
-    first = next((r for r in rows if identity.name(r) == "ddp ours"), None)  # our DDP, bucketed: its first series
-    mine = [r for r in rows if first and identity.what(r) == identity.what(first)]
-    label = identity.label(mine[-1], path=True) if mine else None
+    first = next((r for r in rows if row_identity.name(r) == "ddp ours"), None)  # our DDP, bucketed: its first series
+    mine = [r for r in rows if first and row_identity.what(r) == row_identity.what(first)]
+    label = row_identity.label(mine[-1], path=True) if mine else None
     ours = findings.growth(mine, 1, top) if mine else None
     no_ddp = findings.growth([r for r in rows if r["engine"] is None], 1, top)
     text = (f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "
@@ -143,11 +150,19 @@ def growth_text(rows: list[dict], seed: dict, env: dict) -> str:
             f"to {ddp_seed[-1]['gpus']} GPUs. ")
     if ours is None:
         return text
-    return text + (f"Ours ({label}) grows by {100 * ours:.0f} % from 1 to {top} processes"
-                   + (f", and the same model without DDP (no communication at all) by {100 * no_ddp:.0f} %"
-                      + (": most of our growth is there without any communication" if no_ddp >= ours / 2 else "")
-                      if no_ddp is not None else "")
-                   + ". **Not comparable** beyond the shape; oversubscribed runs are left out.")
+    text += f"Ours ({label}) grows by {_growth_text(ours)} from 1 to {top} processes"
+    if no_ddp is not None:
+        text += f", and the same model without DDP (no communication at all) by {_growth_text(no_ddp)}"
+        if no_ddp[1] >= ours[2] / 2:  # decided by the ranges: the least growth without DDP, half the most with it
+            text += ": at least half of our growth is there without any communication"
+    return text + (" (in brackets the range over the rounds of the two runs, which share no rounds). "
+                   "**Not comparable** beyond the shape; oversubscribed runs are left out.")
+
+
+def _growth_text(growth: tuple[float, float, float]) -> str:
+    """"12 % [8, 15] %": a growth and its range (``findings.growth``)."""
+    median, low, high = (100 * g for g in growth)
+    return f"{median:.0f} % [{low:.0f}, {high:.0f}] %"
 
 
 def sweep_beside_seed(page) -> None:

@@ -14,7 +14,7 @@ from dpkit.bench.ddp_targets import (TARGET_BACKEND, TARGET_HIDDEN, TARGET_HOOK,
                                      TARGET_VS_PYTORCH)
 from dpkit.bench.measure import format_ratio
 from dpkit.bench.results import format_environment
-from dpkit.bench.rows import label
+from dpkit.bench.row_identity import label
 from dpkit.report.ddp_tables import MIB, breakdown_table, comm_table, percentile_table
 
 

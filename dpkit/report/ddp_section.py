@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from dpkit.bench import rows as identity
+from dpkit.bench import row_identity
 from dpkit.report import findings, plots, sentences, summary
 from dpkit.report.wording import interval_text, ratio_text, span
 
@@ -21,7 +21,7 @@ CHECK_COLUMNS = [("model", "model", "s"), ("axis", "axis", "s"), ("label", "vari
 
 def row_columns(rounds: int | None) -> list[tuple[str, str, str]]:
     return [("label", "variant [transport]", "s"), ("p50_s", "p50 s/iter", ".4f"),
-            ("p50_ci", findings.interval_name(rounds), "s"), ("p90_s", "p90", ".4f"),
+            ("p50_ci", findings.round_p50_interval_name(rounds), "s"), ("p90_s", "p90", ".4f"),
             ("comm_wait_s", "comm wait (s)", ".4f"), ("overhead_s", "overhead (s)", ".4f"),
             ("all_reduces", "all-reduces", "d"), ("peak_bytes", "peak memory (bytes)", ",d"),
             ("over", "oversubscribed", "s")]
@@ -35,14 +35,14 @@ def model_rows(page, doc: dict, model: str) -> None:
              + (" (oversubscribed)" if plots.oversubscribed(first, doc["env"]) else "")
              + f", {first['params']:,} parameters, {first['iters']} timed iterations per variant in "
                f"{first['rounds']} rounds.")
-    page.show([{**r, "label": identity.label(r, path=True), "p50_ci": interval_text(plots.interval(r, "p50_s")),
+    page.show([{**r, "label": row_identity.label(r, path=True), "p50_ci": interval_text(plots.interval(r, "p50_s")),
                 "over": "yes" if plots.oversubscribed(r, doc["env"]) else "no"} for r in rows],
               row_columns(first.get("rounds")), label=False)
 
 
 def sides(check: dict) -> tuple[str, str]:
     """The labels of a stored check's two sides, from their stored fields, each naming the path it recorded."""
-    return identity.label(check["row"], path=True), identity.label(check["reference_row"], path=True)
+    return row_identity.label(check["row"], path=True), row_identity.label(check["reference_row"], path=True)
 
 
 def pair(check: dict) -> str:
@@ -100,14 +100,14 @@ def separated(a: dict, b: dict) -> bool:
 def caps_text(rows: list[dict]) -> str:
     """Per transport, the bucket cap with the lowest p50 in the sweep (resnet18), and which others it does not beat."""
     texts = []
-    ours = [r for r in rows if identity.name(r) == "ddp ours" and r["model"] == "resnet18"]
+    ours = [r for r in rows if row_identity.name(r) == "ddp ours" and r["model"] == "resnet18"]
     for transport in dict.fromkeys(r["transport"] for r in ours):
         caps = sorted((r for r in ours if r["transport"] == transport), key=lambda r: r["bucket_cap_mb"])
         best = min(caps, key=lambda r: r["p50_s"])
-        overlapping = [identity.label(r, path=True) for r in caps if r is not best
+        overlapping = [row_identity.label(r, path=True) for r in caps if r is not best
                        and plots.interval(best, "p50_s") and plots.interval(r, "p50_s")
                        and plots.interval(best, "p50_s")[1] >= plots.interval(r, "p50_s")[0]]
-        texts.append(f"on {transport}, the lowest p50 is {identity.label(best, path=True)}"
+        texts.append(f"on {transport}, the lowest p50 is {row_identity.label(best, path=True)}"
                      + (f", its interval overlapping those of {', '.join(overlapping)} (not decided by this run)"
                         if overlapping else ""))
     return "; ".join(texts)
@@ -162,17 +162,18 @@ def traces(page) -> None:
     waits = {label: sum(d for name, _, d in s["phases"] if name == "sync_gradients") / s["length"]
              for label, s in spans.items()}
     page.say("Share of the traced iteration spent waiting in `sync_gradients`: "
-             + "; ".join(f"{identity.label(traced[label], path=True)} {100 * w:.0f} %" for label, w in waits.items())
+             + "; ".join(f"{row_identity.label(traced[label], path=True)} {100 * w:.0f} %"
+                         for label, w in waits.items())
              + " (one traced iteration each: an illustration, not a measurement).", label=False)
 
 
 def bucket_series(rows: list[dict]) -> dict[str, list[dict]]:
     """Per model and transport, the rows of our DDP ("ddp ours", bucketed) by bucket cap, named by the first one's
     fields but the cap ("resnet18, ddp ours [shared_memory, zero copy]")."""
-    ours = [r for r in rows if identity.name(r) == "ddp ours"]
+    ours = [r for r in rows if row_identity.name(r) == "ddp ours"]
     series = [sorted((r for r in ours if (r["model"], r["transport"]) == key), key=lambda r: r["bucket_cap_mb"])
               for key in dict.fromkeys((r["model"], r["transport"]) for r in ours)]
-    return {f"{rs[0]['model']}, {identity.label({**rs[0], 'bucket_cap_mb': None}, path=True)}": rs for rs in series}
+    return {f"{rs[0]['model']}, {row_identity.label({**rs[0], 'bucket_cap_mb': None}, path=True)}": rs for rs in series}
 
 
 def seed_groups(seed: dict) -> dict[tuple, list[dict]]:

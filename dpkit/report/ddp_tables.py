@@ -12,7 +12,7 @@ communication, overhead, ratios and memory, and where its time goes.
 from __future__ import annotations
 
 from dpkit.bench.ddp_run import PERCENTILES, block_key
-from dpkit.bench.rows import identity, label, what
+from dpkit.bench.row_identity import identity, label, what
 from dpkit.bench.measure import PHASES, format_ratio, percentile
 from dpkit.bench.results import check_comparable, config_differences, incomplete_note
 

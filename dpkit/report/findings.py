@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from dpkit.bench.measure import format_ratio, paired_ratio
-from dpkit.bench.rows import what
+from dpkit.bench.row_identity import what
 from dpkit.report import paths
 
 VERDICTS = ("met", "missed", "inconclusive")
@@ -48,6 +48,14 @@ def interval_name(rounds: int | None) -> str:
     if rounds is not None and rounds < MIN_BOOTSTRAP_ROUNDS:
         return f"range of {rounds} rounds"
     return "95 % interval"
+
+
+def round_p50_interval_name(rounds: int | None) -> str:
+    """The header of a column of ``plots.interval(row, "p50_s")``: an interval of the median of the rounds' p50s,
+    which a p50 over all iterations pooled (the column beside it) may lie outside."""
+    if rounds is not None and rounds < MIN_BOOTSTRAP_ROUNDS:
+        return f"range of the {rounds} rounds' p50s"
+    return "95 % interval of the median round p50"
 
 
 # --------------------------------------------------------------------------- target checks
@@ -214,11 +222,21 @@ def series_text(points: Iterable[tuple], x_format: str = ",d", y_format: str = "
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]}"
 
 
-def growth(rows: Iterable[dict], start: int, end: int, key: str = "p50_s") -> float | None:
-    """How much ``key`` of one series' rows (one row per world size) grows from ``start`` to ``end`` processes
-    (0.3: by 30 %); None when either world size is missing."""
-    at = {r["world_size"]: r[key] for r in rows}
-    return at[end] / at[start] - 1 if start in at and end in at else None
+def growth(rows: Iterable[dict], start: int, end: int) -> tuple[float, float, float] | None:
+    """How much the p50 of one series' rows (one row per world size, each a run of its own) grows from ``start``
+    to ``end`` processes (0.3: by 30 %), with the range the rounds allow: (median, low, high) from the rows' p50s
+    and their per-round p50s (``unpaired_range``); None when either world size is missing."""
+    at = {r["world_size"]: r for r in rows}
+    if start not in at or end not in at:
+        return None
+    low, high = unpaired_range(at[end]["round_p50_s"], at[start]["round_p50_s"])
+    return at[end]["p50_s"] / at[start]["p50_s"] - 1, low - 1, high - 1
+
+
+def unpaired_range(numerator: list[float], denominator: list[float]) -> tuple[float, float]:
+    """The range of a ratio of two runs that share no rounds (two world sizes): its least and greatest value over
+    the rounds of each, min(numerator) / max(denominator) to max(numerator) / min(denominator)."""
+    return min(numerator) / max(denominator), max(numerator) / min(denominator)
 
 
 # --------------------------------------------------------------------------- all-reduce

@@ -5,52 +5,37 @@ summed where they lie ("zero copy"), or tensors the caller allocated, copied int
     paths.label("ddp pytorch best 25M [shared_memory]", doc)   # "ddp pytorch best 25M [shared_memory, staged]"
     paths.axis(check, doc)                                 # "transport" when the two rows took different paths
 
-The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]). A
-ddp_benchmark.py row records its path in its ``path`` field (a staging block used: the tensors were copied in),
-and each of its checks the identity of both sides (``row``, ``reference_row``): read, never guessed. For the
-other benchmarks' files the path is still inferred from a label, from who allocates the tensors a collective is
-handed, which the code fixes per engine:
-- our DDP, ZeRO and FSDP allocate buckets, shards and gathered tensors through the transport: zero copy;
-- PyTorch's DDP reaches a transport only through ``transport.ddp_comm_hook``, handed PyTorch's bucket: staged;
-- ``fully_shard`` through ``transport.use_with_fully_shard`` has the transport allocate its buffers: zero copy;
-- SyncBatchNorm (ours, and the reference's two sums) sums in the transport's buffers where its results file
-  says so (``config["sums"]``: zero copy), else small tensors it made itself: staged;
+The benchmarks' labels name the transport as the registry does ([shared_memory], [shared_memory:thread]). Where a
+row took, it says itself, never guessed from its label's words:
+- ddp_benchmark.py's and sharding_benchmark.py's rows record their ``path`` (a staging block used in the measured
+  iterations: the tensors were copied in; ``row_identity.recorded_path``), and each check the identity of both
+  sides (``row``, ``reference_row``);
+- a syncbn_benchmark.py file says where its layers summed (``config["sums"]``; staged when it does not say);
 - collectives_benchmark.py's rows are "shared_memory" (its buffers: zero copy) or "shared_memory:staged".
-A comparison of a zero-copy row with a staged row compares transports, whatever engines it names.
+A label no row of its file records has no path (None). A comparison of a zero-copy row with a staged row compares
+transports, whatever engines it names.
 """
 
 from __future__ import annotations
 
 import re
 
-from dpkit.bench.rows import STAGED, ZERO_COPY
+from dpkit.bench.row_identity import STAGED, ZERO_COPY
 
 SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # A bracket with up to four words before it ("ddp pytorch best 25M [shared_memory]"): the label it closes, in a
 # table cell or a sentence.
 LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,4})\[(shared_memory(?::thread)?)\]")
-RECORDED_BENCHMARKS = ("ddp_benchmark",)  # rows that carry their path: read, not inferred
+RECORDED_BENCHMARKS = ("ddp_benchmark", "sharding_benchmark")  # rows that carry their path
 STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
 # How a SyncBatchNorm row on shared memory summed, in words (``path`` says which, from its file).
 SYNCBN_SUMS = {STAGED: "each sum's small tensor copied in and out",
                ZERO_COPY: "each sum in the transport's own buffer, summed where it lies"}
-ZERO_COPY_PYTORCH = ("fsdp", "zero1", "zero2")  # "fsdp pytorch": fully_shard's buffers come from the transport
-
-
-def _engine_path(words: list[str]) -> str:
-    """The path the code fixes for a label's last three words: PyTorch's DDP ("ddp pytorch 25M", "ddp pytorch best
-    25M") and our naive DDP ("ddp ours naive": each gradient as it is) are staged; every other engine allocates
-    through the transport."""
-    for i in range(len(words) - 1, max(-1, len(words) - 4), -1):
-        if words[i] == "naive" or (words[i].startswith("pytorch")
-                                   and (i == 0 or words[i - 1] not in ZERO_COPY_PYTORCH)):
-            return STAGED
-    return ZERO_COPY
 
 
 def _row_path(words: list[str], bracket: str, doc: dict) -> str | None:
     """The path the row of ``doc`` recorded (its ``path`` field), for the longest label these words end."""
-    rows = {r.get("label"): r for r in doc.get("results", []) if "path" in r}
+    rows = {r.get("label") or r.get("variant"): r for r in doc.get("results", []) if "path" in r}
     for k in range(len(words), 0, -1):
         row = rows.get(f"{' '.join(words[-k:])} [{bracket}]")
         if row is not None:
@@ -67,16 +52,17 @@ def path(label: str, doc: dict | None = None) -> str | None:
         return None
     if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
         return (doc.get("config") or {}).get("sums", STAGED)
-    words = label[:found.start()].split()[-4:]
     if (doc or {}).get("benchmark") in RECORDED_BENCHMARKS:
-        return _row_path(words, found.group(1), doc)
-    return _engine_path(words)
+        return _row_path(label[:found.start()].split()[-4:], found.group(1), doc)
+    return None
 
 
 def label(text: str, doc: dict | None = None) -> str:
-    """``text`` (a label, a table, a sentence) with each [shared_memory] or [shared_memory:thread] naming its path."""
+    """``text`` (a label, a table, a sentence) with each [shared_memory] or [shared_memory:thread] naming its path,
+    where its file records one."""
     def named(m):
-        return f"{m.group(1)}[{m.group(2)}, {path(m.group(0), doc)}]"
+        found = path(m.group(0), doc)
+        return m.group(0) if found is None else f"{m.group(1)}[{m.group(2)}, {found}]"
 
     return LABELLED.sub(named, text)
 
@@ -89,10 +75,10 @@ def sides(check: dict) -> tuple[str, str]:
 
 
 def side_paths(check: dict, doc: dict | None = None) -> tuple[str | None, str | None]:
-    """The paths of a check's two sides: as stored with them (ddp_benchmark.py's ``row`` and ``reference_row``),
-    else from their labels."""
+    """The paths of a check's two sides: as stored with them (``row`` and ``reference_row``; a count against an
+    ideal has no reference), else from their labels."""
     if "row" in check:
-        return check["row"].get("path"), check["reference_row"].get("path")
+        return check["row"].get("path"), (check.get("reference_row") or {}).get("path")
     ours, theirs = (path(s, doc) for s in sides(check))
     return ours, theirs
 

@@ -29,11 +29,10 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from dpkit.bench import rows as identity
+from dpkit.bench import row_identity
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
-from dpkit.report import paths
 from dpkit.report.findings import MIN_BOOTSTRAP_ROUNDS, interval_name, oversubscribed  # noqa: F401
 
 # One colour per implementation or algorithm, in every figure (Okabe-Ito, readable by colour-blind readers).
@@ -77,7 +76,7 @@ def kind(row_or_name) -> str:
     'ddp pytorch best'."""
     if isinstance(row_or_name, dict):
         if "bucket_cap_mb" in row_or_name and "engine" in row_or_name:  # ddp_benchmark.py's rows, by their fields
-            return identity.name(row_or_name)
+            return row_identity.name(row_or_name)
         if is_pytorch_best(row_or_name):
             return "ddp pytorch best"
         name = (row_or_name.get("variant") or row_or_name.get("algorithm") or row_or_name.get("impl")
@@ -436,7 +435,7 @@ def _series_label(name: str, on: str | None, row: dict) -> str:
 
 
 def _variant_bars(ax, rows: list[dict], env: dict, model: str) -> None:
-    labels = [identity.label(r, path=True) for r in rows]  # each [shared_memory] names its path
+    labels = [row_identity.label(r, path=True) for r in rows]  # each [shared_memory] names its path
     y = np.arange(len(rows))[::-1]
     for yi, r in zip(y, rows):
         over = oversubscribed(r, env)
@@ -475,7 +474,7 @@ def time_breakdown(doc: dict) -> Figure:
                     ax.barh(yi, 1e3 * seconds, left=left, height=0.6, color=PHASE_COLOURS[phase], edgecolor=colour(r),
                             linewidth=1.5, label=phase)
                     left += 1e3 * seconds
-        ax.set_yticks(y, [identity.label(r, path=True) for r in mine], fontsize="small")
+        ax.set_yticks(y, [row_identity.label(r, path=True) for r in mine], fontsize="small")
         ax.set(xlabel="CPU time per iteration, rank 0, under the profiler (ms)",
                title=f"{model}: where one iteration's time goes")
         if not mine:
@@ -495,13 +494,13 @@ def ddp_sweep(doc: dict) -> Figure:
     figure, axes = _figure(1, 2, width=12, height=3.8)
     time_ax, throughput_ax = axes[0]
     worlds = sorted({r["world_size"] for r in rows})
-    for series in dict.fromkeys(map(identity.what, rows)):  # a row's path may differ between world sizes
-        points = sorted(((r["world_size"], r) for r in rows if identity.what(r) == series), key=lambda p: p[0])
+    for series in dict.fromkeys(map(row_identity.what, rows)):  # a row's path may differ between world sizes
+        points = sorted(((r["world_size"], r) for r in rows if row_identity.what(r) == series), key=lambda p: p[0])
         c = colour(points[0][1])
         x = [w for w, _ in points]
         yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
         time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3,
-                         label=identity.label(points[-1][1], path=True))
+                         label=row_identity.label(points[-1][1], path=True))
         throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
         for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
             for w, r in points:
@@ -681,7 +680,7 @@ def sharding_memory(doc: dict) -> Figure:
             ax.plot([x - 0.4, x + 0.4], [r["ideal_bytes"] / MIB] * 2, color="black", linestyle="--",
                     label="ideal model states (parameters + gradients + optimizer state)")
         ax.set_xticks(range(len(bars)),
-                      [f"{paths.label(r['variant'])}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
+                      [f"{row_identity.label(r, path=True)}\n{r['world_size']} rank{'s' * (r['world_size'] > 1)}"
                                          for _, r in bars], fontsize="small", rotation=90)
         ax.set(ylabel="MiB per rank (largest rank)", title=f"{model}: what one rank holds, AdamW")
         if not bars:

@@ -26,6 +26,15 @@ ZERO_COPY, STAGED = "zero copy", "staged"
 NO_ENGINE = "no ddp"
 
 
+def recorded_path(transport) -> str | None:
+    """The path the iterations since ``transport.release_staging()`` took through a transport with a staging block
+    (shared memory): "staged" when it had to copy a tensor it did not allocate into that block, else "zero copy";
+    None for any other transport."""
+    if not hasattr(transport, "staging_bytes"):
+        return None
+    return STAGED if transport.staging_bytes > 0 else ZERO_COPY
+
+
 def identity(row: Mapping) -> dict:
     return {key: row.get(key) for key in IDENTITY}
 
