@@ -40,7 +40,7 @@ from dpkit.bench.collective_tables import report
 from dpkit.bench.collective_targets import stored_targets
 from dpkit.bench.collectives import TRANSPORTS, allreduce_rows, format_size, parse_size
 from dpkit.bench.crossover_table import crossover_table, format_table
-from dpkit.bench.point_to_point import point_to_point
+from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
 from dpkit.bench.results import incomplete_note, read_results, write_results
 from dpkit.bench.transport_axis import benchmark_transports_size, make_transports
 from dpkit.comm import backend
@@ -221,7 +221,7 @@ def extra(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
 
 BENCHMARK = harness.Benchmark(
     "collectives_benchmark", worker, world_sizes=lambda args: args.procs,
-    report=lambda rows: report(rows, [r for r in rows if "engine" in r], allreduce.fit_model(allreduce_rows(rows))),
+    report=lambda rows: report(rows, point_to_point_rows(rows), allreduce.fit_model(allreduce_rows(rows))),
     targets=stored_targets, extra=extra,
     describe=lambda args: f"{args.collective}, axis {args.axis}, process counts {args.procs}"
                           + (f", anchors {' '.join(args.anchors)}" if args.anchors else ""),

@@ -17,7 +17,7 @@ from common import OFF_HOST, run_workers
 from dpkit.bench import (algorithm_axis, backend_axis, collective_run, collective_tables, collective_targets,
                          collectives, exact_pattern, transport_axis)
 from dpkit.bench.crossover_table import crossover_table, format_table
-from dpkit.bench.point_to_point import point_to_point
+from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
 from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
@@ -176,14 +176,15 @@ def test_ratios_pair_each_call_with_torchs_call_of_the_same_round_and_axis(measu
 def test_a_step_on_a_device_gloos_send_cannot_read_goes_through_host_memory(measured):
     """The CPU twin of CUDA over gloo: gloo's send and recv take host memory only (handed device memory, they
     fail with 'writev ... Bad address'), so the one-step rows exchange host tensors."""
-    assert [(r["engine"], r["bytes"]) for r in measured[0]["p2p_off_host"]] == [("ours", 4), ("gloo", 4)]
+    assert [(r["impl"], r["bytes"]) for r in measured[0]["p2p_off_host"]] == [("ours", 4), ("gloo", 4)]
 
 
-def test_one_step_of_each_engine_is_timed_with_its_bytes(measured):
+def test_one_step_of_ours_and_of_gloos_is_timed_with_its_bytes(measured):
     p2p = measured[0]["p2p"]
-    assert [(r["engine"], r["bytes"]) for r in p2p] == [("ours", 4), ("gloo", 4), ("ours", 4000), ("gloo", 4000)]
+    assert point_to_point_rows(p2p) == p2p
+    assert [(r["impl"], r["bytes"]) for r in p2p] == [("ours", 4), ("gloo", 4), ("ours", 4000), ("gloo", 4000)]
     for row in p2p:
-        moved = row["bytes"] if row["engine"] == "ours" else row["bytes"] / 2  # gloo's ring on 2 ranks: 2 half steps
+        moved = row["bytes"] if row["impl"] == "ours" else row["bytes"] / 2  # gloo's ring on 2 ranks: 2 half steps
         assert row["step_gbps"] == pytest.approx(moved / row["step_s"] / 1e9, rel=1e-12)
 
 
@@ -263,7 +264,7 @@ def _row(algorithm, seconds, nbytes=10 << 20, world=2, ratio=None, ci=None, over
             "transport": "gloo" if axis == "algorithm" else label, "algorithm": algorithm, "label": label or algorithm,
             "bytes": nbytes, "avg_s": seconds, "p50_s": seconds, "p95_s": seconds, "algbw_gbps": 1.0, "busbw_gbps": 1.0,
             "vs_torch": ratio, "vs_torch_ci_low": ci[0] if ci else None, "vs_torch_ci_high": ci[1] if ci else None,
-            "oversubscribed": oversubscribed, "choice": choice,
+            "rounds": 6, "oversubscribed": oversubscribed, "choice": choice,
             "max_abs_error": 0.0 if correct else 2.0, "correct": correct}
 
 
@@ -351,26 +352,6 @@ def test_the_sharded_collectives_have_their_own_targets_and_sizes_rounded_to_the
     assert "target all-gather through p2p <= 1.10x torch, 2 processes, 10MiB: 1.20x [1.15, 1.25] missed" in text
     assert "target auto" not in text and "target ring" not in text and "zero copy) <=" not in text
     assert "## reduce-scatter, all-gather: transports" in text and "algorithms over" not in text
-
-
-def test_rows_of_files_written_before_the_axes_get_them_from_what_they_ran():
-    """Shared memory then always copied in and out (staged); an auto that ran it was a transport, not an algorithm."""
-    old = [{"backend": "gloo", "world_size": 2, "bytes": 4000, "algorithm": a, "choice": c,
-            **({"collective": k} if k else {})}
-           for a, c, k in (("ring", None, None), ("shared_memory", None, "allreduce"), ("auto", "shared_memory", None),
-                           ("auto", "tree", "allreduce"), ("ring", None, "all_gather"), ("torch", None, "all_gather"),
-                           ("shared_memory", None, "all_gather"))]
-    got = [(r["axis"], r["transport"], r["algorithm"], r["label"])
-           for r in collectives.allreduce_rows(old + [{"engine": "ours"}])]
-    assert got == [("algorithm", "gloo", "ring", "ring"),
-                   ("transport", "shared_memory", "direct", "shared_memory:staged"),
-                   ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)"),
-                   ("algorithm", "gloo", "auto", "auto"),
-                   ("transport", "p2p (ring)", "ring", "p2p"),
-                   ("transport", "torch (gloo)", "torch", "torch"),
-                   ("transport", "shared_memory", "direct", "shared_memory:staged")]
-    new = _transport_row("p2p", 0.1)
-    assert collectives.labelled(new) is new
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -483,19 +464,3 @@ def test_a_sharded_collective_compares_transports_only():
     for wrong in (["--algorithms", "butterfly"], ["--axis", "algorithms"], ["--axis", "both"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--collective", "reduce_scatter", *wrong])
-
-
-def test_the_transport_panel_of_an_older_file_takes_torchs_call_from_the_algorithm_axis():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    old = [{k: v for k, v in _row(a, 1e-3, nbytes=s).items() if k not in ("axis", "transport", "label", "collective")}
-           for a in ("torch", "ring", "shared_memory") for s in (4000, 1 << 20)]
-    figure, (algorithms, transports) = plt.subplots(1, 2)
-    collective_plots.draw_per_size(algorithms, old, "gloo", 2)
-    collective_plots.draw_per_size(transports, old, "gloo", 2, axis="transport")
-    assert algorithms.get_legend_handles_labels()[1] == ["torch", "ring"]
-    assert transports.get_legend_handles_labels()[1] == ["torch", "shared_memory:staged"]  # the registry's name
-    plt.close(figure)

@@ -2,7 +2,7 @@
 lines, the anchors' ratios, the latency-bandwidth model, the one-step rows and the backend's latency floor.
 
     python collectives_benchmark.py --from-json results/collectives.json     # prints it again from a file
-    print(report(rows, p2p=[r for r in rows if "engine" in r], fits=allreduce.fit_model(allreduce_rows(rows))))
+    print(report(rows, p2p=point_to_point_rows(rows), fits=allreduce.fit_model(allreduce_rows(rows))))
 """
 
 from __future__ import annotations
@@ -75,6 +75,6 @@ def report(rows: list[dict], p2p: list[dict] | None = None, fits: list[dict] = (
         lines += ["", "latency-bandwidth model T = steps x alpha + bytes x beta, fitted per algorithm (model_terms):",
                   markdown_table([{**f, "alpha_us": f["alpha_s"] * 1e6} for f in fits], MODEL_COLUMNS)]
     for row in p2p or []:
-        lines.append(f"one step, {row['engine']:>4}: {format_size(row['bytes']):>6}: {row['step_s'] * 1e6:10.1f} us, "
+        lines.append(f"one step, {row['impl']:>4}: {format_size(row['bytes']):>6}: {row['step_s'] * 1e6:10.1f} us, "
                      f"{row['step_gbps']:.3f} GB/s")
     return "\n".join(lines + floor)

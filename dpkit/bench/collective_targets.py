@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from dpkit.bench.collectives import BACKEND, NAMES, allreduce_rows, format_size, labelled, ratio_of
+from dpkit.bench.collectives import BACKEND, NAMES, allreduce_rows, format_size, ratio_of
 from dpkit.bench.measure import format_ratio, verdict
 
 LARGE = (10 << 20, 100 << 20)
@@ -43,7 +43,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
     All-reduce rows meet ``TARGETS``; reduce-scatter and all-gather rows p2p's ``COLLECTIVE_TARGETS`` at
     10 and 100 MB (their sizes are rounded down to a multiple of the world size, as in nccl-tests)."""
     checks = []
-    for row in map(labelled, rows):
+    for row in rows:
         collective = row.get("collective", "allreduce")
         targets = TARGETS if collective == "allreduce" else [
             ("transport", "p2p", LARGE, None, COLLECTIVE_TARGETS[collective])

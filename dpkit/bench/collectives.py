@@ -55,38 +55,14 @@ AXIS_TITLES = {"algorithm": "algorithms over {backend}", "transport": "transport
                "backend": "torch.distributed on a \"dpkit\" group against a gloo group"}
 
 
-def labelled(row: dict) -> dict:
-    """The row with ``axis``, ``transport``, ``algorithm`` and ``label``. A row of a file written before
-    algorithms and transports were measured apart gets them from what it ran: shared memory (which then
-    always copied in and out: staged), and an ``auto`` that ran it, are transports; the other all-reduce rows
-    are algorithms over the backend; the other reduce-scatter and all-gather rows are transports (torch's,
-    and the ring, which p2p runs)."""
-    if "axis" in row:
-        return row
-    name, backend = row["algorithm"], row.get("backend", "gloo")
-    if name == "shared_memory":
-        fields = ("transport", "shared_memory", "direct", "shared_memory:staged")
-    elif name == "auto" and row.get("choice") == "shared_memory":
-        fields = ("transport", "shared_memory", "auto", "auto (ran shared_memory, staged)")
-    elif row.get("collective", "allreduce") == "allreduce":
-        fields = ("algorithm", backend, name, name)
-    elif name == "ring":
-        fields = ("transport", "p2p (ring)", "ring", "p2p")
-    else:
-        fields = ("transport", f"torch ({backend})", "torch", "torch")
-    return {**row, **dict(zip(("axis", "transport", "algorithm", "label"), fields))}
-
-
 def allreduce_rows(rows: list[dict]) -> list[dict]:
-    """The sweep's rows of a results file, ``labelled`` (the file also holds the one-step rows of
-    ``point_to_point``)."""
-    return [labelled(row) for row in rows if "algorithm" in row]
+    """The sweep's rows of a results file (each with its ``axis``, ``transport``, ``algorithm`` and ``label``); the
+    file also holds the one-step rows of ``point_to_point``."""
+    return [row for row in rows if "algorithm" in row]
 
 
 def ratio_of(row: dict) -> dict:
-    """The row's ratio to torch in the form of ``measure.paired_ratio``; a row of an older file without
-    an interval counts as one measurement (its interval is the point)."""
-    low, high = row.get("vs_torch_ci_low"), row.get("vs_torch_ci_high")
-    if low is None or high is None:
-        return {"median": row["vs_torch"], "ci_low": row["vs_torch"], "ci_high": row["vs_torch"], "rounds": 1}
-    return {"median": row["vs_torch"], "ci_low": low, "ci_high": high, "rounds": row.get("rounds") or 2}
+    """The row's ratio to torch (``vs_torch``, paired by round, with its interval) in the form of
+    ``measure.paired_ratio``."""
+    return {"median": row["vs_torch"], "ci_low": row["vs_torch_ci_low"], "ci_high": row["vs_torch_ci_high"],
+            "rounds": row["rounds"]}

@@ -1,7 +1,8 @@
-"""One step of our message-passing engine against one step of gloo's all-reduce, on two processes: the
-alpha and beta of the latency-bandwidth model seen from a single exchange, per byte, single medians.
+"""One step of our message passing (``dpkit.comm.message_passing``) against one step of gloo's all-reduce, on two
+processes: the alpha and beta of the latency-bandwidth model seen from a single exchange, per byte, single medians.
 
-    rows = point_to_point(ctx, iters=20, warmup=5)     # rows with "engine": "ours" or "gloo"
+    rows = point_to_point(ctx, iters=20, warmup=5)     # rows of kind "point_to_point", "impl": "ours" or "gloo"
+    point_to_point_rows(read_results("results/collectives.json")["results"])   # those rows of a file
 
 ``collectives_benchmark.py`` stores these rows beside its sweep's (2 processes, the algorithm axis).
 """
@@ -16,9 +17,11 @@ from dpkit.bench.measure import time_interleaved
 from dpkit.comm.message_passing import pair_exchange
 from dpkit.comm.process_groups import message_device
 
+KIND = "point_to_point"  # a row's "kind": one exchange step, not a row of the collectives' sweep
+
 
 def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[dict]:
-    """Two processes: one step of our engine (an exchange of n bytes each way with isend/irecv, as recursive
+    """Two processes: one step of our message passing (an exchange of n bytes each way with isend/irecv, as recursive
     doubling makes it) against one step of gloo's all_reduce (its ring on 2 ranks makes 2 steps of n/2 bytes)."""
     rows = []
     wire = message_device(ctx.device)  # a step is a message on the wire: host memory where gloo carries it
@@ -27,8 +30,13 @@ def point_to_point(ctx, iters: int, warmup: int, sizes=(4, 64 << 20)) -> list[di
         timings = time_interleaved({"ours": lambda: pair_exchange(x, y, 1 - ctx.rank, None),
                                     "gloo": lambda: torch.distributed.all_reduce(x)},
                                    iters, warmup, rounds=iters, device=wire, setup=functools.partial(x.fill_, 1.0))
-        for engine, steps, step_bytes in (("ours", 1, nbytes), ("gloo", 2, nbytes / 2)):
-            step = timings[engine].median / steps
-            rows.append({"backend": ctx.backend, "engine": engine, "bytes": nbytes, "step_s": step,
+        for impl, steps, step_bytes in (("ours", 1, nbytes), ("gloo", 2, nbytes / 2)):
+            step = timings[impl].median / steps
+            rows.append({"kind": KIND, "backend": ctx.backend, "impl": impl, "bytes": nbytes, "step_s": step,
                          "step_gbps": step_bytes / step / 1e9})
     return rows
+
+
+def point_to_point_rows(rows: list[dict]) -> list[dict]:
+    """The one-step rows among a results file's rows."""
+    return [row for row in rows if row.get("kind") == KIND]

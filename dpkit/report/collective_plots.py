@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt
 
 import numpy as np
 
-from dpkit.bench.collectives import AXIS_TITLES, NAMES, allreduce_rows, labelled
+from dpkit.bench.collectives import AXIS_TITLES, NAMES, allreduce_rows
+from dpkit.bench.point_to_point import point_to_point_rows
 from dpkit.report import plots
 
 
@@ -23,12 +24,8 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
     one line per label in its report colour, with a 95 % bootstrap interval over its per-call rounds where
     the row has them; ``auto``'s measured calls as black crosses, a ring around the algorithm ``auto``
     chose at each size, and ``bound`` as a dashed line."""
-
-    rows = [r for r in map(labelled, rows) if (r["backend"], r["world_size"]) == (backend, world_size)]
+    rows = [r for r in rows if (r["backend"], r["world_size"]) == (backend, world_size)]
     mine = [r for r in rows if r["axis"] == axis]
-    if axis == "transport" and mine and not any(r["label"] == "torch" for r in mine):
-        # A file written before the axes: the reference is the algorithm axis's call of torch's collective.
-        mine = [r for r in rows if (r["axis"], r["label"]) == ("algorithm", "torch")] + mine
     for label in dict.fromkeys(r["label"] for r in mine):
         points = sorted((r for r in mine if r["label"] == label), key=lambda r: r["bytes"])
         xs, ys = [r["bytes"] for r in points], [r[key] * scale for r in points]
@@ -63,8 +60,7 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
 def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
     """Measured p50 (points) and the fitted model's prediction (lines: each fit's ``curve``, as
     ``allreduce.fit_model`` returns it), one colour per algorithm."""
-
-    rows = [r for r in map(labelled, rows) if r["axis"] == "algorithm"]
+    rows = [r for r in rows if r["axis"] == "algorithm"]
     for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
         colour = plots.colour(fit["algorithm"])
         ax.plot([b for b, _ in fit["curve"]], [t * 1e3 for _, t in fit["curve"]], color=colour,
@@ -85,8 +81,8 @@ def plot(rows: list[dict], directory: str, fits: list[dict] = ()) -> list[str]:
     of the algorithms, ``allreduce.fit_model``) against their measurements. Returns the paths written."""
     os.makedirs(directory, exist_ok=True)
     # The bus bandwidth's ceiling here: the fastest single large point-to-point message measured on this
-    # machine's loopback (our engine's or gloo's; rows with "engine", written with the 2-process sweep).
-    bound = max((r["step_gbps"] for r in rows if r.get("engine") and r["bytes"] >= 2**20), default=None)
+    # machine's loopback (ours or gloo's: ``point_to_point``'s rows, written with the 2-process sweep).
+    bound = max((r["step_gbps"] for r in point_to_point_rows(rows) if r["bytes"] >= 2**20), default=None)
     rows = allreduce_rows(rows)
     panels = sorted({(row["backend"], row["world_size"]) for row in rows})
     present = [axis for axis in ("algorithm", "transport") if any(row["axis"] == axis for row in rows)]

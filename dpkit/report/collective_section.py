@@ -18,6 +18,7 @@ import tempfile
 import matplotlib.pyplot as plt
 
 from dpkit.bench.collectives import allreduce_rows, format_size
+from dpkit.bench.point_to_point import point_to_point_rows
 from dpkit.report import collective_plots, findings, plots, sentences
 from dpkit.report.wording import span
 
@@ -127,10 +128,11 @@ def auto_lines(doc: dict, rows: list[dict], crossover_file: str) -> list[str]:
 
 
 def step_line(row: dict) -> str:
-    """One exchange step of an engine, named by the bytes it moves: ours (isend/irecv) sends the whole tensor each
-    way; gloo's 2-rank all_reduce is a ring of two steps of half the tensor (the row stores the tensor's bytes)."""
-    if row["engine"] == "ours":
-        what = f"one exchange step of our engine (isend/irecv), {format_size(row['bytes'])} each way"
+    """One exchange step of an implementation, named by the bytes it moves: ours (isend/irecv) sends the whole
+    tensor each way; gloo's 2-rank all_reduce is a ring of two steps of half the tensor (the row stores the tensor's
+    bytes)."""
+    if row["impl"] == "ours":
+        what = f"one exchange step of our message passing (isend/irecv), {format_size(row['bytes'])} each way"
     else:
         what = (f"one of the two steps of gloo's all_reduce of {format_size(row['bytes'])} (its 2-rank ring), "
                 f"{format_size(row['bytes'] // 2)}")
@@ -138,10 +140,10 @@ def step_line(row: dict) -> str:
 
 
 def model(page, algorithms) -> None:
-    """All-reduce at every size: the figure, the fitted model, its crossovers, one step of each engine, auto's
+    """All-reduce at every size: the figure, the fitted model, its crossovers, one step of ours and of gloo's, auto's
     choices and the stored targets. ``algorithms``: the homework's allreduce module."""
     doc = page.load("collectives")
-    rows, steps = allreduce_rows(doc["results"]), [r for r in doc["results"] if "engine" in r]
+    rows, steps = allreduce_rows(doc["results"]), point_to_point_rows(doc["results"])
     fits = algorithms.fit_model(rows)
     page.draw(model_figure(rows, fits))
     text = [fit_table(fits), "", *crossover_lines(algorithms, fits, rows)]
