@@ -5,7 +5,7 @@
                                                   # messages up to 100 MB, ...): for GPU machines
     python run_experiments.py --quick --only syncbn allreduce
     python run_experiments.py --list              # what would run, and the exact commands
-    python run_experiments.py --summary           # rewrite README.md's headline block from results/
+    python run_experiments.py --summary           # rewrite README.md's generated blocks from results/
     python run_experiments.py --suite             # time `python -m pytest` and `-m slow` into results/suite.json
 
 Each experiment is one command of this repository's own scripts, run as a subprocess with
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dpkit.bench.results import (environment, format_environment, markdown_table, read_results,
                                  write_durably, write_results)
-from dpkit.report import summary
+from dpkit.report import backend_lines, summary
 
 REPO = Path(__file__).resolve().parent
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
@@ -283,7 +283,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="then execute report.ipynb in place on --out (default: off)")
     parser.add_argument("--list", action="store_true", help="print the experiments and their commands, run nothing")
     parser.add_argument("--summary", action="store_true",
-                        help="run nothing: render README.md's headline block from --out (also done after every "
+                        help="run nothing: render README.md's generated blocks (the headline results, the "
+                             "backend's) from --out (also done after every "
                              "successful --report run) (default: off)")
     parser.add_argument("--suite", action="store_true",
                         help="run no experiment: time `python -m pytest` and `python -m pytest -m slow` and write "
@@ -361,14 +362,21 @@ def producers() -> dict[str, str]:
 
 
 def write_summary(out: Path) -> int:
-    """Render README.md's headline block from ``out``; 1 (and the reason) when a result file is missing."""
+    """Render README.md's generated blocks (the headline results, the backend's) from ``out``; 1 (and the reason)
+    when a result file is missing."""
     try:
         block = summary.render(out, producers())
     except summary.MissingResults as missing:
         print(f"error: {missing}", file=sys.stderr)
         return 1
-    changed = summary.update_readme(REPO / "README.md", block)
-    print(block + f"\n\nREADME.md {'updated' if changed else 'already up to date'}")
+    changed = [summary.update_readme(REPO / "README.md", block)]
+    missing = [name for name in backend_lines.FILES if not (out / f"{name}.json").exists()]
+    if missing:  # files no experiment writes (README gives their commands): kept as they are elsewhere
+        backend = f"README.md's backend block left as it is: {out} has no {', '.join(missing)}"
+    else:
+        backend = backend_lines.render(out)
+        changed.append(summary.update_readme(REPO / "README.md", backend, (backend_lines.BEGIN, backend_lines.END)))
+    print(block + "\n\n" + backend + f"\n\nREADME.md {'updated' if any(changed) else 'already up to date'}")
     return 0
 
 

@@ -139,8 +139,8 @@ BENCHMARK = harness.Benchmark(
     report=report, timeout_s=time_budget, config_leaves_out=(), threads=lambda args: args.threads,
     local=measured_here, complete=lambda rows, env, args: judged(rows), header=header,
     environment=lambda env, args: {k: v for k, v in env.items() if k != "procs"},
-    # Every implementation sums in buffers its transport allocated: the report reads [shared_memory] rows as
-    # zero copy from this key (files written before it summed tensors the layer made: staged).
+    # Every implementation sums in buffers its transport allocated: the report reads [shared_memory] rows' path
+    # from this key (``dpkit.report.paths``).
     config_adds=lambda args: {"sums": "zero copy"})
 
 

@@ -88,8 +88,9 @@ def test_a_row_s_path_is_read_from_its_field_never_guessed_from_its_label():
     assert paths.path("zero1 ours [shared_memory:thread]", SHARDING_DOC) == "staged"
     assert paths.path("zero2 ours [shared_memory]", SHARDING_DOC) is None  # not in the file
     assert paths.path("zero1 ours [shared_memory]") is None  # no file: no guess
-    assert paths.path("workers [shared_memory]: every size", {"benchmark": "syncbn_benchmark"}) == "staged"
-    zero_copy_sums = {"benchmark": "syncbn_benchmark", "config": {"sums": "zero copy"}}  # the file says so
+    staged_sums = {"benchmark": "syncbn_benchmark", "config": {"sums": "staged"}}  # the file says where it summed
+    assert paths.path("workers [shared_memory]: every size", staged_sums) == "staged"
+    zero_copy_sums = {"benchmark": "syncbn_benchmark", "config": {"sums": "zero copy"}}
     assert paths.path("workers [shared_memory]: every size", zero_copy_sums) == "zero copy"
     assert paths.path("shared_memory:staged") == "staged" and paths.path("shared_memory") == "zero copy"
 
@@ -213,7 +214,7 @@ def test_free_text_names_each_shared_memory_path_its_file_records():
                                            "| ddp pytorch best 25M [shared_memory, staged] | 0.2 |\n"
                                            "| ddp ours 1M [shared_memory] | 0.3 |")  # no such row: left as it is
     assert paths.label("ours [shared_memory] / (BatchNorm1d + 2 all_reduce) [shared_memory]",
-                       {"benchmark": "syncbn_benchmark"}) == \
+                       {"benchmark": "syncbn_benchmark", "config": {"sums": "staged"}}) == \
         "ours [shared_memory, staged] / (BatchNorm1d + 2 all_reduce) [shared_memory, staged]"
     assert (paths.label("zero1 ours [shared_memory:thread] waits; fsdp pytorch [shared_memory] too", SHARDING_DOC)
             == "zero1 ours [shared_memory:thread, staged] waits; fsdp pytorch [shared_memory, zero copy] too")
@@ -238,27 +239,6 @@ def test_the_allreduce_commentary_gives_paired_ratios_and_no_trend_its_intervals
     both = allreduce_doc()
     both["results"] += [{**r, "world_size": 4, "max_abs_error": 5e-7} for r in allreduce_doc(world=4)["results"]]
     assert "within 1.0e-07" in sentences.allreduce_commentary(both)  # the oversubscribed rows' errors: not used
-
-
-def syncbn_doc(floor_low):
-    why = ("32x1024 [torch]: ours 1.40x [0.94, 1.80] the reference, inconclusive; more. The floor alone is above 1.3x: "
-           "no layer written as a Python autograd.Function meets it here. Cut at its two sums, more.")
-    size = {"batch": 32, "hidden": 1024, "transport": "torch", "dtype": "float32", "setting": "workers"}
-    floor = {"kind": "ratio", "impl": sentences.FLOOR, **size, "median": 1.34, "ci_low": floor_low, "ci_high": 1.64,
-             "rounds": 12}
-    row = {"kind": "ratio", "impl": "ours", **size, "target": 1.3, "why": why}
-    return {"results": [floor, row]}, row
-
-
-def test_the_floor_is_called_above_its_target_only_when_its_whole_interval_is():
-    doc, row = syncbn_doc(floor_low=1.05)
-    text = sentences.syncbn_why(doc, row)
-    assert "The floor alone is above" not in text and text.endswith("Cut at its two sums, more.")
-    assert ("The floor's interval (1.34x [1.05, 1.64]) holds 1.3x: whether the floor alone misses it is "
-            "inconclusive.") in text
-    doc, row = syncbn_doc(floor_low=1.31)
-    assert "The floor alone is above 1.3x (1.34x [1.31, 1.64])" in sentences.syncbn_why(doc, row)
-    assert sentences.syncbn_why(doc, {**row, "why": "no floor claim"}) == "no floor claim"
 
 
 def test_sharding_counts_say_per_axis_and_kind_what_was_left_out():

@@ -106,19 +106,18 @@ def test_training_curves_show_loss_accuracy_and_time_per_step_for_each_run():
 REFERENCE = plots.SYNCBN_REFERENCE
 
 
-def syncbn_rows(with_rounds=True, transport=None, ours=1.2e-3, reference=1e-3, impls=None):
-    """Time rows of syncbn_benchmark.py for a 2 x 3 grid on one transport (None: a file written before transports
-    were a column); ours / reference = ``ours / reference`` in every round."""
+def syncbn_rows(with_rounds=True, transport="torch", ours=1.2e-3, reference=1e-3, impls=None):
+    """Time rows of syncbn_benchmark.py for a 2 x 3 grid on one transport; ours / reference = ``ours / reference``
+    in every round."""
     rows = []
     for batch in (32, 64):
         for hidden in (128, 256, 512):
             for impl, t in impls or (("ours", ours), (REFERENCE, reference), ("BatchNorm1d (local)", 2e-4)):
                 row = {"kind": "time", "impl": impl, "batch": batch, "hidden": hidden, "workers": 2, "time_s": t,
-                       "setting": "workers", "dtype": "float32"}
-                if transport is not None and impl != "BatchNorm1d (local)":  # the local layer sums nothing
-                    row["transport"] = transport
+                       "setting": "workers", "dtype": "float32",
+                       "transport": None if impl == "BatchNorm1d (local)" else transport}  # local: sums nothing
                 if with_rounds:
-                    row["round_time_s"] = [t * f for f in (0.9, 1.0, 1.1, 1.05)]
+                    row["round_p50_s"] = [t * f for f in (0.9, 1.0, 1.1, 1.05)]
                 rows.append(row)
     return rows
 
@@ -130,7 +129,7 @@ def panel_bars(figure):
 
 
 def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
-    figure = plots.syncbn_grid(doc(syncbn_rows()), target=1.3)  # a file without transports: one bar per size
+    figure = plots.syncbn_grid(doc(syncbn_rows()), target=1.3)  # one transport: one bar per size
     panels = [ax for ax in figure.axes if ax.get_title()]
     assert [ax.get_title() for ax in panels] == ["batch 32, 2 workers", "batch 64, 2 workers"]
     for ax in panels:
@@ -140,7 +139,7 @@ def test_syncbn_grid_draws_a_bar_per_size_with_intervals_and_the_target():
         assert any(list(line.get_ydata()) == [1.3, 1.3] for line in ax.get_lines())
         assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512"]
     assert "(x)" in panels[0].get_ylabel() and "target 1.3x" in legend_texts(figure)
-    assert f"ours / ({REFERENCE})" in legend_texts(figure)
+    assert f"ours [torch] / ({REFERENCE}) [torch]" in legend_texts(figure)
 
 
 # ours [torch] / reference [torch] = 1.2 and ours [shared_memory] / reference [shared_memory] = 1.8; a ratio across
@@ -155,9 +154,7 @@ def test_syncbn_ratios_pair_rows_on_one_transport():
         ratios = plots.syncbn_ratios(doc(BOTH), transport=on)
         assert len(ratios) == 6 and {r["transport"] for r in ratios} == {on}
         assert [r["median"] for r in ratios] == pytest.approx([expected] * 6)
-    assert plots.syncbn_ratios(doc(BOTH), transport=None) == []  # no row of this file lacks a transport
-    old = plots.syncbn_ratios(doc(syncbn_rows()))  # a file without transports: its rows, transport None
-    assert [r["median"] for r in old] == pytest.approx([1.2] * 6) and {r["transport"] for r in old} == {None}
+    assert plots.syncbn_ratios(doc(BOTH), transport=None) == []  # only the local layer has no transport
     # its only transport
     one = plots.syncbn_ratios(doc(syncbn_rows(transport="shared_memory", ours=0.9e-3, reference=0.5e-3)))
     assert [r["median"] for r in one] == pytest.approx([1.8] * 6) and {r["transport"] for r in one} == {"shared_memory"}
@@ -179,7 +176,7 @@ def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only
     on each transport;
     a floor timed on torch is not drawn."""
     floors = [{**r, "impl": plots.SYNCBN_FLOOR, "time_s": r["time_s"] * 1.1,
-               "round_time_s": [t * 1.1 for t in r["round_time_s"]]}
+               "round_p50_s": [t * 1.1 for t in r["round_p50_s"]]}
               for r in BOTH if r["impl"] == REFERENCE]  # floor [t] / reference [t] = 1.1 on both transports
     figure = plots.syncbn_grid(doc(BOTH + floors), target=1.3)
     # ours [shared_memory], ours [torch], floor [shared_memory]
@@ -187,13 +184,6 @@ def test_syncbn_grid_draws_the_floor_against_the_reference_on_shared_memory_only
     texts = legend_texts(figure)
     assert f"floor [shared_memory] / ({REFERENCE}) [shared_memory]" in texts
     assert f"floor [torch] / ({REFERENCE}) [torch]" not in texts
-
-
-def test_syncbn_grid_says_when_the_file_has_no_intervals():
-    figure = plots.syncbn_grid(doc(syncbn_rows(with_rounds=False)))
-    ax = [ax for ax in figure.axes if ax.get_title()][0]
-    assert not any(isinstance(c, ErrorbarContainer) for c in ax.containers)
-    assert any("not in this results file" in t.get_text() for t in ax.texts)
 
 
 def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribed_worlds_shaded():
@@ -212,20 +202,6 @@ def test_allreduce_chart_has_a_line_per_algorithm_log_axes_and_the_oversubscribe
     assert any(t.startswith("oversubscribed") for t in legend_texts(figure))
     assert {"torch", "ring", "butterfly", "halving-doubling"} <= set(legend_texts(figure))
     assert figure._suptitle.get_text() == "all-reduce algorithms, all over one backend"
-
-
-def test_allreduce_chart_draws_a_transport_apart_from_the_algorithms():
-    """Files written before transports were measured apart hold shared memory beside the algorithms."""
-    rows = [{"world_size": w, "numel": 1000, "algorithm": a, "time_s": 1e-3 * w, "memory_bytes": 0,
-             "max_abs_error": 0.0}
-            for w in (1, 2) for a in ("torch", "ring", "shared_memory")]
-    document = doc(rows)
-    document["env"]["backend"] = "gloo"
-    figure = plots.allreduce_table(document)
-    lines = {line.get_label(): line for line in data_lines(figure.axes[0])}
-    assert set(lines) == {"torch", "ring", "transport: shared memory"}
-    assert lines["transport: shared memory"].get_linestyle() == "--" and lines["ring"].get_linestyle() == "-"
-    assert figure._suptitle.get_text() == "all-reduce algorithms, all over gloo; dashed: a transport, not an algorithm"
 
 
 def ddp_row(label, variant, cap, p50, world=2, **extra):

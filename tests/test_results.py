@@ -3,7 +3,6 @@ all, flushed to the disk (results, checkpoints, the executed notebook)."""
 
 import builtins
 import errno
-import json
 import os
 import subprocess
 
@@ -31,7 +30,7 @@ def test_results_round_trip_in_the_shared_layout(tmp_path):
         results.read_results(str(path))
 
 
-def test_a_stopped_runs_file_is_read_as_incomplete_and_a_file_from_before_the_field_as_complete(tmp_path):
+def test_a_stopped_runs_file_is_read_as_incomplete(tmp_path):
     path = tmp_path / "r.json"
     rows = [{"size": 1, "time_s": 0.5}]
     for complete in (True, False):
@@ -41,10 +40,6 @@ def test_a_stopped_runs_file_is_read_as_incomplete_and_a_file_from_before_the_fi
         assert results.incomplete_note(doc) == ("" if complete else
                                                 "incomplete run: demo was stopped; 1 rows of the configurations it "
                                                 "finished, no targets")
-    doc = json.loads(path.read_text())
-    del doc["complete"]  # written before the field: written whole, at the end of its run
-    path.write_text(json.dumps(doc))
-    assert results.read_results(str(path))["complete"] is True
 
 
 def test_markdown_table_formats_and_marks_missing_values():

@@ -50,8 +50,8 @@ def test_bad_flags_are_refused():
 def _row(impl: str, setting: str, hidden: int, round_p50: list[float], saved: int = 100, peak: int = 1000,
          transport: str | None = None) -> dict:
     return {"kind": "time", "impl": impl, "transport": transport, "setting": setting, "dtype": "float32",
-            "device": "cpu", "batch": 32, "hidden": hidden, "round_p50_s": round_p50, "saved_bytes": saved,
-            "peak_bytes": peak}
+            "device": "cpu", "batch": 32, "hidden": hidden, "workers": 2 if setting == WORKERS else 1,
+            "round_p50_s": round_p50, "saved_bytes": saved, "peak_bytes": peak}
 
 
 def _engine(hidden: int, load: list[float], t: str, reference: float, ours: float,

@@ -1,7 +1,8 @@
 """Layer 3, measurement: ``measure`` (timing over ranks, interleaved rounds, bootstrap intervals, verdicts,
 memory, profiles), ``results`` (the environment header and the one JSON layout every benchmark writes),
 ``harness`` (the one driver every benchmark shares), ``transport_choice`` (the registry's transports as every
-benchmark's ``--transports``), ``rows`` (a row's identity as fields, and the one function that formats its label).
+benchmark's ``--transports``), ``row_identity`` (a row's identity as fields, and the one function that formats
+its label).
 
 Each benchmark script is a command line over its modules here, named by the benchmark (README's table gives
 each module's one line):

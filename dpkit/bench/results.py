@@ -164,21 +164,20 @@ def _jsonable(value):
 
 
 def read_results(path: str) -> dict:
-    """Read a file written by ``write_results``, refusing other layouts. Complete or not, it is returned with
-    ``complete`` set: a file written before that field existed was written whole, at the end of its run."""
+    """Read a file written by ``write_results`` (its ``complete`` says whether its run ended), refusing other
+    layouts."""
     with open(path) as f:
         doc = json.load(f)
     if doc.get("schema") != RESULTS_SCHEMA:
         raise ValueError(f"{path}: not a results file of layout {RESULTS_SCHEMA} "
                          f"(it says schema={doc.get('schema')!r}): re-run the command that wrote it "
                          "(results/manifest.json lists each file's command)")
-    doc.setdefault("complete", True)
     return doc
 
 
 def incomplete_note(doc: dict) -> str:
     """What to say of a stopped run's file (empty for a complete one): its rows are what it finished."""
-    if doc.get("complete", True):
+    if doc["complete"]:
         return ""
     return (f"incomplete run: {doc['benchmark']} was stopped; {len(doc['results'])} rows of the configurations it "
             "finished, no targets")

@@ -46,7 +46,7 @@ def _time_table(rows: list[dict], setting: str, dtype: str) -> str:
         for c in impls:
             entry[label(*c)] = 1e3 * by_impl[c][key]["time_s"]
             entry[label(*c) + " peak"] = by_impl[c][key]["peak_bytes"] / 1024
-            entry[label(*c) + " ops"] = by_impl[c][key].get("operators", -1)  # older files have no count
+            entry[label(*c) + " ops"] = by_impl[c][key]["operators"]
         table.append(entry)
     what = "kernels" if rows[0]["device"] == "cuda" else "ops"  # see ``operators``
     columns = [("batch", "batch", "d"), ("hidden", "hidden", "d")]

@@ -10,7 +10,7 @@ row took, it says itself, never guessed from its label's words:
 - ddp_benchmark.py's and sharding_benchmark.py's rows record their ``path`` (a staging block used in the measured
   iterations: the tensors were copied in; ``row_identity.recorded_path``), and each check the identity of both
   sides (``row``, ``reference_row``);
-- a syncbn_benchmark.py file says where its layers summed (``config["sums"]``; staged when it does not say);
+- a syncbn_benchmark.py file says where its layers summed (``config["sums"]``);
 - collectives_benchmark.py's rows are "shared_memory" (its buffers: zero copy) or "shared_memory:staged".
 A label no row of its file records has no path (None). A comparison of a zero-copy row with a staged row compares
 transports, whatever engines it names.
@@ -27,7 +27,7 @@ SHM = re.compile(r"\[(shared_memory(?::thread)?)\]")
 # table cell or a sentence.
 LABELLED = re.compile(r"((?:[\w.+:-]+ ){0,4})\[(shared_memory(?::thread)?)\]")
 RECORDED_BENCHMARKS = ("ddp_benchmark", "sharding_benchmark")  # rows that carry their path
-STAGED_BENCHMARKS = ("syncbn_benchmark",)  # staged unless the file's config says where it summed (``sums``)
+SUMMING_BENCHMARKS = ("syncbn_benchmark",)  # the file's config says where its layers summed (``sums``)
 # How a SyncBatchNorm row on shared memory summed, in words (``path`` says which, from its file).
 SYNCBN_SUMS = {STAGED: "each sum's small tensor copied in and out",
                ZERO_COPY: "each sum in the transport's own buffer, summed where it lies"}
@@ -50,8 +50,8 @@ def path(label: str, doc: dict | None = None) -> str | None:
     found = SHM.search(label)
     if not found:
         return None
-    if (doc or {}).get("benchmark") in STAGED_BENCHMARKS:
-        return (doc.get("config") or {}).get("sums", STAGED)
+    if (doc or {}).get("benchmark") in SUMMING_BENCHMARKS:
+        return doc["config"]["sums"]
     if (doc or {}).get("benchmark") in RECORDED_BENCHMARKS:
         return _row_path(label[:found.start()].split()[-4:], found.group(1), doc)
     return None

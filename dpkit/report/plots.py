@@ -29,7 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
-from dpkit.bench import row_identity
+from dpkit.bench import row_identity, syncbn_verdicts
 from dpkit.bench.measure import PHASES, bootstrap_ci, paired_ratio
 from dpkit.engines import registry
 # Re-exported: the report reads them from here with the figures.
@@ -242,56 +242,41 @@ def training_curves(runs: dict[str, dict]) -> Figure:
 
 
 SYNCBN_REFERENCE = "BatchNorm1d + 2 all_reduce"
-# The least a Python autograd.Function with those two sums costs (syncbn_verdicts.FLOOR), drawn against the reference.
-SYNCBN_FLOOR = "floor: BatchNorm in a Python Function + 2 sums"
+# The least a Python autograd.Function with those two sums costs, drawn against the reference.
+SYNCBN_FLOOR = syncbn_verdicts.FLOOR
 
 
 _ONLY = object()  # syncbn_ratios' default transport: the one the file times ``impl`` and ``reference`` on
 
 
 def syncbn_ratios(doc: dict, reference: str = SYNCBN_REFERENCE, impl: str = "ours", transport=_ONLY) -> list[dict]:
-    """Per (batch, hidden): ``impl`` / ``reference`` time on one transport (rows of ``transport``; None: rows
-    without one, as files written before transports were a column) with its interval. By default the file's
-    only transport for these two; ValueError when it has several (a ratio never mixes two transports)."""
+    """Per (batch, hidden): ``impl`` / ``reference`` time on one transport (rows of ``transport``), paired by round,
+    with its interval. By default the file's only transport for these two; ValueError when it has several (a ratio
+    never mixes two transports)."""
     # syncbn_benchmark.py also writes one-process, float16/bfloat16, ratio and target rows: keep float32 times of
     # the workers.
-    times = [r for r in doc["results"] if r.get("kind", "time") == "time" and r.get("setting", "workers") == "workers"
-             and r.get("dtype", "float32") == "float32"]
+    times = [r for r in doc["results"] if r["kind"] == "time" and (r["setting"], r["dtype"]) == ("workers", "float32")]
     if transport is _ONLY:
-        present = sorted({r.get("transport") for r in times if r.get("impl") in (impl, reference)}, key=str)
+        present = sorted({r["transport"] for r in times if r["impl"] in (impl, reference)}, key=str)
         if len(present) > 1:
             raise ValueError(f"the file times {impl!r} and {reference!r} on transports {present}: pass transport=")
         transport = present[0] if present else None
-    rows = [r for r in times if r.get("transport") == transport]
-    ref = {(r["batch"], r["hidden"]): r for r in rows if r.get("impl") == reference}
-    out = []
-    for r in rows:
-        if r.get("impl") != impl or (r["batch"], r["hidden"]) not in ref:
-            continue
-        if isinstance(r.get("vs_reference"), dict):  # a measure.paired_ratio stored with the row
-            value = r["vs_reference"]
-        elif r.get("ci_low") is not None and r.get("vs_reference") is not None:
-            value = {"median": r["vs_reference"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
-        else:  # per-round medians (round_p50_s) where the rows have them
-            value = ratio(r, ref[(r["batch"], r["hidden"])], "p50_s" if round_values(r, "p50_s") else "time_s")
-        out.append({"batch": r["batch"], "hidden": r["hidden"], "workers": r.get("workers"), "transport": transport,
-                    **value})
-    return out
+    rows = [r for r in times if r["transport"] == transport]
+    ref = {(r["batch"], r["hidden"]): r for r in rows if r["impl"] == reference}
+    return [{"batch": r["batch"], "hidden": r["hidden"], "workers": r["workers"], "transport": transport,
+             **ratio(r, ref[(r["batch"], r["hidden"])], "p50_s")}
+            for r in rows if r["impl"] == impl and (r["batch"], r["hidden"]) in ref]
 
 
 def _ratio_bars(ax, points: list[dict], offset: float, width: float, color: str, label: str,
-                interval_label: str | None) -> bool:
-    """Bars of ``points`` (ratio rows, in x order) shifted by ``offset``, with their 95 % intervals where they
-    have them; returns whether any had one."""
+                interval_label: str | None) -> None:
+    """Bars of ``points`` (paired ratio rows, in x order) shifted by ``offset``, with their 95 % intervals."""
     x = np.arange(len(points)) + offset
-    has_ci = [p["ci_low"] is not None for p in points]
     ax.bar(x, [p["median"] for p in points], color=color, width=width, label=label)
-    if any(has_ci):
-        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"]) if ok else None)
-                         for p, ok in zip(points, has_ci)])
+    if points:
+        yerr = np.array([_yerr(p["median"], (p["ci_low"], p["ci_high"])) for p in points])
         ax.errorbar(x, [p["median"] for p in points], yerr=yerr[:, :, 0].T, fmt="none", ecolor="black", capsize=4,
                     label=interval_label)
-    return any(has_ci)
 
 
 def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
@@ -300,9 +285,10 @@ def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
     floor / the reference on shared memory (the least a layer written as a Python Function costs there);
     error bars: 95 % intervals where the rows carry them; the target as a line. Engine against engine only:
     no bar divides a time on one transport by a time on another."""
-    transports = sorted({r.get("transport") for r in doc["results"] if r.get("kind", "time") == "time"
-                         and r.get("impl") == "ours" and r.get("setting", "workers") == "workers"}, key=str)
-    pairs = [("ours", t, colour("shared_memory") if t == "shared_memory" else colour("ours")) for t in transports]
+    transports = sorted({r["transport"] for r in doc["results"] if r["kind"] == "time" and r["impl"] == "ours"
+                         and r["setting"] == "workers"}, key=str)
+    # Ours in its own colour on torch.distributed's, in each other transport's elsewhere (one bar per transport).
+    pairs = [("ours", t, colour("ours") if t == "torch" else colour(t)) for t in transports]
     pairs += [(SYNCBN_FLOOR, t, "#BBBBBB") for t in transports if t == "shared_memory"]
     series = [(impl, t, bar, syncbn_ratios(doc, SYNCBN_REFERENCE, impl, t)) for impl, t, bar in pairs]
     series = [s for s in series if s[-1]] or series[:1] or [("ours", None, colour("ours"), [])]
@@ -310,21 +296,17 @@ def syncbn_grid(doc: dict, target: float = 1.3) -> Figure:
     figure, axes = _figure(1, max(1, len(batches)), width=4.2 * max(1, len(batches)) + 2, height=3.4, sharey=True)
     width = 0.6 / len(series)
     for ax, batch in zip(axes[0], batches):
-        with_ci = False
         for k, (impl, transport, bar, ratios) in enumerate(series):
             points = sorted((r for r in ratios if r["batch"] == batch), key=lambda r: r["hidden"])
             on = f" [{transport}]" if transport else ""
-            with_ci |= _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar,
-                                   f"{'floor' if impl == SYNCBN_FLOOR else impl}{on} / ({SYNCBN_REFERENCE}){on}",
-                                   "95 % interval" if k == 0 else None)
+            _ratio_bars(ax, points, (k - (len(series) - 1) / 2) * width, width, bar,
+                        f"{'floor' if impl == SYNCBN_FLOOR else impl}{on} / ({SYNCBN_REFERENCE}){on}",
+                        "95 % interval" if k == 0 else None)
         ax.axhline(target, color="#AA0000", linestyle="--", label=f"target {target:g}x")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(np.arange(len(points)), [str(p["hidden"]) for p in points])
         workers = points[0].get("workers") if points else None
         ax.set(xlabel="hidden size (channels)", title=f"batch {batch}" + (f", {workers} workers" if workers else ""))
-        if not with_ci:
-            ax.text(0.02, 0.97, "no interval: not in this results file", transform=ax.transAxes, fontsize="x-small",
-                    va="top", color="#AA0000")
     if not batches:
         missing(axes[0][0], "rows of impl 'ours' and 'BatchNorm1d + 2 all_reduce'")
     axes[0][0].set_ylabel("time ratio (x)")
@@ -339,23 +321,19 @@ def allreduce_table(doc: dict) -> Figure:
     """The homework's all-reduce tables as a chart: time (top) and error against the exact mean
     (bottom) against world size, one panel per tensor size, one colour per algorithm, every algorithm
     over the same wire (the run's backend); world sizes above the machine's cores are shaded as
-    oversubscribed. A transport in the file (shared memory, in files written before transports were
-    measured apart) is no algorithm: it is drawn dashed and labelled as a transport."""
+    oversubscribed."""
     rows, env = doc["results"], doc.get("env", {})
     sizes = sorted({r["numel"] for r in rows})
     worlds = sorted({r["world_size"] for r in rows})
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
-    transports = {r["algorithm"] for r in rows if _is_transport(r)}
     figure, axes = _figure(2, len(sizes), width=3.6 * len(sizes) + 2, height=3.0, sharex=True)
     for column, numel in enumerate(sizes):
         time_ax, error_ax = axes[0][column], axes[1][column]
         for algorithm in algorithms:
-            style = dict(color=colour(algorithm), linestyle="--" if algorithm in transports else "-")
-            name = algorithm.replace("_", " ") if algorithm in transports else algorithm.replace("_", "-")
-            label = f"transport: {name}" if algorithm in transports else name
+            style = dict(color=colour(algorithm), linestyle="-")
             points = sorted((r["world_size"], r) for r in rows if r["numel"] == numel and r["algorithm"] == algorithm)
-            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o", label=label,
-                         **style)
+            time_ax.plot([w for w, _ in points], [1e3 * r["time_s"] for _, r in points], marker="o",
+                         label=algorithm.replace("_", "-"), **style)
             errors = [(w, r["max_abs_error"]) for w, r in points if w > 1 and r.get("max_abs_error") is not None]
             error_ax.plot([w for w, _ in errors], [e for _, e in errors], marker="o", **style)
         over = [w for w in worlds if oversubscribed({"world_size": w}, env)]
@@ -370,15 +348,9 @@ def allreduce_table(doc: dict) -> Figure:
     axes[0][0].set_ylabel("time (ms, median of slowest rank)")
     axes[1][0].set_ylabel("max |result - exact mean|")
     wire = env.get("backend") or "one backend"
-    dashed = "; dashed: a transport, not an algorithm" if transports else ""
-    figure.suptitle(f"all-reduce algorithms, all over {wire}{dashed}")
+    figure.suptitle(f"all-reduce algorithms, all over {wire}")
     _legend_outside(figure)
     return figure
-
-
-def _is_transport(row: dict) -> bool:
-    """A row on the transport axis: its own ``axis`` field, or shared memory in a file written without one."""
-    return row.get("axis", "transport" if row.get("algorithm") == "shared_memory" else "algorithm") == "transport"
 
 
 # --------------------------------------------------------------------------- DDP variants and bucket sizes
@@ -386,6 +358,15 @@ def _is_transport(row: dict) -> bool:
 
 # One line style per transport of ddp_benchmark.py's rows (the colour is the implementation's).
 TRANSPORT_LINES = {"torch": "-", "shared_memory": "--", "shared_memory:thread": ":", "torch:dpkit": "-."}
+# A transport without a line above (one a user registered): one of these dash patterns, the same in every figure.
+MORE_LINES = ((0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (8, 2)), (0, (1, 3)))
+
+
+def transport_line(transport: str | None):
+    """The line style of a transport's series (None, the model alone: solid)."""
+    if transport is None or transport in TRANSPORT_LINES:
+        return TRANSPORT_LINES.get(transport, "-")
+    return MORE_LINES[zlib.crc32(transport.encode()) % len(MORE_LINES)]
 
 
 def _models(rows):
@@ -402,17 +383,16 @@ def ddp_variants(doc: dict) -> Figure:
     for (sweep_ax, bar_ax), model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
         caps = sorted({r["bucket_cap_mb"] for r in mine if r.get("bucket_cap_mb")})
-        # A series per implementation and transport (rows of files written before transports were a column: None).
-        series = list(dict.fromkeys((kind(r), r.get("transport")) for r in mine if r.get("bucket_cap_mb")))
+        series = list(dict.fromkeys((kind(r), r["transport"]) for r in mine if r.get("bucket_cap_mb")))  # one each
         for i, (name, on) in enumerate(series):
-            points = sorted(((r["bucket_cap_mb"], r) for r in mine if (kind(r), r.get("transport")) == (name, on)
+            points = sorted(((r["bucket_cap_mb"], r) for r in mine if (kind(r), r["transport"]) == (name, on)
                              and r.get("bucket_cap_mb")), key=lambda point: point[0])
             shift = 1.06 ** (i - (len(series) - 1) / 2)  # side by side, so the error bars stay apart
             x = [b * shift for b, _ in points]
             y = [r["p50_s"] for _, r in points]
             yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
             sweep_ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, color=colour(name),
-                              linestyle=TRANSPORT_LINES.get(on, "-"), label=_series_label(name, on, points[0][1]))
+                              linestyle=transport_line(on), label=_series_label(name, on, points[0][1]))
         baseline = next((r for r in mine if r["engine"] is None), None)
         if baseline:
             sweep_ax.axhline(baseline["p50_s"], color=colour("no ddp"), linestyle=":",
@@ -488,7 +468,8 @@ def time_breakdown(doc: dict) -> Figure:
 
 def ddp_sweep(doc: dict) -> Figure:
     """p50 time per iteration (bars: ``interval``, the range of the rounds below ``MIN_BOOTSTRAP_ROUNDS``) and
-    whole-job examples per second against world size, one colour per variant; oversubscribed world sizes shaded
+    whole-job examples per second against world size, one colour per variant and a line style per transport;
+    oversubscribed world sizes shaded
     grey and hatched, points hollow."""
     rows, env = doc["results"], doc.get("env", {})
     figure, axes = _figure(1, 2, width=12, height=3.8)
@@ -499,9 +480,10 @@ def ddp_sweep(doc: dict) -> Figure:
         c = colour(points[0][1])
         x = [w for w, _ in points]
         yerr = np.array([_yerr(r["p50_s"], interval(r, "p50_s")) for _, r in points])[:, :, 0].T
-        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3,
+        line = transport_line(points[0][1]["transport"])  # a variant on two transports: two line styles
+        time_ax.errorbar(x, [r["p50_s"] for _, r in points], yerr=yerr, color=c, capsize=3, linestyle=line,
                          label=row_identity.label(points[-1][1], path=True))
-        throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c)
+        throughput_ax.plot(x, [r["p50_ex_per_s"] for _, r in points], color=c, linestyle=line)
         for ax, key in ((time_ax, "p50_s"), (throughput_ax, "p50_ex_per_s")):
             for w, r in points:
                 over = oversubscribed(r, env)

@@ -11,15 +11,8 @@ Each function takes result documents in the layout of ``dpkit.bench.results`` an
 
 from __future__ import annotations
 
-import re
-
 from dpkit.bench.measure import format_ratio
 from dpkit.report import findings
-
-# syncbn_benchmark.py's sentence on the floor's median alone (files written before it judged the interval).
-FLOOR_CLAIM = re.compile(r" The floor alone is above [\d.]+x: no layer written as a Python autograd\.Function meets "
-                         r"it here\.")
-FLOOR = "floor: BatchNorm in a Python Function + 2 sums"  # syncbn_benchmark.py's label of the floor
 
 
 def ring_vs_torch(doc: dict, world: int) -> list[tuple[int, float, float, float]]:
@@ -48,23 +41,6 @@ def allreduce_commentary(doc: dict) -> str:
     return (f"*Commentary.* Without oversubscription, over gloo on {env['device_model']} ({env['cpus']} cores): "
             + "; ".join(parts) + "." + accuracy + " The rows with more processes than cores are shaded in the "
             "figure and not used here.")
-
-
-def syncbn_why(doc: dict, row: dict) -> str:
-    """syncbn_benchmark.py's account of one size's miss, its sentence on the floor decided by the floor's interval
-    (the file's floor row at that size and transport): "above" only where all of it is above the target."""
-    text = row["why"]
-    if not FLOOR_CLAIM.search(text):
-        return text
-    floor = next((r for r in doc["results"] if r.get("kind") == "ratio" and r.get("impl") == FLOOR
-                  and (r["batch"], r["hidden"], r["transport"], r["dtype"], r["setting"])
-                  == (row["batch"], row["hidden"], row["transport"], row["dtype"], row["setting"])), None)
-    side = findings.position(floor, row["target"])
-    said = (f" The floor alone is above {row['target']}x ({format_ratio(floor)}): no layer written as a Python "
-            "autograd.Function meets it here." if side == "above" else
-            f" The floor's interval ({format_ratio(floor)}) holds {row['target']}x: whether the floor alone misses "
-            "it is inconclusive." if floor else " The floor's interval is not in the file: no claim on it.")
-    return FLOOR_CLAIM.sub(lambda _: said, text)
 
 
 def counts_paragraph(sources: list[tuple[dict, list[dict]]], lead: str) -> str:

@@ -255,10 +255,8 @@ def training_lines(ours: dict, theirs: dict) -> list[str]:
 
     a, b = final(ours), final(theirs)
     config = ours["config"]
-    transport = [doc["config"].get("transport_used") for doc in (ours, theirs)]
-    if None in transport:  # files written before ddp_cifar100.py recorded it: sameness is unknown, not claimed
-        same = "transport not recorded: the step times may compare engine and transport together"
-    elif transport[0] == transport[1] == "shared_memory":
+    transport = [doc["config"]["transport_used"] for doc in (ours, theirs)]
+    if transport[0] == transport[1] == "shared_memory":
         same = ("both on shared memory, ours zero copy (buckets the transport allocated), PyTorch's DDP staged "
                 "(through `transport.ddp_comm_hook`): the step times compare engine and path together")
     elif transport[0] == transport[1]:
@@ -293,14 +291,21 @@ def other_runs_lines(*docs: dict) -> list[str]:
     texts, missed = [], []
     for name, doc in zip(OTHER_RUN_FILES, docs):
         checks = findings.counted(doc.get("targets") or [], doc["env"])
-        rounds = min((c["ratio"]["rounds"] for c in checks if (c.get("ratio") or {}).get("rounds")), default=None)
-        few = rounds is not None and rounds < findings.MIN_BOOTSTRAP_ROUNDS
-        texts.append(f"`{name}.json` {findings.counts_text(checks)}"
-                     + (f" (decided on the {findings.interval_name(rounds)}, not a 95 % interval)" if few else ""))
+        texts.append(f"`{name}.json` {findings.counts_text(checks)}{_decided_by(checks)}")
         missed += [f"{c.get('model', '')} {c['label']} / {c['reference']} {format_ratio(c['ratio'])} "
                    f"(`{name}.json`)".strip() for c in checks if c["verdict"] == "missed"]
     return ["- **Other runs of these comparisons**, not in the counts above (same exclusions): " + "; ".join(texts)
             + (f"; missed: {'; '.join(missed)}" if missed else "") + "."]
+
+
+def _decided_by(checks: list[dict]) -> str:
+    """What decided checks that a 95 % interval did not: the range of too few rounds, or one measurement."""
+    rounds = [(c.get("ratio") or {}).get("rounds") or 1 for c in checks]
+    timed = [n for n in rounds if n > 1]
+    notes = ([f"timed checks on the {findings.interval_name(min(timed))}, not a 95 % interval"]
+             if timed and min(timed) < findings.MIN_BOOTSTRAP_ROUNDS else [])
+    notes += [f"{rounds.count(1)} on a single measurement"] if 1 in rounds else []
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def oversubscribed_lines(*docs: dict) -> list[str]:
@@ -465,18 +470,20 @@ def check_one_device(docs: dict[str, dict]) -> None:
                          "or write the GPU results to their own directory (run_experiments.py --out)")
 
 
-def readme_block(text: str) -> str:
-    """The generated block of README.md's text, markers included."""
-    start, end = text.find(BEGIN), text.find(END)
+def readme_block(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """A generated block of README.md's text (by default the headline block), markers included."""
+    begin, end_marker = markers
+    start, end = text.find(begin), text.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"README.md has no headline block: it needs the two marker lines\n{BEGIN}\n{END}")
-    return text[start:end + len(END)]
+        raise ValueError(f"README.md has no such generated block: it needs the two marker lines\n{begin}\n"
+                         f"{end_marker}")
+    return text[start:end + len(end_marker)]
 
 
-def update_readme(readme: Path, block: str) -> bool:
-    """Replace README.md's headline block with ``block``; True when the file changed."""
+def update_readme(readme: Path, block: str, markers: tuple[str, str] = (BEGIN, END)) -> bool:
+    """Replace README.md's block between ``markers`` with ``block``; True when the file changed."""
     text = readme.read_text()
-    old = readme_block(text)
+    old = readme_block(text, markers)
     if old == block:
         return False
     new_text = text.replace(old, block)

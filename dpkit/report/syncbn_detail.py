@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from dpkit.report import findings, plots, sentences
+from dpkit.report import findings, plots
 from dpkit.report.syncbn_section import transports
 from dpkit.report.wording import wire
 
@@ -67,7 +67,7 @@ def targets(page) -> None:
     if kind(doc, "bound"):  # the floor (workers on one CPU host): bounds without a target
         page.show([{**b, "value": fmt(b)} for b in kind(doc, "bound")],
                   [("name", "bound (no target)", "s"), ("value", "measured", "s")], doc)
-    whys = [sentences.syncbn_why(doc, r) for r in kind(doc, "ratio") if r.get("why")]
+    whys = [r["why"] for r in kind(doc, "ratio") if r.get("why")]
     if whys:
         page.say("**Sizes that do not meet their target (missed or inconclusive), and why**\n\n"
                  + "\n".join(f"* {w}" for w in whys), doc)

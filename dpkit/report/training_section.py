@@ -46,7 +46,7 @@ def run_text(impl: str, doc: dict) -> str:
 
 def commentary_text(runs: dict[str, dict]) -> str:
     largest = largest_difference(runs)
-    staged = {d["config"].get("transport_used") for d in runs.values()} == {"shared_memory"}
+    staged = {d["config"]["transport_used"] for d in runs.values()} == {"shared_memory"}
     return (f"*Commentary.* The largest difference between the two runs' per-epoch loss and accuracy is {largest:.3g}: "
             + ("the curves are **identical**, as they should be: our DDP divides each gradient by the world size "
                "before the sum, as PyTorch's does, so both reach the same weights. " if largest == 0 else
@@ -101,7 +101,7 @@ def accuracy_text(runs: dict[str, dict], training: dict) -> str:
 
 def seed_text(runs: dict[str, dict], rows: list[dict], seed: dict, env: dict) -> str:
     one_bn = len({doc["config"]["sync_bn_used"] for doc in runs.values()}) == 1
-    wires = sorted({str(doc["config"].get("transport_used")) for doc in runs.values()})
+    wires = sorted({doc["config"]["transport_used"] for doc in runs.values()})
     return (f"Hardware: seed on {seed['hardware']}; ours on {summary.hardware(env)}. "
             f"**Time and memory, its implementation / PyTorch's: not the same measurement.** The seed: "
             f"{rows[0]['time'] / rows[2]['time']:.2f} (whole run, slowest rank) and "

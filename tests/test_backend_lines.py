@@ -1,0 +1,48 @@
+"""README's results of the backend "dpkit" are rendered from the committed files, never typed: the block in README
+is the function's output, and each sentence says what its numbers decide."""
+
+from __future__ import annotations
+
+import json
+
+from common import REPO
+from dpkit.bench.measure import format_ratio
+from dpkit.report import backend_lines, summary
+
+
+def test_the_readme_block_is_exactly_what_the_committed_results_render():
+    rendered = backend_lines.render(REPO / "results")
+    block = summary.readme_block((REPO / "README.md").read_text(), (backend_lines.BEGIN, backend_lines.END))
+    assert block == rendered, "README.md's backend block differs from results/: run `python run_experiments.py " \
+                              "--summary`"
+
+
+def row(label, nbytes, p50, ratio=None, anchor=None):
+    out = {"collective": "allreduce", "axis": "backend", "label": label, "bytes": nbytes, "p50_s": p50,
+           "rounds": 40, "oversubscribed": False, "world_size": 2}
+    if anchor:
+        low, median, high = ratio
+        out |= {"anchor": anchor, "backend_vs_anchor": median, "backend_vs_anchor_ci_low": low,
+                "backend_vs_anchor_ci_high": high}
+    return out
+
+
+def test_ahead_and_behind_are_said_only_where_the_whole_interval_lies_on_one_side_of_one():
+    rows = []
+    for nbytes, ratio in ((8, (1.1, 1.5, 2.0)), (4096, (0.9, 1.0, 1.2)), (1 << 20, (0.5, 0.6, 0.8))):
+        rows += [row("Open MPI (mpi4py)", nbytes, 1e-5, ratio, "openmpi"), row("gloo", nbytes, 1e-3),
+                 row(backend_lines.BACKEND, nbytes, 2e-5)]
+    lines = backend_lines.anchors({"results": rows})
+    assert lines[2] == ("| 8B | 10 us | 1.0 ms | 20 us | " + format_ratio({"median": 1.5, "ci_low": 1.1,
+                                                                           "ci_high": 2.0, "rounds": 40}) + " |")
+    assert lines[-1].endswith('against Open MPI (mpi4py), "dpkit" is ahead at 1MiB, behind at 8B, neither at 4KiB.')
+
+
+def test_the_landing_sentences_are_the_files_stored_ratios_and_verdict():
+    docs = {name: json.loads((REPO / "results" / f"{name}.json").read_text()) for name in backend_lines.FILES}
+    ddp = backend_lines.ddp_landing(docs["ddp_backend"])
+    (check,) = [t for t in docs["ddp_backend"]["targets"] if t["axis"] == "transport"]
+    assert f"takes {format_ratio(check['ratio'])} of one on gloo" in ddp and f"(<= {check['limit']}x)" in ddp
+    syncbn = backend_lines.syncbn_landing(docs["syncbn_backend"], docs["backend_anchors"])
+    ours = backend_lines._comparison(docs["syncbn_backend"], backend_lines.OURS)
+    assert f"ours {format_ratio(ours)}" in syncbn
