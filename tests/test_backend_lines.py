@@ -44,5 +44,5 @@ def test_the_landing_sentences_are_the_files_stored_ratios_and_verdict():
     (check,) = [t for t in docs["ddp_backend"]["targets"] if t["axis"] == "transport"]
     assert f"takes {format_ratio(check['ratio'])} of one on gloo" in ddp and f"(<= {check['limit']}x)" in ddp
     syncbn = backend_lines.syncbn_landing(docs["syncbn_backend"], docs["backend_anchors"])
-    ours = backend_lines._comparison(docs["syncbn_backend"], backend_lines.OURS)
+    ours = backend_lines.comparison(docs["syncbn_backend"], backend_lines.OURS)
     assert f"ours {format_ratio(ours)}" in syncbn

@@ -15,7 +15,7 @@ import pytest
 import ddp_benchmark
 import toy_engine
 from common import run_workers
-from dpkit.bench import ddp_step, ddp_variants, rows as identity
+from dpkit.bench import ddp_step, ddp_variants, row_identity
 from dpkit.report import plots
 
 TINY = ["--models", "cnn", "--variants", "ddp ours", "toy ours", "--transports", "torch", "shared_memory",
@@ -28,7 +28,7 @@ def _benchmark_with_the_toy(ctx) -> list[dict]:
     label, identity and whether it was timed."""
     with toy_engine.registered():
         rows = ddp_benchmark.worker(ctx, ddp_benchmark.parse_args(TINY))
-    return [{"label": r["label"], **identity.identity(r), "timed": r["p50_s"] > 0} for r in rows]
+    return [{"label": r["label"], **row_identity.identity(r), "timed": r["p50_s"] > 0} for r in rows]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_a_registered_ddp_engine_runs_in_the_ddp_benchmark_beside_ours_with_its_
     assert rows["toy ours 25M [shared_memory]"] == {"label": "toy ours 25M [shared_memory]", **toy,
                                                     "transport": "shared_memory", "path": "zero copy"}
     assert rows["ddp ours 25M [torch]"]["engine"] == "ddp" and rows["no ddp"]["engine"] is None
-    assert all(r["label"] == identity.label(r) for r in runs[0])
+    assert all(r["label"] == row_identity.label(r) for r in runs[0])
 
 
 def test_a_registered_ddp_engine_is_a_variant_named_in_the_help_and_unknown_once_gone(capsys):

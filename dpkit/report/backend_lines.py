@@ -91,7 +91,8 @@ def _syncbn_times(doc: dict) -> dict[tuple, float]:
             if r["kind"] == "time" and (r["setting"], r["dtype"]) == ("workers", "float32")}
 
 
-def _comparison(doc: dict, impl: str) -> dict:
+def comparison(doc: dict, impl: str) -> dict:
+    """syncbn_benchmark.py's stored comparison of ``impl`` on "dpkit" against itself on gloo (median over the grid)."""
     return next(r for r in doc["results"] if r["kind"] == "comparison" and r["impl"] == impl
                 and (r["transport"], r["versus_transport"]) == (DPKIT, GLOO))
 
@@ -103,11 +104,11 @@ def syncbn_landing(doc: dict, anchors_doc: dict) -> str:
     added = {t: [times[PATTERN, t, b, h] - times[LOCAL, None, b, h] for b, h in grid] for t in (DPKIT, GLOO)}
     mpi = next(row for row in _allreduce(anchors_doc)[4096].values() if row.get("anchor") == "openmpi")
     calls = [a / (2 * mpi["p50_s"]) for a in added[DPKIT]]
-    pattern = _comparison(doc, PATTERN)
+    pattern = comparison(doc, PATTERN)
     return (f"SyncBatchNorm (`results/syncbn_backend.json`, at {doc['env']['git_commit']}), forward and backward, "
             f"float32, the homework grid ({len(grid)} sizes): PyTorch's pattern, `BatchNorm1d` and the two all-reduces "
             f"any synchronized layer makes, takes {format_ratio(pattern)} of its time on gloo (median over the "
-            f"sizes), ours {format_ratio(_comparison(doc, OURS))}. Against `BatchNorm1d` alone in the same run, the "
+            f"sizes), ours {format_ratio(comparison(doc, OURS))}. Against `BatchNorm1d` alone in the same run, the "
             f"two sums add {_span(added[DPKIT])} per iteration on \"dpkit\" and {_span(added[GLOO])} on gloo "
             f"(differences of medians). On \"dpkit\" that is {min(calls):.1f} to {max(calls):.1f} times two of Open "
             f"MPI's 4 KiB all-reduces ({time_text(mpi['p50_s'])} a call in `results/backend_anchors.json`, another "
