@@ -17,7 +17,7 @@ from common import REPO
 from dpkit.bench.results import read_results
 from dpkit.bench.row_identity import label as row_label, what
 from dpkit.report import (allreduce_section, ddp_formats, ddp_section, multihost_section, overview, page,
-                          sharding_section, summary, syncbn_section, training_section, wording)
+                          sharding_section, summary, syncbn_detail, syncbn_section, training_section, wording)
 
 matplotlib.use("Agg")
 
@@ -280,3 +280,17 @@ def test_every_syncbn_cell_reads_a_file_of_any_transport_and_names_it(tmp_path):
     commentary = next(text for text in said if text.startswith("*Commentary.*"))
     assert "through torch.distributed (gloo) ours takes" in commentary and f"through the transport {name} ours takes" \
         in commentary
+
+
+@pytest.mark.parametrize("gaps, cold_us, said", [
+    ({"torch": 100e-6}, 30.0, "ours computes 100 us more than the reference outside its two collectives, of which the "
+                              "cold caches' 30 us are 30 %: cold caches of this kind account for a minority"),
+    ({"torch": 100e-6}, -10.0, "cold caches add nothing to what our layer computes, so they explain none of it."),
+    ({"shared_memory": -37e-6}, 30.0, "ours computes 37 us less than the reference outside its two collectives: "
+                                      "ours computes no more than the reference"),
+])
+def test_the_cold_cache_sentence_gives_a_share_only_where_both_are_extra(monkeypatch, gaps, cold_us, said):
+    monkeypatch.setattr(syncbn_detail, "transports", lambda doc: list(gaps))
+    monkeypatch.setattr(syncbn_detail.findings, "compute_gap", lambda doc, batch, hidden, t: gaps[t])
+    text = syncbn_detail.gap_text({}, 32, 128, cold_us)
+    assert said in text and "-" not in text.split("table above")[1]

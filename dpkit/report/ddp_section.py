@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from dpkit.bench import row_identity
-from dpkit.report import findings, plots, sentences, summary
+from dpkit.report import findings, paths, plots, sentences, summary
 from dpkit.report.wording import interval_text, ratio_text, span
 
 CHECK_COLUMNS = [("model", "model", "s"), ("axis", "axis", "s"), ("label", "variant", "s"),
@@ -50,11 +50,19 @@ def pair(check: dict) -> str:
     return " / ".join(sides(check))
 
 
-def checks_table(page, checks: list[dict]) -> None:
-    page.show([{**c, "label": sides(c)[0], "reference": sides(c)[1], "value": ratio_text(c["ratio"]),
+def checks_table(page, checks: list[dict], doc: dict) -> None:
+    """The stored checks, each on the axis the verdict counts put it (``paths.axis``: a zero-copy side against a
+    staged one is on the transport axis, whatever it was stored as)."""
+    page.show([{**c, "axis": _axis(c, doc), "label": sides(c)[0], "reference": sides(c)[1],
+                "value": ratio_text(c["ratio"]),
                 "limit_text": "-" if c["limit"] is None else f"<= {c['limit']:.2f}",
                 "judged": c["verdict"] if c["limit"] is not None else "information"} for c in checks], CHECK_COLUMNS,
               label=False)
+
+
+def _axis(check: dict, doc: dict) -> str:
+    axis = paths.axis(check, doc)
+    return axis if axis == check["axis"] else f"{axis} (stored as {check['axis']}: zero copy against staged)"
 
 
 def file_section(page, doc: dict) -> None:
@@ -62,7 +70,7 @@ def file_section(page, doc: dict) -> None:
     for model in dict.fromkeys(r["model"] for r in doc["results"]):
         model_rows(page, doc, model)
     if doc.get("targets"):
-        checks_table(page, doc["targets"])
+        checks_table(page, doc["targets"], doc)
     else:
         page.missing("stored target checks (written by ddp_benchmark.py with its rows)")
     page.draw(plots.ddp_variants(doc))

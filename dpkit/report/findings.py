@@ -118,9 +118,19 @@ def single_measurement(check: dict) -> bool:
 
 
 def counted(checks: Iterable[dict], env: dict | None) -> list[dict]:
-    """The checks a count rests on: ``countable`` ones of runs that communicate (more than one process; not
-    syncbn_benchmark.py's one-process setting)."""
-    return [c for c in countable(checks, env) if int(c.get("world_size", 2)) > 1 and c.get("setting") != "1 process"]
+    """The checks a count rests on: ``countable`` ones of runs that communicate."""
+    return _communicating(countable(checks, env))
+
+
+def judged(checks: Iterable[dict], env: dict | None) -> list[dict]:
+    """Every verdict of runs that communicate, not oversubscribed, those judged without a numeric limit included (a
+    requirement met or missed: PyTorch's test base passing on "dpkit" as on gloo)."""
+    return _communicating(c for c in checks if c.get("verdict") in VERDICTS and not oversubscribed(c, env))
+
+
+def _communicating(checks: Iterable[dict]) -> list[dict]:
+    """Checks of more than one process, and not syncbn_benchmark.py's one-process setting."""
+    return [c for c in checks if int(c.get("world_size", 2)) > 1 and c.get("setting") != "1 process"]
 
 
 def tally(sources: Iterable[tuple[dict, Iterable[dict]]]) -> list[dict]:

@@ -127,9 +127,15 @@ def _overlap_lines(rows: dict[tuple, dict], checks: list[dict], doc: dict) -> li
     if hidden:
         lines.append("  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: "
                      + "; ".join(f"{_pair(c)} {format_ratio(c['ratio'])} (target <= {c['limit']:.2f}x: "
-                                 f"**{c['verdict']}**)"
+                                 f"**{c['verdict']}**{_counted_on(c, doc)})"
                                  for c in hidden))
     return lines
+
+
+def _counted_on(check: dict, doc: dict) -> str:
+    """Where the verdict counts put a check whose sides took different paths (``paths.axis``), said beside it."""
+    axis = paths.axis(check, doc)
+    return "" if axis == check["axis"] else f"; zero copy against staged: counted on the {axis} axis"
 
 
 def syncbn_lines(doc: dict) -> list[str]:
@@ -278,8 +284,7 @@ def counts_lines(syncbn: dict, ddp: dict, *others: dict) -> list[str]:
     one-process and oversubscribed runs, each on the axis its paths put it; the DDP checks are the headline run's
     (``ddp_benchmark.json``'s checks of the same comparisons are another run, not counted again)."""
     sources = [(syncbn, [r for r in syncbn["results"] if r.get("kind") == "target"]), (ddp, ddp.get("targets") or [])]
-    sources += [(doc, doc.get("targets") or [t for t in doc["results"] if "target" in t and "verdict" in t])
-                for doc in others]
+    sources += [(doc, stored_verdicts(doc)) for doc in others]
     files = ", ".join(f"`{name}.json`" for name in RATIO_FILES)
     return [f"- **Verdict counts** (every stored target of {files}, per axis and kind; runs of one process "
             "and oversubscribed runs left out):", *(f"  - {findings.tally_text(r)}" for r in findings.tally(sources))]
@@ -306,6 +311,31 @@ def _decided_by(checks: list[dict]) -> str:
              if timed and min(timed) < findings.MIN_BOOTSTRAP_ROUNDS else [])
     notes += [f"{rounds.count(1)} on a single measurement"] if 1 in rounds else []
     return f" ({'; '.join(notes)})" if notes else ""
+
+
+def stored_verdicts(doc: dict) -> list[dict]:
+    """A file's stored verdicts, where its benchmark keeps them: syncbn_benchmark.py's target rows, else the file's
+    ``targets`` (sharding_benchmark.py's target rows among its results)."""
+    if doc.get("benchmark") == "syncbn_benchmark":
+        return [r for r in doc["results"] if r.get("kind") == "target"]
+    return doc.get("targets") or [t for t in doc["results"] if "target" in t and "verdict" in t]
+
+
+def other_files_lines(results_dir: Path) -> list[str]:
+    """Every other committed file's verdicts (files no sentence above counts: the backend's, the profiles', PyTorch's
+    test base's), each counted the same way, so that no committed verdict goes unstated."""
+    stated = {*RATIO_FILES, *OTHER_RUN_FILES, "manifest", "suite"}
+    texts = []
+    for path in sorted(Path(results_dir).rglob("*.json")):
+        name = path.relative_to(results_dir).with_suffix("").as_posix()
+        if name in stated or path.parent.name == "traces":
+            continue
+        doc = read_results(str(path))
+        checks = findings.judged(stored_verdicts(doc), doc.get("env"))
+        if checks:
+            texts.append(f"`{name}.json` {findings.counts_text(checks)}")
+    return ["- **Verdicts of the other committed files**, each its own comparison (README names each file where it "
+            "describes it), not in the counts above (same exclusions): " + "; ".join(texts) + "."] if texts else []
 
 
 def oversubscribed_lines(*docs: dict) -> list[str]:
@@ -379,6 +409,7 @@ def render(results_dir: Path, producers: dict[str, str]) -> str:
             if name not in docs:
                 docs[name] = _load(results_dir, name, producers)
         lines += section(*(docs[n] for n in names))
+    lines += other_files_lines(results_dir)
     env = docs["ddp_benchmark"]["env"]
     check_one_device(docs)
     manifest = _load(results_dir, "manifest", producers)

@@ -133,22 +133,36 @@ def cold_caches_text(doc: dict, batch: int, hidden: int) -> str:
             "us in the workers (no collective in between: each iteration starts after a barrier). Our synchronized "
             f"path without collectives takes {us(SYNC_PATH, SINGLE):.0f} us warm and {us(SYNC_PATH, COLD):.0f} us "
             f"cold: what our layer adds to BatchNorm's kernels, {warm_extra:.0f} us warm, is {cold_extra:.0f} us "
-            f"cold, {cold_extra - warm_extra:.0f} us more. ")
+            f"cold, {_more(cold_extra - warm_extra)}. ")
     return text + gap_text(doc, batch, hidden, cold_extra - warm_extra)
 
 
+def _more(us: float) -> str:
+    return f"{us:.0f} us more" if us >= 0 else f"{-us:.0f} us less"
+
+
 def gap_text(doc: dict, batch: int, hidden: int, cold_us: float) -> str:
-    """How much of the extra compute of the 2-worker iteration cold caches could explain, per transport."""
+    """How much of the extra compute of the 2-worker iteration cold caches could explain, per transport: a share
+    only where both are extra (ours computes more than the reference, and cold caches add to our layer)."""
     gaps = {t: 1e6 * g for t in transports(doc) if (g := findings.compute_gap(doc, batch, hidden, t))}
     if not gaps:
         return ""
-    shares = {t: cold_us / g for t, g in gaps.items()}
-    text = "; ".join(f"through {wire(t)} ours computes {g:.0f} us more than the reference outside "
-                     f"its two collectives, of which the cold caches' {cold_us:.0f} us are {100 * shares[t]:.0f} %"
-                     for t, g in gaps.items())
-    return (f"In the 2-worker iteration at that size (the table above), {text}: "
-            + ("cold caches of this kind account for a minority of that extra compute." if max(shares.values()) < 0.5
-               else "cold caches of this kind could account for most of that extra compute."))
+    parts, shares = [], []
+    for t, g in gaps.items():
+        part = f"through {wire(t)} ours computes {_more(g)} than the reference outside its two collectives"
+        if g > 0 and cold_us > 0:
+            shares.append(cold_us / g)
+            part += f", of which the cold caches' {cold_us:.0f} us are {100 * shares[-1]:.0f} %"
+        parts.append(part)
+    if cold_us <= 0:
+        verdict = "cold caches add nothing to what our layer computes, so they explain none of it."
+    elif not shares:
+        verdict = "ours computes no more than the reference: there is no extra compute for cold caches to explain."
+    elif max(shares) < 0.5:
+        verdict = "cold caches of this kind account for a minority of that extra compute."
+    else:
+        verdict = "cold caches of this kind could account for most of that extra compute."
+    return f"In the 2-worker iteration at that size (the table above), {'; '.join(parts)}: {verdict}"
 
 
 def cold_caches(page) -> None:
