@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import allreduce
 from dpkit.bench import anchors, harness, transport_choice
 from dpkit.bench.algorithm_axis import benchmark_size
 from dpkit.bench.backend_axis import BACKEND_CALLS, FLOOR_SIZES, backend_worker
@@ -40,10 +39,12 @@ from dpkit.bench.collective_tables import report
 from dpkit.bench.collective_targets import stored_targets
 from dpkit.bench.collectives import TRANSPORTS, allreduce_rows, format_size, parse_size
 from dpkit.bench.crossover_table import crossover_table, format_table
+from dpkit.bench.latency_model import fit_model
 from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
 from dpkit.bench.results import incomplete_note, read_results, write_results
 from dpkit.bench.transport_axis import benchmark_transports_size, make_transports
 from dpkit.comm import backend
+from dpkit.comm.message_passing import ALGORITHMS, CROSSOVER_FILE, CUSTOM, IN_FLIGHT, SEGMENT_BYTES, crossover_rows
 from dpkit.comm.process_groups import add_common_args, parse_checked, progress
 
 DEFAULT_SIZES = ["4000", "64KB", "1MB", "10MB", "100MB"]
@@ -99,9 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "torch.distributed's collectives on a \"dpkit\" group against a gloo group "
                              "(--backend-collectives); all: the three (default: both for allreduce, transports for "
                              "the others, algorithms with --tune)")
-    parser.add_argument("--algorithms", nargs="+", choices=tuple(allreduce.ALGORITHMS), default=None,
+    parser.add_argument("--algorithms", nargs="+", choices=tuple(ALGORITHMS), default=None,
                         help="the algorithm axis; 'torch' is torch.distributed.all_reduce, the reference "
-                             f"(default: {' '.join(allreduce.ALGORITHMS)}; with --tune {' '.join(allreduce.CUSTOM)})")
+                             f"(default: {' '.join(ALGORITHMS)}; with --tune {' '.join(CUSTOM)})")
     parser.add_argument("--transports", nargs="+", type=transport_choice.argument, default=None,
                         choices=transport_choice.choices(), metavar="NAME",
                         help="the transport axis, by the registry's names: " + ", ".join(transport_choice.choices())
@@ -126,18 +127,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"untimed calls before them (default: 5; --quick {QUICK['warmup']})")
-    parser.add_argument("--segment-bytes", type=parse_size, default=allreduce.SEGMENT_BYTES,
+    parser.add_argument("--segment-bytes", type=parse_size, default=SEGMENT_BYTES,
                         help="algorithm axis, ring and halving-doubling: bytes per pipelined message, for tuning "
                              "(default: %(default)s)")
-    parser.add_argument("--in-flight", type=int, default=allreduce.IN_FLIGHT,
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT,
                         help="algorithm axis, ring and halving-doubling: messages posted ahead of the one being added "
                              "(default: %(default)s)")
     parser.add_argument("--tune", action="store_true",
                         help="time the point-to-point algorithms on a finer sweep and write auto's crossover table to "
                              "--crossover-json")
-    parser.add_argument("--crossover-json", metavar="PATH", default=allreduce.CROSSOVER_FILE,
+    parser.add_argument("--crossover-json", metavar="PATH", default=CROSSOVER_FILE,
                         help="with --tune: where the crossover table goes (default: results/crossover.json, which "
-                             "allreduce.py reads)")
+                             "allreduce(algorithm='auto') reads)")
     parser.add_argument("--quick", action="store_true", help=f"small and fast: {QUICK} (explicit flags win)")
     parser.add_argument("--plot-dir", metavar="DIR", default=None,
                         help="save the time, bus-bandwidth and model charts here as PNG (default: none)")
@@ -152,7 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--tune times the point-to-point all-reduces: no --axis transports, no --collective")
     defaults = {"procs": TUNE_PROCS if args.tune else [2, 4], "sizes": TUNE_SIZES if args.tune else DEFAULT_SIZES,
                 "axis": "algorithms" if args.tune else "transports" if sharded else "both",
-                "algorithms": list(allreduce.CUSTOM) if args.tune else list(allreduce.ALGORITHMS),
+                "algorithms": list(CUSTOM) if args.tune else list(ALGORITHMS),
                 "transports": list(TRANSPORTS), "backend_collectives": list(BACKEND_CALLS),
                 "backend_sizes": BACKEND_SIZES, "iters": 20, "warmup": 5}
     if args.quick:
@@ -202,26 +203,26 @@ def _stored_rows(path: str) -> list[dict]:
 
 
 def extra(rows: list[dict], env: dict, args: argparse.Namespace) -> None:
-    """With --tune, auto's crossover table (results/crossover.json, which allreduce.py reads); with --plot-dir,
-    the charts."""
+    """With --tune, auto's crossover table (results/crossover.json, which allreduce(algorithm="auto") reads);
+    with --plot-dir, the charts."""
     if args.tune:
-        table = crossover_table(allreduce_rows(rows), allreduce.CUSTOM)
+        table = crossover_table(allreduce_rows(rows), CUSTOM)
         config = {k: v for k, v in vars(args).items() if k not in ("json", "plot_dir", "from_json")}
-        measured = allreduce.crossover_rows(table, env["device"])
+        measured = crossover_rows(table, env["device"])
         others = [row for row in _stored_rows(args.crossover_json) if row.get("device", "cpu") != env["device"]]
         write_results(args.crossover_json, "collectives_benchmark --tune", env, config, others + measured)
-        print(f"\nauto's crossover table, written to {args.crossover_json} (allreduce.py reads it at import; a world "
-              "size it lacks keeps allreduce.DEFAULT_CROSSOVER's row):\n" + format_table(table), flush=True)
+        print(f"\nauto's crossover table, written to {args.crossover_json} (auto reads it at its first use; a world "
+              "size it lacks keeps message_passing.DEFAULT_CROSSOVER's row):\n" + format_table(table), flush=True)
     if args.plot_dir:
         from dpkit.report.collective_plots import plot  # imported here: the benchmark itself needs no matplotlib
 
-        charts = plot(rows, args.plot_dir, allreduce.fit_model(allreduce_rows(rows)))
+        charts = plot(rows, args.plot_dir, fit_model(allreduce_rows(rows)))
         print("charts: " + ", ".join(charts), flush=True)
 
 
 BENCHMARK = harness.Benchmark(
     "collectives_benchmark", worker, world_sizes=lambda args: args.procs,
-    report=lambda rows: report(rows, point_to_point_rows(rows), allreduce.fit_model(allreduce_rows(rows))),
+    report=lambda rows: report(rows, point_to_point_rows(rows), fit_model(allreduce_rows(rows))),
     targets=stored_targets, extra=extra,
     describe=lambda args: f"{args.collective}, axis {args.axis}, process counts {args.procs}"
                           + (f", anchors {' '.join(args.anchors)}" if args.anchors else ""),

@@ -6,7 +6,7 @@
   spawning a worker costs seconds (importing torch), a case costs milliseconds.
 * ``run_torchrun(script, n, *args)``: run a script through the real torchrun
   (``--standalone`` picks a free port) with a timeout; the whole process group is killed
-  when it expires.
+  when it expires. ``run_script([script, *args])``: the same for ``python script args``.
 * ``CollectiveCounter``: counts calls into ``torch.distributed`` inside a worker.
 * ``CountingTransport``: a transport that counts the collectives an engine makes through it, whatever
   carries them (pass it as the engine's ``transport=``).
@@ -69,14 +69,20 @@ def launch_expecting_peer_failure(fn, world_size: int, *args, rank: int = 0, pg_
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout_s: float = 240.0, check: bool = True,
                  torchrun_args: tuple[str, ...] = (), env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``torchrun --standalone --nproc_per_node nproc script args`` from the repository root.
+    """Run ``torchrun --standalone --nproc_per_node nproc script args`` from the repository root (``run_script``)."""
+    return run_script(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
+                       str(REPO / script), *args], timeout_s=timeout_s, check=check, env=env)
+
+
+def run_script(arguments: list[str], timeout_s: float = 240.0, check: bool = True,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python arguments`` from the repository root in a session of its own.
 
     Returns the completed process (stdout and stderr as text). With ``check``, a non-zero
     exit, or a process group that outlived its teardown, fails the test with both streams. On timeout every
-    process of the run is killed.
+    process of the run (spawned ranks included) is killed.
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               *torchrun_args, str(REPO / script), *args]
+    command = [sys.executable, *arguments]
     # See pytorch/pytorch#135712: restarted workers may fail to reconnect to a shared store.
     full_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

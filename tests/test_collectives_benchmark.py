@@ -15,9 +15,10 @@ import allreduce
 import collectives_benchmark as bench
 from common import OFF_HOST, run_workers
 from dpkit.bench import (algorithm_axis, backend_axis, collective_run, collective_tables, collective_targets,
-                         collectives, exact_pattern, transport_axis)
+                         collectives, exact_pattern, latency_model, transport_axis)
 from dpkit.bench.crossover_table import crossover_table, format_table
 from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
+from dpkit.comm.message_passing import CUSTOM
 from dpkit.report import collective_plots
 
 SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size of several chunks
@@ -362,26 +363,26 @@ def test_the_model_fit_recovers_known_alpha_and_beta(world):
     rows = []
     for name in ("torch", "ring", "butterfly", "halving_doubling", "recursive_doubling", "tree"):
         for nbytes in sizes:
-            steps, moved = allreduce.model_terms(name, world, nbytes)
+            steps, moved = latency_model.model_terms(name, world, nbytes)
             rows.append(_row(name, steps * alpha + moved * beta, nbytes=nbytes, world=world))
     rows.append(_row("auto", 1.0, world=world))  # not a model of its own: ignored
     rows += [_transport_row("torch", 1.0, nbytes=s, world=world) for s in sizes]  # another axis: ignored
-    fits = allreduce.fit_model(rows)
+    fits = latency_model.fit_model(rows)
     assert len(fits) == 6
     for fit in fits:
         assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-6)
         assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
         assert fit["max_rel_error"] < 1e-6
-        terms = allreduce.model_terms(fit["algorithm"], world, 1 << 22)
-        assert allreduce.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(terms, (alpha, beta))))
+        terms = latency_model.model_terms(fit["algorithm"], world, 1 << 22)
+        assert latency_model.predict(fit, 1 << 22) == pytest.approx(sum(np.multiply(terms, (alpha, beta))))
 
 
 def test_the_steps_are_those_of_each_algorithm():
-    assert allreduce.model_terms("recursive_doubling", 8, 4000) == (3, 3 * 4000)
-    assert allreduce.model_terms("recursive_doubling", 6, 4000) == (2 + 2, 4 * 4000)  # p = 4, folded in and out
-    assert allreduce.model_terms("ring", 4, 4000) == (6, 1.5 * 4000)
-    assert allreduce.model_terms("halving_doubling", 4, 4000) == (4, 1.5 * 4000)
-    assert allreduce.model_terms("tree", 2, 4000)[0] == 2 and allreduce.model_terms("tree", 7, 4000)[0] == 4
+    assert latency_model.model_terms("recursive_doubling", 8, 4000) == (3, 3 * 4000)
+    assert latency_model.model_terms("recursive_doubling", 6, 4000) == (2 + 2, 4 * 4000)  # p = 4, folded in and out
+    assert latency_model.model_terms("ring", 4, 4000) == (6, 1.5 * 4000)
+    assert latency_model.model_terms("halving_doubling", 4, 4000) == (4, 1.5 * 4000)
+    assert latency_model.model_terms("tree", 2, 4000)[0] == 2 and latency_model.model_terms("tree", 7, 4000)[0] == 4
 
 
 def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bounds_at_the_geometric_mean():
@@ -391,7 +392,7 @@ def test_the_crossover_table_keeps_the_fastest_ignores_a_one_size_flip_and_bound
     rows = [_row(name, t, nbytes=size, world=4) for size, by_name in times.items() for name, t in by_name.items()]
     rows.append(_row("torch", 0.001, nbytes=4096, world=4))  # not ours: never chosen
     rows.append(_row("ring", 0.001, nbytes=4096, world=4, axis="transport", label="p2p"))  # another axis: never chosen
-    table = crossover_table(rows, allreduce.CUSTOM)
+    table = crossover_table(rows, CUSTOM)
     assert table == {4: ((int(math.sqrt(sizes[1] * sizes[2])), "recursive_doubling"), (None, "ring"))}
     assert format_table(table) == "4 processes: recursive_doubling up to 32KiB, ring above"
     assert [allreduce.choose_algorithm(s, 4, table) for s in sizes] == ["recursive_doubling"] * 2 + ["ring"] * 5
@@ -430,7 +431,7 @@ def test_quick_and_tune_fill_defaults_but_explicit_flags_win():
     quick = bench.parse_args(["--quick", "--iters", "7"])
     assert quick.iters == 7 and quick.warmup == bench.QUICK["warmup"] and quick.procs == bench.QUICK["procs"]
     tune = bench.parse_args(["--tune", "--procs", "2"])
-    assert tune.procs == [2] and tune.algorithms == list(allreduce.CUSTOM) and tune.transports == []
+    assert tune.procs == [2] and tune.algorithms == list(CUSTOM) and tune.transports == []
     assert tune.sizes == [collectives.parse_size(s) for s in bench.TUNE_SIZES]
     plain = bench.parse_args([])
     assert plain.iters == 20 and plain.sizes == [collectives.parse_size(s) for s in bench.DEFAULT_SIZES]

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+import toy_engine
 from common import PG_TIMEOUT_S, WORKERS_TIMEOUT_S
 import ddp_benchmark as bench
 from dpkit.bench import ddp_replicas, ddp_run, ddp_step, ddp_targets, ddp_variants, harness, measure
@@ -404,6 +405,21 @@ def test_impl_checks_compare_ours_with_the_faster_pytorch_row_on_the_same_transp
     for c in (c for c in engine if c["target"] == "peak memory / same pytorch row"):
         assert c["reference"] == time[c["label"]]["reference"] and c["limit"] == ddp_targets.TARGET_MEMORY
         assert c["ratio"]["median"] == by_label[c["label"]]["peak_bytes"] / by_label[c["reference"]]["peak_bytes"]
+
+
+def test_a_registered_engine_is_compared_with_the_faster_pytorch_row_for_information(scripted):
+    ours = scripted[0]["ddp ours 25M [torch]"]
+    toy = {**ours, "engine": toy_engine.NAME, "label": f"{toy_engine.NAME} ours 25M [torch]",
+           "round_p50_s": [t * 0.9 for t in ours["round_p50_s"]]}
+    with toy_engine.registered():
+        rows = [{**r, "world_size": 2} for r in [*scripted[0].values(), toy]]
+        ddp_targets.relate(rows)
+        checks = ddp_targets.target_checks(rows)
+    registered = [c for c in checks if c["row"]["engine"] == toy_engine.NAME]
+    assert [(c["axis"], c["reference"], c["limit"], c["verdict"]) for c in registered] == [
+        ("impl", "ddp pytorch best 25M [torch]", None, "information")]  # the target is our DDP's, not the toy's
+    assert exact(registered[0]["ratio"], 0.9 * 1.10)  # ours takes 1.10x the faster PyTorch row, the toy 0.9 of ours
+    assert len(checks) == len(scripted_checks(scripted)[1]) + 1, "every other check as without the toy"
 
 
 def test_transport_checks_compare_one_engine_on_two_transports_and_ours_with_no_ddp(scripted):

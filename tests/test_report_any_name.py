@@ -2,7 +2,8 @@
 transport renamed in every file that holds it and one engine renamed in the sharding files, run through every
 cell of report.ipynb and README's block: no cell raises, and the new names appear in the tables, in the figures
 (with a colour of their own) and in the block. tests/test_transport_choice.py shows the other half: a transport
-registered once runs in every benchmark and names its rows.
+registered once runs in every benchmark and names its rows; tests/test_toy_end_to_end.py joins the two, the
+benchmarks' own files run through every cell.
 """
 
 from __future__ import annotations
@@ -71,21 +72,20 @@ def style(handle) -> tuple:
     return to_hex(colour), str(dashes), getattr(handle, "get_hatch", lambda: None)()
 
 
-def shared_styles(figures) -> list[str]:
-    """Legend entries of the renamed transport drawn exactly like an entry of another in the same legend."""
+def shared_styles(figures, name: str = WIRE) -> list[str]:
+    """Legend entries of transport ``name`` drawn exactly like an entry of another in the same legend."""
     clashes = []
     for legend in (legend for figure in figures for legend in figure):
-        others = {look for text, look in legend if WIRE not in text}
-        clashes += [text for text, look in legend if WIRE in text and look in others]
+        others = {look for text, look in legend if name not in text}
+        clashes += [text for text, look in legend if name in text and look in others]
     return clashes
 
 
-@pytest.fixture(scope="module")
-def shown(tmp_path_factory):
-    """(markdown of every cell, the words of every figure, README's block) on the renamed results."""
-    results = renamed_results(tmp_path_factory.mktemp("any_name") / "results")
-    markdown, figures = [], []
-    with pytest.MonkeyPatch.context() as patch, toy_engine.registered():
+def render_everything(results: Path) -> tuple[str, list, str]:
+    """(markdown of every cell of report.ipynb, the words and legends of every figure, README's block) on the
+    results folder ``results``."""
+    figures = []
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("REPORT_RESULTS", str(results))
         patch.chdir(REPO)
         report = page.Page(results, json.loads((REPO / "seeds.json").read_text()))
@@ -101,18 +101,32 @@ def shown(tmp_path_factory):
     return "\n".join(markdown), figures, block
 
 
+@pytest.fixture(scope="module")
+def shown(tmp_path_factory):
+    """(markdown of every cell, the words of every figure, README's block) on the renamed results."""
+    results = renamed_results(tmp_path_factory.mktemp("any_name") / "results")
+    with toy_engine.registered():
+        return render_everything(results)
+
+
 @pytest.mark.slow  # every cell of the notebook: seconds of figures
 def test_a_transport_no_module_knows_is_shown_in_every_section_and_figure(shown):
-    markdown, figures, block = shown
-    for label in (f"ddp ours 25M [{WIRE}",  # the DDP tables
-                  f"ddp ours [{WIRE}",  # the sharding tables
-                  f"ours [{WIRE}]",  # SyncBatchNorm's
-                  f"| {WIRE} |"):  # a collectives table's row
-        assert label in markdown, label
-    assert f"[{WIRE}" in "\n".join(words for words, _ in figures)
-    assert not shared_styles(legend for _, legend in figures), "drawn like another transport"
+    assert_shown_everywhere(shown, WIRE)
     assert plots.colour(WIRE) not in (plots.OTHER, plots.colour("torch"))
-    assert WIRE in block
+
+
+def assert_shown_everywhere(shown: tuple[str, list, str], transport: str) -> None:
+    """``transport``'s rows in the DDP, sharding, SyncBatchNorm and collectives tables, its series in the figures
+    in a style of its own, and its name in README's block."""
+    markdown, figures, block = shown
+    for label in (f"ddp ours 25M [{transport}",  # the DDP tables
+                  f"ddp ours [{transport}",  # the sharding tables
+                  f"ours [{transport}]",  # SyncBatchNorm's
+                  f"| {transport} |"):  # a collectives table's row
+        assert label in markdown, label
+    assert f"[{transport}" in "\n".join(words for words, _ in figures)
+    assert not shared_styles((legend for _, legend in figures), transport), "drawn like another transport"
+    assert f"[{transport}" in block
 
 
 @pytest.mark.slow

@@ -172,6 +172,22 @@ def test_ddp_lines_state_each_stored_check_on_its_axis_and_each_shared_memory_ro
     assert len(lines) == 1 + 1 + 1 + 1 + 1 + 3 + 1  # header, one per comparison, 3 thread lines, the exposed waits
 
 
+def test_a_registered_engines_comparison_with_pytorch_is_stated_as_information_beside_ours():
+    toy = {**side("ddp ours", 25.0, "torch"), "engine": "toy"}  # a registered engine's row: "toy ours"
+    doc = headline_doc([*CHECKS, check("impl", TIME, toy, BEST, ratio(0.95, 0.90, 1.00), None, "information")])
+    doc["results"].append({**doc["results"][0], **toy, "label": row_label(toy)})
+    assert lines_of(summary.ddp_lines(doc, {}), "  - impl (ours / PyTorch's), one engine and path: toy") == [
+        "  - impl (ours / PyTorch's), one engine and path: toy ours 25M [torch] / ddp pytorch best 25M [torch]: "
+        "0.95x [0.90, 1.00] (information: no target)"]
+
+
+def test_a_headline_file_without_the_headline_model_says_so_in_one_line():
+    doc = headline_doc()
+    doc["results"] = [{**r, "model": "cnn"} for r in doc["results"]]
+    assert summary.ddp_lines(doc, {}) == [
+        "- **DDP** (`ddp_benchmark.py`): *not in this results file: resnet18 at 2 processes, the headline*"]
+
+
 def test_ddp_lines_say_slower_faster_or_neither_as_the_information_interval_says():
     lines = lines_of(summary.ddp_lines(headline_doc(), {}), "  - overlap: ")
     assert len(lines) == 3

@@ -11,30 +11,21 @@ import argparse
 
 import pytest
 
+import toy_transport
 from common import run_workers
 import collectives_benchmark
 import ddp_benchmark
 import sharding_benchmark
 import syncbn_benchmark
 from dpkit.bench import sharding_variants, transport_choice
-from dpkit.comm import registry, transport
+from dpkit.comm import registry
 
-TOY = "toy"
-
-
-class Toy(transport.Wrapped):
-    """torch.distributed's collectives under another name: what a user's own transport is to the benchmarks."""
-
-    name = TOY
-
-
-def register_toy() -> None:
-    registry.register(TOY, lambda group, option: Toy(transport.Torch(group)), devices=("cpu",))
+TOY = toy_transport.NAME
 
 
 @pytest.fixture
 def toy():
-    register_toy()
+    toy_transport.register()
     yield TOY
     registry.unregister(TOY)
     sharding_variants.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
@@ -57,7 +48,7 @@ MODULES = {m.__name__: m for m in (ddp_benchmark, sharding_benchmark, syncbn_ben
 
 def _every_benchmark_on_the_toy(ctx) -> dict:
     """Each benchmark's worker on the toy, on this rank: {benchmark: [(label or variant, transport), ...]}."""
-    register_toy()  # a fresh process: registered as a user's start-up code would
+    toy_transport.register()  # a fresh process: registered as a user's start-up code would
     out = {}
     for name, flags in TINY.items():
         rows = MODULES[name].worker(ctx, MODULES[name].parse_args(flags))
@@ -97,7 +88,7 @@ def test_a_registered_transport_is_a_choice_of_every_benchmark_and_named_in_its_
     assert TOY in transport_choice.choices()
     registry.unregister(TOY)
     assert TOY not in transport_choice.choices()
-    register_toy()  # for the fixture's teardown
+    toy_transport.register()  # for the fixture's teardown
 
 
 # The spellings of before the names were one: unknown names now, like any other.

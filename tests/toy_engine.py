@@ -23,9 +23,14 @@ def _wrap(module, transport, options: registry.Options):
 TOY = registry.Engine(NAME, shards=0, label="toy DDP", impls={"ours": registry.Impl(_wrap)})
 
 
+def register() -> None:
+    """What a user's start-up code calls."""
+    registry.register(TOY)
+
+
 @contextmanager
 def registered():
-    registry.register(TOY)
+    register()
     try:
         yield TOY
     finally:

@@ -15,6 +15,7 @@ each module's one line):
   ``syncbn_verdicts`` (what is judged), ``syncbn_report``;
 - collectives: ``collectives`` (what a row means), ``exact_pattern``, ``collective_run``, its axes
   ``algorithm_axis``, ``transport_axis`` and ``backend_axis``, ``point_to_point``, ``crossover_table``,
-  ``collective_targets``, ``collective_tables``, ``backend_latency``, ``anchors`` (Open MPI's and DeepSpeed's
-  collectives beside the backend's) and ``mpirun``;
+  ``latency_model`` (the algorithms' T = steps x alpha + bytes x beta), ``collective_targets``,
+  ``collective_tables``, ``backend_latency``, ``anchors`` (Open MPI's and DeepSpeed's collectives beside the
+  backend's) and ``mpirun``;
 - beyond one host: ``cluster`` (a latency-bandwidth model of data parallelism on a cluster)."""

@@ -2,7 +2,7 @@
 lines, the anchors' ratios, the latency-bandwidth model, the one-step rows and the backend's latency floor.
 
     python collectives_benchmark.py --from-json results/collectives.json     # prints it again from a file
-    print(report(rows, p2p=point_to_point_rows(rows), fits=allreduce.fit_model(allreduce_rows(rows))))
+    print(report(rows, p2p=point_to_point_rows(rows), fits=fit_model(allreduce_rows(rows))))
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def floor_table(rows: list[dict]) -> list[str]:
 
 def report(rows: list[dict], p2p: list[dict] | None = None, fits: list[dict] = ()) -> str:
     """One table per axis, the correctness line, the targets, the model (``fits``: the latency-bandwidth model
-    fitted per algorithm, as ``allreduce.fit_model`` gives it), the one-step rows and the backend's latency floor."""
+    fitted per algorithm, as ``latency_model.fit_model`` gives it), the one-step rows and the backend's latency
+    floor."""
     floor = floor_table(rows)
     rows = allreduce_rows(rows)
     lines = []

@@ -6,7 +6,7 @@ row, and its ratio to torch's collective.
     ratio_of(rows[0])                       # p50 / torch's p50 on the row's axis, with its interval
 
 ``collectives_benchmark.py`` writes the rows and the report reads them, both through these functions (the
-latency-bandwidth model of the algorithms is ``allreduce.fit_model``).
+latency-bandwidth model of the algorithms is ``latency_model.fit_model``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dpkit.bench.ddp_run import block_key
 from dpkit.bench.ddp_step import NAIVE, OURS, PYTORCH, PYTORCH_BEST_KIND, PYTORCH_DEFAULT_BUCKET_MB, PYTORCH_KINDS
-from dpkit.bench.ddp_variants import ASYNCHRONOUS, ON_DPKIT, SHARED, THREAD, Variant, variant
+from dpkit.bench.ddp_variants import ASYNCHRONOUS, ON_DPKIT, SHARED, THREAD, Variant, registered_kinds, variant
 from dpkit.bench.measure import paired_ratio, verdict
 from dpkit.bench.row_identity import identity, what
 
@@ -83,8 +83,9 @@ def target_checks(rows: list[dict]) -> list[dict]:
     """The targets, evaluated on every block with at least 2 ranks that has the rows they need.
 
     Axes, never mixed. Impl (one transport): ddp ours 25M against the faster of PyTorch's 25M rows on the same
-    transport, time and memory. Transport (one engine): PyTorch's DDP at its best settings through our shared
-    memory (its comm hook) and on a "dpkit" process group against its own gloo. Overhead: our DDP on shared
+    transport, time and memory (each registered engine's 25M row against the same, for information). Transport
+    (one engine): PyTorch's DDP at its best settings through our shared memory (its comm hook) and on a "dpkit"
+    process group against its own gloo. Overhead: our DDP on shared
     memory against no DDP at all. Overlap: on the asynchronous transports, the exposed wait of ours overlap and
     of ours at every bucket size against ours naive's all-reduce time on the same transport, paired by round.
     They are set for CPU, 2 ranks, resnet18; elsewhere they are reported for information.
@@ -112,10 +113,16 @@ def target_checks(rows: list[dict]) -> list[dict]:
 
 
 def _impl_checks(block: tuple, world: int, peers: list[dict], oversub: bool) -> list[dict]:
-    """Per transport, ddp ours 25M against the faster PyTorch 25M row: time, and peak memory."""
+    """Per transport, ddp ours 25M against the faster PyTorch 25M row: time, and peak memory; each registered
+    engine's 25M row against the same row, time, for information (the target is our DDP's)."""
     checks = []
     for name in dict.fromkeys(r["transport"] for r in peers if r.get("transport")):
         ours, theirs = find(peers, variant(OURS, PYTORCH_DEFAULT_BUCKET_MB, name)), faster_pytorch(peers, name)
+        if theirs:
+            checks += [_check(block, world, "p50 / faster pytorch p50, same transport", row, theirs,
+                              paired_ratio(row["round_p50_s"], theirs["round_p50_s"]), None, oversub)
+                       for row in (find(peers, variant(kind, PYTORCH_DEFAULT_BUCKET_MB, name))
+                                   for kind in registered_kinds()) if row]
         if ours and theirs:
             checks.append(_check(block, world, "p50 / faster pytorch p50, same transport", ours, theirs,
                                  paired_ratio(ours["round_p50_s"], theirs["round_p50_s"]), TARGET_VS_PYTORCH, oversub))

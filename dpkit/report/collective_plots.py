@@ -59,7 +59,7 @@ def draw_per_size(ax, rows: list[dict], backend: str, world_size: int, key: str 
 
 def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size: int) -> None:
     """Measured p50 (points) and the fitted model's prediction (lines: each fit's ``curve``, as
-    ``allreduce.fit_model`` returns it), one colour per algorithm."""
+    ``latency_model.fit_model`` returns it), one colour per algorithm."""
     rows = [r for r in rows if r["axis"] == "algorithm"]
     for fit in (f for f in fits if (f["backend"], f["world_size"]) == (backend, world_size)):
         colour = plots.colour(fit["algorithm"])
@@ -78,7 +78,7 @@ def draw_model(ax, rows: list[dict], fits: list[dict], backend: str, world_size:
 def plot(rows: list[dict], directory: str, fits: list[dict] = ()) -> list[str]:
     """Three charts, one column of panels per backend and process count: p50 time and bus bandwidth per size
     (a row of panels per axis: the algorithms over one wire, the transports), and ``fits`` (the fitted model
-    of the algorithms, ``allreduce.fit_model``) against their measurements. Returns the paths written."""
+    of the algorithms, ``latency_model.fit_model``) against their measurements. Returns the paths written."""
     os.makedirs(directory, exist_ok=True)
     # The bus bandwidth's ceiling here: the fastest single large point-to-point message measured on this
     # machine's loopback (ours or gloo's: ``point_to_point``'s rows, written with the 2-process sweep).

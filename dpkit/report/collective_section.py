@@ -3,11 +3,10 @@
 model, auto's choices and the stored targets; every row and chart; reduce-scatter and all-gather; the gloo
 bandwidth beside the seed's.
 
-    import allreduce                      # the homework's algorithms: their model and crossover table
     from dpkit.report import collective_section, page
-    collective_section.model(page.Page.open(), allreduce)
+    collective_section.model(page.Page.open())
 
-The homework module is passed in: the package never imports a script at the root.
+The algorithms' latency-bandwidth model is ``dpkit.bench.latency_model``'s; auto's table, ``message_passing``'s.
 """
 
 from __future__ import annotations
@@ -17,8 +16,10 @@ import tempfile
 
 import matplotlib.pyplot as plt
 
+from dpkit.bench import latency_model
 from dpkit.bench.collectives import allreduce_rows, format_size
 from dpkit.bench.point_to_point import point_to_point_rows
+from dpkit.comm import message_passing
 from dpkit.report import collective_plots, findings, plots, sentences
 from dpkit.report.wording import span
 
@@ -47,7 +48,8 @@ def model_figure(rows: list[dict], fits: list[dict]):
     axes[0][0].set_ylabel("p50 time (ms)")
     axes[1][0].set_ylabel("time (ms)")
     for row_axes in axes:
-        row_axes[-1].legend(fontsize="x-small")
+        if row_axes[-1].get_legend_handles_labels()[0]:  # the model's panel is empty where no fit has two sizes
+            row_axes[-1].legend(fontsize="x-small")
     figure.tight_layout()
     return figure
 
@@ -59,24 +61,25 @@ def fit_table(fits: list[dict]) -> str:
                               for f in fits])
 
 
-def first_size_where(algorithms, fits: list[dict], slower: str, faster: str, n: int) -> int | None:
+def first_size_where(fits: list[dict], slower: str, faster: str, n: int) -> int | None:
     """The first size of ``GRID`` from which the model says ``faster`` beats ``slower`` (None if never)."""
     fit = {f["algorithm"]: f for f in fits if f["world_size"] == n}
     if slower not in fit or faster not in fit:
         return None
-    return next((s for s in GRID if algorithms.predict(fit[faster], s) < algorithms.predict(fit[slower], s)), None)
+    faster_at = (s for s in GRID if latency_model.predict(fit[faster], s) < latency_model.predict(fit[slower], s))
+    return next(faster_at, None)
 
 
-def crossover_lines(algorithms, fits: list[dict], rows: list[dict]) -> list[str]:
+def crossover_lines(fits: list[dict], rows: list[dict]) -> list[str]:
     """Per world: the dependent steps of recursive doubling and the ring, and where the model says they cross."""
     lines = []
     for _, n in panels(rows):
         fit = {f["algorithm"] for f in fits if f["world_size"] == n}
         if {"recursive_doubling", "ring"} <= fit:
-            cross = first_size_where(algorithms, fits, "recursive_doubling", "ring", n)
-            steps = [algorithms.model_terms(a, n, 4000)[0] for a in ("recursive_doubling", "ring")]
+            cross = first_size_where(fits, "recursive_doubling", "ring", n)
+            steps = [latency_model.model_terms(a, n, 4000)[0] for a in ("recursive_doubling", "ring")]
             table = ", ".join(f"{name} up to {format_size(b)}" if b else name
-                              for b, name in algorithms.CROSSOVER.get(n, ()))
+                              for b, name in message_passing.crossover_for("cpu").get(n, ()))
             lines.append(f"* {n} processes: recursive doubling makes {steps[0]} dependent steps, the ring {steps[1]}; "
                          "with the fitted alpha and beta the ring becomes faster from "
                          f"{format_size(cross) if cross else 'no measured size'} on (auto's table: {table}).")
@@ -139,16 +142,16 @@ def step_line(row: dict) -> str:
     return f"* {what}: {row['step_s'] * 1e6:.0f} us, {row['step_gbps']:.2f} GB/s (a single median, no interval)"
 
 
-def model(page, algorithms) -> None:
+def model(page) -> None:
     """All-reduce at every size: the figure, the fitted model, its crossovers, one step of ours and of gloo's, auto's
-    choices and the stored targets. ``algorithms``: the homework's allreduce module."""
+    choices and the stored targets."""
     doc = page.load("collectives")
     rows, steps = allreduce_rows(doc["results"]), point_to_point_rows(doc["results"])
-    fits = algorithms.fit_model(rows)
+    fits = latency_model.fit_model(rows)
     page.draw(model_figure(rows, fits))
-    text = [fit_table(fits), "", *crossover_lines(algorithms, fits, rows)]
+    text = [fit_table(fits), "", *crossover_lines(fits, rows)]
     text += [step_line(r) for r in steps]
-    text += fastest_lines(rows) + auto_lines(doc, rows, algorithms.CROSSOVER_FILE)
+    text += fastest_lines(rows) + auto_lines(doc, rows, message_passing.CROSSOVER_FILE)
     text += sentences.collective_targets(doc, page.load("allreduce"))
     if not doc.get("targets"):
         text.append("*not in this results file: the stored target checks (collectives_benchmark.py writes them)*")
@@ -161,12 +164,12 @@ def marked_rows(doc: dict) -> list[dict]:
             for r in allreduce_rows(doc["results"])]
 
 
-def every_row(page, algorithms) -> None:
+def every_row(page) -> None:
     """Every row of the all-reduce sweep, its charts, then reduce-scatter and all-gather with their targets."""
     doc = page.load("collectives")
     page.show(marked_rows(doc), ROW_COLUMNS)
     with tempfile.TemporaryDirectory() as directory:  # the function that also writes results/plots/
-        fits = algorithms.fit_model(allreduce_rows(doc["results"]))
+        fits = latency_model.fit_model(allreduce_rows(doc["results"]))
         for path in collective_plots.plot(doc["results"], directory, fits):
             page.image(path)
     for name in ("reduce_scatter", "all_gather"):
@@ -225,5 +228,13 @@ def beside_seed(page) -> None:
     doc, seed = page.load("collectives"), page.seeds["allreduce_bandwidth"]
     ours = [r for r in marked_rows(doc) if r["label"] == "torch" and r["axis"] == "algorithm"]
     seed_rows = [r for r in seed["rows"] if r["backend"] == "gloo"]
+    if not ours:
+        page.missing("torch's all_reduce on the algorithm axis (collectives_benchmark.py --axis algorithms)")
+        return
     page.draw(bandwidth_figure(ours, seed_rows, doc, seed, page.env))
-    page.say(bandwidth_text(ours, seed_rows, doc, seed, page.env))
+    sizes = {w: {r["bytes"] for r in ours if r["world_size"] == w} for w in (2, 4)}
+    if sizes[2] & sizes[4] and max(sizes[2]) >= 10 * MIB:
+        page.say(bandwidth_text(ours, seed_rows, doc, seed, page.env))
+    else:
+        page.missing("the sizes the shape and scaling are compared at: one measured at both 2 and 4 processes, and "
+                     "one of 10 MiB or more")

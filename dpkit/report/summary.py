@@ -66,6 +66,8 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
     engines it names), the transport under each engine, and what overlapping the sums with backward buys."""
     checks = _ddp_targets(headline)
     rows = {what(r): r for r in headline["results"] if r["model"] == "resnet18" and r["world_size"] == 2}
+    if not rows:
+        return ["- **DDP** (`ddp_benchmark.py`): *not in this results file: resnet18 at 2 processes, the headline*"]
     any_row = next(iter(rows.values()))
     lines = [f"- **DDP** (`ddp_benchmark.py`, resnet18, batch {any_row['batch_size']} per rank, 2 processes, "
              f"{headline['config']['rounds']} rounds; [torch] = gloo's loopback TCP, PyTorch's DDP with its own "
@@ -80,13 +82,20 @@ def ddp_lines(headline: dict, broad: dict) -> list[str]:
                   "transport": "transport, one engine" if c["axis"] == "transport"
                   else "transport and implementation (zero copy / staged)"}[axis]
             memory = next((m for m in checks if m["target"].startswith("peak memory") and m["row"] == c["row"]), None)
-            lines.append(f"  - {on}: {_pair(c)}: {format_ratio(c['ratio'])} (target <= {c['limit']:.2f}x): "
-                         f"**{c['verdict']}**{_memory_text(memory, rows, headline)}")
+            lines.append(f"  - {on}: {_pair(c)}: {format_ratio(c['ratio'])} {_target_text(c)}"
+                         f"{_memory_text(memory, rows, headline)}")
     for c in (c for c in checks if c["axis"] == "overhead"):
         lines.append(f"  - overhead, against no DDP at all: {_pair(c)}: {format_ratio(c['ratio'])} "
                      f"(target <= {c['limit']:.2f}x): **{c['verdict']}**")
     lines += _overlap_lines(rows, checks, headline)
     return lines
+
+
+def _target_text(check: dict) -> str:
+    """"(target <= 1.00x): **met**", or, for a check without a limit (a registered engine's), that it has none."""
+    if check["limit"] is None:
+        return "(information: no target)"
+    return f"(target <= {check['limit']:.2f}x): **{check['verdict']}**"
 
 
 def _pair(check: dict) -> str:
@@ -243,7 +252,8 @@ def sharding_lines(doc: dict) -> list[str]:
              "`transport.ddp_comm_hook`): "
              f"bytes bookkeeping, model-state bytes per rank within {states[0]['limit']:.2f}x the ideal for "
              f"{sum(t['verdict'] == 'met' for t in states)} of {len(states)} rows, one measurement each (largest "
-             f"{worst_state['value']:.2f}x, {paths.label(worst_state['numerator'], doc)}); time:"]
+             f"{worst_state['value']:.2f}x, {paths.label(worst_state['numerator'], doc)})"
+             + ("; time:" if timed else "; no timed comparison in this run")]
     order = {a: i for i, a in enumerate(("impl", "transport", "engine", "option"))}
     for axis in sorted({paths.axis(t, doc) for t in timed}, key=lambda a: (order.get(a, len(order)), a)):
         for t in (t for t in timed if paths.axis(t, doc) == axis):

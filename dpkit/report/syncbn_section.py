@@ -235,6 +235,9 @@ def beside_seed(page) -> None:
     """The homework solution's SyncBatchNorm table beside ours: a table, a figure, what compares and what not."""
     doc, seed = page.load("syncbn"), page.seeds["homework_solution"]
     rows, first = seed_rows(doc, seed), transports(doc)[0]
+    if not rows:
+        page.missing("a size of the seed's grid (batch, hidden) in results/syncbn.json")
+        return
     page.show(rows, [("batch", "batch", "d"), ("hidden", "hidden", "d"),
                      ("seed_mem", "seed: memory, its layer / PyTorch SyncBN", ".2f"),
                      ("our_mem", "ours: memory / BatchNorm1d (local)", ".2f"),

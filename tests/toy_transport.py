@@ -1,0 +1,19 @@
+"""A toy transport for the tests that show a registered transport appears everywhere transports are compared:
+torch.distributed's collectives under another name, what a user's own transport is to the benchmarks and the
+report. ``register()`` is what a user's start-up code calls; a test unregisters it when done."""
+
+from __future__ import annotations
+
+from dpkit.comm import registry, transport
+
+NAME = "toy"
+
+
+class Toy(transport.Wrapped):
+    """torch.distributed's collectives under another name."""
+
+    name = NAME
+
+
+def register() -> None:
+    registry.register(NAME, lambda group, option: Toy(transport.Torch(group)), devices=("cpu",))
