@@ -184,6 +184,18 @@ def test_training_difference_is_the_largest_gap_between_the_two_runs_epochs():
     assert f"is {expected:.3g}:" in training_section.commentary_text(runs)
 
 
+def test_training_runs_of_different_settings_are_not_compared_in_the_commentary_or_beside_the_seed():
+    runs = {impl: read_results(str(RESULTS / f"train_{impl}.json")) for impl in ("ours", "pytorch")}
+    runs["pytorch"]["config"]["seed_used"] += 1
+    assert training_section.commentary_text(runs) == (
+        f"*Commentary.* The two runs are not the same experiment (seed {runs['ours']['config']['seed_used']} / "
+        f"{runs['pytorch']['config']['seed_used']}, ours / PyTorch's): their curves, losses and times are not "
+        "compared.")
+    seed = json.loads((REPO / "seeds.json").read_text())["homework_solution"]
+    text = training_section.seed_text(runs, training_section.seed_rows(runs, seed), seed, runs["ours"]["env"])
+    assert "Ours: not compared, the two runs are not the same experiment (seed " in text
+
+
 def test_allreduce_rows_carry_each_algorithms_time_and_error_from_the_file():
     doc = read_results(str(RESULTS / "allreduce.json"))
     short = dict(allreduce_section.ALGORITHMS)

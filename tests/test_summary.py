@@ -240,6 +240,22 @@ def test_training_line_says_whether_both_runs_used_the_same_transport():
     assert "0.50x PyTorch's" in different
 
 
+def test_two_training_runs_of_different_settings_are_named_not_compared():
+    ours, theirs = training_doc("torch", 0.25, 0.2), training_doc("torch", 0.30, 0.4)
+    theirs["config"] |= {"train_size_used": 64, "num_epochs": 1}
+    assert summary.training_lines(ours, theirs) == [
+        "- **Training** (`ddp_cifar100.py`): the two runs are not the same experiment (train_size 8192 / 64; "
+        "num_epochs None / 1, ours / PyTorch's): not compared."]
+
+
+def test_a_training_run_too_short_to_time_a_step_says_so_and_names_its_engine():
+    ours = training_doc("torch", 0.25, None)
+    ours["config"]["engine_used"] = "toy"
+    line = summary.training_lines(ours, training_doc("torch", 0.25, 0.2))[0]
+    assert "with our engine toy and SyncBatchNorm" in line
+    assert line.endswith("; no median time per optimizer step (a run too short to time one).")
+
+
 # --------------------------------------------------------------------------- the collectives lines, synthetic
 
 

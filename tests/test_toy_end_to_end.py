@@ -33,7 +33,11 @@ toy_transport.register()
 """
 TINY = ["--iters", "2", "--warmup", "0"]
 # Each results file the report reads, written by its benchmark with the toy beside the reference it needs.
+TRAIN = ["--transport", TOY, "--dataset", "synthetic", "--train-size", "128", "--val-size", "32", "--batch-size", "8",
+         "--num-epochs", "1"]
 RUNS = {
+    "train_ours": ("torchrun", "ddp_cifar100.py", "--engine", ENGINE, *TRAIN),
+    "train_pytorch": ("torchrun", "ddp_cifar100.py", "--impl", "pytorch", *TRAIN),
     "ddp_headline": ("torchrun", "ddp_benchmark.py", "--models", "resnet18",
                      "--variants", "ddp pytorch best", "ddp ours", f"{ENGINE} ours", "--transports", "torch", TOY,
                      "--bucket-sizes", "25", "--batch-size", "2", "--rounds", "2", "--no-breakdown", *TINY),
@@ -50,7 +54,7 @@ RUNS = {
 
 def run_as_a_user(name: str, results: Path, env: dict) -> None:
     how, script, *flags = RUNS[name]
-    flags = [*flags, "--json", str(results / f"{name}.json")]
+    flags = [*flags, "--metrics-json" if script == "ddp_cifar100.py" else "--json", str(results / f"{name}.json")]
     if how == "torchrun":
         run_torchrun(script, 2, *flags, env=env)
     else:
@@ -90,6 +94,9 @@ def test_a_registered_engine_goes_from_the_benchmarks_to_their_tables_figures_an
     assert f"{ENGINE} ours [{TOY}]" in markdown  # the sharding benchmark's
     assert f"{ENGINE} ours" in "\n".join(words for words, _ in figures)
     assert f"{ENGINE} ours" in block
+    # ddp_cifar100.py trained with it, on the toy transport, beside PyTorch's DDP on the same settings
+    assert f"**ours**: engine {ENGINE} (ours), transport {TOY} " in markdown
+    assert f"with our engine {ENGINE} and SyncBatchNorm" in block and f"the same transport ({TOY} " in block
 
 
 @pytest.mark.slow

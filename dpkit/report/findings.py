@@ -316,3 +316,19 @@ def compute_gap(doc: dict, batch: int, hidden: int, transport: str, impl: str = 
 
     mine, theirs = computing(impl), computing(reference)
     return None if mine is None or theirs is None else mine - theirs
+
+
+# The settings that make two ddp_cifar100.py runs the same experiment (config keys, as the run resolved them): the
+# engine and transport may differ, as they are what the comparison is of.
+TRAINING_SETTINGS = ("model_used", "dataset_used", "train_size_used", "val_size_used", "world_size_used",
+                     "global_batch", "grad_accum_steps_used", "seed_used", "lr_used", "momentum_used", "num_epochs",
+                     "autocast_used")
+
+
+def training_differences(ours: dict, theirs: dict) -> list[str]:
+    """The settings two training runs do not share ("num_epochs 1 / 3"): where there is one, their curves, losses
+    and times are not the same experiment's and are not compared."""
+    a, b = ours["config"], theirs["config"]
+    return [f"{key.removesuffix('_used')} {a.get(key)} / {b.get(key)}" for key in TRAINING_SETTINGS
+            if a.get(key) != b.get(key)]
+

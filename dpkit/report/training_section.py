@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from dpkit.report import plots, summary
+from dpkit.report import findings, plots, summary
+from dpkit.report.wording import count, our_engine
 
 IMPLS = ("ours", "pytorch")
 SEED_KEYS = {"ours": "selfmade"}  # seeds.json keeps the homework solution's own word for our implementation
@@ -38,26 +39,37 @@ def ratio(runs: dict[str, dict], key: str) -> float:
 
 def run_text(impl: str, doc: dict) -> str:
     cfg, f = doc["config"], final(doc)
-    return (f"**{impl}**: {cfg['dataset_used']} data ({cfg['train_size_used']} training / {cfg['val_size_used']} "
-            f"validation images), {cfg['world_size_used']} processes, {f['epochs']} epochs, global batch "
+    return (f"**{impl}**: engine {cfg['engine_used']} ({cfg['impl_used']}), transport {cfg['transport_used']}; "
+            f"{cfg['dataset_used']} data ({cfg['train_size_used']} training / {cfg['val_size_used']} "
+            f"validation images), {cfg['world_size_used']} processes, {count(f['epochs'], 'epoch')}, global batch "
             f"{cfg['global_batch']}, SyncBatchNorm: {cfg['sync_bn_used']}. Final validation loss {f['val_loss']:.4f}, "
             f"accuracy {f['val_acc']:.4f} (training loss {f['train_loss']:.4f}).")
 
 
 def commentary_text(runs: dict[str, dict]) -> str:
+    if differ := findings.training_differences(runs["ours"], runs["pytorch"]):
+        return (f"*Commentary.* The two runs are not the same experiment ({'; '.join(differ)}, ours / PyTorch's): "
+                "their curves, losses and times are not compared.")
     largest = largest_difference(runs)
     staged = {d["config"]["transport_used"] for d in runs.values()} == {"shared_memory"}
     return (f"*Commentary.* The largest difference between the two runs' per-epoch loss and accuracy is {largest:.3g}: "
-            + ("the curves are **identical**, as they should be: our DDP divides each gradient by the world size "
-               "before the sum, as PyTorch's does, so both reach the same weights. " if largest == 0 else
+            + (f"the curves are **identical**, as they should be: {our_engine(runs['ours']['config'])} divides each "
+               "gradient by the world size before the sum, as PyTorch's DDP does, so both reach the same weights. "
+               if largest == 0 else
                "the curves differ, which on a CPU with a fixed seed points to a difference in the gradient "
                "averaging. ")
-            + f"Median time per optimizer step, ours / PyTorch's: {ratio(runs, 'step_time_median_s'):.2f} (one run "
-              "each, not interleaved, no interval; "
+            + _step_text(runs)
             + ("on shared memory ours is zero copy and PyTorch's DDP staged, so this ratio holds the path as well as "
                "the engine; " if staged else "")
             + "the DDP comparison with intervals is the DDP section below); peak memory, ours / PyTorch's: "
               f"{ratio(runs, 'peak_memory_max_bytes'):.2f}.")
+
+
+def _step_text(runs: dict[str, dict]) -> str:
+    if not all(final(doc)["step_time_median_s"] for doc in runs.values()):
+        return "No median time per optimizer step (a run too short to time one; "
+    return (f"Median time per optimizer step, ours / PyTorch's: {ratio(runs, 'step_time_median_s'):.2f} (one run "
+            "each, not interleaved, no interval; ")
 
 
 def runs_and_curves(page) -> None:
@@ -100,20 +112,29 @@ def accuracy_text(runs: dict[str, dict], training: dict) -> str:
 
 
 def seed_text(runs: dict[str, dict], rows: list[dict], seed: dict, env: dict) -> str:
-    one_bn = len({doc["config"]["sync_bn_used"] for doc in runs.values()}) == 1
-    wires = sorted({doc["config"]["transport_used"] for doc in runs.values()})
     return (f"Hardware: seed on {seed['hardware']}; ours on {summary.hardware(env)}. "
             f"**Time and memory, its implementation / PyTorch's: not the same measurement.** The seed: "
             f"{rows[0]['time'] / rows[2]['time']:.2f} (whole run, slowest rank) and "
             f"{rows[0]['mem'] / rows[2]['mem']:.2f}, "
-            f"on GPUs, its PyTorch run with PyTorch's SyncBatchNorm. Ours: {ratio(runs, 'train_time_max_s'):.2f} "
-            f"(whole training loop, slowest rank), {ratio(runs, 'step_time_median_s'):.2f} (median step) and "
+            f"on GPUs, its PyTorch run with PyTorch's SyncBatchNorm. Ours: {_ours_text(runs)} "
+            f"The seed's two runs ended {abs(rows[0]['acc'] - rows[2]['acc']):.4f} apart in accuracy with different "
+            "SyncBatchNorm layers on GPUs, and it reports that runs are not reproducible. "
+            + accuracy_text(runs, seed["training"]))
+
+
+def _ours_text(runs: dict[str, dict]) -> str:
+    """Our two runs' ratios and how far apart they ended, where they are the same experiment."""
+    if differ := findings.training_differences(runs["ours"], runs["pytorch"]):
+        return f"not compared, the two runs are not the same experiment ({'; '.join(differ)}, ours / PyTorch's)."
+    one_bn = len({doc["config"]["sync_bn_used"] for doc in runs.values()}) == 1
+    wires = sorted({doc["config"]["transport_used"] for doc in runs.values()})
+    step = (f"{ratio(runs, 'step_time_median_s'):.2f} (median step)" if all(
+        final(doc)["step_time_median_s"] for doc in runs.values()) else "no median step (too few steps)")
+    return (f"{ratio(runs, 'train_time_max_s'):.2f} (whole training loop, slowest rank), {step} and "
             f"{ratio(runs, 'peak_memory_max_bytes'):.2f}, {bn_text(runs)}, on the {' and '.join(wires)} transport "
             "(ours zero copy where it is shared memory, PyTorch's DDP staged through `transport.ddp_comm_hook`). "
             f"**Reproducibility: not a ranking.** Our two runs differ by {largest_difference(runs):.3g}: they share "
-            f"{'the SyncBatchNorm layer' if one_bn else 'the loop'} and ran on one CPU machine. The seed's two runs "
-            f"ended {abs(rows[0]['acc'] - rows[2]['acc']):.4f} apart in accuracy with different SyncBatchNorm layers "
-            "on GPUs, and it reports that runs are not reproducible. " + accuracy_text(runs, seed["training"]))
+            f"{'the SyncBatchNorm layer' if one_bn else 'the loop'} and ran on one CPU machine.")
 
 
 def beside_seed(page) -> None:

@@ -46,3 +46,15 @@ def span(values, fmt: str = ".2f") -> str:
 def interval_text(ci) -> str:
     """"[low, high]" of a time interval (``plots.interval``), "-" without one."""
     return "-" if ci is None else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+
+
+def our_engine(config: dict) -> str:
+    """How a training run's engine is named beside PyTorch's DDP: "our DDP", or "our engine toy" for another."""
+    engine = config.get("engine_used", "ddp")
+    return "our DDP" if engine == "ddp" else f"our engine {engine}"
+
+
+def count(n: int, noun: str) -> str:
+    """"1 epoch", "3 epochs"."""
+    return f"{n} {noun}{'s' * (n != 1)}"
+
