@@ -117,6 +117,15 @@ def test_a_ratio_is_printed_with_its_interval_or_as_a_single_measurement():
     assert measure.format_ratio(single) == "1.0003x (one measurement)" and verdict(single, 1.0) == "missed"
 
 
+def test_a_bound_that_rounds_to_the_limit_it_is_judged_by_shows_its_side():
+    above = {"median": 1.036, "ci_low": 1.0042, "ci_high": 1.157, "rounds": 15}  # slower: the whole interval above 1
+    assert measure.format_ratio(above) == "1.04x [1.00, 1.16]"
+    assert measure.format_ratio(above, against=1.0) == "1.036x [1.004, 1.157]"
+    assert measure.format_ratio(above, against=1.2) == "1.04x [1.00, 1.16]"  # no bound rounds to 1.20
+    exactly = {"median": 1.1, "ci_low": 1.0, "ci_high": 1.2, "rounds": 15}
+    assert measure.format_ratio(exactly, against=1.0) == "1.10x [1.00, 1.20]"  # on the limit: nothing to show
+
+
 def test_a_benchmark_imports_and_profiles_where_torch_lacks_the_private_all_threads_config():
     """A fresh interpreter whose torch has no ``_ExperimentalConfig`` (a release that moved it)."""
     code = ("import torch, torch._C._profiler as private; del private._ExperimentalConfig; "

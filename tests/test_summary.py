@@ -307,12 +307,12 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
         syncbn_ratio("float32", 0.72, 0.90, 1.3), syncbn_ratio("float32", 0.72, 0.90, 1.3, hidden=256),
         syncbn_ratio("bfloat16", 2.10, 0.85, None), syncbn_ratio("float16", 2.06, 0.90, None, hidden=256),
         {"kind": "target", "name": "workers [shared_memory]: peak_bytes of ours <= BatchNorm1d's at every "
-                                   "size", "verdict": "met",
-         "sizes": 2, "sizes_met": 2}]}
+                                   "size", "verdict": "met", "setting": "workers", "transport": "shared_memory",
+         "dtype": "float32", "sizes": 2, "sizes_met": 2}]}  # a memory target: no "versus" (a time target's reference)
     header, target, memory = summary.syncbn_lines(doc)
-    assert header.endswith("2 sizes, 12 rounds; times of forward + backward; targets checked in float32; "
-                           "[shared_memory, staged]: this host's shared memory, each sum's small tensor copied in and "
-                           "out):")
+    assert header.endswith("2 sizes, 12 rounds; times of forward + backward; time targets checked in no dtype, "
+                           "memory targets in float32; [shared_memory, staged]: this host's shared memory, each sum's "
+                           "small tensor copied in and out):")
     assert target == ("  - workers [shared_memory, staged]: peak_bytes of ours <= BatchNorm1d's at every size: "
                       "2 of 2 sizes met, **met**")
     assert memory == ("  - workers [shared_memory, staged], float16/bfloat16: peak_bytes of ours / BatchNorm1d "
@@ -323,6 +323,19 @@ def test_syncbn_lines_name_the_targets_dtype_and_give_the_other_dtypes_memory_wi
     assert header.endswith("[shared_memory, zero copy]: this host's shared memory, each sum in the transport's own "
                            "buffer, summed where it lies):")
     assert target.startswith("  - workers [shared_memory, zero copy]: peak_bytes")
+
+
+def test_a_dtype_a_memory_target_judges_gets_no_information_line_of_its_memory():
+    time = {"kind": "time", "impl": "ours", "workers": 2, "batch": 32, "hidden": 128}
+    judged = {"kind": "target", "name": "workers [shared_memory], float16: peak_bytes of ours <= BatchNorm1d's at "
+                                        "every size", "verdict": "met", "setting": "workers",
+              "transport": "shared_memory", "dtype": "float16", "sizes": 1, "sizes_met": 1}
+    doc = {"benchmark": "syncbn_benchmark", "config": {"rounds": 12, "sums": "staged"},
+           "results": [time, syncbn_ratio("float16", 0.6, 0.9, None), syncbn_ratio("bfloat16", 0.7, 0.8, None),
+                       judged]}
+    header, _, memory = summary.syncbn_lines(doc)
+    assert "memory targets in float16;" in header
+    assert memory.startswith("  - workers [shared_memory, staged], bfloat16: ") and memory.endswith("(no target)")
 
 
 def test_the_overlap_line_states_what_was_measured_not_a_cause():

@@ -80,6 +80,9 @@ def test_torchrun_ddp_trains_the_same_weights_on_dpkit_as_on_gloo(trained):
 def test_accelerate_trains_the_same_weights_on_dpkit_as_on_gloo(trained):
     pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -r requirements-trainers.txt")
     assert_same_training("tests/trainers/accelerate_ddp.py", trained)
+    # accelerate adopts the "dpkit" group made before it, and still names its own CPU backend (README says so)
+    _, stdout = trained("tests/trainers/accelerate_ddp.py", "dpkit")
+    assert "process group backend: dpkit | accelerate reports backend 'gloo'" in stdout, stdout[-3000:]
 
 
 def test_lightning_trains_the_same_weights_on_dpkit_as_on_gloo(trained):

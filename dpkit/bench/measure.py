@@ -364,12 +364,16 @@ def verdict(ratio: dict, target: float) -> str:
     return "inconclusive"
 
 
-def format_ratio(ratio: dict) -> str:
+def format_ratio(ratio: dict, against: float | None = None) -> str:
     """``<median>x [<low>, <high>]``: two decimals, because rounds differ by more than that. A single
-    measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it."""
+    measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it. ``against``: the
+    limit a sentence judges the interval by; where a bound on one side of it rounds to it, three decimals show the
+    side ("[1.004, 1.160]", not "[1.00, 1.16]")."""
     if ratio["rounds"] == 1:
         return f"{ratio['median']:.4f}x (one measurement)"
-    return f"{ratio['median']:.2f}x [{ratio['ci_low']:.2f}, {ratio['ci_high']:.2f}]"
+    bounds = (ratio["ci_low"], ratio["ci_high"])
+    digits = 3 if against is not None and any(f"{b:.2f}" == f"{against:.2f}" and b != against for b in bounds) else 2
+    return f"{ratio['median']:.{digits}f}x [{ratio['ci_low']:.{digits}f}, {ratio['ci_high']:.{digits}f}]"
 
 
 def oversubscribed(world_size: int, device: torch.device | str = "cpu", cpus: int | None = None) -> bool:

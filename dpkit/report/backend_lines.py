@@ -105,6 +105,8 @@ def syncbn_landing(doc: dict, anchors_doc: dict) -> str:
     mpi = next(row for row in _allreduce(anchors_doc)[4096].values() if row.get("anchor") == "openmpi")
     calls = [a / (2 * mpi["p50_s"]) for a in added[DPKIT]]
     pattern = comparison(doc, PATTERN)
+    # The pattern's two sums: 2C + 1 float32 values each (syncbn_contenders' reference step), C the hidden size.
+    carried = [4 * (2 * h + 1) for _, h in grid]
     return (f"SyncBatchNorm (`results/syncbn_backend.json`, at {doc['env']['git_commit']}), forward and backward, "
             f"float32, the homework grid ({len(grid)} sizes): PyTorch's pattern, `BatchNorm1d` and the two all-reduces "
             f"any synchronized layer makes, takes {format_ratio(pattern)} of its time on gloo (median over the "
@@ -112,8 +114,8 @@ def syncbn_landing(doc: dict, anchors_doc: dict) -> str:
             f"two sums add {_span(added[DPKIT])} per iteration on \"dpkit\" and {_span(added[GLOO])} on gloo "
             f"(differences of medians). On \"dpkit\" that is {min(calls):.1f} to {max(calls):.1f} times two of Open "
             f"MPI's 4 KiB all-reduces ({time_text(mpi['p50_s'])} a call in `results/backend_anchors.json`, another "
-            "run; these sums carry 1 to 16 KiB); how much of it is one rank waiting for the other's computation is "
-            "not measured.")
+            f"run; these sums carry {min(carried):,} B to {max(carried):,} B each); how much of "
+            "it is one rank waiting for the other's computation is not measured.")
 
 
 def _span(seconds: list[float]) -> str:

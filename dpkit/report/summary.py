@@ -132,11 +132,12 @@ def _overlap_lines(rows: dict[tuple, dict], checks: list[dict], doc: dict) -> li
             how = "faster: here overlap pays, and `SharedMemory(group, background=True)` is the better transport"
         else:
             how = "neither faster nor slower (the interval holds 1): the default sums inline, with no thread"
-        lines.append(f"  - overlap: {_pair(c)}: {format_ratio(r)}, {how}")
+        lines.append(f"  - overlap: {_pair(c)}: {format_ratio(r, against=1.0)}, {how}")
     hidden = [c for c in checks if c["axis"] == "overlap" and c["limit"] is not None]
     if hidden:
         lines.append("  - overlap, asynchronous transports: exposed wait / naive's all-reduce time: "
-                     + "; ".join(f"{_pair(c)} {format_ratio(c['ratio'])} (target <= {c['limit']:.2f}x: "
+                     + "; ".join(f"{_pair(c)} {format_ratio(c['ratio'], against=c['limit'])} (target <= "
+                                 f"{c['limit']:.2f}x: "
                                  f"**{c['verdict']}**{_counted_on(c, doc)})"
                                  for c in hidden))
     return lines
@@ -153,7 +154,8 @@ def syncbn_lines(doc: dict) -> list[str]:
     (the header names the dtype the targets were checked in), then the memory of the other dtypes, for information."""
     targets = [r for r in doc["results"] if r.get("kind") == "target"]
     time_rows = [r for r in doc["results"] if r.get("kind") == "time"]
-    judged = sorted({r["dtype"] for r in doc["results"] if r.get("kind") == "ratio" and r.get("target") is not None})
+    timed = _in_order({t["dtype"] for t in targets if "versus" in t})  # a time target names its reference
+    memory = _in_order({t["dtype"] for t in targets if "versus" not in t})
     workers = max(r["workers"] for r in time_rows)
     shm = paths.path("[shared_memory]", doc)  # zero copy or staged, as the file says
     parts = []
@@ -163,10 +165,11 @@ def syncbn_lines(doc: dict) -> list[str]:
     # The floor (syncbn_verdicts.FLOOR): what any layer written as a Python autograd.Function pays with these sums.
     parts += [f"{paths.label(b['name'], doc)}: {format_ratio(b)} (a bound, no target)" for b in doc["results"]
               if b.get("kind") == "bound"]
-    parts += _other_dtype_memory(doc, judged)
+    parts += _other_dtype_memory(doc, targets)
     return [f"- **SyncBatchNorm** (`syncbn_benchmark.py`, {workers} workers, the homework grid of "
             f"{len({(r['batch'], r['hidden']) for r in time_rows})} sizes, {doc['config']['rounds']} rounds; "
-            f"times of forward + backward; targets checked in {' and '.join(judged) or 'no dtype'}; "
+            f"times of forward + backward; time targets checked in {' and '.join(timed) or 'no dtype'}, memory "
+            f"targets in {', '.join(memory) or 'no dtype'}; "
             f"[shared_memory, {shm}]: this host's shared memory, {paths.SYNCBN_SUMS[shm]}):",
             *[f"  - {p}" for p in parts]]
 
@@ -174,16 +177,21 @@ def syncbn_lines(doc: dict) -> list[str]:
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
 
 
-def _other_dtype_memory(doc: dict, judged: list[str]) -> list[str]:
-    """Information lines: peak and saved bytes of ours / local BatchNorm1d in the dtypes no target judges
-    (float16/bfloat16), per setting and transport, so that a memory target met in float32 is not read as general."""
-    rows = [r for r in doc["results"] if r.get("kind") == "ratio" and r["dtype"] not in judged
-            and r["impl"] == "ours" and r["versus"] == "BatchNorm1d (local)" and r.get("peak_ratio") is not None]
+def _in_order(dtypes) -> list[str]:
+    return sorted(dtypes, key=lambda d: DTYPE_ORDER.index(d) if d in DTYPE_ORDER else len(DTYPE_ORDER))
+
+
+def _other_dtype_memory(doc: dict, targets: list[dict]) -> list[str]:
+    """Information lines: peak and saved bytes of ours / local BatchNorm1d per setting and transport in the dtypes no
+    memory target judges there, so that a memory target met in one dtype is not read as general."""
+    judged = {(t["setting"], t.get("transport"), t["dtype"]) for t in targets if "versus" not in t}
+    rows = [r for r in doc["results"] if r.get("kind") == "ratio" and (r["setting"], r.get("transport"), r["dtype"])
+            not in judged and r["impl"] == "ours" and r["versus"] == "BatchNorm1d (local)"
+            and r.get("peak_ratio") is not None]
     lines = []
     for setting, transport in dict.fromkeys((r["setting"], r.get("transport")) for r in rows):
         mine = [r for r in rows if (r["setting"], r.get("transport")) == (setting, transport)]
-        order = lambda d: DTYPE_ORDER.index(d) if d in DTYPE_ORDER else len(DTYPE_ORDER)  # noqa: E731
-        dtypes = "/".join(sorted({r["dtype"] for r in mine}, key=order))
+        dtypes = "/".join(_in_order({r["dtype"] for r in mine}))
         lines.append(f"{paths.label(f'{setting} [{transport}]', doc) if transport else setting}, {dtypes}: "
                      f"peak_bytes of ours / BatchNorm1d (local) {_span(r['peak_ratio'] for r in mine)}, saved_bytes "
                      f"{_span(r['saved_ratio'] for r in mine)}, over {len({(r['batch'], r['hidden']) for r in mine})} "
