@@ -5,6 +5,8 @@ import builtins
 import errno
 import os
 import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +191,12 @@ def test_a_run_from_changed_code_says_its_commit_is_dirty_but_not_for_what_runs_
     assert results.git_commit() == commit
     (tmp_path / "syncbn.py").write_text("changed\n")
     assert results.git_commit() == f"{commit}+dirty"
+
+
+def test_readmes_trainer_run_is_the_committed_junit_file():
+    """README's count of the real trainers' run (Lightning, accelerate, torchrun) is the committed file's."""
+    repo = Path(__file__).resolve().parents[1]
+    suite = ET.parse(repo / "results" / "trainers_tests.xml").getroot().find("testsuite")
+    passed = int(suite.get("tests")) - sum(int(suite.get(k)) for k in ("failures", "errors", "skipped"))
+    assert f"{passed} of {suite.get('tests')} tests passed" in " ".join((repo / "README.md").read_text().split())
+
