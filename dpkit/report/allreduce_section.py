@@ -105,7 +105,8 @@ def seed_text(doc: dict, seed: dict, env: dict) -> str:
                if over_worlds else "")
             + ". The seed's largest difference from the exact result, over both its tables, is "
               f"{max(seed_errors):.1e}, "
-              f"in a dtype it does not state (seeds.json: \"{seed_ar['dtype']}\"); ours is {max(errors):.1e} in "
+              f"in a dtype it does not state (seeds.json: \"{seed_ar['dtype']}\"); ours, over our algorithms and "
+              f"torch's alike (as the seed's tables hold its algorithms and torch's), is {max(errors):.1e} in "
               f"{', '.join(sorted({r['dtype'] for r in doc['results']}))}.")
 
 

@@ -11,7 +11,7 @@ from dpkit.report import plots, summary
 
 # Every file of the run, in the order the report reads them.
 NAMES = ("syncbn", "train_ours", "train_pytorch", "allreduce", "collectives", "reduce_scatter", "all_gather",
-         "ddp_benchmark", "ddp_headline", "ddp_sweep", "sharding", "sharding_resnet18", "sharding_gpt")
+         "ddp_benchmark", "ddp_headline", "ddp_sweep", "sharding", "sharding_resnet18", "sharding_gpt", "multihost")
 
 
 def environment_rows(env: dict, manifest: dict | None) -> list[dict]:
