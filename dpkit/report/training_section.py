@@ -65,8 +65,13 @@ def commentary_text(runs: dict[str, dict]) -> str:
               f"{ratio(runs, 'peak_memory_max_bytes'):.2f}.")
 
 
+def _steps_timed(runs: dict[str, dict]) -> bool:
+    """Whether both runs timed an optimizer step (a run of too few steps times none)."""
+    return all(final(doc)["step_time_median_s"] for doc in runs.values())
+
+
 def _step_text(runs: dict[str, dict]) -> str:
-    if not all(final(doc)["step_time_median_s"] for doc in runs.values()):
+    if not _steps_timed(runs):
         return "No median time per optimizer step (a run too short to time one; "
     return (f"Median time per optimizer step, ours / PyTorch's: {ratio(runs, 'step_time_median_s'):.2f} (one run "
             "each, not interleaved, no interval; ")
@@ -128,8 +133,8 @@ def _ours_text(runs: dict[str, dict]) -> str:
         return f"not compared, the two runs are not the same experiment ({'; '.join(differ)}, ours / PyTorch's)."
     one_bn = len({doc["config"]["sync_bn_used"] for doc in runs.values()}) == 1
     wires = sorted({doc["config"]["transport_used"] for doc in runs.values()})
-    step = (f"{ratio(runs, 'step_time_median_s'):.2f} (median step)" if all(
-        final(doc)["step_time_median_s"] for doc in runs.values()) else "no median step (too few steps)")
+    step = (f"{ratio(runs, 'step_time_median_s'):.2f} (median step)" if _steps_timed(runs)
+            else "no median step (too few steps)")
     return (f"{ratio(runs, 'train_time_max_s'):.2f} (whole training loop, slowest rank), {step} and "
             f"{ratio(runs, 'peak_memory_max_bytes'):.2f}, {bn_text(runs)}, on the {' and '.join(wires)} transport "
             "(ours zero copy where it is shared memory, PyTorch's DDP staged through `transport.ddp_comm_hook`). "
