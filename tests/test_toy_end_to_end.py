@@ -19,8 +19,6 @@ import pytest
 import toy_engine
 import toy_transport
 from common import run_script, run_torchrun
-from dpkit.bench import sharding_variants
-from dpkit.comm import registry
 from test_report_any_name import assert_shown_everywhere, render_everything
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,13 +71,8 @@ def shown(tmp_path_factory):
     env = {"PYTHONPATH": os.pathsep.join([str(root / "startup"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     for name in RUNS:
         run_as_a_user(name, results, env)
-    toy_transport.register()  # this process draws the toy's rows as the user's would
-    try:
-        with toy_engine.registered():
-            return render_everything(results)
-    finally:
-        registry.unregister(TOY)
-        sharding_variants.from_registry()  # forget the toy's variants: later tests in this process list them
+    with toy_transport.registered(), toy_engine.registered():  # this process draws the toy's rows as the user's
+        return render_everything(results)
 
 
 @pytest.mark.slow  # four benchmark runs and every cell of the notebook

@@ -25,10 +25,8 @@ TOY = toy_transport.NAME
 
 @pytest.fixture
 def toy():
-    toy_transport.register()
-    yield TOY
-    registry.unregister(TOY)
-    sharding_variants.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
+    with toy_transport.registered():
+        yield TOY
 
 
 # Each benchmark's flags for a tiny run on the toy (and torch, the reference where the benchmark needs one).

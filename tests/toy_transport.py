@@ -1,9 +1,12 @@
 """A toy transport for the tests that show a registered transport appears everywhere transports are compared:
 torch.distributed's collectives under another name, what a user's own transport is to the benchmarks and the
-report. ``register()`` is what a user's start-up code calls; a test unregisters it when done."""
+report. ``register()`` is what a user's start-up code calls; ``registered()`` registers it for a test only."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+from dpkit.bench import sharding_variants
 from dpkit.comm import registry, transport
 
 NAME = "toy"
@@ -17,3 +20,14 @@ class Toy(transport.Wrapped):
 
 def register() -> None:
     registry.register(NAME, lambda group, option: Toy(transport.Torch(group)), devices=("cpu",))
+
+
+@contextmanager
+def registered():
+    register()
+    try:
+        yield NAME
+    finally:
+        registry.unregister(NAME)
+        sharding_variants.from_registry()  # forget the toy's variants: later tests in this process list VARIANTS
+

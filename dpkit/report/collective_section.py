@@ -202,12 +202,15 @@ def bandwidth_figure(ours: list[dict], seed_rows: list[dict], doc: dict, seed: d
         seed_title=f"seed: {seed['hardware'].split(';')[0]}")
 
 
-def bandwidth_text(ours: list[dict], seed_rows: list[dict], doc: dict, seed: dict, env: dict) -> str:
-    """Absolute bandwidth (not comparable), the plateau's shape, and what 4 processes do to it, ours and the seed's."""
+def bandwidth_text(ours: list[dict], seed_rows: list[dict], doc: dict, seed: dict, env: dict) -> str | None:
+    """Absolute bandwidth (not comparable), the plateau's shape, and what 4 processes do to it, ours and the seed's;
+    None where ours has no size measured at both 2 and 4 processes, or none of 10 MiB or more."""
     ours2, ours4 = (algbw(ours, w, "bytes", lambda r: r["algbw_gbps"]) for w in (2, 4))
+    plateau = [ours2[b] for b in sorted(ours2) if b >= 10 * MIB]
+    if not (set(ours2) & set(ours4) and plateau):
+        return None
     seed2, seed4 = (algbw(seed_rows, w, "size_bytes", seed_algbw) for w in (2, 4))
     top, seed_top = max(set(ours2) & set(ours4)), max(set(seed2) & set(seed4))
-    plateau = [ours2[b] for b in sorted(ours2) if b >= 10 * MIB]
     seed_plateau = [v for b, v in seed2.items() if b >= 10 * MIB]
     return (f"Hardware: seed on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores). "
             f"**Absolute bandwidth: not comparable** (different CPUs): at {plots.format_bytes(top)} with 2 processes "
@@ -232,9 +235,8 @@ def beside_seed(page) -> None:
         page.missing("torch's all_reduce on the algorithm axis (collectives_benchmark.py --axis algorithms)")
         return
     page.draw(bandwidth_figure(ours, seed_rows, doc, seed, page.env))
-    sizes = {w: {r["bytes"] for r in ours if r["world_size"] == w} for w in (2, 4)}
-    if sizes[2] & sizes[4] and max(sizes[2]) >= 10 * MIB:
-        page.say(bandwidth_text(ours, seed_rows, doc, seed, page.env))
+    if text := bandwidth_text(ours, seed_rows, doc, seed, page.env):
+        page.say(text)
     else:
         page.missing("the sizes the shape and scaling are compared at: one measured at both 2 and 4 processes, and "
                      "one of 10 MiB or more")

@@ -325,6 +325,16 @@ TRAINING_SETTINGS = ("model_used", "dataset_used", "train_size_used", "val_size_
                      "autocast_used")
 
 
+def final_row(doc: dict) -> dict:
+    """A ddp_cifar100.py run's final row: its last epoch's losses and accuracy, its times and memory."""
+    return next(r for r in doc["results"] if r["kind"] == "final")
+
+
+def steps_timed(*docs: dict) -> bool:
+    """Whether every run timed an optimizer step (a run of too few steps times none)."""
+    return all(final_row(doc)["step_time_median_s"] for doc in docs)
+
+
 def training_differences(ours: dict, theirs: dict) -> list[str]:
     """The settings two training runs do not share ("num_epochs 1 / 3"): where there is one, their curves, losses
     and times are not the same experiment's and are not compared."""

@@ -276,13 +276,10 @@ def sharding_lines(doc: dict) -> list[str]:
 def training_lines(ours: dict, theirs: dict) -> list[str]:
     """The homework's training comparison: the same seed, data and loop with our engine and PyTorch's DDP; two runs
     of different settings (``findings.training_differences``) are named, not compared."""
-    def final(doc):
-        return next(r for r in doc["results"] if r["kind"] == "final")
-
     if differ := findings.training_differences(ours, theirs):
         return [f"- **Training** (`ddp_cifar100.py`): the two runs are not the same experiment ({'; '.join(differ)}, "
                 "ours / PyTorch's): not compared."]
-    a, b = final(ours), final(theirs)
+    a, b = findings.final_row(ours), findings.final_row(theirs)
     config = ours["config"]
     transport = [doc["config"]["transport_used"] for doc in (ours, theirs)]
     if transport[0] == transport[1] == "shared_memory":
@@ -294,7 +291,7 @@ def training_lines(ours: dict, theirs: dict) -> list[str]:
         same = (f"on different transports (ours {transport[0]}, PyTorch's {transport[1]}): the step times compare "
                 "engine and transport together")
     step = (f"median time per optimizer step {a['step_time_median_s'] / b['step_time_median_s']:.2f}x PyTorch's "
-            "(a single run: no interval)" if a["step_time_median_s"] and b["step_time_median_s"] else
+            "(a single run: no interval)" if findings.steps_timed(ours, theirs) else
             "no median time per optimizer step (a run too short to time one)")
     return [
         f"- **Training** (`ddp_cifar100.py`, {config['model_used']} on {config['dataset_used']} data, "

@@ -21,10 +21,6 @@ def runs(page) -> dict[str, dict]:
     return {impl: doc for impl in IMPLS if (doc := page.load(f"train_{impl}"))}
 
 
-def final(doc: dict) -> dict:
-    return next(r for r in doc["results"] if r["kind"] == "final")
-
-
 def largest_difference(runs: dict[str, dict]) -> float:
     """The largest difference between the two runs' per-epoch training loss, validation loss and accuracy."""
     epochs = {impl: [r for r in doc["results"] if r["kind"] == "epoch"] for impl, doc in runs.items()}
@@ -34,11 +30,11 @@ def largest_difference(runs: dict[str, dict]) -> float:
 
 def ratio(runs: dict[str, dict], key: str) -> float:
     """Ours / PyTorch's of one field of the final row."""
-    return final(runs["ours"])[key] / final(runs["pytorch"])[key]
+    return findings.final_row(runs["ours"])[key] / findings.final_row(runs["pytorch"])[key]
 
 
 def run_text(impl: str, doc: dict) -> str:
-    cfg, f = doc["config"], final(doc)
+    cfg, f = doc["config"], findings.final_row(doc)
     return (f"**{impl}**: engine {cfg['engine_used']} ({cfg['impl_used']}), transport {cfg['transport_used']}; "
             f"{cfg['dataset_used']} data ({cfg['train_size_used']} training / {cfg['val_size_used']} "
             f"validation images), {cfg['world_size_used']} processes, {count(f['epochs'], 'epoch')}, global batch "
@@ -65,13 +61,8 @@ def commentary_text(runs: dict[str, dict]) -> str:
               f"{ratio(runs, 'peak_memory_max_bytes'):.2f}.")
 
 
-def _steps_timed(runs: dict[str, dict]) -> bool:
-    """Whether both runs timed an optimizer step (a run of too few steps times none)."""
-    return all(final(doc)["step_time_median_s"] for doc in runs.values())
-
-
 def _step_text(runs: dict[str, dict]) -> str:
-    if not _steps_timed(runs):
+    if not findings.steps_timed(*runs.values()):
         return "No median time per optimizer step (a run too short to time one; "
     return (f"Median time per optimizer step, ours / PyTorch's: {ratio(runs, 'step_time_median_s'):.2f} (one run "
             "each, not interleaved, no interval; ")
@@ -91,7 +82,7 @@ def seed_rows(runs: dict[str, dict], seed: dict) -> list[dict]:
     """The seed's run and ours, per implementation: time, memory, validation loss and accuracy."""
     training, rows = seed["training"], []
     for impl in IMPLS:
-        s, f = training[SEED_KEYS.get(impl, impl)], final(runs[impl])
+        s, f = training[SEED_KEYS.get(impl, impl)], findings.final_row(runs[impl])
         rows.append({"who": f"seed, {impl}", "time": max(r["time_s"] for r in s["ranks"]),
                      "mem": max(r["max_memory_allocated_bytes"] for r in s["ranks"]), "loss": s["val_loss"],
                      "acc": s["val_acc"], "epochs": training["epochs"], "data": training["dataset"]})
@@ -113,7 +104,8 @@ def accuracy_text(runs: dict[str, dict], training: dict) -> str:
     if data.lower().startswith("cifar"):
         return "**Accuracy: comparable**, same data set."
     return (f"**Accuracy: not comparable**: our committed run trains on {data} data for "
-            f"{final(runs['ours'])['epochs']} epochs, the seed on {training['dataset']} for {training['epochs']}.")
+            f"{findings.final_row(runs['ours'])['epochs']} epochs, the seed on {training['dataset']} for "
+            f"{training['epochs']}.")
 
 
 def seed_text(runs: dict[str, dict], rows: list[dict], seed: dict, env: dict) -> str:
@@ -133,7 +125,7 @@ def _ours_text(runs: dict[str, dict]) -> str:
         return f"not compared, the two runs are not the same experiment ({'; '.join(differ)}, ours / PyTorch's)."
     one_bn = len({doc["config"]["sync_bn_used"] for doc in runs.values()}) == 1
     wires = sorted({doc["config"]["transport_used"] for doc in runs.values()})
-    step = (f"{ratio(runs, 'step_time_median_s'):.2f} (median step)" if _steps_timed(runs)
+    step = (f"{ratio(runs, 'step_time_median_s'):.2f} (median step)" if findings.steps_timed(*runs.values())
             else "no median step (too few steps)")
     return (f"{ratio(runs, 'train_time_max_s'):.2f} (whole training loop, slowest rank), {step} and "
             f"{ratio(runs, 'peak_memory_max_bytes'):.2f}, {bn_text(runs)}, on the {' and '.join(wires)} transport "
