@@ -368,7 +368,7 @@ def format_ratio(ratio: dict, against: float | None = None) -> str:
     """``<median>x [<low>, <high>]``: two decimals, because rounds differ by more than that. A single
     measurement (no interval) gets four, so a verdict against a target of 1.00 is visible in it. ``against``: the
     limit a sentence judges the interval by; where a bound on one side of it rounds to it, three decimals show the
-    side ("[1.004, 1.160]", not "[1.00, 1.16]")."""
+    side ("[1.003, 1.200]", not "[1.00, 1.20]")."""
     if ratio["rounds"] == 1:
         return f"{ratio['median']:.4f}x (one measurement)"
     bounds = (ratio["ci_low"], ratio["ci_high"])
