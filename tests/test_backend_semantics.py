@@ -26,6 +26,7 @@ from torch import nn
 from common import PG_TIMEOUT_S
 from dpkit.comm import backend
 from dpkit.comm.process_groups import WorkerError, launch
+from dpkit.comm.slots import piece_numel
 
 PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}
 
@@ -214,10 +215,59 @@ def fast_path(rank: int, gloo) -> dict:
     return out
 
 
+def pieces(rank: int, gloo) -> dict:
+    """A broadcast from rank 1, a reduce to rank 0 and an all-to-all of 1 MiB each (the first two go in four
+    pieces: ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
+    implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the third
+    piece of the broadcast and of the reduce (it runs their exchanges itself, and sleeps after the second piece),
+    so that rank 0 hands both over in the middle; then all three through torch again."""
+    n = 1 << 18
+    x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    impl, face = backend.implementation(), dist.group.WORLD._get_backend(torch.device("cpu"))
+    counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
+    second = piece_numel("broadcast", n, x.element_size(), impl.slots.slot_bytes)
+
+    def late(lo, hi, parts):  # rank 1 is the broadcast's root and not the reduce's: it reads no slot
+        if lo == second:
+            time.sleep(0.3)  # far past the hand-over time of a caller that waits at once
+
+    def run(group, how: str) -> list[torch.Tensor]:
+        shown, reduced, exchanged = x.clone(), x.clone(), torch.empty(n)
+        if how == "torch":
+            dist.broadcast(shown, dist.get_global_rank(group or dist.group.WORLD, 1), group=group)
+            dist.reduce(reduced, dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+        elif how == "python":  # the Python implementation, torch not in between
+            impl.broadcast([shown], _options(dist.BroadcastOptions, rootRank=1, rootTensor=0)).wait()
+            impl.reduce([reduced], _options(dist.ReduceOptions, rootRank=0, reduceOp=dist.ReduceOp.SUM)).wait()
+        else:  # the slots' exchanges themselves, late for the third piece
+            impl.slots.exchange("broadcast", shown, "none", 1, True, late)
+            impl.slots.exchange("reduce", reduced, "sum", 0, True, late)
+        if how == "torch":
+            dist.all_to_all_single(exchanged, x, group=group)
+        else:
+            impl.all_to_all_single(exchanged, x, [], [], dist.AllToAllOptions()).wait()
+        return [shown, reduced if rank == 0 else torch.zeros(0), exchanged]
+
+    out = {"gloo": run(gloo, "torch"), "torch": run(None, "torch")}
+    before = counted()
+    out["paired"] = run(None, "python" if rank == 1 else "torch")
+    out["late"] = run(None, "late" if rank == 1 else "torch")
+    out["late counted"] = [a - b for a, b in zip(counted(), before)]
+    out["after"] = run(None, "torch")
+    return out
+
+
+def _options(kind, **fields):
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
+
+
 def semantics_worker(ctx) -> dict:
     gloo = dist.new_group(backend="gloo")
-    out = {"fast path": fast_path(ctx.rank, gloo), "works": works(ctx.rank), "overlap": overlap(ctx.rank),
-           "p2p": point_to_point(ctx.rank),
+    out = {"fast path": fast_path(ctx.rank, gloo), "pieces": pieces(ctx.rank, gloo), "works": works(ctx.rank),
+           "overlap": overlap(ctx.rank), "p2p": point_to_point(ctx.rank),
            "reductions": reductions(ctx.rank), "sparse": sparse(ctx.rank, gloo),
            "double backward": double_backward(ctx.rank, gloo), "monitored": monitored(ctx.rank),
            "native": backend.compiled() is not None}
@@ -265,6 +315,17 @@ def test_small_collectives_give_gloo_s_bits_whoever_runs_them(path):
             assert ran + handed == 9 and ran > 0, fast["counted"]
             first = rank == 0  # the rank that waited: it handed the call over; the late one found it posted
             assert fast["late counted"] == [ran + (not first), handed + first], (rank, fast["late counted"])
+
+
+def test_broadcast_reduce_and_all_to_all_of_many_pieces_give_gloo_s_bits_whichever_path_each_rank_takes(path):
+    for rank, found in enumerate(semantics(path)):
+        calls = found["pieces"]
+        for case in ("torch", "paired", "late", "after"):
+            for ours, theirs in zip(calls[case], calls["gloo"]):
+                assert torch.equal(ours, theirs), (rank, case)
+        if path == "c++" and rank == 0:  # six calls; rank 1 was late for the broadcast's and the reduce's third piece
+            ran, handed = calls["late counted"]
+            assert ran + handed == 6 and handed >= 2, calls["late counted"]
 
 
 def test_a_waited_work_and_one_left_alone_both_complete(path):

@@ -241,11 +241,12 @@ def test_measuring_the_backend_at_several_sizes_leaves_no_group_behind(measured)
 
 def test_the_backend_targets_and_latency_floor_are_stored_with_the_rows(measured):
     checks = collective_targets.stored_targets(measured[0]["backend"])
-    assert [(c["axis"], c["label"], c["reference"], c["bytes"], c["limit"], c["world_size"]) for c in checks] == [
-        ("backend", collectives.BACKEND, "gloo", 4 << 10, 0.25, 2),
-        ("backend", collectives.BACKEND, "gloo", 64 << 10, 0.25, 2)]
-    assert all(c["text"].startswith("target all-reduce through dpkit backend <= 0.25x gloo, 2 processes")
-               for c in checks)
+    moving = [c for c in backend_axis.BACKEND_CALLS if c != "barrier"]  # every collective that moves data
+    assert [(c["collective"], c["axis"], c["label"], c["reference"], c["bytes"], c["limit"], c["world_size"])
+            for c in checks] == [(collective, "backend", collectives.BACKEND, "gloo", nbytes, 0.25, 2)
+                                 for collective in moving for nbytes in (4 << 10, 64 << 10)]
+    assert all(c["text"].startswith(f"target {collectives.NAMES[c['collective']]} through dpkit backend <= 0.25x "
+                                    "gloo, 2 processes") for c in checks)
     floor = [r for r in measured[0]["backend"] if r.get("kind") == "latency floor"]
     for nbytes in backend_axis.FLOOR_SIZES:
         mine = [r for r in floor if r["bytes"] == nbytes]

@@ -175,20 +175,21 @@ class DpkitBackend:
         self.fast_on[0] = 1
         return (self.calls.outstanding.ctypes.data, self.fast_on.ctypes.data, *self.slots.native_layout())
 
-    def finish_posted(self, kind: str, tensors: list, op: str, root: int) -> Work:
-        """The rest of a call ``kind`` (a slots kind) that the C++ fast path posted (data, descriptor, counter) on
-        contiguous ``tensors`` (all-gather and reduce-scatter: output, input) but whose peers did not all post
-        within its hand-over time: queued as any call, waited for as on the Python path (dead peers named, the
-        timeout, the descriptors checked)."""
+    def finish_posted(self, kind: str, tensors: list, op: str, root: int, start: int = 0) -> Work:
+        """The rest of a call ``kind`` (a slots kind) on contiguous ``tensors`` (all-gather and reduce-scatter:
+        output, input) that the C++ fast path posted up to the piece that starts at element ``start`` (data,
+        descriptor, counter; every piece before it done) but whose peers did not all post that piece within its
+        hand-over time: queued as any call, waited for as on the Python path (dead peers named, the timeout, the
+        descriptors checked)."""
         flat = [t.view(-1) for t in tensors]
         slots = self.slots
-        run = {"all_reduce": lambda: slots.all_reduce(flat[0], op, announced=True),
-               "broadcast": lambda: slots.broadcast(flat[0], root, announced=True),
-               "all_gather": lambda: slots.all_gather(flat[0], flat[1], announced=True),
-               "reduce_scatter": lambda: slots.reduce_scatter(flat[0], flat[1], op, announced=True),
-               "barrier": lambda: slots.barrier(announced=True),
-               "reduce": lambda: slots.reduce(flat[0], op, root, announced=True),
-               "all_to_all": lambda: slots.all_to_all(flat[0], flat[1], announced=True)}[kind]
+        run = {"all_reduce": lambda: slots.all_reduce(flat[0], op, announced=start),
+               "broadcast": lambda: slots.broadcast(flat[0], root, announced=start),
+               "all_gather": lambda: slots.all_gather(flat[0], flat[1], announced=start),
+               "reduce_scatter": lambda: slots.reduce_scatter(flat[0], flat[1], op, announced=start),
+               "barrier": lambda: slots.barrier(announced=start),
+               "reduce": lambda: slots.reduce(flat[0], op, root, announced=start),
+               "all_to_all": lambda: slots.all_to_all(flat[0], flat[1], announced=start)}[kind]
         return self._submit(run, list(tensors[:1]))
 
     def shutdown(self) -> None:

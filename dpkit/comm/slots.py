@@ -51,6 +51,10 @@ KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "
 OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "avg_divided_first")
 # avg: sum, then divide (the backend's ReduceOp.AVG); avg_divided_first: each contribution divided, then summed (the
 # transports' "avg": no sum of large values overflows). Two roundings of one average, so each has its index.
+# Broadcast and reduce of at most a slot go in pieces of this many bytes (piece_numel): one rank copies a piece
+# while another copies or sums the one before it.
+PIPELINED = ("broadcast", "reduce")
+PIPELINED_PIECE_BYTES = 1 << 18
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
@@ -76,6 +80,16 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
     out.copy_(parts[0])
     for part in parts[1:]:
         combine(out, part, out=out)
+
+
+def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
+    """The elements of each piece of a call ``kind`` of ``numel`` elements of ``itemsize`` bytes (the last may be
+    shorter): a slot's worth, or PIPELINED_PIECE_BYTES for a broadcast or reduce that fits one slot. The C++ face
+    splits as this does (``piece_numel`` there), so that a call one rank runs there and another here pairs."""
+    per = slot_bytes // itemsize
+    if kind in PIPELINED and numel * itemsize <= slot_bytes:
+        return max(1, min(per, PIPELINED_PIECE_BYTES // itemsize))
+    return per
 
 
 def _described(kind: int, dtype: int, numel: int, op: int, root: int) -> str:
@@ -169,12 +183,13 @@ class Slots:
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
                  use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False,
-                 announced: bool = False) -> None:
-        """For each piece [lo, hi) of ``flat`` (1-D, contiguous): copy it into this rank's slot (when ``post``),
-        wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked once. Whatever
-        raises here breaks the slots (a peer may have posted its piece, or be waiting for this rank's).
-        ``posted``: the data of a one-piece message is in the slot already (``buffer``); ``announced``: its
-        descriptor and counter too (the C++ fast path posted it, then handed it over)."""
+                 announced: int | None = None) -> None:
+        """For each piece [lo, hi) of ``flat`` (1-D, contiguous; ``piece_numel``): copy it into this rank's slot
+        (when ``post``), wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked
+        once. Whatever raises here breaks the slots (a peer may have posted its piece, or be waiting for this
+        rank's). ``posted``: the data of a one-piece message is in the slot already (``buffer``); ``announced``:
+        the C++ fast path posted the piece that starts at this element (data, descriptor, counter), every piece
+        before it done, then handed the call over."""
         self._refuse_if_broken()
         try:
             self._exchange(kind, flat, op, root, post, use, posted, announced)
@@ -186,14 +201,14 @@ class Slots:
 
     def _exchange(self, kind, flat, op, root, post, use, posted, announced) -> None:
         total = flat.numel()
-        per = self.slot_bytes // flat.element_size()
+        per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
-            self._piece(code, flat, post and not posted, use, 0, total, announced)
+            self._piece(code, flat, post and not posted, use, 0, total, announced == 0)
             return
-        for lo in range(0, total, per):
+        for lo in range(announced or 0, total, per):
             hi = min(total, lo + per)
-            self._piece(code, flat[lo:hi], post, use, lo, hi)
+            self._piece(code, flat[lo:hi], post, use, lo, hi, announced == lo)
 
     def _piece(self, code: tuple, piece: torch.Tensor, post: bool, use: Callable, lo: int, hi: int,
                announced: bool = False) -> None:
@@ -271,18 +286,19 @@ class Slots:
 
     # ---- the collectives, on contiguous 1-D tensors of a dtype in DTYPES
 
-    def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False, announced: bool = False) -> None:
+    def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False,
+                   announced: int | None = None) -> None:
         def take(lo, hi, parts):
             reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
         self.exchange("all_reduce", flat, op, 0, True, take, posted, announced)
 
-    def broadcast(self, flat: torch.Tensor, root: int, announced: bool = False) -> None:
+    def broadcast(self, flat: torch.Tensor, root: int, announced: int | None = None) -> None:
         def take(lo, hi, parts):
             if self.rank != root:
                 flat[lo:hi].copy_(parts[root])
         self.exchange("broadcast", flat, "none", root, self.rank == root, take, announced=announced)
 
-    def all_gather(self, out: torch.Tensor, flat: torch.Tensor, announced: bool = False) -> None:
+    def all_gather(self, out: torch.Tensor, flat: torch.Tensor, announced: int | None = None) -> None:
         """``out`` (size * n) <- every rank's ``flat`` (n), in rank order."""
         rows = out.view(self.size, -1)
 
@@ -291,7 +307,8 @@ class Slots:
                 rows[r, lo:hi].copy_(part)
         self.exchange("all_gather", flat, "none", 0, True, take, announced=announced)
 
-    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum", announced: bool = False) -> None:
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum",
+                       announced: int | None = None) -> None:
         """``out`` (m) <- this rank's m-slice of ``op`` over every rank's ``flat`` (size * m)."""
         m = out.numel()
         start, end = self.rank * m, (self.rank + 1) * m
@@ -302,28 +319,28 @@ class Slots:
                 reduce_into(out[a - start:b - start], [p[a - lo:b - lo] for p in parts], op)
         self.exchange("reduce_scatter", flat, op, 0, True, take, announced=announced)
 
-    def reduce(self, flat: torch.Tensor, op: str, root: int, announced: bool = False) -> None:
+    def reduce(self, flat: torch.Tensor, op: str, root: int, announced: int | None = None) -> None:
         """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are)."""
         def take(lo, hi, parts):
             if self.rank == root:
                 reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
         self.exchange("reduce", flat, op, root, True, take, announced=announced)
 
-    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor, announced: bool = False) -> None:
+    def all_to_all(self, out: torch.Tensor, flat: torch.Tensor, announced: int | None = None) -> None:
         """``out`` (size * m): block j <- this rank's block of rank j's ``flat`` (size * m), as
         ``all_to_all_single`` with even splits."""
         m = out.numel() // self.size
         start, end = self.rank * m, (self.rank + 1) * m
         rows = out.view(self.size, m)
 
-        def take(lo, hi, parts):
+        def take(lo, hi, parts):  # this rank's own block from ``flat``: the C++ face posts the others' alone
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 for j, part in enumerate(parts):
-                    rows[j, a - start:b - start].copy_(part[a - lo:b - lo])
+                    rows[j, a - start:b - start].copy_(flat[a:b] if j == self.rank else part[a - lo:b - lo])
         self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced)
 
-    def barrier(self, announced: bool = False) -> None:
+    def barrier(self, announced: int | None = None) -> None:
         self.exchange("barrier", _NOTHING, "none", 0, False, _ignore, announced=announced)
 
     def held_bytes(self) -> int:

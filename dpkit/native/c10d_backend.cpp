@@ -30,6 +30,7 @@
 #include <ATen/record_function.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -127,6 +128,9 @@ constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HAND
 // A call whose caller waits at once (async_op=False) holds no one up while it polls: it polls longer before
 // handing over to Python (whose wait tells a dead peer from a slow one).
 constexpr int64_t WAITED_NS = 20000000;
+// Broadcast and reduce of at most a slot go in pieces of this many bytes (slots.py's PIPELINED_PIECE_BYTES): one
+// rank copies a piece while another copies or sums the one before it.
+constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 18;
 constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
 // Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
 enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
@@ -178,13 +182,18 @@ void reduce_slots(const Slots& s, int parity, int64_t from, T* __restrict__ out,
   }
 }
 
-void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean) {
-  switch (out.scalar_type()) {
-    case at::kFloat: return reduce_slots(s, parity, from, out.data_ptr<float>(), out.numel(), mean);
-    case at::kDouble: return reduce_slots(s, parity, from, out.data_ptr<double>(), out.numel(), mean);
-    case at::kInt: return reduce_slots(s, parity, from, out.data_ptr<int32_t>(), out.numel(), false);
-    default: return reduce_slots(s, parity, from, out.data_ptr<int64_t>(), out.numel(), false);
+// The same over `n` elements of dtype `type` at `out`.
+void reduce_slots(const Slots& s, int parity, int64_t from, at::ScalarType type, void* out, int64_t n, bool mean) {
+  switch (type) {
+    case at::kFloat: return reduce_slots(s, parity, from, static_cast<float*>(out), n, mean);
+    case at::kDouble: return reduce_slots(s, parity, from, static_cast<double*>(out), n, mean);
+    case at::kInt: return reduce_slots(s, parity, from, static_cast<int32_t*>(out), n, false);
+    default: return reduce_slots(s, parity, from, static_cast<int64_t*>(out), n, false);
   }
+}
+
+void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean) {
+  reduce_slots(s, parity, from, out.scalar_type(), out.data_ptr(), out.numel(), mean);
 }
 
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
@@ -228,16 +237,24 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& t, const c10d::BroadcastOptions& o) override {
     if (t.size() == 1 && o.rootTensor == 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:broadcast");
+      ++sequence_;  // once per call, as call() counts
       const int root = int(o.rootRank);
-      const int parity = post({BROADCAST, dtype_code(t[0].scalar_type()), t[0].numel(), OP_NONE, root},
-                              root == slots_.rank ? t[0] : at::Tensor(), o.asyncOp);
-      if (parity < 0) {
-        return handed_over(BROADCAST, OpType::BROADCAST, t, OP_NONE, root);
+      const bool mine = root == slots_.rank;
+      char* data = static_cast<char*>(t[0].data_ptr());
+      const std::array<int64_t, 5> code{BROADCAST, dtype_code(t[0].scalar_type()), t[0].numel(), OP_NONE, root};
+      const int64_t item = t[0].element_size(), per = piece_numel(BROADCAST, t[0].numel(), item);
+      // Piece by piece: the root copies piece k + 1 into its slot while the others copy piece k out of it.
+      for (int64_t lo = 0; lo < t[0].numel(); lo += per) {
+        const int64_t bytes = std::min(per, t[0].numel() - lo) * item;
+        const int parity = post(code, mine ? data + lo * item : nullptr, bytes, o.asyncOp);
+        if (parity < 0) {
+          return handed_over(BROADCAST, OpType::BROADCAST, t, OP_NONE, root, lo);
+        }
+        if (!mine) {
+          std::memcpy(data + lo * item, slots_.slot(root, parity), bytes);
+        }
       }
-      if (root != slots_.rank) {
-        std::memcpy(t[0].data_ptr(), slots_.slot(root, parity), t[0].nbytes());
-      }
-      return c10::make_intrusive<DoneWork>(t, OpType::BROADCAST);
+      return done(t, OpType::BROADCAST);
     }
     return call(OpType::BROADCAST, "broadcast", t, o);
   }
@@ -245,12 +262,13 @@ class Backend : public c10d::Backend {
     const int64_t op = summing(o.reduceOp, t[0]);
     if (t.size() == 1 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:all_reduce");
+      ++sequence_;  // once per call, as call() counts
       const int parity = post({ALL_REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, 0}, t[0], o.asyncOp);
       if (parity < 0) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
       }
       reduce_slots(slots_, parity, 0, t[0], op == OP_AVG);
-      return c10::make_intrusive<DoneWork>(t, OpType::ALLREDUCE);
+      return done(t, OpType::ALLREDUCE);
     }
     return call(OpType::ALLREDUCE, "allreduce", t, o);
   }
@@ -265,15 +283,23 @@ class Backend : public c10d::Backend {
     const int64_t op = summing(o.reduceOp, t[0]);
     if (t.size() == 1 && o.rootTensor == 0 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:reduce");
+      ++sequence_;  // once per call, as call() counts
       const int root = int(o.rootRank);
-      const int parity = post({REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root}, t[0], o.asyncOp);
-      if (parity < 0) {
-        return handed_over(REDUCE, OpType::REDUCE, t, op, root);
+      char* data = static_cast<char*>(t[0].data_ptr());
+      const std::array<int64_t, 5> code{REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root};
+      const int64_t item = t[0].element_size(), per = piece_numel(REDUCE, t[0].numel(), item);
+      // Piece by piece: the others copy piece k + 1 into their slots while the root sums piece k.
+      for (int64_t lo = 0; lo < t[0].numel(); lo += per) {
+        const int64_t n = std::min(per, t[0].numel() - lo);
+        const int parity = post(code, data + lo * item, n * item, o.asyncOp);
+        if (parity < 0) {
+          return handed_over(REDUCE, OpType::REDUCE, t, op, root, lo);
+        }
+        if (root == slots_.rank) {
+          reduce_slots(slots_, parity, 0, t[0].scalar_type(), data + lo * item, n, op == OP_AVG);
+        }
       }
-      if (root == slots_.rank) {
-        reduce_slots(slots_, parity, 0, t[0], op == OP_AVG);
-      }
-      return c10::make_intrusive<DoneWork>(t, OpType::REDUCE);
+      return done(t, OpType::REDUCE);
     }
     return call(OpType::REDUCE, "reduce", t, o);
   }
@@ -284,6 +310,7 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
     if (out.numel() == in.numel() * slots_.size && out.scalar_type() == in.scalar_type() && fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:all_gather");
+      ++sequence_;  // once per call, as call() counts
       const int parity = post({ALL_GATHER, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
       if (parity < 0) {
@@ -293,7 +320,7 @@ class Backend : public c10d::Backend {
       for (int r = 0; r < slots_.size; ++r) {
         std::memcpy(to + r * in.nbytes(), slots_.slot(r, parity), in.nbytes());
       }
-      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
     }
     return call(OpType::_ALLGATHER_BASE, "all_gather_single", out, in, o);
   }
@@ -323,13 +350,14 @@ class Backend : public c10d::Backend {
     if (op >= 0 && in.numel() == out.numel() * slots_.size && out.scalar_type() == in.scalar_type() &&
         fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:reduce_scatter");
+      ++sequence_;  // once per call, as call() counts
       const int parity = post({REDUCE_SCATTER, dtype_code(in.scalar_type()), in.numel(), op, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
       if (parity < 0) {
         return handed_over(REDUCE_SCATTER, OpType::_REDUCE_SCATTER_BASE, both, op, 0);
       }
       reduce_slots(slots_, parity, slots_.rank * out.numel(), out, op == OP_AVG);
-      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
     }
     return call(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", out, in, o);
   }
@@ -341,17 +369,25 @@ class Backend : public c10d::Backend {
                                          std::vector<int64_t>& in_splits, const c10d::AllToAllOptions& o) override {
     if (even(out, in, out_splits, in_splits) && fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:all_to_all");
-      const int parity = post({ALL_TO_ALL, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
+      ++sequence_;  // once per call, as call() counts
+      // Block j of `out` is this rank's block of rank j's input. The others read only their own blocks of this
+      // rank's slot: this rank's block goes from `in` to `out` directly, never through the slot.
+      const size_t block = in.nbytes() / slots_.size, own = slots_.rank * block;
+      const char* from = static_cast<const char*>(in.data_ptr());
+      char* to = static_cast<char*>(out.data_ptr());
+      char* slot = slots_.slot(slots_.rank, next_parity());
+      std::memcpy(slot, from, own);
+      std::memcpy(slot + own + block, from + own + block, in.nbytes() - own - block);
+      const int parity = post({ALL_TO_ALL, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, nullptr, 0,
+                              o.asyncOp);
       std::vector<at::Tensor> both{out, in};
       if (parity < 0) {
         return handed_over(ALL_TO_ALL, OpType::ALLTOALL_BASE, both, OP_NONE, 0);
       }
-      const size_t block = in.nbytes() / slots_.size;  // block j of `out` is this rank's block of rank j's input
-      char* to = static_cast<char*>(out.data_ptr());
       for (int j = 0; j < slots_.size; ++j) {
-        std::memcpy(to + j * block, slots_.slot(j, parity) + slots_.rank * block, block);
+        std::memcpy(to + j * block, j == slots_.rank ? from + own : slots_.slot(j, parity) + own, block);
       }
-      return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
     }
     return call(OpType::ALLTOALL_BASE, "all_to_all_single", out, in, out_splits, in_splits, o);
   }
@@ -371,11 +407,12 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override {
     if (fast({}, 0)) {
       RECORD_USER_SCOPE("dpkit:barrier");
+      ++sequence_;  // once per call, as call() counts
       std::vector<at::Tensor> none;
       if (post({BARRIER, 0, 0, OP_NONE, 0}, at::Tensor(), o.asyncOp) < 0) {
         return handed_over(BARRIER, OpType::BARRIER, none, OP_NONE, 0);
       }
-      return c10::make_intrusive<DoneWork>(none, OpType::BARRIER);
+      return done(none, OpType::BARRIER);
     }
     return call(OpType::BARRIER, "barrier", o);
   }
@@ -439,34 +476,58 @@ class Backend : public c10d::Backend {
     return true;
   }
 
-  // One exchange: post `data` (undefined: nothing to post) into this rank's next slot, then the descriptor
+  // One exchange: post `bytes` of `data` (null: nothing to post) into this rank's next slot, then the descriptor
   // `code`, then the counter; wait for every rank's up to HANDOVER_NS (WAITED_NS when the caller waits at once:
   // not `async_op`). The parity of the slots to read, or -1 when the call must be handed over (posted: Python
   // waits for it, checks the descriptors, reads the slots).
-  int post(std::array<int64_t, 5> code, const at::Tensor& data, bool async_op) {
-    ++sequence_;
+  int post(const std::array<int64_t, 5>& code, const void* data, size_t bytes, bool async_op) {
     const Slots& s = slots_;
     int64_t* mine = s.record(s.rank);
     const int64_t epoch = mine[0] + 1;
     const int parity = int(epoch % 2);
-    if (data.defined()) {
-      std::memcpy(s.slot(s.rank, parity), data.data_ptr(), data.nbytes());
+    if (data != nullptr) {
+      std::memcpy(s.slot(s.rank, parity), data, bytes);
     }
     std::memcpy(mine + 1 + 5 * parity, code.data(), sizeof code);
     __atomic_store_n(&mine[0], epoch, __ATOMIC_RELEASE);  // after the data and the descriptor
     if (arrived(epoch, async_op ? HANDOVER_NS : WAITED_NS) && agreed(parity, code.data())) {
-      ++fast_calls_;
       return parity;
     }
-    ++handed_over_;
     return -1;
   }
 
-  // The posted call `kind` on `tensors`, completed by the Python implementation (DpkitBackend.finish_posted).
+  // The parity of the slot this rank posts its next piece into.
+  int next_parity() const { return int((slots_.record(slots_.rank)[0] + 1) % 2); }
+
+  // One exchange of all of `data` (undefined: nothing to post), as above.
+  int post(const std::array<int64_t, 5>& code, const at::Tensor& data, bool async_op) {
+    return post(code, data.defined() ? data.data_ptr() : nullptr, data.defined() ? data.nbytes() : 0, async_op);
+  }
+
+  // The elements of each piece of a message of `numel` elements of `itemsize` bytes of a call `kind`: as
+  // slots.py's piece_numel, so that a call one rank runs here and another in Python pairs piece by piece.
+  int64_t piece_numel(Kind kind, int64_t numel, int64_t itemsize) const {
+    const int64_t per = slots_.slot_bytes / itemsize;
+    if ((kind == BROADCAST || kind == REDUCE) && numel * itemsize <= slots_.slot_bytes) {
+      return std::max<int64_t>(1, std::min(per, PIPELINED_PIECE_BYTES / itemsize));
+    }
+    return per;
+  }
+
+  // A call completed here: its Work, done.
+  c10::intrusive_ptr<Work> done(std::vector<at::Tensor> tensors, OpType type) {
+    ++fast_calls_;
+    return c10::make_intrusive<DoneWork>(std::move(tensors), type);
+  }
+
+  // The posted call `kind` on `tensors`, completed by the Python implementation (DpkitBackend.finish_posted)
+  // from the piece that starts at element `from` (posted here; every piece before it done).
   c10::intrusive_ptr<Work> handed_over(Kind kind, OpType type, std::vector<at::Tensor>& tensors, int64_t op,
-                                       int64_t root) {
+                                       int64_t root, int64_t from = 0) {
+    ++handed_over_;
     py::gil_scoped_acquire gil;
-    py::object work = impl_.attr("finish_posted")(KIND_NAMES[kind], tensors, op == OP_AVG ? "avg" : "sum", root);
+    py::object work = impl_.attr("finish_posted")(KIND_NAMES[kind], tensors, op == OP_AVG ? "avg" : "sum", root,
+                                                  from);
     return c10::make_intrusive<ForwardedWork>(std::move(work), type);
   }
 
