@@ -216,16 +216,16 @@ def fast_path(rank: int, gloo) -> dict:
 
 
 def pieces(rank: int, gloo) -> dict:
-    """A broadcast from rank 1, a reduce to rank 0 and an all-to-all of 1 MiB each (the first two go in four
-    pieces: ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
+    """A broadcast from rank 1, a reduce to rank 0 and an all-to-all of one slot (2 MiB) each (the first two go
+    in four pieces: ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
     implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the third
     piece of the broadcast and of the reduce (it runs their exchanges itself, and sleeps after the second piece),
     so that rank 0 hands both over in the middle; then all three through torch again."""
-    n = 1 << 18
+    n = 1 << 19
     x = torch.arange(n, dtype=torch.float32) * (rank + 1)
     impl, face = backend.implementation(), dist.group.WORLD._get_backend(torch.device("cpu"))
     counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
-    second = piece_numel("broadcast", n, x.element_size(), impl.slots.slot_bytes)
+    second = piece_numel("broadcast", n, x.element_size(), impl.slots.slot_bytes)  # where the second piece starts
 
     def late(lo, hi, parts):  # rank 1 is the broadcast's root and not the reduce's: it reads no slot
         if lo == second:

@@ -54,7 +54,7 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "av
 # Broadcast and reduce of at most a slot go in pieces of this many bytes (piece_numel): one rank copies a piece
 # while another copies or sums the one before it.
 PIPELINED = ("broadcast", "reduce")
-PIPELINED_PIECE_BYTES = 1 << 18
+PIPELINED_PIECE_BYTES = 1 << 19
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "

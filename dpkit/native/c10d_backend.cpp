@@ -130,7 +130,7 @@ constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HAND
 constexpr int64_t WAITED_NS = 20000000;
 // Broadcast and reduce of at most a slot go in pieces of this many bytes (slots.py's PIPELINED_PIECE_BYTES): one
 // rank copies a piece while another copies or sums the one before it.
-constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 18;
+constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 19;
 constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
 // Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
 enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
