@@ -46,3 +46,32 @@ def test_the_landing_sentences_are_the_files_stored_ratios_and_verdict():
     syncbn = backend_lines.syncbn_landing(docs["syncbn_backend"], docs["backend_anchors"])
     ours = backend_lines.comparison(docs["syncbn_backend"], backend_lines.OURS)
     assert f"ours {format_ratio(ours)}" in syncbn
+
+
+def check(collective, nbytes, ratio, verdict):
+    low, median, high = ratio
+    return {"axis": "backend", "collective": collective, "bytes": nbytes, "limit": 0.25, "verdict": verdict,
+            "ratio": {"median": median, "ci_low": low, "ci_high": high, "rounds": 40}}
+
+
+def test_every_collective_against_gloo_counts_the_stored_verdicts_and_names_each_one_not_met():
+    targets = [check("allreduce", 4096, (0.01, 0.02, 0.03), "met"),
+               check("broadcast", 1 << 20, (0.28, 0.33, 0.37), "missed"),
+               check("all_to_all", 1 << 20, (0.2, 0.23, 0.31), "inconclusive"),
+               {"axis": "transport", "verdict": "missed"}]  # another axis: not the backend's
+    text = backend_lines.against_gloo({"targets": targets})
+    assert "from 4KiB to 1MiB (same file; target <= 0.25x): 1 of 3 met; not met: " in text
+    assert text.endswith(f"broadcast at 1MiB, {format_ratio(targets[1]['ratio'])} missed; all-to-all at 1MiB, "
+                         f"{format_ratio(targets[2]['ratio'])} inconclusive.")
+    assert backend_lines.against_gloo({"targets": targets[:1]}).endswith(": 1 of 1 met.")
+
+
+def test_what_the_small_all_reduce_is_made_of_is_the_files_latency_floor_rows_at_4_kib():
+    cases = {backend_lines.CALL: 6e-6, backend_lines.ALONE: 4.2e-6, backend_lines.WAIT: 3.3e-6,
+             backend_lines.REDUCTION: 2e-6}
+    rows = [{"kind": "latency floor", "bytes": nbytes, "case": case, "seconds_per_call": seconds * nbytes / 4096}
+            for nbytes in (4096, 65536) for case, seconds in cases.items()]
+    text = backend_lines.floor({"results": rows})
+    assert '`dist.all_reduce` on "dpkit" takes 6.0 us a call; on a group of one rank' in text
+    assert "completes at once, 4.2 us: torch's own layers" in text
+    assert text.endswith("An exchange of no data takes 3.3 us, the copy in and sum out 2.0 us.")

@@ -8,9 +8,10 @@ Each row is the time per call of back-to-back calls (median over rounds, slowest
 * ``dist.all_reduce [dpkit]``: PyTorch's call on any CPU tensor, through the backend (targets: <= 60 us at 4 KiB);
 * ``slots.all_reduce [own buffer]``: the backend's slots called directly on a tensor written in place in
   this rank's next slot (no dispatch, no copy in; target <= 30 us);
-* what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group: torch's
-  Python and C++ layers, the call back into Python, the Work), ``wait`` (one exchange of no data: post
-  the counter, see the peers'), ``reduction`` (the copy into the slot and the sum into the output, alone);
+* what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group, which the C++ face
+  completes at once: torch's Python and C++ layers and the Work, what any C++ backend's call costs; on torch's
+  Python-backend route, also the call into Python), ``wait`` (one exchange of no data: post the counter, see the
+  peers'), ``reduction`` (the copy into the slot and the sum into the output, alone);
 * for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer and
   on any tensor (staged: what ``dist.all_reduce`` through it would cost); long messages with ``--bytes 67108864``.
 

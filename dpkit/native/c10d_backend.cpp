@@ -238,6 +238,9 @@ class Backend : public c10d::Backend {
     if (t.size() == 1 && o.rootTensor == 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:broadcast");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {
+        return done(t, OpType::BROADCAST);
+      }
       const int root = int(o.rootRank);
       const bool mine = root == slots_.rank;
       char* data = static_cast<char*>(t[0].data_ptr());
@@ -263,6 +266,9 @@ class Backend : public c10d::Backend {
     if (t.size() == 1 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:all_reduce");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {  // the sum and the mean of one tensor: itself
+        return done(t, OpType::ALLREDUCE);
+      }
       const int parity = post({ALL_REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, 0}, t[0], o.asyncOp);
       if (parity < 0) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
@@ -284,6 +290,9 @@ class Backend : public c10d::Backend {
     if (t.size() == 1 && o.rootTensor == 0 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
       RECORD_USER_SCOPE("dpkit:reduce");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {
+        return done(t, OpType::REDUCE);
+      }
       const int root = int(o.rootRank);
       char* data = static_cast<char*>(t[0].data_ptr());
       const std::array<int64_t, 5> code{REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root};
@@ -308,9 +317,13 @@ class Backend : public c10d::Backend {
     return call(OpType::ALLGATHER, "allgather", out, in, o);
   }
   c10::intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    if (out.numel() == in.numel() * slots_.size && out.scalar_type() == in.scalar_type() && fast({out, in}, dense_bytes(in))) {
+    if (out.numel() == in.numel() * size_ && out.scalar_type() == in.scalar_type() && fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:all_gather");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {
+        copy(out, in);
+        return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
+      }
       const int parity = post({ALL_GATHER, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
       if (parity < 0) {
@@ -347,10 +360,14 @@ class Backend : public c10d::Backend {
   c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                                 const c10d::ReduceScatterOptions& o) override {
     const int64_t op = summing(o.reduceOp, in);
-    if (op >= 0 && in.numel() == out.numel() * slots_.size && out.scalar_type() == in.scalar_type() &&
+    if (op >= 0 && in.numel() == out.numel() * size_ && out.scalar_type() == in.scalar_type() &&
         fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:reduce_scatter");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {
+        copy(out, in);
+        return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
+      }
       const int parity = post({REDUCE_SCATTER, dtype_code(in.scalar_type()), in.numel(), op, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
       if (parity < 0) {
@@ -370,6 +387,10 @@ class Backend : public c10d::Backend {
     if (even(out, in, out_splits, in_splits) && fast({out, in}, dense_bytes(in))) {
       RECORD_USER_SCOPE("dpkit:all_to_all");
       ++sequence_;  // once per call, as call() counts
+      if (alone()) {
+        copy(out, in);
+        return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
+      }
       // Block j of `out` is this rank's block of rank j's input. The others read only their own blocks of this
       // rank's slot: this rank's block goes from `in` to `out` directly, never through the slot.
       const size_t block = in.nbytes() / slots_.size, own = slots_.rank * block;
@@ -409,6 +430,9 @@ class Backend : public c10d::Backend {
       RECORD_USER_SCOPE("dpkit:barrier");
       ++sequence_;  // once per call, as call() counts
       std::vector<at::Tensor> none;
+      if (alone()) {
+        return done(none, OpType::BARRIER);
+      }
       if (post({BARRIER, 0, 0, OP_NONE, 0}, at::Tensor(), o.asyncOp) < 0) {
         return handed_over(BARRIER, OpType::BARRIER, none, OP_NONE, 0);
       }
@@ -434,7 +458,7 @@ class Backend : public c10d::Backend {
   // Whether an all-to-all moves equal blocks (the splits empty, or each the block), as the slots do.
   bool even(const at::Tensor& out, const at::Tensor& in, const std::vector<int64_t>& out_splits,
             const std::vector<int64_t>& in_splits) const {
-    const int64_t n = slots_.size;
+    const int64_t n = size_;
     if (n == 0 || out.numel() != in.numel() || in.numel() % n != 0 || out.scalar_type() != in.scalar_type()) {
       return false;
     }
@@ -453,20 +477,24 @@ class Backend : public c10d::Backend {
     return t.layout() == at::kStrided ? t.nbytes() : SIZE_MAX;
   }
 
-  // Whether the fast path takes a call on `tensors` posting `nbytes`: the slots are on, nothing is queued in
-  // Python (calls run in program order), no rank broke, and the tensors are contiguous CPU tensors of a dtype
-  // the slots move (the Python path's choice too: every rank takes the slots or none), the message one slot.
-  // Anything else goes to Python, which checks and refuses as on every path.
+  // Whether the fast path takes a call on `tensors` posting `nbytes`: the tensors are contiguous CPU tensors of
+  // a dtype the slots move (the Python path's choice too: every rank takes the slots or none); and, but in a
+  // group of one rank (nothing to wait for: `alone` calls complete at once), the slots are on, nothing is queued
+  // in Python (calls run in program order), no rank broke, and the message fits one slot. Anything else goes to
+  // Python, which checks and refuses as on every path.
   bool fast(std::initializer_list<at::Tensor> tensors, size_t nbytes) const {
-    const Slots& s = slots_;
-    if (s.on == nullptr || s.load(s.on) == 0 || s.load(s.queued) != 0 || nbytes > size_t(s.slot_bytes)) {
-      return false;
-    }
     for (const at::Tensor& t : tensors) {
       if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.numel() == 0 ||
           dtype_code(t.scalar_type()) < 0) {
         return false;
       }
+    }
+    if (alone()) {
+      return true;
+    }
+    const Slots& s = slots_;
+    if (s.on == nullptr || s.load(s.on) == 0 || s.load(s.queued) != 0 || nbytes > size_t(s.slot_bytes)) {
+      return false;
     }
     for (int r = 0; r < s.size; ++r) {
       if (s.load(&s.record(r)[s.broken_word]) != 0 || s.load(&s.record(r)[0]) < 0) {
@@ -474,6 +502,15 @@ class Backend : public c10d::Backend {
       }
     }
     return true;
+  }
+
+  bool alone() const { return size_ == 1; }
+
+  // A collective of one rank, out of place: `out` <- `in` (of the same bytes).
+  static void copy(at::Tensor& out, const at::Tensor& in) {
+    if (out.data_ptr() != in.data_ptr()) {
+      std::memcpy(out.data_ptr(), in.data_ptr(), in.nbytes());
+    }
   }
 
   // One exchange: post `bytes` of `data` (null: nothing to post) into this rank's next slot, then the descriptor

@@ -1,7 +1,8 @@
 """README's results of the backend "dpkit", from its committed files: the all-reduce beside the anchors (Open MPI,
-DeepSpeed) with what the intervals decide, the same at 4 ranks, and where the backend lands under PyTorch's own
-layers. README holds them between two markers; ``python run_experiments.py --summary`` rewrites them and a test
-keeps README equal to them, so no number there is typed by hand.
+DeepSpeed) with what the intervals decide and what its small calls' time is made of, every collective against
+gloo's, the all-reduce at 4 ranks, and where the backend lands under PyTorch's own layers. README holds them
+between two markers; ``python run_experiments.py --summary`` rewrites them and a test keeps README equal to them,
+so no number there is typed by hand.
 
     from dpkit.report import backend_lines
     block = backend_lines.render(Path("results"))   # the block, markers included
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpkit.bench.collectives import format_size
+from dpkit.bench.collectives import NAMES, format_size
 from dpkit.bench.measure import format_ratio
 from dpkit.bench.results import read_results
 
@@ -21,6 +22,9 @@ FILES = ("backend_anchors", "backend_anchors_4ranks", "syncbn_backend", "ddp_bac
 BACKEND = "dpkit backend"  # collectives_benchmark.py's label of torch.distributed's call on a "dpkit" group
 PATTERN, OURS, LOCAL = "BatchNorm1d + 2 all_reduce", "ours", "BatchNorm1d (local)"  # syncbn_benchmark.py's labels
 DPKIT, GLOO = "torch:dpkit", "torch"  # the two transports of syncbn_backend.json and ddp_backend.json
+# backend_latency.py's cases, as the anchors file's latency-floor rows name them.
+CALL, ALONE, WAIT, REDUCTION = ("dist.all_reduce [dpkit]", "dispatch (one-rank group)", "wait (exchange of no data)",
+                                "reduction (copy in, sum out)")
 
 
 def time_text(seconds: float) -> str:
@@ -72,6 +76,31 @@ def _sides(name: str, ratios: dict[int, dict]) -> str:
         side["ahead" if r["ci_high"] < 1 else "behind" if r["ci_low"] > 1 else "neither"].append(format_size(nbytes))
     return f'against {name}, "dpkit" is ' + ", ".join(f"{word} at {_and(sizes)}" for word, sizes in side.items()
                                                       if sizes)
+
+
+def against_gloo(doc: dict) -> str:
+    """The file's stored targets of every collective on "dpkit" against gloo: how many met, and each one not met."""
+    checks = [t for t in doc["targets"] if t["axis"] == "backend"]
+    sizes = sorted({t["bytes"] for t in checks})
+    unmet = [f"{NAMES[t['collective']]} at {format_size(t['bytes'])}, {format_ratio(t['ratio'])} {t['verdict']}"
+             for t in checks if t["verdict"] != "met"]
+    met = len(checks) - len(unmet)
+    return (f"Every collective that moves data, on \"dpkit\" against the same call on gloo from "
+            f"{format_size(sizes[0])} to {format_size(sizes[-1])} (same file; target <= {checks[0]['limit']}x): {met} "
+            f"of {len(checks)} met"
+            + (f"; not met: {'; '.join(unmet)}" if unmet else "") + ".")
+
+
+def floor(doc: dict, nbytes: int = 4096) -> str:
+    """What the small all-reduce's time is made of: the file's latency-floor rows at ``nbytes``."""
+    rows = {r["case"]: r["seconds_per_call"] for r in doc["results"]
+            if r.get("kind") == "latency floor" and r["bytes"] == nbytes}
+    return (f"What the small all-reduce's time is made of (the same file's latency-floor rows, {format_size(nbytes)}, "
+            f"calls back to back, slowest rank): `dist.all_reduce` on \"dpkit\" takes {time_text(rows[CALL])} a call; "
+            f"on a group of one rank, which the C++ face completes at once, {time_text(rows[ALONE])}: torch's own "
+            "layers between `dist.all_reduce` and a backend, which the anchors' calls do not go through (DeepSpeed's "
+            "op is called as `torch.ops.deepspeed.inference_all_reduce_`, Open MPI's through mpi4py). An exchange of "
+            f"no data takes {time_text(rows[WAIT])}, the copy in and sum out {time_text(rows[REDUCTION])}.")
 
 
 def four_ranks(doc: dict) -> str:
@@ -145,8 +174,8 @@ def render(results_dir: Path) -> str:
     two = docs["backend_anchors"]
     return "\n".join([BEGIN, "", f"The all-reduce, 2 ranks (`results/backend_anchors.json`, at "
                                  f"{two['env']['git_commit']}, {two['env']['device_model']}, "
-                                 f"{two['env']['cpus']} cores):", "", *anchors(two), "",
-                      four_ranks(docs["backend_anchors_4ranks"]), "",
+                                 f"{two['env']['cpus']} cores):", "", *anchors(two), "", floor(two), "",
+                      against_gloo(two), "", four_ranks(docs["backend_anchors_4ranks"]), "",
                       "**Where it lands.** The same layers, unchanged, on a \"dpkit\" group against themselves on "
                       "gloo, in one run each, 2 ranks, paired by round, median [95 % CI]:", "",
                       f"- {syncbn_landing(docs['syncbn_backend'], two)}", f"- {ddp_landing(docs['ddp_backend'])}",
