@@ -1,5 +1,5 @@
 """README's results of the backend "dpkit", from its committed files: the all-reduce beside the anchors (Open MPI,
-DeepSpeed) with what the intervals decide and what its small calls' time is made of, every collective against
+DeepSpeed) with what the intervals decide and how much of a small call is torch's own, every collective against
 gloo's, the all-reduce at 4 ranks, and where the backend lands under PyTorch's own layers. README holds them
 between two markers; ``python run_experiments.py --summary`` rewrites them and a test keeps README equal to them,
 so no number there is typed by hand.
@@ -23,8 +23,7 @@ BACKEND = "dpkit backend"  # collectives_benchmark.py's label of torch.distribut
 PATTERN, OURS, LOCAL = "BatchNorm1d + 2 all_reduce", "ours", "BatchNorm1d (local)"  # syncbn_benchmark.py's labels
 DPKIT, GLOO = "torch:dpkit", "torch"  # the two transports of syncbn_backend.json and ddp_backend.json
 # backend_latency.py's cases, as the anchors file's latency-floor rows name them.
-CALL, ALONE, WAIT, REDUCTION = ("dist.all_reduce [dpkit]", "dispatch (one-rank group)", "wait (exchange of no data)",
-                                "reduction (copy in, sum out)")
+CALL, ALONE = "dist.all_reduce [dpkit]", "dispatch (one-rank group)"
 
 
 def time_text(seconds: float) -> str:
@@ -92,15 +91,15 @@ def against_gloo(doc: dict) -> str:
 
 
 def floor(doc: dict, nbytes: int = 4096) -> str:
-    """What the small all-reduce's time is made of: the file's latency-floor rows at ``nbytes``."""
+    """How much of the small all-reduce's time is torch's own: the file's latency-floor rows at ``nbytes``."""
     rows = {r["case"]: r["seconds_per_call"] for r in doc["results"]
             if r.get("kind") == "latency floor" and r["bytes"] == nbytes}
-    return (f"What the small all-reduce's time is made of (the same file's latency-floor rows, {format_size(nbytes)}, "
-            f"calls back to back, slowest rank): `dist.all_reduce` on \"dpkit\" takes {time_text(rows[CALL])} a call; "
-            f"on a group of one rank, which the C++ face completes at once, {time_text(rows[ALONE])}: torch's own "
-            "layers between `dist.all_reduce` and a backend, which the anchors' calls do not go through (DeepSpeed's "
-            "op is called as `torch.ops.deepspeed.inference_all_reduce_`, Open MPI's through mpi4py). An exchange of "
-            f"no data takes {time_text(rows[WAIT])}, the copy in and sum out {time_text(rows[REDUCTION])}.")
+    return (f"How much of a small all-reduce is torch's own (the same file's latency-floor rows, "
+            f"{format_size(nbytes)}, calls back to back, slowest rank): `dist.all_reduce` on \"dpkit\" takes "
+            f"{time_text(rows[CALL])} a call, and {time_text(rows[ALONE])} on a group of one rank, which the C++ face "
+            "completes at once: torch's layers between `dist.all_reduce` and a backend, which the anchors' calls do "
+            "not go through (DeepSpeed's op is called as `torch.ops.deepspeed.inference_all_reduce_`, Open MPI's "
+            "through mpi4py).")
 
 
 def four_ranks(doc: dict) -> str:
