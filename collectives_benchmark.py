@@ -17,7 +17,8 @@
   copied in and out), "p2p" (auto for the all-reduce, else the ring), and any transport registered: each on the
   buffers it allocates. Shared memory sums chunk r on rank r.
 * Backends: torch.distributed's calls (``backend_axis.BACKEND_CALLS``) on a "dpkit" group against gloo, the
-  latency floor (``backend_latency``), and ``--anchors`` beside them: Open MPI under mpirun, DeepSpeed's shm.
+  latency floor (``backend_latency``), and ``--anchors`` beside them: Open MPI under mpirun, DeepSpeed's shm,
+  each rank's own a + b -> c (the memory's bound).
 
 Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20
 bytes) and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed calls in turns,
@@ -116,7 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--anchors", nargs="*", choices=anchors.ANCHORS, default=None, metavar="NAME",
                         help="the backend axis: other libraries' collectives timed beside gloo and \"dpkit\" in the "
                              "same ranks: openmpi (Open MPI through mpi4py; each world is started by mpirun), "
-                             "deepspeed (DeepSpeed's shared-memory all-reduce); no name: both; one missing is "
+                             "deepspeed (DeepSpeed's shared-memory all-reduce), memory (each rank's own a + b -> c "
+                             "over the all-reduce's bytes: the memory's bound); no name: all three; one missing is "
                              "skipped, saying why (default: none)")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
                         help="the backend axis: back-to-back calls per round of the latency floor "

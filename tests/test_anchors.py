@@ -135,6 +135,21 @@ def test_anchors_are_asked_for_on_the_backend_axis_by_name_or_all_at_once():
         bench.parse_args(["--axis", "transports", "--anchors"])
 
 
+def test_the_memory_s_bound_needs_no_library_and_stands_beside_the_all_reduce_alone_checked_exact(tmp_path):
+    path = tmp_path / "memory.json"
+    result = _run(["collectives_benchmark.py", "--axis", "backends", "--procs", "2", "--anchors", "memory",
+                   "--backend-collectives", "allreduce", "broadcast", "--backend-sizes", "4KB", "--iters", "1",
+                   "--warmup", "0", "--floor-calls", "0", "--json", str(path)], timeout_s=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [r for r in json.loads(path.read_text())["results"] if "axis" in r]
+    (memory,) = [r for r in rows if "anchor" in r]
+    assert (memory["anchor"], memory["collective"], memory["label"]) == ("memory", "allreduce",
+                                                                         anchors.LABELS["memory"])
+    assert memory["correct"] and memory["max_abs_error"] == 0.0 and memory["backend_vs_anchor"] > 0
+    assert "torch.add(a, b, out=c)" in memory["anchor_settings"]
+    assert {r["collective"] for r in rows} == {"allreduce", "broadcast"} and all(r["correct"] for r in rows)
+
+
 # --------------------------------------------------------------------------- the real thing (slow)
 
 
@@ -173,8 +188,8 @@ def test_under_mpirun_every_anchor_row_is_exact_and_deepspeed_leaves_nothing_in_
     rows = json.loads(path.read_text())["results"]
     found = {(r["anchor"], r["collective"], r["bytes"]) for r in rows if "anchor" in r}
     sizes = {c: (0,) if c == "barrier" else (8, 4096) for c in backend_axis.BACKEND_CALLS}
-    assert found == {("openmpi", c, n) for c, ns in sizes.items() for n in ns} | {("deepspeed", "allreduce", n)
-                                                                                    for n in (8, 4096)}
+    assert found == {("openmpi", c, n) for c, ns in sizes.items() for n in ns} | {
+        (name, "allreduce", n) for name in ("deepspeed", "memory") for n in (8, 4096)}
     assert all(r["correct"] and r["max_abs_error"] == 0.0 for r in rows if "axis" in r)
     mpi = next(r for r in rows if r.get("anchor") == "openmpi")
     assert mpi["anchor_version"].startswith("Open MPI v") and "btl=self,sm" in mpi["anchor_settings"]

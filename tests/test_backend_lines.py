@@ -73,3 +73,20 @@ def test_how_much_of_a_small_all_reduce_is_torch_s_own_is_the_files_latency_floo
     text = backend_lines.floor({"results": rows})
     assert '(the same file\'s latency-floor rows, 4KiB, calls back to back, slowest rank)' in text
     assert '`dist.all_reduce` on "dpkit" takes 6.0 us a call, and 4.2 us on a group of one rank, which' in text
+
+
+def test_the_memory_s_bound_is_a_sentence_of_its_own_from_16_mib_up_with_the_verdict_at_the_largest_size():
+    rows = []
+    for nbytes, ratio in ((4096, (3.0, 4.0, 5.0)), (16 << 20, (1.1, 1.2, 1.4)), (100 << 20, (1.5, 1.7, 1.8))):
+        rows += [row("gloo", nbytes, 1e-3), row(backend_lines.BACKEND, nbytes, 2e-5),
+                 row("Open MPI (mpi4py)", nbytes, 1e-5, (0.5, 0.6, 0.8), "openmpi"),
+                 row("a + b -> c (one core)", nbytes, 1e-5, ratio, backend_lines.MEMORY)]
+    doc = {"results": rows}
+    table = backend_lines.anchors(doc)
+    assert "a + b -> c" not in "\n".join(table) and "Open MPI (mpi4py)" in table[0]
+    text = backend_lines.memory_bound(doc)
+    ratios = [format_ratio({"median": m, "ci_low": lo, "ci_high": hi, "rounds": 40})
+              for lo, m, hi in ((1.1, 1.2, 1.4), (1.5, 1.7, 1.8))]
+    assert f"takes {ratios[0]} at 16MiB and {ratios[1]} at 100MiB; at 100MiB against the target (<= 1.3x) missed." \
+        in text
+    assert backend_lines.memory_bound({"results": rows[:3]}).startswith("*not in this results file")

@@ -7,6 +7,8 @@
   which holds Open MPI to its shared-memory BTL).
 * ``deepspeed``: DeepSpeed's shared-memory all-reduce (its ``shm.cpp``), compiled by the launcher before any
   rank starts; left out where ranks outnumber cores (its ranks spin while they wait).
+* ``memory``: no library, the memory's own bound on an all-reduce: each rank's ``torch.add(a, b, out=c)`` over the
+  message's bytes on one thread, every rank at once (as an all-reduce's ranks share the memory).
 
 ``available`` says which can run (one line for each that cannot), ``launcher`` starts the worlds they need,
 ``make`` builds them in a rank; their rows carry ``anchor``, ``anchor_version`` and ``anchor_settings``, and
@@ -35,8 +37,8 @@ from dpkit.bench.measure import format_ratio, oversubscribed, paired_ratio
 from dpkit.bench.results import markdown_table
 from dpkit.comm.process_groups import launch, print0
 
-ANCHORS = ("openmpi", "deepspeed")
-LABELS = {"openmpi": "Open MPI (mpi4py)", "deepspeed": "DeepSpeed shm"}
+ANCHORS = ("openmpi", "deepspeed", "memory")
+LABELS = {"openmpi": "Open MPI (mpi4py)", "deepspeed": "DeepSpeed shm", "memory": "a + b -> c (one core)"}
 MPI_CALLS = {"allreduce": "Allreduce", "broadcast": "Bcast", "reduce": "Reduce", "all_gather": "Allgather",
              "reduce_scatter": "Reduce_scatter_block", "all_to_all": "Alltoall", "barrier": "Barrier"}
 COMPILE_TIMEOUT_S = 900.0  # the first build of DeepSpeed's op runs g++ on two files
@@ -66,7 +68,8 @@ def available(names: list[str], under_torchrun: bool) -> tuple[list[str], list[s
     here, once, before any rank starts (a rank then loads it from torch's extension cache)."""
     usable, skipped = [], []
     for name in names:
-        reason = _openmpi_missing(under_torchrun) if name == "openmpi" else _deepspeed_missing()
+        reason = (_openmpi_missing(under_torchrun) if name == "openmpi" else _deepspeed_missing()
+                  if name == "deepspeed" else None)
         if reason:
             skipped.append(f"anchor {LABELS[name]} skipped: {reason}")
         else:
@@ -252,6 +255,39 @@ class DeepSpeedShm:
         pass
 
 
+class OneCoreSum:
+    """The all-reduce's bound in memory traffic, no library: each rank's own ``a + b -> c`` over the message's bytes,
+    one thread, every rank at once in the same rounds (the sum's inputs: the all-reduce's tensor and its
+    neighbour's; ``check``: exact against float64)."""
+
+    name, label = "memory", LABELS["memory"]
+
+    def __init__(self, ctx):
+        self.fields = {"anchor": self.name, "anchor_version": f"torch {torch.__version__}",
+                       "anchor_settings": f"torch.add(a, b, out=c), {torch.get_num_threads()} thread(s) a rank"}
+
+    def algorithm(self, collective: str) -> str:
+        return "torch.add"
+
+    def call(self, collective: str, full: torch.Tensor, part: torch.Tensor) -> Callable[[], object] | None:
+        """``full + part -> c`` where the all-reduce's ``part`` is as long as ``full``; None for other collectives."""
+        if collective != "allreduce" or part.numel() != full.numel():
+            return None
+        return functools.partial(torch.add, full, part, out=torch.empty_like(full))
+
+    def check(self, call: Callable[[], object], full: torch.Tensor, part: torch.Tensor) -> Callable[[], float]:
+        """One call of ``call`` on small integers (exact in float32): its largest error against float64."""
+        def error() -> float:
+            full.copy_(torch.arange(full.numel()) % 1024)
+            part.copy_(torch.arange(part.numel()) % 512)
+            out = call()
+            return (out.double() - (full.double() + part.double())).abs().max().item()
+        return error
+
+    def close(self) -> None:
+        pass
+
+
 def load_library(path: str):
     """The Python module of DeepSpeed's shm op at ``path`` (loading it registers ``torch.ops.deepspeed``), checked
     first as a file this user owns and no one else may write."""
@@ -267,7 +303,7 @@ def load_library(path: str):
     return module
 
 
-KINDS = {"openmpi": OpenMPI, "deepspeed": DeepSpeedShm}
+KINDS = {"openmpi": OpenMPI, "deepspeed": DeepSpeedShm, "memory": OneCoreSum}
 
 
 def make(ctx, names: list[str]) -> dict[str, object]:

@@ -114,11 +114,12 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
                                     (full, part), repeat))
     for anchor in (made or {}).values():
         call = anchor.call(collective, full, part)
-        if call is not None:
+        if call is not None:  # checked as the collective it stands beside, or by its own check (the memory's)
+            check = (anchor.check(call, full, part) if hasattr(anchor, "check") else
+                     functools.partial(backend_error, ctx, collective, call, full, part))
             contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
-                                        functools.partial(_repeated, call, repeat),
-                                        functools.partial(backend_error, ctx, collective, call, full, part), None,
-                                        (full, part), repeat, anchor.fields))
+                                        functools.partial(_repeated, call, repeat), check, None, (full, part), repeat,
+                                        anchor.fields))
     # All-reduce and reduce sum in place: zeros (refilled, untimed, before each timed batch) stay zeros.
     setup = full.zero_ if collective in ("allreduce", "reduce") else None
     return contenders, setup, numel * 4
