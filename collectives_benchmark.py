@@ -17,13 +17,12 @@
   copied in and out), "p2p" (auto for the all-reduce, else the ring), and any transport registered: each on the
   buffers it allocates. Shared memory sums chunk r on rank r.
 * Backends: torch.distributed's calls (``backend_axis.BACKEND_CALLS``) on a "dpkit" group against gloo, the
-  latency floor (``backend_latency``), and ``--anchors`` beside them: Open MPI under mpirun, DeepSpeed's shm,
-  each rank's own a + b -> c (the memory's bound).
+  latency floor, and ``--anchors`` beside them: Open MPI, DeepSpeed's shm, the memory's bound (``anchors``).
 
 Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20
 bytes) and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed calls in turns,
 each as slow as its slowest rank, paired round by round with the axis's reference (torch's call; gloo's on the
-backend axis): the median ratio with its 95 % bootstrap interval, judged against ``collective_targets.TARGETS``,
+backend axis): the median ratio with its 95 % bootstrap interval, judged against ``collective_targets``' targets,
 stored with the rows. busbw = algbw x ``bus_factor`` (nccl-tests). Algorithms: T = steps x alpha + bytes x beta.
 """
 
