@@ -5,7 +5,7 @@
     python collectives_benchmark.py --axis transports --procs 2 --sizes 10MB 100MB   # or --axis algorithms
     python collectives_benchmark.py --collective reduce_scatter --procs 2 --sizes 10MB 100MB   # or all_gather
     python collectives_benchmark.py --axis backends --procs 2 4              # torch.distributed on "dpkit" / gloo
-    python collectives_benchmark.py --axis backends --procs 2 --anchors --json results/backend_anchors.json
+    python collectives_benchmark.py --axis backends --procs 2 --anchors      # results/backend_anchors.json: README
     python collectives_benchmark.py --tune                                      # results/crossover.json (auto's)
     python collectives_benchmark.py --from-json results/collectives.json --plot-dir results/plots
     torchrun --standalone --nproc_per_node 4 collectives_benchmark.py        # the world torchrun starts

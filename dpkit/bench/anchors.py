@@ -1,6 +1,6 @@
 """Anchors: other libraries' collectives, timed beside the backend axis's in the same ranks and rounds.
 
-    python collectives_benchmark.py --axis backends --procs 2 --anchors --json results/backend_anchors.json
+    python collectives_benchmark.py --axis backends --procs 2 --anchors      # results/backend_anchors.json: README
 
 * ``openmpi``: Open MPI through mpi4py's buffer methods, on numpy views of the axis's own tensors, for every
   collective of the axis. Its ranks must be MPI ranks: each world is started by mpirun (``dpkit.bench.mpirun``,

@@ -8,14 +8,16 @@
 // TORCH_DISTRIBUTED_DEBUG=DETAIL needs. Here each of those is forwarded, and the backend names itself "dpkit".
 //
 // The fast path: all-reduce, reduce, broadcast, all-gather, reduce-scatter and even all-to-all (the tensor
-// forms) of small dense tensors, and the barrier, while none of the group's calls is queued in Python, run here, on the same
-// shared-memory slots and by the same protocol as dpkit/comm/slots.py (the Python path; see its docstring): post
-// the data into this rank's slot, its descriptor, then the counter; poll the peers' counters; read every rank's
-// slot into the output (sums left to right in rank order, so the bits equal the Python path's). No GIL, no
-// Python, no queue. When the peers have not all posted within HANDOVER_NS (an async_op=True call, whose caller
-// must go on) or WAITED_NS (a caller that waits at once), or their descriptors differ, the posted call is
-// handed to the Python implementation (finish_posted), whose queue completes it in order and whose wait names
-// dead peers, times out and breaks the group as on every path.
+// forms) of dense tensors of up to one slot, and the barrier, while none of the group's calls is queued in Python,
+// run here, on the same shared-memory slots and by the same protocol as dpkit/comm/slots.py (the Python path; see
+// its docstring): post the data into this rank's slot, its descriptor, then the counter; poll the peers' counters;
+// read every rank's slot into the output (sums left to right in rank order, so the bits equal the Python path's),
+// piece by piece where slots.py's piece_numel cuts the message. No GIL, no Python, no queue. When the peers have
+// not all posted a piece within HANDOVER_NS (an async_op=True call, whose caller must go on) or WAITED_NS (a
+// caller that waits at once), or their descriptors differ, the call, posted up to that piece, is handed to the
+// Python implementation (finish_posted), whose queue completes it in order from that piece and whose wait names
+// dead peers, times out and breaks the group as on every path. A group of one rank has nothing to wait for: its
+// calls complete here at once.
 //
 // Built at first use by dpkit.native.load_extension("c10d_backend") against the running torch. It overrides
 // the names every supported torch has (the old _allgather_base, _reduce_scatter_base, ..., to which the newer
