@@ -9,7 +9,7 @@ what ``Slots`` (the "dpkit" backend's) and the ``SharedMemory`` transport build 
 * A peer dead before the first call is named within seconds, by Slots and by the transport, not at the
   timeout.
 * Broken means broken: after a caught failure every later Slots call raises at once on every rank, naming
-  the first failure, and no call pairs with another rank's call of another step.
+  the first failure, and no call pairs with another rank's call of another step, whether Python or C++ sums.
 """
 
 from __future__ import annotations
@@ -272,13 +272,17 @@ def attempt(call) -> tuple[str | None, float]:
         return f"{type(error).__name__}: {error}", time.monotonic() - start
 
 
-def broken_after_a_caught_failure(ctx) -> dict:
-    """Three pairs of slots, each broken once, and called again after the failure was caught:
+def broken_after_a_caught_failure(ctx, path: str) -> dict:
+    """Three pairs of slots, each broken once, and called again after the failure was caught, their all-reduces
+    summed in Python or, ``path`` "c++", in C++ (``slots.native_sums``, which leaves what it cannot finish to
+    Python):
     * "late": rank 1 comes after rank 0's short timeout;
     * "break_group": rank 0 says a call failed elsewhere;
-    * "mismatch": the ranks pass tensors of different sizes."""
-    rank, out = ctx.rank, {}
-    late = Slots.open(dist.PrefixStore("late", default_store()), rank, 2, SHORT_S)
+    * "mismatch": the ranks pass tensors of different sizes;
+    and one pair not broken: rank 1 comes late, within the timeout ("late within the timeout")."""
+    rank, sums = ctx.rank, slots.native_sums() if path == "c++" else None
+    out = {"summed in C++": sums is not None}
+    late = Slots.open(dist.PrefixStore("late", default_store()), rank, 2, SHORT_S, sums=sums)
     if rank == 1:
         time.sleep(SHORT_S * 2.5)
     x = torch.full((4,), rank + 1.0)
@@ -288,7 +292,7 @@ def broken_after_a_caught_failure(ctx) -> dict:
                    "third": attempt(late.barrier)}
     dist.barrier()
 
-    told = Slots.open(dist.PrefixStore("told", default_store()), rank, 2, 30.0)
+    told = Slots.open(dist.PrefixStore("told", default_store()), rank, 2, 30.0, sums=sums)
     told.all_reduce(torch.ones(2))
     if rank == 0:
         told.break_group("RuntimeError: gloo's all_gather failed")
@@ -297,15 +301,26 @@ def broken_after_a_caught_failure(ctx) -> dict:
                           "second": attempt(lambda: told.broadcast(torch.ones(2), 0))}
     dist.barrier()
 
-    differ = Slots.open(dist.PrefixStore("differ", default_store()), rank, 2, 30.0)
+    differ = Slots.open(dist.PrefixStore("differ", default_store()), rank, 2, 30.0, sums=sums)
     out["mismatch"] = {"first": attempt(lambda: differ.all_reduce(torch.ones(4 + rank))),
                        "second": attempt(lambda: differ.all_reduce(torch.ones(4)))}
+    dist.barrier()
+
+    handed = Slots.open(dist.PrefixStore("handed", default_store()), rank, 2, 30.0, sums=sums)
+    if rank == 1:
+        time.sleep(0.3)  # past C++'s wait, within the timeout: rank 0's posted call is finished in Python
+    x, y = torch.full((4,), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+    handed.all_reduce(x)
+    handed.all_reduce(y)
+    out["late within the timeout"] = [x, y]
     return out
 
 
-@pytest.fixture(scope="module")
-def broken():
-    return launch(broken_after_a_caught_failure, 2, timeout_s=120, pg_timeout_s=30)
+@pytest.fixture(scope="module", params=["python", "c++"])
+def broken(request):
+    found = launch(broken_after_a_caught_failure, 2, request.param, timeout_s=120, pg_timeout_s=30)
+    assert all(rank["summed in C++"] == (request.param == "c++") for rank in found)
+    return found
 
 
 def test_after_a_peer_came_late_every_later_call_raises_at_once_on_both_ranks_and_none_pairs_across(broken):
@@ -341,3 +356,9 @@ def test_after_a_mismatch_every_later_call_refuses_naming_it(broken):
         assert first.startswith("ValueError") and "rank 0: all_reduce of 16 bytes" in first, first
         assert "refused" in second[0] and "rank 0: all_reduce of 16 bytes" in second[0] and second[1] < AT_ONCE_S, \
             second
+
+
+def test_a_peer_late_within_the_timeout_gets_each_call_paired_with_its_own(broken):
+    for rank in (0, 1):
+        x, y = broken[rank]["late within the timeout"]
+        assert torch.equal(x, torch.full((4,), 3.0)) and torch.equal(y, torch.full((4,), 30.0)), (rank, x, y)

@@ -44,7 +44,7 @@ from dpkit import native
 from dpkit.comm.backend_work import CallQueue, Delegated, Work
 from dpkit.comm.hosts import HOSTS_ENV, number_hosts, ranks_by_host, real_host
 from dpkit.comm.interface import profiler_range
-from dpkit.comm.slots import DTYPES, Slots
+from dpkit.comm.slots import DTYPES, Slots, native_sums
 from dpkit.comm.shared_memory import POLLS
 
 NAME = "dpkit"
@@ -139,7 +139,7 @@ class DpkitBackend:
         self._local = members.index(self.rank)
         if len(members) > 1 and POLLS:  # elsewhere a peer may see the counter before the data: gloo carries all
             self.slots = Slots.open(dist.PrefixStore(f"host{mine}", store), self._local, len(members),
-                                    self.timeout_s)
+                                    self.timeout_s, sums=native_sums())  # built already: create() asked first
         if self.spans_hosts and self._local == 0:
             self.leaders = dist.ProcessGroupGloo(dist.PrefixStore("leaders", store), mine, len(hosts), timeout)
         roomy = _everyone(store, self.rank, self.size, "room", self.slots is not None or len(members) == 1, timeout)
@@ -173,7 +173,7 @@ class DpkitBackend:
         if self.slots is None or self.spans_hosts:
             return None
         self.fast_on[0] = 1
-        return (self.calls.outstanding.ctypes.data, self.fast_on.ctypes.data, *self.slots.native_layout())
+        return self.calls.outstanding.ctypes.data, self.fast_on.ctypes.data, self.slots.native_layout()
 
     def finish_posted(self, kind: str, tensors: list, op: str, root: int, start: int = 0) -> Work:
         """The rest of a call ``kind`` (a slots kind) on contiguous ``tensors`` (all-gather and reduce-scatter:

@@ -38,7 +38,7 @@ from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
-from dpkit.comm.slots import Slots, file_bytes
+from dpkit.comm.slots import Slots, file_bytes, native_sums
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "avg")
@@ -154,6 +154,7 @@ class SharedMemory(Transport):
         self._staging: tuple[int, torch.Tensor] | None = None  # (offset, uint8 block) kept for later calls
         self._slots: Slots | None = None  # the short all-reduces' (SLOTS_BYTES)
         if self.world_size > 1:
+            self._sums = native_sums()  # built (or found) before this rank first waits for a peer
             self._check_one_host()
             self._map(directory)
 
@@ -195,7 +196,8 @@ class SharedMemory(Transport):
         control, slots, arenas = mappings[0], mappings[1], mappings[2:]
         self._control = _records(control, self.world_size)  # record per rank
         if POLLS:  # elsewhere a peer may see a slot's counter before its data
-            self._slots = Slots(slots, self.rank, self.world_size, self.timeout_s, SLOTS_BYTES, mismatch_breaks=False)
+            self._slots = Slots(slots, self.rank, self.world_size, self.timeout_s, SLOTS_BYTES, mismatch_breaks=False,
+                                sums=self._sums)
         self._arena = _Arena(arena_fd, size, arenas[self.rank])
         self._views = [torch.frombuffer(m, dtype=torch.uint8) for m in arenas]  # every rank's arena, bytes
         self._base = self._views[self.rank].data_ptr()

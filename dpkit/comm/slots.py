@@ -38,6 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from dpkit import native
 from dpkit.comm import shared_file
 from dpkit.comm.process_groups import PeerFailedError
 from dpkit.comm.shared_file import SHM_DIRECTORY
@@ -56,6 +57,7 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "av
 PIPELINED = ("broadcast", "reduce")
 PIPELINED_PIECE_BYTES = 1 << 19
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
+NATIVE_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what c10d_backend.cpp's sums take
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
 
@@ -92,6 +94,14 @@ def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
     return per
 
 
+def native_sums() -> Callable | None:
+    """The all-reduce of these slots in C++ (``slots_all_reduce`` of dpkit/native/c10d_backend.cpp, built at first
+    use: call this before a rank's first wait for a peer, so that none times out while it compiles); None where
+    ``dpkit.native`` gives no C++ (no compiler, ``DPKIT_NATIVE=0``), and the Python path sums."""
+    module = native.load_extension("c10d_backend")
+    return None if module is None else module.slots_all_reduce
+
+
 def _described(kind: int, dtype: int, numel: int, op: int, root: int) -> str:
     """A descriptor in words: "all_reduce of 16 bytes of torch.float32 (op 'sum')"."""
     rooted = f", root {root}" if KINDS[kind] in ("broadcast", "reduce") else ""
@@ -102,8 +112,9 @@ class Slots:
     """The slots of ``size`` ranks of one host (see the module docstring). Make it with ``Slots.open``."""
 
     def __init__(self, mapping: mmap.mmap, rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES,
-                 mismatch_breaks: bool = True):
+                 mismatch_breaks: bool = True, sums: Callable | None = None):
         self.rank, self.size, self.timeout_s, self.slot_bytes = rank, size, timeout_s, slot_bytes
+        self._sums = sums  # native_sums(): the short all-reduces in C++, or None
         self._mismatch_breaks = mismatch_breaks  # else ranks that called different collectives all raise, and the
         # slots go on (every rank posted the call and read the same table: the next call pairs as it should)
         self._mapping = mapping
@@ -116,10 +127,12 @@ class Slots:
         self._epoch = 0  # the last call this rank completed; the C++ fast path completes some: read from the counter
         self._views: dict[tuple, torch.Tensor] = {}
         self._spins = SPINS if size <= len(os.sched_getaffinity(0)) else 0  # oversubscribed: yield at once
+        self._layout = self.native_layout()
         self._broken: str | None = None  # the first failure: every later call refuses, naming it
 
     @staticmethod
-    def open(store, rank: int, size: int, timeout_s: float, directory: str = SHM_DIRECTORY) -> "Slots | None":
+    def open(store, rank: int, size: int, timeout_s: float, directory: str = SHM_DIRECTORY,
+             sums: Callable | None = None) -> "Slots | None":
         """Rank 0 makes the shared file and publishes its words through ``store``; every rank checks and maps it.
         None on every rank when /dev/shm has no room for it or a rank refused it (warned on rank 0, saying why).
         A collective over the ranks of ``store``. (The ``SharedMemory`` transport maps its slots with its own
@@ -134,7 +147,7 @@ class Slots:
                 published = store.get(FILE_KEY).decode()
             if published == _NO_ROOM:
                 return None
-            slots, why = _map(published, own, rank, size, timeout_s)
+            slots, why = _map(published, own, rank, size, timeout_s, sums)
             store.set(f"{_MAPPED}{rank}", why)  # "": mapped
             store.wait([f"{_MAPPED}{r}" for r in range(size)], timeout)
             refusals = [(r, store.get(f"{_MAPPED}{r}").decode()) for r in range(size)]
@@ -276,7 +289,9 @@ class Slots:
         if self._broken is None:
             self._broken = why
         if self._mine is not None:  # not closed
-            shared_file.mark_broken(self._mine, code, self._epoch)
+            # Past the last call this rank posted (its data is in the slots: a peer still waiting for it completes
+            # it); the counter, not ``_epoch``, which lags the calls C++ completed.
+            shared_file.mark_broken(self._mine, code, int(self._mine[shared_file.COUNTER]))
 
     def _refuse_if_broken(self) -> None:
         if self._broken is not None:
@@ -288,9 +303,25 @@ class Slots:
 
     def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False,
                    announced: int | None = None) -> None:
+        if announced is None and self._summed_natively(flat, op, posted):
+            return
+
         def take(lo, hi, parts):
             reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
         self.exchange("all_reduce", flat, op, 0, True, take, posted, announced)
+
+    def _summed_natively(self, flat: torch.Tensor, op: str, posted: bool) -> bool:
+        """Whether C++ (``native_sums``) completed this all-reduce; when it posted it but left it (a peer late,
+        descriptors that differ), it is finished here as the C++ face's hand-over is: waited for, checked, summed."""
+        if (self._sums is None or op not in ("sum", "avg") or flat.dtype not in NATIVE_SUMS
+                or (op == "avg" and not flat.is_floating_point())
+                or not 0 < flat.numel() * flat.element_size() <= self.slot_bytes):
+            return False
+        self._refuse_if_broken()
+        if self._sums(self._layout, flat, op == "avg", posted):
+            return True
+        self.all_reduce(flat, op, posted, announced=0)
+        return True
 
     def broadcast(self, flat: torch.Tensor, root: int, announced: int | None = None) -> None:
         def take(lo, hi, parts):
@@ -379,7 +410,8 @@ def _make(nbytes: int, directory: str) -> tuple[int | None, str]:
     return fd, shared_file.to_text(shared_file.describe(fd))
 
 
-def _map(published: str, own: int | None, rank: int, size: int, timeout_s: float) -> tuple[Slots | None, str]:
+def _map(published: str, own: int | None, rank: int, size: int, timeout_s: float,
+         sums: Callable | None) -> tuple[Slots | None, str]:
     """(the slots over the file, "") or (None, why this rank cannot use it). ``own``: rank 0's descriptor of it."""
     if published.startswith(_FAILED):
         return None, published
@@ -389,7 +421,7 @@ def _map(published: str, own: int | None, rank: int, size: int, timeout_s: float
     except shared_file.Refused as error:
         return None, str(error)
     try:
-        return Slots(mmap.mmap(fd, nbytes), rank, size, timeout_s), ""
+        return Slots(mmap.mmap(fd, nbytes), rank, size, timeout_s, sums=sums), ""
     finally:
         if fd != own:
             os.close(fd)

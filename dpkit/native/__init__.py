@@ -29,6 +29,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shlex
@@ -171,7 +172,16 @@ def _extension(name: str, folder: Path):
 def _torch_flags() -> list[str]:
     """Where the running torch's and Python's headers are, and the C++ ABI torch was built with."""
     import torch
-    from torch.utils.cpp_extension import include_paths
+
+    # Its import warns, in every process of a machine without CUDA, that no CUDA runtime is found: nothing a CPU
+    # extension needs, and a training run's ranks would each print it.
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import include_paths
+    finally:
+        quiet.setLevel(level)
 
     includes = [*include_paths(), sysconfig.get_paths()["include"]]
     return [*(f"-I{path}" for path in includes), f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]

@@ -109,6 +109,15 @@ class DoneWork : public Work {
   std::vector<at::Tensor> tensors_;
 };
 
+constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HANDOVER_S
+// A call whose caller waits at once (async_op=False) holds no one up while it polls: it polls longer before
+// handing over to Python (whose wait tells a dead peer from a slow one).
+constexpr int64_t WAITED_NS = 20000000;
+// Broadcast and reduce of at most a slot go in pieces of this many bytes (slots.py's PIPELINED_PIECE_BYTES): one
+// rank copies a piece while another copies or sums the one before it.
+constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 19;
+constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
+
 // The slots as dpkit/comm/slots.py lays them out: per rank a record of `record_words` int64 (counter first,
 // then per parity p the descriptor kind, dtype, numel, op, root at words 1 + 5p), then per rank two slots.
 struct Slots {
@@ -124,16 +133,60 @@ struct Slots {
     return base + 8 * int64_t(record_words) * size + (2 * int64_t(r) + parity) * slot_bytes;
   }
   int64_t load(const int64_t* word) const { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
+
+  // The parity of the slot this rank posts its next piece into.
+  int next_parity() const { return int((record(rank)[0] + 1) % 2); }
+
+  // One exchange: post `bytes` of `data` (null: nothing to post, or in the slot already) into this rank's next
+  // slot, then the descriptor `code`, then the counter; wait for every rank's up to `budget_ns`. The parity of
+  // the slots to read, or -1 when Python must finish the call (posted: it waits for it, checks the descriptors,
+  // reads the slots).
+  int post(const std::array<int64_t, 5>& code, const void* data, size_t bytes, int64_t budget_ns) const {
+    int64_t* mine = record(rank);
+    const int64_t epoch = mine[0] + 1;
+    const int parity = int(epoch % 2);
+    if (data != nullptr) {
+      std::memcpy(slot(rank, parity), data, bytes);
+    }
+    std::memcpy(mine + 1 + 5 * parity, code.data(), sizeof code);
+    __atomic_store_n(&mine[0], epoch, __ATOMIC_RELEASE);  // after the data and the descriptor
+    return arrived(epoch, budget_ns) && agreed(parity, code.data()) ? parity : -1;
+  }
+
+  // Whether every rank posted `epoch` within `budget_ns` (polling; after SPINS polls, or at once when
+  // oversubscribed, yielding the core at each: a peer may need it). A rank that broke has a negative counter:
+  // never arrived here.
+  bool arrived(int64_t epoch, int64_t budget_ns) const {
+    auto start = std::chrono::steady_clock::now();
+    for (int64_t polls = 0;; ++polls) {
+      int r = 0;
+      while (r < size && load(record(r)) >= epoch) {
+        ++r;
+      }
+      if (r == size) {
+        return true;
+      }
+      if (!spin || polls > SPINS) {
+        sched_yield();
+      }
+      if (polls % 64 == 63 && std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  std::chrono::steady_clock::now() - start).count() > budget_ns) {
+        return false;
+      }
+    }
+  }
+
+  // Whether every rank's descriptor of slot `parity` is `code` (else Python's check raises on every rank).
+  bool agreed(int parity, const int64_t* code) const {
+    for (int r = 0; r < size; ++r) {
+      if (std::memcmp(record(r) + 1 + 5 * parity, code, 5 * sizeof(int64_t)) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
 };
 
-constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HANDOVER_S
-// A call whose caller waits at once (async_op=False) holds no one up while it polls: it polls longer before
-// handing over to Python (whose wait tells a dead peer from a slow one).
-constexpr int64_t WAITED_NS = 20000000;
-// Broadcast and reduce of at most a slot go in pieces of this many bytes (slots.py's PIPELINED_PIECE_BYTES): one
-// rank copies a piece while another copies or sums the one before it.
-constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 19;
-constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
 // Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
 enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
 constexpr int64_t OP_SUM = 0, OP_AVG = 1, OP_NONE = 8;
@@ -198,22 +251,48 @@ void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, boo
   reduce_slots(s, parity, from, out.scalar_type(), out.data_ptr(), out.numel(), mean);
 }
 
+// The slots of slots.py's Slots.native_layout(): (the mapping's address, rank, ranks, words per record, the broken
+// word, bytes per slot, whether to poll before yielding the core).
+using Layout = std::tuple<int64_t, int, int, int, int, int64_t, bool>;
+
+Slots mapped(const Layout& layout) {
+  Slots s;
+  s.base = reinterpret_cast<char*>(std::get<0>(layout));
+  s.rank = std::get<1>(layout);
+  s.size = std::get<2>(layout);
+  s.record_words = std::get<3>(layout);
+  s.broken_word = std::get<4>(layout);
+  s.slot_bytes = std::get<5>(layout);
+  s.spin = std::get<6>(layout);
+  return s;
+}
+
+// The all-reduce of slots.py's Slots.all_reduce, here, without the GIL: `t` (contiguous, of a dtype the sums take,
+// at most a slot) summed (`mean`: then divided) over the ranks of `layout`; `posted`: its data is in this rank's
+// next slot already (Slots.buffer). True when done; false when posted but left to Python (a peer not there within
+// WAITED_NS, or descriptors that differ), which finishes it as the C++ face's hand-over (announced).
+bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, bool posted) {
+  const Slots s = mapped(layout);
+  py::gil_scoped_release released;
+  const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), mean ? OP_AVG : OP_SUM, 0};
+  const int parity = s.post(code, posted ? nullptr : t.data_ptr(), t.nbytes(), WAITED_NS);
+  if (parity < 0) {
+    return false;
+  }
+  reduce_slots(s, parity, 0, t, mean);
+  return true;
+}
+
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
 class Backend : public c10d::Backend {
  public:
   Backend(int rank, int size, py::object impl) : c10d::Backend(rank, size), impl_(std::move(impl)) {
     py::object fast = impl_.attr("enable_fast_path")();  // None, or the words of the slots (DpkitBackend)
     if (!fast.is_none()) {
-      auto w = fast.cast<std::tuple<int64_t, int64_t, int64_t, int, int, int, int, int64_t, bool>>();
+      auto w = fast.cast<std::tuple<int64_t, int64_t, Layout>>();
+      slots_ = mapped(std::get<2>(w));
       slots_.queued = reinterpret_cast<int64_t*>(std::get<0>(w));
       slots_.on = reinterpret_cast<int64_t*>(std::get<1>(w));
-      slots_.base = reinterpret_cast<char*>(std::get<2>(w));
-      slots_.rank = std::get<3>(w);
-      slots_.size = std::get<4>(w);
-      slots_.record_words = std::get<5>(w);
-      slots_.broken_word = std::get<6>(w);
-      slots_.slot_bytes = std::get<7>(w);
-      slots_.spin = std::get<8>(w);
     }
   }
 
@@ -398,7 +477,7 @@ class Backend : public c10d::Backend {
       const size_t block = in.nbytes() / slots_.size, own = slots_.rank * block;
       const char* from = static_cast<const char*>(in.data_ptr());
       char* to = static_cast<char*>(out.data_ptr());
-      char* slot = slots_.slot(slots_.rank, next_parity());
+      char* slot = slots_.slot(slots_.rank, slots_.next_parity());
       std::memcpy(slot, from, own);
       std::memcpy(slot + own + block, from + own + block, in.nbytes() - own - block);
       const int parity = post({ALL_TO_ALL, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, nullptr, 0,
@@ -515,28 +594,11 @@ class Backend : public c10d::Backend {
     }
   }
 
-  // One exchange: post `bytes` of `data` (null: nothing to post) into this rank's next slot, then the descriptor
-  // `code`, then the counter; wait for every rank's up to HANDOVER_NS (WAITED_NS when the caller waits at once:
-  // not `async_op`). The parity of the slots to read, or -1 when the call must be handed over (posted: Python
-  // waits for it, checks the descriptors, reads the slots).
+  // One exchange (Slots::post), waiting up to HANDOVER_NS, or WAITED_NS when the caller waits at once (not
+  // `async_op`).
   int post(const std::array<int64_t, 5>& code, const void* data, size_t bytes, bool async_op) {
-    const Slots& s = slots_;
-    int64_t* mine = s.record(s.rank);
-    const int64_t epoch = mine[0] + 1;
-    const int parity = int(epoch % 2);
-    if (data != nullptr) {
-      std::memcpy(s.slot(s.rank, parity), data, bytes);
-    }
-    std::memcpy(mine + 1 + 5 * parity, code.data(), sizeof code);
-    __atomic_store_n(&mine[0], epoch, __ATOMIC_RELEASE);  // after the data and the descriptor
-    if (arrived(epoch, async_op ? HANDOVER_NS : WAITED_NS) && agreed(parity, code.data())) {
-      return parity;
-    }
-    return -1;
+    return slots_.post(code, data, bytes, async_op ? HANDOVER_NS : WAITED_NS);
   }
-
-  // The parity of the slot this rank posts its next piece into.
-  int next_parity() const { return int((slots_.record(slots_.rank)[0] + 1) % 2); }
 
   // One exchange of all of `data` (undefined: nothing to post), as above.
   int post(const std::array<int64_t, 5>& code, const at::Tensor& data, bool async_op) {
@@ -570,40 +632,6 @@ class Backend : public c10d::Backend {
     return c10::make_intrusive<ForwardedWork>(std::move(work), type);
   }
 
-  // Whether every rank posted `epoch` within `budget_ns` (polling; after SPINS polls, or at once when
-  // oversubscribed, yielding the core at each: a peer may need it). A rank that broke has a negative counter:
-  // never arrived here.
-  bool arrived(int64_t epoch, int64_t budget_ns) const {
-    const Slots& s = slots_;
-    auto start = std::chrono::steady_clock::now();
-    for (int64_t polls = 0;; ++polls) {
-      int r = 0;
-      while (r < s.size && s.load(s.record(r)) >= epoch) {
-        ++r;
-      }
-      if (r == s.size) {
-        return true;
-      }
-      if (!s.spin || polls > SPINS) {
-        sched_yield();
-      }
-      if (polls % 64 == 63 && std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                  std::chrono::steady_clock::now() - start).count() > budget_ns) {
-        return false;
-      }
-    }
-  }
-
-  // Whether every rank's descriptor of slot `parity` is `code` (else Python's check raises on every rank).
-  bool agreed(int parity, const int64_t* code) const {
-    for (int r = 0; r < slots_.size; ++r) {
-      if (std::memcmp(slots_.record(r) + 1 + 5 * parity, code, 5 * sizeof(int64_t)) != 0) {
-        return false;
-      }
-    }
-    return true;
-  }
-
   template <typename... Args>
   c10::intrusive_ptr<Work> call(OpType type, const char* method, Args&... args) {
     ++sequence_;  // every rank counts the same calls: what DETAIL's checks compare across ranks
@@ -632,4 +660,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("impl", &Backend::impl)
       .def_property_readonly("fast_calls", [](const Backend& b) { return b.fast_calls(); })
       .def_property_readonly("handed_over", [](const Backend& b) { return b.handed_over(); });
+  m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"),
+        py::arg("posted"));
 }
