@@ -1,8 +1,9 @@
 """The anchors of the backend axis (dpkit.bench.anchors, dpkit.bench.mpirun): how mpirun is called (held to shared
 memory, oversubscribed only past the cores), how a world's DeepSpeed segments are named and removed, how a
-stopped mpirun takes its ranks with it, and the backend's ratio to each anchor. Marked slow, where Open MPI,
-mpi4py and DeepSpeed are installed: the benchmark under mpirun on 2 ranks, every anchor row exact, nothing left
-in /dev/shm, and a failing rank failing the run with its traceback."""
+stopped mpirun takes its ranks with it, and the backend's ratio to each anchor. Marked slow: the memory's bound
+(no library needed) beside a real run; where Open MPI, mpi4py and DeepSpeed are installed, the benchmark under
+mpirun on 2 ranks, every anchor row exact, nothing left in /dev/shm, and a failing rank failing the run with its
+traceback."""
 
 import contextlib
 import importlib.util
@@ -135,6 +136,7 @@ def test_anchors_are_asked_for_on_the_backend_axis_by_name_or_all_at_once():
         bench.parse_args(["--axis", "transports", "--anchors"])
 
 
+@pytest.mark.slow  # a benchmark's run: seconds of the default suite's three minutes
 def test_the_memory_s_bound_needs_no_library_and_stands_beside_the_all_reduce_alone_checked_exact(tmp_path):
     path = tmp_path / "memory.json"
     result = _run(["collectives_benchmark.py", "--axis", "backends", "--procs", "2", "--anchors", "memory",
