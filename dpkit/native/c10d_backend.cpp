@@ -270,12 +270,13 @@ Slots mapped(const Layout& layout) {
 // The all-reduce of slots.py's Slots.all_reduce, here, without the GIL: `t` (contiguous, of a dtype the sums take,
 // at most a slot) summed (`mean`: then divided) over the ranks of `layout`; `posted`: its data is in this rank's
 // next slot already (Slots.buffer). True when done; false when posted but left to Python (a peer not there within
-// WAITED_NS, or descriptors that differ), which finishes it as the C++ face's hand-over (announced).
+// HANDOVER_NS, or descriptors that differ), which finishes it as the C++ face's hand-over (announced). Python's
+// wait, which sleeps between looks, takes over early: a late peer may need this core.
 bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, bool posted) {
   const Slots s = mapped(layout);
   py::gil_scoped_release released;
   const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), mean ? OP_AVG : OP_SUM, 0};
-  const int parity = s.post(code, posted ? nullptr : t.data_ptr(), t.nbytes(), WAITED_NS);
+  const int parity = s.post(code, posted ? nullptr : t.data_ptr(), t.nbytes(), HANDOVER_NS);
   if (parity < 0) {
     return false;
   }
