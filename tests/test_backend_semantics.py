@@ -26,9 +26,10 @@ from torch import nn
 from common import PG_TIMEOUT_S
 from dpkit.comm import backend
 from dpkit.comm.process_groups import WorkerError, launch
-from dpkit.comm.slots import piece_numel
+from dpkit.comm.slots import SLOT_BYTES, piece_numel
 
 PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}
+BIG = SLOT_BYTES // 4 + 100  # float32 elements a rank gathers: more than one slot, which the Python path runs
 
 
 def works(rank: int) -> dict:
@@ -203,6 +204,11 @@ def fast_path(rank: int, gloo) -> dict:
         dist.all_to_all_single(exchanged, x, group=group)
         dist.barrier(group=group)
         out[name] = [summed, ints, shown, gathered, scattered, reduced if rank == 0 else torch.zeros(0), exchanged]
+        for numel in (1000, BIG):  # in place (the input is this rank's block of the output): in C++, in Python
+            gathered = torch.zeros(2, numel)
+            gathered[rank] = torch.arange(numel) * (rank + 1)
+            dist.all_gather_into_tensor(gathered.view(-1), gathered[rank], group=group)
+            out[name].append(gathered)
     mean = x.clone()
     dist.all_reduce(mean, dist.ReduceOp.AVG)
     out["avg"], out["sum"] = mean, out["gloo"][0]
@@ -310,9 +316,10 @@ def test_small_collectives_give_gloo_s_bits_whoever_runs_them(path):
             assert torch.equal(ours, theirs)
         assert torch.equal(fast["avg"], fast["sum"] / 2)
         assert torch.equal(fast["late"], torch.full((4,), 3.0))
-        if path == "c++":  # the 9 calls, each run by the C++ face itself or handed over; then the late one
+        assert torch.equal(fast["dpkit"][-1], torch.arange(BIG).repeat(2, 1) * torch.tensor([[1.0], [2.0]]))
+        if path == "c++":  # the 10 calls of up to a slot, each run by the C++ face or handed over; then the late one
             ran, handed = fast["counted"]
-            assert ran + handed == 9 and ran > 0, fast["counted"]
+            assert ran + handed == 10 and ran > 0, fast["counted"]
             first = rank == 0  # the rank that waited: it handed the call over; the late one found it posted
             assert fast["late counted"] == [ran + (not first), handed + first], (rank, fast["late counted"])
 

@@ -62,8 +62,14 @@ FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store 
 _MAPPED, _NO_ROOM, _FAILED = "slots/mapped/", "no room", "failed: "
 
 
-def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str) -> None:
-    """``out`` <- ``op`` over ``parts`` (every rank's piece), left to right in rank order."""
+def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, in_out: int | None = None) -> None:
+    """``out`` <- ``op`` over ``parts`` (every rank's piece), left to right in rank order. ``in_out``: the rank
+    whose part ``out`` holds already (an all-reduce's or a reduce root's own tensor, posted from it): rank 0 or 1
+    of a sum reads it there, not from its slot, as c10d_backend.cpp's reduce_slots does: the same values, so the
+    same bits, and one array fewer through the cache. (Rank 2's part and later ones are added after ``out`` is
+    overwritten: from their slots.)"""
+    if op in ("sum", "avg") and in_out in (0, 1) and len(parts) > 1:
+        parts = [out if r == in_out else part for r, part in enumerate(parts)]
     if op == "avg_divided_first":
         scale = 1.0 / len(parts)
         torch.mul(parts[0], scale, out=out)
@@ -196,42 +202,43 @@ class Slots:
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
                  use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False,
-                 announced: int | None = None) -> None:
+                 announced: int | None = None, unposted: tuple[int, int] = (0, 0)) -> None:
         """For each piece [lo, hi) of ``flat`` (1-D, contiguous; ``piece_numel``): copy it into this rank's slot
         (when ``post``), wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked
         once. Whatever raises here breaks the slots (a peer may have posted its piece, or be waiting for this
         rank's). ``posted``: the data of a one-piece message is in the slot already (``buffer``); ``announced``:
         the C++ fast path posted the piece that starts at this element (data, descriptor, counter), every piece
-        before it done, then handed the call over."""
+        before it done, then handed the call over; ``unposted``: the elements [start, end) of ``flat`` that no peer
+        reads (an all-to-all's own block), never copied into the slot."""
         self._refuse_if_broken()
         try:
-            self._exchange(kind, flat, op, root, post, use, posted, announced)
+            self._exchange(kind, flat, op, root, post, use, posted, announced, unposted)
         except BaseException as error:
             mismatch = getattr(error, "mismatch", False)
             if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
                 self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
             raise
 
-    def _exchange(self, kind, flat, op, root, post, use, posted, announced) -> None:
+    def _exchange(self, kind, flat, op, root, post, use, posted, announced, unposted) -> None:
         total = flat.numel()
         per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
-            self._piece(code, flat, post and not posted, use, 0, total, announced == 0)
+            self._piece(code, flat, post and not posted, use, 0, total, announced == 0, unposted)
             return
         for lo in range(announced or 0, total, per):
             hi = min(total, lo + per)
-            self._piece(code, flat[lo:hi], post, use, lo, hi, announced == lo)
+            self._piece(code, flat[lo:hi], post, use, lo, hi, announced == lo, unposted)
 
     def _piece(self, code: tuple, piece: torch.Tensor, post: bool, use: Callable, lo: int, hi: int,
-               announced: bool = False) -> None:
+               announced: bool = False, unposted: tuple[int, int] = (0, 0)) -> None:
         epoch = self._counted() + (0 if announced else 1)
         parity = epoch % 2
         parts = self._parts(parity, piece.dtype, hi - lo)
         base = _DESCRIPTOR + 5 * parity
         if not announced:
             if post and hi > lo:
-                parts[self.rank].copy_(piece)
+                _copy_around(parts[self.rank], piece, max(unposted[0], lo) - lo, min(unposted[1], hi) - lo)
             self._mine[base:base + 5] = code
             self._mine[shared_file.COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
         if min(self._counters.tolist()) < epoch:  # a peer is late, or broke (its counter went negative)
@@ -307,7 +314,7 @@ class Slots:
             return
 
         def take(lo, hi, parts):
-            reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
+            reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, self.rank)
         self.exchange("all_reduce", flat, op, 0, True, take, posted, announced)
 
     def _summed_natively(self, flat: torch.Tensor, op: str, posted: bool) -> bool:
@@ -333,9 +340,9 @@ class Slots:
         """``out`` (size * n) <- every rank's ``flat`` (n), in rank order."""
         rows = out.view(self.size, -1)
 
-        def take(lo, hi, parts):
+        def take(lo, hi, parts):  # this rank's own block from ``flat`` (in place: the same memory), as in C++
             for r, part in enumerate(parts):
-                rows[r, lo:hi].copy_(part)
+                rows[r, lo:hi].copy_(flat[lo:hi] if r == self.rank else part)
         self.exchange("all_gather", flat, "none", 0, True, take, announced=announced)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum",
@@ -354,7 +361,7 @@ class Slots:
         """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are)."""
         def take(lo, hi, parts):
             if self.rank == root:
-                reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op)
+                reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, root)
         self.exchange("reduce", flat, op, root, True, take, announced=announced)
 
     def all_to_all(self, out: torch.Tensor, flat: torch.Tensor, announced: int | None = None) -> None:
@@ -364,12 +371,12 @@ class Slots:
         start, end = self.rank * m, (self.rank + 1) * m
         rows = out.view(self.size, m)
 
-        def take(lo, hi, parts):  # this rank's own block from ``flat``: the C++ face posts the others' alone
+        def take(lo, hi, parts):  # this rank's own block from ``flat``: only the others' are posted, on both paths
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 for j, part in enumerate(parts):
                     rows[j, a - start:b - start].copy_(flat[a:b] if j == self.rank else part[a - lo:b - lo])
-        self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced)
+        self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced, unposted=(start, end))
 
     def barrier(self, announced: int | None = None) -> None:
         self.exchange("barrier", _NOTHING, "none", 0, False, _ignore, announced=announced)
@@ -390,6 +397,15 @@ class Slots:
 
 
 _NOTHING = torch.empty(0)
+
+
+def _copy_around(slot: torch.Tensor, piece: torch.Tensor, a: int, b: int) -> None:
+    """``slot`` <- ``piece``, but for the elements [a, b) (none when a >= b)."""
+    if a >= b:
+        slot.copy_(piece)
+        return
+    slot[:a].copy_(piece[:a])
+    slot[b:].copy_(piece[b:])
 
 
 def _ignore(lo: int, hi: int, parts: list[torch.Tensor]) -> None:

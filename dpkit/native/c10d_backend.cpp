@@ -214,17 +214,34 @@ bool sums(at::ScalarType t) {  // the dtypes summed here; the others go to Pytho
 }
 
 // out[0, n) <- the sum over ranks of elements [from, from + n) of their slot `parity`, left to right in rank
-// order (as torch.add, then add_, on the Python path), divided by the ranks when `mean`.
-// The output is the caller's tensor, never a slot: no pointer aliases another (so the loops vectorize).
+// order (as torch.add, then add_, on the Python path), divided by the ranks when `mean`. `in_out`: this rank's
+// contribution is in `out` already (an all-reduce, a reduce's root: the caller's tensor, posted from it); rank 0 or
+// 1 then reads it there, not from its slot: the same values, so the same bits, and one array fewer through the
+// cache (the one this rank has just written, which the peers are reading). Ranks 2 and up add theirs after `out`
+// is overwritten: from the slot. No other pointer aliases `out` (so the loops vectorize).
 template <typename T>
-void reduce_slots(const Slots& s, int parity, int64_t from, T* __restrict__ out, int64_t n, bool mean) {
-  const T* __restrict__ p0 = reinterpret_cast<const T*>(s.slot(0, parity)) + from;
-  const T* __restrict__ p1 = reinterpret_cast<const T*>(s.slot(1, parity)) + from;
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = p0[i] + p1[i];
+void reduce_slots(const Slots& s, int parity, int64_t from, T* __restrict__ out, int64_t n, bool mean, bool in_out) {
+  auto part = [&](int r) { return reinterpret_cast<const T*>(s.slot(r, parity)) + from; };
+  if (in_out && s.rank < 2) {
+    const T* __restrict__ other = part(1 - s.rank);
+    if (s.rank == 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        out[i] = out[i] + other[i];
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        out[i] = other[i] + out[i];
+      }
+    }
+  } else {
+    const T* __restrict__ p0 = part(0);
+    const T* __restrict__ p1 = part(1);
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = p0[i] + p1[i];
+    }
   }
   for (int r = 2; r < s.size; ++r) {
-    const T* __restrict__ p = reinterpret_cast<const T*>(s.slot(r, parity)) + from;
+    const T* __restrict__ p = part(r);
     for (int64_t i = 0; i < n; ++i) {
       out[i] += p[i];
     }
@@ -238,17 +255,18 @@ void reduce_slots(const Slots& s, int parity, int64_t from, T* __restrict__ out,
 }
 
 // The same over `n` elements of dtype `type` at `out`.
-void reduce_slots(const Slots& s, int parity, int64_t from, at::ScalarType type, void* out, int64_t n, bool mean) {
+void reduce_slots(const Slots& s, int parity, int64_t from, at::ScalarType type, void* out, int64_t n, bool mean,
+                  bool in_out) {
   switch (type) {
-    case at::kFloat: return reduce_slots(s, parity, from, static_cast<float*>(out), n, mean);
-    case at::kDouble: return reduce_slots(s, parity, from, static_cast<double*>(out), n, mean);
-    case at::kInt: return reduce_slots(s, parity, from, static_cast<int32_t*>(out), n, false);
-    default: return reduce_slots(s, parity, from, static_cast<int64_t*>(out), n, false);
+    case at::kFloat: return reduce_slots(s, parity, from, static_cast<float*>(out), n, mean, in_out);
+    case at::kDouble: return reduce_slots(s, parity, from, static_cast<double*>(out), n, mean, in_out);
+    case at::kInt: return reduce_slots(s, parity, from, static_cast<int32_t*>(out), n, false, in_out);
+    default: return reduce_slots(s, parity, from, static_cast<int64_t*>(out), n, false, in_out);
   }
 }
 
-void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean) {
-  reduce_slots(s, parity, from, out.scalar_type(), out.data_ptr(), out.numel(), mean);
+void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean, bool in_out) {
+  reduce_slots(s, parity, from, out.scalar_type(), out.data_ptr(), out.numel(), mean, in_out);
 }
 
 // The slots of slots.py's Slots.native_layout(): (the mapping's address, rank, ranks, words per record, the broken
@@ -280,7 +298,7 @@ bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, bool posted
   if (parity < 0) {
     return false;
   }
-  reduce_slots(s, parity, 0, t, mean);
+  reduce_slots(s, parity, 0, t, mean, true);  // `t` holds this rank's contribution (posted: `t` is its slot)
   return true;
 }
 
@@ -355,7 +373,7 @@ class Backend : public c10d::Backend {
       if (parity < 0) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
       }
-      reduce_slots(slots_, parity, 0, t[0], op == OP_AVG);
+      reduce_slots(slots_, parity, 0, t[0], op == OP_AVG, true);
       return done(t, OpType::ALLREDUCE);
     }
     return call(OpType::ALLREDUCE, "allreduce", t, o);
@@ -387,7 +405,7 @@ class Backend : public c10d::Backend {
           return handed_over(REDUCE, OpType::REDUCE, t, op, root, lo);
         }
         if (root == slots_.rank) {
-          reduce_slots(slots_, parity, 0, t[0].scalar_type(), data + lo * item, n, op == OP_AVG);
+          reduce_slots(slots_, parity, 0, t[0].scalar_type(), data + lo * item, n, op == OP_AVG, true);
         }
       }
       return done(t, OpType::REDUCE);
@@ -412,8 +430,14 @@ class Backend : public c10d::Backend {
         return handed_over(ALL_GATHER, OpType::_ALLGATHER_BASE, both, OP_NONE, 0);
       }
       char* to = static_cast<char*>(out.data_ptr());
+      // This rank's own block from `in`, not from its slot (one array fewer through the cache); memmove: an
+      // all-gather in place has `in` as that block of `out`.
       for (int r = 0; r < slots_.size; ++r) {
-        std::memcpy(to + r * in.nbytes(), slots_.slot(r, parity), in.nbytes());
+        if (r == slots_.rank) {
+          std::memmove(to + r * in.nbytes(), in.data_ptr(), in.nbytes());
+        } else {
+          std::memcpy(to + r * in.nbytes(), slots_.slot(r, parity), in.nbytes());
+        }
       }
       return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
     }
@@ -455,7 +479,7 @@ class Backend : public c10d::Backend {
       if (parity < 0) {
         return handed_over(REDUCE_SCATTER, OpType::_REDUCE_SCATTER_BASE, both, op, 0);
       }
-      reduce_slots(slots_, parity, slots_.rank * out.numel(), out, op == OP_AVG);
+      reduce_slots(slots_, parity, slots_.rank * out.numel(), out, op == OP_AVG, false);
       return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
     }
     return call(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", out, in, o);
