@@ -17,5 +17,5 @@ each module's one line):
   ``algorithm_axis``, ``transport_axis`` and ``backend_axis``, ``point_to_point``, ``crossover_table``,
   ``latency_model`` (the algorithms' T = steps x alpha + bytes x beta), ``collective_targets``,
   ``collective_tables``, ``backend_latency``, ``anchors`` (Open MPI's and DeepSpeed's collectives beside the
-  backend's) and ``mpirun``;
+  backend's), ``mpirun`` and ``peer_read`` (why no single copy);
 - beyond one host: ``cluster`` (a latency-bandwidth model of data parallelism on a cluster)."""

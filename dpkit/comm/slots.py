@@ -10,13 +10,13 @@ only its pid, start time, PID namespace and descriptor; every rank maps it after
 file. Nothing ever has a name, so no kill leaves a file behind. Without room in /dev/shm, or when a
 rank refuses the file (warned, saying why), ``open`` returns None on every rank.
 
-The scheme is DeepSpeed's "symmetric naive" all-reduce. Every rank owns a header (a counter, per slot
-the descriptor of the message in it, who it is) and two data slots. A call of E pieces is E epochs: a rank
-copies its piece into slot ``epoch % 2``, writes the descriptor, then its counter; it waits until
-every peer's counter reaches the epoch, checks the descriptors, and reduces every rank's slot straight
-into its output, in rank order (so every rank gets the same bits). A rank writes slot s again two
-epochs later, when every peer has posted the epoch between and so has finished reading it. x86 keeps
-a core's stores in order, so a peer that sees the counter sees the data.
+The scheme is DeepSpeed's "symmetric naive" all-reduce. Every rank owns a header (a counter, per slot the
+descriptor of the message in it, who it is) and two data slots. A call of E pieces is E epochs: a rank copies its
+piece into slot ``epoch % 2``, writes the descriptor, then its counter; it waits until every peer's counter reaches
+the epoch, checks the descriptors, and reduces every rank's slot (its own part read in its tensor: one array fewer
+through the cache) straight into its output, in rank order, so every rank gets the same bits. A rank writes slot s
+again two epochs later, when every peer has posted the epoch between and so has finished reading it. x86 keeps a
+core's stores in order, so a peer that sees the counter sees the data.
 
 The wait (``shared_file.wait_for``) raises ``PeerFailedError`` naming the ranks that hold it up: at once
 when one broke, within a tenth of a second when one's process is gone, at the timeout otherwise. Broken
