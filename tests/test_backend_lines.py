@@ -90,3 +90,18 @@ def test_the_memory_s_bound_is_a_sentence_of_its_own_from_16_mib_up_with_the_ver
     assert f"takes {ratios[0]} at 16MiB and {ratios[1]} at 100MiB; at 100MiB against the target (<= 1.3x) missed." \
         in text
     assert backend_lines.memory_bound({"results": rows[:3]}).startswith("*not in this results file")
+
+
+def test_the_single_copy_sentence_says_where_the_read_costs_more_than_two_copies_by_the_interval():
+    def read(nbytes, low, median, high):
+        return {"way": backend_lines.SINGLE_COPY, "bytes": nbytes, "reads": 200, "vs_copy": median,
+                "vs_copy_ci_low": low, "vs_copy_ci_high": high}
+    doc = {"env": {"git_commit": "abc1234"}, "results": [read(65536, 3.1, 3.2, 3.3), read(1 << 20, 1.9, 2.4, 2.6),
+                                                         {"way": "copy out of shared memory", "bytes": 65536}]}
+    text = backend_lines.single_copy(doc)
+    assert "takes 3.20x [3.10, 3.30] at 64KiB and 2.40x [1.90, 2.60] at 1MiB the time" in text
+    assert text.endswith(": more than two such copies at 64KiB only.")
+    doc["results"][1]["vs_copy_ci_low"] = 2.1
+    assert backend_lines.single_copy(doc).endswith(": more than two such copies at every size measured.")
+    doc["results"][0]["vs_copy_ci_low"] = doc["results"][1]["vs_copy_ci_low"] = 1.5
+    assert backend_lines.single_copy(doc).endswith(": not more than two such copies at any size measured.")
