@@ -1,8 +1,9 @@
 """README's results of the backend "dpkit", from its committed files: the all-reduce beside the anchors (Open MPI,
 DeepSpeed) with what the intervals decide, how much of a small call is torch's own and how far the large one is
 from the memory's bound, every collective against gloo's, the all-reduce at 4 ranks, why it copies twice and not
-once, and where the backend lands under PyTorch's own layers. README holds them between two markers; ``python run_experiments.py --summary``
-rewrites them and a test keeps README equal to them, so no number there is typed by hand.
+once, and where the backend lands under PyTorch's own layers. README holds them between two markers;
+``python run_experiments.py --summary`` rewrites them and a test keeps README equal to them, so no number there
+is typed by hand.
 
     from dpkit.report import backend_lines
     block = backend_lines.render(Path("results"))   # the block, markers included
