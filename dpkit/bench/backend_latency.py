@@ -6,8 +6,7 @@
 Each row is the time per call of back-to-back calls (median over rounds, slowest rank):
 
 * ``dist.all_reduce [dpkit]``: PyTorch's call on any CPU tensor, through the backend (targets: <= 60 us at 4 KiB);
-* ``slots.all_reduce [own buffer]``: the backend's slots called directly on a tensor written in place in
-  this rank's next slot (no dispatch, no copy in; target <= 30 us);
+* ``slots.all_reduce``: the backend's slots called directly on any tensor (no dispatch; target <= 30 us);
 * what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group, which the C++ face
   completes at once: torch's Python and C++ layers and the Work, what any C++ backend's call costs; on torch's
   Python-backend route, also the call into Python), ``wait`` (one exchange of no data: post the counter, see the
@@ -30,7 +29,6 @@ import torch.distributed as dist
 
 from dpkit.bench.results import environment, format_environment, write_results
 from dpkit.comm import backend, process_groups
-from dpkit.comm.slots import SLOT_BYTES
 from dpkit.comm.transport import SharedMemory
 
 
@@ -61,13 +59,11 @@ def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, Sh
     slots = backend.slots_of(group)
     shm = SharedMemory(gloo)
     tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
-    plain = torch.ones(numel)
+    plain, direct = torch.ones(numel), torch.ones(numel)
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
-    own = numel * 4 <= SLOT_BYTES  # a message written in place must fit one slot
     return {
         "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor, group=group),
-        **({"slots.all_reduce [own buffer]": lambda: slots.all_reduce(slots.buffer(numel, torch.float32), posted=True)}
-           if own else {}),
+        "slots.all_reduce": lambda: slots.all_reduce(direct),
         "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
         "wait (exchange of no data)": slots.barrier,
         "reduction (copy in, sum out)": lambda: (a.copy_(b), torch.add(a, b, out=c)),

@@ -2,7 +2,6 @@
 
     slots = Slots.open(store, rank, size, timeout_s)   # a collective over a c10d store; None without the file
     slots.all_reduce(t, "sum")                         # in place; also every other kind of KINDS
-    slots.buffer(n, torch.float32)                     # a tensor in this rank's next slot: no copy in
     slots.break_group("gloo failed")                   # a failure elsewhere: every peer's next wait raises
 
 Set-up (``shared_file``): rank 0 makes an anonymous file in /dev/shm and publishes through the store
@@ -179,14 +178,6 @@ class Slots:
             view = self._views[key] = self._bytes[start:start + numel * dtype.itemsize].view(dtype)
         return view
 
-    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's slot of the next epoch, for a message of at most one slot written in place:
-        ``all_reduce(slots.buffer(n, dtype), op, posted=True)`` skips the copy in."""
-        self._refuse_if_broken()
-        if numel * dtype.itemsize > self.slot_bytes:  # a question asked here alone: nothing posted, nothing broken
-            raise ValueError(f"a slot holds {self.slot_bytes} bytes, not {numel} elements of {dtype}")
-        return self.slot(self.rank, (self._counted() + 1) % 2, dtype, numel)
-
     def _counted(self) -> int:
         """The last call this rank posted (its counter; the C++ fast path posts and completes calls too): between
         two calls, also the last it completed."""
@@ -201,30 +192,30 @@ class Slots:
                 self._spins > 0)
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
-                 use: Callable[[int, int, list[torch.Tensor]], None], posted: bool = False,
-                 announced: int | None = None, unposted: tuple[int, int] = (0, 0)) -> None:
+                 use: Callable[[int, int, list[torch.Tensor]], None], announced: int | None = None,
+                 unposted: tuple[int, int] = (0, 0)) -> None:
         """For each piece [lo, hi) of ``flat`` (1-D, contiguous; ``piece_numel``): copy it into this rank's slot
         (when ``post``), wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked
         once. Whatever raises here breaks the slots (a peer may have posted its piece, or be waiting for this
-        rank's). ``posted``: the data of a one-piece message is in the slot already (``buffer``); ``announced``:
-        the C++ fast path posted the piece that starts at this element (data, descriptor, counter), every piece
-        before it done, then handed the call over; ``unposted``: the elements [start, end) of ``flat`` that no peer
-        reads (an all-to-all's own block), never copied into the slot."""
+        rank's). ``announced``: the C++ fast path posted the piece that starts at this element (data, descriptor,
+        counter), every piece before it done, then handed the call over; ``unposted``: the elements [start, end) of
+        ``flat`` that no peer reads (an all-to-all's own block), never copied into the slot. ``flat`` is never a
+        view of this rank's slots: a result written there would overwrite what the peers are reading."""
         self._refuse_if_broken()
         try:
-            self._exchange(kind, flat, op, root, post, use, posted, announced, unposted)
+            self._exchange(kind, flat, op, root, post, use, announced, unposted)
         except BaseException as error:
             mismatch = getattr(error, "mismatch", False)
             if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
                 self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
             raise
 
-    def _exchange(self, kind, flat, op, root, post, use, posted, announced, unposted) -> None:
+    def _exchange(self, kind, flat, op, root, post, use, announced, unposted) -> None:
         total = flat.numel()
         per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
-            self._piece(code, flat, post and not posted, use, 0, total, announced == 0, unposted)
+            self._piece(code, flat, post, use, 0, total, announced == 0, unposted)
             return
         for lo in range(announced or 0, total, per):
             hi = min(total, lo + per)
@@ -308,16 +299,15 @@ class Slots:
 
     # ---- the collectives, on contiguous 1-D tensors of a dtype in DTYPES
 
-    def all_reduce(self, flat: torch.Tensor, op: str = "sum", posted: bool = False,
-                   announced: int | None = None) -> None:
-        if announced is None and self._summed_natively(flat, op, posted):
+    def all_reduce(self, flat: torch.Tensor, op: str = "sum", announced: int | None = None) -> None:
+        if announced is None and self._summed_natively(flat, op):
             return
 
         def take(lo, hi, parts):
             reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, self.rank)
-        self.exchange("all_reduce", flat, op, 0, True, take, posted, announced)
+        self.exchange("all_reduce", flat, op, 0, True, take, announced)
 
-    def _summed_natively(self, flat: torch.Tensor, op: str, posted: bool) -> bool:
+    def _summed_natively(self, flat: torch.Tensor, op: str) -> bool:
         """Whether C++ (``native_sums``) completed this all-reduce; when it posted it but left it (a peer late,
         descriptors that differ), it is finished here as the C++ face's hand-over is: waited for, checked, summed."""
         if (self._sums is None or op not in ("sum", "avg") or flat.dtype not in NATIVE_SUMS
@@ -325,9 +315,9 @@ class Slots:
                 or not 0 < flat.numel() * flat.element_size() <= self.slot_bytes):
             return False
         self._refuse_if_broken()
-        if self._sums(self._layout, flat, op == "avg", posted):
+        if self._sums(self._layout, flat, op == "avg"):
             return True
-        self.all_reduce(flat, op, posted, announced=0)
+        self.all_reduce(flat, op, announced=0)
         return True
 
     def broadcast(self, flat: torch.Tensor, root: int, announced: int | None = None) -> None:

@@ -286,19 +286,20 @@ Slots mapped(const Layout& layout) {
 }
 
 // The all-reduce of slots.py's Slots.all_reduce, here, without the GIL: `t` (contiguous, of a dtype the sums take,
-// at most a slot) summed (`mean`: then divided) over the ranks of `layout`; `posted`: its data is in this rank's
-// next slot already (Slots.buffer). True when done; false when posted but left to Python (a peer not there within
-// HANDOVER_NS, or descriptors that differ), which finishes it as the C++ face's hand-over (announced). Python's
-// wait, which sleeps between looks, takes over early: a late peer may need this core.
-bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, bool posted) {
+// at most a slot) summed (`mean`: then divided) over the ranks of `layout`, in place. (Never a tensor over this
+// rank's own slot: the sum would overwrite it while the peers read it.) True when done; false when posted but left
+// to Python (a peer not there within HANDOVER_NS, or descriptors that differ), which finishes it as the C++ face's
+// hand-over (announced). Python's wait, which sleeps between looks, takes over early: a late peer may need this
+// core.
+bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean) {
   const Slots s = mapped(layout);
   py::gil_scoped_release released;
   const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), mean ? OP_AVG : OP_SUM, 0};
-  const int parity = s.post(code, posted ? nullptr : t.data_ptr(), t.nbytes(), HANDOVER_NS);
+  const int parity = s.post(code, t.data_ptr(), t.nbytes(), HANDOVER_NS);
   if (parity < 0) {
     return false;
   }
-  reduce_slots(s, parity, 0, t, mean, true);  // `t` holds this rank's contribution (posted: `t` is its slot)
+  reduce_slots(s, parity, 0, t, mean, true);  // `t` holds this rank's contribution
   return true;
 }
 
@@ -685,6 +686,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("impl", &Backend::impl)
       .def_property_readonly("fast_calls", [](const Backend& b) { return b.fast_calls(); })
       .def_property_readonly("handed_over", [](const Backend& b) { return b.handed_over(); });
-  m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"),
-        py::arg("posted"));
+  m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"));
 }
