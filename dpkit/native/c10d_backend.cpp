@@ -285,22 +285,27 @@ Slots mapped(const Layout& layout) {
   return s;
 }
 
-// The all-reduce of slots.py's Slots.all_reduce, here, without the GIL: `t` (contiguous, of a dtype the sums take,
-// at most a slot) summed (`mean`: then divided) over the ranks of `layout`, in place. (Never a tensor over this
-// rank's own slot: the sum would overwrite it while the peers read it.) True when done; false when posted but left
-// to Python (a peer not there within HANDOVER_NS, or descriptors that differ), which finishes it as the C++ face's
-// hand-over (announced). Python's wait, which sleeps between looks, takes over early: a late peer may need this
+// One all-reduce of `t` (contiguous, of a dtype the sums take, at most a slot) over the slots `s`, in place, by
+// `op` (OP_SUM or OP_AVG), waiting up to `budget_ns` for the peers. (Never a tensor over this rank's own slot: the
+// sum would overwrite it while the peers read it.) True when done; false when posted but left to Python (a peer
+// not there in time, or descriptors that differ), which finishes it as a hand-over (announced).
+bool all_reduce_in_place(const Slots& s, at::Tensor& t, int64_t op, int64_t budget_ns) {
+  const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), op, 0};
+  const int parity = s.post(code, t.data_ptr(), t.nbytes(), budget_ns);
+  if (parity < 0) {
+    return false;
+  }
+  reduce_slots(s, parity, 0, t, op == OP_AVG, true);  // `t` holds this rank's contribution
+  return true;
+}
+
+// The all-reduce of slots.py's Slots.all_reduce, here, without the GIL, over the ranks of `layout` (`mean`: the
+// sum divided). Python's wait, which sleeps between looks, takes over after HANDOVER_NS: a late peer may need this
 // core.
 bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean) {
   const Slots s = mapped(layout);
   py::gil_scoped_release released;
-  const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), mean ? OP_AVG : OP_SUM, 0};
-  const int parity = s.post(code, t.data_ptr(), t.nbytes(), HANDOVER_NS);
-  if (parity < 0) {
-    return false;
-  }
-  reduce_slots(s, parity, 0, t, mean, true);  // `t` holds this rank's contribution
-  return true;
+  return all_reduce_in_place(s, t, mean ? OP_AVG : OP_SUM, HANDOVER_NS);
 }
 
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
@@ -370,11 +375,9 @@ class Backend : public c10d::Backend {
       if (alone()) {  // the sum and the mean of one tensor: itself
         return done(t, OpType::ALLREDUCE);
       }
-      const int parity = post({ALL_REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, 0}, t[0], o.asyncOp);
-      if (parity < 0) {
+      if (!all_reduce_in_place(slots_, t[0], op, budget_ns(o.asyncOp))) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
       }
-      reduce_slots(slots_, parity, 0, t[0], op == OP_AVG, true);
       return done(t, OpType::ALLREDUCE);
     }
     return call(OpType::ALLREDUCE, "allreduce", t, o);
@@ -620,10 +623,13 @@ class Backend : public c10d::Backend {
     }
   }
 
-  // One exchange (Slots::post), waiting up to HANDOVER_NS, or WAITED_NS when the caller waits at once (not
-  // `async_op`).
+  // How long a call waits for its peers before handing over: HANDOVER_NS, or WAITED_NS when the caller waits at
+  // once (not `async_op`).
+  static int64_t budget_ns(bool async_op) { return async_op ? HANDOVER_NS : WAITED_NS; }
+
+  // One exchange (Slots::post), waiting up to budget_ns(async_op).
   int post(const std::array<int64_t, 5>& code, const void* data, size_t bytes, bool async_op) {
-    return slots_.post(code, data, bytes, async_op ? HANDOVER_NS : WAITED_NS);
+    return slots_.post(code, data, bytes, budget_ns(async_op));
   }
 
   // One exchange of all of `data` (undefined: nothing to post), as above.
