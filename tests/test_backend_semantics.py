@@ -26,7 +26,7 @@ from torch import nn
 from common import PG_TIMEOUT_S
 from dpkit.comm import backend
 from dpkit.comm.process_groups import WorkerError, launch
-from dpkit.comm.slots import SLOT_BYTES, piece_numel
+from dpkit.comm.slots import SLOT_BYTES, piece_numel, reduce_into
 
 PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}
 BIG = SLOT_BYTES // 4 + 100  # float32 elements a rank gathers: more than one slot, which the Python path runs
@@ -222,37 +222,54 @@ def fast_path(rank: int, gloo) -> dict:
 
 
 def pieces(rank: int, gloo) -> dict:
-    """A broadcast from rank 1, a reduce to rank 0 and an all-to-all of one slot (2 MiB) each (the first two go
-    in four pieces: ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
-    implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the third
-    piece of the broadcast and of the reduce (it runs their exchanges itself, and sleeps after the second piece),
-    so that rank 0 hands both over in the middle; then all three through torch again."""
+    """A broadcast from rank 1, a reduce to rank 0, an all-reduce and an all-to-all of one slot (2 MiB) each, and
+    an all-reduce of 2.5 slots (all-reduces go in pieces at every size, the first three calls too: four pieces
+    each, ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
+    implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the second
+    piece of the broadcast, the reduce and both all-reduces (it runs their exchanges itself, and sleeps after the
+    first piece), so that rank 0 hands each over in the middle (its all-reduces then go on in C++ from the next
+    piece, ``Slots.all_reduce``); then all five through torch again."""
     n = 1 << 19
     x = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    big = torch.arange(5 * n // 2, dtype=torch.float32) * (rank + 1)
     impl, face = backend.implementation(), dist.group.WORLD._get_backend(torch.device("cpu"))
     counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
     second = piece_numel("broadcast", n, x.element_size(), impl.slots.slot_bytes)  # where the second piece starts
+    assert second == piece_numel("all_reduce", big.numel(), x.element_size(), impl.slots.slot_bytes) < n
 
     def late(lo, hi, parts):  # rank 1 is the broadcast's root and not the reduce's: it reads no slot
         if lo == second:
             time.sleep(0.3)  # far past the hand-over time of a caller that waits at once
 
+    def late_sum(flat):
+        def take(lo, hi, parts):
+            late(lo, hi, parts)
+            reduce_into(flat[lo:hi], parts, "sum", rank)
+        return take
+
     def run(group, how: str) -> list[torch.Tensor]:
         shown, reduced, exchanged = x.clone(), x.clone(), torch.empty(n)
+        summed, summed_big = x.clone(), big.clone()
         if how == "torch":
             dist.broadcast(shown, dist.get_global_rank(group or dist.group.WORLD, 1), group=group)
             dist.reduce(reduced, dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+            dist.all_reduce(summed, group=group)
+            dist.all_reduce(summed_big, group=group)
         elif how == "python":  # the Python implementation, torch not in between
             impl.broadcast([shown], _options(dist.BroadcastOptions, rootRank=1, rootTensor=0)).wait()
             impl.reduce([reduced], _options(dist.ReduceOptions, rootRank=0, reduceOp=dist.ReduceOp.SUM)).wait()
-        else:  # the slots' exchanges themselves, late for the third piece
+            impl.allreduce([summed], dist.AllreduceOptions()).wait()
+            impl.allreduce([summed_big], dist.AllreduceOptions()).wait()
+        else:  # the slots' exchanges themselves, late for the second piece
             impl.slots.exchange("broadcast", shown, "none", 1, True, late)
             impl.slots.exchange("reduce", reduced, "sum", 0, True, late)
+            impl.slots.exchange("all_reduce", summed, "sum", 0, True, late_sum(summed))
+            impl.slots.exchange("all_reduce", summed_big, "sum", 0, True, late_sum(summed_big))
         if how == "torch":
             dist.all_to_all_single(exchanged, x, group=group)
         else:
             impl.all_to_all_single(exchanged, x, [], [], dist.AllToAllOptions()).wait()
-        return [shown, reduced if rank == 0 else torch.zeros(0), exchanged]
+        return [shown, reduced if rank == 0 else torch.zeros(0), summed, summed_big, exchanged]
 
     out = {"gloo": run(gloo, "torch"), "torch": run(None, "torch")}
     before = counted()
@@ -324,15 +341,16 @@ def test_small_collectives_give_gloo_s_bits_whoever_runs_them(path):
             assert fast["late counted"] == [ran + (not first), handed + first], (rank, fast["late counted"])
 
 
-def test_broadcast_reduce_and_all_to_all_of_many_pieces_give_gloo_s_bits_whichever_path_each_rank_takes(path):
+def test_collectives_of_many_pieces_give_gloo_s_bits_whichever_path_each_rank_takes(path):
     for rank, found in enumerate(semantics(path)):
         calls = found["pieces"]
+        assert len(calls["gloo"]) == 5
         for case in ("torch", "paired", "late", "after"):
-            for ours, theirs in zip(calls[case], calls["gloo"]):
+            for ours, theirs in zip(calls[case], calls["gloo"], strict=True):
                 assert torch.equal(ours, theirs), (rank, case)
-        if path == "c++" and rank == 0:  # six calls; rank 1 was late for the broadcast's and the reduce's third piece
+        if path == "c++" and rank == 0:  # ten calls; rank 1 was late for the second piece of four of them
             ran, handed = calls["late counted"]
-            assert ran + handed == 6 and handed >= 2, calls["late counted"]
+            assert ran + handed == 10 and handed >= 4, calls["late counted"]
 
 
 def test_a_waited_work_and_one_left_alone_both_complete(path):

@@ -51,8 +51,9 @@ KINDS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "
 OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "avg_divided_first")
 # avg: sum, then divide (the backend's ReduceOp.AVG); avg_divided_first: each contribution divided, then summed (the
 # transports' "avg": no sum of large values overflows). Two roundings of one average, so each has its index.
-# Broadcast and reduce of at most a slot go in pieces of this many bytes (piece_numel): one rank copies a piece
-# while another copies or sums the one before it.
+# All-reduces, and broadcasts and reduces of at most a slot, go in pieces of this many bytes (piece_numel): in a
+# broadcast or reduce one rank copies a piece while another copies or sums the one before it; in an all-reduce a
+# piece's copy in and its sum meet the core's cache, not memory.
 PIPELINED = ("broadcast", "reduce")
 PIPELINED_PIECE_BYTES = 1 << 19
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
@@ -91,10 +92,11 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, in_out: i
 
 def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
     """The elements of each piece of a call ``kind`` of ``numel`` elements of ``itemsize`` bytes (the last may be
-    shorter): a slot's worth, or PIPELINED_PIECE_BYTES for a broadcast or reduce that fits one slot. The C++ face
-    splits as this does (``piece_numel`` there), so that a call one rank runs there and another here pairs."""
+    shorter): PIPELINED_PIECE_BYTES for an all-reduce and for a broadcast or reduce that fits one slot, else a
+    slot's worth (at most a slot's either way). The C++ face splits as this does (``Slots::piece_numel`` there), so
+    that a call one rank runs there and another here pairs."""
     per = slot_bytes // itemsize
-    if kind in PIPELINED and numel * itemsize <= slot_bytes:
+    if kind == "all_reduce" or (kind in PIPELINED and numel * itemsize <= slot_bytes):
         return max(1, min(per, PIPELINED_PIECE_BYTES // itemsize))
     return per
 
@@ -193,31 +195,32 @@ class Slots:
 
     def exchange(self, kind: str, flat: torch.Tensor, op: str, root: int, post: bool,
                  use: Callable[[int, int, list[torch.Tensor]], None], announced: int | None = None,
-                 unposted: tuple[int, int] = (0, 0)) -> None:
+                 unposted: tuple[int, int] = (0, 0), until: int | None = None) -> None:
         """For each piece [lo, hi) of ``flat`` (1-D, contiguous; ``piece_numel``): copy it into this rank's slot
         (when ``post``), wait for every rank, then ``use(lo, hi, every rank's slot)``. The descriptor is checked
         once. Whatever raises here breaks the slots (a peer may have posted its piece, or be waiting for this
         rank's). ``announced``: the C++ fast path posted the piece that starts at this element (data, descriptor,
         counter), every piece before it done, then handed the call over; ``unposted``: the elements [start, end) of
-        ``flat`` that no peer reads (an all-to-all's own block), never copied into the slot. ``flat`` is never a
-        view of this rank's slots: a result written there would overwrite what the peers are reading."""
+        ``flat`` that no peer reads (an all-to-all's own block), never copied into the slot; ``until``: the pieces
+        from this element on are left to the caller (C++: ``all_reduce``). ``flat`` is never a view of this rank's
+        slots: a result written there would overwrite what the peers are reading."""
         self._refuse_if_broken()
         try:
-            self._exchange(kind, flat, op, root, post, use, announced, unposted)
+            self._exchange(kind, flat, op, root, post, use, announced, unposted, until)
         except BaseException as error:
             mismatch = getattr(error, "mismatch", False)
             if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
                 self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
             raise
 
-    def _exchange(self, kind, flat, op, root, post, use, announced, unposted) -> None:
+    def _exchange(self, kind, flat, op, root, post, use, announced, unposted, until) -> None:
         total = flat.numel()
         per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
             self._piece(code, flat, post, use, 0, total, announced == 0, unposted)
             return
-        for lo in range(announced or 0, total, per):
+        for lo in range(announced or 0, total if until is None else min(until, total), per):
             hi = min(total, lo + per)
             self._piece(code, flat[lo:hi], post, use, lo, hi, announced == lo, unposted)
 
@@ -300,25 +303,27 @@ class Slots:
     # ---- the collectives, on contiguous 1-D tensors of a dtype in DTYPES
 
     def all_reduce(self, flat: torch.Tensor, op: str = "sum", announced: int | None = None) -> None:
-        if announced is None and self._summed_natively(flat, op):
-            return
-
+        """``flat`` <- ``op`` over every rank's ``flat``, piece by piece. Where C++ sums (``native_sums``), it runs
+        every piece it can; a piece it posted but left (a peer late, descriptors that differ), or ``announced``
+        (the C++ face's hand-over), is finished here as any hand-over is (waited for, checked, summed), and C++
+        goes on from the next piece."""
         def take(lo, hi, parts):
             reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, self.rank)
-        self.exchange("all_reduce", flat, op, 0, True, take, announced)
 
-    def _summed_natively(self, flat: torch.Tensor, op: str) -> bool:
-        """Whether C++ (``native_sums``) completed this all-reduce; when it posted it but left it (a peer late,
-        descriptors that differ), it is finished here as the C++ face's hand-over is: waited for, checked, summed."""
-        if (self._sums is None or op not in ("sum", "avg") or flat.dtype not in NATIVE_SUMS
-                or (op == "avg" and not flat.is_floating_point())
-                or not 0 < flat.numel() * flat.element_size() <= self.slot_bytes):
-            return False
+        if not self._sums_natively(flat, op):
+            self.exchange("all_reduce", flat, op, 0, True, take, announced)
+            return
         self._refuse_if_broken()
-        if self._sums(self._layout, flat, op == "avg"):
-            return True
-        self.all_reduce(flat, op, announced=0)
-        return True
+        per = piece_numel("all_reduce", flat.numel(), flat.element_size(), self.slot_bytes)
+        left = announced if announced is not None else self._sums(self._layout, flat, op == "avg", 0)
+        while left >= 0:  # the piece at ``left`` is posted; its peers were not all there in time
+            self.exchange("all_reduce", flat, op, 0, True, take, announced=left, until=left + per)
+            left = self._sums(self._layout, flat, op == "avg", left + per) if left + per < flat.numel() else -1
+
+    def _sums_natively(self, flat: torch.Tensor, op: str) -> bool:
+        """Whether C++ (``native_sums``) sums this all-reduce."""
+        return (self._sums is not None and op in ("sum", "avg") and flat.dtype in NATIVE_SUMS
+                and (op == "sum" or flat.is_floating_point()) and flat.numel() > 0)
 
     def broadcast(self, flat: torch.Tensor, root: int, announced: int | None = None) -> None:
         def take(lo, hi, parts):

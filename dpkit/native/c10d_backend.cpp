@@ -8,16 +8,16 @@
 // TORCH_DISTRIBUTED_DEBUG=DETAIL needs. Here each of those is forwarded, and the backend names itself "dpkit".
 //
 // The fast path: all-reduce, reduce, broadcast, all-gather, reduce-scatter and even all-to-all (the tensor
-// forms) of dense tensors of up to one slot, and the barrier, while none of the group's calls is queued in Python,
-// run here, on the same shared-memory slots and by the same protocol as dpkit/comm/slots.py (the Python path; see
-// its docstring): post the data into this rank's slot, its descriptor, then the counter; poll the peers' counters;
-// read every rank's slot into the output (sums left to right in rank order, so the bits equal the Python path's),
-// piece by piece where slots.py's piece_numel cuts the message. No GIL, no Python, no queue. When the peers have
-// not all posted a piece within HANDOVER_NS (an async_op=True call, whose caller must go on) or WAITED_NS (a
-// caller that waits at once), or their descriptors differ, the call, posted up to that piece, is handed to the
-// Python implementation (finish_posted), whose queue completes it in order from that piece and whose wait names
-// dead peers, times out and breaks the group as on every path. A group of one rank has nothing to wait for: its
-// calls complete here at once.
+// forms) of dense tensors of up to one slot, an all-reduce of any size whose caller waits at once, and the
+// barrier, while none of the group's calls is queued in Python, run here, on the same shared-memory slots and by
+// the same protocol as dpkit/comm/slots.py (the Python path; see its docstring): post the data into this rank's
+// slot, its descriptor, then the counter; poll the peers' counters; read every rank's slot into the output (sums
+// left to right in rank order, so the bits equal the Python path's), piece by piece where slots.py's piece_numel
+// cuts the message. No GIL, no Python, no queue. When the peers have not all posted a piece within HANDOVER_NS (an
+// async_op=True call, whose caller must go on) or WAITED_NS (a caller that waits at once), or their descriptors
+// differ, the call, posted up to that piece, is handed to the Python implementation (finish_posted), whose queue
+// completes it in order from that piece and whose wait names dead peers, times out and breaks the group as on
+// every path. A group of one rank has nothing to wait for: its calls complete here at once.
 //
 // Built at first use by dpkit.native.load_extension("c10d_backend") against the running torch. It overrides
 // the names every supported torch has (the old _allgather_base, _reduce_scatter_base, ..., to which the newer
@@ -113,10 +113,17 @@ constexpr int64_t HANDOVER_NS = 200000;  // as dpkit/comm/backend_work.py's HAND
 // A call whose caller waits at once (async_op=False) holds no one up while it polls: it polls longer before
 // handing over to Python (whose wait tells a dead peer from a slow one).
 constexpr int64_t WAITED_NS = 20000000;
-// Broadcast and reduce of at most a slot go in pieces of this many bytes (slots.py's PIPELINED_PIECE_BYTES): one
-// rank copies a piece while another copies or sums the one before it.
+// All-reduces, and broadcasts and reduces of at most a slot, go in pieces of this many bytes (slots.py's
+// PIPELINED_PIECE_BYTES): in a broadcast or reduce one rank copies a piece while another copies or sums the one
+// before it; in an all-reduce a piece's copy in and its sum meet this core's cache, not memory.
 constexpr int64_t PIPELINED_PIECE_BYTES = 1 << 19;
 constexpr int64_t SPINS = 1000;  // polls before yielding the core at each poll (at once when oversubscribed)
+
+// Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
+enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
+constexpr int64_t OP_SUM = 0, OP_AVG = 1, OP_NONE = 8;
+const char* const KIND_NAMES[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce",
+                                  "all_to_all"};
 
 // The slots as dpkit/comm/slots.py lays them out: per rank a record of `record_words` int64 (counter first,
 // then per parity p the descriptor kind, dtype, numel, op, root at words 1 + 5p), then per rank two slots.
@@ -136,6 +143,16 @@ struct Slots {
 
   // The parity of the slot this rank posts its next piece into.
   int next_parity() const { return int((record(rank)[0] + 1) % 2); }
+
+  // The elements of each piece of a message of `numel` elements of `itemsize` bytes of a call `kind`: as
+  // slots.py's piece_numel, so that a call one rank runs here and another in Python pairs piece by piece.
+  int64_t piece_numel(Kind kind, int64_t numel, int64_t itemsize) const {
+    const int64_t per = slot_bytes / itemsize;
+    if (kind == ALL_REDUCE || ((kind == BROADCAST || kind == REDUCE) && numel * itemsize <= slot_bytes)) {
+      return std::max<int64_t>(1, std::min(per, PIPELINED_PIECE_BYTES / itemsize));
+    }
+    return per;
+  }
 
   // One exchange: post `bytes` of `data` (null: nothing to post, or in the slot already) into this rank's next
   // slot, then the descriptor `code`, then the counter; wait for every rank's up to `budget_ns`. The parity of
@@ -186,12 +203,6 @@ struct Slots {
     return true;
   }
 };
-
-// Indices into slots.py's KINDS and OPS (with DTYPES, the descriptor every rank compares).
-enum Kind : int64_t { ALL_REDUCE, BROADCAST, ALL_GATHER, REDUCE_SCATTER, BARRIER, REDUCE, ALL_TO_ALL };
-constexpr int64_t OP_SUM = 0, OP_AVG = 1, OP_NONE = 8;
-const char* const KIND_NAMES[] = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "reduce",
-                                  "all_to_all"};
 
 // slots.py's DTYPES index of `t`; -1 for one the slots do not move (bool: the Python path sends it to gloo).
 int64_t dtype_code(at::ScalarType t) {
@@ -285,27 +296,35 @@ Slots mapped(const Layout& layout) {
   return s;
 }
 
-// One all-reduce of `t` (contiguous, of a dtype the sums take, at most a slot) over the slots `s`, in place, by
-// `op` (OP_SUM or OP_AVG), waiting up to `budget_ns` for the peers. (Never a tensor over this rank's own slot: the
-// sum would overwrite it while the peers read it.) True when done; false when posted but left to Python (a peer
-// not there in time, or descriptors that differ), which finishes it as a hand-over (announced).
-bool all_reduce_in_place(const Slots& s, at::Tensor& t, int64_t op, int64_t budget_ns) {
+// One all-reduce of `t` (contiguous, of a dtype the sums take) over the slots `s`, in place, by `op` (OP_SUM or
+// OP_AVG), from the piece that starts at element `start` (every piece before it done): for each piece, post it,
+// wait up to `budget_ns` for the peers' and sum it into `t`. (Never a tensor over this rank's own slot: the sum
+// would overwrite it while the peers read it.) -1 when done; else the element where the piece starts that is
+// posted but left to Python (a peer not there in time, or descriptors that differ), which finishes it as a
+// hand-over (announced).
+int64_t all_reduce_in_place(const Slots& s, at::Tensor& t, int64_t op, int64_t budget_ns, int64_t start = 0) {
   const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), op, 0};
-  const int parity = s.post(code, t.data_ptr(), t.nbytes(), budget_ns);
-  if (parity < 0) {
-    return false;
+  const int64_t item = t.element_size(), per = s.piece_numel(ALL_REDUCE, t.numel(), item);
+  char* data = static_cast<char*>(t.data_ptr());
+  for (int64_t lo = start; lo < t.numel(); lo += per) {
+    const int64_t n = std::min(per, t.numel() - lo);
+    const int parity = s.post(code, data + lo * item, n * item, budget_ns);
+    if (parity < 0) {
+      return lo;
+    }
+    // The piece holds this rank's contribution: in_out.
+    reduce_slots(s, parity, 0, t.scalar_type(), data + lo * item, n, op == OP_AVG, true);
   }
-  reduce_slots(s, parity, 0, t, op == OP_AVG, true);  // `t` holds this rank's contribution
-  return true;
+  return -1;
 }
 
 // The all-reduce of slots.py's Slots.all_reduce, here, without the GIL, over the ranks of `layout` (`mean`: the
-// sum divided). Python's wait, which sleeps between looks, takes over after HANDOVER_NS: a late peer may need this
-// core.
-bool slots_all_reduce(const Layout& layout, at::Tensor t, bool mean) {
+// sum divided), from the piece that starts at element `start`: as all_reduce_in_place. Python's wait, which
+// sleeps between looks, takes over after HANDOVER_NS: a late peer may need this core.
+int64_t slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, int64_t start) {
   const Slots s = mapped(layout);
   py::gil_scoped_release released;
-  return all_reduce_in_place(s, t, mean ? OP_AVG : OP_SUM, HANDOVER_NS);
+  return all_reduce_in_place(s, t, mean ? OP_AVG : OP_SUM, HANDOVER_NS, start);
 }
 
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
@@ -351,7 +370,7 @@ class Backend : public c10d::Backend {
       const bool mine = root == slots_.rank;
       char* data = static_cast<char*>(t[0].data_ptr());
       const std::array<int64_t, 5> code{BROADCAST, dtype_code(t[0].scalar_type()), t[0].numel(), OP_NONE, root};
-      const int64_t item = t[0].element_size(), per = piece_numel(BROADCAST, t[0].numel(), item);
+      const int64_t item = t[0].element_size(), per = slots_.piece_numel(BROADCAST, t[0].numel(), item);
       // Piece by piece: the root copies piece k + 1 into its slot while the others copy piece k out of it.
       for (int64_t lo = 0; lo < t[0].numel(); lo += per) {
         const int64_t bytes = std::min(per, t[0].numel() - lo) * item;
@@ -369,14 +388,17 @@ class Backend : public c10d::Backend {
   }
   c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& t, const c10d::AllreduceOptions& o) override {
     const int64_t op = summing(o.reduceOp, t[0]);
-    if (t.size() == 1 && op >= 0 && fast({t[0]}, dense_bytes(t[0]))) {
+    // Of any size when the caller waits at once: it has nothing to overlap. An async_op=True call larger than a
+    // slot goes to Python's queue, whose thread runs it (in C++ too, slots_all_reduce) while the caller goes on.
+    if (t.size() == 1 && op >= 0 && fast({t[0]}, o.asyncOp ? dense_bytes(t[0]) : 0)) {
       RECORD_USER_SCOPE("dpkit:all_reduce");
       ++sequence_;  // once per call, as call() counts
       if (alone()) {  // the sum and the mean of one tensor: itself
         return done(t, OpType::ALLREDUCE);
       }
-      if (!all_reduce_in_place(slots_, t[0], op, budget_ns(o.asyncOp))) {
-        return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0);
+      const int64_t left = all_reduce_in_place(slots_, t[0], op, budget_ns(o.asyncOp));
+      if (left >= 0) {
+        return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0, left);
       }
       return done(t, OpType::ALLREDUCE);
     }
@@ -400,7 +422,7 @@ class Backend : public c10d::Backend {
       const int root = int(o.rootRank);
       char* data = static_cast<char*>(t[0].data_ptr());
       const std::array<int64_t, 5> code{REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root};
-      const int64_t item = t[0].element_size(), per = piece_numel(REDUCE, t[0].numel(), item);
+      const int64_t item = t[0].element_size(), per = slots_.piece_numel(REDUCE, t[0].numel(), item);
       // Piece by piece: the others copy piece k + 1 into their slots while the root sums piece k.
       for (int64_t lo = 0; lo < t[0].numel(); lo += per) {
         const int64_t n = std::min(per, t[0].numel() - lo);
@@ -587,11 +609,12 @@ class Backend : public c10d::Backend {
     return t.layout() == at::kStrided ? t.nbytes() : SIZE_MAX;
   }
 
-  // Whether the fast path takes a call on `tensors` posting `nbytes`: the tensors are contiguous CPU tensors of
-  // a dtype the slots move (the Python path's choice too: every rank takes the slots or none); and, but in a
-  // group of one rank (nothing to wait for: `alone` calls complete at once), the slots are on, nothing is queued
-  // in Python (calls run in program order), no rank broke, and the message fits one slot. Anything else goes to
-  // Python, which checks and refuses as on every path.
+  // Whether the fast path takes a call on `tensors` that must fit `nbytes` into one slot (0: a call that goes
+  // piece by piece at any size): the tensors are contiguous CPU tensors of a dtype the slots move (the Python
+  // path's choice too: every rank takes the slots or none); and, but in a group of one rank (nothing to wait for:
+  // `alone` calls complete at once), the slots are on, nothing is queued in Python (calls run in program order), no
+  // rank broke, and `nbytes` fits one slot. Anything else goes to Python, which checks and refuses as on every
+  // path.
   bool fast(std::initializer_list<at::Tensor> tensors, size_t nbytes) const {
     for (const at::Tensor& t : tensors) {
       if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.numel() == 0 ||
@@ -635,16 +658,6 @@ class Backend : public c10d::Backend {
   // One exchange of all of `data` (undefined: nothing to post), as above.
   int post(const std::array<int64_t, 5>& code, const at::Tensor& data, bool async_op) {
     return post(code, data.defined() ? data.data_ptr() : nullptr, data.defined() ? data.nbytes() : 0, async_op);
-  }
-
-  // The elements of each piece of a message of `numel` elements of `itemsize` bytes of a call `kind`: as
-  // slots.py's piece_numel, so that a call one rank runs here and another in Python pairs piece by piece.
-  int64_t piece_numel(Kind kind, int64_t numel, int64_t itemsize) const {
-    const int64_t per = slots_.slot_bytes / itemsize;
-    if ((kind == BROADCAST || kind == REDUCE) && numel * itemsize <= slots_.slot_bytes) {
-      return std::max<int64_t>(1, std::min(per, PIPELINED_PIECE_BYTES / itemsize));
-    }
-    return per;
   }
 
   // A call completed here: its Work, done.
@@ -692,5 +705,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("impl", &Backend::impl)
       .def_property_readonly("fast_calls", [](const Backend& b) { return b.fast_calls(); })
       .def_property_readonly("handed_over", [](const Backend& b) { return b.handed_over(); });
-  m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"));
+  m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"),
+        py::arg("start") = 0);
 }
