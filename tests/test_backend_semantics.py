@@ -487,3 +487,28 @@ def test_a_peer_dead_before_the_first_call_is_named_within_seconds():
         launch(dies_at_once_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=60)
     assert "rank(s) [1]" in str(failure.value) or "rank 1" in str(failure.value), str(failure.value)
     assert time.monotonic() - start < 30, "the dead peer was found only at the group's 60 s timeout"
+
+
+def dies_mid_call_worker(ctx) -> None:
+    """Rank 1 posts the first three pieces of an all-reduce of 2.5 slots (by the slots' exchange itself) and dies
+    after the third; rank 0 calls torch, on the C++ face's loop over the pieces where it is built."""
+    big = torch.ones(5 * SLOT_BYTES // 8)
+    if ctx.rank == 1:
+        impl = backend.implementation()
+        third = 2 * piece_numel("all_reduce", big.numel(), big.element_size(), impl.slots.slot_bytes)
+
+        def take(lo, hi, parts):
+            if lo == third:
+                os._exit(0)  # without a word, its third piece posted
+        impl.slots.exchange("all_reduce", big, "sum", 0, True, take)
+    dist.all_reduce(big)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_peer_dead_in_the_middle_of_a_long_all_reduce_is_named_within_seconds(path):
+    start = time.monotonic()
+    with mock.patch.dict(os.environ, PATHS[path]), pytest.raises(WorkerError) as failure:
+        launch(dies_mid_call_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=60)
+    assert "PeerFailedError" in str(failure.value) and "rank(s) [1]" in str(failure.value), str(failure.value)
+    assert time.monotonic() - start < 30, "the dead peer was found only at the group's 60 s timeout"
