@@ -225,10 +225,10 @@ def pieces(rank: int, gloo) -> dict:
     """A broadcast from rank 1, a reduce to rank 0, an all-reduce and an all-to-all of one slot (2 MiB) each, and
     an all-reduce of 2.5 slots (all-reduces go in pieces at every size, the first three calls too: four pieces
     each, ``piece_numel``), against gloo's: with both ranks calling torch; with rank 1 calling the Python
-    implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the second
+    implementation itself, so that each call pairs the two paths piece by piece; and with rank 1 late for the third
     piece of the broadcast, the reduce and both all-reduces (it runs their exchanges itself, and sleeps after the
-    first piece), so that rank 0 hands each over in the middle (its all-reduces then go on in C++ from the next
-    piece, ``Slots.all_reduce``); then all five through torch again."""
+    second piece), so that rank 0 hands each over in the middle (its all-reduces then go on in C++ from the next
+    piece where it is built, ``Slots.all_reduce``); then all five through torch again."""
     n = 1 << 19
     x = torch.arange(n, dtype=torch.float32) * (rank + 1)
     big = torch.arange(5 * n // 2, dtype=torch.float32) * (rank + 1)
@@ -260,7 +260,7 @@ def pieces(rank: int, gloo) -> dict:
             impl.reduce([reduced], _options(dist.ReduceOptions, rootRank=0, reduceOp=dist.ReduceOp.SUM)).wait()
             impl.allreduce([summed], dist.AllreduceOptions()).wait()
             impl.allreduce([summed_big], dist.AllreduceOptions()).wait()
-        else:  # the slots' exchanges themselves, late for the second piece
+        else:  # the slots' exchanges themselves, late for the third piece
             impl.slots.exchange("broadcast", shown, "none", 1, True, late)
             impl.slots.exchange("reduce", reduced, "sum", 0, True, late)
             impl.slots.exchange("all_reduce", summed, "sum", 0, True, late_sum(summed))
@@ -348,7 +348,7 @@ def test_collectives_of_many_pieces_give_gloo_s_bits_whichever_path_each_rank_ta
         for case in ("torch", "paired", "late", "after"):
             for ours, theirs in zip(calls[case], calls["gloo"], strict=True):
                 assert torch.equal(ours, theirs), (rank, case)
-        if path == "c++" and rank == 0:  # ten calls; rank 1 was late for the second piece of four of them
+        if path == "c++" and rank == 0:  # ten calls; rank 1 was late for the third piece of four of them
             ran, handed = calls["late counted"]
             assert ran + handed == 10 and handed >= 4, calls["late counted"]
 
