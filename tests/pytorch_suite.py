@@ -183,13 +183,15 @@ def main() -> None:
         listing = [sys.executable, __file__, "--one", "--list", *[a for p in args.patterns for a in ("-k", p)]]
         subprocess.run(listing, env=suite_env("gloo", tempfile.gettempdir()), check=True)
         return
-    rows = kept_rows(args.out, args.backends, args.patterns)
+    rows, runs = kept_rows(args.out, args.backends, args.patterns)
     for backend in args.backends:
         started = time.monotonic()
         outcomes = run_backend(backend, args.patterns, args.timeout, Path(args.out).with_suffix(f".{backend}.log"))
         rows += [{"backend": backend, "test": name, "torch": torch_version(), **o} for name, o in outcomes.items()]
-        print(f"{backend}: {counts(outcomes)} in {time.monotonic() - started:.0f} s", flush=True)
-    config = {"world_size": WORLD_SIZE, "patterns": args.patterns, "redirected": "gloo -> dpkit"}
+        seconds = time.monotonic() - started
+        runs[backend] = {"commit": env["git_commit"], "time": env["time"], "seconds": round(seconds, 1)}
+        print(f"{backend}: {counts(outcomes)} in {seconds:.0f} s", flush=True)
+    config = {"world_size": WORLD_SIZE, "patterns": args.patterns, "redirected": "gloo -> dpkit", "runs": runs}
     rows.sort(key=lambda r: (r["backend"], r["test"]))
     write_results(args.out, "pytorch_suite", env, config, rows, targets=[parity(rows)])
     print(f"{parity(rows)['verdict']}: {parity(rows)['target']}\nwrote {args.out}")
@@ -200,16 +202,18 @@ def torch_version() -> str:
     return torch.__version__
 
 
-def kept_rows(path: str, rerun: list[str], patterns: list[str]) -> list[dict]:
+def kept_rows(path: str, rerun: list[str], patterns: list[str]) -> tuple[list[dict], dict[str, dict]]:
     """The rows of the backends not run now, from an earlier run of the same tests on this torch (so that one
-    backend at a time fills one file)."""
+    backend at a time fills one file), and those backends' runs (commit, time, seconds) as that file records them."""
     from dpkit.bench.results import read_results
     if not os.path.exists(path):
-        return []
+        return [], {}
     doc = read_results(path)
     if doc["config"].get("patterns") != patterns:
-        return []
-    return [r for r in doc["results"] if r["backend"] not in rerun and r.get("torch") == torch_version()]
+        return [], {}
+    rows = [r for r in doc["results"] if r["backend"] not in rerun and r.get("torch") == torch_version()]
+    kept = {r["backend"] for r in rows}
+    return rows, {b: run for b, run in doc["config"].get("runs", {}).items() if b in kept}
 
 
 def parity(rows: list[dict]) -> dict:

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
+import pytorch_suite
 from common import REPO
-from dpkit.bench.results import read_results
+from dpkit.bench.results import read_results, write_results
 
 RESULTS = REPO / "results" / "pytorch_suite.json"
 # The tests that pass on gloo and cannot pass on "dpkit", each with the reason (README lists them too).
@@ -47,6 +48,20 @@ def test_the_committed_run_has_every_test_on_both_backends_on_one_torch(committe
     assert gloo.keys() == dpkit.keys() and len(gloo) > 200, (len(gloo), len(dpkit))
     assert len({r["torch"] for r in committed["results"]}) == 1
     assert not committed["config"]["patterns"], "the committed run must be the whole base"
+    runs = committed["config"]["runs"]  # README: each backend's commit and time
+    assert set(runs) == {"gloo", "dpkit"} and all(run["commit"] and run["time"] and run["seconds"] > 0
+                                                  for run in runs.values()), runs
+
+
+def test_a_run_of_one_backend_keeps_the_other_s_rows_and_its_run(tmp_path):
+    path = str(tmp_path / "suite.json")
+    rows = [{"backend": b, "test": "test_x", "torch": pytorch_suite.torch_version(), "outcome": "pass"}
+            for b in ("gloo", "dpkit")]
+    runs = {"gloo": {"commit": "aaa", "time": "t0", "seconds": 1.0}, "dpkit": {"commit": "bbb", "time": "t1",
+                                                                              "seconds": 2.0}}
+    write_results(path, "pytorch_suite", {}, {"patterns": [], "runs": runs}, rows)
+    assert pytorch_suite.kept_rows(path, ["dpkit"], []) == (rows[:1], {"gloo": runs["gloo"]})
+    assert pytorch_suite.kept_rows(path, ["dpkit"], ["^test_x$"]) == ([], {})  # other tests: nothing kept
 
 
 def test_every_test_that_passes_on_gloo_passes_on_dpkit_but_those_listed_with_a_reason(committed):
@@ -85,7 +100,9 @@ def test_a_sample_of_the_base_passes_on_dpkit(tmp_path):
                "--timeout", "400", *[a for name in SAMPLE for a in ("-k", f"^{name}$")]]
     done = subprocess.run(command, capture_output=True, text=True, timeout=450)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    found = {r["test"]: r for r in json.loads(out.read_text())["results"]}
+    doc = json.loads(out.read_text())
+    assert set(doc["config"]["runs"]) == {"dpkit"} and doc["config"]["runs"]["dpkit"]["seconds"] > 0
+    found = {r["test"]: r for r in doc["results"]}
     ran = {t: r for t, r in found.items() if t in SAMPLE}
     assert set(ran) == set(SAMPLE), sorted(found)
     assert all(r["outcome"] == "pass" for r in ran.values()), {t: r["detail"][-500:] for t, r in ran.items()
