@@ -296,15 +296,18 @@ Slots mapped(const Layout& layout) {
   return s;
 }
 
-// One all-reduce of `t` (contiguous, of a dtype the sums take) over the slots `s`, in place, by `op` (OP_SUM or
-// OP_AVG), from the piece that starts at element `start` (every piece before it done): for each piece, post it,
-// wait up to `budget_ns` for the peers' and sum it into `t`. (Never a tensor over this rank's own slot: the sum
-// would overwrite it while the peers read it.) -1 when done; else the element where the piece starts that is
-// posted but left to Python (a peer not there in time, or descriptors that differ), which finishes it as a
-// hand-over (announced).
-int64_t all_reduce_in_place(const Slots& s, at::Tensor& t, int64_t op, int64_t budget_ns, int64_t start = 0) {
-  const std::array<int64_t, 5> code{ALL_REDUCE, dtype_code(t.scalar_type()), t.numel(), op, 0};
-  const int64_t item = t.element_size(), per = s.piece_numel(ALL_REDUCE, t.numel(), item);
+// One sum of `t` (contiguous, of a dtype the sums take) over the slots `s`, in place, by `op` (OP_SUM or OP_AVG):
+// an ALL_REDUCE, or a REDUCE to `root` (the others' `t` unchanged), from the piece that starts at element `start`
+// (every piece before it done). For each piece: post it, wait up to `budget_ns` for the peers', and sum it into `t`
+// on every rank of an all-reduce, on a reduce's root. (Never a tensor over this rank's own slot: the sum would
+// overwrite it while the peers read it.) -1 when done; else the element where the piece starts that is posted but
+// left to Python (a peer not there in time, or descriptors that differ), which finishes it as a hand-over
+// (announced).
+int64_t sum_in_place(const Slots& s, at::Tensor& t, Kind kind, int64_t op, int root, int64_t budget_ns,
+                     int64_t start = 0) {
+  const std::array<int64_t, 5> code{kind, dtype_code(t.scalar_type()), t.numel(), op, root};
+  const int64_t item = t.element_size(), per = s.piece_numel(kind, t.numel(), item);
+  const bool sums_here = kind == ALL_REDUCE || root == s.rank;
   char* data = static_cast<char*>(t.data_ptr());
   for (int64_t lo = start; lo < t.numel(); lo += per) {
     const int64_t n = std::min(per, t.numel() - lo);
@@ -312,19 +315,20 @@ int64_t all_reduce_in_place(const Slots& s, at::Tensor& t, int64_t op, int64_t b
     if (parity < 0) {
       return lo;
     }
-    // The piece holds this rank's contribution: in_out.
-    reduce_slots(s, parity, 0, t.scalar_type(), data + lo * item, n, op == OP_AVG, true);
+    if (sums_here) {  // the piece holds this rank's contribution: in_out
+      reduce_slots(s, parity, 0, t.scalar_type(), data + lo * item, n, op == OP_AVG, true);
+    }
   }
   return -1;
 }
 
 // The all-reduce of slots.py's Slots.all_reduce, here, without the GIL, over the ranks of `layout` (`mean`: the
-// sum divided), from the piece that starts at element `start`: as all_reduce_in_place. Python's wait, which
+// sum divided), from the piece that starts at element `start`: as sum_in_place. Python's wait, which
 // sleeps between looks, takes over after HANDOVER_NS: a late peer may need this core.
 int64_t slots_all_reduce(const Layout& layout, at::Tensor t, bool mean, int64_t start) {
   const Slots s = mapped(layout);
   py::gil_scoped_release released;
-  return all_reduce_in_place(s, t, mean ? OP_AVG : OP_SUM, HANDOVER_NS, start);
+  return sum_in_place(s, t, ALL_REDUCE, mean ? OP_AVG : OP_SUM, 0, HANDOVER_NS, start);
 }
 
 // The backend: each collective calls the Python implementation's method of the same (Python) name.
@@ -396,7 +400,7 @@ class Backend : public c10d::Backend {
       if (alone()) {  // the sum and the mean of one tensor: itself
         return done(t, OpType::ALLREDUCE);
       }
-      const int64_t left = all_reduce_in_place(slots_, t[0], op, budget_ns(o.asyncOp));
+      const int64_t left = sum_in_place(slots_, t[0], ALL_REDUCE, op, 0, budget_ns(o.asyncOp));
       if (left >= 0) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0, left);
       }
@@ -419,20 +423,11 @@ class Backend : public c10d::Backend {
       if (alone()) {
         return done(t, OpType::REDUCE);
       }
-      const int root = int(o.rootRank);
-      char* data = static_cast<char*>(t[0].data_ptr());
-      const std::array<int64_t, 5> code{REDUCE, dtype_code(t[0].scalar_type()), t[0].numel(), op, root};
-      const int64_t item = t[0].element_size(), per = slots_.piece_numel(REDUCE, t[0].numel(), item);
       // Piece by piece: the others copy piece k + 1 into their slots while the root sums piece k.
-      for (int64_t lo = 0; lo < t[0].numel(); lo += per) {
-        const int64_t n = std::min(per, t[0].numel() - lo);
-        const int parity = post(code, data + lo * item, n * item, o.asyncOp);
-        if (parity < 0) {
-          return handed_over(REDUCE, OpType::REDUCE, t, op, root, lo);
-        }
-        if (root == slots_.rank) {
-          reduce_slots(slots_, parity, 0, t[0].scalar_type(), data + lo * item, n, op == OP_AVG, true);
-        }
+      const int root = int(o.rootRank);
+      const int64_t left = sum_in_place(slots_, t[0], REDUCE, op, root, budget_ns(o.asyncOp));
+      if (left >= 0) {
+        return handed_over(REDUCE, OpType::REDUCE, t, op, root, left);
       }
       return done(t, OpType::REDUCE);
     }
