@@ -269,14 +269,18 @@ def pieces(rank: int, gloo) -> dict:
             dist.all_to_all_single(exchanged, x, group=group)
         else:
             impl.all_to_all_single(exchanged, x, [], [], dist.AllToAllOptions()).wait()
+        if group is None and rank != 0:  # a reduce leaves the others' tensors as they are (gloo promises nothing)
+            kept.append(torch.equal(reduced, x))
         return [shown, reduced if rank == 0 else torch.zeros(0), summed, summed_big, exchanged]
 
+    kept: list[bool] = []
     out = {"gloo": run(gloo, "torch"), "torch": run(None, "torch")}
     before = counted()
     out["paired"] = run(None, "python" if rank == 1 else "torch")
     out["late"] = run(None, "late" if rank == 1 else "torch")
     out["late counted"] = [a - b for a, b in zip(counted(), before)]
     out["after"] = run(None, "torch")
+    out["reduce kept the others' tensors"] = kept
     return out
 
 
@@ -345,6 +349,7 @@ def test_collectives_of_many_pieces_give_gloo_s_bits_whichever_path_each_rank_ta
     for rank, found in enumerate(semantics(path)):
         calls = found["pieces"]
         assert len(calls["gloo"]) == 5
+        assert calls["reduce kept the others' tensors"] == ([True] * 4 if rank else []), rank
         for case in ("torch", "paired", "late", "after"):
             for ours, theirs in zip(calls[case], calls["gloo"], strict=True):
                 assert torch.equal(ours, theirs), (rank, case)
