@@ -26,6 +26,7 @@ TRANSPORT_SIZE = 64 << 10
 LABELS = list(collectives.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce", "dispatch (one-rank group)",
+               "ProcessGroup.allreduce (one-rank group)", "Backend.allreduce (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
                "SharedMemory.all_reduce [own buffer]", "SharedMemory.all_reduce [any tensor]"}
 

@@ -9,8 +9,11 @@ Each row is the time per call of back-to-back calls (median over rounds, slowest
 * ``slots.all_reduce``: the backend's slots called directly on any tensor (no dispatch; target <= 30 us);
 * what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group, which the C++ face
   completes at once: torch's Python and C++ layers and the Work, what any C++ backend's call costs; on torch's
-  Python-backend route, also the call into Python), ``wait`` (one exchange of no data: post the counter, see the
-  peers'), ``reduction`` (the copy into the slot and the sum into the output, alone);
+  Python-backend route, also the call into Python), taken apart on the same group by calling each layer below
+  ``dist.all_reduce`` itself: ``ProcessGroup.allreduce`` (torch's dispatcher op and the Work, without
+  ``dist.all_reduce``'s Python) and ``Backend.allreduce`` (the backend alone, through its Python binding);
+  ``wait`` (one exchange of no data: post the counter, see the peers'), ``reduction`` (the copy into the slot and
+  the sum into the output, alone);
 * for comparison, ``dist.all_reduce [gloo]`` and the kit's ``SharedMemory`` transport on its own buffer and
   on any tensor (staged: what ``dist.all_reduce`` through it would cost); long messages with ``--bytes 67108864``.
 
@@ -61,16 +64,29 @@ def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, Sh
     tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
     plain, direct = torch.ones(numel), torch.ones(numel)
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
+    opts, cpu_backend = sum_waited(), alone._get_backend(torch.device("cpu"))
     return {
         "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor, group=group),
         "slots.all_reduce": lambda: slots.all_reduce(direct),
         "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
+        "ProcessGroup.allreduce (one-rank group)": lambda: alone.allreduce([tensor], opts).wait(),
+        "Backend.allreduce (one-rank group)": lambda: cpu_backend.allreduce([tensor], opts).wait(),
         "wait (exchange of no data)": slots.barrier,
         "reduction (copy in, sum out)": lambda: (a.copy_(b), torch.add(a, b, out=c)),
         "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
         "SharedMemory.all_reduce [own buffer]": lambda: shm.all_reduce(owned),
         "SharedMemory.all_reduce [any tensor]": lambda: shm.all_reduce(plain),
     }, shm, made
+
+
+def sum_waited() -> dist.AllreduceOptions:
+    """The options ``dist.all_reduce(t)`` hands its group: a sum whose caller waits (``asyncOp`` where this torch
+    has it)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
 
 
 def calls_for(nbytes: int, calls: int) -> int:
