@@ -32,7 +32,7 @@ BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": 
 # Calls timed back to back: up to 64, about 8 MiB in all (8 calls of 1 MiB: how far apart the ranks leave the barrier
 # before a batch is spread over 8 calls, not charged to one).
 BACKEND_REPEAT, BACKEND_BATCH_BYTES = 64, 8 << 20
-FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 5
+FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 9
 
 
 def backend_groups() -> dict[str, object]:

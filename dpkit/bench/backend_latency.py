@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,18 +36,23 @@ from dpkit.comm import backend, process_groups
 from dpkit.comm.transport import SharedMemory
 
 
-def per_call(fn, calls: int, rounds: int, group=None) -> float:
-    """Seconds per call of ``fn`` run ``calls`` times back to back: the median over ``rounds``, slowest rank."""
-    samples = []
-    for _ in range(rounds):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    value = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+def per_call(cases: dict[str, Callable[[], object]], calls: int, rounds: int, group=None) -> dict[str, float]:
+    """Seconds per call of each of ``cases`` run ``calls`` times back to back: the median over ``rounds``, slowest
+    rank. Every round times every case, in an order that turns by one each round: a slow spell of the host falls on
+    all of them alike, so the cases can be set against each other."""
+    names = list(cases)
+    samples = {name: [] for name in names}
+    for k in range(rounds):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            fn = cases[name]
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls)
+    value = torch.tensor([statistics.median(samples[name]) for name in names], dtype=torch.float64)
     dist.all_reduce(value, dist.ReduceOp.MAX, group=group)
-    return float(value)
+    return dict(zip(names, value.tolist()))
 
 
 def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, SharedMemory, list]:
@@ -95,21 +101,21 @@ def calls_for(nbytes: int, calls: int) -> int:
 
 
 def floor_rows(world_size: int, nbytes: int, calls: int, rounds: int, group=None, gloo=None) -> list[dict]:
-    """One row per case of ``cases`` at ``nbytes``: seconds per call, the same on every rank. The groups it
-    makes are destroyed before it returns, so a sweep over sizes holds no more groups than one size."""
+    """One row per case of ``cases`` at ``nbytes``: seconds per call (``per_call``: the cases in turn each round),
+    the same on every rank. The groups it makes are destroyed before it returns, so a sweep over sizes holds no
+    more groups than one size."""
     made, shm, groups = cases(nbytes, world_size, group, gloo)
-    rows = []
     try:
-        for name, fn in made.items():
+        for fn in made.values():
             for _ in range(3):
                 fn()
-            rows.append({"world_size": world_size, "bytes": nbytes, "case": name,
-                         "seconds_per_call": per_call(fn, calls_for(nbytes, calls), rounds)})
+        seconds = per_call(made, calls_for(nbytes, calls), rounds)
     finally:
         shm.close()
         for made_group in groups:
             dist.destroy_process_group(made_group)
-    return rows
+    return [{"world_size": world_size, "bytes": nbytes, "case": name, "seconds_per_call": value}
+            for name, value in seconds.items()]
 
 
 def worker(ctx, sizes: list[int], calls: int, rounds: int) -> list[dict]:
@@ -121,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--procs", type=int, nargs="+", default=[2], help="ranks per run (default: %(default)s)")
     parser.add_argument("--bytes", type=int, nargs="+", default=[4096], help="message sizes (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=2000, help="back-to-back calls per round (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is kept (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds; the median is kept (default: %(default)s)")
     parser.add_argument("--json", default=None, help="write the rows here in the shared layout (default: none)")
     return parser.parse_args(argv)
 
