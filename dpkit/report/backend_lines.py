@@ -26,8 +26,10 @@ DPKIT, GLOO = "torch:dpkit", "torch"  # the two transports of syncbn_backend.jso
 MEMORY, LARGE = "memory", 16 << 20  # the anchor that is the memory's bound; the sizes it is shown at, from here up
 MEMORY_LIMIT = 1.3  # the largest all-reduce on "dpkit" within this of one core's a + b -> c over the same bytes
 SINGLE_COPY = "process_vm_readv"  # peer_read.py's way that reads a peer's memory itself (Open MPI's CMA)
-# backend_latency.py's cases, as the anchors file's latency-floor rows name them.
+# backend_latency.py's cases, as the anchors file's latency-floor rows name them: the call, the call on a one-rank
+# group, and the two layers below it on that group.
 CALL, ALONE = "dist.all_reduce [dpkit]", "dispatch (one-rank group)"
+DISPATCHER, BACKEND_ALONE = "ProcessGroup.allreduce (one-rank group)", "Backend.allreduce (one-rank group)"
 
 
 def time_text(seconds: float) -> str:
@@ -114,12 +116,16 @@ def floor(doc: dict, nbytes: int = 4096) -> str:
     """How much of the small all-reduce's time is torch's own: the file's latency-floor rows at ``nbytes``."""
     rows = {r["case"]: r["seconds_per_call"] for r in doc["results"]
             if r.get("kind") == "latency floor" and r["bytes"] == nbytes}
+    python_part, dispatcher_part = rows[ALONE] - rows[DISPATCHER], rows[DISPATCHER] - rows[BACKEND_ALONE]
     return (f"How much of a small all-reduce is torch's own (the same file's latency-floor rows, "
             f"{format_size(nbytes)}, calls back to back, slowest rank): `dist.all_reduce` on \"dpkit\" takes "
             f"{time_text(rows[CALL])} a call, and {time_text(rows[ALONE])} on a group of one rank, which the C++ face "
             "completes at once: torch's layers between `dist.all_reduce` and a backend, which the anchors' calls do "
             "not go through (DeepSpeed's op is called as `torch.ops.deepspeed.inference_all_reduce_`, Open MPI's "
-            "through mpi4py).")
+            "through mpi4py). Taken apart on that group (differences of medians, no interval): "
+            f"`dist.all_reduce`'s Python {time_text(python_part)}, torch's dispatcher op (`ProcessGroup.allreduce`) "
+            f"{time_text(dispatcher_part)}, the backend itself called through its Python binding "
+            f"{time_text(rows[BACKEND_ALONE])}.")
 
 
 def four_ranks(doc: dict) -> str:
