@@ -309,6 +309,44 @@ def _overflow(group, ts: dict[str, transport.Transport]) -> dict:
     return out
 
 
+def _tracked(group, ts: dict[str, transport.Transport]) -> dict:
+    """Each collective of every transport with autograd tracking its tensor (a leaf that requires grad: the
+    all-reduce's tensor, the sharded ones' input), short (the shared memory's slots) and past the slots (its
+    arena, where torch's in-place ops sum): None where the call ran outside autograd (nothing raised, no graph on
+    the result) and its result is right, else what went wrong."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out = {}
+    for name, t in ts.items():
+        for kind in KINDS:
+            for op in ("sum",) if kind == "all_gather" else ("sum", "avg"):
+                for numel in (1003, BIG[kind]):
+                    try:
+                        out[name, kind, op, numel] = _tracked_call(t, kind, op, numel, rank, n)
+                    except Exception as error:  # every rank raises alike: the next call pairs as before
+                        out[name, kind, op, numel] = describe(error)
+    return out
+
+
+def _tracked_call(t: transport.Transport, kind: str, op: str, numel: int, rank: int, n: int) -> str | None:
+    """One collective of ``numel`` elements a rank (a reduce-scatter: ``numel`` out of ``n * numel``) on a tracked
+    tensor: as ``_tracked``."""
+    tracked = rank_input(n * numel if kind == "reduce_scatter" else numel, rank, "float32").requires_grad_()
+    if kind == "all_reduce":
+        t.all_reduce(tracked, op)
+        result, (want, bound) = tracked, summed(numel, "float32", op, n)
+    elif kind == "reduce_scatter":
+        result = torch.empty(numel)
+        t.reduce_scatter(result, tracked, op)
+        want, bound = (x[rank * numel:(rank + 1) * numel] for x in summed(n * numel, "float32", op, n))
+    else:
+        result = torch.empty(n * numel)
+        t.all_gather(result, tracked)
+        want, bound = gathered(numel, "float32", n).double(), torch.zeros(n * numel, dtype=torch.float64)
+    if result.grad_fn is not None or (result is not tracked and result.requires_grad):
+        return f"autograd recorded the {kind}: {result.grad_fn or 'its result requires grad'}"
+    return mismatch(result.detach(), want, bound)
+
+
 def make_transports(group) -> dict[str, transport.Transport]:
     """Every transport of the grid over ``group`` (collective: every member makes them in this order)."""
     return {"torch": transport.Torch(group), "shared_memory": transport.SharedMemory(group),
@@ -724,7 +762,7 @@ def grid_in(group) -> dict:
     # PyTorch's engines first: the hook finds its DDP among the garbage collector's objects, fewer now.
     out = {"pid": os.getpid(), "ddp": _ddp(group, alone), "fully_shard": _fully_shard(group)}
     ts = make_transports(group)
-    out.update(cases=run_grid(group, cases(), ts), overflow=_overflow(group, ts))
+    out.update(cases=run_grid(group, cases(), ts), overflow=_overflow(group, ts), tracked=_tracked(group, ts))
     for t in ts.values():
         t.close()
     if n == WORLD:  # every rank alone, at the same time: a world of one
@@ -837,6 +875,17 @@ def test_a_mean_whose_sum_overflows_the_dtype_is_still_exact(grids, n, name, kin
         assert torch.all(total > torch.finfo(getattr(torch, dtype)).max), "the premise: the sum does not fit"
     for out in grids[n]:
         wrong = {key: found for key, found in out["overflow"].items() if key[:2] == (name, kind) and found}
+        assert not wrong, wrong
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_collective_on_tensors_autograd_tracks_runs_outside_autograd(grids, n):
+    """As torch.distributed's: a leaf that requires grad is all-reduced in place, and a sharded collective's
+    tracked input leaves no graph on its output, by every transport, through the shared memory's slots and its
+    arena alike; the results exact as ever."""
+    for out in grids[n]:
+        assert len(out["tracked"]) == len(TRANSPORTS + THREADED) * 5 * 2  # (sum, mean, sum, mean, gather) x 2 sizes
+        wrong = {key: found for key, found in out["tracked"].items() if found}
         assert not wrong, wrong
 
 

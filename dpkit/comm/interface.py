@@ -224,8 +224,8 @@ def _in_place(run: Callable[[torch.Tensor, str], None]) -> Callable[[torch.Tenso
     """``run`` on a contiguous 1-D view; a non-contiguous tensor is reduced in a copy that is copied back."""
     def call(tensor: torch.Tensor, op: str) -> None:
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        with torch.no_grad():
-            run(work.view(-1), op)
+        with untracked(tensor.requires_grad):
+            run(_flat(work), op)
             if work is not tensor:
                 tensor.copy_(work)
     return call
@@ -235,11 +235,23 @@ def _sharded(run: Callable, scatter: bool) -> Callable:
     """``run(out, flat, *rest)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
     def call(output: torch.Tensor, input: torch.Tensor, *rest) -> None:
         work = output if output.is_contiguous() else output.contiguous()
-        with torch.no_grad():
-            run(work.view(-1), input.contiguous().view(-1), *rest)
+        with untracked(output.requires_grad or input.requires_grad):
+            run(_flat(work), _flat(input.contiguous()), *rest)
             if work is not output:
                 output.copy_(work)
     return call
+
+
+def untracked(tracked: bool):
+    """``torch.no_grad()`` when autograd tracks a tensor of the call (its writes are no step of any graph), else
+    nothing: no op on untracked tensors is recorded anyway, and no_grad's two calls into torch are a share of a
+    short collective's time."""
+    return torch.no_grad() if tracked else contextlib.nullcontext()
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` as 1-D: itself when it is 1-D already (a view is one more tensor made per call)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 # --------------------------------------------------------------------------- a transport around another

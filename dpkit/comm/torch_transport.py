@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dpkit import compat
 from dpkit.comm.checks import check_input, check_sharded
-from dpkit.comm.interface import DONE, Transport, Work
+from dpkit.comm.interface import DONE, Transport, Work, untracked
 
 
 class TorchWork(Work):
@@ -81,27 +81,32 @@ class Torch(Transport):
 # torch.distributed's collectives with the transport's contracts, over any group (shared memory falls back on
 # them). gloo has no mean (AVG): every contribution is divided first, so a float16 mean overflows only where
 # the mean itself would. A non-contiguous tensor goes through a contiguous copy, copied back once it is done.
+# Nothing is recorded by autograd: where it tracks a tensor of the call, the call is made under no_grad (gloo's
+# sharded collectives would otherwise leave a graph on the output, or refuse at the wait).
 
 def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool = False) -> Work | None:
     work_on = tensor if tensor.is_contiguous() else tensor.contiguous()
-    if op == "avg":
-        work_on.div_(dist.get_world_size(group))
-    work = dist.all_reduce(work_on, dist.ReduceOp.SUM, group=group, async_op=async_op)
+    with untracked(tensor.requires_grad):
+        if op == "avg":
+            work_on.div_(dist.get_world_size(group))
+        work = dist.all_reduce(work_on, dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, async_op, None if work_on is tensor else lambda: tensor.copy_(work_on))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, async_op: bool = False):
     out = output if output.is_contiguous() else output.contiguous()
-    source = input.contiguous()
-    if op == "avg":  # a divided copy of the input (the input is not modified)
-        source = torch.div(source, dist.get_world_size(group))
-    work = compat.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
+    with untracked(output.requires_grad or input.requires_grad):
+        source = input.contiguous()
+        if op == "avg":  # a divided copy of the input (the input is not modified)
+            source = torch.div(source, dist.get_world_size(group))
+        work = compat.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, async_op, None if out is output else lambda: output.copy_(out))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
     out = output if output.is_contiguous() else output.contiguous()
-    work = compat.all_gather_single(out, input.contiguous(), group=group, async_op=async_op)
+    with untracked(output.requires_grad or input.requires_grad):
+        work = compat.all_gather_single(out, input.contiguous(), group=group, async_op=async_op)
     return _finish(work, async_op, None if out is output else lambda: output.copy_(out))
 
 
