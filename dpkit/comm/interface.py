@@ -332,7 +332,7 @@ def forget_memory(bases: Sequence[int]) -> None:
 
 def owner_of(tensor: torch.Tensor):
     """The live transport whose claimed memory (its own or a peer's mapping) holds ``tensor``, or None."""
-    if not _CLAIMED or tensor.device.type != "cpu" or tensor.numel() == 0:
+    if not _CLAIMED or not tensor.is_cpu or tensor.numel() == 0:
         return None
     pointer = tensor.data_ptr()
     for base, size, owner in _CLAIMED:

@@ -44,6 +44,7 @@ from dpkit.comm.torch_transport import Torch
 OPS = ("sum", "avg")
 # Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
 SHARED_MEMORY_RANGE = "shared_memory:{}"
+_RANGES = {kind: SHARED_MEMORY_RANGE.format(kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
 
 # Every rank owns an arena: a sparse anonymous file of /dev/shm as large as /dev/shm itself, mapped by every
 # rank of the group (virtual memory only: a page exists once it is allocated). ``allocate`` hands out pieces
@@ -383,12 +384,12 @@ class SharedMemory(Transport):
             self._break(str(error))
             raise
 
-    def _through_slots(self, call: Callable[[], None]) -> None:
-        """``call`` on the slots; once it fails, the transport refuses every later call (the slots' waits name the
-        peer that failed, on every rank), unless the ranks called different collectives: then every rank raised,
+    def _through_slots(self, call: Callable[..., None], *args) -> None:
+        """``call(*args)`` on the slots; once it fails, the transport refuses every later call (the slots' waits name
+        the peer that failed, on every rank), unless the ranks called different collectives: then every rank raised,
         and the next call pairs as on the control file."""
         try:
-            call()
+            call(*args)
         except BaseException as error:
             if not getattr(error, "mismatch", False):
                 self._break(f"{type(error).__name__}: {error}")
@@ -419,10 +420,10 @@ class SharedMemory(Transport):
             return self._fallback.all_reduce(flat, op)
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
         if self._slots is not None and nbytes <= SLOTS_BYTES and (op == "sum" or flat.is_floating_point()):
-            with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
-                self._through_slots(lambda: self._slots.all_reduce(flat, "avg_divided_first" if op == "avg" else op))
+            with profiler_range(_RANGES["all_reduce"]):
+                self._through_slots(self._slots.all_reduce, flat, "avg_divided_first" if op == "avg" else op)
             return
-        with profiler_range(SHARED_MEMORY_RANGE.format("all_reduce")):
+        with profiler_range(_RANGES["all_reduce"]):
             staged = nbytes and self._offset(flat) is None
             status, offset = self._post(flat)
             table = self._meet_descriptors("all_reduce", flat.dtype, nbytes, op, status, offset)
@@ -438,7 +439,7 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.reduce_scatter(out, flat, op)
         nbytes, n, m = flat.numel() * flat.element_size(), self.world_size, out.numel()
-        with profiler_range(SHARED_MEMORY_RANGE.format("reduce_scatter")):
+        with profiler_range(_RANGES["reduce_scatter"]):
             status, offset = self._post(flat)
             table = self._meet_descriptors("reduce_scatter", flat.dtype, nbytes, op, status, offset)
             fallback = lambda: torch_transport.reduce_scatter(out, flat, op, self._collective_group())
@@ -463,7 +464,7 @@ class SharedMemory(Transport):
         if self._fallback is not None:
             return self._fallback.all_gather(out, flat)
         nbytes, n = flat.numel() * flat.element_size(), self.world_size
-        with profiler_range(SHARED_MEMORY_RANGE.format("all_gather")):
+        with profiler_range(_RANGES["all_gather"]):
             status, offset = self._post(flat)
             table = self._meet_descriptors("all_gather", flat.dtype, nbytes, "sum", status, offset)
             if self._fall_back_for_call(table, lambda: torch_transport.all_gather(out, flat, self._collective_group())):
