@@ -7,7 +7,8 @@
 
 A transport has the three collectives data parallelism needs (``all_reduce``, ``reduce_scatter``,
 ``all_gather``; the contracts of ``torch.distributed``'s, with ``op`` "sum" or "avg"), each
-blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers. ``Transport`` does
+blocking or returning a ``Work`` to ``wait()`` on, and ``allocate`` for buffers. No collective is a step
+of an autograd graph, even on tensors autograd tracks (``untracked``). ``Transport`` does
 the checks and trivial cases and runs the implementation's blocking calls in the caller's thread or
 on a communication thread; ``Wrapped`` watches another transport at work. A transport that hands out
 buffers in memory of its own says so with ``claim_memory``, so that no other transport takes them.
