@@ -310,31 +310,40 @@ def _overflow(group, ts: dict[str, transport.Transport]) -> dict:
 
 
 def _tracked(group, ts: dict[str, transport.Transport]) -> dict:
-    """Each collective of every transport with autograd tracking its tensor (a leaf that requires grad: the
-    all-reduce's tensor, the sharded ones' input), short (the shared memory's slots) and past the slots (its
-    arena, where torch's in-place ops sum): None where the call ran outside autograd (nothing raised, no graph on
-    the result) and its result is right, else what went wrong."""
+    """Each collective of every transport with autograd tracking its tensor (a leaf that requires grad, or a
+    strided view of one: the all-reduce's tensor, the sharded ones' input), short (the shared memory's slots) and
+    past the slots (its arena, where torch's in-place ops sum): None where the call ran outside autograd (nothing
+    raised, no graph on the result) and its result is right, else what went wrong."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     out = {}
     for name, t in ts.items():
         for kind in KINDS:
             for op in ("sum",) if kind == "all_gather" else ("sum", "avg"):
-                for numel in (1003, BIG[kind]):
-                    try:
-                        out[name, kind, op, numel] = _tracked_call(t, kind, op, numel, rank, n)
-                    except Exception as error:  # every rank raises alike: the next call pairs as before
-                        out[name, kind, op, numel] = describe(error)
+                for layout in ("contiguous", "strided") if kind == "all_reduce" else ("contiguous",):
+                    for numel in (1003, BIG[kind]):
+                        key = (name, kind, op, layout, numel)
+                        try:
+                            out[key] = _tracked_call(t, kind, op, layout == "strided", numel, rank, n)
+                        except Exception as error:  # every rank raises alike: the next call pairs as before
+                            out[key] = describe(error)
     return out
 
 
-def _tracked_call(t: transport.Transport, kind: str, op: str, numel: int, rank: int, n: int) -> str | None:
+def _tracked_call(t: transport.Transport, kind: str, op: str, strided: bool, numel: int, rank: int,
+                  n: int) -> str | None:
     """One collective of ``numel`` elements a rank (a reduce-scatter: ``numel`` out of ``n * numel``) on a tracked
-    tensor: as ``_tracked``."""
-    tracked = rank_input(n * numel if kind == "reduce_scatter" else numel, rank, "float32").requires_grad_()
+    tensor (``strided``: every other element of a leaf twice as long): as ``_tracked``."""
     if kind == "all_reduce":
-        t.all_reduce(tracked, op)
-        result, (want, bound) = tracked, summed(numel, "float32", op, n)
-    elif kind == "reduce_scatter":
+        stride = 2 if strided else 1
+        leaf = rank_input(stride * numel, rank, "float32").requires_grad_()
+        tracked = leaf[::2] if strided else leaf
+        t.all_reduce(tracked, op)  # an in-place op autograd recorded on a leaf, or a view of one, would raise
+        want, bound = oracle([rank_input(stride * numel, r, "float32")[::stride] for r in range(n)], op, "float32")
+        if leaf.grad_fn is not None:
+            return f"autograd recorded the all-reduce: {leaf.grad_fn}"
+        return mismatch(tracked.detach(), want, bound)
+    tracked = rank_input(n * numel if kind == "reduce_scatter" else numel, rank, "float32").requires_grad_()
+    if kind == "reduce_scatter":
         result = torch.empty(numel)
         t.reduce_scatter(result, tracked, op)
         want, bound = (x[rank * numel:(rank + 1) * numel] for x in summed(n * numel, "float32", op, n))
@@ -342,9 +351,9 @@ def _tracked_call(t: transport.Transport, kind: str, op: str, numel: int, rank: 
         result = torch.empty(n * numel)
         t.all_gather(result, tracked)
         want, bound = gathered(numel, "float32", n).double(), torch.zeros(n * numel, dtype=torch.float64)
-    if result.grad_fn is not None or (result is not tracked and result.requires_grad):
-        return f"autograd recorded the {kind}: {result.grad_fn or 'its result requires grad'}"
-    return mismatch(result.detach(), want, bound)
+    if result.requires_grad:
+        return f"autograd recorded the {kind}: {result.grad_fn}"
+    return mismatch(result, want, bound)
 
 
 def make_transports(group) -> dict[str, transport.Transport]:
@@ -880,11 +889,12 @@ def test_a_mean_whose_sum_overflows_the_dtype_is_still_exact(grids, n, name, kin
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_collective_on_tensors_autograd_tracks_runs_outside_autograd(grids, n):
-    """As torch.distributed's: a leaf that requires grad is all-reduced in place, and a sharded collective's
-    tracked input leaves no graph on its output, by every transport, through the shared memory's slots and its
-    arena alike; the results exact as ever."""
+    """As torch.distributed's: a leaf that requires grad, or a strided view of one, is all-reduced in place, and a
+    sharded collective's tracked input leaves no graph on its output, by every transport, through the shared
+    memory's slots and its arena alike; the results exact as ever."""
     for out in grids[n]:
-        assert len(out["tracked"]) == len(TRANSPORTS + THREADED) * 5 * 2  # (sum, mean, sum, mean, gather) x 2 sizes
+        # all-reduce: sum and mean, contiguous and strided; reduce-scatter: sum and mean; all-gather; 2 sizes each
+        assert len(out["tracked"]) == len(TRANSPORTS + THREADED) * (4 + 2 + 1) * 2
         wrong = {key: found for key, found in out["tracked"].items() if found}
         assert not wrong, wrong
 

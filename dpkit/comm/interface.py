@@ -224,8 +224,8 @@ class Transport:
 def _in_place(run: Callable[[torch.Tensor, str], None]) -> Callable[[torch.Tensor, str], None]:
     """``run`` on a contiguous 1-D view; a non-contiguous tensor is reduced in a copy that is copied back."""
     def call(tensor: torch.Tensor, op: str) -> None:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
         with untracked(tensor.requires_grad):
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
             run(_flat(work), op)
             if work is not tensor:
                 tensor.copy_(work)
@@ -235,8 +235,8 @@ def _in_place(run: Callable[[torch.Tensor, str], None]) -> Callable[[torch.Tenso
 def _sharded(run: Callable, scatter: bool) -> Callable:
     """``run(out, flat, *rest)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
     def call(output: torch.Tensor, input: torch.Tensor, *rest) -> None:
-        work = output if output.is_contiguous() else output.contiguous()
         with untracked(output.requires_grad or input.requires_grad):
+            work = output if output.is_contiguous() else output.contiguous()
             run(_flat(work), _flat(input.contiguous()), *rest)
             if work is not output:
                 output.copy_(work)

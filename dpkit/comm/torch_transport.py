@@ -85,29 +85,38 @@ class Torch(Transport):
 # sharded collectives would otherwise leave a graph on the output, or refuse at the wait).
 
 def all_reduce(tensor: torch.Tensor, op: str, group, async_op: bool = False) -> Work | None:
-    work_on = tensor if tensor.is_contiguous() else tensor.contiguous()
     with untracked(tensor.requires_grad):
+        work_on = tensor if tensor.is_contiguous() else tensor.contiguous()
         if op == "avg":
             work_on.div_(dist.get_world_size(group))
         work = dist.all_reduce(work_on, dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, async_op, None if work_on is tensor else lambda: tensor.copy_(work_on))
+    return _finish(work, async_op, None if work_on is tensor else _copy_back(tensor, work_on))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group, async_op: bool = False):
-    out = output if output.is_contiguous() else output.contiguous()
     with untracked(output.requires_grad or input.requires_grad):
+        out = output if output.is_contiguous() else output.contiguous()
         source = input.contiguous()
         if op == "avg":  # a divided copy of the input (the input is not modified)
             source = torch.div(source, dist.get_world_size(group))
         work = compat.reduce_scatter_single(out, source, dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, async_op, None if out is output else lambda: output.copy_(out))
+    return _finish(work, async_op, None if out is output else _copy_back(output, out))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
-    out = output if output.is_contiguous() else output.contiguous()
     with untracked(output.requires_grad or input.requires_grad):
+        out = output if output.is_contiguous() else output.contiguous()
         work = compat.all_gather_single(out, input.contiguous(), group=group, async_op=async_op)
-    return _finish(work, async_op, None if out is output else lambda: output.copy_(out))
+    return _finish(work, async_op, None if out is output else _copy_back(output, out))
+
+
+def _copy_back(target: torch.Tensor, result: torch.Tensor) -> Callable[[], None]:
+    """What follows a call made on ``result``, a contiguous stand-in for ``target``: its copy back, outside
+    autograd as the call was (at once, or at an asynchronous call's wait)."""
+    def copy() -> None:
+        with untracked(target.requires_grad):
+            target.copy_(result)
+    return copy
 
 
 def _finish(work, async_op: bool, then: Callable[[], None] | None) -> Work | None:
