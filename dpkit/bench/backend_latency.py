@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dpkit.bench.measure import in_turn
 from dpkit.bench.results import environment, format_environment, write_results
 from dpkit.comm import backend, process_groups
 from dpkit.comm.transport import SharedMemory
@@ -43,7 +44,7 @@ def per_call(cases: dict[str, Callable[[], object]], calls: int, rounds: int, gr
     names = list(cases)
     samples = {name: [] for name in names}
     for k in range(rounds):
-        for name in names[k % len(names):] + names[:k % len(names)]:
+        for name in in_turn(names, k):
             fn = cases[name]
             dist.barrier(group=group)
             start = time.perf_counter()

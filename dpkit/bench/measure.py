@@ -110,6 +110,13 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
     return Timing(gather_rows(times, group))
 
 
+def in_turn(names: list, round_: int) -> list:
+    """``names`` in the order round ``round_`` times them: rotated by one each round, so that a change in the
+    machine's load during a run hits every one alike."""
+    shift = round_ % len(names)
+    return names[shift:] + names[:shift]
+
+
 def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
                      device: torch.device | str = "cpu", group=None,
                      setup: Callable[[], Any] | None = None) -> dict[str, Timing]:
@@ -125,8 +132,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int 
     per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
     parts: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     for r in range(rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in in_turn(names, r):
             timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
             parts[name].append(timing.per_rank)
     return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}

@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dpkit.bench.measure import PeakMemory, gather_rows, op_breakdown, percentile, saved_tensor_bytes, time_iterations
+from dpkit.bench.measure import (PeakMemory, gather_rows, in_turn, op_breakdown, percentile, saved_tensor_bytes,
+                                 time_iterations)
 from dpkit.bench.syncbn_contenders import Contender, Sources, make_layer, make_step
 from dpkit.bench.syncbn_operators import operators
 from dpkit.bench.syncbn_verdicts import DTYPES, SINGLE, WORKERS
@@ -60,8 +61,7 @@ def _timed_rounds(steps: dict[Contender, Callable[[], None]], args, device: torc
     per_round = max(1, args.iters // args.rounds)
     samples: dict[Contender, list[list[float]]] = {c: [] for c in impls}
     for round_ in range(args.rounds):
-        shift = round_ % len(impls)
-        for c in impls[shift:] + impls[:shift]:
+        for c in in_turn(impls, round_):
             timing = time_iterations(steps[c], per_round, warmup=args.warmup if round_ == 0 else 2, device=device,
                                      setup=setup)
             samples[c].append(timing.samples)
