@@ -57,6 +57,8 @@ class _ThreadWork(Work):
 
 
 DONE = Work()  # what a collective that had nothing to wait for returns with async_op=True
+# The context of a call that needs none (``untracked``, ``profiler_range``): one, made once (it holds no state).
+_NOTHING = contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------- the interface
@@ -113,9 +115,9 @@ class Transport:
         """``tensor`` becomes the sum (or, ``op="avg"``, the mean: contributions divided first) over the ranks."""
         check_input(tensor, op)
         self._check_tensor(tensor)
-        if self.world_size == 1 or (tensor.numel() == 0 and self._skips_empty):
+        if self.world_size == 1 or (self._skips_empty and tensor.numel() == 0):
             return DONE if async_op else None  # the mean of one rank is its own value
-        return self._run(async_op, _in_place(self._all_reduce), tensor, op)
+        return self._run(async_op, _in_place, self._all_reduce, tensor, op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", *,
                        async_op: bool = False) -> Work | None:
@@ -129,7 +131,7 @@ class Transport:
             return DONE if async_op else None
         if output.numel() == 0 and self._skips_empty:
             return DONE if async_op else None
-        return self._run(async_op, _sharded(self._reduce_scatter, scatter=True), output, input, op)
+        return self._run(async_op, _sharded, self._reduce_scatter, output, input, op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work | None:
         """``output`` becomes every rank's ``input``, concatenated in group-rank order; ``input`` may be
@@ -143,7 +145,7 @@ class Transport:
             return DONE if async_op else None
         if output.numel() == 0 and self._skips_empty:
             return DONE if async_op else None
-        return self._run(async_op, _sharded(self._all_gather, scatter=False), output, input)
+        return self._run(async_op, _sharded, self._all_gather, output, input)
 
     def allocate(self, shape: Sequence[int] | int, *, dtype: torch.dtype, device=None) -> torch.Tensor:
         """An uninitialised tensor for this transport's collectives (here: a plain one)."""
@@ -159,6 +161,7 @@ class Transport:
         return 0
 
     def supports(self, device: torch.device) -> bool:
+        """Whether this transport takes tensors on ``device``: CPU always (``_check_tensor`` relies on it)."""
         return True
 
     def describe(self) -> str:
@@ -211,8 +214,10 @@ class Transport:
         return None
 
     def _check_tensor(self, tensor: torch.Tensor) -> None:
-        """Refuse a tensor on a device this transport cannot serve, or a buffer another transport allocated."""
-        if not self.supports(tensor.device):
+        """Refuse a tensor on a device this transport cannot serve, or a buffer another transport allocated. Every
+        transport serves CPU tensors: only another device is asked of ``supports`` (``tensor.device`` makes an
+        object, a share of a short collective's time)."""
+        if not tensor.is_cpu and not self.supports(tensor.device):
             raise ValueError(f"{self!r} takes CPU tensors, got one on {tensor.device}: use transport 'torch' "
                              "(NCCL) for GPU tensors")
         owner = owner_of(tensor)
@@ -221,33 +226,31 @@ class Transport:
                              "transport that sums it, or pass a plain tensor")
 
 
-def _in_place(run: Callable[[torch.Tensor, str], None]) -> Callable[[torch.Tensor, str], None]:
-    """``run`` on a contiguous 1-D view; a non-contiguous tensor is reduced in a copy that is copied back."""
-    def call(tensor: torch.Tensor, op: str) -> None:
-        with untracked(tensor.requires_grad):
-            work = tensor if tensor.is_contiguous() else tensor.contiguous()
-            run(_flat(work), op)
-            if work is not tensor:
-                tensor.copy_(work)
-    return call
+def _in_place(run: Callable[[torch.Tensor, str], None], tensor: torch.Tensor, op: str) -> None:
+    """``run(flat, op)`` on ``tensor`` as a contiguous 1-D tensor; a non-contiguous one is reduced in a copy that
+    is copied back. (A function of the call's arguments, not a closure made at each call: a short collective
+    pays for every object it makes.)"""
+    with untracked(tensor.requires_grad):
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        run(_flat(work), op)
+        if work is not tensor:
+            tensor.copy_(work)
 
 
-def _sharded(run: Callable, scatter: bool) -> Callable:
-    """``run(out, flat, *rest)`` on contiguous 1-D views; a non-contiguous output is filled in a copy."""
-    def call(output: torch.Tensor, input: torch.Tensor, *rest) -> None:
-        with untracked(output.requires_grad or input.requires_grad):
-            work = output if output.is_contiguous() else output.contiguous()
-            run(_flat(work), _flat(input.contiguous()), *rest)
-            if work is not output:
-                output.copy_(work)
-    return call
+def _sharded(run: Callable, output: torch.Tensor, input: torch.Tensor, *rest) -> None:
+    """``run(out, flat, *rest)`` on contiguous 1-D tensors; a non-contiguous output is filled in a copy."""
+    with untracked(output.requires_grad or input.requires_grad):
+        work = output if output.is_contiguous() else output.contiguous()
+        run(_flat(work), _flat(input.contiguous()), *rest)
+        if work is not output:
+            output.copy_(work)
 
 
 def untracked(tracked: bool):
     """``torch.no_grad()`` when autograd tracks a tensor of the call (its writes are no step of any graph), else
     nothing: no op on untracked tensors is recorded anyway, and no_grad's two calls into torch are a share of a
     short collective's time."""
-    return torch.no_grad() if tracked else contextlib.nullcontext()
+    return torch.no_grad() if tracked else _NOTHING
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -348,4 +351,4 @@ def profiler_range(name: str):
     records (private: where a release drops it, the range is always made)."""
     if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
         return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
+    return _NOTHING

@@ -307,15 +307,15 @@ class Slots:
         every piece it can; a piece it posted but left (a peer late, descriptors that differ), or ``announced``
         (the C++ face's hand-over), is finished here as any hand-over is (waited for, checked, summed), and C++
         goes on from the next piece."""
-        def take(lo, hi, parts):
-            reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, self.rank)
-
         if not self._sums_natively(flat, op):
-            self.exchange("all_reduce", flat, op, 0, True, take, announced)
+            self.exchange("all_reduce", flat, op, 0, True, _summing_into(flat, op, self.rank), announced)
             return
         self._refuse_if_broken()
-        per = piece_numel("all_reduce", flat.numel(), flat.element_size(), self.slot_bytes)
         left = announced if announced is not None else self._sums(self._layout, flat, op == "avg", 0)
+        if left < 0:  # C++ ran every piece: the usual call, which makes nothing more
+            return
+        take, per = _summing_into(flat, op, self.rank), piece_numel("all_reduce", flat.numel(), flat.element_size(),
+                                                                     self.slot_bytes)
         while left >= 0:  # the piece at ``left`` is posted; its peers were not all there in time
             self.exchange("all_reduce", flat, op, 0, True, take, announced=left, until=left + per)
             left = self._sums(self._layout, flat, op == "avg", left + per) if left + per < flat.numel() else -1
@@ -401,6 +401,13 @@ def _copy_around(slot: torch.Tensor, piece: torch.Tensor, a: int, b: int) -> Non
         return
     slot[:a].copy_(piece[:a])
     slot[b:].copy_(piece[b:])
+
+
+def _summing_into(flat: torch.Tensor, op: str, rank: int) -> Callable[[int, int, list[torch.Tensor]], None]:
+    """What an all-reduce's exchange does with every rank's piece [lo, hi): ``op`` over them, into ``flat``."""
+    def take(lo: int, hi: int, parts: list[torch.Tensor]) -> None:
+        reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, rank)
+    return take
 
 
 def _ignore(lo: int, hi: int, parts: list[torch.Tensor]) -> None:
