@@ -33,7 +33,7 @@ import os
 
 from dpkit.bench import anchors, harness, transport_choice
 from dpkit.bench.algorithm_axis import benchmark_size
-from dpkit.bench.backend_axis import BACKEND_CALLS, FLOOR_SIZES, backend_worker
+from dpkit.bench.backend_axis import BACKEND_CALLS, BATCH_S, FLOOR_SIZES, backend_worker
 from dpkit.bench.collective_run import SMALL_BYTES, SMALL_CALLS
 from dpkit.bench.collective_tables import report
 from dpkit.bench.collective_targets import stored_targets
@@ -119,6 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "deepspeed (DeepSpeed's shared-memory all-reduce), memory (each rank's own a + b -> c "
                              "over the all-reduce's bytes: the memory's bound); no name: all three; one missing is "
                              "skipped, saying why (default: none)")
+    parser.add_argument("--batch-ms", type=float, default=BATCH_S * 1e3,
+                        help="the backend axis: each contender's calls are timed back to back in batches that last "
+                             "this long on the slowest rank, so that how far apart the ranks leave the barrier before "
+                             "a batch is a small share of it (default: %(default)s)")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
                         help="the backend axis: back-to-back calls per round of the latency floor "
                              f"(backend_latency.py) at {', '.join(map(format_size, FLOOR_SIZES))}; 0: none "
@@ -163,9 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, [parse_size(v) for v in value] if key in ("sizes", "backend_sizes") else value)
     if (args.iters < 1 or args.warmup < 0 or min(args.procs) < 1 or min(args.sizes + args.backend_sizes) < 4
-            or args.in_flight < 1 or args.floor_calls < 0):
+            or args.in_flight < 1 or args.floor_calls < 0 or not args.batch_ms > 0):
         parser.error("--iters, --procs and --in-flight must be at least 1, --warmup and --floor-calls at least 0, "
-                     "sizes at least 4 bytes")
+                     "--batch-ms above 0, sizes at least 4 bytes")
     if sharded and args.axis in ("backends", "all"):
         parser.error(f"--collective {args.collective} is of the transport axis; the backend axis takes "
                      "--backend-collectives")
@@ -193,7 +197,7 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
                             args.transports)
     if args.backend_collectives:
         rows += backend_worker(ctx, args.backend_collectives, args.backend_sizes, args.iters, args.warmup,
-                               args.floor_calls, rows, args.anchors)
+                               args.floor_calls, rows, args.anchors, args.batch_ms / 1e3)
     steps = ctx.world_size == 2 and args.collective == "allreduce" and args.algorithms and not args.tune
     return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
 

@@ -19,7 +19,7 @@ from dpkit.bench import anchors, backend_latency, harness
 from dpkit.bench.collective_run import Contender, measure
 from dpkit.bench.collectives import BACKEND
 from dpkit.bench.exact_pattern import PERIOD, fill_pattern, pattern_error, sharded_error
-from dpkit.bench.measure import oversubscribed
+from dpkit.bench.measure import calls_lasting, oversubscribed
 from dpkit.comm import backend
 from dpkit.comm.process_groups import print0, progress
 
@@ -29,9 +29,11 @@ from dpkit.comm.process_groups import print0, progress
 BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
                  "all_gather": compat.ALL_GATHER_SINGLE, "reduce_scatter": compat.REDUCE_SCATTER_SINGLE,
                  "all_to_all": "all_to_all_single", "barrier": "barrier"}
-# Calls timed back to back: up to 64, about 8 MiB in all (8 calls of 1 MiB: how far apart the ranks leave the barrier
-# before a batch is spread over 8 calls, not charged to one).
-BACKEND_REPEAT, BACKEND_BATCH_BYTES = 64, 8 << 20
+# Calls are timed back to back, in batches that last at least BATCH_S on the slowest rank (as OSU's and nccl-tests'
+# loops time many calls): the barrier before a batch lets the ranks go up to about a millisecond apart (4 ranks on 2
+# cores), which a batch charges to its calls. Each contender's calls per batch are counted at each size
+# (``measure.calls_lasting``), so a call of a microsecond is timed thousands at a time and one of 80 ms alone.
+BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 9
 
 
@@ -95,21 +97,20 @@ def backend_error(ctx, collective: str, call, full: torch.Tensor, part: torch.Te
     return pattern_error(full, n)
 
 
-def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object], made: dict | None = None
-                       ) -> tuple[list[Contender], Callable[[], object] | None, int]:
+def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object], made: dict | None = None,
+                       batch_s: float = BATCH_S) -> tuple[list[Contender], Callable[[], object] | None, int]:
     """The backend axis at one size: the same torch.distributed call on each group of ``groups``, then the
-    collective of each anchor of ``made`` that has it (``anchors.make``), on the same tensors; (contenders, the
-    refill before each timed call or None, bytes)."""
+    collective of each anchor of ``made`` that has it (``anchors.make``), on the same tensors, each timed in
+    batches of calls that last ``batch_s`` (counted here, on zeros); (contenders, the refill before each timed
+    batch or None, bytes)."""
     n = ctx.world_size
     numel = backend_numel(collective, nbytes, n)
-    full = torch.empty(numel, dtype=torch.float32)
-    part = torch.empty(numel // n if collective in ("all_gather", "reduce_scatter") else numel, dtype=torch.float32)
-    # Short calls are timed back to back, BACKEND_BATCH_BYTES at a time (as nccl-tests times a loop): one call
-    # alone would time mostly how far apart the ranks leave the barrier before it.
-    repeat = max(1, min(BACKEND_REPEAT, BACKEND_BATCH_BYTES // max(4, numel * 4)))
+    full = torch.zeros(numel, dtype=torch.float32)
+    part = torch.zeros(numel // n if collective in ("all_gather", "reduce_scatter") else numel, dtype=torch.float32)
     contenders = []
     for label, group in groups.items():
         call = backend_call(collective, group, full, part)
+        repeat = calls_lasting(call, batch_s, MAX_CALLS_PER_BATCH)
         contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}",
                                     functools.partial(_repeated, call, repeat),
                                     functools.partial(backend_error, ctx, collective, call, full, part), None,
@@ -119,6 +120,7 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
         if call is not None:  # checked as the collective it stands beside, or by its own check (the memory's)
             check = (anchor.check(call, full, part) if hasattr(anchor, "check") else
                      functools.partial(backend_error, ctx, collective, call, full, part))
+            repeat = calls_lasting(call, batch_s, MAX_CALLS_PER_BATCH)
             contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
                                         functools.partial(_repeated, call, repeat), check, None, (full, part), repeat,
                                         anchor.fields))
@@ -133,11 +135,11 @@ def _repeated(call: Callable[[], object], times: int) -> None:
 
 
 def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, warmup: int, floor_calls: int,
-                   earlier: list[dict] = (), anchor_names: list[str] = ()) -> list[dict]:
+                   earlier: list[dict] = (), anchor_names: list[str] = (), batch_s: float = BATCH_S) -> list[dict]:
     """The backend axis: every collective at every size (a barrier once, of no bytes), with the anchors of
-    ``anchor_names`` beside gloo and "dpkit", then the latency floor of the backend's all-reduce at FLOOR_SIZES
-    (``backend_latency.floor_rows``). CPU tensors only. ``earlier``: the rows this world measured before, kept
-    with these (``harness.keep``)."""
+    ``anchor_names`` beside gloo and "dpkit", each timed in batches of calls that last ``batch_s``, then the latency
+    floor of the backend's all-reduce at FLOOR_SIZES (``backend_latency.floor_rows``). CPU tensors only. ``earlier``:
+    the rows this world measured before, kept with these (``harness.keep``)."""
     if ctx.device.type != "cpu" or ctx.world_size < 2 or not collectives:
         print0(f"no backend rows: the backend {backend.NAME!r} compares CPU tensors between 2 or more processes")
         return []
@@ -146,7 +148,7 @@ def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, wa
         made = anchors.make(ctx, list(anchor_names))
         for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
             for nbytes in sizes[:1] if collective == "barrier" else sizes:
-                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups, made)
+                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups, made, batch_s)
                 rows += anchors.with_ratios(measure(ctx, collective, "backend", contenders, size, iters, warmup,
                                                     setup, reference="gloo"), BACKEND)
                 harness.keep(ctx, [*earlier, *rows])
