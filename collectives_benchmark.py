@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "skipped, saying why (default: none)")
     parser.add_argument("--batch-ms", type=float, default=BATCH_S * 1e3,
                         help="the backend axis: each contender's calls are timed back to back in batches that last "
-                             "this long on the slowest rank, so that how far apart the ranks leave the barrier before "
+                             "this long, so that how far apart the ranks leave the barrier before "
                              "a batch is a small share of it (default: %(default)s)")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
                         help="the backend axis: back-to-back calls per round of the latency floor "

@@ -111,27 +111,29 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
 
 
 def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None) -> int:
-    """How many back-to-back calls of ``fn`` last ``seconds`` on the slowest rank (between 1 and ``limit``), the same
-    number on every rank: after one untimed call (a first call may set things up), the calls are doubled from one
-    until they last a tenth of that, then scaled. A batch timed after a barrier charges its calls with how far apart
-    the ranks left the barrier; a batch this long makes that a small share of it, whatever one call costs."""
+    """How many back-to-back calls of ``fn`` last ``seconds`` (between 1 and ``limit``), the same number on every
+    rank: after one untimed call (a first call may set things up), the calls are doubled from one until they last a
+    tenth of that, then scaled. A batch timed after a barrier charges its calls with how far apart the ranks left the
+    barrier; a batch this long makes that a small share of it, whatever one call costs. The calls are counted by the
+    rank they took least time on: the last rank to start them waited for no one, while the others' time includes
+    how long they waited for it (up to milliseconds, which would make a batch of microsecond calls a few calls)."""
     fn()
     calls = 1
     while True:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        elapsed = _slowest(time.perf_counter() - start, group)
+        elapsed = _least(time.perf_counter() - start, group)
         if elapsed >= seconds / 10 or calls >= limit:
             return max(1, min(limit, round(calls * seconds / max(elapsed, 1e-9))))
         calls *= 2
 
 
-def _slowest(value: float, group=None) -> float:
-    """The largest of every rank's ``value`` (``value`` itself without a process group)."""
+def _least(value: float, group=None) -> float:
+    """The smallest of every rank's ``value`` (``value`` itself without a process group)."""
     if not dist.is_initialized():
         return value
-    return float(gather_rows([value], group).max())
+    return float(gather_rows([value], group).min())
 
 
 def in_turn(names: list, round_: int) -> list:
