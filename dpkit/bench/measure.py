@@ -111,22 +111,22 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
 
 
 def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None) -> int:
-    """How many back-to-back calls of ``fn`` last ``seconds`` (between 1 and ``limit``), the same number on every
-    rank: after one untimed call (a first call may set things up), the calls are doubled from one until they last a
-    tenth of that, then scaled. A batch timed after a barrier charges its calls with how far apart the ranks left the
-    barrier; a batch this long makes that a small share of it, whatever one call costs. The calls are counted by the
-    rank they took least time on: the last rank to start them waited for no one, while the others' time includes
-    how long they waited for it (up to milliseconds, which would make a batch of microsecond calls a few calls)."""
+    """How many back-to-back calls of ``fn`` last at least ``seconds`` (at most ``limit``), the same number on every
+    rank: after one untimed call (a first call may set things up), the calls are doubled from one until they last
+    that long. A batch timed after a barrier charges its calls with how far apart the ranks left the barrier; a batch
+    this long makes that a small share of it, whatever one call costs. Two choices keep a stall from making the
+    batch short: the count is the one that lasted the whole time, not scaled from a shorter try that a stall may
+    have lengthened; and it is taken on the rank the calls took least time on, since the last rank to start them
+    waited for no one while the others waited for it (up to milliseconds)."""
     fn()
     calls = 1
     while True:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        elapsed = _least(time.perf_counter() - start, group)
-        if elapsed >= seconds / 10 or calls >= limit:
-            return max(1, min(limit, round(calls * seconds / max(elapsed, 1e-9))))
-        calls *= 2
+        if calls >= limit or _least(time.perf_counter() - start, group) >= seconds:
+            return calls
+        calls = min(2 * calls, limit)
 
 
 def _least(value: float, group=None) -> float:
