@@ -30,9 +30,9 @@ BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": 
                  "all_gather": compat.ALL_GATHER_SINGLE, "reduce_scatter": compat.REDUCE_SCATTER_SINGLE,
                  "all_to_all": "all_to_all_single", "barrier": "barrier"}
 # Calls are timed back to back, in batches that last at least BATCH_S (as OSU's and nccl-tests' loops time many
-# calls): the barrier before a batch lets the ranks go up to about a millisecond apart, which a batch charges to its
-# calls. Each contender's calls per batch are counted at each size
-# (``measure.calls_lasting``), so a call of a microsecond is timed thousands at a time and one of 80 ms alone.
+# calls): the ranks leave the barrier before a batch some way apart, which a batch charges to its calls. Each
+# contender's calls per batch are counted at each size (``measure.calls_lasting``): the shortest calls are timed
+# thousands at a time, a call longer than a batch alone.
 BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 9
 
