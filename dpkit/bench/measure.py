@@ -117,7 +117,7 @@ def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None)
     this long makes that a small share of it, whatever one call costs. Two choices keep a stall from making the
     batch short: the count is the one that lasted the whole time, not scaled from a shorter try that a stall may
     have lengthened; and it is taken on the rank the calls took least time on, since the last rank to start them
-    waited for no one while the others waited for it (up to milliseconds)."""
+    waited for no one while the others waited for it."""
     fn()
     calls = 1
     while True:
