@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed as dist
 
 import collectives_benchmark as bench
 from common import REPO
@@ -201,6 +202,9 @@ def test_under_mpirun_every_anchor_row_is_exact_and_deepspeed_leaves_nothing_in_
 
 
 def _fails_on_rank_1(ctx, _args):
+    # Every rank has joined before rank 1 fails: else rank 0, done at once, may exit while rank 1 still connects to
+    # it, and rank 1 fails on that connection instead (seen in CI, on a loaded machine).
+    dist.barrier()
     if ctx.rank == 1:
         raise ValueError("rank 1 was told to fail")
     return ctx.rank
