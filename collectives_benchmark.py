@@ -19,11 +19,12 @@
 * Backends: torch.distributed's calls (``backend_axis.BACKEND_CALLS``) on a "dpkit" group against gloo, the
   latency floor, and ``--anchors`` beside them: Open MPI, DeepSpeed's shm, the memory's bound (``anchors``).
 
-Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20
-bytes) and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed calls in turns,
-each as slow as its slowest rank, paired round by round with the axis's reference (torch's call; gloo's on the
-backend axis): the median ratio with its 95 % bootstrap interval, judged against ``collective_targets``' targets,
-stored with the rows. busbw = algbw x ``bus_factor`` (nccl-tests). Algorithms: T = steps x alpha + bytes x beta.
+Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20 bytes)
+and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed batches of calls in turns
+(each contender's calls counted to last ``--batch-ms``), each batch as slow as its slowest rank, paired round by
+round with the axis's reference (torch's call; gloo's on the backend axis): the median ratio with its 95 % bootstrap
+interval, judged against ``collective_targets``' targets, stored with the rows. busbw = algbw x ``bus_factor``
+(nccl-tests). Algorithms: T = steps x alpha + bytes x beta.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import os
 
 from dpkit.bench import anchors, harness, transport_choice
 from dpkit.bench.algorithm_axis import benchmark_size
-from dpkit.bench.backend_axis import BACKEND_CALLS, BATCH_S, FLOOR_SIZES, backend_worker
-from dpkit.bench.collective_run import SMALL_BYTES, SMALL_CALLS
+from dpkit.bench.backend_axis import BACKEND_CALLS, FLOOR_SIZES, backend_worker
+from dpkit.bench.collective_run import BATCH_S, SMALL_BYTES, SMALL_CALLS
 from dpkit.bench.collective_tables import report
 from dpkit.bench.collective_targets import stored_targets
 from dpkit.bench.collectives import TRANSPORTS, allreduce_rows, format_size, parse_size
@@ -62,17 +63,17 @@ FLOOR_CALLS = 500  # back-to-back calls per round of the backend's latency floor
 
 
 def benchmark_worker(ctx, sizes: list[int], algorithms: list[str], iters: int, warmup: int, pipeline: dict,
-                     collective: str = "allreduce", transports: list[str] = ()) -> list[dict]:
+                     collective: str = "allreduce", transports: list[str] = (), batch_s: float = BATCH_S) -> list[dict]:
     """Every size, on each axis asked for (``algorithms`` and ``transports`` empty: that axis is not measured),
-    for this world (one spawned group, or the world torchrun started)."""
+    for this world (one spawned group, or the world torchrun started), in timed batches that last ``batch_s``."""
     made = make_transports(ctx, list(transports))
     rows = []
     try:
         for nbytes in progress(sizes, desc=f"{ctx.world_size} processes"):
             if algorithms and collective == "allreduce":
-                rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline)
+                rows += benchmark_size(ctx, nbytes, algorithms, iters, warmup, pipeline, batch_s)
             if made:
-                rows += benchmark_transports_size(ctx, collective, nbytes, made, iters, warmup)
+                rows += benchmark_transports_size(ctx, collective, nbytes, made, iters, warmup, batch_s)
             harness.keep(ctx, rows)
     finally:
         for t in {id(t): t for t in made.values()}.values():
@@ -120,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "over the all-reduce's bytes: the memory's bound); no name: all three; one missing is "
                              "skipped, saying why (default: none)")
     parser.add_argument("--batch-ms", type=float, default=BATCH_S * 1e3,
-                        help="the backend axis: each contender's calls are timed back to back in batches that last "
+                        help="every axis: each contender's calls are timed back to back in batches that last "
                              "this long, so that how far apart the ranks leave the barrier before "
                              "a batch is a small share of it (default: %(default)s)")
     parser.add_argument("--floor-calls", type=int, default=FLOOR_CALLS,
@@ -128,10 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"(backend_latency.py) at {', '.join(map(format_size, FLOOR_SIZES))}; 0: none "
                              "(default: %(default)s)")
     parser.add_argument("--iters", type=int, default=None,
-                        help=f"timed calls (rounds) per size and contender, {SMALL_CALLS} times as many up to "
+                        help=f"timed batches (rounds) per size and contender, {SMALL_CALLS} times as many up to "
                              f"{SMALL_BYTES >> 20} MiB (default: 20; --quick {QUICK['iters']})")
     parser.add_argument("--warmup", type=int, default=None,
-                        help=f"untimed calls before them (default: 5; --quick {QUICK['warmup']})")
+                        help=f"untimed batches before them (default: 5; --quick {QUICK['warmup']})")
     parser.add_argument("--segment-bytes", type=parse_size, default=SEGMENT_BYTES,
                         help="algorithm axis, ring and halving-doubling: bytes per pipelined message, for tuning "
                              "(default: %(default)s)")
@@ -194,7 +195,7 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
     """One rank: the sweep's rows, then (2 processes, the algorithm axis, not --tune) one step of our engine
     against one of gloo's (rows with "engine")."""
     rows = benchmark_worker(ctx, args.sizes, args.algorithms, args.iters, args.warmup, pipeline(args), args.collective,
-                            args.transports)
+                            args.transports, args.batch_ms / 1e3)
     if args.backend_collectives:
         rows += backend_worker(ctx, args.backend_collectives, args.backend_sizes, args.iters, args.warmup,
                                args.floor_calls, rows, args.anchors, args.batch_ms / 1e3)

@@ -25,7 +25,7 @@ SIZES = (4000, 64 << 10)  # the homework's 1,000 float32 elements, and one size 
 TRANSPORT_SIZE = 64 << 10
 LABELS = list(collectives.TRANSPORTS)  # torch, shared_memory, shared_memory:staged, p2p: the registry's names
 BACKEND_SIZES = (4, 4 << 10, 64 << 10)  # one element, and the sizes of the backend's all-reduce targets
-BATCH_S = 2e-3  # the backend axis's timed batches: shorter than a run's, for the suite's time
+BATCH_S = 2e-3  # every axis's timed batches: shorter than a run's, for the suite's time
 FLOOR_CASES = {"dist.all_reduce [dpkit]", "slots.all_reduce", "dispatch (one-rank group)",
                "ProcessGroup.allreduce (one-rank group)", "Backend.allreduce (one-rank group)",
                "wait (exchange of no data)", "reduction (copy in, sum out)", "dist.all_reduce [gloo]",
@@ -47,7 +47,8 @@ def _transports(ctx, collective: str) -> tuple[list[dict], dict]:
     contenders, _, _ = transport_axis.transport_contenders(ctx, collective, TRANSPORT_SIZE, made)
     owned = {c.label: [shared.owns(t) for t in c.inputs] for c in contenders}
     del contenders
-    rows = transport_axis.benchmark_transports_size(ctx, collective, TRANSPORT_SIZE, made, iters=1, warmup=0)
+    rows = transport_axis.benchmark_transports_size(ctx, collective, TRANSPORT_SIZE, made, iters=1, warmup=0,
+                                                    batch_s=BATCH_S)
     for t in {id(t): t for t in made.values()}.values():
         t.close()
     return rows, owned
@@ -58,8 +59,7 @@ def _wrong_backend(ctx) -> dict[str, float]:
     check finds on this rank (a barrier has no output)."""
     group, errors = backend_axis.backend_groups()[collectives.BACKEND], {}
     for collective in (c for c in backend_axis.BACKEND_CALLS if c != "barrier"):
-        contenders, _, _ = backend_axis.backend_contenders(ctx, collective, 4 << 10, {collectives.BACKEND: group},
-                                                           batch_s=BATCH_S)
+        contenders, _, _ = backend_axis.backend_contenders(ctx, collective, 4 << 10, {collectives.BACKEND: group})
         full, part = contenders[0].inputs
         call = backend_axis.backend_call(collective, group, full, part)
 
@@ -76,7 +76,7 @@ def _measure(ctx) -> dict:
     pipeline = {"segment_bytes": allreduce.SEGMENT_BYTES, "in_flight": allreduce.IN_FLIGHT}
     rows = [row for nbytes in SIZES
             for row in algorithm_axis.benchmark_size(ctx, nbytes, [*allreduce.ALGORITHMS], iters=2, warmup=1,
-                                                     pipeline=pipeline)]
+                                                     pipeline=pipeline, batch_s=BATCH_S)]
     transports = {collective: _transports(ctx, collective) for collective in bench.COLLECTIVES}
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
@@ -135,13 +135,23 @@ def test_zero_copy_works_on_buffers_the_transport_allocated_and_staged_on_plain_
             assert not any(owned[label]), (collective, label)
 
 
-def test_small_messages_get_more_timed_calls(measured):
-    """Up to 1 MiB a size gets 4 times --iters rounds (one call each); above it, --iters."""
+def test_small_messages_get_more_timed_batches(measured):
+    """Up to 1 MiB a size gets 4 times --iters rounds (one batch each); above it, --iters."""
     assert collective_run.calls(4000, 3) == collective_run.calls(1 << 20, 3) == 12
     assert collective_run.calls((1 << 20) + 1, 3) == collective_run.calls(100 << 20, 3) == 3
     transports = [row for rows in measured[0]["transports"].values() for row in rows]
     assert {r["rounds"] for r in measured[0]["rows"]} == {8} and {r["rounds"] for r in transports} == {4}  # all small
     assert all(len(r["round_p50_s"]) == r["rounds"] for r in _all_rows(measured[0]))
+
+
+def test_the_algorithm_and_transport_axes_time_each_contender_in_batches_of_its_own_count(measured):
+    """As the backend axis: a batch lasts as long for every contender, so the faster makes more calls in it.
+    Summed over the three collectives: one stall while a count is taken may shorten that one count."""
+    for row in _all_rows(measured[0]):
+        assert 1 <= row["calls_per_round"] <= collective_run.MAX_CALLS_PER_BATCH
+    transports = [row for rows in measured[0]["transports"].values() for row in rows]
+    calls = {label: sum(r["calls_per_round"] for r in transports if r["label"] == label) for label in LABELS}
+    assert calls["torch"] < calls["shared_memory"], calls
 
 
 def test_bandwidths_follow_from_bytes_and_time(measured):
@@ -231,7 +241,7 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_calls_are_t
         assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"],
                                                                             gloo["round_p50_s"]))))
         for row in (gloo, dpkit):
-            assert 1 <= row["calls_per_round"] <= backend_axis.MAX_CALLS_PER_BATCH
+            assert 1 <= row["calls_per_round"] <= collective_run.MAX_CALLS_PER_BATCH
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
         assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from dpkit.bench.collective_run import measure, summing
+from dpkit.bench.collective_run import BATCH_S, measure, summing
 from dpkit.comm.message_passing import ALGORITHMS, auto_algorithm
 
 
@@ -22,12 +22,14 @@ def _algorithm(name: str, pipeline: dict):
     return functools.partial(function, **pipeline) if name in ("ring", "halving_doubling") else function
 
 
-def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict) -> list[dict]:
-    """The algorithm axis at one size: every all-reduce of ``algorithms`` over the group's backend (one input)."""
+def benchmark_size(ctx, nbytes: int, algorithms: list[str], iters: int, warmup: int, pipeline: dict,
+                   batch_s: float = BATCH_S) -> list[dict]:
+    """The algorithm axis at one size: every all-reduce of ``algorithms`` over the group's backend (one input),
+    each timed in batches of calls that last ``batch_s``."""
     x = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
     choice = auto_algorithm(x) if ctx.world_size > 1 else None
     contenders = [summing(ctx, name, ctx.backend, name, _algorithm(name, pipeline), x,
                           choice if name == "auto" else None) for name in algorithms]
-    # Summing in place makes x grow n-fold per call: refill it (untimed) before each one.
-    return measure(ctx, "allreduce", "algorithm", contenders, x.numel() * 4, iters, warmup,
-                   setup=functools.partial(x.fill_, 1.0))
+    # Summing in place: zeros, refilled (untimed) before the counts and each timed batch, stay zeros.
+    return measure(ctx, "allreduce", "algorithm", contenders, x.numel() * 4, iters, warmup, setup=x.zero_,
+                   batch_s=batch_s)

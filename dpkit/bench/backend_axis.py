@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from dpkit import compat
 from dpkit.bench import anchors, backend_latency, harness
-from dpkit.bench.collective_run import Contender, measure
+from dpkit.bench.collective_run import BATCH_S, Contender, measure
 from dpkit.bench.collectives import BACKEND
 from dpkit.bench.exact_pattern import PERIOD, fill_pattern, pattern_error, sharded_error
-from dpkit.bench.measure import calls_lasting, oversubscribed
+from dpkit.bench.measure import oversubscribed
 from dpkit.comm import backend
 from dpkit.comm.process_groups import print0, progress
 
@@ -29,11 +29,6 @@ from dpkit.comm.process_groups import print0, progress
 BACKEND_CALLS = {"allreduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce",
                  "all_gather": compat.ALL_GATHER_SINGLE, "reduce_scatter": compat.REDUCE_SCATTER_SINGLE,
                  "all_to_all": "all_to_all_single", "barrier": "barrier"}
-# Calls are timed back to back, in batches that last at least BATCH_S (as OSU's and nccl-tests' loops time many
-# calls): the ranks leave the barrier before a batch some way apart, which a batch charges to its calls. Each
-# contender's calls per batch are counted at each size (``measure.calls_lasting``): the shortest calls are timed
-# thousands at a time, a call longer than a batch alone.
-BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 FLOOR_SIZES, FLOOR_ROUNDS = (4 << 10, 64 << 10), 9
 
 
@@ -97,12 +92,11 @@ def backend_error(ctx, collective: str, call, full: torch.Tensor, part: torch.Te
     return pattern_error(full, n)
 
 
-def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object], made: dict | None = None,
-                       batch_s: float = BATCH_S) -> tuple[list[Contender], Callable[[], object] | None, int]:
+def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, object], made: dict | None = None
+                       ) -> tuple[list[Contender], Callable[[], object] | None, int]:
     """The backend axis at one size: the same torch.distributed call on each group of ``groups``, then the
-    collective of each anchor of ``made`` that has it (``anchors.make``), on the same tensors, each timed in
-    batches of calls that last ``batch_s`` (counted here, on zeros); (contenders, the refill before each timed
-    batch or None, bytes)."""
+    collective of each anchor of ``made`` that has it (``anchors.make``), on the same tensors; (contenders, the
+    refill before the counts and each timed batch or None, bytes)."""
     n = ctx.world_size
     numel = backend_numel(collective, nbytes, n)
     full = torch.zeros(numel, dtype=torch.float32)
@@ -110,28 +104,20 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
     contenders = []
     for label, group in groups.items():
         call = backend_call(collective, group, full, part)
-        repeat = calls_lasting(call, batch_s, MAX_CALLS_PER_BATCH)
-        contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}",
-                                    functools.partial(_repeated, call, repeat),
+        contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}", call,
                                     functools.partial(backend_error, ctx, collective, call, full, part), None,
-                                    (full, part), repeat))
+                                    (full, part)))
     for anchor in (made or {}).values():
         call = anchor.call(collective, full, part)
         if call is not None:  # checked as the collective it stands beside, or by its own check (the memory's)
             check = (anchor.check(call, full, part) if hasattr(anchor, "check") else
                      functools.partial(backend_error, ctx, collective, call, full, part))
-            repeat = calls_lasting(call, batch_s, MAX_CALLS_PER_BATCH)
-            contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
-                                        functools.partial(_repeated, call, repeat), check, None, (full, part), repeat,
-                                        anchor.fields))
-    # All-reduce and reduce sum in place: zeros (refilled, untimed, before each timed batch) stay zeros.
+            contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective), call, check, None,
+                                        (full, part), anchor.fields))
+    # All-reduce and reduce sum in place: zeros (refilled, untimed, before the counts and each timed batch) stay
+    # zeros.
     setup = full.zero_ if collective in ("allreduce", "reduce") else None
     return contenders, setup, numel * 4
-
-
-def _repeated(call: Callable[[], object], times: int) -> None:
-    for _ in range(times):
-        call()
 
 
 def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, warmup: int, floor_calls: int,
@@ -148,9 +134,9 @@ def backend_worker(ctx, collectives: list[str], sizes: list[int], iters: int, wa
         made = anchors.make(ctx, list(anchor_names))
         for collective in progress(collectives, desc=f"{ctx.world_size} processes, backends"):
             for nbytes in sizes[:1] if collective == "barrier" else sizes:
-                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups, made, batch_s)
+                contenders, setup, size = backend_contenders(ctx, collective, nbytes, groups, made)
                 rows += anchors.with_ratios(measure(ctx, collective, "backend", contenders, size, iters, warmup,
-                                                    setup, reference="gloo"), BACKEND)
+                                                    setup, reference="gloo", batch_s=batch_s), BACKEND)
                 harness.keep(ctx, [*earlier, *rows])
         for nbytes in FLOOR_SIZES if floor_calls else ():
             rows += [{**row, "backend": ctx.backend, "kind": "latency floor",

@@ -1,5 +1,5 @@
 """One size of a collectives comparison, measured: each contender checked once on the exact pattern, then
-timed call by call in turns with the others, one row each in the layout of ``collectives_benchmark.py``'s
+timed in batches of calls, in turns with the others, one row each in the layout of ``collectives_benchmark.py``'s
 results file (nccl-tests' columns, the paired ratio to the axis's reference, the largest error).
 
     contenders = [summing(ctx, "ring", "gloo", "ring", ring_allreduce, x), ...]
@@ -18,17 +18,22 @@ import torch
 
 from dpkit.bench.collectives import bus_factor
 from dpkit.bench.exact_pattern import fill_pattern, pattern_error
-from dpkit.bench.measure import Timing, oversubscribed, paired_ratio, time_interleaved
+from dpkit.bench.measure import Timing, calls_lasting, oversubscribed, paired_ratio, time_interleaved
 
-SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed calls (``calls``)
+SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed batches (``calls``)
+# Calls are timed back to back, in batches that last at least BATCH_S (as OSU's and nccl-tests' loops time many
+# calls): the ranks leave the barrier before a batch some way apart, which a batch charges to its calls. Each
+# contender's calls per batch are counted at each size (``measure.calls_lasting``): the shortest calls are timed
+# thousands at a time, a call longer than a batch alone.
+BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 
 
 def calls(nbytes: int, iters: int) -> int:
-    """Timed calls (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages up to SMALL_BYTES.
+    """Timed batches (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages up to SMALL_BYTES.
 
-    A call of up to 1 MiB lasts at most a few milliseconds here and varies from call to call by
-    about as much (scheduling, wake-ups), so the few rounds that suit the large sizes leave a
-    small size's ratio with a wide interval; its extra rounds cost little time.
+    The time of a batch of short calls varies from batch to batch (scheduling, wake-ups), so the
+    few rounds that suit the large sizes leave a small size's ratio with a wide interval; its
+    extra rounds cost little time.
     """
     return iters * SMALL_CALLS if nbytes <= SMALL_BYTES else iters
 
@@ -36,7 +41,8 @@ def calls(nbytes: int, iters: int) -> int:
 @dataclass
 class Contender:
     """One line of a comparison: the row's labels, a no-argument call, and ``check``: one untimed call on
-    the exact pattern that returns this rank's largest error."""
+    the exact pattern that returns this rank's largest error. ``call`` on inputs the axis's refill left
+    (``measure``'s ``setup``) may be called many times in a row: an in-place sum of zeros stays zeros."""
 
     label: str
     transport: str
@@ -45,7 +51,6 @@ class Contender:
     check: Callable[[], float]
     choice: str | None = None
     inputs: tuple[torch.Tensor, ...] = ()  # the tensors it works on
-    repeat: int = 1  # calls ``call`` makes back to back: its time is divided by it
     fields: dict = field(default_factory=dict)  # added to its row as they are (an anchor's name and version)
 
 
@@ -57,16 +62,21 @@ def _worst(ctx, error: float) -> float:
 
 
 def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: int, iters: int, warmup: int,
-            setup: Callable[[], object] | None = None, reference: str = "torch") -> list[dict]:
-    """Check every contender, then time them taking turns call by call (``calls`` rounds; ``setup`` refills
-    the inputs, untimed, before each call); one row each, the same on every rank, its ratio (``vs_torch``)
-    paired with the calls of the contender labelled ``reference`` in the same rounds."""
+            setup: Callable[[], object] | None = None, reference: str = "torch", batch_s: float = BATCH_S
+            ) -> list[dict]:
+    """Check every contender, count its calls in a batch that lasts ``batch_s``, then time them taking turns
+    batch by batch (``calls`` rounds; ``setup`` refills the inputs, untimed, before the counts and each batch);
+    one row each, the same on every rank, its time per call, its ratio (``vs_torch``) paired with the batches of
+    the contender labelled ``reference`` in the same rounds."""
     errors = {c.label: _worst(ctx, c.check()) for c in contenders}
+    if setup is not None:
+        setup()
+    repeat = {c.label: calls_lasting(c.call, batch_s, MAX_CALLS_PER_BATCH) for c in contenders}
     rounds = calls(size, iters)
-    timings = time_interleaved({c.label: c.call for c in contenders}, rounds, warmup, rounds=rounds, device=ctx.device,
-                               setup=setup)
+    timings = time_interleaved({c.label: functools.partial(_repeated, c.call, repeat[c.label]) for c in contenders},
+                               rounds, warmup, rounds=rounds, device=ctx.device, setup=setup)
     n, rows = ctx.world_size, []
-    timings = {c.label: Timing(timings[c.label].per_rank / c.repeat) for c in contenders}  # seconds per call
+    timings = {c.label: Timing(timings[c.label].per_rank / repeat[c.label]) for c in contenders}  # seconds per call
     for c in contenders:
         timing = timings[c.label]
         algbw = size / timing.mean / 1e9
@@ -78,11 +88,16 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
-                     "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one timed call per round
-                     "calls_per_round": c.repeat,
+                     "rounds": len(timing.samples), "round_p50_s": timing.samples,  # one timed batch per round
+                     "calls_per_round": repeat[c.label],
                      "oversubscribed": oversubscribed(n, ctx.device), "choice": c.choice,
                      "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0, **c.fields})
     return rows
+
+
+def _repeated(call: Callable[[], object], times: int) -> None:
+    for _ in range(times):
+        call()
 
 
 def summing(ctx, label: str, transport_name: str, algorithm: str, function, x: torch.Tensor,

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from dpkit.bench import transport_choice
-from dpkit.bench.collective_run import Contender, measure, summing
+from dpkit.bench.collective_run import BATCH_S, Contender, measure, summing
 from dpkit.bench.exact_pattern import sharded_error
 from dpkit.comm import transport
 from dpkit.comm.message_passing import MessagePassing, auto_algorithm
@@ -40,7 +40,8 @@ def algorithm_of(made: transport.Transport, collective: str) -> str:
 
 def transport_contenders(ctx, collective: str, nbytes: int, transports: dict[str, transport.Transport]
                          ) -> tuple[list[Contender], Callable[[], object] | None, int]:
-    """The transport axis at one size: (contenders, the refill before each timed call or None, bytes).
+    """The transport axis at one size: (contenders, the refill before the counts and each timed batch or None,
+    bytes).
 
     Each transport on the buffers its ``allocate()`` gives: shared memory's own (zero copy); the others', plain
     tensors, one set shared by all (shared_memory:staged copies them into its arena and back). Reduce-scatter and
@@ -68,14 +69,16 @@ def transport_contenders(ctx, collective: str, nbytes: int, transports: dict[str
             contender = Contender(label, made.describe(), algorithm, call,
                                   functools.partial(sharded_error, ctx, collective, call, full, shard), None, inputs)
         contenders.append(contender)
-    # The all-reduce sums in place: every input is refilled (untimed) before each call. The others keep theirs.
+    # The all-reduce sums in place: zeros, refilled (untimed) before the counts and each timed batch, stay zeros.
+    # The others keep their inputs.
     fulls = list({id(c.inputs[0]): c.inputs[0] for c in contenders}.values())
-    setup = (lambda: [full.fill_(1.0) for full in fulls]) if collective == "allreduce" else None
+    setup = (lambda: [full.zero_() for full in fulls]) if collective == "allreduce" else None
     return contenders, setup, numel * 4
 
 
 def benchmark_transports_size(ctx, collective: str, nbytes: int, transports: dict[str, transport.Transport],
-                              iters: int, warmup: int) -> list[dict]:
-    """The transport axis at one size (``transport_contenders``), one row per transport."""
+                              iters: int, warmup: int, batch_s: float = BATCH_S) -> list[dict]:
+    """The transport axis at one size (``transport_contenders``), one row per transport, each timed in batches of
+    calls that last ``batch_s``."""
     contenders, setup, size = transport_contenders(ctx, collective, nbytes, transports)
-    return measure(ctx, collective, "transport", contenders, size, iters, warmup, setup)
+    return measure(ctx, collective, "transport", contenders, size, iters, warmup, setup, batch_s=batch_s)
