@@ -71,7 +71,7 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
     errors = {c.label: _worst(ctx, c.check()) for c in contenders}
     if setup is not None:
         setup()
-    repeat = {c.label: calls_lasting(c.call, batch_s, MAX_CALLS_PER_BATCH) for c in contenders}
+    repeat = {c.label: calls_lasting(c.call, batch_s, MAX_CALLS_PER_BATCH, device=ctx.device) for c in contenders}
     rounds = calls(size, iters)
     timings = time_interleaved({c.label: functools.partial(_repeated, c.call, repeat[c.label]) for c in contenders},
                                rounds, warmup, rounds=rounds, device=ctx.device, setup=setup)

@@ -110,20 +110,25 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
     return Timing(gather_rows(times, group))
 
 
-def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None) -> int:
+def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None,
+                  device: torch.device | str = "cpu") -> int:
     """How many back-to-back calls of ``fn`` last at least ``seconds`` (at most ``limit``), the same number on every
     rank: after one untimed call (a first call may set things up), the calls are doubled from one until they last
     that long. A batch timed after a barrier charges its calls with how far apart the ranks left the barrier; a batch
     this long makes that a small share of it, whatever one call costs. Two choices keep a stall from making the
     batch short: the count is the one that lasted the whole time, not scaled from a shorter try that a stall may
     have lengthened; and it is taken on the rank the calls took least time on, since the last rank to start them
-    waited for no one while the others waited for it."""
+    waited for no one while the others waited for it. GPU work is synchronised before the clock is read: queued
+    calls would look free."""
+    device = torch.device(device)
     fn()
     calls = 1
     while True:
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        synchronize(device)
         if calls >= limit or _least(time.perf_counter() - start, group) >= seconds:
             return calls
         calls = min(2 * calls, limit)
