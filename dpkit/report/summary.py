@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from dpkit.bench import collectives
 from dpkit.bench.measure import format_ratio
 from dpkit.bench.results import incomplete_note, read_results, write_durably
 from dpkit.bench.row_identity import label, what
@@ -211,7 +212,6 @@ def _verdicts(checks: list[dict]) -> str:
     return ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
-COLLECTIVE_NAMES = {"allreduce": "All-reduce", "reduce_scatter": "Reduce-scatter", "all_gather": "All-gather"}
 AXIS_NAMES = {"algorithm": "algorithms over gloo, p50 / `torch.distributed`'s",
               "transport": "transports, p50 / torch's collective over gloo",
               "backend": "`torch.distributed` on a \"dpkit\" group, p50 / the same call on a gloo group"}
@@ -231,8 +231,9 @@ def collectives_lines(allreduce: dict, reduce_scatter: dict, all_gather: dict,
         for collective, axis in dict.fromkeys((c["collective"], c["axis"]) for c in checks):
             mine = [c for c in checks if (c["collective"], c["axis"]) == (collective, axis)]
             worlds = sorted({c["world_size"] for c in mine})
-            lines.append(f"- **{COLLECTIVE_NAMES[collective]}, {AXIS_NAMES[axis]}** (`collectives_benchmark.py`, "
-                         f"{' and '.join(map(str, worlds))} processes; {_verdicts(mine)}):")
+            lines.append(f"- **{collectives.NAMES[collective].capitalize()}, {AXIS_NAMES[axis]}** "
+                         f"(`collectives_benchmark.py`, {' and '.join(map(str, worlds))} processes; "
+                         f"{_verdicts(mine)}):")
             lines += [f"  - {c['text'].removeprefix('target ')}{sentences.again_text(again.get(id(c)))}" for c in mine]
     return lines
 
