@@ -20,9 +20,9 @@ message. They live in ``dpkit.comm.message_passing``, which the "p2p" transport 
 * ``allreduce``: one by name, or "auto": the algorithm ``CROSSOVER`` names for the size and world size.
 * ``reduce_scatter`` and ``all_gather``: the ring's two halves as collectives, for sharded training.
 
-Running the file prints the homework's tables over one wire (gloo): time (slowest rank, median of the
-repeats), the bytes a call holds beyond its input (the scratch it keeps for the next call included), and the
-error against the exact float64 mean.
+Running the file prints the homework's tables over one wire (gloo): time per call (back-to-back calls in batches
+that last ``--batch-ms``, slowest rank, median over the repeats), the bytes a call holds beyond its input (the
+scratch it keeps for the next call included), and the error against the exact float64 mean.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import os
 import torch
 
 from dpkit.bench import harness
-from dpkit.bench.measure import (PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio, time_interleaved,
-                                 verdict)
+from dpkit.bench.measure import (BATCH_S, PeakMemory, format_ratio, gather_rows, oversubscribed, paired_ratio,
+                                 time_batches, verdict)
 from dpkit.bench.results import markdown_table
 from dpkit.comm.checks import OPS, bounds  # noqa: F401 (the homework's names, importable from here)
 # The homework's algorithms live in the package (the "p2p" transport runs them); this script imports them, so
@@ -63,8 +63,9 @@ def rank_data(seed: int, numel: int, rank: int) -> torch.Tensor:
 
 
 def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, repeats: int, warmup: int,
-                  seed: int) -> list[dict]:
-    """Accuracy, memory and time of every algorithm on one size; every rank calls this with the same arguments."""
+                  seed: int, batch_s: float = BATCH_S) -> list[dict]:
+    """Accuracy, memory and time of every algorithm on one size (time per call, in batches of back-to-back calls
+    that last ``batch_s``); every rank calls this with the same arguments."""
     mine = rank_data(seed, numel, ctx.rank).to(dtype)
     # The exact mean of what the ranks hold (after rounding to dtype), in float64: the oracle.
     exact = torch.stack([rank_data(seed, numel, r).to(dtype).double() for r in range(ctx.world_size)]).mean(0)
@@ -78,18 +79,21 @@ def _measure_size(ctx, numel: int, algorithms: list[str], dtype: torch.dtype, re
         x.copy_(saved)
         measured += [error, *call_memory(functools.partial(ALGORITHMS[name], x, "avg"), ctx.device)]
     worst = gather_rows(measured).max(0).values.tolist()
-    # The algorithms take turns call by call, each on the same saved input: load drifts hit all alike.
-    timings = time_interleaved({name: functools.partial(ALGORITHMS[name], x, "avg") for name in algorithms},
-                               repeats, warmup, rounds=repeats, device=ctx.device, setup=lambda: x.copy_(saved))
+    # The algorithms take turns batch by batch, each batch on the same saved input (a mean of equal values stays
+    # put, so the calls of a batch average it again): load drifts hit all alike.
+    timings, counts = time_batches({name: functools.partial(ALGORITHMS[name], x, "avg") for name in algorithms},
+                                   repeats, warmup, rounds=repeats, device=ctx.device, setup=lambda: x.copy_(saved),
+                                   seconds=batch_s)
     rows = []
     for i, name in enumerate(algorithms):
-        # One call per algorithm per round: round r's ratio compares calls made under the same load.
+        # One batch per algorithm per round: round r's ratio compares calls made under the same load.
         ratio = paired_ratio(timings[name].samples, timings["torch"].samples) if "torch" in timings else None
         # Every row is an algorithm over the group's backend: the same wire for all of them.
         rows.append({"world_size": ctx.world_size, "numel": numel, "dtype": str(dtype).replace("torch.", ""),
                      "axis": "algorithm", "transport": ctx.backend, "algorithm": name, "time_s": timings[name].median,
                      "time_p90_s": timings[name].percentile(90),
-                     "round_time_s": timings[name].samples,  # one call per round
+                     "round_time_s": timings[name].samples,  # one batch per round: its time per call
+                     "calls_per_round": counts[name],
                      "vs_torch": ratio["median"] if ratio else None,
                      "vs_torch_ci_low": ratio["ci_low"] if ratio else None,
                      "vs_torch_ci_high": ratio["ci_high"] if ratio else None,
@@ -112,12 +116,12 @@ def call_memory(call, device) -> tuple[float, float]:
 
 
 def compare_worker(ctx, sizes: list[int], algorithms: list[str], repeats: int, warmup: int, seed: int,
-                   dtype: str) -> list[dict]:
+                   dtype: str, batch_s: float = BATCH_S) -> list[dict]:
     """Every size and algorithm for one world size, in one spawned group (spawning costs seconds); each size's
     rows kept in the results file as it finishes."""
     rows = []
     for numel in sizes:
-        rows += _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed)
+        rows += _measure_size(ctx, numel, algorithms, getattr(torch, dtype), repeats, warmup, seed, batch_s)
         harness.keep(ctx, rows)
     return rows
 
@@ -216,8 +220,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="numbers of elements per tensor (default: %(default)s)")
     parser.add_argument("--algorithms", nargs="+", choices=tuple(ALGORITHMS), default=list(ALGORITHMS),
                         help="what to compare (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed calls per case (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls before them (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="timed batches of calls per case, one per round (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed batches before them (default: %(default)s)")
+    parser.add_argument("--batch-ms", type=float, default=BATCH_S * 1e3,
+                        help="each algorithm's calls are timed back to back in batches that last this long, so that "
+                             "how far apart the ranks leave the barrier before a batch is a small share of it "
+                             "(default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float64", "float16", "bfloat16"), default="float32",
                         help="element type (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every rank's random data (default: %(default)s)")
@@ -229,14 +238,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:  # the quick subset replaces the defaults; flags given explicitly still win
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
-    if min(args.world_sizes) < 1 or min(args.sizes) < 0 or args.repeats < 1 or args.warmup < 0:
-        parser.error("world sizes and --repeats must be at least 1, sizes and --warmup at least 0")
+    if min(args.world_sizes) < 1 or min(args.sizes) < 0 or args.repeats < 1 or args.warmup < 0 or not args.batch_ms > 0:
+        parser.error("world sizes and --repeats must be at least 1, sizes and --warmup at least 0, --batch-ms above 0")
     return args
 
 
 def worker(ctx, args: argparse.Namespace) -> list[dict]:
     """One rank of the homework comparison: every size, every algorithm (``compare_worker``)."""
-    return compare_worker(ctx, args.sizes, args.algorithms, args.repeats, args.warmup, args.seed, args.dtype)
+    return compare_worker(ctx, args.sizes, args.algorithms, args.repeats, args.warmup, args.seed, args.dtype,
+                          args.batch_ms / 1e3)
 
 
 BENCHMARK = harness.Benchmark(

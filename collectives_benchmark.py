@@ -35,12 +35,13 @@ import os
 from dpkit.bench import anchors, harness, transport_choice
 from dpkit.bench.algorithm_axis import benchmark_size
 from dpkit.bench.backend_axis import BACKEND_CALLS, FLOOR_SIZES, backend_worker
-from dpkit.bench.collective_run import BATCH_S, SMALL_BYTES, SMALL_CALLS
+from dpkit.bench.collective_run import SMALL_BYTES, SMALL_CALLS
 from dpkit.bench.collective_tables import report
 from dpkit.bench.collective_targets import stored_targets
 from dpkit.bench.collectives import TRANSPORTS, allreduce_rows, format_size, parse_size
 from dpkit.bench.crossover_table import crossover_table, format_table
 from dpkit.bench.latency_model import fit_model
+from dpkit.bench.measure import BATCH_S
 from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
 from dpkit.bench.results import incomplete_note, read_results, write_results
 from dpkit.bench.transport_axis import benchmark_transports_size, make_transports

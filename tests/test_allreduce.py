@@ -15,12 +15,14 @@ import math
 import time
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 import allreduce
-from common import CollectiveCounter, run_in_subgroups
+from common import CollectiveCounter, run_in_subgroups, run_workers
+from dpkit.bench import measure
 from dpkit.bench.measure import PeakMemory
 from dpkit.comm import message_passing
 from dpkit.comm.process_groups import WorkerError, launch
@@ -530,6 +532,23 @@ def test_the_homework_table_shows_auto_its_choice_and_its_ratio_to_torch_with_a_
     assert [(t["world_size"], t["verdict"], t["oversubscribed"]) for t in stored] == [(2, "met", False),
                                                                                       (4, "missed", True)]
     assert allreduce.BENCHMARK.targets is allreduce.targets
+
+
+def _homework_rows(ctx) -> list[dict]:
+    return allreduce.compare_worker(ctx, [1000], ["torch", "ring", "auto"], repeats=3, warmup=1, seed=0,
+                                    dtype="float32", batch_s=2e-3)
+
+
+def test_the_homework_comparison_times_batches_of_calls_paired_round_by_round_with_torch():
+    first, second = run_workers(_homework_rows, 2)
+    assert first == second, "times and errors: each the worst rank's"
+    assert [r["algorithm"] for r in first] == ["torch", "ring", "auto"]
+    for row in first:
+        assert 1 <= row["calls_per_round"] <= measure.MAX_CALLS_PER_BATCH  # each algorithm its own count
+        assert len(row["round_time_s"]) == 3 and row["time_s"] == pytest.approx(np.median(row["round_time_s"]))
+        assert row["vs_torch"] == pytest.approx(np.median(np.divide(row["round_time_s"], first[0]["round_time_s"])))
+        assert row["max_abs_error"] < 1e-6 and row["memory_bytes"] >= 0
+    assert first[0]["vs_torch"] == 1.0 and first[2]["choice"] == allreduce.choose_algorithm(4000, 2, warn=False)
 
 
 # --------------------------------------------------------------------------- auto's table, a results file

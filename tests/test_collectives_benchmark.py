@@ -15,7 +15,7 @@ import allreduce
 import collectives_benchmark as bench
 from common import OFF_HOST, run_workers
 from dpkit.bench import (algorithm_axis, backend_axis, collective_run, collective_tables, collective_targets,
-                         collectives, exact_pattern, latency_model, transport_axis)
+                         collectives, exact_pattern, latency_model, measure, transport_axis)
 from dpkit.bench.crossover_table import crossover_table, format_table
 from dpkit.bench.point_to_point import point_to_point, point_to_point_rows
 from dpkit.comm.message_passing import CUSTOM
@@ -148,7 +148,7 @@ def test_the_algorithm_and_transport_axes_time_each_contender_in_batches_of_its_
     """As the backend axis: a batch lasts as long for every contender, so the faster makes more calls in it.
     Summed over the three collectives: one stall while a count is taken may shorten that one count."""
     for row in _all_rows(measured[0]):
-        assert 1 <= row["calls_per_round"] <= collective_run.MAX_CALLS_PER_BATCH
+        assert 1 <= row["calls_per_round"] <= measure.MAX_CALLS_PER_BATCH
     transports = [row for rows in measured[0]["transports"].values() for row in rows]
     calls = {label: sum(r["calls_per_round"] for r in transports if r["label"] == label) for label in LABELS}
     assert calls["torch"] < calls["shared_memory"], calls
@@ -241,7 +241,7 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_and_calls_are_t
         assert dpkit["vs_torch"] == pytest.approx(float(np.median(np.divide(dpkit["round_p50_s"],
                                                                             gloo["round_p50_s"]))))
         for row in (gloo, dpkit):
-            assert 1 <= row["calls_per_round"] <= collective_run.MAX_CALLS_PER_BATCH
+            assert 1 <= row["calls_per_round"] <= measure.MAX_CALLS_PER_BATCH
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
         assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)

@@ -66,6 +66,22 @@ def test_a_batch_of_calls_lasts_at_least_the_time_asked_and_less_than_twice_it(m
     assert measure.calls_lasting(lambda: now.__setitem__(0, now[0] + 1e-3 + next(stalls, 0.0)), 0.02, 1 << 16) == 32
 
 
+def test_batches_of_each_function_are_counted_apart_and_timed_per_call(monkeypatch):
+    now, calls = [0.0], []
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: now[0])  # a clock that only the calls move
+
+    def taking(name: str, call_s: float):
+        return lambda: (calls.append(name), now.__setitem__(0, now[0] + call_s))
+    fns = {"fast": taking("fast", 1e-3), "slow": taking("slow", 0.03)}
+    timings, counts = measure.time_batches(fns, iters=2, warmup=0, rounds=2, setup=lambda: calls.append("setup"),
+                                           seconds=0.02)
+    assert counts == {"fast": 32, "slow": 1}  # each its own count: 32 calls of 1 ms, one of 30 ms, last 20 ms
+    assert timings["fast"].samples == pytest.approx([1e-3] * 2)  # per call: a batch's time over its count
+    assert timings["slow"].samples == pytest.approx([0.03] * 2)
+    timed = calls[calls.index("setup", 1):]  # after the counts: setup, then a whole batch, in every round
+    assert timed == ["setup", *["fast"] * 32, "setup", "slow", "setup", "slow", "setup", *["fast"] * 32]
+
+
 def test_bootstrap_interval_covers_the_median_and_narrows_with_more_rounds():
     rng = np.random.default_rng(1)
     few, many = rng.normal(1.0, 0.1, 5), rng.normal(1.0, 0.1, 200)

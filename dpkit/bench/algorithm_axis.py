@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from dpkit.bench.collective_run import BATCH_S, measure, summing
+from dpkit.bench.collective_run import measure, summing
+from dpkit.bench.measure import BATCH_S
 from dpkit.comm.message_passing import ALGORITHMS, auto_algorithm
 
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from dpkit import compat
 from dpkit.bench import anchors, backend_latency, harness
-from dpkit.bench.collective_run import BATCH_S, Contender, measure
+from dpkit.bench.collective_run import Contender, measure
 from dpkit.bench.collectives import BACKEND
 from dpkit.bench.exact_pattern import PERIOD, fill_pattern, pattern_error, sharded_error
-from dpkit.bench.measure import oversubscribed
+from dpkit.bench.measure import BATCH_S, oversubscribed
 from dpkit.comm import backend
 from dpkit.comm.process_groups import print0, progress
 

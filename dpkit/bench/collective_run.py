@@ -18,14 +18,9 @@ import torch
 
 from dpkit.bench.collectives import bus_factor
 from dpkit.bench.exact_pattern import fill_pattern, pattern_error
-from dpkit.bench.measure import Timing, calls_lasting, oversubscribed, paired_ratio, time_interleaved
+from dpkit.bench.measure import BATCH_S, oversubscribed, paired_ratio, time_batches
 
 SMALL_BYTES, SMALL_CALLS = 1 << 20, 4  # messages up to 1 MiB: 4 times the timed batches (``calls``)
-# Calls are timed back to back, in batches that last at least BATCH_S (as OSU's and nccl-tests' loops time many
-# calls): the ranks leave the barrier before a batch some way apart, which a batch charges to its calls. Each
-# contender's calls per batch are counted at each size (``measure.calls_lasting``): the shortest calls are timed
-# thousands at a time, a call longer than a batch alone.
-BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 
 
 def calls(nbytes: int, iters: int) -> int:
@@ -69,14 +64,10 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
     one row each, the same on every rank, its time per call, its ratio (``vs_torch``) paired with the batches of
     the contender labelled ``reference`` in the same rounds."""
     errors = {c.label: _worst(ctx, c.check()) for c in contenders}
-    if setup is not None:
-        setup()
-    repeat = {c.label: calls_lasting(c.call, batch_s, MAX_CALLS_PER_BATCH, device=ctx.device) for c in contenders}
     rounds = calls(size, iters)
-    timings = time_interleaved({c.label: functools.partial(_repeated, c.call, repeat[c.label]) for c in contenders},
-                               rounds, warmup, rounds=rounds, device=ctx.device, setup=setup)
+    timings, repeat = time_batches({c.label: c.call for c in contenders}, rounds, warmup, rounds=rounds,
+                                   device=ctx.device, setup=setup, seconds=batch_s)  # seconds per call
     n, rows = ctx.world_size, []
-    timings = {c.label: Timing(timings[c.label].per_rank / repeat[c.label]) for c in contenders}  # seconds per call
     for c in contenders:
         timing = timings[c.label]
         algbw = size / timing.mean / 1e9
@@ -93,11 +84,6 @@ def measure(ctx, collective: str, axis: str, contenders: list[Contender], size: 
                      "oversubscribed": oversubscribed(n, ctx.device), "choice": c.choice,
                      "max_abs_error": errors[c.label], "correct": errors[c.label] == 0.0, **c.fields})
     return rows
-
-
-def _repeated(call: Callable[[], object], times: int) -> None:
-    for _ in range(times):
-        call()
 
 
 def summing(ctx, label: str, transport_name: str, algorithm: str, function, x: torch.Tensor,

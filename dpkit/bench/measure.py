@@ -4,7 +4,9 @@ Every benchmark in this repository measures through these functions, so they all
 the same rules: warm-up iterations first, a barrier before every timed iteration, GPU work
 synchronised before the clock is read, an iteration as slow as its slowest rank (maximum
 over ranks), inputs made by the caller outside the timed region, and configurations
-interleaved in rounds so that a change in the machine's load hits every one alike.
+interleaved in rounds so that a change in the machine's load hits every one alike. Collectives,
+whose calls may be shorter than the gap between ranks leaving a barrier, are timed in
+batches of back-to-back calls (``time_batches``).
 
 Uncertainty: a ratio between two configurations measured in the same rounds is summarised
 by ``paired_ratio``: the median of the per-round ratios and a 95 % percentile-bootstrap
@@ -14,6 +16,7 @@ interval over rounds (rounds resampled with replacement, the median recomputed e
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -110,6 +113,13 @@ def time_iterations(fn: Callable[[], Any], iters: int, warmup: int = 5, device: 
     return Timing(gather_rows(times, group))
 
 
+# Short calls are timed back to back, in batches that last at least BATCH_S (as OSU's and nccl-tests' loops time
+# many calls): the ranks leave the barrier before a batch some way apart, which a batch charges to its calls. Each
+# function's calls per batch are counted (``calls_lasting``): the shortest calls are timed thousands at a time, a
+# call longer than a batch alone.
+BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
+
+
 def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None,
                   device: torch.device | str = "cpu") -> int:
     """How many back-to-back calls of ``fn`` last at least ``seconds`` (at most ``limit``), the same number on every
@@ -167,6 +177,26 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, warmup: int 
             timing = time_iterations(fns[name], per_round[r], warmup if r == 0 else 0, device, group, setup=setup)
             parts[name].append(timing.per_rank)
     return {name: Timing(torch.cat(parts[name], dim=1)) for name in names}
+
+
+def time_batches(fns: dict[str, Callable[[], Any]], iters: int, warmup: int = 5, rounds: int = 2,
+                 device: torch.device | str = "cpu", group=None, setup: Callable[[], Any] | None = None,
+                 seconds: float = BATCH_S) -> tuple[dict[str, Timing], dict[str, int]]:
+    """``time_interleaved`` of batches of back-to-back calls: each function's calls per batch counted to last
+    ``seconds`` (``calls_lasting``, after one ``setup``), then ``iters`` timed batches of each (``setup`` before
+    every batch); (each function's ``Timing`` per call, each function's calls per batch). Every rank must call
+    this with the same functions."""
+    if setup is not None:
+        setup()
+    counts = {name: calls_lasting(fn, seconds, MAX_CALLS_PER_BATCH, group, device) for name, fn in fns.items()}
+    batches = {name: functools.partial(_repeated, fn, counts[name]) for name, fn in fns.items()}
+    timings = time_interleaved(batches, iters, warmup, rounds, device, group, setup)
+    return {name: Timing(timings[name].per_rank / counts[name]) for name in fns}, counts
+
+
+def _repeated(fn: Callable[[], Any], times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def round_p50s(samples: Sequence[float], iters: int, rounds: int) -> list[float]:

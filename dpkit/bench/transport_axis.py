@@ -14,8 +14,9 @@ from typing import Callable
 import torch
 
 from dpkit.bench import transport_choice
-from dpkit.bench.collective_run import BATCH_S, Contender, measure, summing
+from dpkit.bench.collective_run import Contender, measure, summing
 from dpkit.bench.exact_pattern import sharded_error
+from dpkit.bench.measure import BATCH_S
 from dpkit.comm import transport
 from dpkit.comm.message_passing import MessagePassing, auto_algorithm
 
