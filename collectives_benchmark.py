@@ -20,11 +20,10 @@
   latency floor, and ``--anchors`` beside them: Open MPI, DeepSpeed's shm, the memory's bound (``anchors``).
 
 Without torchrun the script spawns each process count of ``--procs`` itself. Per size (float32, 1 MB = 2^20 bytes)
-and axis: one untimed call on a pattern exact in float32 (any error is a bug), then timed batches of calls in turns
-(each contender's calls counted to last ``--batch-ms``), each batch as slow as its slowest rank, paired round by
-round with the axis's reference (torch's call; gloo's on the backend axis): the median ratio with its 95 % bootstrap
-interval, judged against ``collective_targets``' targets, stored with the rows. busbw = algbw x ``bus_factor``
-(nccl-tests). Algorithms: T = steps x alpha + bytes x beta.
+and axis: one untimed call on an exact pattern (any error is a bug), then batches of calls that last ``--batch-ms``
+timed in turns, each as slow as its slowest rank, paired round by round with the axis's reference (torch's call;
+gloo's on the backend axis): the median ratio with its 95 % bootstrap interval, judged against
+``collective_targets``' targets, stored with the rows. busbw = algbw x ``bus_factor`` (nccl-tests).
 """
 
 from __future__ import annotations

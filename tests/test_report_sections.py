@@ -117,6 +117,31 @@ def test_the_summary_cell_is_readmes_block():
     assert report.markdown() == [block], "the notebook's summary and README's block are one function's output"
 
 
+def test_the_environment_lists_every_machine_and_commit_the_files_came_from():
+    env = {"torch": "2.14.1", "cuda": None, "device": "cpu", "device_model": "AMD EPYC", "cpus": 2, "threads": 1,
+           "backend": "gloo", "python": "3.11.7", "git_commit": "aaaa"}
+    rows = overview.environment_rows([env, {**env, "device_model": "Intel Xeon", "git_commit": "bbbb"}, env], None)
+    values = {r["item"]: r["value"] for r in rows}
+    assert values["device model"] == "AMD EPYC; Intel Xeon" and values["git commit"] == "aaaa; bbbb"
+    assert values["torch"] == "2.14.1" and values["CUDA"] == "none (CPU)" and values["settings"] == "full"
+
+
+def test_each_section_names_the_machine_of_its_own_file(tmp_path):
+    """A results directory whose parts ran on two machines: the all-reduce section names the one its file says."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name in ("syncbn", "allreduce"):
+        (results / f"{name}.json").write_bytes((REPO / "results" / f"{name}.json").read_bytes())
+    doc = json.loads((results / "allreduce.json").read_text())
+    doc["env"]["device_model"] = "a machine of its own"
+    (results / "allreduce.json").write_text(json.dumps(doc))
+    report = page.Page(results, json.loads((REPO / "seeds.json").read_text()))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(page, "figure_png", lambda figure: plt.close(figure) or b"figure")
+        allreduce_section.beside_seed(report)
+    assert "ours on a machine of its own (2 cores, gloo)" in report.markdown()[-1]
+
+
 def test_a_missing_file_is_none_and_a_line_naming_its_command(tmp_path):
     (tmp_path / "seeds.json").write_text("{}")
     report = page.Page(tmp_path / "results", {})

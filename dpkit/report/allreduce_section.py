@@ -112,5 +112,5 @@ def seed_text(doc: dict, seed: dict, env: dict) -> str:
 
 def beside_seed(page) -> None:
     doc, seed = page.load("allreduce"), page.seeds["homework_solution"]
-    page.draw(seed_figure(doc, seed, page.env))
-    page.say(seed_text(doc, seed, page.env))
+    page.draw(seed_figure(doc, seed, doc["env"]))
+    page.say(seed_text(doc, seed, doc["env"]))

@@ -234,8 +234,8 @@ def beside_seed(page) -> None:
     if not ours:
         page.missing("torch's all_reduce on the algorithm axis (collectives_benchmark.py --axis algorithms)")
         return
-    page.draw(bandwidth_figure(ours, seed_rows, doc, seed, page.env))
-    if text := bandwidth_text(ours, seed_rows, doc, seed, page.env):
+    page.draw(bandwidth_figure(ours, seed_rows, doc, seed, doc["env"]))
+    if text := bandwidth_text(ours, seed_rows, doc, seed, doc["env"]):
         page.say(text)
     else:
         page.missing("the sizes the shape and scaling are compared at: one measured at both 2 and 4 processes, and "

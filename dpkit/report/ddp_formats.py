@@ -49,8 +49,8 @@ def diff(page, doc: dict, rows: dict[float, dict], seed: dict) -> None:
              + fenced(ddp_tables.format_diff(as_run(doc, rows[TWENTY_FIVE], 25.0), as_run(doc, rows[ONE], 1.0))),
              label=False)
     one_vs_25, seed_diffs = plots.ratio(rows[ONE], rows[TWENTY_FIVE]), [r["p75_diff_pct"] for r in seed["diff"]["rows"]]
-    page.say(f"Hardware: PyTorch's on {seed['hardware']}; ours on {page.env['device_model']} ({page.cpus} cores, "
-             "gloo). "
+    env = doc["env"]
+    page.say(f"Hardware: PyTorch's on {seed['hardware']}; ours on {env['device_model']} ({env['cpus']} cores, gloo). "
              f"There, 1 MiB buckets changed p75 time by {span(seed_diffs, '+.1f')} % against 25 MiB (negative: "
              f"slower), over {len(seed_diffs)} model and GPU-count pairs. Here, PyTorch's DDP [torch] with 1 MiB / "
              "25 MiB buckets at p50 (ours at p50, the seed's at p75: our rounds hold p50 only): "
@@ -112,7 +112,7 @@ def sweep(page) -> None:
     ordered = sorted(rows, key=lambda r: (r["engine"] is not None, r["label"], r["world_size"]))  # series together
     page.show([{**r, "label": row_identity.label(r, path=True)} for r in ordered], columns, label=False)
     page.draw(plots.ddp_sweep(doc))
-    page.say(scaling_text(rows, page.cpus), label=False)
+    page.say(scaling_text(rows, doc["env"]["cpus"]), label=False)
 
 
 def sweep_figure(rows: list[dict], seed: dict, env: dict):
@@ -166,6 +166,7 @@ def _growth_text(growth: tuple[float, float, float]) -> str:
 
 
 def sweep_beside_seed(page) -> None:
-    rows, seed = marked(page.load("ddp_sweep")), page.seeds["pytorch_ddp_benchmark"]
-    page.draw(sweep_figure(rows, seed, page.env))
-    page.say(growth_text(rows, seed, page.env), label=False)
+    doc, seed = page.load("ddp_sweep"), page.seeds["pytorch_ddp_benchmark"]
+    rows = marked(doc)
+    page.draw(sweep_figure(rows, seed, doc["env"]))
+    page.say(growth_text(rows, seed, doc["env"]), label=False)

@@ -146,7 +146,7 @@ def commentary(page) -> None:
     sweep = page.load("ddp_benchmark")
     checks = [c for c in doc.get("targets") or [] if not findings.oversubscribed(c, doc["env"])]
     judged, thread = [c for c in checks if c["limit"] is not None], thread_text(checks)
-    page.say(f"*Commentary.* On {page.env['device_model']} ({page.cpus} cores), of the targets of `{name}` "
+    page.say(f"*Commentary.* On {doc['env']['device_model']} ({doc['env']['cpus']} cores), of the targets of `{name}` "
              f"({doc['config']['rounds']} rounds; {', '.join(sorted({c['model'] for c in judged}))}, "
              f"{', '.join(map(str, sorted({c['world_size'] for c in judged})))} processes), per axis and kind: "
              f"{sentences.counts_inline([(doc, checks)])}. "
@@ -229,5 +229,5 @@ def buckets_text(doc: dict, seed: dict, env: dict) -> str:
 
 def buckets_beside_seed(page) -> None:
     doc, seed = page.load("ddp_benchmark"), page.seeds["bucketed_ddp"]
-    page.draw(buckets_figure(doc, seed, page.env))
-    page.say(buckets_text(doc, seed, page.env), label=False)
+    page.draw(buckets_figure(doc, seed, doc["env"]))
+    page.say(buckets_text(doc, seed, doc["env"]), label=False)

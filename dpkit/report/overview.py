@@ -14,12 +14,17 @@ NAMES = ("syncbn", "train_ours", "train_pytorch", "allreduce", "collectives", "r
          "ddp_benchmark", "ddp_headline", "ddp_sweep", "sharding", "sharding_resnet18", "sharding_gpt", "multihost")
 
 
-def environment_rows(env: dict, manifest: dict | None) -> list[dict]:
-    return [{"item": k, "value": str(v)} for k, v in [
-        ("torch", env["torch"]), ("CUDA", env["cuda"] or "none (CPU)"), ("device", env["device"]),
-        ("device model", env["device_model"]), ("CPU cores", env["cpus"]), ("threads per process", env["threads"]),
-        ("backend", env["backend"]), ("python", env["python"]), ("git commit", env["git_commit"]),
-        ("settings", "quick" if manifest and manifest["config"]["quick"] else "full")]]
+def environment_rows(envs: list[dict], manifest: dict | None) -> list[dict]:
+    """The environment of the files of ``envs``: each item once, every value the files hold where they differ
+    (files of one run may come from parts run on different machines and commits: the table below names each
+    file's machine)."""
+    items = [("torch", "torch"), ("CUDA", "cuda"), ("device", "device"), ("device model", "device_model"),
+             ("CPU cores", "cpus"), ("threads per process", "threads"), ("backend", "backend"), ("python", "python"),
+             ("git commit", "git_commit")]
+    def value(env: dict, key: str) -> str:
+        return str((env[key] or "none (CPU)") if key == "cuda" else env[key])
+    rows = [{"item": item, "value": "; ".join(dict.fromkeys(value(env, key) for env in envs))} for item, key in items]
+    return rows + [{"item": "settings", "value": "quick" if manifest and manifest["config"]["quick"] else "full"}]
 
 
 def worlds(doc: dict) -> list[int]:
@@ -46,7 +51,8 @@ def what_ran(page) -> None:
     """The environment, the manifest's experiments with their times, and each file's machine and processes."""
     manifest = page.load("manifest")
     docs = {name: page.load(name) for name in NAMES}
-    page.show(environment_rows(page.env, manifest), [("item", "", "s"), ("value", "", "s")])
+    page.show(environment_rows([doc["env"] for doc in docs.values() if doc], manifest),
+              [("item", "", "s"), ("value", "", "s")])
     if manifest:
         page.show([{**r, "command": r["command"].split("/bin/")[-1]} for r in manifest["results"]],
                   [("experiment", "experiment", "s"), ("status", "status", "s"), ("seconds", "seconds", ".0f"),
@@ -54,7 +60,8 @@ def what_ran(page) -> None:
     page.show(experiment_rows(docs), [("experiment", "experiment", "s"),
                                       ("machine", "machine (its file's environment)", "s"),
                                       ("processes", "processes", "s"),
-                                      ("oversubscribed", f"oversubscribed (> {page.cpus} cores)", "s")])
+                                      ("oversubscribed", "oversubscribed (more processes than its machine's cores)",
+                                       "s")])
 
 
 def headline(page) -> None:

@@ -83,15 +83,6 @@ class Page:
                          "writes it.*")
         return self.cache[name]
 
-    @property
-    def env(self) -> dict:
-        """The environment of the first result file present (every file of one run shares it)."""
-        return next(d["env"] for d in map(self.load, ("syncbn", "collectives", "ddp_benchmark", "allreduce")) if d)
-
-    @property
-    def cpus(self) -> int:
-        return self.env["cpus"]
-
     def say(self, text: str, doc: dict | None = None, label: bool = True) -> None:
         """Markdown; each [shared_memory] in it names its path, zero copy or staged (``paths.label``; ``doc``:
         its file)."""

@@ -182,7 +182,8 @@ def memory_span(doc: dict) -> str:
 def commentary(page) -> None:
     """The sentences of the table above, from its ratios and the benchmark's own target rows."""
     doc = page.load("syncbn")
-    page.say(f"*Commentary.* On {page.env['device_model']} ({page.cpus} cores), {doc['config']['workers']} workers, "
+    page.say(f"*Commentary.* On {doc['env']['device_model']} ({doc['env']['cpus']} cores), {doc['config']['workers']} "
+             "workers, "
              f"over the {len(speed_table(doc)[0])} sizes, {targets_text(doc)}. " + extra_text(doc)
              + f"Memory: ours peaks at {memory_span(doc)} times `BatchNorm1d`'s memory in float32 and keeps no more "
                "bytes for backward, because it saves the input and a few per-channel vectors.", doc)
@@ -243,5 +244,5 @@ def beside_seed(page) -> None:
                      ("our_mem", "ours: memory / BatchNorm1d (local)", ".2f"),
                      ("seed_time", "seed: time, its layer / PyTorch SyncBN", ".2f"),
                      ("our_time", f"ours: time / (BatchNorm1d + 2 all_reduce) [{first}], median over rounds", ".2f")])
-    page.draw(seed_figure(rows, seed, page.env))
-    page.say(seed_text(rows, seed, page.env, first))
+    page.draw(seed_figure(rows, seed, doc["env"]))
+    page.say(seed_text(rows, seed, doc["env"], first))

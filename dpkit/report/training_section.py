@@ -140,4 +140,4 @@ def beside_seed(page) -> None:
     page.show(rows, [("who", "run", "s"), ("data", "data", "s"), ("epochs", "epochs", "d"),
                      ("time", "time (s, slowest rank)", ".1f"), ("mem", "max memory (bytes)", ",d"),
                      ("loss", "val loss", ".4f"), ("acc", "val accuracy", ".4f")])
-    page.say(seed_text(found, rows, seed, page.env))
+    page.say(seed_text(found, rows, seed, found["ours"]["env"]))
