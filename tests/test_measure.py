@@ -64,6 +64,13 @@ def test_a_batch_of_calls_lasts_at_least_the_time_asked_and_less_than_twice_it(m
 
     stalls = iter([0.0, 0.005])  # the first timed call (after the untimed one) stalls for 5 ms: the batch stays whole
     assert measure.calls_lasting(lambda: now.__setitem__(0, now[0] + 1e-3 + next(stalls, 0.0)), 0.02, 1 << 16) == 32
+    # Calls 1 (untimed) and 2 to 16 (tries of 1 to 8) come first; call 17 opens the first try of 16 calls and
+    # stalls for 5 ms: that try lasts 21 ms, the next 16: the stall does not halve the batch.
+    stalls = iter([0.0] * 16 + [0.005])
+    assert measure.calls_lasting(lambda: now.__setitem__(0, now[0] + 1e-3 + next(stalls, 0.0)), 0.02, 1 << 16) == 32
+    stalls = iter([0.0] * 16 + [0.005])
+    assert measure.calls_lasting(lambda: now.__setitem__(0, now[0] + 1e-3 + next(stalls, 0.0)), 0.02, 1 << 16,
+                                 tries=1) == 16, "one try: the stall makes the count"
 
 
 def test_batches_of_each_function_are_counted_apart_and_timed_per_call(monkeypatch):

@@ -121,27 +121,35 @@ BATCH_S, MAX_CALLS_PER_BATCH = 0.02, 1 << 16
 
 
 def calls_lasting(fn: Callable[[], Any], seconds: float, limit: int, group=None,
-                  device: torch.device | str = "cpu") -> int:
+                  device: torch.device | str = "cpu", tries: int = 3) -> int:
     """How many back-to-back calls of ``fn`` last at least ``seconds`` (at most ``limit``), the same number on every
     rank: after one untimed call (a first call may set things up), the calls are doubled from one until they last
     that long. A batch timed after a barrier charges its calls with how far apart the ranks left the barrier; a batch
-    this long makes that a small share of it, whatever one call costs. Two choices keep a stall from making the
+    this long makes that a small share of it, whatever one call costs. Three choices keep a stall from making the
     batch short: the count is the one that lasted the whole time, not scaled from a shorter try that a stall may
-    have lengthened; and it is taken on the rank the calls took least time on, since the last rank to start them
+    have lengthened; it lasted the whole time in each of ``tries`` tries, since a stall lengthens one try, not the
+    calls; and each try is timed on the rank the calls took least time on, since the last rank to start them
     waited for no one while the others waited for it. GPU work is synchronised before the clock is read: queued
     calls would look free."""
     device = torch.device(device)
     fn()
     calls = 1
-    while True:
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-        if calls >= limit or _least(time.perf_counter() - start, group) >= seconds:
+    while calls < limit:
+        # all() stops at the first short try: every rank sees the same least time, so all stop alike.
+        if all(_least(_timed(fn, calls, device), group) >= seconds for _ in range(tries)):
             return calls
         calls = min(2 * calls, limit)
+    return calls
+
+
+def _timed(fn: Callable[[], Any], calls: int, device: torch.device) -> float:
+    """Seconds that ``calls`` back-to-back calls of ``fn`` take, queued GPU work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def _least(value: float, group=None) -> float:
