@@ -27,8 +27,8 @@ def calls(nbytes: int, iters: int) -> int:
     """Timed batches (rounds) for one size: ``iters``, and SMALL_CALLS times as many for messages up to SMALL_BYTES.
 
     The time of a batch of short calls varies from batch to batch (scheduling, wake-ups), so the
-    few rounds that suit the large sizes leave a small size's ratio with a wide interval; its
-    extra rounds cost little time.
+    few rounds that suit the large sizes leave a small size's ratio with a wide interval; each
+    extra round costs one batch per contender.
     """
     return iters * SMALL_CALLS if nbytes <= SMALL_BYTES else iters
 
