@@ -200,7 +200,7 @@ def worker(ctx, args: argparse.Namespace) -> list[dict]:
         rows += backend_worker(ctx, args.backend_collectives, args.backend_sizes, args.iters, args.warmup,
                                args.floor_calls, rows, args.anchors, args.batch_ms / 1e3)
     steps = ctx.world_size == 2 and args.collective == "allreduce" and args.algorithms and not args.tune
-    return rows + (point_to_point(ctx, args.iters, args.warmup) if steps else [])
+    return rows + (point_to_point(ctx, args.iters, args.warmup, batch_s=args.batch_ms / 1e3) if steps else [])
 
 
 def _stored_rows(path: str) -> list[dict]:

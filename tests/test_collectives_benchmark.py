@@ -80,9 +80,9 @@ def _measure(ctx) -> dict:
     transports = {collective: _transports(ctx, collective) for collective in bench.COLLECTIVES}
     return {"rows": rows, "transports": {c: rows for c, (rows, _) in transports.items()},
             "owned": {c: owned for c, (_, owned) in transports.items()},
-            "p2p": point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000)),
+            "p2p": point_to_point(ctx, iters=3, warmup=1, sizes=(4, 4000), batch_s=BATCH_S),
             "p2p_off_host": point_to_point(dataclasses.replace(ctx, device=OFF_HOST), iters=1, warmup=0,
-                                                 sizes=(4,)),
+                                                 sizes=(4,), batch_s=BATCH_S),
             "groups_before_backend": len(c10d._world.pg_map),
             "backend": backend_axis.backend_worker(ctx, list(backend_axis.BACKEND_CALLS), list(BACKEND_SIZES), iters=1,
                                                    warmup=0, floor_calls=2, batch_s=BATCH_S),
@@ -200,6 +200,7 @@ def test_one_step_of_ours_and_of_gloos_is_timed_with_its_bytes(measured):
     for row in p2p:
         moved = row["bytes"] if row["impl"] == "ours" else row["bytes"] / 2  # gloo's ring on 2 ranks: 2 half steps
         assert row["step_gbps"] == pytest.approx(moved / row["step_s"] / 1e9, rel=1e-12)
+        assert 1 <= row["calls_per_round"] <= measure.MAX_CALLS_PER_BATCH  # steps timed in batches, as the axes
 
 
 def test_the_report_has_one_table_per_axis(measured):
