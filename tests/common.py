@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from dpkit.bench import measure
 from dpkit.comm import transport
 from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, WorkerError, launch
 
@@ -210,6 +211,15 @@ def _subgroup_grid(ctx, grid_in, rounds, *args) -> dict:
                 size = len(members) if members is not None else ctx.world_size
                 out[size] = (dist.get_rank(group), grid_in(group, *args))
     return out
+
+
+def doubled_count(row: dict) -> bool:
+    """Whether a row's calls per batch is a count ``measure.calls_lasting`` makes: doubled from one until the calls
+    last the batch, so a power of two or the limit. Which contender makes more calls is a timing, left to the
+    benchmarks: on a loaded machine, shared memory's spinning ranks may wait longer than gloo's sleeping ones. That
+    each contender gets its own count is tested on a clock only the calls move (``test_measure``)."""
+    calls, limit = row["calls_per_round"], measure.MAX_CALLS_PER_BATCH
+    return 1 <= calls <= limit and (calls & (calls - 1) == 0 or calls == limit)
 
 
 def refused(call) -> dict:
