@@ -204,6 +204,12 @@ def test_run_experiments_takes_its_flags(flag):
     assert getattr(run_experiments.parse_args([flag]), flag[2:]) is True
 
 
+def test_an_experiment_is_killed_after_its_guard_which_a_quick_run_keeps_at_half_an_hour():
+    assert run_experiments.parse_args(["--quick"]).timeout == run_experiments.QUICK_TIMEOUT_S == 1800
+    assert run_experiments.parse_args([]).timeout == run_experiments.FULL_TIMEOUT_S
+    assert run_experiments.parse_args(["--quick", "--timeout", "60"]).timeout == 60
+
+
 # --------------------------------------------------------------------------- the sentences made of them
 
 
