@@ -450,6 +450,38 @@ def _zero_copy(group) -> dict:
     return out
 
 
+def _short_sums(group) -> dict:
+    """Which way each all-reduce on shared memory went (``SharedMemory._short_sum``): "short" straight to the
+    slots, "usual" through the checks and ``_all_reduce``; and the short ones' results against the oracle."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    t = transport.SharedMemory(group)
+    usual, inner = [], t._all_reduce
+    t._all_reduce = lambda flat, op: (usual.append(op), inner(flat, op))[1]
+
+    def way(call) -> str:
+        before = len(usual)
+        call()
+        return "usual" if len(usual) > before else "short"
+
+    x = rank_input(1003, rank, "float32").view(17, 59)
+    owned = t.allocate((1003,), dtype=torch.int64).copy_(rank_input(1003, rank, "int64"))
+    ways = {"float32 sum, 2-D": way(lambda: t.all_reduce(x)),
+            "int64 sum, in its own buffer": way(lambda: t.all_reduce(owned)),
+            "float32 mean": way(lambda: t.all_reduce(torch.ones(8), "avg")),
+            "float16 sum": way(lambda: t.all_reduce(torch.ones(8, dtype=torch.float16))),
+            "async_op": way(lambda: t.all_reduce(torch.ones(8), async_op=True).wait()),
+            "strided": way(lambda: t.all_reduce(torch.ones(16)[::2])),
+            "tracked by autograd": way(lambda: t.all_reduce(torch.ones(8, requires_grad=True))),
+            "past the slots": way(lambda: t.all_reduce(torch.ones(shared_memory.SLOTS_BYTES // 4 + 1)))}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        ways["under the profiler"] = way(lambda: t.all_reduce(torch.ones(8)))
+    named = any(e.name == shared_memory.SHARED_MEMORY_RANGE.format("all_reduce") for e in profile.events())
+    results = {"float32": mismatch(x.view(-1), *summed(1003, "float32", "sum", n)),
+               "int64": mismatch(owned, *summed(1003, "int64", "sum", n))}
+    t.close()
+    return {"ways": ways, "results": results, "the range is named under the profiler": named}
+
+
 def _refusals(group) -> dict:
     """Bad arguments to each transport, each refused before any message; then a good call."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -777,7 +809,8 @@ def grid_in(group) -> dict:
     if n == WORLD:  # every rank alone, at the same time: a world of one
         out["alone"] = run_grid(alone, [case for case in cases() if case[4] in (0, 1003)
                                         and case[2] in ("float32", "int64")])
-    out.update(zero_copy=_zero_copy(group), refusals=_refusals(group), diverging=_diverging(group),
+    out.update(zero_copy=_zero_copy(group), short_sums=_short_sums(group), refusals=_refusals(group),
+               diverging=_diverging(group),
                resolve=_resolve(group, alone), without_room=_without_room(group), apart=_apart(group))
     if n == 2:  # seconds of waiting: once is enough
         out["late"] = _late(group)
@@ -976,6 +1009,21 @@ def test_collectives_on_allocated_buffers_stage_nothing(grids, n):
         assert zero["all_reduce"] is None and zero["reduce_scatter"] is None and zero["all_gather"]
         assert zero["staged after allocated buffers"] == 0
         assert zero["staged after a plain tensor"] > 0 and zero["staged after release_staging"] == 0
+
+
+@pytest.mark.parametrize("n", SIZES_N)
+def test_a_short_sum_the_caller_waits_for_goes_straight_to_the_slots_every_other_call_the_usual_way(grids, n):
+    """A contiguous CPU sum of a dtype C++ sums, of at most SLOTS_BYTES, untracked, waited for: the slots at once
+    (any shape, in its own buffer or not), exact. A mean, another dtype, async_op, a strided or tracked tensor, a
+    longer one, or a call under the profiler (whose range the usual path names): the usual path."""
+    for out in grids[n]:
+        short = out["short_sums"]
+        assert short["ways"] == {"float32 sum, 2-D": "short", "int64 sum, in its own buffer": "short",
+                                 "float32 mean": "usual", "float16 sum": "usual", "async_op": "usual",
+                                 "strided": "usual", "tracked by autograd": "usual", "past the slots": "usual",
+                                 "under the profiler": "usual"}
+        assert short["results"] == {"float32": None, "int64": None}
+        assert short["the range is named under the profiler"]
 
 
 @pytest.mark.parametrize("n", SIZES_N)

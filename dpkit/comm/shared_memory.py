@@ -38,10 +38,11 @@ from dpkit.comm.hosts import HOSTS_ENV, host_indices
 from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
-from dpkit.comm.slots import Slots, file_bytes, native_sums
+from dpkit.comm.slots import NATIVE_SUMS, Slots, file_bytes, native_sums
 from dpkit.comm.torch_transport import Torch
 
 OPS = ("sum", "avg")
+_SUMMED_IN_CPP = frozenset(NATIVE_SUMS)  # the dtypes of ``_short_sum``: a set, as it is asked at every call
 # Under the profiler every shared-memory collective is a range of this name (gloo's collectives have theirs).
 SHARED_MEMORY_RANGE = "shared_memory:{}"
 _RANGES = {kind: SHARED_MEMORY_RANGE.format(kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
@@ -414,6 +415,29 @@ class SharedMemory(Transport):
         return True
 
     # ---- the three collectives
+
+    def all_reduce(self, tensor, op="sum", *, async_op=False):
+        """As ``Transport.all_reduce``; a short sum the caller waits for goes straight to the slots (``_short_sum``)."""
+        if op == "sum" and not async_op and self._short_sum(tensor):
+            return None
+        return super().all_reduce(tensor, op, async_op=async_op)
+
+    def _short_sum(self, tensor) -> bool:
+        """Sum ``tensor`` over the slots, in place, if it is a call the usual path (checks, then ``_all_reduce``)
+        would send there anyway with no work of its own around it: a contiguous CPU tensor of a dtype C++ sums,
+        of at most SLOTS_BYTES, untracked by autograd, that no other transport allocated, on slots this caller's
+        thread runs (no communication thread), with no profiler to name the range. True if summed; False,
+        having touched nothing, for every other call: the usual path takes it, refusals included. (Each
+        attribute the usual path reads costs a share of a short call: this reads each once.)"""
+        if (type(tensor) is not torch.Tensor or tensor.dtype not in _SUMMED_IN_CPP or self._slots is None
+                or self._fallback is not None or self._comm is not None or self._broken is not None or self._closed
+                or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)):
+            return False
+        if (not tensor.is_cpu or tensor.requires_grad or not tensor.is_contiguous()
+                or not 0 < tensor.nbytes <= SLOTS_BYTES or owner_of(tensor) not in (None, self)):
+            return False
+        self._through_slots(self._slots.all_reduce, tensor if tensor.dim() == 1 else tensor.view(-1), "sum")
+        return True
 
     def _all_reduce(self, flat, op):
         if self._fallback is not None:
