@@ -71,6 +71,23 @@ def _wrong_backend(ctx) -> dict[str, float]:
     return errors
 
 
+SENT = {"allreduce": "full", "broadcast": "full", "reduce": "full", "all_gather": "part", "reduce_scatter": "full",
+        "all_to_all": "full"}  # the tensor each call of the backend axis sends (``backend_call``'s arguments)
+
+
+def _sent_after_a_timed_call(ctx) -> dict[str, tuple]:
+    """Each collective's timed call on the "dpkit" group, the tensor it sends filled with sevens first: (what the
+    tensor holds after it on this rank, its row's ``input_written_first``)."""
+    group, out = backend_axis.backend_groups()[collectives.BACKEND], {}
+    for collective, name in SENT.items():
+        contender = backend_axis.backend_contenders(ctx, collective, 4 << 10, {collectives.BACKEND: group})[0][0]
+        sent = dict(zip(("full", "part"), contender.inputs))[name]
+        sent.fill_(7.0)
+        contender.call()
+        out[collective] = (sorted(set(sent.tolist())), contender.fields["input_written_first"])
+    return out
+
+
 def _measure(ctx) -> dict:
     allreduce.ALGORITHMS["broken"] = _broken  # this worker only: the benchmark looks algorithms up by name
     pipeline = {"segment_bytes": allreduce.SEGMENT_BYTES, "in_flight": allreduce.IN_FLIGHT}
@@ -87,7 +104,7 @@ def _measure(ctx) -> dict:
             "backend": backend_axis.backend_worker(ctx, list(backend_axis.BACKEND_CALLS), list(BACKEND_SIZES), iters=1,
                                                    warmup=0, floor_calls=2, batch_s=BATCH_S),
             "groups_after_backend": len(c10d._world.pg_map),
-            "backend_wrong": _wrong_backend(ctx)}
+            "backend_wrong": _wrong_backend(ctx), "backend_sent": _sent_after_a_timed_call(ctx)}
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +257,15 @@ def test_the_backend_ratio_is_dpkit_over_gloo_of_the_same_rounds_timed_in_batche
         assert 0 < dpkit["min_s"] <= dpkit["p50_s"] <= dpkit["p95_s"]
         factor = {"allreduce": 1.0, "broadcast": 1.0, "reduce": 1.0, "barrier": 0.0}.get(dpkit["collective"], 0.5)
         assert dpkit["busbw_gbps"] == pytest.approx(dpkit["algbw_gbps"] * factor, rel=1e-12)
+
+
+def test_a_timed_call_first_writes_the_tensor_it_sends_unless_the_call_writes_it_itself(measured):
+    """As a training step writes what it then sends: a tensor left as it was would still sit, clean, in a
+    single-copy reader's cache. The all-reduce writes its sum (of sevens) over it; the others sent zeros."""
+    for rank in measured:
+        assert rank["backend_sent"] == {"allreduce": ([14.0], False), "broadcast": ([0.0], True),
+                                        "reduce": ([0.0], True), "all_gather": ([0.0], True),
+                                        "reduce_scatter": ([0.0], True), "all_to_all": ([0.0], True)}
 
 
 def test_measuring_the_backend_at_several_sizes_leaves_no_group_behind(measured):

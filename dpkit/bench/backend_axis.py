@@ -1,6 +1,8 @@
 """The backend axis of the collectives benchmark: torch.distributed's own calls on a group of the backend
 "dpkit" against the same calls on a gloo group over the same ranks, the anchors (``anchors``) beside them,
-then the latency floor of the backend's all-reduce (``backend_latency``).
+then the latency floor of the backend's all-reduce (``backend_latency``). A timed call that sends a tensor it
+does not write (every collective but the all-reduce, which writes its sum over what it sent) first writes it
+(``written_first``), as a training step does.
 
     python collectives_benchmark.py --axis backends --procs 2 4
     rows = backend_worker(ctx, ["allreduce", "barrier"], [4, 4096], iters=20, warmup=5, floor_calls=500)
@@ -61,6 +63,29 @@ def backend_call(collective: str, group, full: torch.Tensor, part: torch.Tensor)
             "barrier": lambda: dist.barrier(group=group)}[collective]
 
 
+def sent_unwritten(collective: str, full: torch.Tensor, part: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a call of ``collective`` sends but does not write (``backend_call``'s ``full`` and ``part``); None
+    when the call writes what it sends (an all-reduce, in place) or sends nothing (a barrier). A broadcast's and a
+    reduce's ``full`` on every rank: the root's is sent, a reduce's others' are sent and left as they were."""
+    return {"broadcast": full, "reduce": full, "all_gather": part, "reduce_scatter": full,
+            "all_to_all": full}.get(collective)
+
+
+def written_first(sent: torch.Tensor, call: Callable[[], object]) -> None:
+    """``call()`` after this rank writes ``sent`` (zeros), as a training step writes what it then sends. A sender's
+    tensor left unchanged since the last call would still sit, clean, in its readers' caches: a single-copy
+    reader (Open MPI reads the sender's tensor with ``process_vm_readv``, its CMA) then reads lines its own
+    cache holds, which no step offers it; a copy through shared memory (gloo's sockets too) moves the bytes
+    anew each call anyway."""
+    sent.zero_()
+    call()
+
+
+def timed_call(sent: torch.Tensor | None, call: Callable[[], object]) -> Callable[[], object]:
+    """What a batch times of ``call``: itself, or, when it sends a tensor it does not write, ``written_first``."""
+    return call if sent is None else functools.partial(written_first, sent, call)
+
+
 def backend_error(ctx, collective: str, call, full: torch.Tensor, part: torch.Tensor) -> float:
     """One untimed call on an exact pattern: this rank's largest error (a barrier moves no data: 0)."""
     n = ctx.world_size
@@ -101,19 +126,21 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
     numel = backend_numel(collective, nbytes, n)
     full = torch.zeros(numel, dtype=torch.float32)
     part = torch.zeros(numel // n if collective in ("all_gather", "reduce_scatter") else numel, dtype=torch.float32)
+    sent = sent_unwritten(collective, full, part)
+    fields = {"input_written_first": sent is not None}
     contenders = []
     for label, group in groups.items():
         call = backend_call(collective, group, full, part)
-        contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}", call,
-                                    functools.partial(backend_error, ctx, collective, call, full, part), None,
-                                    (full, part)))
+        check = functools.partial(backend_error, ctx, collective, call, full, part)
+        contenders.append(Contender(label, dist.get_backend(group), f"dist.{BACKEND_CALLS[collective]}",
+                                    timed_call(sent, call), check, None, (full, part), fields))
     for anchor in (made or {}).values():
         call = anchor.call(collective, full, part)
         if call is not None:  # checked as the collective it stands beside, or by its own check (the memory's)
             check = (anchor.check(call, full, part) if hasattr(anchor, "check") else
                      functools.partial(backend_error, ctx, collective, call, full, part))
-            contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective), call, check, None,
-                                        (full, part), anchor.fields))
+            contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
+                                        timed_call(sent, call), check, None, (full, part), {**anchor.fields, **fields}))
     # All-reduce and reduce sum in place: zeros (refilled, untimed, before the counts and each timed batch) stay
     # zeros.
     setup = full.zero_ if collective in ("allreduce", "reduce") else None
