@@ -38,6 +38,25 @@ def test_ahead_and_behind_are_said_only_where_the_whole_interval_lies_on_one_sid
     assert lines[-1].endswith('against Open MPI (mpi4py), "dpkit" is ahead at 1MiB, behind at 8B, neither at 4KiB.')
 
 
+def test_every_other_collective_is_a_table_over_open_mpi_only_from_calls_that_first_wrote_what_they_send():
+    def other(collective, nbytes, ratio, written=True):
+        return row("Open MPI (mpi4py)", nbytes, 1e-5, ratio, "openmpi") | {"collective": collective,
+                                                                          "input_written_first": written}
+    rows = [other("broadcast", 8, (1.1, 1.5, 2.0)), other("broadcast", 4096, (0.5, 0.6, 0.8)),
+            other("all_to_all", 8, (0.9, 1.0, 1.2)), row("Open MPI (mpi4py)", 8, 1e-5, (0.1, 0.2, 0.3), "openmpi")]
+    lines = backend_lines.other_collectives({"results": rows})  # the all-reduce's row is the other table's
+    assert lines[2:4] == ["| collective | 8B | 4KiB |", "|---|---|---|"]
+    assert lines[4] == f"| broadcast | {format_ratio(_r(1.1, 1.5, 2.0))} | {format_ratio(_r(0.5, 0.6, 0.8))} |"
+    assert lines[5] == f"| all-to-all | {format_ratio(_r(0.9, 1.0, 1.2))} |  |"
+    assert lines[-1] == "By the intervals: ahead in 1 of 3, behind in 1 (broadcast at 8B)."
+    rows[0]["input_written_first"] = False  # a file made before the calls wrote what they send: no table
+    assert backend_lines.other_collectives({"results": rows}) == []
+
+
+def _r(low, median, high):
+    return {"median": median, "ci_low": low, "ci_high": high, "rounds": 40}
+
+
 def test_the_landing_sentences_are_the_files_stored_ratios_and_verdict():
     docs = {name: json.loads((REPO / "results" / f"{name}.json").read_text()) for name in backend_lines.FILES}
     ddp = backend_lines.ddp_landing(docs["ddp_backend"])

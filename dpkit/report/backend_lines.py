@@ -1,7 +1,8 @@
 """README's results of the backend "dpkit", from its committed files: the all-reduce beside the anchors (Open MPI,
 DeepSpeed) with what the intervals decide, how much of a small call is torch's own and how far the large one is
-from the memory's bound, every collective against gloo's, the all-reduce at 4 ranks, why it copies twice and not
-once, and where the backend lands under PyTorch's own layers. README holds them between two markers;
+from the memory's bound, every collective against gloo's and (where its calls first wrote what they send) against
+Open MPI's, the all-reduce at 4 ranks, why it copies twice and not once, and where the backend lands under
+PyTorch's own layers. README holds them between two markers;
 ``python run_experiments.py --summary`` rewrites them and a test keeps README equal to them, so no number there
 is typed by hand.
 
@@ -80,7 +81,7 @@ def _sides(name: str, ratios: dict[int, dict]) -> str:
     """'against Open MPI, "dpkit" is ahead at 64 KiB and 1 MiB, behind at 8 B, neither at 4 KiB'."""
     side = {"ahead": [], "behind": [], "neither": []}
     for nbytes, r in ratios.items():
-        side["ahead" if r["ci_high"] < 1 else "behind" if r["ci_low"] > 1 else "neither"].append(format_size(nbytes))
+        side[_side(r)].append(format_size(nbytes))
     return f'against {name}, "dpkit" is ' + ", ".join(f"{word} at {_and(sizes)}" for word, sizes in side.items()
                                                       if sizes)
 
@@ -131,11 +132,36 @@ def floor(doc: dict, nbytes: int = 4096) -> str:
 
 def other_cpu(doc: dict) -> list[str]:
     """The same 2-rank all-reduce beside the anchors on the machine's other CPU (the CPU differs between days):
-    its table, what its intervals decide, and the memory's bound."""
+    its table, what its intervals decide, the memory's bound, and every other collective against Open MPI's."""
     return [f"The same all-reduce on the other CPU this machine runs on (`results/backend_anchors_xeon.json`, at "
             f"{doc['env']['git_commit']}, {doc['env']['device_model']}, {doc['env']['cpus']} cores; the first "
             "command above with `--json results/backend_anchors_xeon.json`):", "", *anchors(doc), "",
-            memory_bound(doc)]
+            memory_bound(doc), "", *other_collectives(doc)]
+
+
+def other_collectives(doc: dict, anchor: str = "openmpi") -> list[str]:
+    """Every collective but the all-reduce on "dpkit" over ``anchor``'s, by size, and what the intervals decide:
+    only from a file whose calls first wrote the tensor they send (``backend_axis.written_first``); else nothing."""
+    rows = [r for r in doc["results"] if r.get("axis") == "backend" and r.get("anchor") == anchor
+            and r["collective"] not in ("allreduce", "barrier")]
+    if not rows or not all(r.get("input_written_first") for r in rows):
+        return []
+    sizes = sorted({r["bytes"] for r in rows})
+    ratios = {(r["collective"], r["bytes"]): _ratio(r) for r in rows}
+    lines = ["| collective | " + " | ".join(format_size(n) for n in sizes) + " |", "|" + "---|" * (len(sizes) + 1)]
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        lines.append(f"| {NAMES[collective]} | " + " | ".join(
+            format_ratio(ratios[collective, n]) if (collective, n) in ratios else "" for n in sizes) + " |")
+    side = {word: [f"{NAMES[c]} at {format_size(n)}" for (c, n), r in ratios.items() if _side(r) == word]
+            for word in ("ahead", "behind")}
+    return [f"Every other collective on \"dpkit\" over {rows[0]['label']}'s (same file and rounds; each call first "
+            "writes the tensor it sends):", "", *lines, "",
+            f"By the intervals: ahead in {len(side['ahead'])} of {len(ratios)}, behind in {len(side['behind'])}"
+            + (f" ({_and(side['behind'])})" if side["behind"] else "") + "."]
+
+
+def _side(ratio: dict) -> str:
+    return "ahead" if ratio["ci_high"] < 1 else "behind" if ratio["ci_low"] > 1 else "neither"
 
 
 def four_ranks(doc: dict) -> str:
