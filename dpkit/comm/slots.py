@@ -365,12 +365,20 @@ class Slots:
         m = out.numel() // self.size
         start, end = self.rank * m, (self.rank + 1) * m
         rows = out.view(self.size, m)
+        # Past one piece, this rank's own block goes first, before any wait: the pieces of that block are the ones
+        # this rank reads from every peer while they only post, so copying it there too would hold them all up.
+        own_first = flat.numel() > piece_numel("all_to_all", flat.numel(), flat.element_size(), self.slot_bytes)
+        if own_first:
+            rows[self.rank].copy_(flat[start:end])
 
         def take(lo, hi, parts):  # this rank's own block from ``flat``: only the others' are posted, on both paths
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 for j, part in enumerate(parts):
-                    rows[j, a - start:b - start].copy_(flat[a:b] if j == self.rank else part[a - lo:b - lo])
+                    if j != self.rank:
+                        rows[j, a - start:b - start].copy_(part[a - lo:b - lo])
+                    elif not own_first:
+                        rows[j, a - start:b - start].copy_(flat[a:b])
         self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced, unposted=(start, end))
 
     def barrier(self, announced: int | None = None) -> None:
