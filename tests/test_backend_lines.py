@@ -115,16 +115,22 @@ def test_the_memory_s_bound_is_a_sentence_of_its_own_from_16_mib_up_with_the_ver
     assert backend_lines.memory_bound({"results": rows[:3]}).startswith("*not in this results file")
 
 
-def test_the_single_copy_sentence_says_where_the_read_costs_more_than_two_copies_by_the_interval():
+def test_the_single_copy_sentences_say_where_the_read_costs_more_or_less_than_two_copies_by_the_interval():
     def read(nbytes, low, median, high):
         return {"way": backend_lines.SINGLE_COPY, "bytes": nbytes, "reads": 200, "vs_copy": median,
                 "vs_copy_ci_low": low, "vs_copy_ci_high": high}
-    doc = {"env": {"git_commit": "abc1234"}, "results": [read(65536, 3.1, 3.2, 3.3), read(1 << 20, 1.9, 2.4, 2.6),
-                                                         {"way": "copy out of shared memory", "bytes": 65536}]}
+    doc = {"env": {"git_commit": "abc1234", "device_model": "AMD EPYC"},
+           "results": [read(65536, 3.1, 3.2, 3.3), read(1 << 20, 1.9, 2.4, 2.6),
+                       {"way": "copy out of shared memory", "bytes": 65536}]}
     text = backend_lines.single_copy(doc)
     assert "takes 3.20x [3.10, 3.30] at 64KiB and 2.40x [1.90, 2.60] at 1MiB the time" in text
-    assert text.endswith(": more than two such copies at 64KiB only.")
+    assert text.endswith(": more than two such copies at 64KiB; an interval that holds two at 1MiB.")
     doc["results"][1]["vs_copy_ci_low"] = 2.1
     assert backend_lines.single_copy(doc).endswith(": more than two such copies at every size measured.")
-    doc["results"][0]["vs_copy_ci_low"] = doc["results"][1]["vs_copy_ci_low"] = 1.5
-    assert backend_lines.single_copy(doc).endswith(": not more than two such copies at any size measured.")
+    doc["results"][0] |= {"vs_copy_ci_low": 1.4, "vs_copy": 1.5, "vs_copy_ci_high": 1.6}
+    assert backend_lines.single_copy(doc).endswith(": more than two such copies at 1MiB; fewer than two at 64KiB.")
+    doc["results"][1] |= {"vs_copy_ci_low": 1.4, "vs_copy": 1.5, "vs_copy_ci_high": 1.9}
+    doc["env"]["device_model"] = "Intel(R) Xeon(R) Processor"
+    other = backend_lines.single_copy_other_cpu(doc)
+    assert other.startswith("The same read on the other CPU (`results/peer_read_xeon.json`, at abc1234, Intel(R)")
+    assert other.endswith(": fewer than two at every size measured.")
