@@ -232,7 +232,7 @@ def _in_place(run: Callable[[torch.Tensor, str], None], tensor: torch.Tensor, op
     pays for every object it makes.)"""
     with untracked(tensor.requires_grad):
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        run(_flat(work), op)
+        run(flat_view(work), op)
         if work is not tensor:
             tensor.copy_(work)
 
@@ -241,7 +241,7 @@ def _sharded(run: Callable, output: torch.Tensor, input: torch.Tensor, *rest) ->
     """``run(out, flat, *rest)`` on contiguous 1-D tensors; a non-contiguous output is filled in a copy."""
     with untracked(output.requires_grad or input.requires_grad):
         work = output if output.is_contiguous() else output.contiguous()
-        run(_flat(work), _flat(input.contiguous()), *rest)
+        run(flat_view(work), flat_view(input.contiguous()), *rest)
         if work is not output:
             output.copy_(work)
 
@@ -253,7 +253,7 @@ def untracked(tracked: bool):
     return torch.no_grad() if tracked else _NOTHING
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
+def flat_view(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous ``tensor`` as 1-D: itself when it is 1-D already (a view is one more tensor made per call)."""
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
@@ -345,10 +345,16 @@ def owner_of(tensor: torch.Tensor):
     return None
 
 
+def profiling() -> bool:
+    """Whether a profiler may be recording (asking costs nanoseconds). ``_is_profiler_enabled`` is the profiler's
+    own process-wide flag, true on every thread it records (private: where a release drops it, the answer is
+    always yes)."""
+    return getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+
+
 def profiler_range(name: str):
-    """A profiler range ``name`` while a profiler records, else nothing (asking costs nanoseconds; a range,
-    microseconds). ``_is_profiler_enabled`` is the profiler's own process-wide flag, true on every thread it
-    records (private: where a release drops it, the range is always made)."""
-    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+    """A profiler range ``name`` while a profiler records (``profiling``), else nothing (a range costs
+    microseconds)."""
+    if profiling():
         return torch.profiler.record_function(name)
     return _NOTHING

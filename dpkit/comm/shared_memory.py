@@ -35,7 +35,8 @@ from dpkit.comm import shared_file, torch_transport
 from dpkit.comm.checks import bounds
 from dpkit.comm.comm_thread import group_timeout
 from dpkit.comm.hosts import HOSTS_ENV, host_indices
-from dpkit.comm.interface import Transport, claim_memory, forget_memory, owner_of, profiler_range
+from dpkit.comm.interface import (Transport, claim_memory, flat_view, forget_memory, owner_of, profiler_range,
+                                  profiling)
 from dpkit.comm.process_groups import DEFAULT_TIMEOUT_S, PeerFailedError
 from dpkit.comm.shared_file import COUNTER, SHM_DIRECTORY
 from dpkit.comm.slots import NATIVE_SUMS, Slots, file_bytes, native_sums
@@ -431,12 +432,12 @@ class SharedMemory(Transport):
         attribute the usual path reads costs a share of a short call: this reads each once.)"""
         if (type(tensor) is not torch.Tensor or tensor.dtype not in _SUMMED_IN_CPP or self._slots is None
                 or self._fallback is not None or self._comm is not None or self._broken is not None or self._closed
-                or getattr(torch.autograd.profiler, "_is_profiler_enabled", True)):
+                or profiling()):
             return False
         if (not tensor.is_cpu or tensor.requires_grad or not tensor.is_contiguous()
                 or not 0 < tensor.nbytes <= SLOTS_BYTES or owner_of(tensor) not in (None, self)):
             return False
-        self._through_slots(self._slots.all_reduce, tensor if tensor.dim() == 1 else tensor.view(-1), "sum")
+        self._through_slots(self._slots.all_reduce, flat_view(tensor), "sum")
         return True
 
     def _all_reduce(self, flat, op):
