@@ -141,9 +141,9 @@ def backend_contenders(ctx, collective: str, nbytes: int, groups: dict[str, obje
                      functools.partial(backend_error, ctx, collective, call, full, part))
             contenders.append(Contender(anchor.label, anchor.name, anchor.algorithm(collective),
                                         timed_call(sent, call), check, None, (full, part), {**anchor.fields, **fields}))
-    # All-reduce and reduce sum in place: zeros (refilled, untimed, before the counts and each timed batch) stay
-    # zeros.
-    setup = full.zero_ if collective in ("allreduce", "reduce") else None
+    # The all-reduce sums in place: zeros (refilled, untimed, before the counts and each timed batch) stay zeros.
+    # A reduce's calls write their zeros first (``written_first``).
+    setup = full.zero_ if collective == "allreduce" else None
     return contenders, setup, numel * 4
 
 
