@@ -1,6 +1,7 @@
 """Process groups: the local launcher's success and failure paths, a world of one without torchrun,
 and timing gathered across ranks."""
 
+import faulthandler
 import os
 import signal
 import sys
@@ -138,6 +139,48 @@ def test_a_worker_that_crashes_outside_python_is_reported_with_its_signal_and_py
     assert "rank 1 of 2 failed" in message and f"exit code {-signal.SIGABRT}" in message
     assert "the Python stacks when it crashed" in message and "_abort_in_a_named_frame" in message
     _assert_all_dead(failure.value.pids)
+
+
+# What gloo's connect raised on CI in a rank still joining when its peer, already joined, aborted.
+_CONNECT_CLOSED = ("Gloo connectFullMesh failed with [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] "
+                   "Connection closed by peer [127.0.0.1]:34518")
+
+
+def test_a_rank_that_fails_to_join_because_its_peer_crashed_is_not_reported_as_the_cause(tmp_path, monkeypatch):
+    """The crash is the root cause: the rank still joining fails with PeerFailedError, which ranks below a rank
+    that died without a traceback, so the launcher names the crashed rank whichever of the two it sees first."""
+    def join_that_loses_its_peer(*_):
+        raise RuntimeError(_CONNECT_CLOSED)
+
+    monkeypatch.setattr(process_groups, "_init", join_that_loses_its_peer)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")  # worker_main sets them; restored after the test
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit):
+            process_groups.worker_main(_abort_in_a_named_frame, 0, 2, str(tmp_path / "store"), "gloo", 3, 1, (),
+                                       str(tmp_path))
+    finally:
+        torch.set_num_threads(threads)
+        faulthandler.enable()  # worker_main pointed it at crash-0.txt
+    last_line = (tmp_path / "error-0.txt").read_text().strip().splitlines()[-1]
+    assert last_line.startswith(f"{PeerFailedError.__module__}.{PeerFailedError.__name__}: rank 0/2: a peer failed")
+    assert "Connection closed by peer" in last_line
+    exited = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=-signal.SIGABRT)]
+    rank, text = process_groups._root_cause(str(tmp_path), exited)
+    assert rank == 1 and text.startswith(f"exit code {-signal.SIGABRT}, no traceback"), text
+
+
+def test_under_torchrun_a_join_that_loses_its_peer_is_a_peer_failure(monkeypatch):
+    def join_that_loses_its_peer(*_):
+        raise RuntimeError(_CONNECT_CLOSED)
+
+    monkeypatch.setattr(process_groups, "_init", join_that_loses_its_peer)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PeerFailedError, match="rank 1/2: a peer failed"):
+        with process_groups.distributed("gloo", timeout_s=10):
+            pass
 
 
 def _killed_after_a_progress_bar(ctx) -> None:

@@ -245,16 +245,29 @@ _PEER_SIGNS = ("Timed out", "timed out", "Connection reset", "Connection closed"
                "Broken pipe", "communicator was aborted")
 
 
-def _explain(error: BaseException, ctx: DistContext) -> BaseException:
+def _explain(error: BaseException, rank: int, world_size: int, timeout_s: float) -> BaseException:
     """Turn a transport error caused by a peer into one message that names the likely cause."""
     text = str(error)
     from_peer = isinstance(error, dist.DistBackendError) or any(sign in text for sign in _PEER_SIGNS)
     if isinstance(error, PeerFailedError) or not from_peer:
         return error
     return PeerFailedError(
-        f"rank {ctx.rank}/{ctx.world_size}: a peer failed, diverged or stopped answering: a message or "
-        f"collective did not complete within the {ctx.timeout_s:g} s process-group timeout, or a peer's "
+        f"rank {rank}/{world_size}: a peer failed, diverged or stopped answering: a message or "
+        f"collective did not complete within the {timeout_s:g} s process-group timeout, or a peer's "
         f"connection closed. Look at the other ranks' errors for the root cause. ({text.strip()[:300]})")
+
+
+@contextmanager
+def peer_failures_explained(rank: int, world_size: int, timeout_s: float):
+    """Re-raise a transport error a peer caused as ``PeerFailedError``, from joining the group on: a peer that
+    dies while this rank still connects (gloo's ``connectFullMesh``) is as much the cause as one that dies later."""
+    try:
+        yield
+    except Exception as error:
+        explained = _explain(error, rank, world_size, timeout_s)
+        if explained is error:
+            raise
+        raise explained from error
 
 
 @contextmanager
@@ -274,16 +287,12 @@ def distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S, dev
         tmp = tempfile.mkdtemp(prefix="dpkit-store-")
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
     try:  # from here on, the store's directory is removed whatever fails, set-up included
-        ctx = _init(backend, rank, local_rank, world_size, timeout_s, store, device)
-        try:
-            yield ctx
-        except Exception as error:
-            explained = _explain(error, ctx)
-            if explained is error:
-                raise
-            raise explained from error
-        finally:
-            teardown()
+        with peer_failures_explained(rank, world_size, timeout_s):
+            ctx = _init(backend, rank, local_rank, world_size, timeout_s, store, device)
+            try:
+                yield ctx
+            finally:
+                teardown()
     finally:
         if store is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -349,16 +358,11 @@ def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads
     # thread at that moment, in crash-<rank>.txt, is what the launcher reports instead (``_root_cause``).
     faulthandler.enable(open(os.path.join(out_dir, f"crash-{rank}.txt"), "w"), all_threads=True)
     torch.set_num_threads(threads)
-    ctx = None
     try:
-        ctx = _init(backend, rank, rank, world_size, pg_timeout_s, dist.FileStore(store_path, world_size), device)
-        try:
+        with peer_failures_explained(rank, world_size, pg_timeout_s):
+            ctx = _init(backend, rank, rank, world_size, pg_timeout_s, dist.FileStore(store_path, world_size),
+                        device)
             result = fn(ctx, *args)
-        except Exception as error:
-            explained = _explain(error, ctx)
-            if explained is not error:
-                raise explained from error
-            raise
         torch.save(result, os.path.join(out_dir, f"result-{rank}.pt"))
     except BaseException:
         # The time stamp lets the parent report the first failure (the root cause), not the
