@@ -167,7 +167,7 @@ def test_a_rank_that_fails_to_join_because_its_peer_crashed_is_not_reported_as_t
     assert last_line.startswith(f"{PeerFailedError.__module__}.{PeerFailedError.__name__}: rank 0/2: a peer failed")
     assert "Connection closed by peer" in last_line
     exited = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=-signal.SIGABRT)]
-    rank, text = process_groups._root_cause(str(tmp_path), exited)
+    rank, text = process_groups.root_cause(str(tmp_path), exited)
     assert rank == 1 and text.startswith(f"exit code {-signal.SIGABRT}, no traceback"), text
 
 

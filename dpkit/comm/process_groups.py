@@ -355,7 +355,7 @@ def worker_main(fn, rank, world_size, store_path, backend, pg_timeout_s, threads
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     # A crash outside Python (a signal: SIGABRT from C++, SIGSEGV) leaves no traceback: the Python stack of every
-    # thread at that moment, in crash-<rank>.txt, is what the launcher reports instead (``_root_cause``).
+    # thread at that moment, in crash-<rank>.txt, is what the launcher reports instead (``root_cause``).
     faulthandler.enable(open(os.path.join(out_dir, f"crash-{rank}.txt"), "w"), all_threads=True)
     torch.set_num_threads(threads)
     try:
@@ -387,7 +387,7 @@ def _stop(processes) -> None:
             p.join()
 
 
-def _root_cause(out_dir: str, processes) -> tuple[int, str]:
+def root_cause(out_dir: str, processes) -> tuple[int, str]:
     """The failure to report among the dead workers, with its rank.
 
     A failing rank takes its peers down with it, and they fail too, with
@@ -457,7 +457,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
 
     The whole group must finish within ``timeout_s``. A worker that raises or exits
     without a result fails the launch with the root cause's traceback (see
-    ``_root_cause``); a hang past the timeout fails it naming the ranks still running.
+    ``root_cause``); a hang past the timeout fails it naming the ranks still running.
     Either way every worker is terminated and reaped before ``WorkerError`` is raised.
     """
     if world_size < 1:
@@ -483,7 +483,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
                 time.sleep(0.5)  # let the peers it took down record their errors: the root cause may be among them
                 for p in processes:
                     p.is_alive()
-                rank, text = _root_cause(tmp, processes)
+                rank, text = root_cause(tmp, processes)
                 raise WorkerError(f"{fn.__name__}: rank {rank} of {world_size} failed:\n{text}",
                                   [p.pid for p in processes])
             if not alive:
