@@ -10,6 +10,8 @@ what ``Slots`` (the "dpkit" backend's) and the ``SharedMemory`` transport build 
   timeout.
 * Broken means broken: after a caught failure every later Slots call raises at once on every rank, naming
   the first failure, and no call pairs with another rank's call of another step, whether Python or C++ sums.
+* An output of at least ``STREAMED_BYTES`` is copied into past the caches (C++'s ``stream_copy``), a shorter one
+  with ``Tensor.copy_``; both exact.
 """
 
 from __future__ import annotations
@@ -362,3 +364,74 @@ def test_a_peer_late_within_the_timeout_gets_each_call_paired_with_its_own(broke
     for rank in (0, 1):
         x, y = broken[rank]["late within the timeout"]
         assert torch.equal(x, torch.full((4,), 3.0)) and torch.equal(y, torch.full((4,), 30.0)), (rank, x, y)
+
+
+# --------------------------------------------------------------------------- long outputs, copied past the caches
+
+# Float32 elements of an output just under and just over STREAMED_BYTES; odd, so that blocks start off 16-byte lines.
+AROUND_STREAMED = {"under": slots.STREAMED_BYTES // 4 - 2, "over": slots.STREAMED_BYTES // 4 + 1002}
+
+
+def copies_into_long_outputs(ctx) -> dict:
+    """{(kind, "under" or "over"): (whether the output is exact, the copies that went through ``stream_copy``)} of
+    a broadcast (from rank 1), an all-gather and an all-to-all on Slots over C++, each rank's data its own."""
+    streamed = []
+    stream = slots.stream_copy()
+
+    def counted(dst, src):
+        streamed.append(dst.numel())
+        stream(dst, src)
+    with mock.patch.object(slots, "stream_copy", lambda: counted):
+        pair = Slots.open(dist.PrefixStore("streamed", default_store()), ctx.rank, 2, 30.0, sums=slots.native_sums())
+    mine = {n: torch.arange(n, dtype=torch.float32) + 0.5 * ctx.rank for n in AROUND_STREAMED.values()}
+    theirs = {n: torch.arange(n, dtype=torch.float32) + 0.5 * (1 - ctx.rank) for n in AROUND_STREAMED.values()}
+    found = {}
+    for size, n in AROUND_STREAMED.items():
+        half = n // 2
+        calls = {
+            "broadcast": (lambda: mine[n].clone(), lambda x: pair.broadcast(x, 1),
+                          mine[n] if ctx.rank == 1 else theirs[n]),
+            "all_gather": (lambda: torch.empty(2 * half), lambda x: pair.all_gather(x, mine[n][:half]),
+                           torch.cat([(mine if r == ctx.rank else theirs)[n][:half] for r in (0, 1)])),
+            "all_to_all": (lambda: torch.empty(2 * half), lambda x: pair.all_to_all(x, mine[n][:2 * half]),
+                           torch.cat([(mine if r == ctx.rank else theirs)[n][ctx.rank * half:(ctx.rank + 1) * half]
+                                      for r in (0, 1)])),
+        }
+        for kind, (output, call, expected) in calls.items():
+            streamed.clear()
+            x = output()
+            call(x)
+            found[kind, size] = (torch.equal(x, expected), len(streamed))
+    pair.close()
+    return found
+
+
+def test_an_output_of_streamed_bytes_or_more_is_copied_past_the_caches_and_a_shorter_one_is_not_both_exact():
+    assert slots.native_sums() is not None, "this test needs the C++ of dpkit.native (a C++ compiler)"
+    for rank, found in enumerate(launch(copies_into_long_outputs, 2, timeout_s=120, pg_timeout_s=30)):
+        for (kind, size), (exact, streamed) in found.items():
+            assert exact, (rank, kind, size)
+            if size == "under" or (kind == "broadcast" and rank == 1):  # the root copies nothing out
+                assert streamed == 0, (rank, kind, size, streamed)
+            else:
+                assert streamed > 0, (rank, kind, size)
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64, 65, 1000, (1 << 20) + 7])
+def test_stream_copy_writes_exactly_its_bytes_from_any_alignment(length):
+    stream = slots.stream_copy()
+    assert stream is not None, "this test needs the C++ of dpkit.native (a C++ compiler)"
+    source = torch.randint(0, 256, (length + 32,), dtype=torch.uint8)
+    for into, out_of in ((0, 0), (1, 0), (15, 3), (8, 9)):  # byte offsets: every head a 16-byte line can need
+        target = torch.zeros(length + 32, dtype=torch.uint8)
+        stream(target[into:into + length], source[out_of:out_of + length])
+        assert torch.equal(target[into:into + length], source[out_of:out_of + length]), (into, out_of)
+        assert not target[:into].any() and not target[into + length:].any(), "a byte outside the copy was written"
+
+
+def test_stream_copy_refuses_tensors_it_cannot_copy_whole():
+    stream = slots.stream_copy()
+    with pytest.raises(RuntimeError, match="two contiguous CPU tensors of the same bytes"):
+        stream(torch.empty(8), torch.empty(9))
+    with pytest.raises(RuntimeError, match="two contiguous CPU tensors of the same bytes"):
+        stream(torch.empty(4, 4).t(), torch.empty(4, 4))

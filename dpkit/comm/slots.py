@@ -56,6 +56,11 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "av
 # piece's copy in and its sum meet the core's cache, not memory.
 PIPELINED = ("broadcast", "reduce")
 PIPELINED_PIECE_BYTES = 1 << 19
+# A call whose output is at least this large (eight slots: past every core's own cache, and past the share of a
+# shared one that a core can count on) copies into it past the caches (``stream_copy``, where C++ is built): an
+# ordinary store reads each line before it writes it, and an output this large is back in memory by the time its
+# caller reads it. Only copies of whole pieces: sums keep ordinary stores, their output is also an input.
+STREAMED_BYTES = 8 * SLOT_BYTES
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 NATIVE_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what c10d_backend.cpp's sums take
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
@@ -101,6 +106,13 @@ def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
     return per
 
 
+def stream_copy() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    """``stream_copy(dst, src)`` of dpkit/native/c10d_backend.cpp: a copy whose stores go past the caches (x86's
+    non-temporal stores), for outputs of at least STREAMED_BYTES; None without C++, as ``native_sums``."""
+    module = native.load_extension("c10d_backend")
+    return None if module is None else module.stream_copy
+
+
 def native_sums() -> Callable | None:
     """The all-reduce of these slots in C++ (``slots_all_reduce`` of dpkit/native/c10d_backend.cpp, built at first
     use: call this before a rank's first wait for a peer, so that none times out while it compiles); None where
@@ -122,6 +134,7 @@ class Slots:
                  mismatch_breaks: bool = True, sums: Callable | None = None):
         self.rank, self.size, self.timeout_s, self.slot_bytes = rank, size, timeout_s, slot_bytes
         self._sums = sums  # native_sums(): the short all-reduces in C++, or None
+        self._stream = stream_copy() if sums is not None else None  # the same C++'s copy past the caches
         self._mismatch_breaks = mismatch_breaks  # else ranks that called different collectives all raise, and the
         # slots go on (every rank posted the call and read the same table: the next call pairs as it should)
         self._mapping = mapping
@@ -325,19 +338,33 @@ class Slots:
         return (self._sums is not None and op in ("sum", "avg") and flat.dtype in NATIVE_SUMS
                 and (op == "sum" or flat.is_floating_point()) and flat.numel() > 0)
 
+    def _copier(self, output: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], object]:
+        """How a call copies whole pieces into ``output`` (contiguous): ``copy(dst, src)``, past the caches when
+        ``output`` holds at least STREAMED_BYTES and C++ is built (``stream_copy``), else ``Tensor.copy_``."""
+        if self._stream is None or output.numel() * output.element_size() < STREAMED_BYTES:
+            return torch.Tensor.copy_
+        stream = self._stream
+
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+            if dst.data_ptr() != src.data_ptr():  # an in-place all-gather's own block is where it goes already
+                stream(dst, src)
+        return copy
+
     def broadcast(self, flat: torch.Tensor, root: int, announced: int | None = None) -> None:
+        copy = self._copier(flat)
+
         def take(lo, hi, parts):
             if self.rank != root:
-                flat[lo:hi].copy_(parts[root])
+                copy(flat[lo:hi], parts[root])
         self.exchange("broadcast", flat, "none", root, self.rank == root, take, announced=announced)
 
     def all_gather(self, out: torch.Tensor, flat: torch.Tensor, announced: int | None = None) -> None:
         """``out`` (size * n) <- every rank's ``flat`` (n), in rank order."""
-        rows = out.view(self.size, -1)
+        rows, copy = out.view(self.size, -1), self._copier(out)
 
         def take(lo, hi, parts):  # this rank's own block from ``flat`` (in place: the same memory), as in C++
             for r, part in enumerate(parts):
-                rows[r, lo:hi].copy_(flat[lo:hi] if r == self.rank else part)
+                copy(rows[r, lo:hi], flat[lo:hi] if r == self.rank else part)
         self.exchange("all_gather", flat, "none", 0, True, take, announced=announced)
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor, op: str = "sum",
@@ -364,21 +391,21 @@ class Slots:
         ``all_to_all_single`` with even splits."""
         m = out.numel() // self.size
         start, end = self.rank * m, (self.rank + 1) * m
-        rows = out.view(self.size, m)
+        rows, copy = out.view(self.size, m), self._copier(out)
         # Past one piece, this rank's own block goes first, before any wait: the pieces of that block are the ones
         # this rank reads from every peer while they only post, so copying it there too would hold them all up.
         own_first = flat.numel() > piece_numel("all_to_all", flat.numel(), flat.element_size(), self.slot_bytes)
         if own_first:
-            rows[self.rank].copy_(flat[start:end])
+            copy(rows[self.rank], flat[start:end])
 
         def take(lo, hi, parts):  # this rank's own block from ``flat``: only the others' are posted, on both paths
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 for j, part in enumerate(parts):
                     if j != self.rank:
-                        rows[j, a - start:b - start].copy_(part[a - lo:b - lo])
+                        copy(rows[j, a - start:b - start], part[a - lo:b - lo])
                     elif not own_first:
-                        rows[j, a - start:b - start].copy_(flat[a:b])
+                        copy(rows[j, a - start:b - start], flat[a:b])
         self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced, unposted=(start, end))
 
     def barrier(self, announced: int | None = None) -> None:

@@ -31,11 +31,15 @@
 
 #include <ATen/record_function.h>
 #include <sched.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -278,6 +282,43 @@ void reduce_slots(const Slots& s, int parity, int64_t from, at::ScalarType type,
 
 void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, bool mean, bool in_out) {
   reduce_slots(s, parity, from, out.scalar_type(), out.data_ptr(), out.numel(), mean, in_out);
+}
+
+// dst[0, n) <- src[0, n), written past the caches where the CPU can (x86's non-temporal stores; elsewhere a plain
+// copy): an ordinary store first reads each line it writes into this core's cache, so a copy into memory that is
+// in no cache moves each line three times, a streamed one twice, and evicts nothing the caller holds. For outputs
+// too large to be in a cache by the time anyone reads them (slots.py's STREAMED_BYTES). The fence at the end makes
+// the streamed stores visible before whatever this rank writes next, as ordinary stores are.
+void stream_bytes(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 64 <= n; i += 64) {  // four 16-byte lines' worth at a time: the loads ahead of the stores
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+  _mm_sfence();
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+// slots.py's streamed copy: `dst` <- `src`, both contiguous CPU tensors of the same bytes that do not overlap
+// (checked in Python, where the tensors are cut), without the GIL.
+void stream_copy(at::Tensor dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() && dst.is_cpu() &&
+                  src.is_cpu(),
+              "stream_copy: two contiguous CPU tensors of the same bytes");
+  py::gil_scoped_release released;
+  stream_bytes(static_cast<char*>(dst.data_ptr()), static_cast<const char*>(src.data_ptr()), dst.nbytes());
 }
 
 // The slots of slots.py's Slots.native_layout(): (the mapping's address, rank, ranks, words per record, the broken
@@ -702,4 +743,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("handed_over", [](const Backend& b) { return b.handed_over(); });
   m.def("slots_all_reduce", &slots_all_reduce, py::arg("layout"), py::arg("tensor"), py::arg("mean"),
         py::arg("start") = 0);
+  m.def("stream_copy", &stream_copy, py::arg("dst"), py::arg("src"));
 }
