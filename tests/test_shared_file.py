@@ -435,3 +435,42 @@ def test_stream_copy_refuses_tensors_it_cannot_copy_whole():
         stream(torch.empty(8), torch.empty(9))
     with pytest.raises(RuntimeError, match="two contiguous CPU tensors of the same bytes"):
         stream(torch.empty(4, 4).t(), torch.empty(4, 4))
+
+
+# --------------------------------------------------------------------------- pieces that hold a column of every block
+
+def columns_of_every_block(ctx) -> dict:
+    """What each piece of ``exchange_columns`` holds (every rank's slot, as ``use`` sees it), and which exchange a
+    reduce-scatter and an all-to-all past one piece take, on 3 ranks whose blocks are 1.5 slots long."""
+    pair = Slots.open(dist.PrefixStore("columns", default_store()), ctx.rank, ctx.world_size, 30.0)
+    n, m = ctx.world_size, slots.SLOT_BYTES // 4 * 3 // 2 + 7
+    flat = torch.arange(n * m, dtype=torch.float32) + 0.25 * ctx.rank  # block j, element i: j m + i + rank / 4
+    pieces = []
+    pair.exchange_columns("all_to_all", flat, "none", lambda c0, c1, parts: pieces.append(
+        (c0, c1, [part.clone() for part in parts])))
+    taken = []
+    with mock.patch.object(Slots, "exchange_columns", autospec=True,
+                           side_effect=lambda self, kind, *args: taken.append(kind)), \
+            mock.patch.object(Slots, "exchange", autospec=True,
+                              side_effect=lambda self, kind, *args, **kwargs: taken.append(f"{kind} in pieces")):
+        pair.reduce_scatter(torch.empty(m), flat)
+        pair.all_to_all(torch.empty(n * m), flat)
+        pair.reduce_scatter(torch.empty(4), torch.ones(4 * n))  # one piece: as the C++ face cuts it
+    pair.close()
+    return {"m": m, "pieces": pieces, "taken": taken}
+
+
+def test_a_piece_of_a_column_exchange_holds_that_column_of_every_block_but_the_ranks_own():
+    found = launch(columns_of_every_block, 3, timeout_s=120, pg_timeout_s=30)
+    m = found[0]["m"]
+    width = slots.SLOT_BYTES // 4 // 3
+    for rank, mine in enumerate(found):
+        assert [(c0, c1) for c0, c1, _ in mine["pieces"]] == [(c0, min(m, c0 + width)) for c0 in range(0, m, width)]
+        for c0, c1, parts in mine["pieces"]:
+            w = c1 - c0
+            for r, part in enumerate(parts):
+                for j in range(3):
+                    if j != r:  # block j of rank r: j m + i + r / 4, for i in [c0, c1)
+                        expected = torch.arange(j * m + c0, j * m + c1, dtype=torch.float32) + 0.25 * r
+                        assert torch.equal(part[j * w:(j + 1) * w], expected), (rank, c0, r, j)
+        assert mine["taken"] == ["reduce_scatter", "all_to_all", "reduce_scatter in pieces"], mine["taken"]

@@ -15,7 +15,8 @@ piece into slot ``epoch % 2``, writes the descriptor, then its counter; it waits
 the epoch, checks the descriptors, and reduces every rank's slot (its own part read in its tensor: one array fewer
 through the cache) straight into its output, in rank order, so every rank gets the same bits. A rank writes slot s
 again two epochs later, when every peer has posted the epoch between and so has finished reading it. x86 keeps a
-core's stores in order, so a peer that sees the counter sees the data.
+core's stores in order, so a peer that sees the counter sees the data. A piece is a slice of the message, or, for
+a reduce-scatter or all-to-all past one piece, a column of every rank's block (``exchange_columns``).
 
 The wait (``shared_file.wait_for``) raises ``PeerFailedError`` naming the ranks that hold it up: at once
 when one broke, within a tenth of a second when one's process is gone, at the timeout otherwise. Broken
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import functools
 import mmap
 import os
 import warnings
@@ -56,11 +58,13 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "av
 # piece's copy in and its sum meet the core's cache, not memory.
 PIPELINED = ("broadcast", "reduce")
 PIPELINED_PIECE_BYTES = 1 << 19
-# A call whose output is at least this large (eight slots: past every core's own cache, and past the share of a
-# shared one that a core can count on) copies into it past the caches (``stream_copy``, where C++ is built): an
-# ordinary store reads each line before it writes it, and an output this large is back in memory by the time its
-# caller reads it. Only copies of whole pieces: sums keep ordinary stores, their output is also an input.
-STREAMED_BYTES = 8 * SLOT_BYTES
+# A call whose output is at least this large (32 slots: far past every core's own cache, and past the share of a
+# shared one that a core can count on while its peers copy too) copies into it past the caches (``stream_copy``,
+# where C++ is built): an ordinary store reads each line before it writes it, and an output this large is back in
+# memory by the time its caller reads it. A smaller one may still be in the shared cache when the caller reads or
+# writes it next, which stores past the caches would lose. Only copies of whole pieces: sums keep ordinary stores,
+# their output is also an input.
+STREAMED_BYTES = 32 * SLOT_BYTES
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 NATIVE_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what c10d_backend.cpp's sums take
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
@@ -221,31 +225,73 @@ class Slots:
         try:
             self._exchange(kind, flat, op, root, post, use, announced, unposted, until)
         except BaseException as error:
-            mismatch = getattr(error, "mismatch", False)
-            if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
-                self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
+            self._failed(error)
             raise
+
+    def exchange_columns(self, kind: str, flat: torch.Tensor, op: str,
+                         use: Callable[[int, int, list[torch.Tensor]], None]) -> None:
+        """``exchange`` with a piece that holds a column of every block, for a call past one piece whose ``flat``
+        is ``size`` blocks of m (block j for rank j): for each column [c0, c1) (as wide as a slot holds ``size``
+        of), copy column [c0, c1) of every other rank's block into this rank's slot (block j at j * (c1 - c0); its
+        own stays out: no peer reads it), wait for every rank, then ``use(c0, c1, every rank's slot)``. Every rank
+        then works on every piece, where in pieces of ``flat`` the rank whose block a piece holds reads or sums it
+        while its peers only post. (The C++ face takes none of these: it runs calls of one piece.)"""
+        self._refuse_if_broken()
+        try:
+            self._columns(kind, flat, op, use)
+        except BaseException as error:
+            self._failed(error)
+            raise
+
+    def _failed(self, error: BaseException) -> None:
+        """An exchange raised: break the slots (a peer may have posted its piece, or be waiting for this rank's)."""
+        mismatch = getattr(error, "mismatch", False)
+        if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
+            self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
 
     def _exchange(self, kind, flat, op, root, post, use, announced, unposted, until) -> None:
         total = flat.numel()
         per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
-            self._piece(code, flat, post, use, 0, total, announced == 0, unposted)
+            fill = functools.partial(_copy_around, piece=flat, a=unposted[0], b=unposted[1]) if post else None
+            self._piece(code, flat.dtype, total, fill, use, 0, total, announced == 0)
             return
         for lo in range(announced or 0, total if until is None else min(until, total), per):
             hi = min(total, lo + per)
-            self._piece(code, flat[lo:hi], post, use, lo, hi, announced == lo, unposted)
+            fill = functools.partial(_copy_around, piece=flat[lo:hi], a=max(unposted[0], lo) - lo,
+                                     b=min(unposted[1], hi) - lo) if post else None
+            self._piece(code, flat.dtype, hi - lo, fill, use, lo, hi, announced == lo)
 
-    def _piece(self, code: tuple, piece: torch.Tensor, post: bool, use: Callable, lo: int, hi: int,
-               announced: bool = False, unposted: tuple[int, int] = (0, 0)) -> None:
+    def _columns(self, kind, flat, op, use) -> None:
+        n, total = self.size, flat.numel()
+        m = total // n
+        width = max(1, piece_numel(kind, total, flat.element_size(), self.slot_bytes) // n)
+        blocks = flat.view(n, m)
+        code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), 0)
+        for c0 in range(0, m, width):
+            c1 = min(m, c0 + width)
+            self._piece(code, flat.dtype, n * (c1 - c0), functools.partial(self._post_columns, blocks, c0, c1), use,
+                        c0, c1)
+
+    def _post_columns(self, blocks: torch.Tensor, c0: int, c1: int, slot: torch.Tensor) -> None:
+        """``slot`` <- column [c0, c1) of every other rank's block of ``blocks`` (size, m), block j at j * width."""
+        width = c1 - c0
+        for j in range(self.size):
+            if j != self.rank:
+                slot[j * width:(j + 1) * width].copy_(blocks[j, c0:c1])
+
+    def _piece(self, code: tuple, dtype: torch.dtype, numel: int, fill: Callable[[torch.Tensor], None] | None,
+               use: Callable, lo: int, hi: int, announced: bool = False) -> None:
+        """One epoch: ``fill(this rank's slot)`` (None: nothing to post), the descriptor, the counter; wait for every
+        rank; ``use(lo, hi, every rank's slot as numel elements of dtype)``."""
         epoch = self._counted() + (0 if announced else 1)
         parity = epoch % 2
-        parts = self._parts(parity, piece.dtype, hi - lo)
+        parts = self._parts(parity, dtype, numel)
         base = _DESCRIPTOR + 5 * parity
         if not announced:
-            if post and hi > lo:
-                _copy_around(parts[self.rank], piece, max(unposted[0], lo) - lo, min(unposted[1], hi) - lo)
+            if fill is not None and hi > lo:
+                fill(parts[self.rank])
             self._mine[base:base + 5] = code
             self._mine[shared_file.COUNTER] = epoch  # after the data and the descriptor: a peer that sees it sees them
         if min(self._counters.tolist()) < epoch:  # a peer is late, or broke (its counter went negative)
@@ -372,6 +418,15 @@ class Slots:
         """``out`` (m) <- this rank's m-slice of ``op`` over every rank's ``flat`` (size * m)."""
         m = out.numel()
         start, end = self.rank * m, (self.rank + 1) * m
+        if flat.numel() > piece_numel("reduce_scatter", flat.numel(), flat.element_size(), self.slot_bytes):
+            mine = flat[start:end]
+
+            def columns(c0, c1, parts):  # this rank's column from its own block, the others' from their slots
+                w = self.rank * (c1 - c0)
+                reduce_into(out[c0:c1], [mine[c0:c1] if r == self.rank else p[w:w + c1 - c0]
+                                         for r, p in enumerate(parts)], op)
+            self.exchange_columns("reduce_scatter", flat, op, columns)
+            return
 
         def take(lo, hi, parts):
             a, b = max(lo, start), min(hi, end)
@@ -392,20 +447,22 @@ class Slots:
         m = out.numel() // self.size
         start, end = self.rank * m, (self.rank + 1) * m
         rows, copy = out.view(self.size, m), self._copier(out)
-        # Past one piece, this rank's own block goes first, before any wait: the pieces of that block are the ones
-        # this rank reads from every peer while they only post, so copying it there too would hold them all up.
-        own_first = flat.numel() > piece_numel("all_to_all", flat.numel(), flat.element_size(), self.slot_bytes)
-        if own_first:
-            copy(rows[self.rank], flat[start:end])
+        if flat.numel() > piece_numel("all_to_all", flat.numel(), flat.element_size(), self.slot_bytes):
+            copy(rows[self.rank], flat[start:end])  # once, before any wait: no peer needs it
+
+            def columns(c0, c1, parts):  # column [c0, c1) of this rank's block of every peer's input
+                w = self.rank * (c1 - c0)
+                for j, part in enumerate(parts):
+                    if j != self.rank:
+                        copy(rows[j, c0:c1], part[w:w + c1 - c0])
+            self.exchange_columns("all_to_all", flat, "none", columns)
+            return
 
         def take(lo, hi, parts):  # this rank's own block from ``flat``: only the others' are posted, on both paths
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 for j, part in enumerate(parts):
-                    if j != self.rank:
-                        copy(rows[j, a - start:b - start], part[a - lo:b - lo])
-                    elif not own_first:
-                        copy(rows[j, a - start:b - start], flat[a:b])
+                    copy(rows[j, a - start:b - start], flat[a:b] if j == self.rank else part[a - lo:b - lo])
         self.exchange("all_to_all", flat, "none", 0, True, take, announced=announced, unposted=(start, end))
 
     def barrier(self, announced: int | None = None) -> None:
