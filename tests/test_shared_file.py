@@ -368,8 +368,9 @@ def test_a_peer_late_within_the_timeout_gets_each_call_paired_with_its_own(broke
 
 # --------------------------------------------------------------------------- long outputs, copied past the caches
 
-# Float32 elements of an output just under and just over STREAMED_BYTES; odd, so that blocks start off 16-byte lines.
-AROUND_STREAMED = {"under": slots.STREAMED_BYTES // 4 - 2, "over": slots.STREAMED_BYTES // 4 + 1002}
+# Int64 elements of an output just under and just over STREAMED_BYTES; halves odd, so that blocks start off 16-byte
+# lines. (Int64: every value exact, where float32 stops telling x from x + 1 at 2 ** 24.)
+AROUND_STREAMED = {"under": slots.STREAMED_BYTES // 8 - 2, "over": slots.STREAMED_BYTES // 8 + 1002}
 
 
 def copies_into_long_outputs(ctx) -> dict:
@@ -383,17 +384,17 @@ def copies_into_long_outputs(ctx) -> dict:
         stream(dst, src)
     with mock.patch.object(slots, "stream_copy", lambda: counted):
         pair = Slots.open(dist.PrefixStore("streamed", default_store()), ctx.rank, 2, 30.0, sums=slots.native_sums())
-    mine = {n: torch.arange(n, dtype=torch.float32) + 0.5 * ctx.rank for n in AROUND_STREAMED.values()}
-    theirs = {n: torch.arange(n, dtype=torch.float32) + 0.5 * (1 - ctx.rank) for n in AROUND_STREAMED.values()}
+    mine = {n: torch.arange(n) * 2 + ctx.rank for n in AROUND_STREAMED.values()}
+    theirs = {n: torch.arange(n) * 2 + 1 - ctx.rank for n in AROUND_STREAMED.values()}
     found = {}
     for size, n in AROUND_STREAMED.items():
         half = n // 2
         calls = {
             "broadcast": (lambda: mine[n].clone(), lambda x: pair.broadcast(x, 1),
                           mine[n] if ctx.rank == 1 else theirs[n]),
-            "all_gather": (lambda: torch.empty(2 * half), lambda x: pair.all_gather(x, mine[n][:half]),
+            "all_gather": (lambda: torch.empty(2 * half, dtype=torch.int64), lambda x: pair.all_gather(x, mine[n][:half]),
                            torch.cat([(mine if r == ctx.rank else theirs)[n][:half] for r in (0, 1)])),
-            "all_to_all": (lambda: torch.empty(2 * half), lambda x: pair.all_to_all(x, mine[n][:2 * half]),
+            "all_to_all": (lambda: torch.empty(2 * half, dtype=torch.int64), lambda x: pair.all_to_all(x, mine[n][:2 * half]),
                            torch.cat([(mine if r == ctx.rank else theirs)[n][ctx.rank * half:(ctx.rank + 1) * half]
                                       for r in (0, 1)])),
         }
@@ -443,8 +444,8 @@ def columns_of_every_block(ctx) -> dict:
     """What each piece of ``exchange_columns`` holds (every rank's slot, as ``use`` sees it), and which exchange a
     reduce-scatter and an all-to-all past one piece take, on 3 ranks whose blocks are 1.5 slots long."""
     pair = Slots.open(dist.PrefixStore("columns", default_store()), ctx.rank, ctx.world_size, 30.0)
-    n, m = ctx.world_size, slots.SLOT_BYTES // 4 * 3 // 2 + 7
-    flat = torch.arange(n * m, dtype=torch.float32) + 0.25 * ctx.rank  # block j, element i: j m + i + rank / 4
+    n, m = ctx.world_size, slots.SLOT_BYTES // 8 * 3 // 2 + 7  # int64 elements
+    flat = torch.arange(n * m) * 4 + ctx.rank  # block j, element i: 4 (j m + i) + rank
     pieces = []
     pair.exchange_columns("all_to_all", flat, "none", lambda c0, c1, parts: pieces.append(
         (c0, c1, [part.clone() for part in parts])))
@@ -453,9 +454,9 @@ def columns_of_every_block(ctx) -> dict:
                            side_effect=lambda self, kind, *args: taken.append(kind)), \
             mock.patch.object(Slots, "exchange", autospec=True,
                               side_effect=lambda self, kind, *args, **kwargs: taken.append(f"{kind} in pieces")):
-        pair.reduce_scatter(torch.empty(m), flat)
-        pair.all_to_all(torch.empty(n * m), flat)
-        pair.reduce_scatter(torch.empty(4), torch.ones(4 * n))  # one piece: as the C++ face cuts it
+        pair.reduce_scatter(torch.empty(m, dtype=torch.int64), flat)
+        pair.all_to_all(torch.empty(n * m, dtype=torch.int64), flat)
+        pair.reduce_scatter(torch.empty(4, dtype=torch.int64), torch.ones(4 * n, dtype=torch.int64))  # one piece: as the C++ face cuts it
     pair.close()
     return {"m": m, "pieces": pieces, "taken": taken}
 
@@ -463,14 +464,14 @@ def columns_of_every_block(ctx) -> dict:
 def test_a_piece_of_a_column_exchange_holds_that_column_of_every_block_but_the_ranks_own():
     found = launch(columns_of_every_block, 3, timeout_s=120, pg_timeout_s=30)
     m = found[0]["m"]
-    width = slots.SLOT_BYTES // 4 // 3
+    width = slots.SLOT_BYTES // 8 // 3  # int64 elements: a third of a slot
     for rank, mine in enumerate(found):
         assert [(c0, c1) for c0, c1, _ in mine["pieces"]] == [(c0, min(m, c0 + width)) for c0 in range(0, m, width)]
         for c0, c1, parts in mine["pieces"]:
             w = c1 - c0
             for r, part in enumerate(parts):
                 for j in range(3):
-                    if j != r:  # block j of rank r: j m + i + r / 4, for i in [c0, c1)
-                        expected = torch.arange(j * m + c0, j * m + c1, dtype=torch.float32) + 0.25 * r
+                    if j != r:  # block j of rank r: 4 (j m + i) + r, for i in [c0, c1)
+                        expected = torch.arange(j * m + c0, j * m + c1) * 4 + r
                         assert torch.equal(part[j * w:(j + 1) * w], expected), (rank, c0, r, j)
         assert mine["taken"] == ["reduce_scatter", "all_to_all", "reduce_scatter in pieces"], mine["taken"]

@@ -294,7 +294,7 @@ void stream_bytes(char* dst, const char* src, size_t n) {
   const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
   std::memcpy(dst, src, head);
   size_t i = head;
-  for (; i + 64 <= n; i += 64) {  // four 16-byte lines' worth at a time: the loads ahead of the stores
+  for (; i + 64 <= n; i += 64) {  // a 64-byte cache line at a time: its four 16-byte loads, then its stores
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
@@ -311,8 +311,8 @@ void stream_bytes(char* dst, const char* src, size_t n) {
 #endif
 }
 
-// slots.py's streamed copy: `dst` <- `src`, both contiguous CPU tensors of the same bytes that do not overlap
-// (checked in Python, where the tensors are cut), without the GIL.
+// slots.py's streamed copy: `dst` <- `src`, both contiguous CPU tensors of the same bytes, without the GIL. They do
+// not overlap: slots.py cuts them from a call's output and its input or a slot, and skips a block already in place.
 void stream_copy(at::Tensor dst, const at::Tensor& src) {
   TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() && dst.is_cpu() &&
                   src.is_cpu(),
