@@ -388,13 +388,13 @@ def copies_into_long_outputs(ctx) -> dict:
     theirs = {n: torch.arange(n) * 2 + 1 - ctx.rank for n in AROUND_STREAMED.values()}
     found = {}
     for size, n in AROUND_STREAMED.items():
-        half = n // 2
+        half, int64 = n // 2, {"dtype": torch.int64}
         calls = {
             "broadcast": (lambda: mine[n].clone(), lambda x: pair.broadcast(x, 1),
                           mine[n] if ctx.rank == 1 else theirs[n]),
-            "all_gather": (lambda: torch.empty(2 * half, dtype=torch.int64), lambda x: pair.all_gather(x, mine[n][:half]),
+            "all_gather": (lambda: torch.empty(2 * half, **int64), lambda x: pair.all_gather(x, mine[n][:half]),
                            torch.cat([(mine if r == ctx.rank else theirs)[n][:half] for r in (0, 1)])),
-            "all_to_all": (lambda: torch.empty(2 * half, dtype=torch.int64), lambda x: pair.all_to_all(x, mine[n][:2 * half]),
+            "all_to_all": (lambda: torch.empty(2 * half, **int64), lambda x: pair.all_to_all(x, mine[n][:2 * half]),
                            torch.cat([(mine if r == ctx.rank else theirs)[n][ctx.rank * half:(ctx.rank + 1) * half]
                                       for r in (0, 1)])),
         }
@@ -456,7 +456,8 @@ def columns_of_every_block(ctx) -> dict:
                               side_effect=lambda self, kind, *args, **kwargs: taken.append(f"{kind} in pieces")):
         pair.reduce_scatter(torch.empty(m, dtype=torch.int64), flat)
         pair.all_to_all(torch.empty(n * m, dtype=torch.int64), flat)
-        pair.reduce_scatter(torch.empty(4, dtype=torch.int64), torch.ones(4 * n, dtype=torch.int64))  # one piece: as the C++ face cuts it
+        # one piece: as the C++ face cuts it
+        pair.reduce_scatter(torch.empty(4, dtype=torch.int64), torch.ones(4 * n, dtype=torch.int64))
     pair.close()
     return {"m": m, "pieces": pieces, "taken": taken}
 
