@@ -221,12 +221,7 @@ class Slots:
         ``flat`` that no peer reads (an all-to-all's own block), never copied into the slot; ``until``: the pieces
         from this element on are left to the caller (C++: ``all_reduce``). ``flat`` is never a view of this rank's
         slots: a result written there would overwrite what the peers are reading."""
-        self._refuse_if_broken()
-        try:
-            self._exchange(kind, flat, op, root, post, use, announced, unposted, until)
-        except BaseException as error:
-            self._failed(error)
-            raise
+        self._guarded(self._exchange, kind, flat, op, root, post, use, announced, unposted, until)
 
     def exchange_columns(self, kind: str, flat: torch.Tensor, op: str,
                          use: Callable[[int, int, list[torch.Tensor]], None]) -> None:
@@ -236,22 +231,27 @@ class Slots:
         own stays out: no peer reads it), wait for every rank, then ``use(c0, c1, every rank's slot)``. Every rank
         then works on every piece, where in pieces of ``flat`` the rank whose block a piece holds reads or sums it
         while its peers only post. (The C++ face takes none of these: it runs calls of one piece.)"""
+        self._guarded(self._columns, kind, flat, op, use)
+
+    def _guarded(self, run: Callable, *args) -> None:
+        """``run(*args)``, an exchange, on slots that are not broken; whatever it raises breaks them (a peer may
+        have posted its piece, or be waiting for this rank's)."""
         self._refuse_if_broken()
         try:
-            self._columns(kind, flat, op, use)
+            run(*args)
         except BaseException as error:
-            self._failed(error)
+            mismatch = getattr(error, "mismatch", False)
+            if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
+                self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
             raise
 
-    def _failed(self, error: BaseException) -> None:
-        """An exchange raised: break the slots (a peer may have posted its piece, or be waiting for this rank's)."""
-        mismatch = getattr(error, "mismatch", False)
-        if not mismatch or self._mismatch_breaks:  # a mismatch: every rank sees the same table, so all break
-            self._break("mismatch" if mismatch else "other", f"{type(error).__name__}: {error}")
+    def _per_piece(self, kind: str, flat: torch.Tensor) -> int:
+        """The elements of each piece of a call ``kind`` of ``flat`` on these slots (``piece_numel``)."""
+        return piece_numel(kind, flat.numel(), flat.element_size(), self.slot_bytes)
 
     def _exchange(self, kind, flat, op, root, post, use, announced, unposted, until) -> None:
         total = flat.numel()
-        per = piece_numel(kind, total, flat.element_size(), self.slot_bytes)
+        per = self._per_piece(kind, flat)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), root)
         if total <= per:  # the small message: no slicing
             fill = functools.partial(_copy_around, piece=flat, a=unposted[0], b=unposted[1]) if post else None
@@ -266,7 +266,7 @@ class Slots:
     def _columns(self, kind, flat, op, use) -> None:
         n, total = self.size, flat.numel()
         m = total // n
-        width = max(1, piece_numel(kind, total, flat.element_size(), self.slot_bytes) // n)
+        width = max(1, self._per_piece(kind, flat) // n)
         blocks = flat.view(n, m)
         code = (KINDS.index(kind), DTYPES.index(flat.dtype), total, OPS.index(op), 0)
         for c0 in range(0, m, width):
@@ -373,8 +373,7 @@ class Slots:
         left = announced if announced is not None else self._sums(self._layout, flat, op == "avg", 0)
         if left < 0:  # C++ ran every piece: the usual call, which makes nothing more
             return
-        take, per = _summing_into(flat, op, self.rank), piece_numel("all_reduce", flat.numel(), flat.element_size(),
-                                                                     self.slot_bytes)
+        take, per = _summing_into(flat, op, self.rank), self._per_piece("all_reduce", flat)
         while left >= 0:  # the piece at ``left`` is posted; its peers were not all there in time
             self.exchange("all_reduce", flat, op, 0, True, take, announced=left, until=left + per)
             left = self._sums(self._layout, flat, op == "avg", left + per) if left + per < flat.numel() else -1
@@ -418,7 +417,7 @@ class Slots:
         """``out`` (m) <- this rank's m-slice of ``op`` over every rank's ``flat`` (size * m)."""
         m = out.numel()
         start, end = self.rank * m, (self.rank + 1) * m
-        if flat.numel() > piece_numel("reduce_scatter", flat.numel(), flat.element_size(), self.slot_bytes):
+        if flat.numel() > self._per_piece("reduce_scatter", flat):
             mine = flat[start:end]
 
             def columns(c0, c1, parts):  # this rank's column from its own block, the others' from their slots
@@ -447,7 +446,7 @@ class Slots:
         m = out.numel() // self.size
         start, end = self.rank * m, (self.rank + 1) * m
         rows, copy = out.view(self.size, m), self._copier(out)
-        if flat.numel() > piece_numel("all_to_all", flat.numel(), flat.element_size(), self.slot_bytes):
+        if flat.numel() > self._per_piece("all_to_all", flat):
             copy(rows[self.rank], flat[start:end])  # once, before any wait: no peer needs it
 
             def columns(c0, c1, parts):  # column [c0, c1) of this rank's block of every peer's input
