@@ -10,8 +10,8 @@ what ``Slots`` (the "dpkit" backend's) and the ``SharedMemory`` transport build 
   timeout.
 * Broken means broken: after a caught failure every later Slots call raises at once on every rank, naming
   the first failure, and no call pairs with another rank's call of another step, whether Python or C++ sums.
-* An output of at least ``STREAMED_BYTES`` is copied into past the caches (C++'s ``stream_copy``), a shorter one
-  with ``Tensor.copy_``; both exact.
+* An output is copied into past the caches (C++'s ``stream_copy``) once the ranks' outputs together fill half the
+  last-level cache, and from ``STREAMED_BYTES`` whatever the cache; a shorter one with ``Tensor.copy_``; both exact.
 """
 
 from __future__ import annotations
@@ -368,9 +368,12 @@ def test_a_peer_late_within_the_timeout_gets_each_call_paired_with_its_own(broke
 
 # --------------------------------------------------------------------------- long outputs, copied past the caches
 
-# Int64 elements of an output just under and just over STREAMED_BYTES; halves odd, so that blocks start off 16-byte
-# lines. (Int64: every value exact, where float32 stops telling x from x + 1 at 2 ** 24.)
-AROUND_STREAMED = {"under": slots.STREAMED_BYTES // 8 - 2, "over": slots.STREAMED_BYTES // 8 + 1002}
+# The last-level cache the long-output tests pin (the AMD EPYC's): at 2 ranks, outputs of 8 MiB on are streamed.
+PINNED_CACHE = 32 << 20
+# Int64 elements of an output just under and just over that; halves odd, so that blocks start off 16-byte lines.
+# (Int64: every value exact, where float32 stops telling x from x + 1 at 2 ** 24.)
+AROUND_STREAMED = {"under": slots.streamed_bytes(2, PINNED_CACHE) // 8 - 2,
+                   "over": slots.streamed_bytes(2, PINNED_CACHE) // 8 + 1002}
 
 
 def copies_into_long_outputs(ctx) -> dict:
@@ -382,7 +385,8 @@ def copies_into_long_outputs(ctx) -> dict:
     def counted(dst, src):
         streamed.append(dst.numel())
         stream(dst, src)
-    with mock.patch.object(slots, "stream_copy", lambda: counted):
+    with mock.patch.object(slots, "stream_copy", lambda: counted), \
+            mock.patch.object(slots, "last_level_cache_bytes", lambda: PINNED_CACHE):
         pair = Slots.open(dist.PrefixStore("streamed", default_store()), ctx.rank, 2, 30.0, sums=slots.native_sums())
     mine = {n: torch.arange(n) * 2 + ctx.rank for n in AROUND_STREAMED.values()}
     theirs = {n: torch.arange(n) * 2 + 1 - ctx.rank for n in AROUND_STREAMED.values()}
@@ -407,7 +411,7 @@ def copies_into_long_outputs(ctx) -> dict:
     return found
 
 
-def test_an_output_of_streamed_bytes_or_more_is_copied_past_the_caches_and_a_shorter_one_is_not_both_exact():
+def test_an_output_the_ranks_fill_half_the_cache_with_is_copied_past_the_caches_and_a_shorter_one_is_not_both_exact():
     assert slots.native_sums() is not None, "this test needs the C++ of dpkit.native (a C++ compiler)"
     for rank, found in enumerate(launch(copies_into_long_outputs, 2, timeout_s=120, pg_timeout_s=30)):
         for (kind, size), (exact, streamed) in found.items():
@@ -416,6 +420,25 @@ def test_an_output_of_streamed_bytes_or_more_is_copied_past_the_caches_and_a_sho
                 assert streamed == 0, (rank, kind, size, streamed)
             else:
                 assert streamed > 0, (rank, kind, size)
+
+
+def test_outputs_go_past_the_caches_from_half_the_last_level_cache_over_the_ranks_and_from_32_slots_whatever_it_is():
+    mib = 1 << 20
+    assert slots.streamed_bytes(2, 32 * mib) == 8 * mib
+    assert slots.streamed_bytes(4, 32 * mib) == 4 * mib
+    assert slots.streamed_bytes(2, 480 * mib) == slots.STREAMED_BYTES == 32 * slots.SLOT_BYTES
+    assert slots.streamed_bytes(2, None) == slots.STREAMED_BYTES
+
+
+def test_the_last_level_cache_is_the_deepest_data_or_unified_cache_linux_describes(tmp_path):
+    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                                 (3, "Unified", "32768K"), (4, "Instruction", "64K")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(f"{value}\n")
+    assert slots.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert slots.last_level_cache_bytes(str(tmp_path / "absent")) is None
 
 
 @pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 63, 64, 65, 1000, (1 << 20) + 7])

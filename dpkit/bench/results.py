@@ -23,8 +23,9 @@ from typing import Sequence
 
 import torch
 
-RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
+from dpkit.comm import slots
 
+RESULTS_SCHEMA = "dp-kit-results/2"  # 2: ratios with intervals over rounds, oversubscribed rows
 
 
 def _device_model(device: torch.device) -> str:
@@ -83,6 +84,7 @@ def environment(backend: str, device: torch.device | str, world_size: int, **ext
         "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "cache_bytes": slots.last_level_cache_bytes(),  # the last-level cache (Linux's figure): where copies land
         "world_size": world_size,
         "python": platform.python_version(),
         "host": socket.gethostname(),

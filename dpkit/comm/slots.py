@@ -34,6 +34,7 @@ import functools
 import mmap
 import os
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -58,13 +59,15 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "none", "av
 # piece's copy in and its sum meet the core's cache, not memory.
 PIPELINED = ("broadcast", "reduce")
 PIPELINED_PIECE_BYTES = 1 << 19
-# A call whose output is at least this large (32 slots: far past every core's own cache, and past the share of a
-# shared one that a core can count on while its peers copy too) copies into it past the caches (``stream_copy``,
-# where C++ is built): an ordinary store reads each line before it writes it, and an output this large is back in
-# memory by the time its caller reads it. A smaller one may still be in the shared cache when the caller reads or
-# writes it next, which stores past the caches would lose. Only copies of whole pieces: sums keep ordinary stores,
+# A call copies into its output past the caches (``stream_copy``, where C++ is built) once the outputs of its ranks
+# together fill half the host's last-level cache (``streamed_bytes``), and from STREAMED_BYTES (32 slots) on whatever
+# the cache: an ordinary store reads each line before it writes it, and an output the cache cannot keep until the
+# next call is back in memory by the time its caller reads it. A smaller one may still be in the cache when the
+# caller reads or writes it next, which stores past the caches would lose. The cap: a virtual machine may report the
+# whole cache of a host whose other machines use it too. Only copies of whole pieces: sums keep ordinary stores,
 # their output is also an input.
 STREAMED_BYTES = 32 * SLOT_BYTES
+CACHE_DIRECTORY = "/sys/devices/system/cpu/cpu0/cache"  # Linux's description of the first CPU's caches
 SPINS = 50  # polls before yielding the core, when the host has a core per rank
 NATIVE_SUMS = (torch.float32, torch.float64, torch.int32, torch.int64)  # what c10d_backend.cpp's sums take
 FILE_KEY = "slots/file"  # where rank 0 publishes the file's words in the store (or _NO_ROOM, or _FAILED and why)
@@ -112,9 +115,30 @@ def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
 
 def stream_copy() -> Callable[[torch.Tensor, torch.Tensor], None] | None:
     """``stream_copy(dst, src)`` of dpkit/native/c10d_backend.cpp: a copy whose stores go past the caches (x86's
-    non-temporal stores), for outputs of at least STREAMED_BYTES; None without C++, as ``native_sums``."""
+    non-temporal stores), for long outputs (``streamed_bytes``); None without C++, as ``native_sums``."""
     module = native.load_extension("c10d_backend")
     return None if module is None else module.stream_copy
+
+
+def last_level_cache_bytes(directory: str = CACHE_DIRECTORY) -> int | None:
+    """The bytes of the first CPU's last-level data cache, as Linux describes it (``index*/level``, ``type``,
+    ``size`` such as "32768K"); None where it does not."""
+    found = {}
+    for index in Path(directory).glob("index*"):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+            if kind != "Instruction":
+                found[int(level)] = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1:], 0)
+        except (OSError, ValueError):
+            continue
+    return found[max(found)] if found else None
+
+
+def streamed_bytes(size: int, cache_bytes: int | None) -> int:
+    """The output bytes from which a call of ``size`` ranks copies into its output past the caches: the ranks'
+    outputs together fill half of ``cache_bytes``, the last-level cache; STREAMED_BYTES at most, and where the
+    cache is unknown (None)."""
+    return STREAMED_BYTES if cache_bytes is None else min(STREAMED_BYTES, cache_bytes // (2 * size))
 
 
 def native_sums() -> Callable | None:
@@ -139,6 +163,7 @@ class Slots:
         self.rank, self.size, self.timeout_s, self.slot_bytes = rank, size, timeout_s, slot_bytes
         self._sums = sums  # native_sums(): the short all-reduces in C++, or None
         self._stream = stream_copy() if sums is not None else None  # the same C++'s copy past the caches
+        self._streamed_bytes = streamed_bytes(size, last_level_cache_bytes())  # outputs it copies into past them
         self._mismatch_breaks = mismatch_breaks  # else ranks that called different collectives all raise, and the
         # slots go on (every rank posted the call and read the same table: the next call pairs as it should)
         self._mapping = mapping
@@ -385,8 +410,8 @@ class Slots:
 
     def _copier(self, output: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], object]:
         """How a call copies whole pieces into ``output`` (contiguous): ``copy(dst, src)``, past the caches when
-        ``output`` holds at least STREAMED_BYTES and C++ is built (``stream_copy``), else ``Tensor.copy_``."""
-        if self._stream is None or output.numel() * output.element_size() < STREAMED_BYTES:
+        ``output`` holds at least ``streamed_bytes`` and C++ is built (``stream_copy``), else ``Tensor.copy_``."""
+        if self._stream is None or output.numel() * output.element_size() < self._streamed_bytes:
             return torch.Tensor.copy_
         stream = self._stream
 

@@ -287,7 +287,7 @@ void reduce_slots(const Slots& s, int parity, int64_t from, at::Tensor& out, boo
 // dst[0, n) <- src[0, n), written past the caches where the CPU can (x86's non-temporal stores; elsewhere a plain
 // copy): an ordinary store first reads each line it writes into this core's cache, so a copy into memory that is
 // in no cache moves each line three times, a streamed one twice, and evicts nothing the caller holds. For outputs
-// too large to be in a cache by the time anyone reads them (slots.py's STREAMED_BYTES). The fence at the end makes
+// too large to be in a cache by the time anyone reads them (slots.py's streamed_bytes). The fence at the end makes
 // the streamed stores visible before whatever this rank writes next, as ordinary stores are.
 void stream_bytes(char* dst, const char* src, size_t n) {
 #if defined(__x86_64__)
