@@ -47,10 +47,11 @@ def cases() -> list[tuple]:
     out = [("all_reduce", d, op, 7) for d in DTYPES for op in OPS if valid(op, d)]
     out += [(kind, d, "sum", 7) for kind in ("broadcast", "all_gather", "all_gather_single", "all_to_all",
                                               "all_to_all_single", "gather", "scatter", "send_recv") for d in DTYPES]
-    out += [(kind, d, op, 7) for kind in ("reduce", "reduce_scatter", "reduce_scatter_single")
+    out += [(kind, d, op, 7) for kind in ("reduce", "reduce_to_last", "reduce_scatter", "reduce_scatter_single")
             for d in DTYPES for op in ("sum", "max") if valid(op, d)]
-    out += [(kind, "float32", "sum", BIG) for kind in ("all_reduce", "reduce", "broadcast", "all_gather_single",
-                                                       "reduce_scatter_single", "all_to_all_single")]
+    out += [(kind, "float32", "sum", BIG) for kind in ("all_reduce", "reduce", "reduce_to_last", "broadcast",
+                                                       "all_gather_single", "reduce_scatter_single",
+                                                       "all_to_all_single")]
     out += [("all_reduce_strided", "float32", "sum", 7), ("all_reduce_async", "float32", "sum", 7),
             ("objects", "float32", "sum", 7), ("barrier", "float32", "sum", 7)]
     return out
@@ -87,9 +88,10 @@ def run(case: tuple, x: torch.Tensor, group, n: int):
     if kind == "broadcast":
         dist.broadcast(x, group_src=n - 1, group=group)
         return x
-    if kind == "reduce":
-        dist.reduce(x, group_dst=0, op=reduce_op, group=group)
-        return x if rank == 0 else None
+    if kind in ("reduce", "reduce_to_last"):  # to the first rank, to the last
+        root = 0 if kind == "reduce" else n - 1
+        dist.reduce(x, group_dst=root, op=reduce_op, group=group)
+        return x if rank == root else None
     if kind == "all_gather":
         out = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(out, x, group=group)
@@ -232,6 +234,33 @@ def test_one_host_uses_the_slots_two_hosts_go_hierarchical_and_no_file_stays(wor
     results = grid(world)
     assert all(r["spans_hosts"] == (world == 4) for r in results)
     assert not results[0]["left in /dev/shm"], "a file outlived its group"
+
+
+def reduce_roots_slots(ctx) -> dict:
+    """{(root, numel): (whether the root's two slots still hold what it wrote there before its reduce, whether the
+    sum is right)} on the root of a reduce of each of SIZES to each rank in turn (the short one in the C++ face,
+    where it is built; the long one on the Python path)."""
+    mine, n, found = backend.slots_of(), ctx.world_size, {}
+    for root in range(n):
+        for numel in SIZES:
+            x = torch.full((numel,), float(ctx.rank + 1))
+            dist.barrier()  # every read of the slots by an earlier call is done
+            before = [mine.slot(ctx.rank, parity, torch.uint8, mine.slot_bytes).fill_(0xAB) for parity in (0, 1)]
+            dist.reduce(x, root)
+            if ctx.rank == root:
+                found[root, numel] = (all(bool((slot == 0xAB).all()) for slot in before),
+                                      torch.equal(x, torch.full((numel,), n * (n + 1) / 2)))
+    return found
+
+
+def test_a_reduce_root_that_sums_its_own_part_in_place_posts_nothing_and_a_later_one_posts_its_part():
+    """Ranks 0 and 1 sum their own part where it is (no rank reads a root's slot then); rank 2 adds its part after
+    its tensor is overwritten, from its slot."""
+    for rank, found in enumerate(launch(reduce_roots_slots, 3, backend="dpkit", timeout_s=120,
+                                        pg_timeout_s=PG_TIMEOUT_S)):
+        for (root, numel), (untouched, right) in found.items():
+            assert right, (root, numel)
+            assert untouched == (root < 2), (root, numel)
 
 
 # --------------------------------------------------------------------------- PyTorch's engines

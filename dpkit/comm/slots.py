@@ -80,7 +80,7 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, in_out: i
     of a sum reads it there, not from its slot, as c10d_backend.cpp's reduce_slots does: the same values, so the
     same bits, and one array fewer through the cache. (Rank 2's part and later ones are added after ``out`` is
     overwritten: from their slots.)"""
-    if op in ("sum", "avg") and in_out in (0, 1) and len(parts) > 1:
+    if in_out is not None and own_part_unread(in_out, len(parts), op):
         parts = [out if r == in_out else part for r, part in enumerate(parts)]
     if op == "avg_divided_first":
         scale = 1.0 / len(parts)
@@ -100,6 +100,13 @@ def reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op: str, in_out: i
     out.copy_(parts[0])
     for part in parts[1:]:
         combine(out, part, out=out)
+
+
+def own_part_unread(rank: int, size: int, op: str) -> bool:
+    """Whether a sum (or mean) over ``size`` ranks into ``rank``'s own tensor reads that rank's part there, not
+    from its slot (``reduce_into``'s ``in_out``; c10d_backend.cpp's reduce_slots does the same): rank 0 or 1 of
+    two or more."""
+    return op in ("sum", "avg") and rank in (0, 1) and size > 1
 
 
 def piece_numel(kind: str, numel: int, itemsize: int, slot_bytes: int) -> int:
@@ -459,11 +466,13 @@ class Slots:
         self.exchange("reduce_scatter", flat, op, 0, True, take, announced=announced)
 
     def reduce(self, flat: torch.Tensor, op: str, root: int, announced: int | None = None) -> None:
-        """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are)."""
+        """``flat`` <- ``op`` over every rank's ``flat``, on ``root`` only (the others' stay as they are). A root
+        that sums its own part where it is (``own_part_unread``) posts nothing: no rank reads its slot."""
         def take(lo, hi, parts):
             if self.rank == root:
                 reduce_into(flat if hi - lo == flat.numel() else flat[lo:hi], parts, op, root)
-        self.exchange("reduce", flat, op, root, True, take, announced=announced)
+        posts = not (self.rank == root and own_part_unread(root, self.size, op))
+        self.exchange("reduce", flat, op, root, posts, take, announced=announced)
 
     def all_to_all(self, out: torch.Tensor, flat: torch.Tensor, announced: int | None = None) -> None:
         """``out`` (size * m): block j <- this rank's block of rank j's ``flat`` (size * m), as

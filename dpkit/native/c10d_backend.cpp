@@ -349,10 +349,13 @@ int64_t sum_in_place(const Slots& s, at::Tensor& t, Kind kind, int64_t op, int r
   const std::array<int64_t, 5> code{kind, dtype_code(t.scalar_type()), t.numel(), op, root};
   const int64_t item = t.element_size(), per = s.piece_numel(kind, t.numel(), item);
   const bool sums_here = kind == ALL_REDUCE || root == s.rank;
+  // A reduce's root 0 or 1 sums its own part from `t` (reduce_slots' in_out), and no other rank reads a reduce's
+  // slots: it posts no data (slots.py's own_part_unread).
+  const bool posts = !(kind == REDUCE && root == s.rank && s.rank < 2);
   char* data = static_cast<char*>(t.data_ptr());
   for (int64_t lo = start; lo < t.numel(); lo += per) {
     const int64_t n = std::min(per, t.numel() - lo);
-    const int parity = s.post(code, data + lo * item, n * item, budget_ns);
+    const int parity = s.post(code, posts ? data + lo * item : nullptr, n * item, budget_ns);
     if (parity < 0) {
       return lo;
     }
