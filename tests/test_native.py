@@ -176,6 +176,18 @@ def test_cc_may_carry_arguments_split_as_a_shell_would(cache, monkeypatch):
     assert _load() is not None and "-DDPKIT_WAS_HERE" in (cache / "log").read_text()
 
 
+@needs_compiler
+def test_a_build_asks_for_this_cpus_instructions_and_builds_portable_code_where_the_compiler_refuses_them(
+        cache, monkeypatch):
+    real, log = shlex.join(native.compiler()), cache / "log"
+    refusing = _script(cache / "bin" / "refusing-cc", f'echo "$@" >> {log}\n'
+                       f'case " $* " in *" -march=native "*) exit 1;; esac\nexec {real} "$@"')
+    monkeypatch.setenv("CC", str(refusing))
+    assert _load() is not None
+    asked, built = [line.split() for line in log.read_text().splitlines() if "-shared" in line.split()]
+    assert "-march=native" in asked and "-march=native" not in built
+
+
 def test_a_compiler_that_fails_gives_none_with_a_warning_naming_it(cache, monkeypatch):
     failing = _script(cache / "failing-cc", "echo 'cc: fatal error: no input' >&2\nexit 1")
     monkeypatch.setenv("CC", str(failing))

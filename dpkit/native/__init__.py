@@ -45,8 +45,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # -ffp-contract=off: no a * b + c fused into one rounding, so that the C arithmetic rounds as PyTorch's does.
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off")
-# This CPU's vector instructions (PyTorch's kernels pick theirs at run time), where the compiler takes the flag;
-# the cache key then names the CPU (``_cpu``), so that a cache folder shared by other machines is not misread.
+# This CPU's vector instructions (PyTorch's kernels pick theirs at run time), for the C helpers and the C++ extension
+# alike (the backend's sums), where the compiler takes the flag; the cache key then names the CPU (``_cpu``), so that
+# a cache folder shared by other machines is not misread.
 NATIVE = "-march=native"
 COMPILE_TIMEOUT_S = 120.0
 C_COMPILERS = ("cc", "gcc", "clang")
@@ -145,12 +146,7 @@ def _library(name: str, folder: Path) -> tuple[Path, ctypes.CDLL]:
     source = folder / f"{name}.c"
     target = cache / f"{name}-{_key(source.read_bytes(), *cc, *FLAGS, _cpu())}.so"
 
-    def build():
-        try:
-            _compile(cc, [*FLAGS, NATIVE, str(source), "-lm"], target, COMPILE_TIMEOUT_S)
-        except OSError:  # a compiler without -march=native (clang on some ARM machines): portable code
-            _compile(cc, [*FLAGS, str(source), "-lm"], target, COMPILE_TIMEOUT_S)
-
+    build = functools.partial(_compile_native, cc, [*FLAGS, str(source), "-lm"], target, COMPILE_TIMEOUT_S)
     return target, _built(target, build, lambda: ctypes.CDLL(str(target)))
 
 
@@ -162,10 +158,10 @@ def _extension(name: str, folder: Path):
     lib = Path(torch.__file__).parent / "lib"
     flags = [_cxx_standard(tuple(cxx)), *CXX_FLAGS, *_torch_flags()]
     links = [f"-L{lib}", *TORCH_LIBRARIES, f"-Wl,-rpath,{lib}"]  # after the source: linkers that drop unused -l
-    module = f"dpkit_{name}_{_key(source.read_bytes(), *cxx, *flags, *links, torch.__version__, sys.version)}"
+    module = f"dpkit_{name}_{_key(source.read_bytes(), *cxx, *flags, *links, torch.__version__, sys.version, _cpu())}"
     target = cache / f"{module}{sysconfig.get_config_var('EXT_SUFFIX')}"
     arguments = [*flags, f"-DTORCH_EXTENSION_NAME={module}", str(source), *links]
-    build = functools.partial(_compile, cxx, arguments, target, EXTENSION_TIMEOUT_S)
+    build = functools.partial(_compile_native, cxx, arguments, target, EXTENSION_TIMEOUT_S)
     return target, _built(target, build, lambda: _import(module, target))
 
 
@@ -299,6 +295,15 @@ def _locked(target: Path):
         yield
     finally:
         os.close(descriptor)
+
+
+def _compile_native(command: list[str], arguments: list[str], target: Path, timeout_s: float) -> None:
+    """``_compile`` for this CPU's vector instructions (NATIVE); portable code where the compiler fails with them
+    (clang without -march=native on some ARM machines)."""
+    try:
+        _compile(command, [NATIVE, *arguments], target, timeout_s)
+    except OSError:
+        _compile(command, arguments, target, timeout_s)
 
 
 def _compile(command: list[str], arguments: list[str], target: Path, timeout_s: float) -> None:
