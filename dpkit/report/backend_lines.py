@@ -160,6 +160,11 @@ def other_collectives(doc: dict, anchor: str = "openmpi") -> list[str]:
             + (f" ({_and(side['behind'])})" if side["behind"] else "") + "."]
 
 
+def _paragraph(lines: list[str]) -> list[str]:
+    """``lines`` and the blank line after them; nothing for none."""
+    return [*lines, ""] if lines else []
+
+
 def _side(ratio: dict) -> str:
     return "ahead" if ratio["ci_high"] < 1 else "behind" if ratio["ci_low"] > 1 else "neither"
 
@@ -271,7 +276,8 @@ def render(results_dir: Path) -> str:
     return "\n".join([BEGIN, "", f"The all-reduce, 2 ranks (`results/backend_anchors.json`, at "
                                  f"{two['env']['git_commit']}, {two['env']['device_model']}, "
                                  f"{two['env']['cpus']} cores):", "", *anchors(two), "", floor(two), "",
-                      memory_bound(two), "", against_gloo(two), "", *other_cpu(docs["backend_anchors_xeon"]), "",
+                      memory_bound(two), "", against_gloo(two), "", *_paragraph(other_collectives(two)),
+                      *other_cpu(docs["backend_anchors_xeon"]), "",
                       four_ranks(docs["backend_anchors_4ranks"]), "",
                       single_copy(docs["peer_read"]), "", single_copy_other_cpu(docs["peer_read_xeon"]), "",
                       "**Where it lands.** The same layers, unchanged, on a \"dpkit\" group against themselves on "
