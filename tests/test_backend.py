@@ -35,6 +35,7 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 BIG = slots.SLOT_BYTES // 4 + 1001  # float32 elements: more than one slot, not a multiple of it
 SIZES = (7, BIG)
 LAYOUTS = {1: None, 2: None, 3: None, 4: (2, 2)}
+PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}  # the C++ face; torch's Python-backend route
 
 
 def valid(op: str, dtype: str) -> bool:
@@ -166,7 +167,7 @@ def grid_worker(ctx) -> dict:
         except (RuntimeError, ValueError) as error:
             theirs = f"gloo: {error}"
         found[case] = (ours, theirs)
-    face = dist.group.WORLD._get_backend(torch.device("cpu"))  # the C++ face, where it was built
+    face = backend.cpu_backend()  # the C++ face, where it was built
     return found | {"spans_hosts": backend.slots_of() is None, "pid": os.getpid(),
                     "calls": (getattr(face, "fast_calls", None), getattr(face, "handed_over", None))}
 
@@ -179,20 +180,22 @@ def shm_names() -> set[str]:
 _GRIDS: dict = {}
 
 
-def grid(world: int) -> list[dict]:
-    """Every rank's grid at ``world`` ranks, launched once (a failed launch fails every test that needs it), and
-    the names it left in /dev/shm."""
-    if world not in _GRIDS:
+def grid(world: int, path: str = "c++") -> list[dict]:
+    """Every rank's grid at ``world`` ranks on ``path`` (PATHS), launched once (a failed launch fails every test
+    that needs it), and the names it left in /dev/shm."""
+    key = (world, path)
+    if key not in _GRIDS:
         before = shm_names()
         try:
-            _GRIDS[world] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
-                                   hosts=LAYOUTS[world])
-            _GRIDS[world][0]["left in /dev/shm"] = left_in_dev_shm(before)
+            with mock.patch.dict(os.environ, PATHS[path]):
+                _GRIDS[key] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
+                                     hosts=LAYOUTS[world])
+            _GRIDS[key][0]["left in /dev/shm"] = left_in_dev_shm(before)
         except WorkerError as error:
-            _GRIDS[world] = error
-    if isinstance(_GRIDS[world], WorkerError):
-        raise _GRIDS[world]
-    return _GRIDS[world]
+            _GRIDS[key] = error
+    if isinstance(_GRIDS[key], WorkerError):
+        raise _GRIDS[key]
+    return _GRIDS[key]
 
 
 def compare(ours, theirs, case, world) -> None:
@@ -210,16 +213,18 @@ def compare(ours, theirs, case, world) -> None:
                                    msg=lambda m: f"{case}: {m}")
 
 
-# The long messages run at 1, 2 and 3 ranks; 2 hosts of 2 checks the hierarchical arithmetic on the short ones.
-WORLDS = {1: "1rank", 2: "2ranks", 3: "3ranks", 4: "2hosts_of_2"}
-GRID = [pytest.param(world, case, id=f"{name}-{'-'.join(map(str, case))}")
-        for case in cases() for world, name in WORLDS.items()
+# The long messages run at 1, 2 and 3 ranks; 2 hosts of 2 checks the hierarchical arithmetic on the short ones;
+# torch's Python-backend route (where no compiler is) runs the whole grid at 2 ranks.
+WORLDS = {(1, "c++"): "1rank", (2, "c++"): "2ranks", (3, "c++"): "3ranks", (4, "c++"): "2hosts_of_2",
+          (2, "python"): "2ranks_python"}
+GRID = [pytest.param(world, path, case, id=f"{name}-{'-'.join(map(str, case))}")
+        for case in cases() for (world, path), name in WORLDS.items()
         if not (world == 4 and case[3] == BIG) and not (world == 1 and case[0] == "send_recv")]
 
 
-@pytest.mark.parametrize("world, case", GRID)
-def test_every_collective_matches_gloo(world, case):
-    for rank, found in enumerate(grid(world)):
+@pytest.mark.parametrize("world, path, case", GRID)
+def test_every_collective_matches_gloo(world, path, case):
+    for rank, found in enumerate(grid(world, path)):
         ours, theirs = found[case]
         compare(ours, theirs, case, world)
 
@@ -227,6 +232,10 @@ def test_every_collective_matches_gloo(world, case):
 def test_a_group_of_one_rank_completes_its_collectives_in_the_cpp_face_at_once():
     ran, handed = grid(1)[0]["calls"]
     assert backend.compiled() is not None and ran > 0 and handed == 0, (ran, handed)
+
+
+def test_the_python_grid_runs_on_torchs_python_backend_route_without_the_cpp_face():
+    assert all(found["calls"] == (None, None) for found in grid(2, "python"))
 
 
 @pytest.mark.parametrize("world", (2, 3, 4))

@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 
 from common import PG_TIMEOUT_S
 from dpkit.comm import backend
@@ -51,6 +53,39 @@ def works(rank: int) -> dict:
         assert "exception_ptr" in str(error), error
         out["exception"] = None
     left.wait()
+    return out
+
+
+def waited_calls(rank: int) -> dict:
+    """What the group hands back for each collective the C++ face runs itself, called as ``dist.all_reduce(x)``
+    and its kin call it (``asyncOp`` False: the caller waits at once), and each call's result; then the same
+    all-reduce while torch captures in-flight collectives for compiled graphs, whose ``wait_tensor`` looks up the
+    call's Work."""
+    group, x = dist.group.WORLD, torch.arange(4, dtype=torch.float32) * (rank + 1)
+    shown, reduced, summed = x.clone(), x.clone(), x.clone()
+    gathered, scattered, exchanged = torch.empty(8), torch.empty(2), torch.empty(4)
+    calls = {
+        "all_reduce": lambda w: group.allreduce([summed], _options(dist.AllreduceOptions, **w)),
+        "broadcast": lambda w: group.broadcast([shown], _options(dist.BroadcastOptions, rootRank=1, **w)),
+        "reduce": lambda w: group.reduce([reduced], _options(dist.ReduceOptions, rootRank=0, **w)),
+        "all_gather": lambda w: group._allgather_base(gathered, x, _options(c10d.AllgatherOptions, **w)),
+        "reduce_scatter": lambda w: group._reduce_scatter_base(scattered, x, _options(dist.ReduceScatterOptions, **w)),
+        "all_to_all": lambda w: group.alltoall_base(exchanged, x, [], [], _options(dist.AllToAllOptions, **w)),
+        "barrier": lambda w: group.barrier(_options(dist.BarrierOptions, **w)),
+    }
+    out = {"no work": {}}
+    for name, call in calls.items():
+        work = call({"asyncOp": False})
+        out["no work"][name] = work is None
+        if work is not None:
+            work.wait()
+    out["results"] = [summed, shown, reduced if rank == 0 else torch.zeros(0), gathered, scattered, exchanged]
+    captured = x.clone()
+    with allow_inflight_collective_as_graph_input_ctx():
+        work = group.allreduce([captured], _options(dist.AllreduceOptions, asyncOp=False))
+        out["captured has a work"] = work is not None
+        torch.ops._c10d_functional.wait_tensor(captured)
+    out["captured"] = captured
     return out
 
 
@@ -185,7 +220,7 @@ def monitored(rank: int) -> dict:
 def fast_path(rank: int, gloo) -> dict:
     """Each collective the C++ face runs itself (small dense tensors, nothing queued), as gloo computes it, and
     which calls it ran itself or handed to Python: here, one whose peer is far later than the hand-over time."""
-    face = dist.group.WORLD._get_backend(torch.device("cpu"))
+    face = backend.cpu_backend()
     counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
     before = counted()
     generator = torch.Generator().manual_seed(rank)
@@ -232,7 +267,7 @@ def pieces(rank: int, gloo) -> dict:
     n = 1 << 19
     x = torch.arange(n, dtype=torch.float32) * (rank + 1)
     big = torch.arange(5 * n // 2, dtype=torch.float32) * (rank + 1)
-    impl, face = backend.implementation(), dist.group.WORLD._get_backend(torch.device("cpu"))
+    impl, face = backend.implementation(), backend.cpu_backend()
     counted = lambda: (getattr(face, "fast_calls", 0), getattr(face, "handed_over", 0))  # noqa: E731
     second = piece_numel("broadcast", n, x.element_size(), impl.slots.slot_bytes)  # where the second piece starts
     assert second == piece_numel("all_reduce", big.numel(), x.element_size(), impl.slots.slot_bytes) < n
@@ -294,6 +329,7 @@ def _options(kind, **fields):
 def semantics_worker(ctx) -> dict:
     gloo = dist.new_group(backend="gloo")
     out = {"fast path": fast_path(ctx.rank, gloo), "pieces": pieces(ctx.rank, gloo), "works": works(ctx.rank),
+           "waited calls": waited_calls(ctx.rank),
            "overlap": overlap(ctx.rank), "p2p": point_to_point(ctx.rank),
            "reductions": reductions(ctx.rank), "sparse": sparse(ctx.rank, gloo),
            "double backward": double_backward(ctx.rank, gloo), "monitored": monitored(ctx.rank),
@@ -365,6 +401,21 @@ def test_a_waited_work_and_one_left_alone_both_complete(path):
         if path == "c++":  # torch's Python route keeps its own completion flag, which no backend can set
             assert works["completed"] and works["left alone completed"]
             assert torch.equal(works["result"][0], works["x"]) and works["exception"] is None
+
+
+def test_a_call_the_cpp_face_completes_for_a_caller_that_waits_at_once_returns_no_work_unless_captured(path):
+    x = torch.arange(4, dtype=torch.float32)
+    for rank, found in enumerate(semantics(path)):
+        calls = found["waited calls"]
+        # None: done, nothing to wait on (torch's Python waits only on a Work); torch's Python route always
+        # wraps what a Python backend returns
+        assert calls["no work"] == dict.fromkeys(calls["no work"], path == "c++"), (rank, calls["no work"])
+        summed, shown, reduced, gathered, scattered, exchanged = calls["results"]
+        assert torch.equal(summed, 3 * x) and torch.equal(shown, 2 * x) and torch.equal(gathered, torch.cat([x, 2 * x]))
+        assert torch.equal(scattered, 3 * x[2 * rank:2 * rank + 2])
+        assert torch.equal(exchanged, torch.cat([x[2 * rank:2 * rank + 2], 2 * x[2 * rank:2 * rank + 2]]))
+        assert rank != 0 or torch.equal(reduced, 3 * x)
+        assert calls["captured has a work"] and torch.equal(calls["captured"], 3 * x)
 
 
 def test_an_async_collective_goes_on_while_its_caller_waits_for_a_peer(path):

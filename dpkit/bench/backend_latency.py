@@ -10,7 +10,7 @@ Each row is the time per call of back-to-back calls (median over rounds, slowest
 * what the floor is made of: ``dispatch`` (``dist.all_reduce`` on a one-rank "dpkit" group, which the C++ face
   completes at once: torch's Python and C++ layers and the Work, what any C++ backend's call costs; on torch's
   Python-backend route, also the call into Python), taken apart on the same group by calling each layer below
-  ``dist.all_reduce`` itself: ``ProcessGroup.allreduce`` (torch's dispatcher op and the Work, without
+  ``dist.all_reduce`` itself: ``ProcessGroup.allreduce`` (torch's dispatcher op and the Work, if any, without
   ``dist.all_reduce``'s Python) and ``Backend.allreduce`` (the backend alone, through its Python binding);
   ``wait`` (one exchange of no data: post the counter, see the peers'), ``reduction`` (the copy into the slot and
   the sum into the output, alone);
@@ -71,13 +71,13 @@ def cases(nbytes: int, world_size: int, group=None, gloo=None) -> tuple[dict, Sh
     tensor, on_gloo, owned = torch.ones(numel), torch.ones(numel), shm.allocate((numel,), dtype=torch.float32)
     plain, direct = torch.ones(numel), torch.ones(numel)
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
-    opts, cpu_backend = sum_waited(), alone._get_backend(torch.device("cpu"))
+    opts, cpu_backend = sum_waited(), backend.cpu_backend(alone)
     return {
         "dist.all_reduce [dpkit]": lambda: dist.all_reduce(tensor, group=group),
         "slots.all_reduce": lambda: slots.all_reduce(direct),
         "dispatch (one-rank group)": lambda: dist.all_reduce(tensor, group=alone),
-        "ProcessGroup.allreduce (one-rank group)": lambda: alone.allreduce([tensor], opts).wait(),
-        "Backend.allreduce (one-rank group)": lambda: cpu_backend.allreduce([tensor], opts).wait(),
+        "ProcessGroup.allreduce (one-rank group)": lambda: waited(alone.allreduce([tensor], opts)),
+        "Backend.allreduce (one-rank group)": lambda: waited(cpu_backend.allreduce([tensor], opts)),
         "wait (exchange of no data)": slots.barrier,
         "reduction (copy in, sum out)": lambda: (a.copy_(b), torch.add(a, b, out=c)),
         "dist.all_reduce [gloo]": lambda: dist.all_reduce(on_gloo, group=gloo),
@@ -94,6 +94,13 @@ def sum_waited() -> dist.AllreduceOptions:
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
     return opts
+
+
+def waited(work) -> None:
+    """Wait as ``dist.all_reduce`` does: on the call's Work, where the backend returns one (a backend that completed
+    a call whose caller waits at once may return none)."""
+    if work is not None:
+        work.wait()
 
 
 def calls_for(nbytes: int, calls: int) -> int:

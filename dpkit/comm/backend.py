@@ -564,11 +564,17 @@ def _host_indices(store, rank: int, size: int, global_ranks: list[int], timeout)
     return number_hosts([tuple(v) for v in views], list(global_ranks) or list(range(size)), world)
 
 
+def cpu_backend(group=None):
+    """``group``'s backend for CPU tensors (default: the world's): for "dpkit", its C++ face where it is built, else
+    the ``PythonBackend`` of torch's Python-backend route (on torch 2.11, the group itself, which names no
+    device)."""
+    group = group or dist.group.WORLD
+    return group if hasattr(group, "impl") else group._get_backend(torch.device("cpu"))
+
+
 def implementation(group=None) -> DpkitBackend | None:
     """The "dpkit" implementation behind ``group``'s CPU backend (None: another backend)."""
-    group = group or dist.group.WORLD
-    backend = group if hasattr(group, "impl") else group._get_backend(torch.device("cpu"))
-    impl = getattr(backend, "impl", None)
+    impl = getattr(cpu_backend(group), "impl", None)
     return impl if isinstance(impl, DpkitBackend) else None
 
 
@@ -635,8 +641,8 @@ class PythonBackend(BASE):
 
 
 def _forwarded(name: str):
-    def call(self, *args):
-        return TorchWork(getattr(self.impl, name)(*args))
+    def call(self, *args, **kwargs):  # keywords too: torch 2.11 calls ``group.barrier(opts=opts)`` on this object
+        return TorchWork(getattr(self.impl, name)(*args, **kwargs))
     call.__name__ = name
     return call
 

@@ -17,13 +17,15 @@
 // async_op=True call, whose caller must go on) or WAITED_NS (a caller that waits at once), or their descriptors
 // differ, the call, posted up to that piece, is handed to the Python implementation (finish_posted), whose queue
 // completes it in order from that piece and whose wait names dead peers, times out and breaks the group as on
-// every path. A group of one rank has nothing to wait for: its calls complete here at once.
+// every path. A group of one rank has nothing to wait for: its calls complete here at once. A call completed here
+// for a caller that waits at once returns no Work (done()), which torch's Python takes as done.
 //
 // Built at first use by dpkit.native.load_extension("c10d_backend") against the running torch. It overrides
 // the names every supported torch has (the old _allgather_base, _reduce_scatter_base, ..., to which the newer
 // *_single names forward), so one source builds for all of them.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
@@ -412,7 +414,7 @@ class Backend : public c10d::Backend {
       RECORD_USER_SCOPE("dpkit:broadcast");
       ++sequence_;  // once per call, as call() counts
       if (alone()) {
-        return done(t, OpType::BROADCAST);
+        return done(t, OpType::BROADCAST, o.asyncOp);
       }
       const int root = int(o.rootRank);
       const bool mine = root == slots_.rank;
@@ -430,7 +432,7 @@ class Backend : public c10d::Backend {
           std::memcpy(data + lo * item, slots_.slot(root, parity), bytes);
         }
       }
-      return done(t, OpType::BROADCAST);
+      return done(t, OpType::BROADCAST, o.asyncOp);
     }
     return call(OpType::BROADCAST, "broadcast", t, o);
   }
@@ -442,13 +444,13 @@ class Backend : public c10d::Backend {
       RECORD_USER_SCOPE("dpkit:all_reduce");
       ++sequence_;  // once per call, as call() counts
       if (alone()) {  // the sum and the mean of one tensor: itself
-        return done(t, OpType::ALLREDUCE);
+        return done(t, OpType::ALLREDUCE, o.asyncOp);
       }
       const int64_t left = sum_in_place(slots_, t[0], ALL_REDUCE, op, 0, budget_ns(o.asyncOp));
       if (left >= 0) {
         return handed_over(ALL_REDUCE, OpType::ALLREDUCE, t, op, 0, left);
       }
-      return done(t, OpType::ALLREDUCE);
+      return done(t, OpType::ALLREDUCE, o.asyncOp);
     }
     return call(OpType::ALLREDUCE, "allreduce", t, o);
   }
@@ -465,7 +467,7 @@ class Backend : public c10d::Backend {
       RECORD_USER_SCOPE("dpkit:reduce");
       ++sequence_;  // once per call, as call() counts
       if (alone()) {
-        return done(t, OpType::REDUCE);
+        return done(t, OpType::REDUCE, o.asyncOp);
       }
       // Piece by piece: the others copy piece k + 1 into their slots while the root sums piece k.
       const int root = int(o.rootRank);
@@ -473,7 +475,7 @@ class Backend : public c10d::Backend {
       if (left >= 0) {
         return handed_over(REDUCE, OpType::REDUCE, t, op, root, left);
       }
-      return done(t, OpType::REDUCE);
+      return done(t, OpType::REDUCE, o.asyncOp);
     }
     return call(OpType::REDUCE, "reduce", t, o);
   }
@@ -487,7 +489,7 @@ class Backend : public c10d::Backend {
       ++sequence_;  // once per call, as call() counts
       if (alone()) {
         copy(out, in);
-        return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
+        return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE, o.asyncOp);
       }
       const int parity = post({ALL_GATHER, dtype_code(in.scalar_type()), in.numel(), OP_NONE, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
@@ -504,7 +506,7 @@ class Backend : public c10d::Backend {
           std::memcpy(to + r * in.nbytes(), slots_.slot(r, parity), in.nbytes());
         }
       }
-      return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::_ALLGATHER_BASE, o.asyncOp);
     }
     return call(OpType::_ALLGATHER_BASE, "all_gather_single", out, in, o);
   }
@@ -537,7 +539,7 @@ class Backend : public c10d::Backend {
       ++sequence_;  // once per call, as call() counts
       if (alone()) {
         copy(out, in);
-        return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
+        return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE, o.asyncOp);
       }
       const int parity = post({REDUCE_SCATTER, dtype_code(in.scalar_type()), in.numel(), op, 0}, in, o.asyncOp);
       std::vector<at::Tensor> both{out, in};
@@ -545,7 +547,7 @@ class Backend : public c10d::Backend {
         return handed_over(REDUCE_SCATTER, OpType::_REDUCE_SCATTER_BASE, both, op, 0);
       }
       reduce_slots(slots_, parity, slots_.rank * out.numel(), out, op == OP_AVG, false);
-      return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::_REDUCE_SCATTER_BASE, o.asyncOp);
     }
     return call(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_single", out, in, o);
   }
@@ -560,7 +562,7 @@ class Backend : public c10d::Backend {
       ++sequence_;  // once per call, as call() counts
       if (alone()) {
         copy(out, in);
-        return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
+        return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE, o.asyncOp);
       }
       // Block j of `out` is this rank's block of rank j's input. The others read only their own blocks of this
       // rank's slot: this rank's block goes from `in` to `out` directly, never through the slot.
@@ -579,7 +581,7 @@ class Backend : public c10d::Backend {
       for (int j = 0; j < slots_.size; ++j) {
         std::memcpy(to + j * block, j == slots_.rank ? from + own : slots_.slot(j, parity) + own, block);
       }
-      return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE);
+      return done(std::vector<at::Tensor>{out}, OpType::ALLTOALL_BASE, o.asyncOp);
     }
     return call(OpType::ALLTOALL_BASE, "all_to_all_single", out, in, out_splits, in_splits, o);
   }
@@ -602,12 +604,12 @@ class Backend : public c10d::Backend {
       ++sequence_;  // once per call, as call() counts
       std::vector<at::Tensor> none;
       if (alone()) {
-        return done(none, OpType::BARRIER);
+        return done(none, OpType::BARRIER, o.asyncOp);
       }
       if (post({BARRIER, 0, 0, OP_NONE, 0}, at::Tensor(), o.asyncOp) < 0) {
         return handed_over(BARRIER, OpType::BARRIER, none, OP_NONE, 0);
       }
-      return done(none, OpType::BARRIER);
+      return done(none, OpType::BARRIER, o.asyncOp);
     }
     return call(OpType::BARRIER, "barrier", o);
   }
@@ -699,9 +701,15 @@ class Backend : public c10d::Backend {
     return post(code, data.defined() ? data.data_ptr() : nullptr, data.defined() ? data.nbytes() : 0, async_op);
   }
 
-  // A call completed here: its Work, done.
-  c10::intrusive_ptr<Work> done(std::vector<at::Tensor> tensors, OpType type) {
+  // A call completed here: its Work, done; or no Work for a caller that waits at once (`async_op` False). Torch's
+  // Python (dist.all_reduce and every collective like it) takes none as "the backend has synced" and skips what a
+  // Work costs such a call: making it, wrapping it for Python, waiting on it. Torch's capture of in-flight
+  // collectives (allow_inflight_collective_as_graph_input) registers every call's Work, so it gets one.
+  c10::intrusive_ptr<Work> done(std::vector<at::Tensor> tensors, OpType type, bool async_op) {
     ++fast_calls_;
+    if (!async_op && !c10d::allow_inflight_collective_as_graph_input()) {
+      return {};
+    }
     return c10::make_intrusive<DoneWork>(std::move(tensors), type);
   }
 
