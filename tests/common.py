@@ -35,6 +35,10 @@ from dpkit.comm.process_groups import GROUP_OUTLIVED_TEARDOWN, PeerFailedError, 
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The two paths to the "dpkit" backend, as the environment of a launch picks them: its C++ face, and torch's
+# Python-backend route (where no C++ compiler is).
+BACKEND_PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}
+
 # A device whose memory gloo's send and recv cannot read, on a machine without one: meta tensors stand in for
 # CUDA tensors in the CPU twins of the GPU paths (gloo's collectives copy CUDA tensors; its send and recv do not).
 OFF_HOST = torch.device("meta")

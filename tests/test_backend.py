@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common import PG_TIMEOUT_S, left_in_dev_shm
+from common import BACKEND_PATHS, PG_TIMEOUT_S, left_in_dev_shm
 from dpkit.comm import backend, slots
 from dpkit.comm.process_groups import WorkerError, launch
 
@@ -35,7 +35,6 @@ OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 BIG = slots.SLOT_BYTES // 4 + 1001  # float32 elements: more than one slot, not a multiple of it
 SIZES = (7, BIG)
 LAYOUTS = {1: None, 2: None, 3: None, 4: (2, 2)}
-PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}  # the C++ face; torch's Python-backend route
 
 
 def valid(op: str, dtype: str) -> bool:
@@ -181,13 +180,13 @@ _GRIDS: dict = {}
 
 
 def grid(world: int, path: str = "c++") -> list[dict]:
-    """Every rank's grid at ``world`` ranks on ``path`` (PATHS), launched once (a failed launch fails every test
-    that needs it), and the names it left in /dev/shm."""
+    """Every rank's grid at ``world`` ranks on ``path`` (BACKEND_PATHS), launched once (a failed launch fails every
+    test that needs it), and the names it left in /dev/shm."""
     key = (world, path)
     if key not in _GRIDS:
         before = shm_names()
         try:
-            with mock.patch.dict(os.environ, PATHS[path]):
+            with mock.patch.dict(os.environ, BACKEND_PATHS[path]):
                 _GRIDS[key] = launch(grid_worker, world, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S,
                                      hosts=LAYOUTS[world])
             _GRIDS[key][0]["left in /dev/shm"] = left_in_dev_shm(before)

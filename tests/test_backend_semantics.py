@@ -25,12 +25,11 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._functional_collectives import allow_inflight_collective_as_graph_input_ctx
 
-from common import PG_TIMEOUT_S
+from common import BACKEND_PATHS, PG_TIMEOUT_S
 from dpkit.comm import backend
 from dpkit.comm.process_groups import WorkerError, launch
 from dpkit.comm.slots import SLOT_BYTES, piece_numel, reduce_into
 
-PATHS = {"c++": {}, "python": {"DPKIT_NATIVE": "0"}}
 BIG = SLOT_BYTES // 4 + 100  # float32 elements a rank gathers: more than one slot, which the Python path runs
 
 
@@ -352,7 +351,7 @@ _RUNS: dict = {}
 
 def semantics(path: str) -> list[dict]:
     if path not in _RUNS:
-        with mock.patch.dict(os.environ, PATHS[path]):
+        with mock.patch.dict(os.environ, BACKEND_PATHS[path]):
             _RUNS[path] = launch(semantics_worker, 2, backend="dpkit", timeout_s=240, pg_timeout_s=PG_TIMEOUT_S)
     return _RUNS[path]
 
@@ -518,9 +517,9 @@ def late_peer_worker(ctx) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", list(BACKEND_PATHS))
 def test_after_a_collective_fails_every_later_call_raises_at_once_on_every_rank(path):
-    with mock.patch.dict(os.environ, PATHS[path]):
+    with mock.patch.dict(os.environ, BACKEND_PATHS[path]):
         found = launch(late_peer_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=3)
     assert "timeout" in found[0]["first"], found[0]["first"]
     for rank, f in enumerate(found):
@@ -561,10 +560,10 @@ def dies_mid_call_worker(ctx) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", list(BACKEND_PATHS))
 def test_a_peer_dead_in_the_middle_of_a_long_all_reduce_is_named_within_seconds(path):
     start = time.monotonic()
-    with mock.patch.dict(os.environ, PATHS[path]), pytest.raises(WorkerError) as failure:
+    with mock.patch.dict(os.environ, BACKEND_PATHS[path]), pytest.raises(WorkerError) as failure:
         launch(dies_mid_call_worker, 2, backend="dpkit", timeout_s=120, pg_timeout_s=60)
     assert "PeerFailedError" in str(failure.value) and "rank(s) [1]" in str(failure.value), str(failure.value)
     assert time.monotonic() - start < 30, "the dead peer was found only at the group's 60 s timeout"
